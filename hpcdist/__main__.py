@@ -1,0 +1,5 @@
+import sys
+
+from hpcdist.cli import main
+
+sys.exit(main())

@@ -1,0 +1,402 @@
+"""Typed job configuration: YAML + ``section.key=value`` overrides -> a validated :class:`JobConfig`.
+
+Precedence is CLI overrides > YAML > model preset > dataclass defaults. Every problem found is collected
+and reported at once in one :class:`ConfigError`, before any process group exists (litgpt / submitit style).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpcdist.models.llama import ModelArgs, load_preset, preset_names
+
+# Strategies this version can run. Later strategies register here when they exist, so a config naming one
+# that is not built yet fails validation instead of failing deep inside the trainer.
+STRATEGIES: tuple[str, ...] = ("ddp",)
+DATA_SOURCES = ("stdlib", "files", "synthetic")
+DTYPES = ("auto", "fp32", "bf16")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem. ``str()`` is a readable, one-paragraph report."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        n = len(self.problems)
+        head = f"Invalid configuration ({n} problem{'s' if n != 1 else ''}):"
+        super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))
+
+
+# --------------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class RunConfig:
+    name: str = "hpcdist"
+    """Job name (TensorBoard, logs, SLURM job name)."""
+    dir: str = "runs/demo"
+    """Run directory: resolved config, checkpoints/, metrics.jsonl, tensorboard/. Must be on a shared
+    filesystem for multi-node jobs."""
+    seed: int = 1234
+    """Seed for weight init and data order; identical on all ranks so layouts agree."""
+    log_level: str = "INFO"
+
+
+@dataclass
+class ModelConfig(ModelArgs):
+    preset: str | None = None
+    """Name of configs/models/<preset>.yaml (or a path); its keys are defaults under this section's keys."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """stdlib: this interpreter's standard library sources (nothing downloaded); files: shards prepared by
+    `hpcdist prepare` at data.path; synthetic: deterministic random tokens (benchmarks)."""
+    path: str | None = None
+    """Prepared shard directory (source=files); for stdlib, where to cache shards (default <run.dir>/data)."""
+    seq_len: int = 128
+    """Tokens per sample (the model sees seq_len inputs and seq_len shifted targets)."""
+    max_tokens: int | None = 4_000_000
+    """Cap on tokens prepared from the stdlib corpus (keeps the demo's preparation to seconds)."""
+    val_fraction: float = 0.01
+    shuffle: bool = True
+    dtype: str = "uint16"
+    synthetic_samples: int = 100_000
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of lr (cosine / linear decay)."""
+    schedule: str = "cosine"
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping (the norm is still measured)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Optimizer steps to train in total (a resumed run continues up to this number)."""
+    global_batch_size: int = 32
+    """Samples per optimizer step across all data-parallel ranks."""
+    micro_batch_size: int = 8
+    """Samples per forward pass per rank; accumulation = global / (micro * data-parallel size)."""
+    dtype: str = "auto"
+    """auto = bf16 autocast on GPU, fp32 on CPU."""
+    activation_checkpointing: bool = False
+    compile: bool = False
+    eval_every_steps: int = 0
+    """0 disables periodic evaluation."""
+    eval_batches: int = 4
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "ddp"
+    """ddp (this version). Planned: zero, fsdp, 3d, auto."""
+    bucket_cap_mb: int = 25
+    """DDP gradient bucket size."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 100
+    """Save every N steps (0 = only at the end)."""
+    dir: str | None = None
+    """Default <run.dir>/checkpoints."""
+    keep_last: int = 3
+    """Complete checkpoints to keep; older ones are deleted only after a newer one is complete."""
+    resume: str = "auto"
+    """auto = newest complete checkpoint if any, else fresh; none = always fresh; or a step-XXXXXXXX path."""
+    async_save: bool = False
+    save_final: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    every_steps: int = 10
+    tensorboard: bool = True
+    peak_flops: float | None = None
+    """Per-device peak FLOP/s for MFU; default: bf16 peak table on GPU, measured fp32 matmul on CPU."""
+
+
+@dataclass
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def model_args(self) -> ModelArgs:
+        fields = {f.name for f in dataclasses.fields(ModelArgs)}
+        return ModelArgs(**{k: v for k, v in dataclasses.asdict(self.model).items() if k in fields})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.run.dir) / "checkpoints"
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def parse_overrides(overrides: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
+    """``["train.steps=10", "model.dim=64"]`` -> nested dict; values parsed as YAML scalars/lists."""
+    tree: dict[str, Any] = {}
+    problems: list[str] = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or "." not in key or any(not part for part in key.split(".")):
+            problems.append(f"override {item!r}: expected section.key=value, e.g. train.steps=200")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw  # an unparsable value is taken as a plain string; type checking catches misuse
+        node = tree
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                problems.append(f"override {item!r}: {p} is set both as a value and as a section")
+                break
+        else:
+            node[leaf] = value
+    return tree, problems
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
+    if not path.is_file():
+        return {}, [f"config file {str(path)!r} does not exist (pass a YAML file such as configs/demo.yaml)"]
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return {}, [f"config file {str(path)!r} is not valid YAML{where}: {getattr(e, 'problem', e)}"]
+    if data is None:
+        return {}, []
+    if not isinstance(data, dict):
+        return {}, [
+            f"config file {str(path)!r} must be a mapping of sections (run:, model:, ...), not {type(data).__name__}"
+        ]
+    return data, []
+
+
+def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if args:
+        return " or ".join("null" if a is type(None) else a.__name__ for a in args)
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> tuple[Any, str | None]:
+    """Check ``value`` against a simple annotation (int, float, bool, str, X | None)."""
+    allowed = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    if value is None:
+        return (None, None) if type(None) in allowed else (None, f"{key}: must be {_type_name(tp)}, got null")
+    for t in allowed:
+        if t is bool and isinstance(value, bool):
+            return value, None
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value, None
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value), None
+        if t is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value), None
+    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return None, f"{key}: must be {_type_name(tp)}, got {shown}"
+
+
+def _unknown(key: str, name: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{key}: unknown key; {hint}valid keys: {', '.join(valid)}"
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in names:
+            problems.append(_unknown(key, str(name), names))
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, Mapping):
+                problems.append(f"{key}: must be a section (a mapping of keys), got {value!r}")
+                continue
+            kwargs[name] = _build(tp, value, f"{key}.", problems)
+        else:
+            coerced, err = _coerce(key, value, tp)
+            if err:
+                problems.append(err)
+            else:
+                kwargs[name] = coerced
+    return cls(**kwargs)
+
+
+def load(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Load YAML (optional) + overrides into a validated JobConfig; raise ConfigError listing every problem."""
+    problems: list[str] = []
+    data: dict[str, Any] = {}
+    if path is not None:
+        data, problems = _read_yaml(Path(path))
+    over, over_problems = parse_overrides(overrides)
+    problems += over_problems
+    data = _merge(data, over)
+
+    model = data.get("model")
+    if isinstance(model, Mapping) and model.get("preset"):
+        try:
+            data["model"] = _merge(load_preset(str(model["preset"])), model)
+        except (ValueError, OSError) as e:
+            problems.append(f"model.preset: {e} (available: {', '.join(preset_names())})")
+
+    cfg = _build(JobConfig, data, "", problems)
+    problems += check(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------- validation
+
+
+def _choice(key: str, value: str, options: Sequence[str]) -> list[str]:
+    return [] if value in options else [f"{key}: {value!r} is not one of {', '.join(options)}"]
+
+
+def _positive(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) -> list[str]:
+    out = []
+    for key in keys:
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if v is not None and (v < 0 if allow_zero else v <= 0):
+            out.append(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {v}")
+    return out
+
+
+def check(cfg: JobConfig) -> list[str]:
+    """Semantic checks that need no world size. Returns problems (empty = valid)."""
+    p: list[str] = []
+    p += _choice("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
+    p += _choice("data.source", cfg.data.source, DATA_SOURCES)
+    p += _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
+    p += _choice("train.dtype", cfg.train.dtype, DTYPES)
+    p += _choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)
+    p += _choice("run.log_level", cfg.run.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))
+    p += _positive(
+        cfg,
+        ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches", "data.seq_len",
+         "model.dim", "model.n_layers", "model.n_heads", "model.ffn_dim", "model.vocab_size", "model.max_seq_len",
+         "optim.lr", "logging.every_steps", "checkpoint.keep_last", "parallel.bucket_cap_mb", "model.n_kv_heads",
+         "data.max_tokens", "data.synthetic_samples"],
+    )  # fmt: skip
+    p += _positive(
+        cfg,
+        ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps",
+         "train.eval_every_steps", "optim.min_lr_ratio"],
+        allow_zero=True,
+    )  # fmt: skip
+    if not cfg.run.dir.strip():
+        p.append("run.dir: must name a directory, e.g. run.dir=runs/my-run")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        p.append(f"data.val_fraction: must be in [0, 1), got {cfg.data.val_fraction}")
+    if cfg.optim.min_lr_ratio > 1:
+        p.append(f"optim.min_lr_ratio: must be <= 1, got {cfg.optim.min_lr_ratio}")
+    if cfg.train.eval_every_steps and cfg.data.val_fraction == 0 and cfg.data.source != "synthetic":
+        p.append("train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01)")
+
+    m = cfg.model
+    p += m.problems()
+    if cfg.data.seq_len > m.max_seq_len > 0:
+        p.append(
+            f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
+            "lower one or raise the other"
+        )
+    if cfg.data.source != "synthetic" and 0 < m.vocab_size < BYTE_VOCAB:
+        p.append(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's {BYTE_VOCAB} tokens")
+    if cfg.data.source == "files" and not cfg.data.path:
+        p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
+
+    t = cfg.train
+    if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
+        p.append(
+            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
+            f"({t.micro_batch_size})"
+        )
+    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_dir():
+        p.append(f"checkpoint.resume: {cfg.checkpoint.resume!r} is not auto, none, or an existing checkpoint directory")
+    return p
+
+
+def check_world(cfg: JobConfig, world_size: int) -> None:
+    """Checks that need the job's size. Raises ConfigError before any process group is created."""
+    t = cfg.train
+    dp = world_size  # data-parallel degree; model-parallel strategies divide it further
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        fix = t.micro_batch_size * dp
+        raise ConfigError(
+            [
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
+                f"({t.micro_batch_size}) x data-parallel size ({dp}) = {fix}; e.g. train.global_batch_size="
+                f"{max(fix, (t.global_batch_size // fix) * fix)}"
+            ]
+        )
+
+
+def grad_accum_steps(cfg: JobConfig, dp_size: int) -> int:
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
+
+
+# --------------------------------------------------------------------------------------------------- saving
+
+
+def dump(cfg: JobConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def save(cfg: JobConfig, path: str | os.PathLike[str]) -> Path:
+    """Write the resolved config atomically (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(dump(cfg))
+    os.replace(tmp, path)
+    return path

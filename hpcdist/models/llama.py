@@ -1,0 +1,443 @@
+"""Llama-style decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+One file on purpose (house style): the model, its parameter/FLOP arithmetic and the preset loader.
+
+Shape legend used in the comments:
+    B  batch size              S  sequence length         D  model dim (``dim``)
+    H  query heads (local)     K  key/value heads (local) Hd head dim (D // n_heads)
+    F  SwiGLU hidden size      V  vocabulary size
+
+"Local" heads: under tensor parallelism wq/wk/wv are column-sharded, so a rank sees H / tp query heads
+and K / tp kv heads. Attention therefore derives its head counts from the projected tensors' shapes at
+forward time (``view(B, S, -1, Hd)``) and never from ``ModelArgs``; TP needs no change in this file.
+
+Pipeline stages keep FQNs: ``layers`` is a ModuleDict keyed "0".."n-1", and ``tok_embeddings``, ``norm``
+and ``output`` may be set to None; forward skips whatever is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
+
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "ModelArgs",
+    "RMSNorm",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rope",
+    "build_model",
+    "flops_per_token",
+    "load_preset",
+    "num_params",
+    "precompute_rope",
+    "preset_names",
+]
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+@dataclass
+class ModelArgs:
+    """Shape and init hyper-parameters; the fields are exactly the keys of a ``model:`` YAML section."""
+
+    vocab_size: int = 258
+    """Vocabulary size V. 258 = byte-level tokenizer: 256 bytes + BOS + EOS."""
+    dim: int = 256
+    """Model (residual stream) width D."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Number of query heads H; head dim is dim // n_heads and must be even (RoPE rotates pairs)."""
+    n_kv_heads: int | None = None
+    """Key/value heads K. None = n_heads (multi-head attention); fewer = grouped-query attention."""
+    ffn_dim: int = 688
+    """SwiGLU hidden size F, explicit (no multiple_of rounding)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    max_seq_len: int = 2048
+    """Longest sequence the RoPE table covers; longer inputs are rejected."""
+    tie_embeddings: bool = False
+    """Share the output head's weight with the token embedding table."""
+    init_std: float = 0.02
+    """Std of the normal init; wo and w2 use init_std / sqrt(2 * n_layers) (depth-scaled residual init)."""
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width Hd = dim // n_heads."""
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Resolved number of key/value heads (n_kv_heads, or n_heads when it is None)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    def problems(self) -> list[str]:
+        """Every inconsistency in these args, each with how to fix it; empty when valid."""
+        out: list[str] = []
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                out.append(f"model.{name}={value!r}: must be a positive integer")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                out.append(f"model.{name}={value!r}: must be a positive number")
+        if not isinstance(self.tie_embeddings, bool):
+            out.append(f"model.tie_embeddings={self.tie_embeddings!r}: must be true or false")
+        if out:  # the divisibility checks below need sane integers
+            return out
+        if self.dim % self.n_heads:
+            out.append(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: pick n_heads dividing dim"
+            )
+        elif self.head_dim % 2:
+            out.append(f"head dim = dim // n_heads = {self.head_dim} is odd: RoPE needs an even head dim")
+        kv = self.n_kv_heads
+        if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0):
+            out.append(f"model.n_kv_heads={kv!r}: must be a positive integer or null (= n_heads)")
+        elif self.n_heads % self.kv_heads:
+            out.append(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv}: "
+                "each kv head must serve a whole group of query heads"
+            )
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 whatever the input dtype (bf16 mean-of-squares drifts)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))  # (D,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., D)
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight  # (..., D)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """RoPE table of shape (max_seq_len, head_dim // 2, 2): [..., 0] = cos, [..., 1] = sin, float32.
+
+    Real-valued (not complex) so that ``to_empty``, ``Module.to(dtype)``, FSDP and DTensor treat it like any
+    other float buffer.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))  # (Hd/2,)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)  # (S_max,)
+    angles = torch.outer(positions, inv_freq)  # (S_max, Hd/2)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)  # (S_max, Hd/2, 2)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of each head by position-dependent angles.
+
+    Interleaved pairs are the convention of Meta's original Llama checkpoints (HF's rotate_half splits halves).
+    x: (B, S, heads, Hd); rope: (S, Hd/2, 2), already sliced to S. Math in float32, result in x's dtype.
+    """
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, S, heads, Hd/2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, S, heads, Hd/2) each
+    cos = rope[:, None, :, 0].float()  # (S, 1, Hd/2), broadcasts over B and heads
+    sin = rope[:, None, :, 1].float()
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, S, heads, Hd/2, 2)
+    return rotated.flatten(-2).type_as(x)  # (B, S, heads, Hd)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, S, K, Hd) -> (B, S, K * n_rep, Hd); query head h reads kv head h // n_rep."""
+    if n_rep == 1:
+        return x
+    bsz, seqlen, n_kv, head_dim = x.shape
+    # expand is a view; the reshape copies once. Explicit repetition (rather than SDPA's enable_gqa) keeps
+    # every SDPA backend (flash, mem-efficient, math) eligible on every torch version we support.
+    return x[:, :, :, None, :].expand(bsz, seqlen, n_kv, n_rep, head_dim).reshape(bsz, seqlen, n_kv * n_rep, head_dim)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE and grouped-query attention."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim  # the only head quantity kept: TP shards heads, never head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)  # D -> H*Hd
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)  # D -> K*Hd
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)  # D -> K*Hd
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)  # H*Hd -> D
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        # x: (B, S, D); rope: (S, Hd/2, 2)
+        bsz, seqlen, _ = x.shape
+        # -1 = local head count, read off the (possibly TP-sharded) projection outputs.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, H, Hd)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, K, Hd)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, K, Hd)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+
+        n_rep = q.shape[2] // k.shape[2]  # H / K is the same before and after TP sharding
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, S, H, Hd)
+
+        # SDPA wants heads before sequence.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # (B, H, S, Hd)
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+        )  # (B, H, S, Hd)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, S, H*Hd)
+        return self.wo(out)  # (B, S, D)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate, D -> F
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up,   D -> F
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down, F -> D
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        for linear in (self.w1, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std)
+        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, S, D) -> (B, S, F) -> (B, S, D)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def init_weights(self, init_std: float, out_std: float) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(init_std, out_std)
+        self.feed_forward.init_weights(init_std, out_std)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        # x: (B, S, D) -> (B, S, D)
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    """Token ids (B, S) -> logits (B, S, V) in float32.
+
+    Build on the meta device, shard, then ``to_empty(device=...)``, ``tie_weights()``, ``init_weights()``
+    (see ``build_model``). ``tok_embeddings``, ``norm`` and ``output`` may be set to None in a pipeline stage;
+    ``layers`` entries may be deleted (keys keep their original index, so FQNs and checkpoints line up).
+    """
+
+    rope_cache: torch.Tensor
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        problems = args.problems()
+        if problems:
+            raise ValueError("invalid model arguments:\n  - " + "\n  - ".join(problems))
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)  # V x D
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)  # D -> V
+        # Non-persistent: checkpoints never carry it, and a meta-built model gets a real one in init_weights.
+        self.register_buffer(
+            "rope_cache", torch.empty(args.max_seq_len, args.head_dim // 2, 2), persistent=False
+        )  # (S_max, Hd/2, 2), filled by init_weights
+        self.tie_weights()
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Point output.weight at tok_embeddings.weight when tie_embeddings is set and both parts exist.
+
+        Call again after ``to_empty()``, which replaces each module's parameters separately and so unties them.
+        """
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """(Re)initialize every parameter present and recompute the RoPE buffer.
+
+        Deterministic under ``torch.manual_seed``: parts are visited in a fixed order (embeddings, layers by
+        index, norm, output). Works on a meta model (no-op numerically), after ``to_empty``, and with any of
+        tok_embeddings / norm / output set to None. ``buffer_device`` places the RoPE buffer (default: where
+        it already lives).
+        """
+        device = buffer_device if buffer_device is not None else self.rope_cache.device
+        self.rope_cache = precompute_rope(
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=torch.device(device)
+        )
+        std = self.args.init_std
+        # Residual-branch outputs (wo, w2) are scaled down so the residual stream's variance does not grow
+        # with depth (GPT-2 / Megatron scheme): 2 such outputs per layer.
+        out_std = std / math.sqrt(2 * self.args.n_layers)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for layer in self.layers.values():
+            # Duck-typed: activation-checkpoint and torch.compile wrappers forward attribute access to the block.
+            layer.init_weights(std, out_std)  # type: ignore[operator]
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        tied = (
+            self.tok_embeddings is not None
+            and self.output is not None
+            and self.output.weight is self.tok_embeddings.weight
+        )
+        if self.output is not None and not tied:  # a tied head keeps the embedding init
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: (B, S) int64, or hidden states (B, S, D) when this pipeline stage has no tok_embeddings.
+        seqlen = tokens.shape[1]
+        if seqlen > self.rope_cache.shape[0]:
+            raise ValueError(
+                f"sequence length {seqlen} exceeds model.max_seq_len={self.rope_cache.shape[0]}: "
+                "raise model.max_seq_len or shorten the sequences"
+            )
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, D)
+        rope = self.rope_cache[:seqlen]  # (S, Hd/2, 2)
+        for layer in self.layers.values():
+            h = layer(h, rope)  # (B, S, D)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is None:
+            return h  # hidden states for the next pipeline stage
+        return self.output(h).float()  # (B, S, V); float32 so the loss is accurate under bf16 compute
+
+
+def build_model(args: ModelArgs, device: str | torch.device = "meta") -> Transformer:
+    """Build a Transformer on ``device``; on a real device it is also initialized.
+
+    Always constructed on the meta device first and then materialized with ``to_empty`` + ``tie_weights`` +
+    ``init_weights``: no time is spent on nn.Linear's default init (minutes on CPU for 7B+), and the result
+    equals the trainer's path (meta build -> parallelize -> to_empty -> init_weights) under the same seed.
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    device = torch.device(device)
+    if device.type != "meta":
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.init_weights()
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Arithmetic
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def num_params(args: ModelArgs, *, exclude_embedding: bool = False) -> int:
+    """Closed-form parameter count; equals ``sum(p.numel() for p in model.parameters())`` (tied counted once).
+
+    ``exclude_embedding`` drops the input embedding table. With tied embeddings that table is also the output
+    head, which does real matmul work, so it stays counted (as in nanoGPT's non-embedding count).
+    """
+    d, hd, kv = args.dim, args.head_dim, args.kv_heads
+    attention = d * (args.n_heads * hd) + 2 * d * (kv * hd) + (args.n_heads * hd) * d  # wq, wk + wv, wo
+    feed_forward = 3 * d * args.ffn_dim  # w1, w3, w2
+    per_layer = attention + feed_forward + 2 * d  # + attention_norm, ffn_norm
+    table = args.vocab_size * d
+    total = args.n_layers * per_layer + d + table  # + final norm + output head
+    if not args.tie_embeddings:
+        total += table  # separate input embedding table
+        if exclude_embedding:
+            total -= table
+    return total
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token, PaLM appendix B convention.
+
+        6 * N + 12 * n_layers * dim * seq_len
+
+    N counts every parameter that takes part in a matmul: all parameters except the input embedding table
+    (a lookup, not a matmul); the output head counts (``num_params(args, exclude_embedding=True)``). The 6 is
+    2 FLOPs per multiply-add times 3 (forward, backward w.r.t. activations, backward w.r.t. weights). The
+    second term is attention's QK^T and AV matmuls, 2 * 2 * n_layers * seq_len * (n_heads * head_dim) in the
+    forward, times 3; n_heads * head_dim = dim. It counts the full S x S score matrix even though the
+    causal mask skips half of it, and it ignores GQA (scores are per query head). The norms' few elementwise
+    FLOPs are included in N for simplicity. Used for MFU, so it must match what everyone else reports.
+    """
+    n = num_params(args, exclude_embedding=True)
+    return 6.0 * n + 12.0 * args.n_layers * args.dim * seq_len
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Presets (configs/models/*.yaml)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def preset_names() -> list[str]:
+    """Names of the YAML presets in configs/models/, sorted."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_preset(name_or_path: str) -> dict[str, Any]:
+    """Read a model preset: a name from ``preset_names()`` or a path to a YAML file of ModelArgs fields.
+
+    Returns the dict of fields (only the keys the file sets). Raises ValueError for an unknown name, a
+    missing file, a non-mapping document, or keys that are not ModelArgs fields (all of them listed).
+    """
+    names = preset_names()
+    if name_or_path in names:
+        path = PRESET_DIR / f"{name_or_path}.yaml"
+    else:
+        path = Path(name_or_path)
+        if path.suffix not in (".yaml", ".yml") and not path.is_file():
+            raise ValueError(
+                f"unknown model preset {name_or_path!r}: choose one of {names} or give a path to a YAML file"
+            )
+        if not path.is_file():
+            raise ValueError(f"model preset file {str(path)!r} does not exist (presets by name: {names})")
+    data = yaml.safe_load(path.read_text())
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of ModelArgs fields, got {type(data).__name__}")
+    valid = [f.name for f in dataclasses.fields(ModelArgs)]
+    unknown = sorted(str(k) for k in data if k not in valid)
+    if unknown:
+        raise ValueError(f"{path}: unknown model key(s) {unknown}; valid keys are {valid}")
+    return dict(data)

@@ -1,0 +1,55 @@
+"""AdamW with decoupled weight decay on matrices only, and the warmup + decay LR schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+
+def lr_lambda(*, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> Callable[[int], float]:
+    """Multiplier of the base LR after ``step`` optimizer steps: linear warmup, then cosine/linear decay to min."""
+
+    def f(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps  # never 0: the first step already learns
+        if schedule == "constant" or total_steps <= warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+        return min_lr_ratio + (1 - min_lr_ratio) * decay
+
+    return f
+
+
+def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Decay weight matrices and embeddings; never norms (1-D) — the usual GPT/Llama recipe."""
+    decay, no_decay = [], []
+    for _, p in params:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    warmup_steps: int,
+    total_steps: int,
+    schedule: str,
+    min_lr_ratio: float,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    groups = param_groups(model.named_parameters(), weight_decay)
+    on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+    # fused kernels only where they exist (CUDA); foreach is the fast path on CPU and for DTensor params
+    opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_cuda or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lr_lambda(warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule, min_lr_ratio=min_lr_ratio)
+    )
+    return opt, sched

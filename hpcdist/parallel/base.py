@@ -1,0 +1,124 @@
+"""The strategy seam: what the train loop calls, whatever the parallelism underneath.
+
+The loop only ever calls ``forward_backward(batch)``, ``optimizer_step()``, ``eval_loss(batch)`` and the
+checkpoint hooks. Each strategy (DDP now; ZeRO, FSDP2, 3D later) implements them once, so adding one never
+touches the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # logits (b, s, vocab) -> fp32 loss: bf16 logits lose too much precision in log-softmax
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class Strategy:
+    """A torch-native strategy: gradient accumulation over micro-batches, clipping, AdamW step, DCP state.
+
+    Subclasses set ``model`` (what forward is called on), ``module`` (the unwrapped model whose FQNs name the
+    checkpoint entries) and override ``_sync_context`` to skip gradient sync on non-final micro-batches.
+    """
+
+    model: nn.Module
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        grad_accum: int,
+        micro_batch_size: int,
+        grad_clip: float,
+        autocast_dtype: torch.dtype | None,
+        dp_group: dist.ProcessGroup | None,
+    ):
+        self.device, self.grad_accum, self.micro_batch_size = device, grad_accum, micro_batch_size
+        self.grad_clip, self.autocast_dtype, self.dp_group = grad_clip, autocast_dtype, dp_group
+
+    # ------------------------------------------------------------------------------------------ train
+    def _sync_context(self, is_last: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _micro_batches(self, batch: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # (n, seq + 1) tokens -> (inputs, targets) pairs of micro_batch_size rows, targets shifted by one
+        batch = batch.to(self.device, non_blocking=True)
+        for mb in batch.split(self.micro_batch_size):
+            yield mb[:, :-1], mb[:, 1:]
+
+    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+        """All micro-batches of this rank's share of one global batch. Returns the global mean loss (detached)."""
+        self.model.train()
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(self._micro_batches(batch)):
+            with self._sync_context(i == self.grad_accum - 1), self._autocast():
+                loss = cross_entropy(self.model(inputs), targets) / self.grad_accum
+            loss.backward()
+            total += loss.detach()
+        return self._dp_mean(total)
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip, step, advance the LR schedule, zero grads. Returns the pre-clip global gradient norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.detach().full_tensor() if hasattr(norm, "full_tensor") else norm.detach()
+
+    @torch.no_grad()
+    def eval_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        n = 0
+        for inputs, targets in self._micro_batches(batch):
+            with self._autocast():
+                total += cross_entropy(self.model(inputs), targets)
+            n += 1
+        return self._dp_mean(total / max(n, 1))
+
+    def _dp_mean(self, t: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
+            t /= dist.get_world_size(self.dp_group)
+        return t
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------------------------------ checkpoint
+    def dcp_state(self) -> dict[str, Any]:
+        """Model + optimizer state keyed by the unwrapped model's FQNs (DDP/AC/compile prefixes stripped), so a
+        checkpoint loads into any strategy and world size."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_dcp_state(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def scheduler_state(self) -> dict[str, Any]:
+        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+
+    def load_scheduler_state(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state})
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr

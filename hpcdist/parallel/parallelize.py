@@ -1,0 +1,84 @@
+"""Turn a meta-device model into a trained-ready Strategy. The one place that chooses a strategy.
+
+Order matters and is fixed (torchtitan's): tensor parallel -> activation checkpointing -> compile ->
+materialize + init -> data parallel wrapper -> optimizer. Only TP/FSDP can run before materialization (they
+shard meta tensors); DDP needs real parameters because it broadcasts them from rank 0 at construction.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from hpcdist.config import JobConfig, grad_accum_steps
+from hpcdist.env import DistEnv
+from hpcdist.optim import build_optimizer
+from hpcdist.parallel.base import Strategy
+from hpcdist.parallel.ddp import DDPStrategy
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each transformer block in backward: activation memory per block drops to its input."""
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile block by block: blocks are identical, so one graph is reused and compile time stays flat in depth."""
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+
+
+def materialize(model: nn.Module, *, device: torch.device, seed: int) -> None:
+    """Allocate real storage for a meta model and initialize it identically on every rank."""
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    model.tie_weights()
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    if dtype == "bf16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None  # fp32: no autocast
+
+
+def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
+    device = env.torch_device()
+    dp_size = env.world_size  # pure data parallelism: every rank is a replica
+    common = {
+        "device": device,
+        "grad_accum": grad_accum_steps(cfg, dp_size),
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "grad_clip": cfg.optim.grad_clip,
+        "autocast_dtype": autocast_dtype(cfg.train.dtype, device),
+        "dp_group": None,
+    }
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.train.compile:
+        apply_compile(model)
+
+    strategy: Strategy
+    match cfg.parallel.strategy:
+        case "ddp":
+            materialize(model, device=device, seed=cfg.run.seed)
+            strategy = DDPStrategy(model, bucket_cap_mb=cfg.parallel.bucket_cap_mb, **common)
+        case other:  # config validation rejects unknown names first; this guards programmatic use
+            raise ValueError(f"parallel.strategy: {other!r} is not available")
+
+    o = cfg.optim
+    strategy.optimizer, strategy.scheduler = build_optimizer(
+        strategy.model,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        warmup_steps=o.warmup_steps,
+        total_steps=cfg.train.steps,
+        schedule=o.schedule,
+        min_lr_ratio=o.min_lr_ratio,
+    )
+    return strategy

@@ -1,0 +1,214 @@
+"""The trainer core every task runs: ``Trainer(cfg, env).train()``.
+
+``__init__`` builds everything (data, model on the meta device, strategy, optimizer, checkpoints, metrics) and
+resumes; ``train()`` is the loop and holds no strategy branches.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcdist import config as config_mod
+from hpcdist.checkpoint import MARKER, CheckpointManager, Stateful, step_dir
+from hpcdist.config import JobConfig
+from hpcdist.data import (
+    BatchLoader,
+    ByteTokenizer,
+    ResumableSampler,
+    SyntheticDataset,
+    TokenDataset,
+    prepare_shards,
+    stdlib_corpus,
+)
+from hpcdist.env import DistEnv
+from hpcdist.logging_utils import get_logger, setup_logging
+from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats, mfu, peak_flops
+from hpcdist.models import build_model, flops_per_token, num_params
+from hpcdist.parallel.parallelize import build_strategy
+
+log = get_logger(__name__)
+
+
+@dataclass
+class TrainResult:
+    step: int
+    losses: dict[int, float] = field(default_factory=dict)
+    """Global mean loss of each logged step (every step when logging.every_steps=1)."""
+    resumed_from: str | None = None
+    eval_losses: dict[int, float] = field(default_factory=dict)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
+    """(train, val) datasets. Rank 0 prepares shards of the embedded corpus once; the others wait for it."""
+    d = cfg.data
+    if d.source == "synthetic":
+        n_val = max(1, int(d.synthetic_samples * d.val_fraction)) if d.val_fraction else 0
+        train = SyntheticDataset(d.synthetic_samples, d.seq_len, cfg.model.vocab_size, seed=cfg.run.seed)
+        val = SyntheticDataset(n_val, d.seq_len, cfg.model.vocab_size, seed=cfg.run.seed + 1) if n_val else None
+        return train, val
+    if d.source == "stdlib":
+        path = Path(d.path) if d.path else Path(cfg.run.dir) / "data"
+        if env.is_main:
+            t0 = time.perf_counter()
+            prepare_shards(stdlib_corpus(), path, dtype=d.dtype, max_tokens=d.max_tokens, tokenizer=ByteTokenizer())
+            log.info("data: stdlib corpus ready in %s (%.1fs)", path, time.perf_counter() - t0)
+        _barrier()
+    else:
+        path = Path(str(d.path))
+    train = TokenDataset(path, d.seq_len, split="train", val_fraction=d.val_fraction)
+    val = TokenDataset(path, d.seq_len, split="val", val_fraction=d.val_fraction) if d.val_fraction else None
+    return train, val
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        setup_logging(env.rank, level=cfg.run.log_level)
+        config_mod.check_world(cfg, env.world_size)
+        self.run_dir = Path(cfg.run.dir)
+        if env.is_main:
+            config_mod.save(cfg, self.run_dir / "config.yaml")
+        self.step, self.tokens_seen = 0, 0
+
+        train_ds, self.val_ds = build_datasets(cfg, env)
+        self.sampler = ResumableSampler(len(train_ds), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        self.loader = BatchLoader(
+            train_ds, self.sampler, global_batch_size=cfg.train.global_batch_size, dp_rank=env.rank,
+            dp_size=env.world_size,
+        )  # fmt: skip
+
+        args = cfg.model_args()
+        model = build_model(args, device="meta")
+        self.strategy = build_strategy(cfg, env, model)
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.flops_per_token = flops_per_token(args, cfg.data.seq_len)
+        self.peak = peak_flops(env.torch_device(), configured=cfg.logging.peak_flops)
+        self.throughput = Throughput(env.world_size)
+        self.metrics = MetricsLogger(self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard)
+        self.ckpt = CheckpointManager(
+            cfg.checkpoint_dir, rank=env.rank, world_size=env.world_size, keep_last=cfg.checkpoint.keep_last,
+            async_save=cfg.checkpoint.async_save,
+        )  # fmt: skip
+        log.info(
+            "model %s params (%.1fM), %s on %d rank(s), grad accum %d, %.3g FLOPs/token",
+            f"{num_params(args):,}", num_params(args) / 1e6, cfg.parallel.strategy, env.world_size,
+            self.strategy.grad_accum, self.flops_per_token,
+        )  # fmt: skip
+        self.resumed_from = self._resume()
+
+    # ------------------------------------------------------------------------------------------ state
+    def stateful(self) -> Stateful:
+        return Stateful(
+            dcp_state=self.strategy.dcp_state,
+            load_dcp_state=self.strategy.load_dcp_state,
+            trainer_state=self.trainer_state,
+            load_trainer_state=self.load_trainer_state,
+        )
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "sampler": self.loader.state_dict(),
+            "scheduler": self.strategy.scheduler_state(),
+            "world_size": self.env.world_size,
+        }
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.loader.load_state_dict(state["sampler"])
+        self.strategy.load_scheduler_state(state["scheduler"])
+
+    def _resume(self) -> str | None:
+        path = self.ckpt.resolve(self.cfg.checkpoint.resume)
+        if path is None:
+            log.info("starting fresh (no complete checkpoint in %s)", self.cfg.checkpoint_dir)
+            return None
+        t0 = time.perf_counter()
+        self.ckpt.load(path, self.stateful())
+        log.info("resumed from %s at step %d (%.2fs)", path, self.step, time.perf_counter() - t0)
+        return str(path)
+
+    def save(self) -> None:
+        self.ckpt.save(self.step, self.stateful())
+
+    # ------------------------------------------------------------------------------------------ loop
+    def train(self) -> TrainResult:
+        cfg, result = self.cfg, TrainResult(step=self.step, resumed_from=self.resumed_from)
+        while self.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            batch = self.loader.next_batch()
+            loss = self.strategy.forward_backward(batch)
+            grad_norm = self.strategy.optimizer_step()
+            self.step += 1
+            self.tokens_seen += self.tokens_per_step
+
+            if self.step % cfg.logging.every_steps == 0 or self.step == cfg.train.steps:
+                result.losses[self.step] = self._log(loss, grad_norm, time.perf_counter() - t0)
+            else:
+                self.throughput.update(self.tokens_per_step, time.perf_counter() - t0)
+            if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and self.val_ds:
+                result.eval_losses[self.step] = self.evaluate()
+            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
+                self.save()
+
+        if cfg.checkpoint.save_final and not (step_dir(self.ckpt.root, self.step) / MARKER).exists():
+            self.save()
+        self.ckpt.wait()
+        self.metrics.close()
+        result.step = self.step
+        return result
+
+    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float) -> float:
+        # .item() synchronizes with the device: done only on log steps
+        self.throughput.update(self.tokens_per_step, seconds)
+        tps_dev = self.throughput.tokens_per_s_per_device
+        remaining = (self.cfg.train.steps - self.step) * self.throughput.step_time
+        m = {
+            "loss": loss.item(),
+            "lr": self.strategy.lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": self.throughput.tokens_per_s,
+            "tokens_per_s_per_device": tps_dev,
+            "mfu": mfu(tps_dev, self.flops_per_token, self.peak),
+            "step_time_s": self.throughput.step_time,
+            "tokens_seen": float(self.tokens_seen),
+            "eta_s": remaining,
+            **memory_stats(self.env.torch_device()),
+        }
+        self.metrics.log(self.step, m)
+        log.info(format_line(self.step, self.cfg.train.steps, m))
+        return m["loss"]
+
+    def evaluate(self) -> float:
+        """Mean loss over the first eval_batches global batches of the validation split (same each time)."""
+        sampler = ResumableSampler(len(self.val_ds), seed=self.cfg.run.seed, shuffle=False)
+        loader = BatchLoader(
+            self.val_ds, sampler, global_batch_size=self.cfg.train.global_batch_size, dp_rank=self.env.rank,
+            dp_size=self.env.world_size,
+        )  # fmt: skip
+        losses = [self.strategy.eval_loss(loader.next_batch()) for _ in range(self.cfg.train.eval_batches)]
+        value = float(torch.stack(losses).mean())
+        self.metrics.log(self.step, {"loss": value}, prefix="eval")
+        log.info("eval step %d | loss %.4f", self.step, value)
+        return value
+
+
+def run(cfg: JobConfig, env: DistEnv) -> TrainResult:
+    """Build a Trainer and train; the entry point of every task (CLI, srun, torchrun, tests)."""
+    if env.device == "cpu" and env.local_world_size > 1:
+        # several CPU ranks on one node would each start one thread per core and thrash
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    return Trainer(cfg, env).train()
