@@ -13,12 +13,14 @@ pruning never deletes a complete checkpoint before a newer one is complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,8 +97,9 @@ class CheckpointManager:
         self.keep_last, self.async_save = keep_last, async_save
         self._pending: Future[Any] | None = None
         self._pg = None
-        if async_save and dist.is_initialized() and dist.get_backend() != "gloo":
-            # async DCP finishes its collective in a background thread; it needs a CPU (gloo) group on GPU jobs
+        if async_save and dist.is_initialized():
+            # async DCP runs its collectives in a background thread while training runs collectives on the
+            # default group; sharing one group between threads deadlocks, and on GPU jobs it must be a CPU group
             self._pg = dist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------------------------------ save
@@ -117,7 +120,8 @@ class CheckpointManager:
             fut.add_done_callback(lambda f: self._finish(f, path, step, t0))
             self._pending = fut
         else:
-            dcp.save(state.dcp_state(), checkpoint_id=str(path))
+            with _single_process_ok():
+                dcp.save(state.dcp_state(), checkpoint_id=str(path))
             _barrier()  # every rank's shards and rng file are written before the marker
             self._finish(None, path, step, t0)
         return path
@@ -165,7 +169,8 @@ class CheckpointManager:
 
     def load(self, path: Path, state: Stateful) -> dict[str, Any]:
         dest = state.dcp_state()
-        dcp.load(dest, checkpoint_id=str(path))
+        with _single_process_ok():
+            dcp.load(dest, checkpoint_id=str(path))
         state.load_dcp_state(dest)
         trainer_state = json.loads((path / STATE_FILE).read_text())
         state.load_trainer_state(trainer_state)
@@ -174,6 +179,14 @@ class CheckpointManager:
             _set_rng_state(torch.load(rng_file, weights_only=True))
         _barrier()
         return trainer_state
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    # a one-process run uses DCP without a process group on purpose; DCP warns about that on every call
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
 
 
 def _barrier() -> None:

@@ -17,6 +17,16 @@ EPILOG = """examples:
 """
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hpcdist",
@@ -43,7 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("config")
     c.add_argument("overrides", nargs="*", metavar="section.key=value")
-    c.add_argument("--world-size", type=int, default=1, help="also check batch divisibility for this many ranks")
+    c.add_argument(
+        "--world-size", type=_positive_int, default=1, help="also check batch divisibility for this many ranks"
+    )
 
     pr = sub.add_parser(
         "prepare",
@@ -58,8 +70,8 @@ def _parser() -> argparse.ArgumentParser:
         "--stdlib", action="store_true", help="use this Python's standard library sources (the default corpus)"
     )
     pr.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16")
-    pr.add_argument("--shard-tokens", type=int, default=2**24, help="tokens per shard file")
-    pr.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    pr.add_argument("--shard-tokens", type=_positive_int, default=2**24, help="tokens per shard file")
+    pr.add_argument("--max-tokens", type=_positive_int, default=None, help="stop after this many tokens")
     return p
 
 
@@ -112,7 +124,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             return _fail(f"prepare: input {str(item)!r} does not exist")
     if not files:
         return _fail("prepare: no input files (give files/directories, check --glob, or pass --stdlib)")
-    out = prepare_shards(files, args.out, shard_tokens=args.shard_tokens, dtype=args.dtype, max_tokens=args.max_tokens)
+    try:
+        out = prepare_shards(
+            files, args.out, shard_tokens=args.shard_tokens, dtype=args.dtype, max_tokens=args.max_tokens
+        )
+    except (ValueError, OSError) as e:
+        return _fail(f"prepare: {e}")
     print(f"prepared {len(files)} files into {out}")
     return 0
 
@@ -121,7 +138,15 @@ COMMANDS = {"train": cmd_train, "config": cmd_config, "prepare": cmd_prepare}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # overrides may follow options (`config X --world-size 2 train.steps=7`): argparse's nargs="*" positional
+    # is consumed before the option, so collect the leftovers and accept those that look like key=value
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     from hpcdist.config import ConfigError
 
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -18,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from hpcdist.models.llama import ModelArgs, load_preset, preset_names
+from hpcdist.models.llama import ModelArgs, load_preset
 
 # Strategies this version can run. Later strategies register here when they exist, so a config naming one
 # that is not built yet fails validation instead of failing deep inside the trainer.
@@ -27,6 +28,15 @@ DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
+
+
+@dataclass(frozen=True)
+class _Typed:
+    """An override value as parsed by YAML plus the text the user typed: a str key takes the text, so
+    ``run.name=2024-05-01`` stays a string instead of becoming a date (YAML 1.1 would also turn ``yes`` into True)."""
+
+    value: Any
+    text: str
 
 
 class ConfigError(ValueError):
@@ -167,6 +177,17 @@ class JobConfig:
 
 def parse_overrides(overrides: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
     """``["train.steps=10", "model.dim=64"]`` -> nested dict; values parsed as YAML scalars/lists."""
+    tree, problems = _parse_overrides(overrides)
+    return _unwrap(tree), problems
+
+
+def _unwrap(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _unwrap(v) for k, v in node.items()}
+    return node.value if isinstance(node, _Typed) else node
+
+
+def _parse_overrides(overrides: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
     tree: dict[str, Any] = {}
     problems: list[str] = []
     for item in overrides:
@@ -176,9 +197,10 @@ def parse_overrides(overrides: Iterable[str]) -> tuple[dict[str, Any], list[str]
             problems.append(f"override {item!r}: expected section.key=value, e.g. train.steps=200")
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            parsed = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
-            value = raw  # an unparsable value is taken as a plain string; type checking catches misuse
+            parsed = raw  # an unparsable value is taken as a plain string; type checking catches misuse
+        value = _Typed(parsed, raw)
         node = tree
         *parents, leaf = key.split(".")
         for p in parents:
@@ -202,7 +224,11 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
     if not path.is_file():
         return {}, [f"config file {str(path)!r} does not exist (pass a YAML file such as configs/demo.yaml)"]
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        return {}, [f"config file {str(path)!r} is not UTF-8 text; save it as UTF-8"]
+    except OSError as e:
+        return {}, [f"config file {str(path)!r} cannot be read: {e.strerror}"]
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -226,6 +252,11 @@ def _type_name(tp: Any) -> str:
 def _coerce(key: str, value: Any, tp: Any) -> tuple[Any, str | None]:
     """Check ``value`` against a simple annotation (int, float, bool, str, X | None)."""
     allowed = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    if isinstance(value, _Typed):
+        # only a scalar YAML turned into something else (date, bool, number) falls back to the typed text;
+        # a quoted string keeps YAML's unquoting, lists and mappings stay type errors
+        text_wanted = str in allowed and not isinstance(value.value, (str, dict, list, type(None)))
+        value = value.text if text_wanted else value.value
     if value is None:
         return (None, None) if type(None) in allowed else (None, f"{key}: must be {_type_name(tp)}, got null")
     for t in allowed:
@@ -234,7 +265,16 @@ def _coerce(key: str, value: Any, tp: Any) -> tuple[Any, str | None]:
         if t is int and isinstance(value, int) and not isinstance(value, bool):
             return value, None
         if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value), None
+            try:
+                return float(value), None
+            except OverflowError:
+                return None, f"{key}: {str(value)[:20]}... is too large for a float"
+        if t is float and isinstance(value, str):
+            # YAML 1.1 reads "1e11" and "3e-4" (no dot) as strings: accept what is plainly a number
+            try:
+                return float(value), None
+            except (ValueError, OverflowError):
+                pass
         if t is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value), None
     shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
@@ -259,7 +299,8 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[str])
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, Mapping):
-                problems.append(f"{key}: must be a section (a mapping of keys), got {value!r}")
+                shown = value.text if isinstance(value, _Typed) else value
+                problems.append(f"{key}: must be a section (a mapping of keys), got {shown!r}")
                 continue
             kwargs[name] = _build(tp, value, f"{key}.", problems)
         else:
@@ -277,16 +318,20 @@ def load(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = 
     data: dict[str, Any] = {}
     if path is not None:
         data, problems = _read_yaml(Path(path))
-    over, over_problems = parse_overrides(overrides)
+    over, over_problems = _parse_overrides(overrides)
     problems += over_problems
     data = _merge(data, over)
 
     model = data.get("model")
-    if isinstance(model, Mapping) and model.get("preset"):
+    preset = model.get("preset") if isinstance(model, Mapping) else None
+    preset = preset.text if isinstance(preset, _Typed) else preset
+    if preset is not None and preset != "":
         try:
-            data["model"] = _merge(load_preset(str(model["preset"])), model)
+            data["model"] = _merge(load_preset(str(preset)), model)
         except (ValueError, OSError) as e:
-            problems.append(f"model.preset: {e} (available: {', '.join(preset_names())})")
+            problems.append(f"model.preset: {e}")
+        except yaml.YAMLError as e:
+            problems.append(f"model.preset: {str(preset)!r} is not valid YAML: {getattr(e, 'problem', e)}")
 
     cfg = _build(JobConfig, data, "", problems)
     problems += check(cfg)
@@ -307,7 +352,10 @@ def _positive(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) 
     for key in keys:
         section, name = key.split(".")
         v = getattr(getattr(cfg, section), name)
-        if v is not None and (v < 0 if allow_zero else v <= 0):
+        # `not finite` first: NaN compares False with everything and would slip through `v <= 0`
+        if v is not None and not math.isfinite(v):
+            out.append(f"{key}: must be a finite number, got {v}")
+        elif v is not None and (v < 0 if allow_zero else v <= 0):
             out.append(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {v}")
     return out
 
@@ -324,20 +372,22 @@ def check(cfg: JobConfig) -> list[str]:
     p += _positive(
         cfg,
         ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches", "data.seq_len",
-         "model.dim", "model.n_layers", "model.n_heads", "model.ffn_dim", "model.vocab_size", "model.max_seq_len",
-         "optim.lr", "logging.every_steps", "checkpoint.keep_last", "parallel.bucket_cap_mb", "model.n_kv_heads",
-         "data.max_tokens", "data.synthetic_samples"],
+         "optim.lr", "logging.every_steps", "checkpoint.keep_last", "parallel.bucket_cap_mb", "data.max_tokens",
+         "data.synthetic_samples", "logging.peak_flops", "optim.eps"],
     )  # fmt: skip
     p += _positive(
         cfg,
         ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps",
-         "train.eval_every_steps", "optim.min_lr_ratio"],
+         "train.eval_every_steps", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"],
         allow_zero=True,
     )  # fmt: skip
     if not cfg.run.dir.strip():
         p.append("run.dir: must name a directory, e.g. run.dir=runs/my-run")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         p.append(f"data.val_fraction: must be in [0, 1), got {cfg.data.val_fraction}")
+    for beta in ("beta1", "beta2"):
+        if not getattr(cfg.optim, beta) < 1:
+            p.append(f"optim.{beta}: must be < 1, got {getattr(cfg.optim, beta)}")
     if cfg.optim.min_lr_ratio > 1:
         p.append(f"optim.min_lr_ratio: must be <= 1, got {cfg.optim.min_lr_ratio}")
     if cfg.train.eval_every_steps and cfg.data.val_fraction == 0 and cfg.data.source != "synthetic":
@@ -368,6 +418,8 @@ def check(cfg: JobConfig) -> list[str]:
 
 def check_world(cfg: JobConfig, world_size: int) -> None:
     """Checks that need the job's size. Raises ConfigError before any process group is created."""
+    if world_size < 1:
+        raise ConfigError([f"world size must be >= 1, got {world_size}"])
     t = cfg.train
     dp = world_size  # data-parallel degree; model-parallel strategies divide it further
     if t.global_batch_size % (t.micro_batch_size * dp):

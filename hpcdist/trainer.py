@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import MARKER, CheckpointManager, Stateful, step_dir
+from hpcdist.checkpoint import CheckpointManager, Stateful
 from hpcdist.config import JobConfig
 from hpcdist.data import (
     BatchLoader,
@@ -96,7 +96,6 @@ class Trainer:
         self.flops_per_token = flops_per_token(args, cfg.data.seq_len)
         self.peak = peak_flops(env.torch_device(), configured=cfg.logging.peak_flops)
         self.throughput = Throughput(env.world_size)
-        self.metrics = MetricsLogger(self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard)
         self.ckpt = CheckpointManager(
             cfg.checkpoint_dir, rank=env.rank, world_size=env.world_size, keep_last=cfg.checkpoint.keep_last,
             async_save=cfg.checkpoint.async_save,
@@ -107,6 +106,12 @@ class Trainer:
             self.strategy.grad_accum, self.flops_per_token,
         )  # fmt: skip
         self.resumed_from = self._resume()
+        self.saved_step = self.step if self.resumed_from else -1
+        # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
+        self.metrics = MetricsLogger(
+            self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
+            purge_step=self.step + 1 if self.resumed_from else None,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ state
     def stateful(self) -> Stateful:
@@ -143,11 +148,14 @@ class Trainer:
 
     def save(self) -> None:
         self.ckpt.save(self.step, self.stateful())
+        self.saved_step = self.step
 
     # ------------------------------------------------------------------------------------------ loop
-    def train(self) -> TrainResult:
+    def train(self, *, until: int | None = None) -> TrainResult:
+        """Train to ``train.steps``; ``until`` stops earlier (an interruption: a checkpoint is saved there)."""
         cfg, result = self.cfg, TrainResult(step=self.step, resumed_from=self.resumed_from)
-        while self.step < cfg.train.steps:
+        end = min(cfg.train.steps, until) if until is not None else cfg.train.steps
+        while self.step < end:
             t0 = time.perf_counter()
             batch = self.loader.next_batch()
             loss = self.strategy.forward_backward(batch)
@@ -155,25 +163,24 @@ class Trainer:
             self.step += 1
             self.tokens_seen += self.tokens_per_step
 
-            if self.step % cfg.logging.every_steps == 0 or self.step == cfg.train.steps:
-                result.losses[self.step] = self._log(loss, grad_norm, time.perf_counter() - t0)
-            else:
-                self.throughput.update(self.tokens_per_step, time.perf_counter() - t0)
+            self.throughput.update(self.tokens_per_step, time.perf_counter() - t0)
+            if self.step % cfg.logging.every_steps == 0 or self.step in (1, end):  # first: where loss starts
+                result.losses[self.step] = self._log(loss, grad_norm)
             if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and self.val_ds:
                 result.eval_losses[self.step] = self.evaluate()
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
                 self.save()
 
-        if cfg.checkpoint.save_final and not (step_dir(self.ckpt.root, self.step) / MARKER).exists():
+        interrupted = self.step < cfg.train.steps
+        if (cfg.checkpoint.save_final or interrupted) and self.saved_step != self.step:
             self.save()
         self.ckpt.wait()
         self.metrics.close()
         result.step = self.step
         return result
 
-    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float) -> float:
+    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> float:
         # .item() synchronizes with the device: done only on log steps
-        self.throughput.update(self.tokens_per_step, seconds)
         tps_dev = self.throughput.tokens_per_s_per_device
         remaining = (self.cfg.train.steps - self.step) * self.throughput.step_time
         m = {

@@ -1,0 +1,86 @@
+"""Checkpoint layout, completion marker, pruning and resume rules (one process, real DCP files)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcdist.checkpoint import MARKER, STATE_FILE, CheckpointManager, latest, list_checkpoints
+from hpcdist.trainer import Trainer
+from tests.dist.harness import single
+
+
+def _train(env, cfg, until=None):
+    t = Trainer(cfg, env)
+    r = t.train(until=until)
+    return t, r
+
+
+def test_layout_marker_and_keep_last(small_cfg) -> None:
+    cfg = small_cfg("train.steps=5", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "train.micro_batch_size=4")
+    single(_train, cfg)
+    complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
+    assert [s for s, _ in complete] == [4, 5] and not incomplete
+    d = complete[-1][1]
+    assert d.name == "step-00000005"
+    assert (d / ".metadata").is_file() and list(d.glob("*.distcp"))
+    assert json.loads((d / STATE_FILE).read_text())["step"] == 5
+    assert json.loads((d / MARKER).read_text())["step"] == 5
+    rng = torch.load(d / "rng" / "rank-00000.pt", weights_only=True)  # plain tensors: no pickle needed
+    assert rng["cpu"].dtype == torch.uint8
+    assert (Path(cfg.run.dir) / "config.yaml").is_file()
+
+
+def test_incomplete_checkpoint_is_ignored_with_warning(small_cfg, capsys: pytest.CaptureFixture[str]) -> None:
+    over = ("train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=4")
+    cfg = small_cfg(*over)
+    _, straight = single(_train, cfg)
+    newest = cfg.checkpoint_dir / "step-00000006"
+    (newest / MARKER).unlink()  # as if the job died while writing step 6
+    capsys.readouterr()
+
+    assert latest(cfg.checkpoint_dir) == cfg.checkpoint_dir / "step-00000004"
+    _, result = single(_train, cfg)
+    out = capsys.readouterr().out
+    assert "ignoring" in out and "step-00000006" in out and MARKER in out
+    assert result.resumed_from.endswith("step-00000004")
+    assert result.losses == {s: v for s, v in straight.losses.items() if s > 4}  # redone exactly
+    assert (newest / MARKER).is_file()  # the save at step 6 replaced the broken directory
+
+
+def test_explicit_resume_of_incomplete_checkpoint_is_refused(small_cfg) -> None:
+    cfg = small_cfg("train.steps=2", "checkpoint.every_steps=2", "train.micro_batch_size=4")
+    single(_train, cfg)
+    d = cfg.checkpoint_dir / "step-00000002"
+    (d / MARKER).unlink()
+    mgr = CheckpointManager(cfg.checkpoint_dir, rank=0, world_size=1)
+    with pytest.raises(ValueError, match="incomplete"):
+        mgr.resolve(str(d))
+    assert mgr.resolve("none") is None
+    assert mgr.resolve("auto") is None
+
+
+def test_resume_none_starts_fresh_and_auto_without_checkpoints(small_cfg) -> None:
+    cfg = small_cfg("train.steps=2", "train.micro_batch_size=4", "checkpoint.resume=none")
+    _, r = single(_train, cfg)
+    assert r.resumed_from is None and r.step == 2
+
+
+def test_prune_never_deletes_before_newer_complete(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    for step in (1, 2, 3):
+        d = root / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        if step < 3:
+            (d / MARKER).write_text("{}")
+    mgr = CheckpointManager(root, rank=0, world_size=1, keep_last=1)
+    mgr._prune()
+    complete, incomplete = list_checkpoints(root)
+    # step 3 is incomplete, so step 2 is still the newest usable one and must survive
+    assert [s for s, _ in complete] == [2] and [d.name for d in incomplete] == ["step-00000003"]
+    shutil.rmtree(root)
+    assert latest(root) is None

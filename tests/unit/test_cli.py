@@ -1,0 +1,223 @@
+"""The ``hpcdist`` command line, run as a user runs it: ``python -m hpcdist ...`` in a subprocess.
+
+No test here trains: every ``train`` invocation carries a config that fails validation, which happens before
+the trainer (or any process group) is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from hpcdist import cli
+from hpcdist import config as config_mod
+from hpcdist.data import ByteTokenizer, TokenDataset
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = "configs/demo.yaml"
+# a stray rank layout in the caller's environment must not change what the CLI does
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def hpcdist(*args: str | os.PathLike[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in _LAUNCHER_VARS}
+    return subprocess.run(
+        [sys.executable, "-m", "hpcdist", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_clean_failure(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    """Non-zero exit, one readable message on stderr naming the problem, no traceback, nothing on stdout."""
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("hpcdist: "), proc.stderr
+    for frag in fragments:
+        assert frag in proc.stderr, f"{frag!r} not in stderr:\n{proc.stderr}"
+    assert proc.stdout == ""
+
+
+# --------------------------------------------------------------------------------------------------- help
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        ((), ("train", "config", "prepare", "examples:", "hpcdist train configs/demo.yaml")),
+        (("train",), ("config", "section.key=value", "CLI > YAML > preset > defaults", "checkpoint.resume=auto")),
+        (("config",), ("config", "section.key=value", "--world-size")),
+        (("prepare",), ("inputs", "--out", "--glob", "--stdlib", "--dtype", "--shard-tokens", "--max-tokens")),
+    ],
+    ids=["top", "train", "config", "prepare"],
+)
+def test_help(args: tuple[str, ...], fragments: tuple[str, ...]) -> None:
+    proc = hpcdist(*args, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: hpcdist {' '.join(args)}".rstrip())
+    text = " ".join(proc.stdout.split())  # argparse re-wraps descriptions to the terminal width
+    for frag in fragments:
+        assert frag in text, f"{frag!r} not in help:\n{proc.stdout}"
+
+
+def test_no_command_is_a_usage_error() -> None:
+    proc = hpcdist()
+    assert proc.returncode == 2
+    assert "usage: hpcdist" in proc.stderr and "COMMAND" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        ((DEMO, "train.stepz=3"), ("train.stepz: unknown key", "did you mean 'steps'?")),
+        ((DEMO, "train.steps=ten"), ("train.steps: must be int", "'ten'")),
+        (("configs/no-such-config.yaml",), ("configs/no-such-config.yaml", "does not exist")),
+        ((DEMO, "trainsteps=3"), ("'trainsteps=3'", "expected section.key=value")),
+        ((DEMO, "model.preset=tiny2"), ("model.preset:", "'tiny2'", "tiny")),
+    ],
+    ids=["unknown-key", "wrong-type", "missing-file", "override-syntax", "unknown-preset"],
+)
+def test_train_rejects_bad_config_before_training(tmp_path: Path, args: tuple[str, ...], fragments: tuple[str, ...]):
+    run_dir = tmp_path / "run"
+    proc = hpcdist("train", *args, f"run.dir={run_dir}")
+    assert_clean_failure(proc, "Invalid configuration", *fragments)
+    assert not run_dir.exists(), "a bad config must fail before the run directory is created"
+
+
+# --------------------------------------------------------------------------------------------------- config
+
+
+def test_config_prints_resolved_yaml(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = hpcdist("config", DEMO, "train.steps=7", f"run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    printed = yaml.safe_load(proc.stdout)
+    assert printed["train"]["steps"] == 7
+    assert printed["run"]["dir"] == str(run_dir)
+    assert printed["model"]["preset"] == "tiny"
+    # what is printed is exactly the resolved config: it loads back to the same JobConfig
+    out = tmp_path / "printed.yaml"
+    out.write_text(proc.stdout)
+    assert config_mod.load(out) == config_mod.load(REPO / DEMO, ["train.steps=7", f"run.dir={run_dir}"])
+    assert not run_dir.exists()
+
+
+def test_config_world_size_checks_batch_divisibility(tmp_path: Path) -> None:
+    proc = hpcdist("config", DEMO, f"run.dir={tmp_path}", "--world-size", "3")  # demo: global 16, micro 8
+    assert_clean_failure(
+        proc,
+        "train.global_batch_size (16) must be divisible by train.micro_batch_size (8) x data-parallel size (3) = 24",
+        "e.g. train.global_batch_size=24",
+    )
+
+
+# --------------------------------------------------------------------------------------------------- prepare
+
+DOC_A = "def f(x):\n    return x + 1\n" * 2
+DOC_B = "caf\u00e9 \u2603 -- second document\n"
+
+
+def test_prepare_writes_shards_token_dataset_can_read(tmp_path: Path) -> None:
+    src = tmp_path / "in"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text(DOC_A, encoding="utf-8")
+    (src / "sub" / "b.txt").write_text(DOC_B, encoding="utf-8")
+    (src / "skipped.md").write_text("not matched by --glob")
+    out = tmp_path / "out"
+
+    proc = hpcdist("prepare", src, "--out", out, "--shard-tokens", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert "prepared 2 files" in proc.stdout
+
+    tok = ByteTokenizer()
+    stream = np.concatenate([tok.encode(DOC_A), tok.encode(DOC_B)])  # sorted order, EOS after each document
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["num_tokens"] == len(stream)
+    assert meta["num_documents"] == 2
+    shards = sorted(out.glob("shard-*.bin"))
+    assert [s.name for s in shards] == [s["name"] for s in meta["shards"]]
+    assert len(shards) == -(-len(stream) // 32)
+    on_disk = np.concatenate([np.fromfile(s, dtype=np.uint16) for s in shards])
+    np.testing.assert_array_equal(on_disk, stream)
+
+    # 32-token shards and 8-token windows: the windows tile each shard, so they read back the whole stream
+    ds = TokenDataset(out, seq_len=7)
+    assert ds.vocab_size == tok.vocab_size
+    windows = [ds[i] for i in range(len(ds))]
+    assert all(w.shape == (8,) for w in windows)
+    full = np.concatenate(windows)
+    np.testing.assert_array_equal(full, stream[: len(full)])
+    assert len(stream) - len(full) < 8
+    assert tok.decode(full).startswith(DOC_A)
+
+
+def test_prepare_missing_input_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir"
+    out = tmp_path / "out"
+    proc = hpcdist("prepare", missing, "--out", out)
+    assert_clean_failure(proc, "prepare: input", str(missing), "does not exist")
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------- main() in-process
+# Same entry point without a fresh interpreter (each subprocess above pays ~2 s of torch import).
+
+
+def run_main(*argv: str | os.PathLike[str]) -> int:
+    try:
+        return cli.main([str(a) for a in argv])
+    except SystemExit as e:  # argparse errors and --help exit
+        return e.code if isinstance(e.code, int) else 1
+
+
+def test_main_reports_every_problem_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = run_main("config", REPO / DEMO, "train.stepz=3", "optim.schedule=step", "=3", f"run.dir={tmp_path}")
+    out, err = capsys.readouterr()
+    assert rc != 0 and out == ""
+    assert err.startswith("hpcdist: Invalid configuration (3 problems):")
+    for frag in ("train.stepz: unknown key", "optim.schedule: 'step' is not one of", "'=3'"):
+        assert frag in err
+
+
+def test_main_config_world_size_that_divides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_main("config", REPO / DEMO, f"run.dir={tmp_path}", "--world-size", "2") == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["global_batch_size"] == 16
+
+
+def test_main_config_accepts_overrides_after_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_main("config", REPO / DEMO, "--world-size", "2", "train.steps=7", f"run.dir={tmp_path}") == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["steps"] == 7
+
+
+def test_main_config_rejects_world_size_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_main("config", REPO / DEMO, f"run.dir={tmp_path}", "--world-size", "0") != 0
+    assert "--world-size" in capsys.readouterr().err
+
+
+def test_main_prepare_directory_without_matching_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "notes.md").write_text("# only markdown\n")
+    assert run_main("prepare", tmp_path, "--out", tmp_path / "out") != 0
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("hpcdist: prepare: no input files") and "--glob" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_main_prepare_bad_option_value_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a.txt").write_text("hello\n")
+    assert run_main("prepare", tmp_path / "a.txt", "--out", tmp_path / "out", "--shard-tokens", "0") != 0
+    assert "shard-tokens" in capsys.readouterr().err  # argparse names the option and the rule
