@@ -99,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         first, last = min(result.losses), max(result.losses)
         print(f"done: step {result.step}, loss {result.losses[first]:.4f} (step {first}) -> "
               f"{result.losses[last]:.4f} (step {last}); run dir {cfg.run.dir}")  # fmt: skip
-    return 0
+    return result.exit_code
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import os
+import signal
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -142,6 +143,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultConfig:
+    requeue_signal: str = "USR2"
+    """Signal SLURM sends before the time limit (sbatch --signal=<sig>@<lead>): checkpoint on all ranks, requeue,
+    exit. SIGTERM (scancel, preemption) always means: checkpoint and exit without requeueing."""
+    requeue: bool = True
+    """Requeue the SLURM job after the stop checkpoint (scontrol requeue)."""
+    max_restarts: int = 10
+    """Stop requeueing once SLURM_RESTART_COUNT reaches this (a job that keeps failing to finish)."""
+
+
+@dataclass
 class LoggingConfig:
     every_steps: int = 10
     tensorboard: bool = True
@@ -158,6 +170,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def model_args(self) -> ModelArgs:
@@ -381,6 +394,11 @@ def check(cfg: JobConfig) -> list[str]:
          "train.eval_every_steps", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"],
         allow_zero=True,
     )  # fmt: skip
+    sig = cfg.fault.requeue_signal.upper()
+    if (sig if sig.startswith("SIG") else f"SIG{sig}") not in signal.Signals.__members__:
+        p.append(f"fault.requeue_signal: {cfg.fault.requeue_signal!r} is not a signal name; use e.g. USR2, USR1")
+    if cfg.fault.max_restarts < 0:
+        p.append(f"fault.max_restarts: must be >= 0, got {cfg.fault.max_restarts}")
     if not cfg.run.dir.strip():
         p.append("run.dir: must name a directory, e.g. run.dir=runs/my-run")
     if not 0.0 <= cfg.data.val_fraction < 1.0:

@@ -28,6 +28,7 @@ from hpcdist.data import (
     stdlib_corpus,
 )
 from hpcdist.env import DistEnv
+from hpcdist.launch.preempt import PreemptionHandler, StopReason
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats, mfu, peak_flops
 from hpcdist.models import build_model, flops_per_token, num_params
@@ -43,6 +44,9 @@ class TrainResult:
     """Global mean loss of each logged step (every step when logging.every_steps=1)."""
     resumed_from: str | None = None
     eval_losses: dict[int, float] = field(default_factory=dict)
+    stop_reason: StopReason = StopReason.NONE
+    """Why training stopped before train.steps (a signal), NONE when it finished."""
+    exit_code: int = 0
 
 
 def _barrier() -> None:
@@ -106,6 +110,11 @@ class Trainer:
             self.strategy.grad_accum, self.flops_per_token,
         )  # fmt: skip
         self.resumed_from = self._resume()
+        f = cfg.fault
+        self.preemption = PreemptionHandler(
+            rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal, requeue=f.requeue,
+            max_restarts=f.max_restarts,
+        ).install()  # fmt: skip
         self.saved_step = self.step if self.resumed_from else -1
         # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
         self.metrics = MetricsLogger(
@@ -170,11 +179,19 @@ class Trainer:
                 result.eval_losses[self.step] = self.evaluate()
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
                 self.save()
+            stop = self.preemption.agreed()  # one tiny all-reduce: every rank leaves after the same step
+            if stop:
+                log.info("stop requested (%s) at step %d: saving a checkpoint", stop.name, self.step)
+                result.stop_reason = stop
+                break
 
         interrupted = self.step < cfg.train.steps
         if (cfg.checkpoint.save_final or interrupted) and self.saved_step != self.step:
             self.save()
-        self.ckpt.wait()
+        self.ckpt.wait()  # the checkpoint is complete before anyone requeues or exits
+        if result.stop_reason:
+            result.exit_code = self.preemption.after_checkpoint(result.stop_reason)
+        self.preemption.uninstall()
         self.metrics.close()
         result.step = self.step
         return result

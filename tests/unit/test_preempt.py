@@ -1,0 +1,77 @@
+"""Stop reasons and the requeue decision (no SLURM needed: scontrol is replaced by a script on PATH)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcdist.launch.preempt import PreemptionHandler, SlurmJob, StopReason, requeue, signal_number
+from hpcdist.logging_utils import setup_logging
+
+
+def _handler(job: SlurmJob, **kw) -> PreemptionHandler:
+    return PreemptionHandler(rank=0, device=torch.device("cpu"), job=job, **kw)
+
+
+def _fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rc: int = 0) -> Path:
+    log = tmp_path / "calls"
+    script = tmp_path / "bin" / "scontrol"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\necho "$@" >> {log}\necho "scontrol: boom" >&2\nexit {rc}\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{script.parent}:{os.environ['PATH']}")
+    return log
+
+
+def test_signal_sets_flag_only_and_term_wins() -> None:
+    h = _handler(SlurmJob(None, 0)).install()
+    try:
+        assert h.agreed() == StopReason.NONE
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert h.agreed() == StopReason.TIME_LIMIT
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert h.agreed() == StopReason.TERMINATE
+        os.kill(os.getpid(), signal.SIGUSR2)  # a later USR2 never downgrades a TERM
+        assert h.agreed() == StopReason.TERMINATE
+    finally:
+        h.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_requeue_after_time_limit_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_scontrol(tmp_path, monkeypatch)
+    assert _handler(SlurmJob("123", 0)).after_checkpoint(StopReason.TIME_LIMIT) == 0
+    assert calls.read_text().split() == ["requeue", "123"]
+
+
+def test_no_requeue_on_terminate_limit_or_disabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_scontrol(tmp_path, monkeypatch)
+    assert _handler(SlurmJob("9", 0)).after_checkpoint(StopReason.TERMINATE) == 0
+    assert _handler(SlurmJob("9", 0), requeue=False).after_checkpoint(StopReason.TIME_LIMIT) == 0
+    assert _handler(SlurmJob("9", 3), max_restarts=3).after_checkpoint(StopReason.TIME_LIMIT) == 3
+    assert _handler(SlurmJob(None, 0)).after_checkpoint(StopReason.TIME_LIMIT) == 0  # not a SLURM job
+    rank1 = PreemptionHandler(rank=1, device=torch.device("cpu"), job=SlurmJob("9", 0))
+    assert rank1.after_checkpoint(StopReason.TIME_LIMIT) == 0  # only rank 0 talks to SLURM
+    assert not calls.exists()
+
+
+def test_requeue_failure_names_the_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    setup_logging(0)  # the hpcdist handler writes to stdout, whatever ran before
+    _fake_scontrol(tmp_path, monkeypatch, rc=1)
+    assert requeue("77") == 4
+    assert "dependency=afterany:77" in capsys.readouterr().out
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert requeue("77") == 4
+
+
+def test_slurm_job_from_environ() -> None:
+    assert SlurmJob.from_environ({"SLURM_JOB_ID": "5", "SLURM_RESTART_COUNT": "2"}) == SlurmJob("5", 2)
+    env = {"SLURM_JOB_ID": "8", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}
+    assert SlurmJob.from_environ(env) == SlurmJob("7_3", 0)
+    assert SlurmJob.from_environ({}) == SlurmJob(None, 0)
+    assert signal_number("usr1") == signal.SIGUSR1 and signal_number("SIGTERM") == signal.SIGTERM
