@@ -6,6 +6,7 @@ resumes; ``train()`` is the loop and holds no strategy branches.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         if env.is_main:
             config_mod.save(cfg, self.run_dir / "config.yaml")
+        self._record_layout()
         self.step, self.tokens_seen = 0, 0
 
         train_ds, self.val_ds = build_datasets(cfg, env)
@@ -121,6 +123,19 @@ class Trainer:
             self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
             purge_step=self.step + 1 if self.resumed_from else None,
         )  # fmt: skip
+
+    def _record_layout(self) -> None:
+        """Which host runs which rank, logged once and kept in <run.dir>/ranks.json (debugging slow or dead nodes)."""
+        hosts: list[str] = [self.env.hostname]
+        if dist.is_initialized():
+            hosts = [""] * self.env.world_size
+            dist.all_gather_object(hosts, self.env.hostname)
+        if self.env.is_main:
+            by_host: dict[str, list[int]] = {}
+            for rank, host in enumerate(hosts):
+                by_host.setdefault(host, []).append(rank)
+            log.info("ranks by host: %s", "; ".join(f"{h}: {r[0]}-{r[-1]}" for h, r in by_host.items()))
+            (self.run_dir / "ranks.json").write_text(json.dumps({"hosts": hosts}))
 
     # ------------------------------------------------------------------------------------------ state
     def stateful(self) -> Stateful:
