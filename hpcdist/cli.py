@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpcdist.trainer import TrainResult
 
 EPILOG = """examples:
   hpcdist train configs/demo.yaml                      # one process on this machine
@@ -14,6 +19,10 @@ EPILOG = """examples:
   srun --ntasks-per-node=8 hpcdist train configs/train_13b.yaml   # one task per GPU
   hpcdist config configs/demo.yaml model.dim=512        # print the resolved, validated config
   hpcdist prepare ~/corpus --glob '*.txt' --out data/corpus
+  hpcdist submit configs/train_13b.yaml --nodes 4 --partition gpu   # sbatch through submitit (8 ranks/node)
+  hpcdist submit configs/demo.yaml --cluster local --wait          # no SLURM: ranks as local processes
+  hpcdist submit configs/demo.yaml --cluster sandbox --dry-run     # print the sbatch script, submit nothing
+  hpcdist status 1234; hpcdist logs 1234 --rank 3 --err; hpcdist cancel 1234
 """
 
 
@@ -72,7 +81,73 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16")
     pr.add_argument("--shard-tokens", type=_positive_int, default=2**24, help="tokens per shard file")
     pr.add_argument("--max-tokens", type=_positive_int, default=None, help="stop after this many tokens")
+    _add_launch_parsers(sub)
     return p
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
+    """submit / status / logs / cancel: the SLURM side (hpcdist.launch)."""
+    s = sub.add_parser(
+        "submit",
+        help="submit a training job to SLURM with submitit (local processes when no SLURM answers)",
+        description="Validate CONFIG + overrides for the cluster's world size, then submit one job: one rank per "
+        "GPU via srun, --requeue, a warning signal before the time limit (the trainer checkpoints and "
+        "requeues), the cluster's NCCL profile. Cluster settings come from configs/cluster/NAME.yaml; the "
+        "options below override them. Logs: <run.dir>/slurm/<jobid>_<rank>_log.out|err.",
+    )
+    s.add_argument("config", help="YAML training config, e.g. configs/train_13b.yaml")
+    s.add_argument("overrides", nargs="*", metavar="section.key=value")
+    s.add_argument("--cluster", default="a100_ib", help="name in configs/cluster/ or a YAML path (default: a100_ib)")
+    s.add_argument("--nodes", type=_positive_int)
+    s.add_argument("--gpus-per-node", type=_nonnegative_int, help="also the ranks per node")
+    s.add_argument("--time", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
+    for name in ("partition", "account", "qos", "constraint"):
+        s.add_argument(f"--{name}")
+    s.add_argument("--exclude", metavar="NODELIST", help="nodes to avoid, e.g. gpu[012,040]")
+    s.add_argument("--job-name", help="default: run.name")
+    s.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        dest="sbatch_args",
+        metavar="--FLAG=VALUE",
+        help="extra sbatch flag, written with '=': --sbatch-arg=--mail-type=END (repeatable)",
+    )
+    s.add_argument(
+        "--dry-run", action="store_true", help="print the sbatch script that would be submitted; submit nothing"
+    )
+    s.add_argument(
+        "--wait", action="store_true", help="wait for the job to finish (through requeues); exit 0 if COMPLETED"
+    )
+
+    st = sub.add_parser(
+        "status", help="show a SLURM job (scontrol/sacct) or your queue (squeue)", description="Without JOB: squeue."
+    )
+    st.add_argument("job", nargs="?", help="job id")
+
+    lg = sub.add_parser(
+        "logs",
+        help="print one rank's log of a submitted job",
+        description="Print <log_dir>/<JOB>_<RANK>_log.out (or .err). The folder is taken from SLURM while it "
+        "remembers the job, else from --run-dir (the run.dir, or the log_dir itself).",
+    )
+    lg.add_argument("job", help="job id")
+    lg.add_argument("--rank", type=_nonnegative_int, default=0, help="global rank (default 0)")
+    lg.add_argument("--err", action="store_true", help="stderr instead of stdout")
+    lg.add_argument("--run-dir", type=Path, help="the job's run.dir (or log_dir)")
+
+    ca = sub.add_parser("cancel", help="cancel a SLURM job (scancel)")
+    ca.add_argument("job", help="job id")
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -80,13 +155,23 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def run_train(config_path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> TrainResult:
+    """What ``hpcdist train`` runs in one process (rank); also the body of every task of ``hpcdist submit``."""
     from hpcdist import config as config_mod
     from hpcdist.env import destroy_process_group, from_environ, init_process_group
+    from hpcdist.launch.nccl import PROFILE_ENV, apply_to_environ
+    from hpcdist.logging_utils import log0, setup_logging
 
-    cfg = config_mod.load(args.config, args.overrides)
+    cfg = config_mod.load(config_path, overrides)
     env = from_environ()
     config_mod.check_world(cfg, env.world_size)  # before any process group: a bad batch split fails fast
+    # In every task, before the process group: NCCL and gloo read these at init, and interface names differ
+    # between hosts. A no-op unless the job names a profile (hpcdist submit exports HPCDIST_NCCL_PROFILE).
+    nccl_lines = apply_to_environ(os.environ.get(PROFILE_ENV), master_addr=env.master_addr)
+    if nccl_lines:
+        setup_logging(env.rank, level=cfg.run.log_level)
+        for line in nccl_lines:
+            log0("%s", line)
 
     from hpcdist.trainer import run
 
@@ -99,7 +184,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         first, last = min(result.losses), max(result.losses)
         print(f"done: step {result.step}, loss {result.losses[first]:.4f} (step {first}) -> "
               f"{result.losses[last]:.4f} (step {last}); run dir {cfg.run.dir}")  # fmt: skip
-    return result.exit_code
+    return result
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    return run_train(args.config, args.overrides).exit_code
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -134,7 +223,81 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "config": cmd_config, "prepare": cmd_prepare}
+def cmd_submit(args: argparse.Namespace) -> int:
+    from hpcdist.launch import load_cluster, submit
+    from hpcdist.launch.slurm_cli import SlurmError
+    from hpcdist.launch.submit import LaunchError
+
+    names = ("nodes", "gpus_per_node", "time", "partition", "account", "qos", "constraint", "exclude", "job_name")
+    params = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.sbatch_args:  # added to the cluster's own extra flags, not instead of them
+        params["extra_sbatch"] = [*load_cluster(args.cluster).extra_sbatch, *args.sbatch_args]
+    try:
+        out = submit(args.config, args.overrides, cluster=args.cluster, dry_run=args.dry_run, **params)
+        if isinstance(out, str):
+            print(out, end="")
+            return 0
+        logs = out.paths[0]
+        print(f"submitted job {out.job_id} ({out.executor}, {out.num_tasks} ranks)\n"
+              f"  logs:   {logs.stdout}\n          {logs.stderr}\n"
+              f"  follow: hpcdist status {out.job_id}; hpcdist logs {out.job_id} --rank R", flush=True)  # fmt: skip
+        if not args.wait:
+            return 0
+        state = out.wait()
+        print(f"job {out.job_id} finished: {state}")
+        return 0 if state == "COMPLETED" else 1
+    except (LaunchError, SlurmError) as e:
+        return _fail(f"submit: {e}")
+    except KeyboardInterrupt:
+        return _fail("submit: stopped waiting; the job keeps running", code=130)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from hpcdist.launch import slurm_cli
+
+    try:
+        print(slurm_cli.status_text(args.job))
+    except slurm_cli.SlurmError as e:
+        return _fail(f"status: {e}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    import shutil
+
+    from hpcdist.launch import slurm_cli
+
+    try:
+        path = slurm_cli.log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
+        with path.open(encoding="utf-8", errors="replace") as f:
+            shutil.copyfileobj(f, sys.stdout)
+    except slurm_cli.SlurmError as e:
+        return _fail(f"logs: {e}")
+    except OSError as e:
+        return _fail(f"logs: cannot read {e.filename}: {e.strerror}")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from hpcdist.launch import slurm_cli
+
+    try:
+        slurm_cli.cancel(args.job)
+    except slurm_cli.SlurmError as e:
+        return _fail(f"cancel: {e}")
+    print(f"cancelled job {args.job}")
+    return 0
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "config": cmd_config,
+    "prepare": cmd_prepare,
+    "submit": cmd_submit,
+    "status": cmd_status,
+    "logs": cmd_logs,
+    "cancel": cmd_cancel,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

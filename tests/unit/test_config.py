@@ -22,7 +22,8 @@ CONFIGS = REPO / "configs"
 PRESET_DIR = CONFIGS / "models"
 # Collected at import time so a new YAML is tested without touching this file. Model presets are not job
 # configs (their keys are ModelArgs fields, not sections): they are tested through model.preset below.
-JOB_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if PRESET_DIR not in p.parents)
+JOB_CONFIGS = sorted(CONFIGS.glob("*.yaml"))  # configs/<dir>/ hold other kinds: presets, clusters, NCCL profiles
+ALL_YAML = sorted(CONFIGS.rglob("*.yaml"))
 PRESET_FILES = sorted(PRESET_DIR.glob("*.yaml"))
 
 SECTIONS = [f.name for f in dataclasses.fields(JobConfig)]
@@ -714,3 +715,26 @@ def test_fuzz_yaml_documents_only_raise_config_error(fuzz_dir: Path, doc: dict[A
     path = fuzz_dir / "fuzz.yaml"
     path.write_text(yaml.safe_dump(doc))
     _load_or_config_error(path, overrides[:2])
+
+
+def _validate_any(path: Path) -> None:
+    """Load one YAML of configs/ with the loader of its kind; an unknown kind (a new directory) fails."""
+    from hpcdist.launch import load_cluster
+    from hpcdist.launch.nccl import load_profile
+
+    kind = path.parent.relative_to(CONFIGS).as_posix()
+    if kind == ".":
+        load(path)
+    elif kind == "models":
+        load(None, [f"model.preset={path}"])
+    elif kind == "cluster":
+        load_cluster(path)
+    elif kind == "nccl":
+        assert load_profile(path.stem)
+    else:
+        raise AssertionError(f"no validator for configs/{kind}/: add one here")
+
+
+@pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.relative_to(CONFIGS).as_posix())
+def test_every_yaml_in_configs_validates(path: Path) -> None:
+    _validate_any(path)

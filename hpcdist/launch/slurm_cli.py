@@ -1,0 +1,168 @@
+"""Thin wrappers around SLURM's command-line tools for ``hpcdist submit|status|logs|cancel``.
+
+Every call has a timeout and reports failures as :class:`SlurmError` with the tool's own message, so the CLI
+prints one line instead of a traceback. Nothing here imports torch or submitit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = [
+    "TERMINAL_STATES",
+    "SlurmError",
+    "cancel",
+    "job_info",
+    "job_state",
+    "log_path",
+    "slurm_reachable",
+    "status_text",
+]
+
+TIMEOUT_S = 10.0
+# A controller that does not answer within this is treated as absent (submit then falls back to local).
+PING_TIMEOUT_S = 5.0
+# States after which a job never runs again. PREEMPTED is not among them: with --requeue the job returns.
+TERMINAL_STATES = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+)
+_JOB_ID = re.compile(r"\d+(?:_\d+)?")
+
+
+class SlurmError(RuntimeError):
+    """A SLURM tool is missing, timed out, or refused the request."""
+
+
+def _run(args: Sequence[str], *, timeout: float = TIMEOUT_S, env: Mapping[str, str] | None = None) -> str:
+    exe = shutil.which(args[0], path=(env or os.environ).get("PATH"))
+    if exe is None:
+        raise SlurmError(f"{args[0]} is not on PATH: is this a SLURM login node?")
+    try:
+        proc = subprocess.run([exe, *args[1:]], capture_output=True, text=True, timeout=timeout, check=False, env=env)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{' '.join(args)} did not answer within {timeout:.0f} s") from None
+    except OSError as e:
+        raise SlurmError(f"{' '.join(args)} failed: {e.strerror}") from None
+    if proc.returncode != 0:
+        message = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        raise SlurmError(f"{' '.join(args)}: {message[-1] if message else f'exit status {proc.returncode}'}")
+    return proc.stdout
+
+
+def check_job_id(job_id: str) -> str:
+    """Accept ``123`` or ``123_4`` (array task); refuse anything else before it reaches a command line."""
+    text = str(job_id).strip()
+    if not _JOB_ID.fullmatch(text):
+        raise SlurmError(f"{job_id!r} is not a job id (digits, or 123_4 for an array task)")
+    return text
+
+
+def slurm_reachable(environ: Mapping[str, str] | None = None, *, timeout: float = PING_TIMEOUT_S) -> tuple[bool, str]:
+    """(True, how) when sbatch is on PATH and a controller answers; else (False, why).
+
+    submitit's AutoExecutor picks SLURM whenever sbatch exists, even on a machine whose controller is down or
+    absent ("Could not establish a configuration source"): ask the controller itself.
+    """
+    env = dict(os.environ if environ is None else environ)
+    if shutil.which("sbatch", path=env.get("PATH")) is None:
+        return False, "sbatch is not on PATH"
+    reasons = []
+    try:
+        out = _run(["scontrol", "ping"], timeout=timeout, env=env)
+        if re.search(r"\bUP\b", out):
+            return True, out.strip().splitlines()[0]
+        reasons.append(f"scontrol ping: {out.strip() or 'no controller UP'}")
+    except SlurmError as e:
+        reasons.append(str(e))
+    try:
+        _run(["sinfo", "-h", "-o", "%P"], timeout=timeout, env=env)
+        return True, "sinfo answered"
+    except SlurmError as e:
+        reasons.append(str(e))
+    return False, "; ".join(reasons)
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """``scontrol show job -o`` as a dict (JobState, Reason, StdOut, NodeList, ...); {} when SLURM forgot the job."""
+    job_id = check_job_id(job_id)
+    try:
+        out = _run(["scontrol", "show", "job", "-o", job_id])
+    except SlurmError as e:
+        if "Invalid job id" in str(e):
+            return {}  # finished longer than MinJobAge ago
+        raise
+    info: dict[str, str] = {}
+    first = out.strip().splitlines()[0] if out.strip() else ""
+    # values may contain spaces (Command=..., JobName=...): split only before the next Key= token
+    for match in re.finditer(r"(\w[\w:/]*)=(.*?)(?=\s+\w[\w:/]*=|$)", first):
+        info.setdefault(match.group(1), match.group(2))
+    return info
+
+
+def _sacct_state(job_id: str) -> str | None:
+    try:
+        out = _run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id])
+    except SlurmError:
+        return None  # accounting disabled or unreachable
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    return lines[-1].split()[0] if lines else None  # "CANCELLED by 1000" -> CANCELLED
+
+
+def job_state(job_id: str) -> str | None:
+    """JobState from the controller, else from accounting; None when neither knows the job."""
+    job_id = check_job_id(job_id)
+    info = job_info(job_id)
+    if info.get("JobState"):
+        return info["JobState"]
+    return _sacct_state(job_id)
+
+
+def cancel(job_id: str) -> None:
+    """scancel the job (all its steps and tasks)."""
+    _run(["scancel", check_job_id(job_id)])
+
+
+def status_text(job_id: str | None = None) -> str:
+    """One job's summary (scontrol, else sacct), or this user's queue (squeue)."""
+    if job_id is None:
+        user = os.environ.get("USER") or os.environ.get("LOGNAME") or ""
+        args = ["squeue", "-o", "%.12i %.10P %.24j %.9T %.10M %.10l %.5D %R"]
+        return _run([*args, "-u", user] if user else args).rstrip()
+    job_id = check_job_id(job_id)
+    info = job_info(job_id)
+    if info:
+        keys = ("JobId", "JobName", "JobState", "Reason", "RunTime", "TimeLimit", "NumNodes", "NumTasks",
+                "NodeList", "Restarts", "StdOut", "StdErr")  # fmt: skip
+        return "\n".join(f"{k:>10}: {info[k]}" for k in keys if k in info)
+    out = _run(["sacct", "-X", "-j", job_id, "-o", "JobID,JobName%24,State,Elapsed,NNodes,NodeList,ExitCode"])
+    return out.rstrip()
+
+
+def log_path(job_id: str, *, rank: int = 0, err: bool = False, run_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Path of a rank's log: ``<folder>/<jobid>_<rank>_log.out`` (submitit's layout).
+
+    The folder comes from the job's StdOut (while SLURM remembers the job), else from ``run_dir``: its
+    ``slurm/`` subfolder (the default log_dir) or ``run_dir`` itself when the logs are there.
+    """
+    job_id = check_job_id(job_id)
+    name = f"{job_id}_{rank}_log.{'err' if err else 'out'}"
+    candidates: list[Path] = []
+    if run_dir is not None:
+        candidates += [Path(run_dir) / "slurm", Path(run_dir)]
+    else:
+        try:
+            stdout = job_info(job_id).get("StdOut")
+        except SlurmError as e:
+            raise SlurmError(f"{e}; pass --run-dir to find the logs without SLURM") from None
+        if stdout:
+            candidates.append(Path(stdout).parent)
+    for folder in candidates:
+        if (folder / name).is_file():
+            return folder / name
+    where = ", ".join(str(c) for c in candidates) or "nowhere (SLURM no longer knows the job)"
+    raise SlurmError(f"no log {name} in {where}; pass --run-dir (the run.dir or log_dir of the job)")

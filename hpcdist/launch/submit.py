@@ -1,0 +1,380 @@
+"""Submit a training run from a login node (or a laptop) with submitit: ``submit(config, cluster=...)``.
+
+The job is the same trainer ``hpcdist train`` runs, one task (rank) per GPU through ``srun``:
+
+    sbatch script (rendered by submitit's own _make_sbatch_string)
+      #SBATCH --nodes, --ntasks-per-node=<gpus>, --gpus-per-node, --cpus-per-task, --requeue,
+      #SBATCH --signal=USR2@<lead>, resources and site flags
+      export HPCDIST_NCCL_PROFILE=<profile>       (applied inside every task: interface names differ per host)
+      srun ... --kill-on-bad-exit=1 <python> -u -m submitit.core._submit <folder>   -> TrainTask() per rank
+
+Where no SLURM controller answers, the same TrainTask runs under submitit's LocalExecutor (one node).
+Everything user-provided that reaches the script is validated to one line (hpcdist.launch.cluster) and
+shell-quoted (submitit quotes #SBATCH values and the srun line; the setup lines are quoted here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shlex
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpcdist import config as config_mod
+from hpcdist.config import ConfigError
+from hpcdist.launch import slurm_cli
+from hpcdist.launch.cluster import ClusterConfig, _one_line, load_cluster
+from hpcdist.launch.nccl import PROFILE_ENV
+from hpcdist.launch.task import TrainTask
+
+__all__ = ["JobHandle", "LaunchError", "LogPaths", "choose_executor", "render_sbatch", "slurm_parameters", "submit"]
+
+log = logging.getLogger(__name__)
+
+# submitit's default preemption signal (its SlurmJobEnvironment.USR_SIG unless SUBMITIT_PREEMPT_SIGNAL is set).
+_SUBMITIT_DEFAULT_SIGNAL = "USR2"
+
+
+class LaunchError(RuntimeError):
+    """Submission failed (no executor, sbatch refused the job) or a job ended without a result."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LogPaths:
+    """One rank's log files (submitit's layout: ``<folder>/<jobid>_<rank>_log.out`` / ``.err``)."""
+
+    stdout: Path
+    stderr: Path
+
+
+def _signal_name(name: str) -> str:
+    return name.strip().upper().removeprefix("SIG")
+
+
+# --------------------------------------------------------------------------------------------- parameters
+
+
+def _setup_lines(cluster: ClusterConfig) -> list[str]:
+    """Shell lines run before srun. Values are quoted; nothing secret is exported."""
+    lines = []
+    if cluster.nccl_profile:
+        lines.append(f"export {PROFILE_ENV}={shlex.quote(cluster.nccl_profile)}")
+    # One intra-op thread pool per rank sized to its CPUs (torch would otherwise start one thread per core
+    # of the node in each of the node's ranks); a value the user exported wins.
+    lines.append(f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{cluster.cpus_per_task}}}")
+    sig = _signal_name(cluster.signal)
+    if sig != _SUBMITIT_DEFAULT_SIGNAL:
+        # submitit's own handler is active until the trainer installs its handlers: make it react to our signal
+        lines.append(f"export SUBMITIT_PREEMPT_SIGNAL={shlex.quote(sig)}")
+    return lines
+
+
+def _extra_flags(cluster: ClusterConfig) -> dict[str, Any]:
+    flags: dict[str, Any] = {}
+    for flag in cluster.extra_sbatch:
+        name, sep, value = flag.removeprefix("--").partition("=")
+        flags[name] = value if sep else True  # submitit writes True as a bare "#SBATCH --flag"
+    return flags
+
+
+def slurm_parameters(cluster: ClusterConfig, *, job_name: str) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters (the keyword arguments of its _make_sbatch_string) for ``cluster``."""
+    additional: dict[str, Any] = {"requeue": True, **_extra_flags(cluster)}
+    sig = _signal_name(cluster.signal)
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    if sig != SlurmJobEnvironment.USR_SIG:
+        # submitit always writes --signal=<its USR_SIG>@<delay>; additional_parameters replace it
+        additional["signal"] = f"{sig}@{cluster.signal_lead_s}"
+    params: dict[str, Any] = {
+        "job_name": job_name,
+        "nodes": cluster.nodes,
+        "ntasks_per_node": cluster.ntasks_per_node,
+        "cpus_per_task": cluster.cpus_per_task,
+        "gpus_per_node": cluster.gpus_per_node or None,  # no --gpus-per-node on CPU partitions
+        # whole minutes: submitit also uses this number as its timeout (a "HH:MM:SS" string would break it)
+        "time": cluster.time_minutes,
+        "mem": cluster.mem,
+        "partition": cluster.partition,
+        "account": cluster.account,
+        "qos": cluster.qos,
+        "constraint": cluster.constraint,
+        "exclude": cluster.exclude,
+        "exclusive": True if cluster.exclusive else None,
+        "signal_delay_s": cluster.signal_lead_s,
+        "setup": _setup_lines(cluster),
+        # --kill-on-bad-exit: one dead rank ends the step instead of leaving the others in a collective forever.
+        # --cpus-per-task: srun of SLURM 22.05 no longer inherits it from sbatch.
+        "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={cluster.cpus_per_task}"],
+        "additional_parameters": additional,
+    }
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def local_parameters(cluster: ClusterConfig) -> dict[str, Any]:
+    """submitit LocalExecutor parameters: one node, tasks_per_node ranks, the same time limit and signal lead."""
+    return {
+        "tasks_per_node": cluster.ntasks_per_node,
+        "gpus_per_node": cluster.gpus_per_node,  # 0 -> CUDA_VISIBLE_DEVICES="" (CPU ranks)
+        "timeout_min": cluster.time_minutes,
+        "signal_delay_s": cluster.signal_lead_s,
+        "setup": _setup_lines(cluster),
+    }
+
+
+def _command(cluster: ClusterConfig, folder: Path) -> str:
+    # the same string submitit's executors build (_submitit_command_str), with the interpreter quoted
+    return " ".join([shlex.quote(cluster.interpreter), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+
+
+def render_sbatch(cluster: ClusterConfig, *, job_name: str, folder: str | os.PathLike[str]) -> str:
+    """The exact sbatch script submitit writes for this job (deterministic: no ids, no temp names)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    path = Path(folder).expanduser().absolute()
+    return _make_sbatch_string(
+        command=_command(cluster, path), folder=path, **slurm_parameters(cluster, job_name=job_name)
+    )
+
+
+def _render_local(cluster: ClusterConfig, folder: Path) -> str:
+    params = local_parameters(cluster)
+    lines = [
+        "# submitit LocalExecutor (no SLURM): one node",
+        f"# {params['tasks_per_node']} task(s), gpus_per_node={params['gpus_per_node']}, "
+        f"time limit {params['timeout_min']} min, {_signal_name(cluster.signal)} {cluster.signal_lead_s} s before",
+        f"# logs: {folder}/<jobid>_<rank>_log.out|err",
+        *params["setup"],
+        _command(cluster, folder),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def choose_executor(cluster: ClusterConfig, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """("slurm" | "local", why). ``auto`` asks the controller: sbatch alone on PATH is not enough."""
+    if cluster.executor == "local":
+        return "local", "cluster.executor is local"
+    ok, why = slurm_cli.slurm_reachable(environ)
+    env = os.environ if environ is None else environ
+    if ok and shutil.which("srun", path=env.get("PATH")) is None:
+        ok, why = False, "srun is not on PATH"
+    if ok:
+        return "slurm", why
+    if cluster.executor == "slurm":
+        raise LaunchError(f"cluster {cluster.name} needs SLURM, but it is not reachable: {why}")
+    if cluster.nodes > 1:
+        raise LaunchError(
+            f"SLURM is not reachable ({why}) and the local fallback runs one node, but nodes={cluster.nodes}; "
+            "submit from a login node, or use --nodes 1 / --cluster local"
+        )
+    return "local", f"SLURM is not reachable ({why})"
+
+
+# --------------------------------------------------------------------------------------------- job handle
+
+
+class JobHandle:
+    """A submitted job: id, state, per-rank logs, wait, cancel, result.
+
+    State names are SLURM's (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT, ...) for both executors;
+    a requeued job goes back to PENDING and is not finished.
+    """
+
+    def __init__(self, job: Any, *, executor: str, folder: Path, num_tasks: int) -> None:
+        self.job = job  # the submitit Job, for anything not wrapped here
+        self.executor = executor
+        self.folder = folder
+        self.num_tasks = num_tasks
+
+    @property
+    def job_id(self) -> str:
+        return str(self.job.job_id)
+
+    def _paths(self, rank: int) -> Any:
+        from submitit.core.utils import JobPaths
+
+        return JobPaths(self.folder, job_id=self.job_id, task_id=rank)
+
+    @property
+    def paths(self) -> list[LogPaths]:
+        """stdout/stderr of every rank, index = rank."""
+        return [LogPaths(p.stdout, p.stderr) for p in map(self._paths, range(self.num_tasks))]
+
+    def _outcome(self, rank: int) -> tuple[str, Any] | None:
+        """("success", value) / ("error", traceback) from a rank's result pickle; None if it wrote none."""
+        from submitit.core.utils import pickle_load
+
+        path = self._paths(rank).result_pickle
+        return pickle_load(path) if path.exists() else None
+
+    def _from_results(self, *, none: str) -> str:
+        """COMPLETED when every rank succeeded, ``none`` when no rank left a result, else FAILED."""
+        outcomes = [self._outcome(r) for r in range(self.num_tasks)]
+        if all(o is not None and o[0] == "success" for o in outcomes):
+            return "COMPLETED"
+        return "FAILED" if any(o is not None for o in outcomes) else none
+
+    def _poll(self) -> tuple[str, bool]:
+        """(state, finished)."""
+        if self.executor == "local":
+            raw = self.job.get_info().get("jobState", "UNKNOWN")
+            if raw == "RUNNING":
+                return "RUNNING", False
+            if raw == "INTERRUPTED":
+                return "CANCELLED", True
+            # FINISHED (a rank that died left no result: FAILED), or the process is not ours (handle unpickled)
+            return self._from_results(none="FAILED" if raw == "FINISHED" else "UNKNOWN"), True
+        try:
+            state = slurm_cli.job_state(self.job_id)
+        except slurm_cli.SlurmError as e:
+            log.debug("state of job %s unknown for now: %s", self.job_id, e)
+            return "UNKNOWN", False  # the controller may be busy; ask again later
+        if state is None:  # forgotten by the controller and no accounting: judge by the results
+            return self._from_results(none="UNKNOWN"), True
+        state = state.split()[0].rstrip("+")
+        return state, state in slurm_cli.TERMINAL_STATES
+
+    @property
+    def state(self) -> str:
+        return self._poll()[0]
+
+    def done(self) -> bool:
+        return self._poll()[1]
+
+    def wait(self, timeout: float | None = None, *, poll_s: float = 2.0) -> str:
+        """Block until the job has finished (through any requeues); returns its final state.
+
+        Raises TimeoutError after ``timeout`` seconds (the job keeps running).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state, finished = self._poll()
+            if finished:
+                return state
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.job_id} is still {state} after {timeout:g} s")
+            time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+
+    def cancel(self) -> None:
+        """Cancel the job (scancel; on the LocalExecutor, interrupt its controller)."""
+        if self.executor == "local":
+            self.job.cancel()
+        else:
+            slurm_cli.cancel(self.job_id)
+
+    def results(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Every rank's return value (TrainTask: step, loss, ...), after waiting for the job."""
+        state = self.wait(timeout)
+        values = []
+        for rank in range(self.num_tasks):
+            outcome = self._outcome(rank)
+            log_file = self.paths[rank].stderr
+            if outcome is None:
+                raise LaunchError(f"job {self.job_id} ended {state} without a result from rank {rank}; see {log_file}")
+            if outcome[0] != "success":
+                raise LaunchError(f"job {self.job_id} rank {rank} failed ({state}); see {log_file}:\n{outcome[1]}")
+            values.append(outcome[1])
+        return values
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """Rank 0's return value (all ranks report the same global loss)."""
+        return self.results(timeout)[0]
+
+    def __repr__(self) -> str:
+        return f"JobHandle(job_id={self.job_id!r}, executor={self.executor!r}, tasks={self.num_tasks})"
+
+
+# --------------------------------------------------------------------------------------------- submit
+
+
+def _check_job(cfg: config_mod.JobConfig, cluster: ClusterConfig, job_name: str, folder: Path) -> list[str]:
+    """Problems of this config on this cluster (the cluster alone was validated by load_cluster)."""
+    problems: list[str] = []
+    try:
+        config_mod.check_world(cfg, cluster.world_size)
+    except ConfigError as e:
+        where = f"{cluster.nodes} node(s) x {cluster.ntasks_per_node} tasks = {cluster.world_size} ranks"
+        problems += [f"{p} (on {where})" for p in e.problems]
+    fault = getattr(cfg, "fault", None)
+    wanted = getattr(fault, "requeue_signal", None)
+    if wanted and _signal_name(wanted) != _signal_name(cluster.signal):
+        problems.append(
+            f"cluster.signal ({cluster.signal}) differs from fault.requeue_signal ({wanted}) of the training "
+            "config: the job would send one signal and the trainer wait for the other; make them equal"
+        )
+    if cluster.job_name is None:
+        problems += [p.replace("cluster.job_name", "run.name (the default job name)") for p in
+                     _one_line("cluster.job_name", job_name)]  # fmt: skip
+    if cluster.log_dir is None:
+        hint = "; set the cluster's log_dir to another directory"
+        problems += [f"{p}{hint}" for p in _one_line("run.dir (the default log_dir <run.dir>/slurm)", str(folder))]
+        if "%" in str(folder):
+            problems.append(f"run.dir: {str(folder)!r} contains '%', which SLURM expands in log paths{hint}")
+    return problems
+
+
+def submit(
+    config: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    *,
+    cluster: str | os.PathLike[str] | ClusterConfig = "a100_ib",
+    dry_run: bool = False,
+    **params: Any,
+) -> JobHandle | str:
+    """Validate ``config`` + ``overrides`` for the cluster and submit one training job.
+
+    ``cluster`` is a name in configs/cluster/, a YAML path, or a ClusterConfig; ``params`` override its fields
+    (``nodes=4, partition="gpu", extra_sbatch=["--mail-type=END"]``). Everything is validated before anything
+    is submitted (ConfigError lists every problem). ``dry_run=True`` returns the sbatch script text instead
+    (a description of the local run for executor ``local``). Returns a :class:`JobHandle`.
+    """
+    problems: list[str] = []
+    cluster_cfg = cfg = None
+    try:
+        cluster_cfg = load_cluster(cluster, **params)
+    except ConfigError as e:
+        problems += e.problems
+    try:
+        cfg = config_mod.load(config, overrides)
+    except ConfigError as e:
+        problems += e.problems
+    if cluster_cfg is None or cfg is None:  # report both files' problems at once
+        raise ConfigError(problems)
+    job_name = cluster_cfg.job_name or cfg.run.name
+    folder = cluster_cfg.folder(cfg.run.dir)
+    problems = _check_job(cfg, cluster_cfg, job_name, folder)
+    if problems:
+        raise ConfigError(problems)
+
+    if dry_run:
+        if cluster_cfg.executor == "local":
+            return _render_local(cluster_cfg, folder)
+        return render_sbatch(cluster_cfg, job_name=job_name, folder=folder)
+
+    kind, why = choose_executor(cluster_cfg)
+    if kind == "local" and cluster_cfg.executor != "local":
+        log.warning("%s: running the job with submitit's LocalExecutor on this machine", why)
+    task = TrainTask(str(config), tuple(overrides))
+    import submitit
+
+    try:
+        if kind == "slurm":
+            executor: Any = submitit.SlurmExecutor(folder=folder, python=shlex.quote(cluster_cfg.interpreter))
+            executor.update_parameters(**slurm_parameters(cluster_cfg, job_name=job_name))
+        else:
+            executor = submitit.LocalExecutor(folder=folder, python=shlex.quote(cluster_cfg.interpreter))
+            executor.update_parameters(**local_parameters(cluster_cfg))
+        job = executor.submit(task)
+    except (OSError, RuntimeError, ValueError) as e:
+        # sbatch's refusal arrives as submitit's FailedJobError/CalledProcessError text: keep its last lines
+        text = str(e).strip().splitlines()
+        raise LaunchError(f"submission with the {kind} executor failed: {' | '.join(text[-3:])}") from e
+    handle = JobHandle(job, executor=kind, folder=folder, num_tasks=cluster_cfg.world_size)
+    log.info("submitted job %s (%s, %s): logs in %s", handle.job_id, kind, why, folder)
+    return handle

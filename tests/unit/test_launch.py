@@ -1,0 +1,679 @@
+"""``hpcdist submit`` and friends without a SLURM daemon: rendered scripts, validation, executor choice.
+
+SLURM's tools are replaced by small shell scripts on PATH where a test needs them (``fake_slurm``); the tests
+that submit to a real cluster live in tests/slurm/.
+
+The golden file tests/data/submit_dryrun.golden holds the script of ``hpcdist submit --dry-run`` for the sandbox
+cluster (tmp paths and the interpreter normalized). After an intended change, regenerate it with
+
+    UPDATE_GOLDEN=1 python -m pytest tests/unit/test_launch.py -k golden
+
+and review the diff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+import submitit
+import yaml
+from submitit.core.utils import cloudpickle_dump
+
+from hpcdist import cli
+from hpcdist.config import ConfigError
+from hpcdist.launch import ClusterConfig, JobHandle, load_cluster, submit
+from hpcdist.launch.cluster import cluster_names, parse_time
+from hpcdist.launch.slurm_cli import slurm_reachable
+from hpcdist.launch.submit import LaunchError, _signal_name, choose_executor, slurm_parameters
+from hpcdist.launch.task import TrainTask, local_rank_environ
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = str(REPO / "configs" / "demo.yaml")
+GOLDEN = REPO / "tests" / "data" / "submit_dryrun.golden"
+NASTY_NAME = "it's $(rm -rf /) `id` job"  # a space, a single quote, command substitutions
+# A model small enough to train a few steps in a second or two (see tests/conftest.py SMALL).
+TINY = [
+    "model.preset=tiny", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.ffn_dim=128", "data.seq_len=32", "data.source=synthetic", "data.synthetic_samples=2000",
+    "train.eval_every_steps=0", "optim.warmup_steps=2", "logging.every_steps=1", "logging.tensorboard=false",
+    "logging.peak_flops=1e11", "checkpoint.every_steps=0",
+]  # fmt: skip
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """No launcher, SLURM, submitit or NCCL variables from the caller; the whole environment is restored
+    afterwards (code under test sets variables of its own, which monkeypatch would not undo)."""
+    saved = dict(os.environ)
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "SUBMITIT_", "NCCL_", "GLOO_", "TORCH_NCCL_")) or name in _LAUNCHER_VARS:
+            monkeypatch.delenv(name)
+    monkeypatch.delenv("HPCDIST_NCCL_PROFILE", raising=False)
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def write_exe(path: Path, body: str) -> Path:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """sbatch/srun/scontrol/scancel/sacct stand-ins first on PATH. Returns their directory, where they record
+    what they were given (submitted.sh, scancel.args). FAKE_STATE / FAKE_STDOUT shape `scontrol show job`."""
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir()
+    write_exe(bindir / "sbatch", f'cp "$1" {bindir}/submitted.sh\necho "Submitted batch job 4242"')
+    write_exe(bindir / "srun", "exit 0")
+    write_exe(bindir / "sacct", "echo 'accounting storage is disabled' >&2; exit 1")
+    write_exe(bindir / "sinfo", "exit 1")
+    write_exe(bindir / "scancel", f'echo "$@" > {bindir}/scancel.args')
+    write_exe(
+        bindir / "scontrol",
+        'case "$1" in\n'
+        '  ping) echo "Slurmctld(primary) at ctl is UP" ;;\n'
+        '  show) if [ "${FAKE_STATE:-RUNNING}" = GONE ]; then\n'
+        '          echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; fi\n'
+        '        echo "JobId=$4 JobName=my job JobState=${FAKE_STATE:-RUNNING} Reason=None '
+        'RunTime=00:00:05 StdOut=${FAKE_STDOUT:-/nonexistent/x}" ;;\n'
+        "  *) exit 1 ;;\n"
+        "esac",
+    )
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return bindir
+
+
+def normalize(text: str, tmp_path: Path) -> str:
+    """Machine-independent form of a rendered script."""
+    return text.replace(shlex.quote(sys.executable), "PYTHON").replace(str(tmp_path), "/TMP")
+
+
+def sbatch_argument(line: str) -> str:
+    """The option sbatch reads from an `#SBATCH <option>` line (its parser: quotes, backslash escapes, #)."""
+    out, quote, escape = [], "", False
+    for ch in line.removeprefix("#SBATCH").lstrip():
+        if escape:
+            escape = False
+        elif ch == "\\":
+            escape = True
+            continue
+        elif quote:
+            if ch == quote:
+                quote = ""
+                continue
+        elif ch in "\"'":
+            quote = ch
+            continue
+        elif ch == "#" or ch.isspace():
+            break
+        out.append(ch)
+    assert not quote, f"unmatched quote in {line!r}"
+    return "".join(out)
+
+
+def dry_run_cli(capsys: pytest.CaptureFixture[str], run_dir: Path, *extra: str) -> str:
+    rc = cli.main(
+        ["submit", "configs/demo.yaml", "--cluster", "sandbox", "--nodes", "2", "--job-name", NASTY_NAME,
+         f"run.dir={run_dir}", "train.global_batch_size=64", "--dry-run", *extra]
+    )  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    return out.out
+
+
+# --------------------------------------------------------------------------------------------- dry run
+
+
+@pytest.fixture
+def sandbox_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[str, Path]:
+    monkeypatch.chdir(REPO)
+    run_dir = tmp_path / "my runs" / "r1"  # a space in run.dir
+    return dry_run_cli(capsys, run_dir), run_dir / "slurm"
+
+
+def test_dry_run_matches_golden_file(sandbox_script: tuple[str, Path], tmp_path: Path) -> None:
+    text = normalize(sandbox_script[0], tmp_path)
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "rendered script changed; see this file's docstring to regenerate"
+
+
+def test_dry_run_has_the_job_shape(sandbox_script: tuple[str, Path]) -> None:
+    text = sandbox_script[0]
+    for fragment in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
+                     "#SBATCH --requeue", "#SBATCH --signal=USR2@30", "#SBATCH --partition=debug",
+                     "#SBATCH --time=30", "--kill-on-bad-exit=1", "export HPCDIST_NCCL_PROFILE=ethernet"):  # fmt: skip
+        assert fragment in text
+    assert "--exclusive" not in text  # the sandbox shares one machine
+
+
+def test_dry_run_script_is_valid_bash(sandbox_script: tuple[str, Path], tmp_path: Path) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text(sandbox_script[0])
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_sbatch_reads_back_the_exact_job_name_and_paths(sandbox_script: tuple[str, Path]) -> None:
+    text, folder = sandbox_script
+    options = dict(
+        sbatch_argument(line).removeprefix("--").partition("=")[::2]
+        for line in text.splitlines()
+        if line.startswith("#SBATCH")
+    )
+    assert options["job-name"] == NASTY_NAME
+    assert options["output"] == f"{folder}/%j_0_log.out"
+    assert options["error"] == f"{folder}/%j_0_log.err"
+
+
+def test_running_the_script_injects_nothing(sandbox_script: tuple[str, Path], tmp_path: Path) -> None:
+    """Run the script under bash with a recording srun: every argument arrives intact, nothing else runs."""
+    text, folder = sandbox_script
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record = tmp_path / "srun.json"
+    write_exe(
+        bindir / "srun",
+        f'{shlex.quote(sys.executable)} -c "import json, os, sys; json.dump(dict(argv=sys.argv[1:], '
+        f"profile=os.environ.get('HPCDIST_NCCL_PROFILE')), open('{record}', 'w'))\" \"$@\"",
+    )
+    for tool in ("rm", "id"):  # would run if the job name reached the shell unquoted
+        write_exe(bindir / tool, f"touch {tmp_path}/INJECTED")
+    script = tmp_path / "job.sh"
+    script.write_text(text)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "INJECTED").exists()
+    got = json.loads(record.read_text())
+    assert got["profile"] == "ethernet"
+    assert got["argv"] == [
+        "--unbuffered", "--output", f"{folder}/%j_%t_log.out", "--error", f"{folder}/%j_%t_log.err",
+        "--kill-on-bad-exit=1", "--cpus-per-task=1", sys.executable, "-u", "-m", "submitit.core._submit", str(folder),
+    ]  # fmt: skip
+
+
+def test_dry_run_through_the_installed_command(tmp_path: Path, sandbox_script: tuple[str, Path]) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in _LAUNCHER_VARS}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcdist", "submit", "configs/demo.yaml", "--cluster", "sandbox", "--nodes", "2",
+         "--job-name", NASTY_NAME, f"run.dir={tmp_path / 'my runs' / 'r1'}", "train.global_batch_size=64",
+         "--dry-run"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == sandbox_script[0]
+
+
+def test_dry_run_with_cluster_overrides_and_extra_flags(tmp_path: Path) -> None:
+    text = submit(
+        DEMO, [f"run.dir={tmp_path}", "train.global_batch_size=128", "fault.requeue_signal=USR1"], cluster="a100_ib",
+        dry_run=True, nodes=2,
+        partition="gpu", account="proj-1", qos="high", constraint="a100-80gb", exclude="gpu[012,040]",
+        extra_sbatch=["--mail-type=END", "--hint=nomultithread"], signal="USR1", time="2-00:00:00",
+    )  # fmt: skip
+    assert isinstance(text, str)
+    lines = set(text.splitlines())
+    for flag in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=16", "--mem=0",
+                 "--exclusive", "--partition=gpu", "--account=proj-1", "--qos=high", "--constraint=a100-80gb",
+                 "--exclude='gpu[012,040]'", "--mail-type=END", "--hint=nomultithread", "--time=2880",
+                 "--signal=USR1@300", "--job-name=demo"):  # fmt: skip
+        assert f"#SBATCH {flag}" in lines, flag
+    assert sum(line.startswith("#SBATCH --signal") for line in lines) == 1
+    # submitit's own pre-trainer handler must react to the same signal
+    assert "export SUBMITIT_PREEMPT_SIGNAL=USR1" in lines
+    assert "export HPCDIST_NCCL_PROFILE=ib_a100" in lines
+
+
+def test_cpu_cluster_has_no_gpu_flag(tmp_path: Path) -> None:
+    text = submit(DEMO, [f"run.dir={tmp_path}"], cluster="sandbox", dry_run=True, gpus_per_node=0, tasks_per_node=2)
+    assert isinstance(text, str)
+    assert "--gpus-per-node" not in text and "#SBATCH --ntasks-per-node=2" in text
+
+
+def test_local_cluster_dry_run_describes_the_local_run(tmp_path: Path) -> None:
+    text = submit(DEMO, [f"run.dir={tmp_path}"], cluster="local", dry_run=True)
+    assert isinstance(text, str)
+    assert "LocalExecutor" in text and "2 task(s)" in text and "#SBATCH" not in text
+
+
+# --------------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("name", cluster_names())
+def test_every_shipped_cluster_loads(name: str) -> None:
+    cluster = load_cluster(name)
+    assert cluster.name == name and cluster.problems() == []
+    assert load_cluster(REPO / "configs" / "cluster" / f"{name}.yaml") == cluster
+
+
+def test_shipped_clusters_have_the_documented_shape() -> None:
+    a100, sandbox, local = load_cluster("a100_ib"), load_cluster("sandbox"), load_cluster("local")
+    assert (a100.gpus_per_node, a100.cpus_per_task, a100.mem, a100.time_minutes, a100.exclusive) == (
+        8, 16, "0", 24 * 60, True,
+    )  # fmt: skip
+    assert (a100.signal, a100.signal_lead_s, a100.nccl_profile) == ("USR2", 300, "ib_a100")
+    assert a100.hardware is not None and dataclasses.astuple(a100.hardware) == (80, 312, 230, 190)
+    assert (sandbox.partition, sandbox.gpus_per_node, sandbox.cpus_per_task, sandbox.exclusive) == (
+        "debug", 4, 1, False,
+    )  # fmt: skip
+    assert (sandbox.nccl_profile, sandbox.signal_lead_s) == ("ethernet", 30)
+    assert local.executor == "local" and local.nodes == 1
+
+
+def test_cluster_problems_are_reported_together() -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_cluster(
+            "sandbox", nodez=2, nodes=0, time="1:00", signal_lead_s=90, mem="lots", signal="KILL", cpus_per_task=0,
+            extra_sbatch=["--time=5", "-x", "--comment=a\nb"], executor="cloud", python="py\nthon",
+            nccl_profile="nope", log_dir="/x/%j", hardware={"gpu_mem_gb": -1, "tflops": 1},
+        )  # fmt: skip
+    problems = exc.value.problems
+    text = "\n".join(problems)
+    for fragment in ("cluster.nodez: unknown key; did you mean 'nodes'?", "valid keys: name, executor, nodes",
+                     "cluster.nodes: must be >= 1", "cluster.signal_lead_s (90) must be shorter than the time limit",
+                     "cluster.mem: 'lots'", "KILL cannot be caught", "cluster.cpus_per_task", "--time is managed",
+                     "'-x' is not --flag", "extra_sbatch[2]: must be one line", "cluster.executor: 'cloud'",
+                     "cluster.python: must be one line", "nccl profile 'nope'", "must not contain '%'",
+                     "cluster.hardware.gpu_mem_gb: must be > 0", "cluster.hardware.tflops: unknown key"):  # fmt: skip
+        assert fragment in text, fragment
+    assert len(problems) == 15
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"job_name": "two\nlines"}, "cluster.job_name: must be one line"),
+        ({"job_name": "tab\there"}, "control character"),
+        ({"job_name": "back\\slash"}, "backslash"),
+        ({"partition": "a b"}, "cluster.partition: must be a non-empty name without spaces"),
+        ({"gpus_per_node": 0}, "tasks_per_node: required when gpus_per_node is 0"),
+        ({"tasks_per_node": 2}, "must equal gpus_per_node"),
+        ({"executor": "local", "nodes": 2}, "local executor runs on one node"),
+        ({"nodes": "two"}, "cluster.nodes: must be int, got 'two'"),
+        ({"extra_sbatch": [1]}, "must be a list of strings"),
+    ],
+)
+def test_cluster_validation(overrides: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=None) as exc:
+        load_cluster("sandbox", **overrides)
+    assert fragment in str(exc.value)
+
+
+def test_cluster_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown; choose one of a100_ib, local, sandbox"):
+        load_cluster("nope")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_cluster(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_cluster(bad)
+    good = tmp_path / "mine.yaml"
+    good.write_text("gpus_per_node: 2\ntime: 90\n")
+    cluster = load_cluster(good, nodes=3)
+    assert (cluster.name, cluster.nodes, cluster.world_size, cluster.time_minutes) == ("mine", 3, 6, 90)
+    # a ClusterConfig goes through the same validation
+    assert load_cluster(cluster, partition="x").partition == "x"
+    with pytest.raises(ConfigError, match=r"cluster\.nodes"):
+        load_cluster(dataclasses.replace(cluster, nodes=-1))
+
+
+@pytest.mark.parametrize(
+    ("text", "minutes"),
+    [("90", 90), (90, 90), ("30:00", 30), ("00:00:30", 1), ("24:00:00", 1440), ("1-00", 1440),
+     ("2-12:30", 3630), ("1-00:00:01", 1441)],
+)  # fmt: skip
+def test_parse_time(text: str | int, minutes: int) -> None:
+    assert parse_time(text) == minutes
+
+
+@pytest.mark.parametrize("text", ["", "1h", "1:2:3:4", "-5", "12:xx"])
+def test_parse_time_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_time(text)
+
+
+def test_training_config_is_checked_against_the_cluster(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as exc:
+        submit(DEMO, [f"run.dir={tmp_path}", "fault.requeue_signal=USR1", "train.stepz=1"], cluster="sandbox",
+               nodes=0, dry_run=True)  # fmt: skip
+    text = str(exc.value)  # both files' problems at once
+    assert "cluster.nodes" in text and "train.stepz" in text
+    with pytest.raises(ConfigError) as exc:
+        submit(DEMO, [f"run.dir={tmp_path}", "fault.requeue_signal=USR1"], cluster="sandbox", nodes=2, dry_run=True)
+    text = str(exc.value)
+    assert "x data-parallel size (8)" in text and "(on 2 node(s) x 4 tasks = 8 ranks)" in text
+    assert "differs from fault.requeue_signal (USR1)" in text
+
+
+@pytest.mark.parametrize(
+    ("run", "fragment"),
+    [
+        ({"name": "a\nb"}, "run.name (the default job name): must be one line"),
+        ({"dir": "/tmp/100%/x"}, "contains '%'"),
+        ({"dir": "/tmp/a\\b"}, "set the cluster's log_dir"),
+        ({"dir": "/tmp/a\nb"}, "run.dir (the default log_dir <run.dir>/slurm): must be one line"),
+    ],
+)
+def test_run_values_that_reach_the_script_are_checked(tmp_path: Path, run: dict[str, str], fragment: str) -> None:
+    # from a YAML file: an override on the command line cannot carry a newline (YAML folds it into a space)
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({"run": run, "model": {"preset": "tiny"}, "train": {"global_batch_size": 32}}))
+    with pytest.raises(ConfigError) as exc:
+        submit(config, cluster="sandbox", dry_run=True)
+    assert fragment in str(exc.value)
+
+
+def test_newline_in_job_name_is_a_clean_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["submit", DEMO, "--cluster", "sandbox", "--job-name", "a\nb", "--dry-run"])
+    out = capsys.readouterr()
+    assert rc == 2 and out.out == ""
+    assert out.err.startswith("hpcdist: Invalid configuration") and "Traceback" not in out.err
+
+
+def test_proxy_dump_signal_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the trainer's setup_logging stops propagation on the hpcdist logger; caplog listens on the root
+    monkeypatch.setattr(logging.getLogger("hpcdist"), "propagate", True)
+    monkeypatch.delenv("NCCL_PROXY_DUMP_SIGNAL", raising=False)
+    with caplog.at_level(logging.WARNING, logger="hpcdist.launch.cluster"):
+        load_cluster("sandbox")
+        assert not caplog.records
+        monkeypatch.setenv("NCCL_PROXY_DUMP_SIGNAL", "12")  # SIGUSR2 on Linux
+        load_cluster("sandbox")
+        assert "NCCL_PROXY_DUMP_SIGNAL=12 is the preemption signal USR2" in caplog.text
+        assert "set in this environment" in caplog.text
+        caplog.clear()
+        monkeypatch.setenv("NCCL_PROXY_DUMP_SIGNAL", "10")  # SIGUSR1: no conflict with USR2
+        profile = tmp_path / "dump.yaml"
+        profile.write_text("NCCL_PROXY_DUMP_SIGNAL: {value: 12, why: dump proxy state on USR2}\n")
+        load_cluster("sandbox", nccl_profile=str(profile))
+        assert "set by nccl profile" in caplog.text and "set in this environment" not in caplog.text
+
+
+# --------------------------------------------------------------------------------------------- executors
+
+
+def test_no_sbatch_means_local(tmp_path: Path) -> None:
+    ok, why = slurm_reachable({"PATH": str(tmp_path)})
+    assert not ok and why == "sbatch is not on PATH"
+    assert choose_executor(load_cluster("sandbox"), {"PATH": str(tmp_path)}) == (
+        "local", "SLURM is not reachable (sbatch is not on PATH)",
+    )  # fmt: skip
+
+
+def test_sbatch_without_a_controller_means_local(tmp_path: Path) -> None:
+    # what FACTS.md saw: sbatch installed, no configuration source; submitit's AutoExecutor would pick slurm
+    for tool in ("sbatch", "srun", "scontrol", "sinfo"):
+        write_exe(tmp_path / tool, f"echo '{tool}: fatal: Could not establish a configuration source' >&2; exit 1")
+    kind, why = choose_executor(load_cluster("sandbox"), {"PATH": str(tmp_path)})
+    assert kind == "local" and "Could not establish a configuration source" in why
+    with pytest.raises(LaunchError, match="needs SLURM"):
+        choose_executor(load_cluster("sandbox", executor="slurm"), {"PATH": str(tmp_path)})
+    with pytest.raises(LaunchError, match="local fallback runs one node"):
+        choose_executor(load_cluster("sandbox", nodes=2), {"PATH": str(tmp_path)})
+
+
+def test_a_hanging_controller_means_local(tmp_path: Path) -> None:
+    write_exe(tmp_path / "sbatch", "exit 0")
+    sleep = shutil.which("sleep")
+    write_exe(tmp_path / "scontrol", f"exec {sleep} 30")
+    write_exe(tmp_path / "sinfo", f"exec {sleep} 30")
+    ok, why = slurm_reachable({"PATH": str(tmp_path)}, timeout=0.5)
+    assert not ok and "did not answer" in why
+
+
+def test_answering_controller_means_slurm(fake_slurm: Path) -> None:
+    assert choose_executor(load_cluster("sandbox"))[0] == "slurm"
+    assert choose_executor(load_cluster("local"))[0] == "local"
+
+
+class RecordingExecutor:
+    """Stands in for submitit.LocalExecutor: records what submit() asks for."""
+
+    made: ClassVar[list[RecordingExecutor]] = []
+
+    def __init__(self, folder: Path, python: str | None = None) -> None:
+        self.folder, self.python, self.params = Path(folder), python, {}
+        RecordingExecutor.made.append(self)
+
+    def update_parameters(self, **params: Any) -> None:
+        self.params.update(params)
+
+    def submit(self, fn: Any) -> Any:
+        self.fn = fn
+        return SimpleNamespace(job_id="777", get_info=lambda: {"jobState": "RUNNING"})
+
+
+def test_submit_falls_back_to_the_local_executor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
+    monkeypatch.setattr(submitit, "LocalExecutor", RecordingExecutor)
+    RecordingExecutor.made.clear()
+    overrides = [f"run.dir={tmp_path / 'run'}", "train.global_batch_size=32"]
+    handle = submit("configs/demo.yaml", overrides, cluster="sandbox", time="10")
+    assert isinstance(handle, JobHandle)
+    (ex,) = RecordingExecutor.made
+    assert ex.params["tasks_per_node"] == 4  # = the cluster's gpus_per_node
+    assert ex.params["timeout_min"] == 10 and ex.params["signal_delay_s"] == 30
+    assert "export HPCDIST_NCCL_PROFILE=ethernet" in ex.params["setup"]
+    assert ex.folder == tmp_path / "run" / "slurm"
+    assert isinstance(ex.fn, TrainTask) and ex.fn.config_path == DEMO  # made absolute
+    assert (handle.job_id, handle.executor, handle.state, handle.num_tasks) == ("777", "local", "RUNNING", 4)
+    assert handle.paths[3].stderr == tmp_path / "run" / "slurm" / "777_3_log.err"
+
+
+def test_submit_through_slurm_sends_the_dry_run_script(fake_slurm: Path, tmp_path: Path) -> None:
+    args: dict[str, Any] = dict(cluster="sandbox", nodes=2, job_name=NASTY_NAME)
+    overrides = [f"run.dir={tmp_path / 'my runs'}", "train.global_batch_size=64"]
+    handle = submit(DEMO, overrides, **args)
+    assert isinstance(handle, JobHandle)
+    assert (handle.job_id, handle.executor, handle.num_tasks) == ("4242", "slurm", 8)
+    assert (fake_slurm / "submitted.sh").read_text() == submit(DEMO, overrides, dry_run=True, **args)
+    folder = tmp_path / "my runs" / "slurm"
+    assert handle.paths[5].stdout == folder / "4242_5_log.out"
+    task = handle.job.submission().function  # what the nodes will unpickle
+    assert task == TrainTask(DEMO, tuple(overrides))
+    assert handle.state == "RUNNING"
+    handle.cancel()
+    assert (fake_slurm / "scancel.args").read_text().strip() == "4242"
+
+
+def test_sbatch_refusal_is_a_launch_error(fake_slurm: Path, tmp_path: Path) -> None:
+    write_exe(fake_slurm / "sbatch", "echo 'sbatch: error: invalid partition specified: debug' >&2; exit 1")
+    with pytest.raises(LaunchError, match="invalid partition specified"):
+        submit(DEMO, [f"run.dir={tmp_path}", "train.global_batch_size=32"], cluster="sandbox")
+
+
+# --------------------------------------------------------------------------------------------- job handle
+
+
+def handle_with_results(tmp_path: Path, outcomes: list[tuple[str, Any] | None]) -> JobHandle:
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            cloudpickle_dump(outcome, tmp_path / f"55_{rank}_result.pkl")
+    return JobHandle(SimpleNamespace(job_id="55"), executor="slurm", folder=tmp_path, num_tasks=len(outcomes))
+
+
+def test_handle_waits_for_slurm_and_reads_rank_results(
+    fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = {"step": 7, "loss": 1.5}
+    handle = handle_with_results(tmp_path, [("success", result), ("success", result)])
+    with pytest.raises(TimeoutError, match="still RUNNING"):
+        handle.wait(timeout=0.3, poll_s=0.1)
+    monkeypatch.setenv("FAKE_STATE", "COMPLETED")
+    assert handle.wait() == "COMPLETED"
+    assert handle.result() == result and handle.results() == [result, result]
+    monkeypatch.setenv("FAKE_STATE", "REQUEUED")  # preempted and requeued: not finished
+    assert handle.done() is False
+    monkeypatch.setenv("FAKE_STATE", "GONE")  # forgotten by the controller, no accounting: judged by results
+    assert handle.state == "COMPLETED"
+
+
+def test_handle_reports_a_failed_rank(fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_STATE", "FAILED")
+    handle = handle_with_results(tmp_path, [("success", {}), ("error", "Traceback ...\nValueError: boom")])
+    with pytest.raises(LaunchError, match=r"(?s)rank 1 failed.*boom"):
+        handle.result()
+    handle = handle_with_results(tmp_path / "none", [None])
+    monkeypatch.setenv("FAKE_STATE", "GONE")
+    assert handle.state == "UNKNOWN"
+    with pytest.raises(LaunchError, match="without a result from rank 0"):
+        handle.result()
+
+
+# --------------------------------------------------------------------------------------------- task
+
+
+def test_train_task_pickles_and_has_no_submitit_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    task = TrainTask("configs/demo.yaml", ["train.steps=3"])
+    assert task.config_path == DEMO and task.overrides == ("train.steps=3",)
+    assert pickle.loads(pickle.dumps(task)) == task
+    # submitit would call checkpoint() on rank 0 only; the trainer saves collectively on all ranks instead
+    assert not hasattr(task, "checkpoint") and not hasattr(task, "__submitit_checkpoint__")
+
+
+def test_local_tasks_get_torchrun_style_ranks() -> None:
+    environ = {
+        "SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_GLOBALID": "1",
+        "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_JOB_ID": "31337", "SLURM_JOB_ID": "9", "SLURM_PROCID": "0",
+    }  # fmt: skip
+    local_rank_environ(environ)
+    assert {k: environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+    }  # fmt: skip
+    assert 20000 <= int(environ["MASTER_PORT"]) < 40000
+    # an enclosing allocation's job is not this job: the trainer must never requeue it
+    assert not any(k.startswith("SLURM_") for k in environ)
+    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_PROCID": "3"}
+    local_rank_environ(slurm)
+    assert slurm == {"SUBMITIT_EXECUTOR": "slurm", "SLURM_PROCID": "3"}
+
+
+def test_train_task_runs_the_cli_path_and_applies_the_nccl_profile(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clean_env.setenv("HPCDIST_NCCL_PROFILE", "ethernet")
+    out = TrainTask(DEMO, (*TINY, f"run.dir={tmp_path}", "train.steps=3"))()
+    assert out["step"] == 3 and out["loss_step"] == 3 and out["loss"] > 0 and out["resumed_from"] is None
+    assert os.environ["NCCL_IB_DISABLE"] == "1"  # applied before the (here: absent) process group
+    assert "nccl profile ethernet:" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------- status, logs, cancel
+
+
+def test_logs_from_run_dir_and_from_slurm(
+    fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "run" / "slurm"
+    folder.mkdir(parents=True)
+    (folder / "4242_0_log.out").write_text("rank 0 says hi\n")
+    (folder / "4242_3_log.err").write_text("rank 3 complains\n")
+    assert cli.main(["logs", "4242", "--rank", "3", "--err", "--run-dir", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out == "rank 3 complains\n"
+    monkeypatch.setenv("FAKE_STDOUT", str(folder / "4242_0_log.out"))
+    assert cli.main(["logs", "4242"]) == 0
+    assert capsys.readouterr().out == "rank 0 says hi\n"
+    assert cli.main(["logs", "4242", "--rank", "9"]) == 2
+    assert "no log 4242_9_log.out" in capsys.readouterr().err
+
+
+def test_status_and_cancel(fake_slurm: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["status", "4242"]) == 0
+    out = capsys.readouterr().out
+    assert "JobState: RUNNING" in out and "JobName: my job" in out
+    assert cli.main(["cancel", "4242"]) == 0
+    assert (fake_slurm / "scancel.args").read_text().strip() == "4242"
+    assert cli.main(["cancel", "4242; rm -rf /"]) == 2
+    assert "is not a job id" in capsys.readouterr().err
+
+
+def test_status_without_slurm_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert cli.main(["status", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpcdist: status: scontrol is not on PATH") and "Traceback" not in err
+
+
+def test_submit_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["submit", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--cluster", "--nodes", "--gpus-per-node", "--time", "--partition", "--account", "--qos",
+                   "--constraint", "--exclude", "--job-name", "--sbatch-arg", "--dry-run", "--wait"):  # fmt: skip
+        assert option in out
+
+
+def test_sbatch_arg_adds_to_the_cluster_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("gpus_per_node: 1\nextra_sbatch: [--comment=base]\n")
+    rc = cli.main(["submit", DEMO, "--cluster", str(cluster), "--sbatch-arg=--mail-type=END", "--dry-run",
+                   f"run.dir={tmp_path}"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "#SBATCH --comment=base" in out and "#SBATCH --mail-type=END" in out
+
+
+def test_import_hpcdist_is_light_and_submit_is_lazy() -> None:
+    code = (
+        "import sys, hpcdist; assert 'torch' not in sys.modules and 'submitit' not in sys.modules; "
+        "import hpcdist.launch.submit; from hpcdist.launch import submit; assert callable(submit); "
+        "assert hpcdist.submit is submit; print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_parameters_are_valid_for_submitit() -> None:
+    # submitit's SlurmExecutor refuses unknown parameters; its own check uses _make_sbatch_string's signature
+    from submitit.slurm.slurm import _get_default_parameters
+
+    params = slurm_parameters(load_cluster("a100_ib", partition="gpu"), job_name="x")
+    assert set(params) <= set(_get_default_parameters())
+
+
+def test_cluster_config_defaults_are_valid() -> None:
+    assert ClusterConfig().problems() == []
+    assert _signal_name("sigusr2") == _signal_name(" USR2") == "USR2"
+
+
+# --------------------------------------------------------------------------------------------- slow
+
+
+@pytest.mark.slow
+def test_local_executor_trains_two_ranks(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
+    """hpcdist.submit with the LocalExecutor: two real ranks (started like spawn: ~10 s) train to the end."""
+    import hpcdist
+
+    handle = hpcdist.submit(DEMO, [*TINY, f"run.dir={tmp_path}", "train.steps=4"], cluster="local", time="5")
+    assert isinstance(handle, JobHandle) and handle.executor == "local"
+    assert handle.wait(timeout=120) == "COMPLETED", handle.paths[0].stderr.read_text()
+    results = handle.results()
+    assert len(results) == 2 and results[0] == results[1] and results[0]["step"] == 4
+    log = handle.paths[0].stdout.read_text()
+    assert "ddp on 2 rank(s)" in log and "done: step 4" in log
