@@ -194,7 +194,7 @@ class Trainer:
                 result.eval_losses[self.step] = self.evaluate()
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
                 self.save()
-            stop = self.preemption.agreed()  # one tiny all-reduce: every rank leaves after the same step
+            stop = self.preemption.agreed()  # async one-int all-reduce: every rank leaves after the same step
             if stop:
                 log.info("stop requested (%s) at step %d: saving a checkpoint", stop.name, self.step)
                 result.stop_reason = stop
@@ -206,7 +206,7 @@ class Trainer:
         self.ckpt.wait()  # the checkpoint is complete before anyone requeues or exits
         if result.stop_reason:
             result.exit_code = self.preemption.after_checkpoint(result.stop_reason)
-        self.preemption.uninstall()
+        self.preemption.close()
         self.metrics.close()
         result.step = self.step
         return result
@@ -216,7 +216,7 @@ class Trainer:
         tps_dev = self.throughput.tokens_per_s_per_device
         remaining = (self.cfg.train.steps - self.step) * self.throughput.step_time
         m = {
-            "loss": loss.item(),
+            "loss": self.strategy.global_mean(loss).item(),
             "lr": self.strategy.lr,
             "grad_norm": grad_norm.item(),
             "tokens_per_s": self.throughput.tokens_per_s,

@@ -76,6 +76,8 @@ class PreemptionHandler:
         self.job = job if job is not None else SlurmJob.from_environ()
         self._local = StopReason.NONE
         self._previous: dict[int, object] = {}
+        self._group: dist.ProcessGroup | None = None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
     def install(self, extra: Iterable[signal.Signals] = ()) -> PreemptionHandler:
         """Take over the signals (replacing submitit's own rank-0 checkpoint handler: ours saves on all ranks)."""
@@ -100,12 +102,30 @@ class PreemptionHandler:
         self._local = max(self._local, reason)
 
     def agreed(self) -> StopReason:
-        """Collective: the strongest stop reason any rank has seen. Every rank must call it at every step."""
+        """Collective: the strongest stop reason any rank had seen one step ago. Every rank calls it every step.
+
+        The MAX all-reduce runs asynchronously on a CPU (gloo) group and is read one step later, so it never
+        stalls the step or forces a GPU sync; the stop comes one step after the signal, on every rank alike.
+        """
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self._local
-        flag = torch.tensor([int(self._local)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return StopReason(int(flag.item()))
+        result = StopReason.NONE
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            result = StopReason(int(flag.item()))
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        flag = torch.tensor([int(self._local)], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return result
+
+    def close(self) -> None:
+        """Finish the agreement in flight and restore the previous signal handlers (every rank, at the end)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+        self.uninstall()
 
     def after_checkpoint(self, reason: StopReason) -> int:
         """Called on every rank once the stop checkpoint is complete. Rank 0 requeues. Returns the exit code."""

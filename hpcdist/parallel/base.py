@@ -47,6 +47,7 @@ class Strategy:
     ):
         self.device, self.grad_accum, self.micro_batch_size = device, grad_accum, micro_batch_size
         self.grad_clip, self.autocast_dtype, self.dp_group = grad_clip, autocast_dtype, dp_group
+        self._params: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------------ train
     def _sync_context(self, is_last: bool) -> contextlib.AbstractContextManager[Any]:
@@ -64,21 +65,24 @@ class Strategy:
             yield mb[:, :-1], mb[:, 1:]
 
     def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
-        """All micro-batches of this rank's share of one global batch. Returns the global mean loss (detached)."""
-        self.model.train()
+        """All micro-batches of this rank's share of one global batch. Returns this rank's mean loss (detached);
+        ``global_mean`` turns it into the job's loss (done only on log steps: it is a blocking collective)."""
+        if not self.model.training:
+            self.model.train()
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(self._micro_batches(batch)):
             with self._sync_context(i == self.grad_accum - 1), self._autocast():
                 loss = cross_entropy(self.model(inputs), targets) / self.grad_accum
             loss.backward()
             total += loss.detach()
-        return self._dp_mean(total)
+        return total
 
     def optimizer_step(self) -> torch.Tensor:
         """Clip, step, advance the LR schedule, zero grads. Returns the pre-clip global gradient norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self._params is None:  # built once: the parameter set never changes after wrapping
+            self._params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm, foreach=True)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -93,9 +97,10 @@ class Strategy:
             with self._autocast():
                 total += cross_entropy(self.model(inputs), targets)
             n += 1
-        return self._dp_mean(total / max(n, 1))
+        return self.global_mean(total / max(n, 1))
 
-    def _dp_mean(self, t: torch.Tensor) -> torch.Tensor:
+    def global_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Mean of a per-rank scalar over the data-parallel ranks (collective: every dp rank calls it)."""
         if dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
             t /= dist.get_world_size(self.dp_group)

@@ -45,9 +45,10 @@ def test_signal_on_one_rank_stops_all_and_resumes_exactly(small_cfg, tmp_path: P
 
     cfg = small_cfg(*over, run_dir=tmp_path / "pre")
     outs = run_ranks(2, _train_with_signal, cfg, 1, 3, int(sig))
-    # both ranks stopped after step 3 although only rank 1 got the signal; no SLURM here, so no requeue
-    assert [(o["step"], o["reason"], o["code"]) for o in outs] == [(3, reason, 0)] * 2
-    assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [3]
+    # both ranks stopped although only rank 1 got the signal: the agreement started after step 3 is read after
+    # step 4 (it runs asynchronously); no SLURM here, so no requeue
+    assert [(o["step"], o["reason"], o["code"]) for o in outs] == [(4, reason, 0)] * 2
+    assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [4]
 
     resumed = run_ranks(2, _plain, cfg)[0]
     assert resumed["step"] == 8
