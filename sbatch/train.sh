@@ -11,6 +11,7 @@
 #SBATCH --signal=B:USR2@300
 #SBATCH --time=24:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
 
 source "${SLURM_SUBMIT_DIR:-.}/sbatch/common.sh"
 if [ $# -lt 1 ]; then

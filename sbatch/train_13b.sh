@@ -15,6 +15,7 @@
 #SBATCH --signal=B:USR2@300
 #SBATCH --time=48:00:00
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
 
 source "${SLURM_SUBMIT_DIR:-.}/sbatch/common.sh"
 hpcdist_srun "$HPCDIST_PYTHON" -m hpcdist train configs/train_13b.yaml "$@"
