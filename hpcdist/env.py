@@ -273,8 +273,11 @@ def hostnames(nodelist: str) -> list[str]:
 # ------------------------------------------------------------------------------------------------- ports
 
 
-def port_from_job_id(job_id: str | None, base: int = 20000, span: int = 20000) -> int:
+def port_from_job_id(job_id: str | None, base: int = 20000, span: int = 12000) -> int:
     """Rendezvous port every node of a job computes alike, in ``[base, base + span)``; None -> 29500.
+
+    The default range 20000-31999 stays below Linux's ephemeral ports (32768+), which outgoing connections
+    may already hold.
 
     Uses the decimal digits of the id ("123_4" -> 1234), so jobs submitted one after another get
     different ports (two jobs sharing a node do not collide unless their ids differ by a multiple of span).

@@ -211,10 +211,14 @@ def test_hostnames_empty_is_an_error_not_the_jobs_nodelist(no_scontrol: Path, mo
         hostnames("  ")
 
 
-def test_scontrol_agrees_with_parser() -> None:
+def test_scontrol_agrees_with_parser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     exe = shutil.which("scontrol")
     if exe is None:
-        pytest.skip("scontrol is not on PATH")
+        pytest.skip("scontrol is not on PATH (install slurm-wlm: .ci/install-slurm)")
+    # scontrol needs a readable slurm.conf even to expand host lists; four lines are enough (FACTS.md)
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=t\nSlurmctldHost=localhost\nNodeName=n1 CPUs=1\nPartitionName=p Nodes=n1\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
     try:
         # A SLURM_CONF naming a missing file makes scontrol retry for 60 s: keep the probe short.
         probe = subprocess.run([exe, "show", "hostnames", "n[1-2]"], capture_output=True, text=True, timeout=3)
