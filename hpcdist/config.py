@@ -24,7 +24,7 @@ from hpcdist.models.llama import ModelArgs, load_preset
 
 # Strategies this version can run. Later strategies register here when they exist, so a config naming one
 # that is not built yet fails validation instead of failing deep inside the trainer.
-STRATEGIES: tuple[str, ...] = ("ddp",)
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -121,11 +121,33 @@ class TrainConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """FSDP2 (``fully_shard``) settings; read only when parallel.strategy=fsdp."""
+
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward and gather them again for backward (ZeRO-3
+    memory); false keeps them until backward (less communication, more memory: ZeRO-2 like)."""
+    replicate: int = 1
+    """HSDP: number of replica groups. 1 = shard over all ranks; R > 1 = shard inside groups of world/R ranks
+    (e.g. one node) and all-reduce gradients across the R groups. Must divide the world size."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory (GPU jobs short of memory)."""
+    param_dtype: str = "auto"
+    """Dtype of the gathered parameters that forward/backward compute in: auto = bf16 on GPU, fp32 on CPU
+    (what train.dtype selects; train.dtype=bf16 makes it bf16 on CPU too), or fp32 / bf16. The sharded master
+    weights and the optimizer state stay fp32."""
+    reduce_dtype: str = "fp32"
+    """Dtype gradients are reduce-scattered / all-reduced in: fp32 (exact sums) or bf16 (half the traffic)."""
+
+
+@dataclass
 class ParallelConfig:
     strategy: str = "ddp"
-    """ddp (this version). Planned: zero, fsdp, 3d, auto."""
+    """ddp or fsdp (FSDP2, HSDP with fsdp.replicate > 1). Planned: zero, 3d, auto."""
     bucket_cap_mb: int = 25
     """DDP gradient bucket size."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 / HSDP settings (parallel.strategy=fsdp)."""
 
 
 @dataclass
@@ -381,6 +403,10 @@ def check(cfg: JobConfig) -> list[str]:
     p += _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
     p += _choice("train.dtype", cfg.train.dtype, DTYPES)
     p += _choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)
+    p += _choice("parallel.fsdp.param_dtype", cfg.parallel.fsdp.param_dtype, DTYPES)
+    p += _choice("parallel.fsdp.reduce_dtype", cfg.parallel.fsdp.reduce_dtype, ("fp32", "bf16"))
+    if cfg.parallel.fsdp.replicate < 1:
+        p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {cfg.parallel.fsdp.replicate}")
     p += _choice("run.log_level", cfg.run.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))
     p += _positive(
         cfg,
@@ -438,6 +464,18 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
     """Checks that need the job's size. Raises ConfigError before any process group is created."""
     if world_size < 1:
         raise ConfigError([f"world size must be >= 1, got {world_size}"])
+    if cfg.parallel.strategy == "fsdp" and world_size == 1:
+        raise ConfigError(
+            ["parallel.strategy=fsdp shards over ranks and needs more than one; use parallel.strategy=ddp for one"]
+        )
+    replicate = cfg.parallel.fsdp.replicate
+    if cfg.parallel.strategy == "fsdp" and replicate > 1 and world_size % replicate:
+        raise ConfigError(
+            [
+                f"parallel.fsdp.replicate ({replicate}) must divide the world size ({world_size}): HSDP needs "
+                f"replicate x shard == world size; pick a divisor of {world_size} (or 1 for plain FSDP)"
+            ]
+        )
     t = cfg.train
     dp = world_size  # data-parallel degree; model-parallel strategies divide it further
     if t.global_batch_size % (t.micro_batch_size * dp):

@@ -116,7 +116,7 @@ class Trainer:
         self.preemption = PreemptionHandler(
             rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal, requeue=f.requeue,
             max_restarts=f.max_restarts,
-        ).install()  # fmt: skip
+        )  # fmt: skip
         self.saved_step = self.step if self.resumed_from else -1
         # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
         self.metrics = MetricsLogger(
@@ -179,6 +179,19 @@ class Trainer:
         """Train to ``train.steps``; ``until`` stops earlier (an interruption: a checkpoint is saved there)."""
         cfg, result = self.cfg, TrainResult(step=self.step, resumed_from=self.resumed_from)
         end = min(cfg.train.steps, until) if until is not None else cfg.train.steps
+        self.preemption.install()  # signal handlers only while the loop runs; close() restores the old ones
+        try:
+            self._loop(end, result)
+        except BaseException:
+            self.preemption.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
+            raise
+        self.preemption.close()
+        self.metrics.close()
+        result.step = self.step
+        return result
+
+    def _loop(self, end: int, result: TrainResult) -> None:
+        cfg = self.cfg
         while self.step < end:
             t0 = time.perf_counter()
             batch = self.loader.next_batch()
@@ -206,10 +219,6 @@ class Trainer:
         self.ckpt.wait()  # the checkpoint is complete before anyone requeues or exits
         if result.stop_reason:
             result.exit_code = self.preemption.after_checkpoint(result.stop_reason)
-        self.preemption.close()
-        self.metrics.close()
-        result.step = self.step
-        return result
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> float:
         # .item() synchronizes with the device: done only on log steps

@@ -1,8 +1,9 @@
 """Turn a meta-device model into a trained-ready Strategy. The one place that chooses a strategy.
 
 Order matters and is fixed (torchtitan's): tensor parallel -> activation checkpointing -> compile ->
-materialize + init -> data parallel wrapper -> optimizer. Only TP/FSDP can run before materialization (they
-shard meta tensors); DDP needs real parameters because it broadcasts them from rank 0 at construction.
+(FSDP on meta) -> materialize + init -> data parallel wrapper -> optimizer. Only TP/FSDP can run before
+materialization (they shard meta tensors, so no rank ever holds the whole model); DDP needs real parameters
+because it broadcasts them from rank 0 at construction.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from hpcdist.env import DistEnv
 from hpcdist.optim import build_optimizer
 from hpcdist.parallel.base import Strategy
 from hpcdist.parallel.ddp import DDPStrategy
+from hpcdist.parallel.fsdp import FSDPStrategy, apply_fsdp, fsdp_mesh, materialize_sharded
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -66,6 +68,21 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
         case "ddp":
             materialize(model, device=device, seed=cfg.run.seed)
             strategy = DDPStrategy(model, bucket_cap_mb=cfg.parallel.bucket_cap_mb, **common)
+        case "fsdp":
+            f = cfg.parallel.fsdp
+            # mixed precision is FSDP's policy (gathered params cast once per unit), not autocast
+            compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, device)
+            apply_fsdp(
+                model,
+                fsdp_mesh(device.type, env.world_size, replicate=f.replicate),
+                param_dtype=compute or torch.float32,
+                reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
+                reshard_after_forward=f.reshard_after_forward,
+                cpu_offload=f.cpu_offload,
+            )
+            # on the sharded meta model: to_empty allocates only local shards; init equals the unsharded path's
+            materialize_sharded(model, device=device, seed=cfg.run.seed)
+            strategy = FSDPStrategy(model, **{**common, "autocast_dtype": None})
         case other:  # config validation rejects unknown names first; this guards programmatic use
             raise ValueError(f"parallel.strategy: {other!r} is not available")
 

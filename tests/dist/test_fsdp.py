@@ -1,0 +1,145 @@
+"""FSDP2 / HSDP on real gloo ranks equal one DDP process on the same global batch; DCP checkpoints reshard
+between world sizes and move between DDP and FSDP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcdist.checkpoint import list_checkpoints
+from hpcdist.config import ConfigError, JobConfig, check_world
+from hpcdist.env import DistEnv
+from hpcdist.trainer import Trainer
+from tests.dist.harness import run_ranks, single
+
+pytestmark = pytest.mark.dist
+
+STEPS = 10
+# fp32 on CPU: FSDP differs from one process only in summation order (reduce-scatter, per-rank means), so the
+# losses agree to float32 round-off compounded over 10 Adam steps (measured ~1e-7); 1e-5 leaves ~100x margin.
+RTOL = 1e-5
+BATCH = ("train.global_batch_size=8",)
+FSDP = "parallel.strategy=fsdp"
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    # DTensor shards -> the whole tensor (a collective: every rank calls it in the same order)
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
+    trainer = Trainer(cfg, env)
+    result = trainer.train(until=until)
+    params = {k: _full(v) for k, v in trainer.strategy.module.state_dict().items()}
+    return {"losses": result.losses, "params": params, "step": result.step, "resumed": result.resumed_from}
+
+
+def _init(env: DistEnv, cfg: JobConfig) -> dict[str, torch.Tensor]:
+    return {k: _full(v) for k, v in Trainer(cfg, env).strategy.module.state_dict().items()}
+
+
+def _losses(out: dict) -> list[float]:
+    return [out["losses"][s] for s in sorted(out["losses"])]
+
+
+@pytest.fixture
+def reference(small_cfg) -> dict:
+    """One process with DDP's path, global batch 8 in one micro-batch: the ground truth."""
+    return single(_train, small_cfg(f"train.steps={STEPS}", *BATCH, "train.micro_batch_size=8"))
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_init_equals_single_process(small_cfg, tmp_path: Path, tie: bool) -> None:
+    """Sharded init gives exactly the unsharded weights of the same seed (DTensor random init would not)."""
+    over = (*BATCH, "train.micro_batch_size=4", f"model.tie_embeddings={str(tie).lower()}")
+    ref = single(_init, small_cfg(*over, run_dir=tmp_path / "ref"))
+    full = run_ranks(2, _init, small_cfg(*over, FSDP, run_dir=tmp_path / "fsdp"))[0]
+    assert full.keys() == ref.keys()
+    for name, p in ref.items():
+        assert torch.equal(full[name], p), name
+
+
+@pytest.mark.parametrize(
+    ("world", "micro", "replicate"),
+    [(2, 4, 1), (2, 2, 1), (4, 2, 1), (4, 1, 1), (4, 2, 2)],
+    ids=["2ranks", "2ranks-accum2", "4ranks", "4ranks-accum2", "hsdp-2x2"],
+)
+def test_fsdp_matches_single_process(
+    small_cfg, reference, tmp_path: Path, world: int, micro: int, replicate: int
+) -> None:
+    cfg = small_cfg(
+        f"train.steps={STEPS}", *BATCH, f"train.micro_batch_size={micro}", FSDP,
+        f"parallel.fsdp.replicate={replicate}", run_dir=tmp_path / "run",
+    )  # fmt: skip
+    outs = run_ranks(world, _train, cfg)
+    ref = _losses(reference)
+    assert len(ref) == STEPS and ref[-1] < ref[0]
+    for out in outs:  # every rank reports the same global loss
+        torch.testing.assert_close(_losses(out), ref, rtol=RTOL, atol=0)
+    # parameter tolerance as in test_ddp: Adam amplifies round-off for weights whose gradient is ~0
+    for name, p in outs[0]["params"].items():
+        torch.testing.assert_close(p, reference["params"][name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["parallel.fsdp.cpu_offload=true", "parallel.fsdp.reshard_after_forward=false",
+     "train.activation_checkpointing=true", "parallel.fsdp.param_dtype=bf16"],
+)  # fmt: skip
+def test_fsdp_options(small_cfg, reference, tmp_path: Path, option: str) -> None:
+    """Offload, no resharding and activation checkpointing recompute the same fp32 math; bf16 parameters (the
+    MixedPrecisionPolicy) follow the fp32 run to bf16 precision."""
+    cfg = small_cfg(f"train.steps={STEPS}", *BATCH, "train.micro_batch_size=2", FSDP, option, run_dir=tmp_path / "o")
+    out = run_ranks(2, _train, cfg)[0]
+    rtol = 3e-2 if "bf16" in option else RTOL
+    torch.testing.assert_close(_losses(out), _losses(reference), rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize(("save_world", "resume_world"), [(2, 4), (4, 2)])
+def test_checkpoint_reshards(small_cfg, tmp_path: Path, save_world: int, resume_world: int) -> None:
+    """An FSDP checkpoint saved on one world size resumes on another and continues like an uninterrupted run
+    (the sampler counts global samples, so data needs no resharding)."""
+    n = 4
+    over = (f"train.steps={2 * n}", *BATCH, "train.micro_batch_size=2", FSDP)
+    straight = run_ranks(2, _train, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
+    cfg = small_cfg(*over, run_dir=tmp_path / "split")
+    first = run_ranks(save_world, _train, cfg, n)[0]
+    assert first["step"] == n and [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [n]
+    second = run_ranks(resume_world, _train, cfg)[0]
+    assert second["resumed"].endswith(f"step-{n:08d}") and second["step"] == 2 * n
+    torch.testing.assert_close(_losses(first), _losses(straight)[:n], rtol=RTOL, atol=0)
+    torch.testing.assert_close(_losses(second), _losses(straight)[n:], rtol=RTOL, atol=0)
+
+
+def test_ddp_checkpoint_resumes_under_fsdp(small_cfg, tmp_path: Path) -> None:
+    """Checkpoint entries are the unwrapped model's FQNs, so a DDP checkpoint (model + AdamW state) loads into
+    FSDP shards; training continues like the uninterrupted DDP run."""
+    n = 4
+    over = (f"train.steps={2 * n}", *BATCH, "train.micro_batch_size=2")
+    straight = run_ranks(2, _train, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
+    run_dir = tmp_path / "split"
+    run_ranks(2, _train, small_cfg(*over, run_dir=run_dir), n)
+    second = run_ranks(2, _train, small_cfg(*over, FSDP, run_dir=run_dir))[0]
+    assert second["resumed"].endswith(f"step-{n:08d}")
+    torch.testing.assert_close(_losses(second), _losses(straight)[n:], rtol=RTOL, atol=0)
+    for name, p in straight["params"].items():
+        torch.testing.assert_close(second["params"][name], p, rtol=1e-4, atol=1e-5)
+
+
+def test_world_checks(small_cfg) -> None:
+    with pytest.raises(ConfigError, match=r"replicate \(3\) must divide the world size \(4\)"):
+        check_world(small_cfg(*BATCH, "train.micro_batch_size=2", FSDP, "parallel.fsdp.replicate=3"), 4)
+    with pytest.raises(ConfigError, match="needs more than one"):
+        check_world(small_cfg(*BATCH, FSDP), 1)
+
+
+def test_fsdp_config_section(small_cfg) -> None:
+    cfg = small_cfg(FSDP, "parallel.fsdp.replicate=2", "parallel.fsdp.reshard_after_forward=false")
+    assert cfg.parallel.fsdp.replicate == 2 and cfg.parallel.fsdp.reshard_after_forward is False
+    with pytest.raises(ConfigError) as e:
+        small_cfg("parallel.fsdp.param_dtype=fp16", "parallel.fsdp.reduce_dtype=auto", "parallel.fsdp.replicat=2")
+    problems = "\n".join(e.value.problems)
+    assert "parallel.fsdp.param_dtype" in problems and "parallel.fsdp.reduce_dtype" in problems
+    assert "did you mean 'replicate'" in problems
