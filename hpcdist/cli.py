@@ -39,7 +39,7 @@ def _positive_int(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hpcdist",
-        description="Train Llama-style language models with DDP from one YAML config, on a laptop or a SLURM cluster.",
+        description="Train Llama-style language models (DDP or FSDP2) from one YAML config, locally or on SLURM.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
