@@ -181,6 +181,9 @@ class LoggingConfig:
     tensorboard: bool = True
     peak_flops: float | None = None
     """Per-device peak FLOP/s for MFU; default: bf16 peak table on GPU, measured fp32 matmul on CPU."""
+    replica_check_every_steps: int = 0
+    """Every N steps (on a log step) check that data-parallel replicas hold identical parameters: all-gather of a
+    per-rank checksum, metric `replica_divergence`, a warning naming divergent ranks. 0 disables."""
 
 
 @dataclass
@@ -417,6 +420,7 @@ def check(cfg: JobConfig) -> list[str]:
     p += _positive(
         cfg,
         ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps",
+         "logging.replica_check_every_steps",
          "train.eval_every_steps", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"],
         allow_zero=True,
     )  # fmt: skip

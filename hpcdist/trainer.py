@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,9 +237,24 @@ class Trainer:
             "eta_s": remaining,
             **memory_stats(self.env.torch_device()),
         }
+        every = self.cfg.logging.replica_check_every_steps
+        if every and self.step % every == 0 and self.strategy.has_replicas():
+            m["replica_divergence"] = self._check_replicas()
         self.metrics.log(self.step, m)
         log.info(format_line(self.step, self.cfg.train.steps, m))
         return m["loss"]
+
+    def _check_replicas(self) -> float:
+        """Data-parallel replicas must hold bitwise-identical parameters; report the ranks that do not (a silent
+        data corruption, a non-deterministic kernel, or a rank that skipped an update)."""
+        sums = self.strategy.replica_checksums()
+        ref = Counter(sums).most_common(1)[0][0]  # the majority value; a tie goes to the lowest rank's
+        bad = [rank for rank, c in zip(self.strategy.replica_ranks(), sums, strict=True) if c != ref]
+        divergence = max(abs(a - b) / max(abs(b), 1e-30) for c in sums for a, b in zip(c, ref, strict=True))
+        if bad and self.env.is_main:
+            msg = "step %d: data-parallel replicas diverged: rank(s) %s differ from the majority (max rel. diff %.3g)"
+            log.warning(msg, self.step, bad, divergence)
+        return divergence
 
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches global batches of the validation split (same each time)."""

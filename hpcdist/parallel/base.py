@@ -106,6 +106,37 @@ class Strategy:
             t /= dist.get_world_size(self.dp_group)
         return t
 
+    # ------------------------------------------------------------------------------------------ replicas
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks that must hold bitwise-identical local parameters (None = all ranks). Data parallel: all."""
+        return None
+
+    def has_replicas(self) -> bool:
+        return dist.is_initialized() and dist.get_world_size(self.replica_group()) > 1
+
+    @torch.no_grad()
+    def replica_checksums(self) -> list[tuple[float, float]]:
+        """Collective over ``replica_group()``: each replica's float64 (sum, sum of |x|) of its local parameters.
+
+        Two numbers compared separately: their sum alone would miss a negative weight moving towards zero."""
+        local = torch.zeros(2, dtype=torch.float64)
+        for p in self.model.parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p  # DTensor shard: the replica holds this slice
+            local[0] += t.detach().double().sum().cpu()
+            local[1] += t.detach().double().abs().sum().cpu()  # a sum alone misses sign-symmetric drift
+        group = self.replica_group()
+        if not self.has_replicas():
+            return [(float(local[0]), float(local[1]))]
+        local = local.to(self.device)  # NCCL gathers device tensors
+        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        return [(float(g[0]), float(g[1])) for g in gathered]
+
+    def replica_ranks(self) -> list[int]:
+        """Global ranks of ``replica_group()``, in the order ``replica_checksums`` returns them."""
+        group = self.replica_group()
+        return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

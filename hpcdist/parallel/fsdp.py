@@ -109,10 +109,20 @@ def materialize_sharded(model: nn.Module, *, device: torch.device, seed: int) ->
 class FSDPStrategy(Strategy):
     """``model`` is the sharded model itself: FSDP2 adds no wrapper, so ``module`` is the same object."""
 
-    def __init__(self, model: nn.Module, **kwargs: Any):
+    def __init__(self, model: nn.Module, *, mesh: DeviceMesh, **kwargs: Any):
         super().__init__(**kwargs)
         assert isinstance(model, FSDPModule), "apply_fsdp must run before FSDPStrategy"
         self.model = self.module = model
+        self.mesh = mesh
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        # only HSDP has replicas: the ranks holding the same shard index across the replicate dimension
+        if self.mesh.mesh_dim_names and "replicate" in self.mesh.mesh_dim_names:
+            return self.mesh.get_group("replicate")
+        return None
+
+    def has_replicas(self) -> bool:
+        return self.mesh.ndim == 2 and super().has_replicas()
 
     def _sync_context(self, is_last: bool) -> contextlib.AbstractContextManager[Any]:
         # gradient accumulation: non-final micro-batches keep unsharded gradients locally (no reduce-scatter,

@@ -72,9 +72,10 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
             f = cfg.parallel.fsdp
             # mixed precision is FSDP's policy (gathered params cast once per unit), not autocast
             compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, device)
+            mesh = fsdp_mesh(device.type, env.world_size, replicate=f.replicate)
             apply_fsdp(
                 model,
-                fsdp_mesh(device.type, env.world_size, replicate=f.replicate),
+                mesh,
                 param_dtype=compute or torch.float32,
                 reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
                 reshard_after_forward=f.reshard_after_forward,
@@ -82,7 +83,7 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
             )
             # on the sharded meta model: to_empty allocates only local shards; init equals the unsharded path's
             materialize_sharded(model, device=device, seed=cfg.run.seed)
-            strategy = FSDPStrategy(model, **{**common, "autocast_dtype": None})
+            strategy = FSDPStrategy(model, mesh=mesh, **{**common, "autocast_dtype": None})
         case other:  # config validation rejects unknown names first; this guards programmatic use
             raise ValueError(f"parallel.strategy: {other!r} is not available")
 

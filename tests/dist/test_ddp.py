@@ -104,3 +104,29 @@ def test_training_options_on_two_ranks(small_cfg, reference, tmp_path: Path, opt
     out = run_ranks(2, _train, cfg)[0]
     rtol = RTOL if "checkpointing" in option else 3e-2
     torch.testing.assert_close(_losses(out), _losses(reference), rtol=rtol, atol=0)
+
+
+def _train_with_drift(env: DistEnv, cfg: JobConfig, rank: int, after_step: int) -> dict:
+    """Perturb one weight on `rank` after `after_step` (behind DDP's back): the replica check must name it."""
+    trainer = Trainer(cfg, env)
+    step_fn = trainer.strategy.optimizer_step
+
+    def step_then_drift():
+        norm = step_fn()
+        if env.rank == rank and trainer.step + 1 == after_step:
+            with torch.no_grad():
+                next(trainer.strategy.module.parameters()).view(-1)[0] += 1e-3
+        return norm
+
+    trainer.strategy.optimizer_step = step_then_drift
+    trainer.train()
+    lines = [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+    return {m["step"]: m.get("replica_divergence") for m in lines if "split" not in m}
+
+
+def test_replica_check_names_a_diverged_rank(small_cfg, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    cfg = small_cfg("train.steps=4", "train.global_batch_size=8", "train.micro_batch_size=4",
+                    "logging.replica_check_every_steps=1", run_dir=tmp_path / "drift")  # fmt: skip
+    divergence = run_ranks(2, _train_with_drift, cfg, 1, 2)[0]
+    assert divergence[1] == 0.0 and divergence[2] > 0.0  # identical replicas, then rank 1 drifted after step 2
+    assert "rank(s) [1] differ from the majority" in capfd.readouterr().out
