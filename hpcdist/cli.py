@@ -82,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--shard-tokens", type=_positive_int, default=2**24, help="tokens per shard file")
     pr.add_argument("--max-tokens", type=_positive_int, default=None, help="stop after this many tokens")
     _add_launch_parsers(sub)
+    _add_plan_parser(sub)
     return p
 
 
@@ -148,6 +149,31 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
 
     ca = sub.add_parser("cancel", help="cancel a SLURM job (scancel)")
     ca.add_argument("job", help="job id")
+
+
+def _gpu_mem(text: str) -> float:
+    """``80GB`` / ``80GiB`` / ``80G`` / ``80`` -> 80.0 (GiB: an "A100-80GB" has 80 GiB)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:G|GB|GiB)?\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a GPU memory size; give GiB like 80GB, 40GiB or 80")
+    return float(m.group(1))
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    pl = sub.add_parser(
+        "plan",
+        help="estimate per-GPU memory of each parallel strategy for a config",
+        description="Print a table of per-GPU memory (params, grads, optimizer, activations, total) for ddp, "
+        "zero1-3 (with CPU offload), fsdp and hsdp, for CONFIG's model, micro batch, seq_len and activation "
+        "checkpointing on NODES x GPUS_PER_NODE GPUs, and whether each fits --gpu-mem.",
+    )
+    pl.add_argument("config", help="YAML training config, e.g. configs/train_13b.yaml")
+    pl.add_argument("overrides", nargs="*", metavar="section.key=value")
+    pl.add_argument("--nodes", type=_positive_int, default=1)
+    pl.add_argument("--gpus-per-node", type=_positive_int, default=8)
+    pl.add_argument("--gpu-mem", type=_gpu_mem, default=80.0, help="memory of one GPU, e.g. 80GB (default 80)")
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -289,6 +315,26 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hpcdist import config as config_mod
+    from hpcdist.plan import plan_table
+
+    cfg = config_mod.load(args.config, args.overrides)
+    print(
+        plan_table(
+            cfg.model_args(),
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            gpu_mem_gb=args.gpu_mem,
+            micro_batch_size=cfg.train.micro_batch_size,
+            seq_len=cfg.data.seq_len,
+            activation_checkpointing=cfg.train.activation_checkpointing,
+        ),
+        end="",
+    )
+    return 0
+
+
 COMMANDS = {
     "train": cmd_train,
     "config": cmd_config,
@@ -297,6 +343,7 @@ COMMANDS = {
     "status": cmd_status,
     "logs": cmd_logs,
     "cancel": cmd_cancel,
+    "plan": cmd_plan,
 }
 
 

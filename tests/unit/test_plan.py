@@ -1,0 +1,149 @@
+"""hpcdist.plan: per-GPU memory estimates against DeepSpeed's estimators, hand arithmetic and the CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcdist.cli import main
+from hpcdist.models.llama import ModelArgs, build_model, load_preset, num_params
+from hpcdist.plan import (
+    GIB,
+    TABLE_ROWS,
+    activation_bytes,
+    estimate_memory,
+    largest_layer_params,
+    largest_unit_params,
+)
+
+LAYOUTS = [(1, 8), (2, 8), (4, 8), (16, 8), (1, 4)]  # (nodes, gpus per node)
+
+
+def preset(name: str) -> ModelArgs:
+    return ModelArgs(**load_preset(name))
+
+
+def est(args: ModelArgs, strategy: str, world: int = 32, gpn: int = 8, **kw):
+    base = dict(micro_batch_size=1, seq_len=4096, activation_checkpointing=True)
+    return estimate_memory(args, strategy=strategy, world_size=world, gpus_per_node=gpn, **{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def ds_estimators():
+    s12 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    s3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    return s12.estimate_zero2_model_states_mem_needs, s3.estimate_zero3_model_states_mem_needs
+
+
+@pytest.mark.parametrize("name", ["1.3b", "7b", "13b"])
+@pytest.mark.parametrize(("nodes", "gpn"), LAYOUTS)
+def test_matches_deepspeed_estimators(ds_estimators, name, nodes, gpn):
+    zero2, zero3 = ds_estimators
+    args = preset(name)
+    p, big, world = num_params(args), largest_layer_params(args), nodes * gpn
+    for offload in (False, True):
+        _, ds_gpu = zero2(p, num_gpus_per_node=gpn, num_nodes=nodes, cpu_offload=offload)
+        e = est(args, "zero2", world, gpn, offload_optimizer=offload)
+        assert e.model_states_deepspeed == pytest.approx(ds_gpu, rel=0.05)
+        assert e.model_states == pytest.approx(ds_gpu, rel=0.05)  # the category split adds up to DeepSpeed's
+    for off_opt, off_par in ((False, False), (True, False), (True, True)):
+        _, ds_gpu, _ = zero3(p, big, num_gpus_per_node=gpn, num_nodes=nodes, cpu_offload=off_opt,
+                             cpu_offload_params=off_par)  # fmt: skip
+        e = est(args, "zero3", world, gpn, offload_optimizer=off_opt, offload_params=off_par)
+        assert e.model_states_deepspeed == pytest.approx(ds_gpu, rel=0.05)
+        assert e.model_states == pytest.approx(ds_gpu, rel=0.05)
+
+
+def test_largest_layer_and_unit_match_the_model():
+    args = preset("1.3b")
+    model = build_model(args)  # meta device: shapes only
+    per_module = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    assert largest_layer_params(args) == max(per_module)
+    block = sum(p.numel() for p in model.layers["0"].parameters())
+    root = num_params(args) - args.n_layers * block
+    assert largest_unit_params(args) == max(block, root)
+
+
+@pytest.mark.parametrize("name", ["1.3b", "7b", "13b"])
+@pytest.mark.parametrize("world", [8, 32, 128])
+def test_model_states_shrink_with_each_zero_stage(name, world):
+    args = preset(name)
+    ms = {s: est(args, s, world) for s in ("ddp", "zero1", "zero2", "zero3")}
+    assert ms["zero3"].model_states < ms["zero2"].model_states < ms["zero1"].model_states < ms["ddp"].model_states
+    ideal = [ms[s].model_states_ideal for s in ("zero3", "zero2", "zero1", "ddp")]
+    assert ideal == sorted(set(ideal))
+    p = num_params(args)
+    assert ms["ddp"].model_states == ms["ddp"].model_states_ideal == 16 * p
+    assert ms["zero3"].model_states_ideal == 16 * p // world
+
+
+def test_13b_fits_sharded_not_ddp_on_32_a100_80gb():
+    args, mem = preset("13b"), 80 * GIB
+    assert not est(args, "ddp").fits(mem)
+    assert est(args, "zero3").fits(mem)
+    assert est(args, "fsdp").fits(mem)
+    assert est(args, "hsdp", fsdp_replicate=4).fits(mem)
+
+
+def test_activation_formula_by_hand():
+    args = ModelArgs(vocab_size=1000, dim=64, n_layers=3, n_heads=4, ffn_dim=128)
+    s, b, h, a, v, L = 32, 2, 64, 4, 1000, 3
+    logits = s * b * v * 4
+    kw = dict(micro_batch_size=b, seq_len=s)
+    full = activation_bytes(args, activation_checkpointing=False, flash_attention=False, **kw)
+    assert full == L * s * b * h * (34 + 5 * a * s // h) + logits  # 5*a*s/h = 10 exactly here
+    sdpa = activation_bytes(args, activation_checkpointing=False, **kw)
+    assert sdpa == L * 34 * s * b * h + logits
+    ckpt = activation_bytes(args, activation_checkpointing=True, **kw)
+    assert ckpt == L * 2 * s * b * h + 34 * s * b * h + logits
+
+
+@pytest.mark.parametrize("name", ["1.3b", "13b"])
+def test_checkpointing_reduces_activations(name):
+    args = preset(name)
+    on = est(args, "fsdp", activation_checkpointing=True)
+    off = est(args, "fsdp", activation_checkpointing=False)
+    assert on.activations < off.activations
+    assert on.total < off.total
+    assert est(args, "fsdp", micro_batch_size=2).activations > on.activations
+
+
+def test_totals_and_buffers_add_up():
+    e = est(preset("7b"), "zero2")
+    assert e.total == e.params + e.grads + e.optimizer + e.activations + e.buffers
+    assert e.buffers == int(0.1 * (e.total - e.buffers)) + GIB
+
+
+def test_rejects_bad_arguments():
+    args = preset("tiny")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        est(args, "pipeline")
+    with pytest.raises(ValueError, match="divide"):
+        est(args, "hsdp", world=12, fsdp_replicate=5)
+    with pytest.raises(ValueError, match="offload"):
+        est(args, "ddp", offload_optimizer=True)
+    assert est(args, "zero", zero_stage=3).model_states == est(args, "zero3").model_states
+
+
+def test_cli_plan_prints_every_strategy(capsys):
+    rc = main(["plan", "configs/train_13b.yaml", "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem", "80GB"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:] if line.split()}
+    for name in TABLE_ROWS:
+        assert name in rows, out
+    assert rows["ddp"][7] == "no"
+    assert rows["zero3"][7] == "yes" and rows["fsdp"][7] == "yes"
+    assert "13.02B params" in out and "= 32" in out
+
+
+def test_cli_plan_accepts_overrides_and_plain_numbers(capsys):
+    assert main(["plan", "configs/train_13b.yaml", "train.micro_batch_size=2", "--gpu-mem", "40"]) == 0
+    assert "micro batch 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["eighty", "80XB", "-8GB", "0"])
+def test_cli_plan_rejects_garbage_memory(capsys, bad):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "configs/train_13b.yaml", f"--gpu-mem={bad}"])
+    assert exc.value.code == 2
+    assert "--gpu-mem" in capsys.readouterr().err
