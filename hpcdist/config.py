@@ -24,7 +24,7 @@ from hpcdist.models.llama import ModelArgs, load_preset
 
 # Strategies this version can run. Later strategies register here when they exist, so a config naming one
 # that is not built yet fails validation instead of failing deep inside the trainer.
-STRATEGIES: tuple[str, ...] = ("ddp", "fsdp")
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -141,13 +141,33 @@ class FSDPConfig:
 
 
 @dataclass
+class ZeroConfig:
+    """DeepSpeed ZeRO settings; read only when parallel.strategy=zero."""
+
+    stage: int = 2
+    """1 = partition optimizer state, 2 = + gradients, 3 = + parameters."""
+    offload_optimizer: bool = False
+    """Optimizer state and step on the host (ZeRO-Offload; JIT-builds DeepSpeed's cpu_adam, ~100 s the first time)."""
+    offload_params: bool = False
+    """Partitioned parameters in host memory (ZeRO-Infinity); stage 3 only."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward (more memory for the buckets)."""
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient reduce bucket."""
+    allgather_bucket_size: int = 500_000_000
+    """Elements per parameter all-gather bucket (stages 1 and 2)."""
+
+
+@dataclass
 class ParallelConfig:
     strategy: str = "ddp"
-    """ddp or fsdp (FSDP2, HSDP with fsdp.replicate > 1). Planned: zero, 3d, auto."""
+    """ddp, fsdp (FSDP2, HSDP with fsdp.replicate > 1) or zero (DeepSpeed ZeRO 1/2/3). Planned: 3d, auto."""
     bucket_cap_mb: int = 25
     """DDP gradient bucket size."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 / HSDP settings (parallel.strategy=fsdp)."""
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """DeepSpeed ZeRO settings (parallel.strategy=zero)."""
 
 
 @dataclass
@@ -410,6 +430,7 @@ def check(cfg: JobConfig) -> list[str]:
     p += _choice("parallel.fsdp.reduce_dtype", cfg.parallel.fsdp.reduce_dtype, ("fp32", "bf16"))
     if cfg.parallel.fsdp.replicate < 1:
         p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {cfg.parallel.fsdp.replicate}")
+    p += _check_zero(cfg)
     p += _choice("run.log_level", cfg.run.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))
     p += _positive(
         cfg,
@@ -461,6 +482,26 @@ def check(cfg: JobConfig) -> list[str]:
         )
     if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_dir():
         p.append(f"checkpoint.resume: {cfg.checkpoint.resume!r} is not auto, none, or an existing checkpoint directory")
+    return p
+
+
+def _check_zero(cfg: JobConfig) -> list[str]:
+    z, p = cfg.parallel.zero, []
+    if z.stage not in (1, 2, 3):
+        p.append(f"parallel.zero.stage: must be 1, 2 or 3, got {z.stage}")
+    if z.offload_params and z.stage != 3:
+        p.append(f"parallel.zero.offload_params: needs parallel.zero.stage=3 (got stage {z.stage})")
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if getattr(z, key) <= 0:
+            p.append(f"parallel.zero.{key}: must be > 0, got {getattr(z, key)}")
+    if cfg.parallel.strategy == "zero":
+        c = cfg.checkpoint
+        if c.every_steps or c.save_final or c.resume != "none":
+            p.append(
+                "parallel.strategy=zero: checkpoints are not supported yet (DeepSpeed keeps the optimizer state in "
+                "its own per-rank partitions, which hpcdist's DCP checkpoints do not hold); set "
+                "checkpoint.every_steps=0 checkpoint.save_final=false checkpoint.resume=none"
+            )
     return p
 
 

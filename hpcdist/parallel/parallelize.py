@@ -18,6 +18,7 @@ from hpcdist.optim import build_optimizer
 from hpcdist.parallel.base import Strategy
 from hpcdist.parallel.ddp import DDPStrategy
 from hpcdist.parallel.fsdp import FSDPStrategy, apply_fsdp, fsdp_mesh, materialize_sharded
+from hpcdist.parallel.zero import ZeroStrategy, deepspeed_config
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -84,6 +85,27 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
             # on the sharded meta model: to_empty allocates only local shards; init equals the unsharded path's
             materialize_sharded(model, device=device, seed=cfg.run.seed)
             strategy = FSDPStrategy(model, mesh=mesh, **{**common, "autocast_dtype": None})
+        case "zero":
+            z, o = cfg.parallel.zero, cfg.optim
+            materialize(model, device=device, seed=cfg.run.seed)
+            bf16 = device.type == "cuda" and autocast_dtype(cfg.train.dtype, device) is not None
+            ds_config = deepspeed_config(
+                stage=z.stage, micro_batch_size=cfg.train.micro_batch_size, grad_accum=common["grad_accum"],
+                dp_size=dp_size, grad_clip=o.grad_clip, bf16=bf16, offload_optimizer=z.offload_optimizer,
+                offload_params=z.offload_params, overlap_comm=z.overlap_comm,
+                buckets=(z.reduce_bucket_size, z.allgather_bucket_size),
+            )  # fmt: skip
+            # on GPU DeepSpeed's bf16 mode replaces autocast; on CPU train.dtype=bf16 stays plain autocast
+            zero_common = {**common, "autocast_dtype": None if bf16 else common["autocast_dtype"]}
+            # DeepSpeed wraps the optimizer and schedule, so they exist before the engine (not after the match)
+            return ZeroStrategy(
+                model, stage=z.stage, ds_config=ds_config, **zero_common,
+                build_optimizer=lambda m: build_optimizer(
+                    m, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
+                    warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, schedule=o.schedule,
+                    min_lr_ratio=o.min_lr_ratio,
+                ),
+            )  # fmt: skip
         case other:  # config validation rejects unknown names first; this guards programmatic use
             raise ValueError(f"parallel.strategy: {other!r} is not available")
 
