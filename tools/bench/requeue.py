@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import fcntl
 import json
 import os
 import platform
@@ -74,7 +73,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -91,12 +90,14 @@ from tests.slurm.conftest import (  # noqa: E402
     SANDBOX,
     Cluster,
     _cluster_env,
+    _machine_lock,
     job_info,
     release_requeue_hold,
     run_cmd,
     wait_job,
 )
 from tests.slurm.test_train_slurm import JOB_ENV, tiny_overrides  # noqa: E402
+from tools.bench.overhead import table  # noqa: E402
 
 GOAL_S = 20.0
 POLICIES = ("kept", "released")
@@ -120,29 +121,6 @@ def tail_text(path: Path, n: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return f"({path}: missing)"
-
-
-@contextlib.contextmanager
-def machine_lock(timeout_s: float) -> Iterator[None]:
-    """The lock the SLURM test fixtures hold for a session: one sandbox on this machine at a time."""
-    with open(LOCK_PATH, "a") as f:
-        deadline = time.monotonic() + timeout_s
-        waited = False
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not waited:
-                    log(f"waiting for {LOCK_PATH}: a pytest session (or another benchmark) runs a SLURM sandbox")
-                    waited = True
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{LOCK_PATH} still held after {timeout_s:.0f} s") from None
-                time.sleep(1)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def sandbox(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -417,18 +395,6 @@ def cell(s: dict[str, float | None], repeats: int) -> str:
     return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
 
 
-def table(rows: Sequence[Sequence[str]]) -> str:
-    """Plain-text table: the first row is the header; the first column is left-aligned, the others right."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-
-    def line(r: Sequence[str]) -> str:
-        cells = [r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True))]
-        return "  ".join(cells).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(rows[0]), rule, *(line(r) for r in rows[1:])])
-
-
 # (label, source, key); the hpcdist rows are seconds after the USR2, the bare row after `scontrol requeue`
 ROWS: list[tuple[str, str, str]] = [
     ("bare job: scontrol requeue -> job seen requeued", "bare", "requeued_s"),
@@ -529,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     d = Path(a.dir).resolve()
     try:
-        with machine_lock(a.lock_timeout):
+        with _machine_lock(timeout=a.lock_timeout):
             try:
                 cluster = start_sandbox(d)
                 work = d / "work"
