@@ -3,6 +3,8 @@
 Layout of one checkpoint, ``<dir>/step-00001234/``:
 
     *.distcp, .metadata     model + optimizer shards, written by every rank through DCP
+    native/                 a strategy's own sharded files where DCP cannot hold its state (DeepSpeed ZeRO's
+                            flat fp32 partitions and optimizer moments), written before the marker too
     trainer_state.json      step, tokens seen, data sampler, LR scheduler (rank 0)
     rng/rank-00003.pt       each rank's RNG states (plain tensors: loadable with weights_only=True)
     COMPLETE                written last, by rank 0, after every rank's shards are on disk
@@ -33,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from hpcdist.logging_utils import get_logger
 
 MARKER = "COMPLETE"
+NATIVE = "native"
 STATE_FILE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 log = get_logger(__name__)
@@ -87,6 +90,10 @@ class Stateful:
     load_dcp_state: Callable[[dict[str, Any]], None]
     trainer_state: Callable[[], dict[str, Any]]
     load_trainer_state: Callable[[dict[str, Any]], None]
+    save_native: Callable[[Path], None] | None = None
+    """Collective: write the strategy's own sharded state into the given directory (None: DCP holds it all)."""
+    load_native: Callable[[Path], None] | None = None
+    """Collective: restore what ``save_native`` wrote; called instead of the DCP load when the directory exists."""
 
 
 class CheckpointManager:
@@ -115,6 +122,8 @@ class CheckpointManager:
         torch.save(_rng_state(), path / "rng" / f"rank-{self.rank:05d}.pt")
         if self.rank == 0:
             _atomic_write(path / STATE_FILE, json.dumps(state.trainer_state(), indent=1))
+        if state.save_native is not None:  # synchronous, collective; before the marker like every other file
+            state.save_native(path / NATIVE)
         if self.async_save:
             fut = dcp.async_save(state.dcp_state(), checkpoint_id=str(path), process_group=self._pg)
             fut.add_done_callback(lambda f: self._finish(f, path, step, t0))
@@ -168,10 +177,18 @@ class CheckpointManager:
         return path
 
     def load(self, path: Path, state: Stateful) -> dict[str, Any]:
-        dest = state.dcp_state()
-        with _single_process_ok():
-            dcp.load(dest, checkpoint_id=str(path))
-        state.load_dcp_state(dest)
+        if state.load_native is not None and (path / NATIVE).is_dir():
+            state.load_native(path / NATIVE)
+        else:
+            dest = state.dcp_state()
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+            saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+            for part in [k for k in dest if k not in saved]:  # e.g. a ZeRO checkpoint's DCP part has no "optim"
+                log.warning("%s holds no %r state: it is not restored (starts fresh)", path, part)
+                del dest[part]
+            with _single_process_ok():
+                dcp.load(dest, checkpoint_id=str(path))
+            state.load_dcp_state(dest)
         trainer_state = json.loads((path / STATE_FILE).read_text())
         state.load_trainer_state(trainer_state)
         rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"

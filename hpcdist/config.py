@@ -156,6 +156,8 @@ class ZeroConfig:
     """Elements per gradient reduce bucket."""
     allgather_bucket_size: int = 500_000_000
     """Elements per parameter all-gather bucket (stages 1 and 2)."""
+    param_persistence_threshold: int = 100_000
+    """Stage 3: parameters with fewer elements stay whole on every rank (DeepSpeed's default; 0 shards all)."""
 
 
 @dataclass
@@ -494,14 +496,8 @@ def _check_zero(cfg: JobConfig) -> list[str]:
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         if getattr(z, key) <= 0:
             p.append(f"parallel.zero.{key}: must be > 0, got {getattr(z, key)}")
-    if cfg.parallel.strategy == "zero":
-        c = cfg.checkpoint
-        if c.every_steps or c.save_final or c.resume != "none":
-            p.append(
-                "parallel.strategy=zero: checkpoints are not supported yet (DeepSpeed keeps the optimizer state in "
-                "its own per-rank partitions, which hpcdist's DCP checkpoints do not hold); set "
-                "checkpoint.every_steps=0 checkpoint.save_final=false checkpoint.resume=none"
-            )
+    if z.param_persistence_threshold < 0:
+        p.append(f"parallel.zero.param_persistence_threshold: must be >= 0, got {z.param_persistence_threshold}")
     return p
 
 

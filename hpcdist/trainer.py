@@ -145,6 +145,8 @@ class Trainer:
             load_dcp_state=self.strategy.load_dcp_state,
             trainer_state=self.trainer_state,
             load_trainer_state=self.load_trainer_state,
+            save_native=getattr(self.strategy, "save_native", None),
+            load_native=getattr(self.strategy, "load_native", None),
         )
 
     def trainer_state(self) -> dict[str, Any]:
@@ -251,9 +253,15 @@ class Trainer:
         ref = Counter(sums).most_common(1)[0][0]  # the majority value; a tie goes to the lowest rank's
         bad = [rank for rank, c in zip(self.strategy.replica_ranks(), sums, strict=True) if c != ref]
         divergence = max(abs(a - b) / max(abs(b), 1e-30) for c in sums for a, b in zip(c, ref, strict=True))
-        if bad and self.env.is_main:
+        ranks = self.strategy.replica_ranks()
+        if bad and self.env.rank == ranks[0]:  # HSDP has one replica group per shard: each group's first rank
             msg = "step %d: data-parallel replicas diverged: rank(s) %s differ from the majority (max rel. diff %.3g)"
             log.warning(msg, self.step, bad, divergence)
+        if self.strategy.replica_group() is not None and dist.is_initialized():
+            # several replica groups (HSDP): the metric rank 0 writes is the worst over all of them
+            worst = torch.tensor(divergence, dtype=torch.float64, device=self.strategy.device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            divergence = float(worst)
         return divergence
 
     def evaluate(self) -> float:

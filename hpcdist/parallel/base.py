@@ -15,7 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's local shard
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -141,6 +145,29 @@ class Strategy:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    # ------------------------------------------------------------------------------------------ memory
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds for parameters, gradients and optimizer state (local shards only)."""
+        params = [_local(p) for p in self.module.parameters()]
+        grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        optim = [_local(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        return {"params": params, "grads": grads, "optimizer": optim}
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Measured bytes per category, each storage counted once (views such as DDP's gradient buckets and
+        DeepSpeed's flat buffers share one), in the first category that holds it."""
+        seen: set[int] = set()
+        out: dict[str, int] = {}
+        for category, tensors in self.model_state_tensors().items():
+            total = 0
+            for t in tensors:
+                storage = t.untyped_storage()
+                if t.device.type != "meta" and storage.data_ptr() not in seen and storage.nbytes():
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            out[category] = total
+        return out
+
     # ------------------------------------------------------------------------------------------ checkpoint
     def dcp_state(self) -> dict[str, Any]:
         """Model + optimizer state keyed by the unwrapped model's FQNs (DDP/AC/compile prefixes stripped), so a
@@ -149,6 +176,9 @@ class Strategy:
         return {"model": model_sd, "optim": optim_sd}
 
     def load_dcp_state(self, state: dict[str, Any]) -> None:
+        if "optim" not in state:  # weights-only checkpoint (a ZeRO run's portable part): moments start at zero
+            set_model_state_dict(self.model, state["model"])
+            return
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def scheduler_state(self) -> dict[str, Any]:

@@ -48,6 +48,20 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     return None  # fp32: no autocast
 
 
+def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dict:
+    """The DeepSpeed config for ``parallel.strategy=zero``: batch, accumulation and clipping come from the train
+    and optim sections, so DeepSpeed's view of the step can never disagree with hpcdist's."""
+    z = cfg.parallel.zero
+    return deepspeed_config(
+        stage=z.stage, micro_batch_size=cfg.train.micro_batch_size, grad_accum=grad_accum_steps(cfg, dp_size),
+        dp_size=dp_size, grad_clip=cfg.optim.grad_clip,
+        bf16=autocast_dtype(cfg.train.dtype, device) is torch.bfloat16, offload_optimizer=z.offload_optimizer,
+        offload_params=z.offload_params, overlap_comm=z.overlap_comm,
+        buckets=(z.reduce_bucket_size, z.allgather_bucket_size),
+        param_persistence_threshold=z.param_persistence_threshold,
+    )  # fmt: skip
+
+
 def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
     device = env.torch_device()
     dp_size = env.world_size  # pure data parallelism: every rank is a replica
@@ -86,20 +100,14 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
             materialize_sharded(model, device=device, seed=cfg.run.seed)
             strategy = FSDPStrategy(model, mesh=mesh, **{**common, "autocast_dtype": None})
         case "zero":
-            z, o = cfg.parallel.zero, cfg.optim
+            o = cfg.optim
             materialize(model, device=device, seed=cfg.run.seed)
-            bf16 = device.type == "cuda" and autocast_dtype(cfg.train.dtype, device) is not None
-            ds_config = deepspeed_config(
-                stage=z.stage, micro_batch_size=cfg.train.micro_batch_size, grad_accum=common["grad_accum"],
-                dp_size=dp_size, grad_clip=o.grad_clip, bf16=bf16, offload_optimizer=z.offload_optimizer,
-                offload_params=z.offload_params, overlap_comm=z.overlap_comm,
-                buckets=(z.reduce_bucket_size, z.allgather_bucket_size),
-            )  # fmt: skip
-            # on GPU DeepSpeed's bf16 mode replaces autocast; on CPU train.dtype=bf16 stays plain autocast
-            zero_common = {**common, "autocast_dtype": None if bf16 else common["autocast_dtype"]}
+            ds_config = zero_ds_config(cfg, dp_size=dp_size, device=device)
+            # DeepSpeed's bf16 mode (bf16 weights and grads, fp32 master) replaces autocast wherever it is on
+            zero_common = {**common, "autocast_dtype": None}
             # DeepSpeed wraps the optimizer and schedule, so they exist before the engine (not after the match)
             return ZeroStrategy(
-                model, stage=z.stage, ds_config=ds_config, **zero_common,
+                model, stage=cfg.parallel.zero.stage, ds_config=ds_config, **zero_common,
                 build_optimizer=lambda m: build_optimizer(
                     m, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
                     warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, schedule=o.schedule,

@@ -6,17 +6,22 @@ accumulation boundary. The optimizer and schedule are hpcdist's torch AdamW + La
 ``deepspeed.initialize`` (naming AdamW in the DeepSpeed config would JIT-build fused_adam).
 
 Checkpoints: DeepSpeed keeps flat fp32 master partitions and optimizer moments per rank, outside the
-FQN-keyed DCP layout; this first version checkpoints model weights only (see ``dcp_state``), and config
-validation refuses periodic / final checkpoints and resume with this strategy.
+FQN-keyed DCP layout. A checkpoint therefore holds both: the engine's own sharded files (``save_native``:
+``engine.save_checkpoint`` into ``step-N/native/``, what resume loads, exact) and the model weights through
+DCP keyed by FQN (``dcp_state``), so DDP/FSDP runs and inference can load a ZeRO checkpoint. The native part
+resumes only on the world size that wrote it (DeepSpeed's partitions are per rank); the trainer says so
+before loading anything.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -37,6 +42,7 @@ def deepspeed_config(
     offload_params: bool,
     overlap_comm: bool,
     buckets: tuple[int, int],
+    param_persistence_threshold: int = 100_000,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict. ``buckets`` = (reduce_bucket_size, allgather_bucket_size) in elements."""
     reduce_bucket, allgather_bucket = buckets
@@ -48,6 +54,8 @@ def deepspeed_config(
     }
     if stage in (1, 2):
         zero["allgather_bucket_size"] = allgather_bucket
+    else:
+        zero["stage3_param_persistence_threshold"] = param_persistence_threshold
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload_params:
@@ -61,6 +69,9 @@ def deepspeed_config(
         "bf16": {"enabled": bf16},
         # the client (torch) optimizer is used as is; this only stops DeepSpeed refusing it under ZeRO
         "zero_allow_untested_optimizer": True,
+        # with offload DeepSpeed insists on its own cpu_adam (a ~100 s g++ JIT build, impossible without a
+        # compiler); torch's fused CPU AdamW steps the offloaded fp32 partitions instead
+        "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
@@ -142,24 +153,69 @@ class ZeroStrategy(Strategy):
         # stages 1-2 keep whole parameters on every rank (comparable); stage 3 holds disjoint partitions
         return self.stage < 3 and super().has_replicas()
 
+    def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """DeepSpeed's own buffers (0.19 attribute names): 16-bit weights (flat; stage 3: this rank's partition
+        plus persistent small parameters), gradient partitions, fp32 master partitions and the Adam moments."""
+        opt = self.ds_optimizer
+        params = [getattr(p, "ds_tensor", p) for p in self.module.parameters()]
+        if self.stage == 3:
+            grads = [opt.grad_partitions_flat_buffer]
+            master = list(opt.fp32_partitioned_groups_flat)
+        else:
+            grads = [g for gs in opt.averaged_gradients.values() for g in gs if g is not None]
+            grads += [p.grad for p in self.module.parameters() if p.grad is not None]
+            master = list(opt.single_partition_of_fp32_groups)
+        moments = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        return {"params": params, "grads": grads, "optimizer": master + moments}
+
     # ------------------------------------------------------------------------------------------ checkpoint
     def dcp_state(self) -> dict[str, Any]:
-        """Model weights only (FQN-keyed, loadable by any strategy). ZeRO-3 gathers the partitioned parameters."""
+        """Model weights keyed by FQN (loadable by any strategy). Stages 1-2: every rank holds them whole and DCP
+        writes each once. Stage 3: DeepSpeed gathers one layer at a time onto rank 0's host, so no GPU ever
+        holds the whole model; the other ranks contribute nothing."""
         if self.stage == 3:
-            return {"model": self._gathered_state_dict()}
+            full = self.engine._zero3_consolidated_16bit_state_dict()
+            return {"model": dict(full) if full is not None else {}}
         return {"model": get_model_state_dict(self.module)}
 
-    def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        import deepspeed
-
-        params = list(self.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
     def load_dcp_state(self, state: dict[str, Any]) -> None:
-        """Load model weights (stages 1 and 2). Optimizer moments restart from zero: a weights-only restore."""
+        """Weights only, from a DDP/FSDP checkpoint (stages 1 and 2); the optimizer moments start from zero."""
         if self.stage == 3:
-            raise ValueError("parallel.zero.stage=3: loading weights into a partitioned ZeRO-3 model is not supported")
+            raise ValueError(
+                "parallel.zero.stage=3 resumes only from its own checkpoints (step-N/native/); to start from a "
+                "DDP/FSDP checkpoint's weights, resume it with parallel.zero.stage=1 or 2, or with fsdp"
+            )
         set_model_state_dict(self.module, state["model"], options=StateDictOptions(strict=True))
         # the fp32 master partitions are separate copies of the module's weights: refresh them from the module
         self.ds_optimizer._restore_from_bit16_weights()
+        log.warning("loaded model weights only: the checkpoint has no DeepSpeed optimizer state, moments restart")
+
+    def save_native(self, path: Path) -> None:
+        """DeepSpeed's sharded save: module weights plus each rank's fp32 partitions and Adam moments."""
+        # tag fixed and no `latest` file: hpcdist's COMPLETE marker, not DeepSpeed's, says what is resumable
+        self.engine.save_checkpoint(str(path), tag=_TAG, save_latest=False)
+
+    def load_native(self, path: Path) -> None:
+        saved = _saved_world_size(path)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if saved is not None and saved != world:
+            raise ValueError(
+                f"{path.parent} was saved by parallel.strategy=zero on {saved} ranks and this job has {world}: "
+                f"DeepSpeed's optimizer partitions are per rank. Resume on {saved} ranks, or point "
+                "checkpoint.resume at it from a ddp/fsdp run (weights only)"
+            )
+        # the scheduler is DeepSpeed-wrapped here: it restores it itself; hpcdist's trainer state agrees with it
+        load_path, _ = self.engine.load_checkpoint(
+            str(path), tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise ValueError(f"{path}: DeepSpeed found no checkpoint with tag {_TAG!r} (damaged checkpoint?)")
+
+
+_TAG = "zero"
+
+
+def _saved_world_size(path: Path) -> int | None:
+    # one zero_pp_rank_<r>_mp_rank_00_optim_states.pt per data-parallel rank
+    files = list((path / _TAG).glob("*_optim_states.pt"))
+    return len(files) or None

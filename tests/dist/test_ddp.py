@@ -115,7 +115,8 @@ def _train_with_drift(env: DistEnv, cfg: JobConfig, rank: int, after_step: int) 
         norm = step_fn()
         if env.rank == rank and trainer.step + 1 == after_step:
             with torch.no_grad():
-                next(trainer.strategy.module.parameters()).view(-1)[0] += 1e-3
+                p = next(trainer.strategy.module.parameters())
+                (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += 1e-3  # FSDP: this rank's shard
         return norm
 
     trainer.strategy.optimizer_step = step_then_drift

@@ -97,18 +97,28 @@ def test_fsdp_options(small_cfg, reference, tmp_path: Path, option: str) -> None
     torch.testing.assert_close(_losses(out), _losses(reference), rtol=rtol, atol=0)
 
 
-@pytest.mark.parametrize(("save_world", "resume_world"), [(2, 4), (4, 2)])
+@pytest.mark.parametrize(("save_world", "resume_world"), [(2, 2), (2, 4), (4, 2)])
 def test_checkpoint_reshards(small_cfg, tmp_path: Path, save_world: int, resume_world: int) -> None:
-    """An FSDP checkpoint saved on one world size resumes on another and continues like an uninterrupted run
-    (the sampler counts global samples, so data needs no resharding)."""
+    """An FSDP checkpoint saved on one world size loads the same parameters on another and continues like an
+    uninterrupted run (the sampler counts global samples, so data needs no resharding). On the same world size
+    the resumed run is bitwise the uninterrupted one."""
     n = 4
     over = (f"train.steps={2 * n}", *BATCH, "train.micro_batch_size=2", FSDP)
     straight = run_ranks(2, _train, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*over, run_dir=tmp_path / "split")
     first = run_ranks(save_world, _train, cfg, n)[0]
     assert first["step"] == n and [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [n]
+    loaded = run_ranks(resume_world, _train, cfg, n)[0]  # resumes at step n and trains nothing
+    assert loaded["resumed"] and loaded["step"] == n and loaded["losses"] == {}
+    for name, p in first["params"].items():
+        assert torch.equal(loaded["params"][name], p), name
     second = run_ranks(resume_world, _train, cfg)[0]
     assert second["resumed"].endswith(f"step-{n:08d}") and second["step"] == 2 * n
+    if save_world == resume_world == 2:  # the straight run's layout: exact
+        assert {**first["losses"], **second["losses"]} == straight["losses"]
+        for name, p in straight["params"].items():
+            assert torch.equal(second["params"][name], p), name
+        return
     torch.testing.assert_close(_losses(first), _losses(straight)[:n], rtol=RTOL, atol=0)
     torch.testing.assert_close(_losses(second), _losses(straight)[n:], rtol=RTOL, atol=0)
 
@@ -143,3 +153,19 @@ def test_fsdp_config_section(small_cfg) -> None:
     problems = "\n".join(e.value.problems)
     assert "parallel.fsdp.param_dtype" in problems and "parallel.fsdp.reduce_dtype" in problems
     assert "did you mean 'replicate'" in problems
+
+
+def test_hsdp_replica_check_names_the_diverged_rank(
+    small_cfg, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """HSDP 2 x 2: replicas of shard 1 are ranks 1 and 3. Rank 3 drifts behind FSDP's back after step 2; the check
+    (per replica group) names it although rank 0's own group is intact, and rank 0's metric reports it."""
+    from tests.dist.test_ddp import _train_with_drift
+
+    cfg = small_cfg(
+        "train.steps=4", *BATCH, "train.micro_batch_size=2", FSDP, "parallel.fsdp.replicate=2",
+        "logging.replica_check_every_steps=1", run_dir=tmp_path / "drift",
+    )  # fmt: skip
+    divergence = run_ranks(4, _train_with_drift, cfg, 3, 2)[0]
+    assert divergence[1] == 0.0 and divergence[2] > 0.0
+    assert "rank(s) [3] differ from the majority" in capfd.readouterr().out

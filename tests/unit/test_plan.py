@@ -84,6 +84,14 @@ def test_13b_fits_sharded_not_ddp_on_32_a100_80gb():
     assert est(args, "hsdp", fsdp_replicate=4).fits(mem)
 
 
+@pytest.mark.parametrize(("strategy", "published_gb"), [("zero1", 56.9), ("zero2", 31.7), ("zero3", 6.5)])
+def test_13b_ideal_column_matches_published_arithmetic(strategy, published_gb):
+    """ZeRO paper arithmetic for 13B on 32 GPUs (decimal GB): ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N."""
+    args = preset("13b")
+    assert round(num_params(args) / 1e9, 1) == 13.0
+    assert est(args, strategy).model_states_ideal / 1e9 == pytest.approx(published_gb, abs=0.05)
+
+
 def test_activation_formula_by_hand():
     args = ModelArgs(vocab_size=1000, dim=64, n_layers=3, n_heads=4, ffn_dim=128)
     s, b, h, a, v, L = 32, 2, 64, 4, 1000, 3

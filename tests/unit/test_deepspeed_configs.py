@@ -1,0 +1,49 @@
+"""configs/deepspeed/*.json are what hpcdist generates from YAML, never hand-edited copies."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "deepspeed_configs"
+
+
+def _tool():
+    loader = importlib.machinery.SourceFileLoader("deepspeed_configs", str(TOOL))
+    spec = importlib.util.spec_from_loader("deepspeed_configs", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_committed_examples_match_the_generator() -> None:
+    r = subprocess.run([sys.executable, str(TOOL), "--check"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_check_detects_a_stale_file(tmp_path: Path, monkeypatch) -> None:
+    tool = _tool()
+    monkeypatch.setattr(tool, "OUT", tmp_path)
+    assert tool.main([]) == 0 and tool.main(["--check"]) == 0
+    victim = tmp_path / "zero2_13b_32gpu.json"
+    text = victim.read_text()
+    victim.write_text(text.replace('"gradient_accumulation_steps": 8', '"gradient_accumulation_steps": 4'))
+    assert tool.main(["--check"]) == 1
+
+
+def test_examples_agree_with_the_train_section() -> None:
+    for path in sorted((ROOT / "configs" / "deepspeed").glob("*.json")):
+        ds = json.loads(path.read_text())
+        # train_13b.yaml: global batch 256 = micro 1 x 8 accumulation x 32 ranks, clip 1.0, bf16 on GPU
+        assert (
+            ds["train_batch_size"]
+            == 256
+            == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 32
+        ), path.name
+        assert ds["gradient_clipping"] == 1.0 and ds["bf16"]["enabled"] is True, path.name
+        assert "optimizer" not in ds  # hpcdist hands DeepSpeed torch's AdamW: no fused_adam / cpu_adam build
