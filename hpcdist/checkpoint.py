@@ -7,19 +7,25 @@ Layout of one checkpoint, ``<dir>/step-00001234/``:
                             flat fp32 partitions and optimizer moments), written before the marker too
     trainer_state.json      step, tokens seen, data sampler, LR scheduler (rank 0)
     rng/rank-00003.pt       each rank's RNG states (plain tensors: loadable with weights_only=True)
-    COMPLETE                written last, by rank 0, after every rank's shards are on disk
+    MANIFEST.json           size and sha256 of every file above (hashed by all ranks, written by rank 0)
+    COMPLETE                written last, by rank 0, after every rank's shards and the manifest are on disk
 
 A directory without ``COMPLETE`` is a crashed or in-flight save: resume ignores it (with a warning) and
-pruning never deletes a complete checkpoint before a newer one is complete.
+pruning never deletes a complete checkpoint before a newer one is complete. Resume verifies the newest complete
+checkpoint against its manifest; a damaged one (missing, truncated or altered file) is demoted (``COMPLETE``
+renamed ``DAMAGED``) with a warning naming the file, and the previous one is used. A save that fails (disk full)
+on any rank is abandoned by all ranks together: its directory is removed and training continues.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -31,11 +37,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcdist.logging_utils import get_logger
 
 MARKER = "COMPLETE"
+DAMAGED = "DAMAGED"  # a COMPLETE marker renamed after the checkpoint failed verification
+MANIFEST = "MANIFEST.json"
 NATIVE = "native"
+KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_kill_point
 STATE_FILE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 log = get_logger(__name__)
@@ -99,46 +109,81 @@ class Stateful:
 class CheckpointManager:
     """Saves and resumes step-N checkpoints collectively; every rank calls every method."""
 
-    def __init__(self, root: Path, *, rank: int, world_size: int, keep_last: int = 3, async_save: bool = False):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        rank: int,
+        world_size: int,
+        keep_last: int = 3,
+        async_save: bool = False,
+        verify: str = "checksum",
+    ):
         self.root, self.rank, self.world_size = Path(root), rank, world_size
-        self.keep_last, self.async_save = keep_last, async_save
+        self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
         self._pending: Future[Any] | None = None
-        self._pg = None
-        if async_save and dist.is_initialized():
-            # async DCP runs its collectives in a background thread while training runs collectives on the
-            # default group; sharing one group between threads deadlocks, and on GPU jobs it must be a CPU group
+        self._pg = self._async_pg = None
+        if dist.is_initialized():
+            # CPU groups of their own: agreement flags and manifest gathers work on NCCL jobs too; async DCP runs
+            # its collectives in a background thread, and two threads sharing one group deadlock
             self._pg = dist.new_group(backend="gloo")
+            if async_save:
+                self._async_pg = dist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------------------------------ save
-    def save(self, step: int, state: Stateful) -> Path:
+    def save(self, step: int, state: Stateful) -> Path | None:
+        """Write step-N collectively; None when it failed (disk full, I/O error): then the partial directory is
+        removed, every rank logs why, and the previous complete checkpoint stays the resume point."""
         self.wait()  # one save in flight at a time; also makes the previous checkpoint complete
         path = step_dir(self.root, step)
+        t0 = time.perf_counter()
+        # every phase ends in an agreement: a rank whose local write failed must not leave the others waiting in
+        # the next collective, and no rank may go on to write a marker for a checkpoint another rank failed
+        ok = self._all_ok(_attempt(lambda: self._prepare(path)))
+        ok = ok and self._all_ok(_attempt(lambda: self._write_local(path, state)))
+        ok = ok and self._all_ok(_attempt(lambda: self._write_shards(path, state, step, t0)))
+        if self.async_save and ok:
+            return path  # the future's callback writes the manifest and the marker
+        ok = ok and self._all_ok(_attempt(lambda: self._write_manifest(path, distributed=True)))
+        ok = ok and self._all_ok(_attempt(lambda: self._complete(path, step, t0)))
+        if not ok:
+            self._abandon(path, step)
+            return None
+        return path
+
+    def _prepare(self, path: Path) -> None:
         if self.rank == 0:
             if path.exists():  # leftover of a crashed save at the same step: never mix old and new shards
                 shutil.rmtree(path)
             (path / "rng").mkdir(parents=True)
-        _barrier()
-        t0 = time.perf_counter()
+
+    def _write_local(self, path: Path, state: Stateful) -> None:
         torch.save(_rng_state(), path / "rng" / f"rank-{self.rank:05d}.pt")
         if self.rank == 0:
             _atomic_write(path / STATE_FILE, json.dumps(state.trainer_state(), indent=1))
+
+    def _write_shards(self, path: Path, state: Stateful, step: int, t0: float) -> None:
         if state.save_native is not None:  # synchronous, collective; before the marker like every other file
             state.save_native(path / NATIVE)
         if self.async_save:
-            fut = dcp.async_save(state.dcp_state(), checkpoint_id=str(path), process_group=self._pg)
-            fut.add_done_callback(lambda f: self._finish(f, path, step, t0))
+            fut = dcp.async_save(state.dcp_state(), checkpoint_id=str(path), process_group=self._async_pg)
+            fut.add_done_callback(lambda f: self._finish_async(f, path, step, t0))
             self._pending = fut
-        else:
-            with _single_process_ok():
-                dcp.save(state.dcp_state(), checkpoint_id=str(path))
-            _barrier()  # every rank's shards and rng file are written before the marker
-            self._finish(None, path, step, t0)
-        return path
-
-    def _finish(self, fut: Future[Any] | None, path: Path, step: int, t0: float) -> None:
-        if fut is not None and fut.exception() is not None:
-            log.error("async checkpoint %s failed: %s; it stays incomplete", path, fut.exception())
             return
+        with _single_process_ok():
+            dcp.save(state.dcp_state(), checkpoint_id=str(path))
+        _test_kill_point(step)
+
+    def _write_manifest(self, path: Path, *, distributed: bool) -> None:
+        """MANIFEST.json: size and sha256 of every file, hashed by all ranks (each a share), written by rank 0."""
+        files = _files(path)
+        entries = self._spread(files, lambda rel: _digest(path / rel, checksum=True)) if distributed else {
+            rel: _digest(path / rel, checksum=True) for rel in files
+        }  # fmt: skip
+        if self.rank == 0:
+            _atomic_write(path / MANIFEST, json.dumps({"files": entries}, indent=0, sort_keys=True))
+
+    def _complete(self, path: Path, step: int, t0: float) -> None:
         if self.rank == 0:
             seconds = time.perf_counter() - t0
             marker = {"step": step, "world_size": self.world_size, "time": time.time(), "save_seconds": seconds}
@@ -146,10 +191,37 @@ class CheckpointManager:
             log.info("checkpoint %s complete (%.2fs)", path, seconds)
             self._prune()
 
+    def _finish_async(self, fut: Future[Any], path: Path, step: int, t0: float) -> None:
+        # runs in DCP's background thread on every rank once the shards (and .metadata) are written: rank 0
+        # hashes alone here (no collectives off the main thread), off the training's critical path
+        if fut.exception() is not None:
+            log.error("async checkpoint %s failed: %s; it stays incomplete", path, fut.exception())
+            return
+        if self.rank == 0:
+            err = _attempt(lambda: (self._write_manifest(path, distributed=False), self._complete(path, step, t0)))
+            if err is not None:
+                log.error("async checkpoint %s failed: %s; it stays incomplete", path, err)
+
+    def _abandon(self, path: Path, step: int) -> None:
+        previous = latest(self.root, warn=False)
+        free = shutil.disk_usage(self.root).free if self.root.exists() else 0
+        log.error(
+            "checkpoint at step %d failed (see the error above; %.1f MB free in %s): training continues, the resume "
+            "point stays %s",
+            step,
+            free / 1e6,
+            self.root,
+            previous or "none (no complete checkpoint)",
+        )
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # frees the space; it never had a marker
+        _barrier(self._pg)
+
     def wait(self) -> None:
         """Block until an async save in flight is complete (call before exit and before the next save)."""
         if self._pending is not None:
-            self._pending.result()
+            with contextlib.suppress(Exception):  # a failed async save is logged by its callback; it stays incomplete
+                self._pending.result()
             self._pending = None
         _barrier()
 
@@ -162,19 +234,82 @@ class CheckpointManager:
             if int(d.name.split("-")[1]) < newest:
                 shutil.rmtree(d, ignore_errors=True)
 
+    # ------------------------------------------------------------------------------------------ collectives
+    def _all_ok(self, err: BaseException | None) -> bool:
+        """Collective: True iff no rank failed; each failure is logged by the rank that had it."""
+        if err is not None:
+            log.error("rank %d: checkpoint I/O failed: %s: %s", self.rank, type(err).__name__, err)
+        if self._pg is None:
+            return err is None
+        flag = torch.tensor([0 if err is None else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+        return int(flag) == 0
+
+    def _spread(self, items: list[str], fn: Callable[[str], Any]) -> dict[str, Any]:
+        """{item: fn(item)}, the work split over the ranks (each reads its share once) and gathered to all."""
+        mine = {item: fn(item) for item in items[self.rank :: self.world_size]}
+        if self._pg is None:
+            return mine
+        parts: list[dict[str, Any]] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(parts, mine, group=self._pg)
+        return {k: v for part in parts for k, v in part.items()}
+
     # ------------------------------------------------------------------------------------------ load
+    def verify(self, path: Path, mode: str | None = None) -> list[str]:
+        """Collective: what is wrong with ``path`` against its manifest (empty = intact). ``mode``: checksum,
+        size or none (default: the manager's)."""
+        mode = mode or self.verify_mode
+        if mode == "none":
+            return []
+        if not (path / MANIFEST).is_file():
+            log.warning("%s has no %s (an older hpcdist wrote it): it is not verified", path, MANIFEST)
+            return []
+        try:
+            manifest: dict[str, dict[str, Any]] = json.loads((path / MANIFEST).read_text())["files"]
+        except (OSError, ValueError, KeyError) as e:
+            return [f"{MANIFEST}: unreadable ({e})"]
+        present = set(_files(path))
+        problems = [f"{rel}: missing" for rel in sorted(set(manifest) - present)]
+        found = self._spread(sorted(set(manifest) & present), lambda rel: _digest(path / rel, mode == "checksum"))
+        for rel, got in sorted(found.items()):
+            want = manifest[rel]
+            if got["size"] != want["size"]:
+                problems.append(f"{rel}: {got['size']} bytes, the manifest says {want['size']} (truncated or altered)")
+            elif mode == "checksum" and got["sha256"] != want["sha256"]:
+                problems.append(f"{rel}: sha256 differs from the manifest (altered)")
+        return problems
+
     def resolve(self, resume: str) -> Path | None:
-        """``auto`` -> newest complete checkpoint or None; ``none`` -> None; else that directory (must be complete)."""
+        """``auto`` -> newest complete checkpoint that verifies (damaged ones are skipped, with a warning, for the
+        previous one) or None; ``none`` -> None; else that directory (must be complete and intact)."""
         if resume == "none":
             return None
         if resume == "auto":
-            return latest(self.root)
+            latest(self.root)  # warns about interrupted saves
+            for _, path in reversed(list_checkpoints(self.root)[0]):
+                problems = self.verify(path)
+                if not problems:
+                    return path
+                self._demote(path, problems)
+            return None
         path = Path(resume)
         if not (path / MARKER).is_file():
             raise ValueError(
                 f"checkpoint.resume: {path} has no {MARKER} marker; it is incomplete and cannot be trusted"
             )
+        problems = self.verify(path)
+        if problems:
+            raise ValueError(f"checkpoint.resume: {path} is damaged: {'; '.join(problems)}")
         return path
+
+    def _demote(self, path: Path, problems: list[str]) -> None:
+        """A damaged checkpoint is never a resume candidate again: its marker is renamed (files kept to inspect)."""
+        log.warning("checkpoint %s is damaged, using the previous complete one: %s", path, "; ".join(problems))
+        _barrier(self._pg)  # every rank has read the marker before it goes
+        if self.rank == 0:
+            with contextlib.suppress(OSError):
+                (path / MARKER).rename(path / DAMAGED)
+        _barrier(self._pg)
 
     def load(self, path: Path, state: Stateful) -> dict[str, Any]:
         if state.load_native is not None and (path / NATIVE).is_dir():
@@ -206,9 +341,39 @@ def _single_process_ok() -> Iterator[None]:
         yield
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
+
+
+def _attempt(fn: Callable[[], Any]) -> BaseException | None:
+    """Run one local phase of a save; return its error instead of raising (the ranks agree on it next)."""
+    try:
+        fn()
+    except (Exception, CheckpointException) as e:  # OSError (ENOSPC, EIO, EDQUOT); DCP's wrapper of rank errors
+        return e  # (CheckpointException is a BaseException: a bare `except Exception` would let it through)
+    return None
+
+
+def _files(path: Path) -> list[str]:
+    """Every file of a checkpoint but the marker and manifest, as sorted relative paths."""
+    skip = {MARKER, MANIFEST, DAMAGED}
+    return sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f.name not in skip)
+
+
+def _digest(file: Path, checksum: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {"size": file.stat().st_size}
+    if checksum:
+        with open(file, "rb") as f:
+            entry["sha256"] = hashlib.file_digest(f, "sha256").hexdigest()
+    return entry
+
+
+def _test_kill_point(step: int) -> None:
+    """Fault injection for the tests: with HPCDIST_TEST_KILL_IN_SAVE=<step>, every rank SIGKILLs itself after
+    writing that step's shards and before the manifest and marker (a crash in the middle of a save)."""
+    if os.environ.get(KILL_ENV) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from hpcdist.models.llama import ModelArgs, load_preset
 
 # Strategies this version can run. Later strategies register here when they exist, so a config naming one
 # that is not built yet fails validation instead of failing deep inside the trainer.
+VERIFY_MODES: tuple[str, ...] = ("checksum", "size", "none")
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16")
@@ -184,6 +185,10 @@ class CheckpointConfig:
     """auto = newest complete checkpoint if any, else fresh; none = always fresh; or a step-XXXXXXXX path."""
     async_save: bool = False
     save_final: bool = True
+    verify: str = "checksum"
+    """Before resuming, check the checkpoint against its MANIFEST.json: checksum (sha256 of every file, read
+    once, spread over the ranks), size (sizes only: cheap, catches truncation) or none. A damaged checkpoint is
+    skipped for the previous complete one, with a warning naming the file."""
 
 
 @dataclass
@@ -482,6 +487,8 @@ def check(cfg: JobConfig) -> list[str]:
             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
             f"({t.micro_batch_size})"
         )
+    if cfg.checkpoint.verify not in VERIFY_MODES:
+        p.append(f"checkpoint.verify: {cfg.checkpoint.verify!r} is not one of {', '.join(VERIFY_MODES)}")
     if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_dir():
         p.append(f"checkpoint.resume: {cfg.checkpoint.resume!r} is not auto, none, or an existing checkpoint directory")
     return p

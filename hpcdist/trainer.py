@@ -105,7 +105,7 @@ class Trainer:
         self.throughput = Throughput(env.world_size)
         self.ckpt = CheckpointManager(
             cfg.checkpoint_dir, rank=env.rank, world_size=env.world_size, keep_last=cfg.checkpoint.keep_last,
-            async_save=cfg.checkpoint.async_save,
+            async_save=cfg.checkpoint.async_save, verify=cfg.checkpoint.verify,
         )  # fmt: skip
         log.info(
             "model %s params (%.1fM), %s on %d rank(s), grad accum %d, %.3g FLOPs/token",

@@ -1,0 +1,129 @@
+"""Checkpoint integrity under faults, on real ranks: damaged files, a crash in the middle of a save, a full disk.
+
+Each test damages or interrupts a real checkpoint the way a cluster does, then checks that resume never trusts
+it and training goes on with the same losses as an undisturbed run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcdist import config as config_mod
+from hpcdist.checkpoint import DAMAGED, KILL_ENV, MANIFEST, MARKER, list_checkpoints
+from hpcdist.config import JobConfig
+from hpcdist.env import DistEnv
+from hpcdist.trainer import Trainer
+from tests.dist.harness import free_port, run_ranks
+
+pytestmark = pytest.mark.dist
+
+# the same train.steps everywhere (the LR schedule depends on it); shorter runs stop early with until=
+OVER = ("train.steps=8", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=2")
+
+
+def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
+    result = Trainer(cfg, env).train(until=until)
+    return {"losses": result.losses, "resumed": result.resumed_from, "step": result.step}
+
+
+def _shard(ckpt: Path) -> Path:
+    return sorted(ckpt.glob("*.distcp"))[-1]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-byte", "delete"])
+def test_damaged_newest_checkpoint_falls_back(small_cfg, tmp_path, capfd, damage: str) -> None:
+    """Damage one shard of step 6; a resumed 8-step run must load step 4 (warning names the file), demote step 6,
+    and redo steps 5-8 exactly like the straight run."""
+    straight = run_ranks(2, _train, small_cfg(*OVER, run_dir=tmp_path / "straight"))[0]
+    cfg = small_cfg(*OVER, run_dir=tmp_path / "run")
+    run_ranks(2, _train, cfg, 6)
+    newest = cfg.checkpoint_dir / "step-00000006"
+    victim = _shard(newest)
+    manifest = json.loads((newest / MANIFEST).read_text())["files"]
+    assert manifest[victim.name]["size"] == victim.stat().st_size  # the manifest covers the shards
+    if damage == "truncate":
+        os.truncate(victim, victim.stat().st_size // 2)
+    elif damage == "flip-byte":  # same size: only the checksum sees it
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    else:
+        victim.unlink()
+    capfd.readouterr()
+
+    resumed = run_ranks(2, _train, cfg)[0]
+    out = capfd.readouterr().out
+    assert resumed["resumed"].endswith("step-00000004")
+    assert "step-00000006 is damaged" in out and victim.name in out
+    assert resumed["losses"] == {s: v for s, v in straight["losses"].items() if s > 4}
+    assert (newest / MARKER).is_file()  # step 6 was saved again over the damaged one (which had been demoted)
+    assert not (newest / DAMAGED).exists()
+
+
+def test_explicit_resume_of_a_damaged_checkpoint_is_refused(small_cfg, tmp_path) -> None:
+    cfg = small_cfg(*OVER, run_dir=tmp_path / "run")
+    run_ranks(2, _train, cfg, 2)
+    ckpt = cfg.checkpoint_dir / "step-00000002"
+    os.truncate(_shard(ckpt), 10)
+    with pytest.raises(AssertionError, match=r"is damaged: __\d_0\.distcp: 10 bytes"):
+        run_ranks(2, _train, small_cfg(*OVER, f"checkpoint.resume={ckpt}", run_dir=tmp_path / "again"))
+
+
+def test_killed_during_save_resumes_from_previous(small_cfg, tmp_path) -> None:
+    """torchrun, 2 ranks: every rank is SIGKILLed after writing step 4's shards, before its manifest and marker
+    (test-only hook). The next run ignores step 4, resumes from step 2 and matches the straight run."""
+    straight = run_ranks(2, _train, small_cfg(*OVER, run_dir=tmp_path / "straight"))[0]
+    cfg = small_cfg(*OVER, run_dir=tmp_path / "run")
+    config_file = config_mod.save(cfg, tmp_path / "config.yaml")  # exactly small_cfg's resolved config
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "hpcdist.cli", "train", str(config_file)]  # fmt: skip
+    env = {**os.environ, KILL_ENV: "4", "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0, r.stdout[-2000:]
+    complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
+    assert [s for s, _ in complete] == [2]
+    assert [d.name for d in incomplete] == ["step-00000004"] and list(incomplete[0].glob("*.distcp"))
+    assert not (incomplete[0] / MANIFEST).exists()
+
+    resumed = run_ranks(2, _train, cfg)[0]
+    assert resumed["resumed"].endswith("step-00000002")
+    assert resumed["losses"] == {s: v for s, v in straight["losses"].items() if s > 2}
+    assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [2, 4, 6, 8]
+
+
+@contextlib.contextmanager
+def _small_tmpfs(path: Path, size: str):
+    path.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (needs root / CAP_SYS_ADMIN): {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_disk_full_during_save_keeps_training_and_previous_checkpoint(small_cfg, tmp_path, capfd) -> None:
+    """A 2 MB run directory holds one checkpoint (~1.3 MB) but not two: the save at step 4 fails with ENOSPC on
+    the ranks, all ranks abandon it together, training finishes, and step 2 stays complete and verified."""
+    with _small_tmpfs(tmp_path / "small", "2m") as small:
+        cfg = small_cfg(*OVER, "train.steps=4", "checkpoint.keep_last=1", run_dir=small / "run")
+        out = run_ranks(2, _train, cfg)[0]
+        log = capfd.readouterr().out
+        assert out["step"] == 4 and sorted(out["losses"]) == [1, 2, 3, 4]
+        assert "checkpoint at step 4 failed" in log and "MB free in" in log and "point stays" in log
+        complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
+        assert [s for s, _ in complete] == [2] and incomplete == []  # the partial step 4 was removed
+        again = run_ranks(2, _train, cfg)[0]  # step 2 is loadable (verified against its manifest)
+        assert again["resumed"].endswith("step-00000002")
+        assert again["losses"] == {s: v for s, v in out["losses"].items() if s > 2}
+        shutil.rmtree(cfg.run.dir, ignore_errors=True)
