@@ -190,6 +190,7 @@ def run_train(config_path: str | os.PathLike[str], overrides: Sequence[str] = ()
     cfg = config_mod.load(config_path, overrides)
     env = from_environ()
     config_mod.check_world(cfg, env.world_size)  # before any process group: a bad batch split fails fast
+    config_mod.check_run_dir(cfg)  # every rank: one failing alone would leave the others at the rendezvous
     # In every task, before the process group: NCCL and gloo read these at init, and interface names differ
     # between hosts. A no-op unless the job names a profile (hpcdist submit exports HPCDIST_NCCL_PROFILE).
     nccl_lines = apply_to_environ(os.environ.get(PROFILE_ENV), master_addr=env.master_addr)

@@ -301,6 +301,10 @@ def _check_job(cfg: config_mod.JobConfig, cluster: ClusterConfig, job_name: str,
     except ConfigError as e:
         where = f"{cluster.nodes} node(s) x {cluster.ntasks_per_node} tasks = {cluster.world_size} ranks"
         problems += [f"{p} (on {where})" for p in e.problems]
+    try:  # the login node usually sees the cluster's shared file system: refuse another user's or a read-only run
+        config_mod.check_run_dir(cfg)
+    except ConfigError as e:
+        problems += e.problems
     fault = getattr(cfg, "fault", None)
     wanted = getattr(fault, "requeue_signal", None)
     if wanted and _signal_name(wanted) != _signal_name(cluster.signal):

@@ -685,7 +685,7 @@ _OVERRIDES = st.lists(
     ),
     max_size=6,
 )
-_FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
