@@ -15,11 +15,13 @@ if TYPE_CHECKING:
 EPILOG = """examples:
   hpcdist train configs/demo.yaml                      # one process on this machine
   hpcdist train configs/demo.yaml train.steps=50 run.dir=runs/try
+  hpcdist train configs/train_13b.yaml --dry-run --world-size 32   # check the 32-GPU layout here, no GPU
   torchrun --nproc_per_node=2 -m hpcdist.cli train configs/demo.yaml
   srun --ntasks-per-node=8 hpcdist train configs/train_13b.yaml   # one task per GPU
   hpcdist config configs/demo.yaml model.dim=512        # print the resolved, validated config
   hpcdist prepare ~/corpus --glob '*.txt' --out data/corpus
   hpcdist submit configs/train_13b.yaml --nodes 4 --partition gpu   # sbatch through submitit (8 ranks/node)
+  hpcdist plan configs/train_13b.yaml --nodes 4 --gpus-per-node 8  # memory per strategy + ranked layouts
   hpcdist submit configs/demo.yaml --cluster local --wait          # no SLURM: ranks as local processes
   hpcdist submit configs/demo.yaml --cluster sandbox --dry-run     # print the sbatch script, submit nothing
   hpcdist status 1234; hpcdist logs 1234 --rank 3 --err; hpcdist cancel 1234
@@ -63,6 +65,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
     t.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.steps=200 run.dir=runs/x")
+    t.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="train nothing: validate the layout for --world-size ranks, build the model on the meta device, apply "
+        "the parallel plan on a fake process group and print per-rank parameter counts and the memory estimate "
+        "(no GPU needed); exit status 1 if the estimate does not fit the GPU",
+    )
+    t.add_argument("--world-size", type=_positive_int, help="with --dry-run: ranks to plan for (default 8)")
+    t.add_argument("--cluster", help="with --dry-run: profile for GPUs per node and GPU memory (default a100_ib)")
+    t.add_argument(
+        "--ranks",
+        help="with --dry-run: ranks to build, e.g. 0,7,31 or all (default: first, middle and last, and with pp the "
+        "first rank of every pipeline stage)",
+    )
 
     c = sub.add_parser(
         "config",
@@ -160,19 +176,62 @@ def _gpu_mem(text: str) -> float:
     return float(m.group(1))
 
 
+def _tokens(text: str) -> float:
+    """``1T`` / ``262B`` / ``500M`` / ``2.5e11`` -> a positive token count."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([KMBT]?)\s*", text, re.IGNORECASE)
+    value = float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2).upper()] if m else 0.0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; give e.g. 1T, 262B, 500M or 2.5e11")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], e.g. 0.6, got {text}")
+    return value
+
+
+def _gib_at_least_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 GiB, got {text}")
+    return value
+
+
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     pl = sub.add_parser(
         "plan",
-        help="estimate per-GPU memory of each parallel strategy for a config",
-        description="Print a table of per-GPU memory (params, grads, optimizer, activations, total) for ddp, "
-        "zero1-3 (with CPU offload), fsdp and hsdp, for CONFIG's model, micro batch, seq_len and activation "
-        "checkpointing on NODES x GPUS_PER_NODE GPUs, and whether each fits --gpu-mem.",
+        help="estimate per-GPU memory of each strategy and rank parallel layouts by predicted throughput",
+        description="Print (1) a table of per-GPU memory (params, grads, optimizer, activations, total) for ddp, "
+        "zero1-3 (with CPU offload), fsdp and hsdp at CONFIG's micro batch and activation checkpointing, and "
+        "(2) every layout (ddp, zero1-3, fsdp, hsdp, 3d with tp/pp/dp; each micro batch, checkpointing on/off) "
+        "that fits --gpu-mem minus --mem-margin, ranked by predicted tokens/s/GPU with MFU, step time and days "
+        "to train --tokens; then the row parallel.strategy=auto would take and why. Hardware numbers come from "
+        "the --cluster profile's hardware: block; the time model is documented in hpcdist/planner.py.",
     )
     pl.add_argument("config", help="YAML training config, e.g. configs/train_13b.yaml")
     pl.add_argument("overrides", nargs="*", metavar="section.key=value")
-    pl.add_argument("--nodes", type=_positive_int, default=1)
-    pl.add_argument("--gpus-per-node", type=_positive_int, default=8)
-    pl.add_argument("--gpu-mem", type=_gpu_mem, default=80.0, help="memory of one GPU, e.g. 80GB (default 80)")
+    pl.add_argument("--cluster", default="a100_ib", help="profile in configs/cluster/ or a YAML path (default a100_ib)")
+    pl.add_argument("--nodes", type=_positive_int, help="default: the cluster profile's")
+    pl.add_argument("--gpus-per-node", type=_positive_int, help="default: the cluster profile's")
+    pl.add_argument("--gpu-mem", type=_gpu_mem, help="memory of one GPU, e.g. 80GB (default: the cluster profile's)")
+    pl.add_argument(
+        "--mem-margin", type=_gib_at_least_zero, help="GiB kept free per GPU when deciding what fits (default 2)"
+    )
+    pl.add_argument("--efficiency", type=_fraction, help="fraction of bf16 peak the compute sustains (default 0.6)")
+    pl.add_argument("--tokens", type=_tokens, help="tokens to train, e.g. 1T (default: steps x global batch x seq_len)")
+    pl.add_argument("--top", type=_positive_int, default=10, help="fitting layouts to show (default 10)")
+    pl.add_argument("--all", action="store_true", help="also show the best layouts that do not fit")
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -214,7 +273,39 @@ def run_train(config_path: str | os.PathLike[str], overrides: Sequence[str] = ()
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return cmd_dry_run(args)
+    given = [f"--{name.replace('_', '-')}" for name in ("world_size", "cluster", "ranks") if getattr(args, name)]
+    if given:
+        return _fail(
+            f"train: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --dry-run "
+            "(a real run takes its ranks from torchrun or srun)"
+        )
     return run_train(args.config, args.overrides).exit_code
+
+
+def cmd_dry_run(args: argparse.Namespace) -> int:
+    from hpcdist import config as config_mod
+    from hpcdist.dryrun import dry_run, parse_ranks
+    from hpcdist.plan import GIB
+
+    cfg = config_mod.load(args.config, args.overrides)
+    world = args.world_size or 8
+    try:
+        ranks = None if args.ranks is None else parse_ranks(args.ranks, world)  # None: the dry run's default
+        report = dry_run(cfg, world, cluster=args.cluster or "a100_ib", ranks=ranks)
+    except (ValueError, RuntimeError) as e:
+        if isinstance(e, config_mod.ConfigError):
+            raise
+        return _fail(f"train --dry-run: {e}")
+    print(report.text(), end="", flush=True)
+    if report.fits is False:
+        return _fail(
+            f"train --dry-run: the memory estimate ({report.memory.total / GIB:.1f} GiB per GPU) does not fit; "
+            "see hpcdist plan for layouts that do",
+            code=1,
+        )
+    return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -316,22 +407,67 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    import textwrap
+
     from hpcdist import config as config_mod
+    from hpcdist import planner
+    from hpcdist.launch import load_cluster
     from hpcdist.plan import plan_table
 
     cfg = config_mod.load(args.config, args.overrides)
+    shape = {k: v for k, v in (("nodes", args.nodes), ("gpus_per_node", args.gpus_per_node)) if v is not None}
+    cluster = load_cluster(args.cluster, **shape)
+    if cluster.gpus_per_node < 1:
+        return _fail(f"plan: cluster {cluster.name!r} has no GPUs; pass --gpus-per-node or a GPU --cluster")
+    try:
+        hw = planner.Hardware.from_cluster(
+            cluster, gpu_mem_gib=args.gpu_mem, efficiency=args.efficiency, margin_gib=args.mem_margin
+        )
+    except ValueError as e:
+        return _fail(f"plan: {e}")
+    args_model, world = cfg.model_args(), cluster.nodes * cluster.gpus_per_node
     print(
         plan_table(
-            cfg.model_args(),
-            nodes=args.nodes,
-            gpus_per_node=args.gpus_per_node,
-            gpu_mem_gb=args.gpu_mem,
+            args_model,
+            nodes=cluster.nodes,
+            gpus_per_node=cluster.gpus_per_node,
+            gpu_mem_gb=hw.gpu_mem_gib,
             micro_batch_size=cfg.train.micro_batch_size,
             seq_len=cfg.data.seq_len,
             activation_checkpointing=cfg.train.activation_checkpointing,
+        )
+    )
+    t = cfg.train
+    estimates = planner.rank_layouts(
+        args_model,
+        world_size=world,
+        gpus_per_node=cluster.gpus_per_node,
+        global_batch_size=t.global_batch_size,
+        seq_len=cfg.data.seq_len,
+        hw=hw,
+        reduce_bytes=planner.grad_reduce_bytes(cfg),
+    )
+    if not estimates:
+        return _fail(
+            f"plan: no layout splits train.global_batch_size={t.global_batch_size} over {world} GPUs; "
+            f"make it a multiple of {world}"
+        )
+    tokens = args.tokens if args.tokens is not None else t.steps * t.global_batch_size * cfg.data.seq_len
+    print(
+        planner.layout_table(
+            estimates, args=args_model, gpus_per_node=cluster.gpus_per_node, seq_len=cfg.data.seq_len,
+            global_batch_size=t.global_batch_size, hw=hw, tokens=tokens, top=args.top, show_all=args.all,
         ),
         end="",
-    )
+    )  # fmt: skip
+    try:
+        _, chosen, reason = planner.pick(cfg, estimates, world, cluster.gpus_per_node)
+    except config_mod.ConfigError as e:
+        print(f"auto: {e}")
+        return 0
+    keys = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in planner.layout_overrides(chosen.layout)]
+    print(textwrap.fill(f"auto would take {reason}", width=118, subsequent_indent="  "))
+    print(textwrap.fill(f"as overrides: {' '.join(keys)}", width=118, initial_indent="  ", subsequent_indent="    "))
     return 0
 
 

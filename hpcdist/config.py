@@ -23,11 +23,12 @@ from typing import Any
 import yaml
 
 from hpcdist.models.llama import ModelArgs, load_preset
+from hpcdist.parallel.dims import ParallelDims, layout_problems
 
 # Strategies this version can run. Later strategies register here when they exist, so a config naming one
 # that is not built yet fails validation instead of failing deep inside the trainer.
 VERIFY_MODES: tuple[str, ...] = ("checksum", "size", "none")
-STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero")
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero", "3d")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -166,13 +167,31 @@ class ZeroConfig:
 @dataclass
 class ParallelConfig:
     strategy: str = "ddp"
-    """ddp, fsdp (FSDP2, HSDP with fsdp.replicate > 1) or zero (DeepSpeed ZeRO 1/2/3). Planned: 3d, auto."""
+    """ddp, fsdp (FSDP2, HSDP with fsdp.replicate > 1), zero (DeepSpeed ZeRO 1/2/3) or 3d (pp x dp x tp on one
+    DeviceMesh: pipeline stages, FSDP2 on dp, tensor + sequence parallel). Planned: auto."""
     bucket_cap_mb: int = 25
     """DDP gradient bucket size."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 / HSDP settings (parallel.strategy=fsdp)."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """DeepSpeed ZeRO settings (parallel.strategy=zero)."""
+    pp: int = 1
+    """3d: pipeline-parallel degree (stages across ranks, outermost mesh dimension). -1 = fill the remaining ranks."""
+    dp: int = -1
+    """3d: data-parallel degree, FSDP2 over these ranks (parallel.fsdp.* apply; fsdp.replicate > 1 = HSDP).
+    -1 (default) = fill: world size / (pp x tp)."""
+    tp: int = 1
+    """3d: tensor-parallel degree (innermost: consecutive ranks, one node). Must divide model.n_heads,
+    model.n_kv_heads, model.ffn_dim and data.seq_len (sequence parallelism). -1 = fill."""
+    tp_across_nodes: bool = False
+    """Allow a tp group larger than one node (slow: every layer all-gathers and reduce-scatters activations)."""
+    pp_schedule: str = "1F1B"
+    """3d with pp > 1: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV.
+    Micro-batches per step = train.global_batch_size / (train.micro_batch_size x dp): they all go through the
+    pipeline in one schedule step (no separate accumulation loop); 1F1B-like schedules need at least pp of them."""
+    pp_stages_per_rank: int | None = None
+    """Virtual pipeline stages per rank; null = 2 for interleaved / V schedules, 1 otherwise. Stages are cut by
+    layer count balanced against the embedding and output-head cost (hpcdist.parallel.pp.split_layers)."""
 
 
 @dataclass
@@ -199,9 +218,32 @@ class FaultConfig:
     """Signal SLURM sends before the time limit (sbatch --signal=<sig>@<lead>): checkpoint on all ranks, requeue,
     exit. SIGTERM (scancel, preemption) always means: checkpoint and exit without requeueing."""
     requeue: bool = True
-    """Requeue the SLURM job after the stop checkpoint (scontrol requeue)."""
+    """Requeue the SLURM job after the stop checkpoint (scontrol requeue), and after a failure (fault.max_failures)."""
     max_restarts: int = 10
-    """Stop requeueing once SLURM_RESTART_COUNT reaches this (a job that keeps failing to finish)."""
+    """Time-limit requeues (the requeue signal) allowed; preemptions and failures have their own limits below. Counted
+    in <run.dir>/restarts.json (outside a run dir: SLURM_RESTART_COUNT)."""
+    max_preemptions: int = -1
+    """Restarts SLURM made by itself (preemption with PreemptMode=REQUEUE, a node failure, an admin requeue) after
+    which the job stops instead of training again; -1 = unlimited."""
+    max_failures: int = 5
+    """Requeues after a failure (a rank raised, was killed, or hung past fault.watchdog_timeout_s); the batch script
+    decides after srun fails (sbatch/common.sh -> hpcdist.launch.failures after-step). 0 = a failure ends the job."""
+    max_same_failure: int = 3
+    """A failure loop: the same failure (same cause, e.g. the same exception or signal) this many times in a row stops
+    requeueing with that reason, whatever max_failures still allows."""
+    exclude_failed_nodes: bool = True
+    """On a failure requeue, add the host the failure is attributed to to the job's excluded nodes (ExcNodeList)."""
+    max_excluded_nodes: int = 2
+    """At most this many nodes excluded in all, and never so many that the partition keeps fewer usable nodes than
+    the job needs (the job must stay schedulable)."""
+    exclude_nodes_file: str | None = None
+    """Hosts to exclude at the next requeue too: one per line, comma-separated, or the `--exclude=...` line the
+    nccl_check finder prints (same limits)."""
+    watchdog_timeout_s: float = 600.0
+    """Hang watchdog: a rank whose loop makes no progress (a step, a checkpoint save, an evaluation) for this long
+    dumps every thread's Python stack to its log, records the failure in <run.dir>/failures.jsonl and exits 124, so
+    srun ends the step and the failure policy requeues or stops the job. 0 disables it. The process-group
+    (collective) timeout becomes this + 60 s, so NCCL's / gloo's own timeout is only the backstop."""
 
 
 @dataclass
@@ -213,6 +255,12 @@ class LoggingConfig:
     replica_check_every_steps: int = 0
     """Every N steps (on a log step) check that data-parallel replicas hold identical parameters: all-gather of a
     per-rank checksum, metric `replica_divergence`, a warning naming divergent ranks. 0 disables."""
+    straggler_every_steps: int = 100
+    """Every N steps all ranks all-gather their data-loading time per step and a fixed compute probe; ranks slower
+    than the lower median by straggler_factor get a warning, the `straggler` metrics and a failures.jsonl line.
+    0 disables."""
+    straggler_factor: float = 1.5
+    """How many times the lower median a rank's time must be to count as a straggler (> 1)."""
 
 
 @dataclass
@@ -440,6 +488,20 @@ def check(cfg: JobConfig) -> list[str]:
     if cfg.parallel.fsdp.replicate < 1:
         p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {cfg.parallel.fsdp.replicate}")
     p += _check_zero(cfg)
+    if cfg.parallel.strategy == "3d":
+        p += _layout_problems(cfg, world_size=None)
+    elif cfg.parallel.strategy in ("ddp", "fsdp", "zero"):
+        par = cfg.parallel
+        ignored = [
+            f"parallel.{k}={getattr(par, k)}"
+            for k, unset in (("pp", 1), ("dp", -1), ("tp", 1))
+            if getattr(par, k) != unset
+        ]
+        if ignored:
+            p.append(
+                f"{', '.join(ignored)}: only parallel.strategy=3d reads the degrees (parallel.strategy={par.strategy} "
+                "is pure data parallel over all ranks); set parallel.strategy=3d or drop them"
+            )
     p += _choice("run.log_level", cfg.run.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))
     p += _positive(
         cfg,
@@ -450,15 +512,28 @@ def check(cfg: JobConfig) -> list[str]:
     p += _positive(
         cfg,
         ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps",
-         "logging.replica_check_every_steps",
+         "logging.replica_check_every_steps", "logging.straggler_every_steps",
          "train.eval_every_steps", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"],
         allow_zero=True,
     )  # fmt: skip
     sig = cfg.fault.requeue_signal.upper()
     if (sig if sig.startswith("SIG") else f"SIG{sig}") not in signal.Signals.__members__:
         p.append(f"fault.requeue_signal: {cfg.fault.requeue_signal!r} is not a signal name; use e.g. USR2, USR1")
-    if cfg.fault.max_restarts < 0:
-        p.append(f"fault.max_restarts: must be >= 0, got {cfg.fault.max_restarts}")
+    for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes"):
+        if getattr(cfg.fault, key) < 0:
+            p.append(f"fault.{key}: must be >= 0, got {getattr(cfg.fault, key)}")
+    if cfg.fault.max_same_failure == 0:
+        p.append("fault.max_same_failure: must be >= 1 (1 = never requeue the same failure twice)")
+    if cfg.fault.max_preemptions < -1:
+        p.append(f"fault.max_preemptions: must be >= 0, or -1 for unlimited, got {cfg.fault.max_preemptions}")
+    if cfg.fault.exclude_nodes_file is not None and not Path(cfg.fault.exclude_nodes_file).is_file():
+        p.append(f"fault.exclude_nodes_file: {cfg.fault.exclude_nodes_file!r} is not a file (one host per line)")
+    if not math.isfinite(cfg.fault.watchdog_timeout_s) or cfg.fault.watchdog_timeout_s < 0:
+        p.append(
+            f"fault.watchdog_timeout_s: must be >= 0 (0 disables the watchdog), got {cfg.fault.watchdog_timeout_s}"
+        )
+    if not (math.isfinite(cfg.logging.straggler_factor) and cfg.logging.straggler_factor > 1):
+        p.append(f"logging.straggler_factor: must be > 1, got {cfg.logging.straggler_factor}")
     if not cfg.run.dir.strip():
         p.append("run.dir: must name a directory, e.g. run.dir=runs/my-run")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
@@ -510,10 +585,41 @@ def _check_zero(cfg: JobConfig) -> list[str]:
     return p
 
 
-def check_world(cfg: JobConfig, world_size: int) -> None:
-    """Checks that need the job's size. Raises ConfigError before any process group is created."""
+def _layout_problems(cfg: JobConfig, *, world_size: int | None, ranks_per_node: int | None = None) -> list[str]:
+    par, m, t = cfg.parallel, cfg.model, cfg.train
+    if m.problems():  # reported on their own; the layout rules need a sane model
+        return []
+    p = layout_problems(
+        pp=par.pp, dp=par.dp, tp=par.tp, world_size=world_size, dp_replicate=par.fsdp.replicate,
+        n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.kv_heads, dim=m.dim, ffn_dim=m.ffn_dim,
+        seq_len=cfg.data.seq_len, tie_embeddings=m.tie_embeddings, schedule=par.pp_schedule,
+        stages_per_rank=par.pp_stages_per_rank, global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size, ranks_per_node=ranks_per_node, tp_across_nodes=par.tp_across_nodes,
+        evaluates=t.eval_every_steps > 0,
+    )  # fmt: skip
+    if par.fsdp.cpu_offload:
+        p.append("parallel.fsdp.cpu_offload: not supported with parallel.strategy=3d; use parallel.strategy=fsdp")
+    return p
+
+
+def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """The job's (pp, dp, tp) layout: 3d reads parallel.pp/dp/tp; every other strategy is pure data parallel."""
+    par = cfg.parallel
+    if par.strategy == "3d":
+        return ParallelDims(pp=par.pp, dp=par.dp, tp=par.tp, world_size=world_size, dp_replicate=par.fsdp.replicate)
+    return ParallelDims(pp=1, dp=world_size, tp=1, world_size=world_size)
+
+
+def check_world(cfg: JobConfig, world_size: int, *, ranks_per_node: int | None = None) -> None:
+    """Checks that need the job's size. Raises ConfigError before any process group is created.
+
+    ``ranks_per_node`` (GPUs per node) adds the rule that a tensor-parallel group stays inside one node."""
     if world_size < 1:
         raise ConfigError([f"world size must be >= 1, got {world_size}"])
+    # 3d: every layout problem and the batch split below are reported together
+    problems: list[str] = []
+    if cfg.parallel.strategy == "3d":
+        problems = _layout_problems(cfg, world_size=world_size, ranks_per_node=ranks_per_node)
     if cfg.parallel.strategy == "fsdp" and world_size == 1:
         raise ConfigError(
             ["parallel.strategy=fsdp shards over ranks and needs more than one; use parallel.strategy=ddp for one"]
@@ -527,16 +633,19 @@ def check_world(cfg: JobConfig, world_size: int) -> None:
             ]
         )
     t = cfg.train
-    dp = world_size  # data-parallel degree; model-parallel strategies divide it further
-    if t.global_batch_size % (t.micro_batch_size * dp):
+    try:
+        dp = parallel_dims(cfg, world_size).dp  # data-parallel degree: the world, or what 3d leaves of it
+    except ValueError:  # an impossible 3d layout, already in problems
+        dp = 0
+    if dp and t.global_batch_size % (t.micro_batch_size * dp):
         fix = t.micro_batch_size * dp
-        raise ConfigError(
-            [
-                f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
-                f"({t.micro_batch_size}) x data-parallel size ({dp}) = {fix}; e.g. train.global_batch_size="
-                f"{max(fix, (t.global_batch_size // fix) * fix)}"
-            ]
+        problems.append(
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
+            f"({t.micro_batch_size}) x data-parallel size ({dp}) = {fix}; e.g. train.global_batch_size="
+            f"{max(fix, (t.global_batch_size // fix) * fix)}"
         )
+    if problems:
+        raise ConfigError(problems)
 
 
 def grad_accum_steps(cfg: JobConfig, dp_size: int) -> int:

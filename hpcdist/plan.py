@@ -12,6 +12,11 @@ Everything is in bytes per GPU, bf16 mixed precision with Adam (two fp32 moments
 
 The params / grads / optimizer categories (and so ``total``) use the realistic accounting of each strategy:
 DeepSpeed's for zero1-3 (zero1 derived from the same terms), FSDP2's for fsdp / hsdp, ZeRO paper's for ddp.
+
+``estimate_3d_memory`` extends the FSDP accounting to (pp, dp, tp) layouts: tensor parallelism divides parameters
+and (with sequence parallelism) activations by tp, pipeline parallelism keeps ``ceil(n_layers / pp)`` layers per
+stage and up to pp micro-batches of activations on the first stage (1F1B), and gradient accumulation adds the
+unsharded gradients FSDP2 keeps while gradient sync is off. hpcdist.planner uses it for fsdp, hsdp and 3d.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ __all__ = [
     "STRATEGIES",
     "MemoryEstimate",
     "activation_bytes",
+    "activation_bytes_3d",
+    "estimate_3d_memory",
     "estimate_memory",
     "largest_layer_params",
     "largest_unit_params",
     "plan_table",
+    "stage_params",
 ]
 
 GIB = 2**30
@@ -218,6 +226,151 @@ def estimate_memory(
         total=rest + buffers,
         model_states_ideal=ideal,
         model_states_deepspeed=ds,
+    )
+
+
+def _block_params(args: ModelArgs) -> int:
+    """Parameters of one TransformerBlock (attention, SwiGLU, two RMSNorm weights)."""
+    total = num_params(args)
+    return (total - args.dim - args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)) // args.n_layers
+
+
+def stage_params(args: ModelArgs, *, pp: int) -> int:
+    """Parameters of the heaviest pipeline stage, before tensor parallelism divides them.
+
+    pp = 1: the whole model. pp > 1: ``ceil(n_layers / pp)`` blocks plus the larger end: the last stage's
+    output head + final norm (V*D + D) outweighs the first stage's embedding table (V*D). With tied embeddings
+    each end stage holds its own copy of the table, so the count is the same.
+    """
+    if pp < 1:
+        raise ValueError(f"pp must be >= 1, got {pp}")
+    if pp == 1:
+        return num_params(args)
+    return -(-args.n_layers // pp) * _block_params(args) + args.vocab_size * args.dim + args.dim
+
+
+def activation_bytes_3d(
+    args: ModelArgs,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    activation_checkpointing: bool,
+    tp: int = 1,
+    pp: int = 1,
+    microbatches: int = 1,
+    sequence_parallel: bool = True,
+) -> int:
+    """Activation memory of the heaviest pipeline stage under tensor and pipeline parallelism (SDPA, 16-bit).
+
+    Korthikanti et al. 2022 per layer and micro-batch: with tensor + sequence parallelism every term of
+    ``34*s*b*h`` is split over the tp ranks (``34*s*b*h/tp``); tensor parallelism alone leaves the 10*s*b*h of
+    norms, dropout-free residuals and layer inputs replicated (``s*b*h*(10 + 24/tp)``). With activation
+    checkpointing a layer keeps only its input (``2*s*b*h``, divided by tp under sequence parallelism) and one
+    layer is recomputed in full at a time.
+
+    A stage holds ``ceil(n_layers / pp)`` layers. Under 1F1B the first stage has up to ``min(pp,
+    microbatches)`` micro-batches in flight (its warm-up forwards), the last stage one, plus the fp32 logits
+    (``s*b*V*4``, divided by tp: hpcdist's TP plan keeps the logits vocabulary-sharded for a loss-parallel
+    cross-entropy). The result is the larger of the two. With tp = pp = 1 this equals :func:`activation_bytes`
+    (flash attention).
+    """
+    if tp < 1 or pp < 1 or microbatches < 1:
+        raise ValueError(f"tp, pp and microbatches must be >= 1, got {tp}, {pp}, {microbatches}")
+    sbh = seq_len * micro_batch_size * args.dim
+    if sequence_parallel:
+        per_layer, layer_input = 34 * sbh // tp, 2 * sbh // tp
+    else:
+        per_layer, layer_input = 10 * sbh + 24 * sbh // tp, 2 * sbh
+    layers = -(-args.n_layers // pp)
+
+    def stage(in_flight: int) -> int:
+        if activation_checkpointing:
+            return in_flight * layers * layer_input + per_layer
+        return in_flight * layers * per_layer
+
+    logits = seq_len * micro_batch_size * args.vocab_size * 4 // tp
+    if pp == 1:
+        return stage(1) + logits
+    return max(stage(min(pp, microbatches)), stage(1) + logits)
+
+
+def estimate_3d_memory(
+    args: ModelArgs,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch_size: int,
+    seq_len: int,
+    activation_checkpointing: bool,
+    microbatches: int = 1,
+    dp_shard: int | None = None,
+    sequence_parallel: bool = True,
+    reduce_bytes: int = 4,
+    strategy: str = "3d",
+) -> MemoryEstimate:
+    """Per-GPU memory of a (pp, dp, tp) layout with FSDP2 over dp, for the heaviest pipeline stage.
+
+    ``P_s = ceil(stage_params(pp) / tp)`` parameters per GPU before FSDP; FSDP shards them over ``dp_shard``
+    ranks (default dp; HSDP: the ranks of one replica group) with :func:`estimate_memory`'s FSDP accounting:
+    fp32 params, grads, Adam m and v sharded (16 bytes/param) plus the largest unit (divided by tp) gathered in
+    bf16 with its fp32 gradient. With tp = pp = 1 and one micro-batch this is exactly ``estimate_memory``'s
+    fsdp (dp_shard = world) or hsdp (dp_shard = GPUs per replica) row.
+
+    Gradient accumulation (``microbatches > 1``) costs what FSDP2 does when gradient sync is off for the
+    non-final micro-batches (hpcdist's FSDP strategy, and torch.distributed.pipelining for every FSDP stage):
+    each unit keeps its unsharded gradient in the reduce dtype (``reduce_bytes * P_s``). Under pp > 1 hpcdist
+    does not reshard after forward (the whole stage stays gathered for the step), so the stage's bf16
+    parameters add ``2 * P_s``. The heaviest stage is approximated by :func:`stage_params`
+    (hpcdist.parallel.pp.split_layers balances the embedding and head, so real stages hold at most about this).
+    Activations: :func:`activation_bytes_3d`. Buffers: as in ``estimate_memory``.
+    """
+    problems = []
+    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("microbatches", microbatches)):
+        if value < 1:
+            problems.append(f"{name} must be >= 1, got {value}")
+    shard = dp if dp_shard is None else dp_shard
+    if shard < 1 or dp % shard:
+        problems.append(f"dp_shard ({shard}) must divide dp ({dp})")
+    if pp > args.n_layers:
+        problems.append(f"pp ({pp}) exceeds n_layers ({args.n_layers}): a stage needs at least one layer")
+    if tp > 0 and (args.n_heads % tp or args.kv_heads % tp):
+        problems.append(f"tp ({tp}) must divide n_heads ({args.n_heads}) and n_kv_heads ({args.kv_heads})")
+    if reduce_bytes not in (2, 4):
+        problems.append(f"reduce_bytes must be 2 (bf16) or 4 (fp32), got {reduce_bytes}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+    p_s = -(-stage_params(args, pp=pp) // tp)
+    unit = -(-largest_unit_params(args) // tp)
+    params = 4 * p_s // shard + 2 * unit
+    grads = 4 * p_s // shard + 4 * unit
+    optim = 8 * p_s // shard
+    if microbatches > 1:
+        grads += reduce_bytes * p_s  # unsharded accumulated gradient of every unit until the last micro-batch
+    if pp > 1:
+        params += 2 * p_s  # no resharding after forward under pp: the stage's bf16 copy stays gathered
+    acts = activation_bytes_3d(
+        args,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing,
+        tp=tp,
+        pp=pp,
+        microbatches=microbatches,
+        sequence_parallel=sequence_parallel,
+    )
+    rest = params + grads + optim + acts
+    buffers = int(BUFFER_FRACTION * rest) + CUDA_CONTEXT_BYTES
+    return MemoryEstimate(
+        strategy=strategy,
+        params=params,
+        grads=grads,
+        optimizer=optim,
+        activations=acts,
+        buffers=buffers,
+        total=rest + buffers,
+        model_states_ideal=16 * p_s // shard,
     )
 
 

@@ -82,7 +82,10 @@ class Trainer:
     def __init__(self, cfg: JobConfig, env: DistEnv):
         self.cfg, self.env = cfg, env
         setup_logging(env.rank, level=cfg.run.log_level)
-        config_mod.check_world(cfg, env.world_size)
+        config_mod.check_world(cfg, env.world_size, ranks_per_node=env.local_world_size)
+        # tp and pp peers of one data-parallel replica must read the same slice of each global batch
+        self.dims = config_mod.parallel_dims(cfg, env.world_size)
+        self.dp_rank = self.dims.dp_rank(env.rank)
         self.run_dir = Path(cfg.run.dir)
         if env.is_main:
             config_mod.save(cfg, self.run_dir / "config.yaml")
@@ -92,8 +95,8 @@ class Trainer:
         train_ds, self.val_ds = build_datasets(cfg, env)
         self.sampler = ResumableSampler(len(train_ds), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         self.loader = BatchLoader(
-            train_ds, self.sampler, global_batch_size=cfg.train.global_batch_size, dp_rank=env.rank,
-            dp_size=env.world_size,
+            train_ds, self.sampler, global_batch_size=cfg.train.global_batch_size, dp_rank=self.dp_rank,
+            dp_size=self.dims.dp,
         )  # fmt: skip
 
         args = cfg.model_args()
@@ -268,8 +271,8 @@ class Trainer:
         """Mean loss over the first eval_batches global batches of the validation split (same each time)."""
         sampler = ResumableSampler(len(self.val_ds), seed=self.cfg.run.seed, shuffle=False)
         loader = BatchLoader(
-            self.val_ds, sampler, global_batch_size=self.cfg.train.global_batch_size, dp_rank=self.env.rank,
-            dp_size=self.env.world_size,
+            self.val_ds, sampler, global_batch_size=self.cfg.train.global_batch_size, dp_rank=self.dp_rank,
+            dp_size=self.dims.dp,
         )  # fmt: skip
         losses = [self.strategy.eval_loss(loader.next_batch()) for _ in range(self.cfg.train.eval_batches)]
         value = float(torch.stack(losses).mean())

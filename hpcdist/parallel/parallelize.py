@@ -8,16 +8,23 @@ because it broadcasts them from rank 0 at construction.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from hpcdist.config import JobConfig, grad_accum_steps
+from hpcdist.config import JobConfig, grad_accum_steps, parallel_dims
 from hpcdist.env import DistEnv
+from hpcdist.models.llama import Transformer
 from hpcdist.optim import build_optimizer
 from hpcdist.parallel.base import Strategy
 from hpcdist.parallel.ddp import DDPStrategy
+from hpcdist.parallel.dims import SCHEDULES
 from hpcdist.parallel.fsdp import FSDPStrategy, apply_fsdp, fsdp_mesh, materialize_sharded
+from hpcdist.parallel.pp import part_costs, schedule_stages_per_rank, split_layers, split_model, stage_ids
+from hpcdist.parallel.threed import ThreeDStrategy, materialize_parts
+from hpcdist.parallel.tp import apply_tp
 from hpcdist.parallel.zero import ZeroStrategy, deepspeed_config
 
 
@@ -73,9 +80,10 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
         "autocast_dtype": autocast_dtype(cfg.train.dtype, device),
         "dp_group": None,
     }
-    if cfg.train.activation_checkpointing:
+    # 3d applies these itself: per pipeline stage, after tensor parallelism (build_3d)
+    if cfg.train.activation_checkpointing and cfg.parallel.strategy != "3d":
         apply_activation_checkpointing(model)
-    if cfg.train.compile:
+    if cfg.train.compile and cfg.parallel.strategy != "3d":
         apply_compile(model)
 
     strategy: Strategy
@@ -114,6 +122,8 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
                     min_lr_ratio=o.min_lr_ratio,
                 ),
             )  # fmt: skip
+        case "3d":
+            strategy = build_3d(cfg, env, model, common)
         case other:  # config validation rejects unknown names first; this guards programmatic use
             raise ValueError(f"parallel.strategy: {other!r} is not available")
 
@@ -130,3 +140,53 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
         min_lr_ratio=o.min_lr_ratio,
     )
     return strategy
+
+
+def build_3d(cfg: JobConfig, env: DistEnv, model: nn.Module, common: dict) -> ThreeDStrategy:
+    """pp x dp x tp, per pipeline stage of this rank: split -> TP -> AC -> compile -> FSDP2 (meta) -> materialize."""
+    assert isinstance(model, Transformer), "3d splits and shards the hpcdist Transformer"
+    par, device = cfg.parallel, common["device"]
+    dims = parallel_dims(cfg, env.world_size)
+    meshes = dims.build_meshes(device.type) if env.world_size > 1 else {}
+    coords = dims.coords(env.rank)
+
+    # pipeline split on the meta model: stages keep the unsplit FQNs (parts set to None, other blocks deleted)
+    per_rank = schedule_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank) if dims.pp_enabled else 1
+    num_stages = dims.pp * per_rank
+    ids = stage_ids(coords["pp"], dims.pp, per_rank, style=SCHEDULES[par.pp_schedule].style)
+    if dims.pp_enabled:
+        embed_cost, head_cost = part_costs(model.args, cfg.data.seq_len)
+        layers = split_layers(model.args.n_layers, num_stages, first_cost=embed_cost, last_cost=head_cost)
+        parts = [split_model(model, layers[i], first=i == 0, last=i == num_stages - 1) for i in ids]
+    else:
+        parts = [copy.deepcopy(model)]  # the original stays the unsplit reference (names and shapes)
+
+    f = cfg.parallel.fsdp
+    compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, device)
+    for part in parts:
+        if dims.tp_enabled:
+            apply_tp(part, meshes["tp"], loss_parallel=True)
+        if cfg.train.activation_checkpointing:
+            apply_activation_checkpointing(part)
+        if cfg.train.compile:
+            apply_compile(part)
+        if dims.dp_enabled:
+            apply_fsdp(
+                part, meshes["fsdp"], param_dtype=compute or torch.float32,
+                reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
+                # with pp every micro-batch would gather each block again after resharding: keep them gathered
+                # for the whole step (the schedule reshards after the last backward)
+                reshard_after_forward=f.reshard_after_forward and not dims.pp_enabled, cpu_offload=False,
+            )  # fmt: skip
+    materialize_parts(parts, reference=model, device=device, seed=cfg.run.seed)
+    return ThreeDStrategy(
+        parts, dims=dims, meshes=meshes, stage_ids=ids, num_stages=num_stages, schedule=par.pp_schedule,
+        loss_parallel=True,
+        **{
+            **common,
+            "grad_accum": grad_accum_steps(cfg, dims.dp),
+            # FSDP's MixedPrecisionPolicy casts when dp shards; otherwise plain autocast
+            "autocast_dtype": None if dims.dp_enabled else common["autocast_dtype"],
+            "dp_group": meshes["dp"].get_group() if meshes else None,
+        },
+    )  # fmt: skip

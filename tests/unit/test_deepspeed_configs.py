@@ -31,15 +31,16 @@ def test_check_detects_a_stale_file(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(tool, "OUT", tmp_path)
     assert tool.main([]) == 0 and tool.main(["--check"]) == 0
     victim = tmp_path / "zero2_13b_32gpu.json"
-    text = victim.read_text()
-    victim.write_text(text.replace('"gradient_accumulation_steps": 8', '"gradient_accumulation_steps": 4'))
+    ds = json.loads(victim.read_text())
+    ds["gradient_accumulation_steps"] += 1  # a hand edit
+    victim.write_text(json.dumps(ds, indent=2, sort_keys=True) + "\n")
     assert tool.main(["--check"]) == 1
 
 
 def test_examples_agree_with_the_train_section() -> None:
     for path in sorted((ROOT / "configs" / "deepspeed").glob("*.json")):
         ds = json.loads(path.read_text())
-        # train_13b.yaml: global batch 256 = micro 1 x 8 accumulation x 32 ranks, clip 1.0, bf16 on GPU
+        # train_13b.yaml: global batch 256 = micro-batch x accumulation x 32 ranks, clip 1.0, bf16 on GPU
         assert (
             ds["train_batch_size"]
             == 256

@@ -1,0 +1,406 @@
+"""``hpcdist train CONFIG --dry-run --world-size N``: check a layout for N ranks on a machine without GPUs.
+
+For each of a few ranks, in this one process: a fake process group pretends to be rank r of N (torch's
+``FakeStore`` + backend "fake": collectives return at once and move no data), the model is built on the meta
+device (shapes only, no memory), and the strategy's parallel plan is applied as the trainer applies it:
+activation-checkpoint wrappers and FSDP2 ``fully_shard`` on the real DeviceMesh (HSDP's 2-D one included) through
+hpcdist.parallel's own functions. The per-rank count is then read off the sharded parameters (DTensor local
+shards), not computed. What cannot run on meta is counted by its rule instead, and the report says so:
+
+* ddp: every rank holds the whole model (DDP broadcasts real tensors at construction).
+* zero: DeepSpeed's engine allocates its flat buffers at initialize; counted with its partition rule
+  (stages 1-2: full bf16 parameters on every rank, the fp32 master + Adam partition ``ceil(P / dp)``; stage 3: each
+  parameter split into ``ceil(numel / dp)`` pieces except those under ``param_persistence_threshold``).
+* 3d: ParallelDims' meshes, this rank's pipeline stage(s) split off the meta model, TP, activation checkpointing
+  and FSDP2 on the dp mesh, as hpcdist.parallel.parallelize.build_3d does before materializing; counts differ per
+  pipeline stage, so the first rank of every stage is included by default.
+
+The report ends with the memory estimate (hpcdist.plan) and, when the cluster profile has hardware numbers, the
+planner's predicted throughput for this layout. Nothing is allocated beyond the meta model's Python objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpcdist import config as config_mod
+from hpcdist.config import ConfigError, JobConfig
+from hpcdist.launch.cluster import ClusterConfig, load_cluster
+from hpcdist.models.llama import build_model, num_params
+from hpcdist.plan import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory
+from hpcdist.planner import DEFAULT_MARGIN_GIB, format_count
+
+__all__ = ["DryRunReport", "RankCount", "dry_run", "parse_ranks"]
+
+
+@dataclass
+class RankCount:
+    """What one rank holds after the parallel plan is applied."""
+
+    rank: int
+    node: int
+    coords: str
+    """The rank's place in the mesh, e.g. "shard 5" or "replicate 1, shard 5"."""
+    params: int
+    """Parameter elements resident on this rank (local shards, or full tensors where nothing is sharded)."""
+    optimizer_params: int
+    """Elements this rank keeps fp32 master weights / Adam moments for."""
+    how: str
+    """"sharded on meta" (read off DTensor shards) or the rule used ("replicated", "DeepSpeed partition rule")."""
+
+
+@dataclass
+class DryRunReport:
+    cfg: JobConfig
+    world_size: int
+    gpus_per_node: int
+    layout: str
+    total_params: int
+    counts: list[RankCount]
+    memory: MemoryEstimate
+    gpu_mem_gib: float | None
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    prediction: str | None = None
+
+    def text(self) -> str:
+        nodes = max(1, math.ceil(self.world_size / self.gpus_per_node))
+        t = self.cfg.train
+        accum = config_mod.grad_accum_steps(self.cfg, self._dp())
+        lines = [
+            f"dry run: {self.cfg.run.name}, {format_count(self.total_params)} params ({self.total_params:,}) on "
+            f"{self.world_size} ranks ({nodes} node(s) x {min(self.gpus_per_node, self.world_size)})",
+            f"layout: {self.layout}; micro batch {t.micro_batch_size} x {accum} micro-batch(es) per step x "
+            f"{self._dp()} data-parallel = global batch {t.global_batch_size}; seq {self.cfg.data.seq_len}; "
+            f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}",
+            "",
+            f"{'rank':>5}  {'node':>4}  {'mesh':<22}  {'params':>15}  {'share':>7}  {'optimizer state':>15}  how",
+        ]
+        for c in self.counts:
+            share = 100 * c.params / self.total_params
+            lines.append(
+                f"{c.rank:>5}  {c.node:>4}  {c.coords:<22}  {c.params:>15,}  {share:>6.2f}%  {c.optimizer_params:>15,}"
+                f"  {c.how}"
+            )
+        m = self.memory
+        cats = ("params", "grads", "optimizer", "activations", "buffers")
+        lines += [
+            "",
+            "memory estimate per GPU (hpcdist.plan, GiB): "
+            + ", ".join(f"{name} {getattr(m, name) / GIB:.1f}" for name in cats)
+            + f"; total {m.total / GIB:.1f}",
+        ]
+        if self.gpu_mem_gib is not None:
+            usable = self.gpu_mem_gib - DEFAULT_MARGIN_GIB
+            verdict = "fits" if self.fits else "does NOT fit"
+            lines[-1] += f" -> {verdict} in {usable:g} GiB ({self.gpu_mem_gib:g} GiB less the planner's margin)"
+        if self.prediction:
+            lines.append(self.prediction)
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append(f"dry run took {self.seconds:.1f} s; nothing was allocated or trained")
+        return "\n".join(lines) + "\n"
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the estimate fits in GPU memory less the planner's margin; None without a GPU memory figure."""
+        if self.gpu_mem_gib is None:
+            return None
+        return self.memory.total <= (self.gpu_mem_gib - DEFAULT_MARGIN_GIB) * GIB
+
+    def _dp(self) -> int:
+        return config_mod.parallel_dims(self.cfg, self.world_size).dp
+
+
+def parse_ranks(spec: str | None, world_size: int) -> list[int]:
+    """``None`` -> first, middle and last rank; ``all``; or a comma list like ``0,7,31``. ValueError if out of range."""
+    if spec is None:
+        return sorted({0, world_size // 2, world_size - 1})
+    if spec.strip() == "all":
+        return list(range(world_size))
+    try:
+        ranks = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--ranks {spec!r}: give comma-separated integers like 0,7,31 or 'all'") from None
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if not ranks or bad:
+        raise ValueError(f"--ranks {spec!r}: ranks must lie in 0..{world_size - 1}")
+    return ranks
+
+
+@contextlib.contextmanager
+def _fake_group(rank: int, world_size: int) -> Iterator[None]:
+    """This process as rank ``rank`` of ``world_size`` on torch's fake backend (no peers, no data moved)."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # private, but what torch tests with
+    except ImportError as e:  # a torch build without the testing package
+        raise RuntimeError(f"the dry run needs torch's fake process group (torch.testing._internal): {e}") from None
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    to_local = getattr(p, "to_local", None)  # DTensor: this rank's shard only
+    return to_local().numel() if callable(to_local) else p.numel()
+
+
+def _fsdp_count(cfg: JobConfig, model: nn.Module, world_size: int) -> tuple[str, int]:
+    """Apply hpcdist's FSDP2 plan to the meta model on the fake group; (mesh coordinates, local elements)."""
+    from hpcdist.parallel.fsdp import apply_fsdp, fsdp_mesh
+    from hpcdist.parallel.parallelize import autocast_dtype
+
+    f = cfg.parallel.fsdp
+    mesh = fsdp_mesh("cpu", world_size, replicate=f.replicate)
+    # the dtypes a GPU run would use (train.dtype auto -> bf16 on cuda); they do not change the counts
+    compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, torch.device("cuda"))
+    apply_fsdp(
+        model,
+        mesh,
+        param_dtype=compute or torch.float32,
+        reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
+        reshard_after_forward=f.reshard_after_forward,
+        cpu_offload=f.cpu_offload,
+    )
+    coords = list(mesh.get_coordinate() or ())
+    names = mesh.mesh_dim_names or ()
+    where = ", ".join(f"{name} {c}" for name, c in zip(names, coords, strict=True))
+    return where, sum(_local_numel(p) for p in model.parameters())
+
+
+def _three_d_count(cfg: JobConfig, model: nn.Module, rank: int, world_size: int) -> tuple[str, int, str]:
+    """Apply hpcdist's 3d plan to the meta model as ``rank``: (mesh coordinates, local elements, stages held).
+
+    The steps of hpcdist.parallel.parallelize.build_3d up to (not including) materialization: split this rank's
+    pipeline stage(s) off the meta model, then per stage TP -> activation checkpointing -> FSDP2 on the dp mesh.
+    """
+    from hpcdist.parallel.dims import SCHEDULES
+    from hpcdist.parallel.fsdp import apply_fsdp
+    from hpcdist.parallel.parallelize import apply_activation_checkpointing, autocast_dtype
+    from hpcdist.parallel.pp import part_costs, schedule_stages_per_rank, split_layers, split_model, stage_ids
+    from hpcdist.parallel.tp import apply_tp
+
+    par, f = cfg.parallel, cfg.parallel.fsdp
+    dims = config_mod.parallel_dims(cfg, world_size)
+    meshes = dims.build_meshes("cpu")
+    coords = dims.coords(rank)
+    per_rank = schedule_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank) if dims.pp_enabled else 1
+    num_stages = dims.pp * per_rank
+    ids = stage_ids(coords["pp"], dims.pp, per_rank, style=SCHEDULES[par.pp_schedule].style)
+    args = cfg.model_args()
+    if dims.pp_enabled:
+        embed_cost, head_cost = part_costs(args, cfg.data.seq_len)
+        layers = split_layers(args.n_layers, num_stages, first_cost=embed_cost, last_cost=head_cost)
+        parts = [split_model(model, layers[i], first=i == 0, last=i == num_stages - 1) for i in ids]
+    else:
+        layers, parts = [list(range(args.n_layers))], [model]
+    compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, torch.device("cuda"))
+    for part in parts:
+        if dims.tp_enabled:
+            apply_tp(part, meshes["tp"], loss_parallel=True)
+        if cfg.train.activation_checkpointing:
+            apply_activation_checkpointing(part)
+        if dims.dp_enabled:
+            apply_fsdp(
+                part, meshes["fsdp"], param_dtype=compute or torch.float32,
+                reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
+                reshard_after_forward=f.reshard_after_forward and not dims.pp_enabled, cpu_offload=False,
+            )  # fmt: skip
+    seen: set[int] = set()
+    n = 0
+    for part in parts:
+        for p in part.parameters():
+            if id(p) not in seen:  # tied embeddings in one stage count once
+                seen.add(id(p))
+                n += _local_numel(p)
+    held = []
+    for i in ids:
+        lo, hi = layers[i][0], layers[i][-1]
+        span = f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
+        extra = (" + embedding" if i == 0 else "") + (" + head" if i == num_stages - 1 else "")
+        held.append(f"stage {i} ({span}{extra})")
+    where = f"pp {coords['pp']}, dp {coords['dp']}, tp {coords['tp']}"
+    return where, n, ", ".join(held)
+
+
+def _zero_count(cfg: JobConfig, model: nn.Module, world_size: int) -> tuple[int, int]:
+    """(resident parameter elements, optimizer-state elements) per rank by DeepSpeed's partition rule."""
+    z = cfg.parallel.zero
+    sizes = [p.numel() for p in model.parameters()]
+    total = sum(sizes)
+    if z.stage < 3:  # parameters whole on every rank; the flat fp32 master + Adam buffer split evenly (padded)
+        return total, math.ceil(total / world_size)
+    # stage 3: each parameter partitioned on its own (padded to a multiple of dp); those at or under the
+    # persistence threshold also stay whole on every rank (DeepSpeed's ds_persist)
+    keep = getattr(z, "param_persistence_threshold", 0)
+    shards = [math.ceil(n / world_size) for n in sizes]
+    resident = sum(n if n <= keep else s for n, s in zip(sizes, shards, strict=True))
+    return resident, sum(shards)
+
+
+def _memory(cfg: JobConfig, world_size: int, gpus_per_node: int) -> MemoryEstimate:
+    from hpcdist import planner
+
+    t, p = cfg.train, cfg.parallel
+    common: dict[str, Any] = {
+        "micro_batch_size": t.micro_batch_size,
+        "seq_len": cfg.data.seq_len,
+        "activation_checkpointing": t.activation_checkpointing,
+    }
+    args = cfg.model_args()
+    if p.strategy == "ddp":
+        return estimate_memory(args, strategy="ddp", world_size=world_size, gpus_per_node=gpus_per_node, **common)
+    if p.strategy == "zero":
+        z = p.zero
+        return estimate_memory(
+            args, strategy=f"zero{z.stage}", world_size=world_size, gpus_per_node=gpus_per_node,
+            offload_optimizer=z.offload_optimizer, offload_params=z.offload_params, **common,
+        )  # fmt: skip
+    layout = planner.layout_of(cfg, world_size)
+    return estimate_3d_memory(
+        args,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        dp_shard=layout.dp_shard,
+        microbatches=t.global_batch_size // (t.micro_batch_size * layout.dp),
+        reduce_bytes=planner.grad_reduce_bytes(cfg),
+        strategy=layout.strategy,
+        **common,
+    )
+
+
+def _prediction(cfg: JobConfig, world_size: int, cluster: ClusterConfig) -> str | None:
+    """The planner's step time for this very layout, when the cluster profile has hardware numbers."""
+    from hpcdist import planner
+
+    try:
+        hw = planner.Hardware.from_cluster(cluster)
+        est = planner.estimate_step(
+            cfg.model_args(),
+            planner.layout_of(cfg, world_size),
+            seq_len=cfg.data.seq_len,
+            global_batch_size=cfg.train.global_batch_size,
+            gpus_per_node=cluster.gpus_per_node,
+            hw=hw,
+            reduce_bytes=planner.grad_reduce_bytes(cfg),
+        )
+    except ValueError:
+        return None  # no hardware block (a CPU profile): nothing to predict
+    return (
+        f"planner prediction ({cluster.name}, efficiency {hw.efficiency:.2f}): "
+        f"{est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {100 * est.mfu:.1f}% MFU, step {est.step_s:.2f} s"
+    )
+
+
+def dry_run(
+    cfg: JobConfig,
+    world_size: int,
+    *,
+    cluster: str | os.PathLike[str] | ClusterConfig = "a100_ib",
+    ranks: Sequence[int] | None = None,
+) -> DryRunReport:
+    """Validate ``cfg`` for ``world_size`` ranks and apply its parallel plan to a meta model as each of ``ranks``.
+
+    ``cluster`` (name, path or ClusterConfig) gives GPUs per node and GPU memory; ``parallel.strategy: auto`` is
+    resolved by the planner first. Raises ConfigError for an invalid layout (before any process group exists) and
+    RuntimeError when a process group is already initialized in this process.
+    """
+    start = time.perf_counter()
+    cl = cluster if isinstance(cluster, ClusterConfig) else load_cluster(cluster)
+    gpus_per_node = cl.gpus_per_node or cl.ntasks_per_node
+    notes: list[str] = []
+    if cfg.parallel.strategy == "auto":
+        from hpcdist.planner import resolve_auto
+
+        cfg, reason = resolve_auto(cfg, world_size, cl)
+        notes.append(reason)
+    config_mod.check_world(cfg, world_size, ranks_per_node=gpus_per_node)
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("the dry run makes its own fake process group: run it outside torchrun/srun")
+    chosen = sorted(set(ranks)) if ranks is not None else _default_ranks(cfg, world_size)
+    bad = [r for r in chosen if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"ranks {bad} are outside 0..{world_size - 1}")
+
+    strategy = cfg.parallel.strategy
+    args = cfg.model_args()
+    total = num_params(args)
+    counts: list[RankCount] = []
+    for rank in chosen:
+        node = rank // gpus_per_node
+        with _fake_group(rank, world_size):
+            model = build_model(args)  # meta: shapes only
+            if strategy != "3d" and cfg.train.activation_checkpointing:
+                from hpcdist.parallel.parallelize import apply_activation_checkpointing
+
+                apply_activation_checkpointing(model)  # the trainer's order: checkpointing before sharding
+            match strategy:
+                case "ddp":
+                    n = sum(p.numel() for p in model.parameters())
+                    counts.append(RankCount(rank, node, f"replica {rank}", n, n, "replicated (DDP)"))
+                case "fsdp":
+                    where, n = _fsdp_count(cfg, model, world_size)
+                    counts.append(RankCount(rank, node, where, n, n, "sharded on meta (FSDP2)"))
+                case "zero":
+                    resident, optim = _zero_count(cfg, model, world_size)
+                    how = f"DeepSpeed ZeRO-{cfg.parallel.zero.stage} partition rule"
+                    counts.append(RankCount(rank, node, f"dp {rank}", resident, optim, how))
+                case "3d":
+                    where, n, stages = _three_d_count(cfg, model, rank, world_size)
+                    counts.append(RankCount(rank, node, where, n, n, f"sharded on meta: {stages}"))
+                case other:
+                    raise ConfigError([f"parallel.strategy={other!r}: the dry run does not know this strategy"])
+    if strategy == "zero":
+        notes.append("ZeRO counts follow DeepSpeed's partitioning rule; its engine cannot be built on meta tensors")
+    if strategy == "3d":
+        layout = f"3d: {config_mod.parallel_dims(cfg, world_size).describe()}"
+        if config_mod.parallel_dims(cfg, world_size).pp_enabled:
+            layout += f", schedule {cfg.parallel.pp_schedule}"
+    else:
+        layout = {
+            "ddp": "ddp (every rank a full replica)",
+            "fsdp": _fsdp_layout(cfg, world_size),
+            "zero": f"zero stage {cfg.parallel.zero.stage} over {world_size} ranks",
+        }[strategy]
+    return DryRunReport(
+        cfg=cfg,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        layout=layout,
+        total_params=total,
+        counts=counts,
+        memory=_memory(cfg, world_size, min(gpus_per_node, world_size)),
+        gpu_mem_gib=getattr(cl.hardware, "gpu_mem_gb", None),
+        seconds=time.perf_counter() - start,
+        notes=notes,
+        prediction=_prediction(cfg, world_size, cl),
+    )
+
+
+def _default_ranks(cfg: JobConfig, world_size: int) -> list[int]:
+    """First, middle and last rank; under pipeline parallelism also the first rank of every stage (counts differ
+    between stages, not between the dp / tp ranks of one stage)."""
+    ranks = set(parse_ranks(None, world_size))
+    if cfg.parallel.strategy == "3d":
+        dims = config_mod.parallel_dims(cfg, world_size)
+        ranks |= {stage * dims.dp * dims.tp for stage in range(dims.pp)}
+    return sorted(ranks)
+
+
+def _fsdp_layout(cfg: JobConfig, world_size: int) -> str:
+    r = cfg.parallel.fsdp.replicate
+    if r > 1:
+        return f"hsdp: {r} replicas x {world_size // r}-way FSDP2 shards (mesh replicate x shard)"
+    return f"fsdp: FSDP2 over {world_size} ranks (mesh shard)"

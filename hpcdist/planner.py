@@ -1,0 +1,762 @@
+"""Layout planner: which parallel layout trains a model fastest on a cluster, and why.
+
+``hpcdist plan`` prints the ranked table; ``parallel.strategy: auto`` takes its top row through
+:func:`resolve_auto`. Memory comes from :mod:`hpcdist.plan`; this module adds the layouts and the step-time model.
+
+Layouts enumerated for W = nodes x G GPUs, global batch B samples of s tokens:
+
+* ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp`` (dp = W), ``hsdp`` (FSDP2 sharded inside a node, replicated
+  across nodes; only with more than one node), and ``3d``: tp in {1, 2, 4, 8} dividing G, the (kv) heads, the
+  SwiGLU width and the sequence (sequence parallelism), pp dividing W / tp with at least one layer per stage,
+  dp = W / (tp * pp), FSDP2 on dp, 1F1B with at least pp micro-batches; tp = pp = 1 is the fsdp row.
+* each with every power-of-two micro-batch b dividing B / dp, and activation checkpointing on and off.
+  The global batch is fixed (it is an optimization hyper-parameter); gradient accumulation takes up the rest.
+* CPU offload is not enumerated: it only helps when nothing else fits, and its speed is set by the host.
+
+Step-time model, per optimizer step, on one GPU. Notation: F = ``flops_per_token(args, s)`` = 6N + 12*L*h*s
+(N without the input embedding, L layers, h = dim), peak and eta the bf16 peak FLOP/s and the compute
+efficiency (fraction of peak the matmul-bound work sustains), m = B / (b*dp) micro-batches, L_s = ceil(L / pp)
+layers per stage, U = L_s the number of FSDP units / gradient buckets a stage's traffic is cut into,
+BW_intra / BW_inter the all-reduce bus bandwidths inside a node and across nodes (bytes/s)::
+
+    c_fwd  = b*s*F/3 / (tp*pp) / (peak*eta)               forward compute of one micro-batch
+    c_bwd  = 2*c_fwd, + c_fwd with activation checkpointing (the recomputed forward: 8N instead of 6N)
+    t_tp   = (4 + 2*AC) * L_s * 2(tp-1)/tp * (b*s*h*2) / BW_intra
+             tensor parallel with sequence parallelism: per layer an all-gather + reduce-scatter pair (one
+             all-reduce's traffic) before attention and before the MLP, in forward and again in backward, and
+             again in the recomputed forward; bf16 activations; inside a node; not overlapped
+    t_p2p  = 2 * (b*s*h*2 / tp) / BW_p2p  (pp > 1)        activations forward + their gradients backward;
+             BW_p2p = BW_intra inside one node, else BW_inter / G (each GPU has its own NIC); not overlapped
+    t_mb   = c_fwd + c_bwd + t_tp + t_p2p
+    t_pipe = (m + pp - 1) * t_mb                           1F1B: bubble fraction (pp-1) / (m+pp-1)
+
+Data-parallel collectives (ring algorithms at bus bandwidth; nccl-tests' busbw definitions): all-reduce of X
+bytes over n ranks takes 2(n-1)/n * X / BW, all-gather or reduce-scatter (n-1)/n * X / BW, X being the full
+(unsharded) size. BW = BW_intra when the group lies in one node, else BW_inter: tp is the innermost rank
+dimension and dp the next, so a dp group spans dp*tp consecutive ranks and an FSDP shard group dp_shard*tp
+(dp_shard: ranks one copy of the model states is sharded over; HSDP: one node, replicas = dp / dp_shard).
+P_g = ceil(stage_params(pp) / tp) parameters per model-parallel rank. Events::
+
+    strategy     every micro-batch                        first forward   last backward        after the step
+    ddp          -                                        -               AR fp32 grads 4*P_g  -
+    zero1        -                                        -               RS bf16 grads 2*P_g  AG params 2*P_g
+    zero2        bwd: RS bf16 grads 2*P_g                 -               -                    AG params 2*P_g
+    zero3        fwd: AG 2*P_g; bwd: AG 2*P_g + RS 2*P_g  -               -                    -
+    fsdp, hsdp,  fwd: AG 2*P_g; bwd: AG 2*P_g             -               RS r*P_g, + HSDP:    -
+      3d pp=1    (AG, RS over the shard group)                            AR r*P_g/dp_shard
+    3d pp>1      -                                        AG 2*P_g        as above             -
+
+(r = bytes of parallel.fsdp.reduce_dtype. hpcdist's DDP keeps fp32 grads under autocast; DeepSpeed reduces every
+micro-batch from stage 2 on, stage 1 at the accumulation boundary; FSDP2 with gradient sync off for non-final
+micro-batches re-gathers parameters in every forward and backward (reshard after forward) and reduce-scatters
+once; under pp hpcdist keeps each stage gathered for the whole step.) Overlap: collectives in one window (a
+micro-batch's forward, or its backward) run back to back on one stream and hide behind that window's compute
+except one unit's share (the first gather, the last bucket)::
+
+    exposed(t, w) = t/U + max(0, t*(U-1)/U - w)
+    t_dp   = sum over micro-batches i = 1..m of  exposed(every_fwd + [i = 1] first_fwd, c_fwd)
+                                               + exposed(every_bwd + [i = m] last_bwd, c_bwd)
+             + after
+
+    t_step = t_pipe + t_dp
+    tokens/s/GPU = B*s / (t_step * W);  MFU = tokens/s/GPU * F / peak;  days(N tokens) = N / (tokens/s/GPU * W) / 86400
+
+Not modelled: per-collective latency (so for small models, whose collectives are latency-bound, the ranking
+means little), the optimizer step and data loading, kernel-launch gaps, matmul efficiency changing with the
+micro-batch size or tp, and the embedding/head imbalance between pipeline stages (hpcdist balances them; the
+heaviest stage is taken as ceil(L/pp) blocks + the head). Ranking: highest tokens/s/GPU among layouts whose
+estimated memory fits in (GPU memory - margin); ties go to less memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hpcdist.models.llama import ModelArgs, flops_per_token, num_params
+from hpcdist.plan import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory, stage_params
+
+if TYPE_CHECKING:
+    from hpcdist.config import JobConfig
+    from hpcdist.launch.cluster import ClusterConfig
+
+__all__ = [
+    "DEFAULT_EFFICIENCY",
+    "DEFAULT_MARGIN_GIB",
+    "LAYOUT_STRATEGIES",
+    "Hardware",
+    "Layout",
+    "StepEstimate",
+    "apply_layout",
+    "choose",
+    "enumerate_layouts",
+    "estimate_step",
+    "format_count",
+    "grad_reduce_bytes",
+    "layout_of",
+    "layout_overrides",
+    "layout_table",
+    "pick",
+    "rank_layouts",
+    "resolve_auto",
+]
+
+# Fraction of the bf16 peak that the matmul-bound forward/backward of a Llama block sustains with SDPA flash
+# attention and no fused kernels: an assumption, not a measurement (see README "Planner": published A100 runs
+# reach 52-61% MFU at 13B, i.e. 60-77% of peak counting the recomputed forward).
+DEFAULT_EFFICIENCY = 0.60
+# Usable GPU memory = gpu_mem - margin: the driver/ECC reservation (an A100-80GB shows ~79.2 GiB to CUDA) and
+# room for allocator spikes that the estimator's 10% buffers do not cover.
+DEFAULT_MARGIN_GIB = 2.0
+LAYOUT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "3d")
+TP_DEGREES = (1, 2, 4, 8)
+_SIMPLER = {name: i for i, name in enumerate(("ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3", "3d"))}
+_REDUCE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+# ----------------------------------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Per-GPU numbers the time and memory models need; usually from a cluster profile's ``hardware:`` block."""
+
+    gpu_mem_gib: float
+    """Memory of one GPU (GiB; an A100-80GB has 80)."""
+    peak_tflops: float
+    """Dense bf16 peak of one GPU (A100: 312)."""
+    intra_busbw_gbps: float
+    """All-reduce bus bandwidth inside a node, GB/s (NVSwitch A100: ~230)."""
+    inter_busbw_gbps: float
+    """All-reduce bus bandwidth across nodes, GB/s (8x HDR 200 Gb/s per node: ~190)."""
+    efficiency: float = DEFAULT_EFFICIENCY
+    """Fraction of peak the compute sustains (eta in the module docstring)."""
+    margin_gib: float = DEFAULT_MARGIN_GIB
+    """GPU memory kept free: a layout fits when its estimate <= gpu_mem_gib - margin_gib."""
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.gpu_mem_gib - self.margin_gib) * GIB
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("gpu_mem_gib", "peak_tflops", "intra_busbw_gbps", "inter_busbw_gbps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                out.append(f"{name} must be a positive number, got {value!r}")
+        if not 0 < self.efficiency <= 1:
+            out.append(f"efficiency must be in (0, 1], got {self.efficiency}")
+        if not 0 <= self.margin_gib < self.gpu_mem_gib:
+            out.append(
+                f"the memory margin ({self.margin_gib:g} GiB) must be >= 0 and below the GPU memory "
+                f"({self.gpu_mem_gib:g} GiB)"
+            )
+        return out
+
+    @classmethod
+    def from_cluster(
+        cls,
+        cluster: ClusterConfig,
+        *,
+        gpu_mem_gib: float | None = None,
+        efficiency: float | None = None,
+        margin_gib: float | None = None,
+    ) -> Hardware:
+        """From ``cluster.hardware``; keyword arguments override it. Raises ValueError naming missing keys."""
+        hw = cluster.hardware
+        values = {
+            "gpu_mem_gib": gpu_mem_gib if gpu_mem_gib is not None else getattr(hw, "gpu_mem_gb", None),
+            "peak_tflops": getattr(hw, "bf16_peak_tflops", None),
+            "intra_busbw_gbps": getattr(hw, "intra_node_busbw_gbps", None),
+            "inter_busbw_gbps": getattr(hw, "inter_node_busbw_gbps", None),
+        }
+        yaml_keys = ("gpu_mem_gb", "bf16_peak_tflops", "intra_node_busbw_gbps", "inter_node_busbw_gbps")
+        missing = [f"hardware.{key}" for key, v in zip(yaml_keys, values.values(), strict=True) if v is None]
+        if missing:
+            raise ValueError(
+                f"cluster {cluster.name!r} does not say {', '.join(missing)}: the planner needs GPU memory, bf16 peak "
+                "and bus bandwidths; add a hardware: block like configs/cluster/a100_ib.yaml's"
+            )
+        out = cls(
+            **values,  # type: ignore[arg-type]
+            efficiency=DEFAULT_EFFICIENCY if efficiency is None else efficiency,
+            margin_gib=DEFAULT_MARGIN_GIB if margin_gib is None else margin_gib,
+        )
+        problems = out.problems()
+        if problems:
+            raise ValueError(f"cluster {cluster.name!r}: " + "; ".join(problems))
+        return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: strategy, degrees (W = tp * pp * dp), micro-batch, activation checkpointing."""
+
+    strategy: str
+    """ddp, zero1, zero2, zero3, fsdp, hsdp or 3d."""
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    activation_checkpointing: bool
+    dp_shard: int
+    """Ranks one copy of the model states is spread over: 1 for ddp, dp for zero / fsdp / 3d, G for hsdp."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def dp_label(self) -> str:
+        # hsdp: replicas x shard, the way the mesh is built
+        return f"{self.dp // self.dp_shard}x{self.dp_shard}" if self.strategy == "hsdp" else str(self.dp)
+
+    def describe(self) -> str:
+        dims = f"pp={self.pp} dp={self.dp} tp={self.tp}" if self.strategy == "3d" else f"dp={self.dp_label}"
+        ac = "on" if self.activation_checkpointing else "off"
+        return f"{self.strategy} {dims}, micro batch {self.micro_batch_size}, activation checkpointing {ac}"
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Predicted memory and step time of one layout (all times in seconds per optimizer step)."""
+
+    layout: Layout
+    memory: MemoryEstimate
+    fits: bool
+    microbatches: int
+    compute_s: float
+    """m * (c_fwd + c_bwd): compute without the bubble."""
+    tp_comm_s: float
+    """m * t_tp."""
+    p2p_s: float
+    """m * t_p2p."""
+    bubble_s: float
+    """(pp - 1) * t_mb: idle pipeline time."""
+    dp_comm_s: float
+    """All data-parallel collective time, hidden or not."""
+    dp_exposed_s: float
+    """The part of dp_comm_s not hidden behind compute (t_dp)."""
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+
+    def days(self, tokens: float) -> float:
+        """Days to train ``tokens`` tokens at this rate on all the layout's GPUs."""
+        return tokens / (self.tokens_per_s_per_gpu * self.layout.world_size) / 86400
+
+
+# ------------------------------------------------------------------------------------------------ time model
+
+
+def _ring(kind: str, nbytes: float, n: int, bandwidth: float) -> float:
+    """Seconds for a ring collective of ``nbytes`` (full size) over ``n`` ranks at bus bandwidth (bytes/s)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    return factor * nbytes / bandwidth
+
+
+def _exposed(t: float, window: float, units: int) -> float:
+    """Collective time not hidden behind ``window`` seconds of compute: one unit's share always shows."""
+    if t <= 0:
+        return 0.0
+    return t / units + max(0.0, t * (units - 1) / units - window)
+
+
+def _dp_events(layout: Layout, p_g: int, reduce_bytes: int, bw_dp: float, bw_shard: float) -> tuple[float, ...]:
+    """Seconds of data-parallel traffic: (every micro-batch's forward, every micro-batch's backward, the first
+    micro-batch's forward only, the last micro-batch's backward only, after the optimizer step).
+
+    ``bw_dp``: bandwidth of the whole dp group; ``bw_shard``: of one FSDP shard group (HSDP: inside a replica)."""
+    n = layout.dp
+    match layout.strategy:
+        case "ddp":
+            return 0.0, 0.0, 0.0, _ring("all_reduce", 4 * p_g, n, bw_dp), 0.0
+        case "zero1":
+            gather = _ring("all_gather", 2 * p_g, n, bw_dp)
+            return 0.0, 0.0, 0.0, _ring("reduce_scatter", 2 * p_g, n, bw_dp), gather
+        case "zero2":
+            gather = _ring("all_gather", 2 * p_g, n, bw_dp)
+            return 0.0, _ring("reduce_scatter", 2 * p_g, n, bw_dp), 0.0, 0.0, gather
+        case "zero3":
+            gather = _ring("all_gather", 2 * p_g, n, bw_dp)
+            return gather, gather + _ring("reduce_scatter", 2 * p_g, n, bw_dp), 0.0, 0.0, 0.0
+        case "fsdp" | "hsdp" | "3d":
+            shard, replicas = layout.dp_shard, layout.dp // layout.dp_shard
+            gather = _ring("all_gather", 2 * p_g, shard, bw_shard)
+            scatter = _ring("reduce_scatter", reduce_bytes * p_g, shard, bw_shard)
+            scatter += _ring("all_reduce", reduce_bytes * p_g / shard, replicas, bw_dp)  # HSDP: across replicas
+            if layout.pp > 1:  # hpcdist keeps a pipeline stage gathered for the whole step
+                return 0.0, 0.0, gather, scatter, 0.0
+            return gather, gather, 0.0, scatter, 0.0
+    raise ValueError(f"unknown layout strategy {layout.strategy!r}: choose one of {', '.join(LAYOUT_STRATEGIES)}")
+
+
+def _memory(
+    args: ModelArgs, layout: Layout, *, seq_len: int, microbatches: int, gpus_per_node: int, reduce_bytes: int
+) -> MemoryEstimate:
+    common: dict[str, Any] = {
+        "micro_batch_size": layout.micro_batch_size,
+        "seq_len": seq_len,
+        "activation_checkpointing": layout.activation_checkpointing,
+    }
+    if layout.strategy in ("ddp", "zero1", "zero2", "zero3"):
+        return estimate_memory(
+            args, strategy=layout.strategy, world_size=layout.dp, gpus_per_node=gpus_per_node, **common
+        )
+    return estimate_3d_memory(
+        args,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        dp_shard=layout.dp_shard,
+        microbatches=microbatches,
+        reduce_bytes=reduce_bytes,
+        strategy=layout.strategy,
+        **common,
+    )
+
+
+def estimate_step(
+    args: ModelArgs,
+    layout: Layout,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    gpus_per_node: int,
+    hw: Hardware,
+    reduce_bytes: int = 4,
+) -> StepEstimate:
+    """Memory and step time of ``layout`` by the formulas of the module docstring (nothing else goes in)."""
+    b, dp, tp, pp = layout.micro_batch_size, layout.dp, layout.tp, layout.pp
+    world = layout.world_size
+    if global_batch_size % (b * dp):
+        raise ValueError(
+            f"global batch {global_batch_size} is not divisible by micro batch {b} x data-parallel size {dp}"
+        )
+    m = global_batch_size // (b * dp)
+    if pp > 1 and m < pp:
+        raise ValueError(f"1F1B needs at least pp={pp} micro-batches per step, got {m}")
+    per_node = min(gpus_per_node, world)
+    intra, inter = hw.intra_busbw_gbps * 1e9, hw.inter_busbw_gbps * 1e9
+    flops = flops_per_token(args, seq_len)
+    rate = hw.peak_flops * hw.efficiency
+
+    c_fwd = b * seq_len * flops / 3 / (tp * pp) / rate
+    c_bwd = 2 * c_fwd + (c_fwd if layout.activation_checkpointing else 0.0)
+    layers = -(-args.n_layers // pp)
+    act_bytes = b * seq_len * args.dim * 2  # one bf16 hidden-state tensor of the micro-batch
+    t_tp = (4 + 2 * layout.activation_checkpointing) * layers * _ring("all_reduce", act_bytes, tp, intra)
+    t_p2p = 0.0
+    if pp > 1:
+        p2p_bw = intra if world <= per_node else inter / per_node
+        t_p2p = 2 * (act_bytes / tp) / p2p_bw
+    t_mb = c_fwd + c_bwd + t_tp + t_p2p
+    t_pipe = (m + pp - 1) * t_mb
+
+    p_g = -(-stage_params(args, pp=pp) // tp)
+    # tp is innermost, dp next (dims.py): a dp group spans dp * tp consecutive ranks, a shard group dp_shard * tp
+    bw_dp = intra if dp * tp <= per_node else inter
+    bw_shard = intra if layout.dp_shard * tp <= per_node else inter
+    fwd, bwd, first, last, after = _dp_events(layout, p_g, reduce_bytes, bw_dp, bw_shard)
+    units = layers
+    t_dp = after
+    for i in range(1, m + 1):  # the first and the last micro-batch carry the once-per-step traffic
+        t_dp += _exposed(fwd + (first if i == 1 else 0.0), c_fwd, units)
+        t_dp += _exposed(bwd + (last if i == m else 0.0), c_bwd, units)
+
+    step = t_pipe + t_dp
+    tokens_per_gpu = global_batch_size * seq_len / (step * world)
+    memory = _memory(args, layout, seq_len=seq_len, microbatches=m, gpus_per_node=per_node, reduce_bytes=reduce_bytes)
+    return StepEstimate(
+        layout=layout,
+        memory=memory,
+        fits=memory.total <= hw.usable_bytes,
+        microbatches=m,
+        compute_s=m * (c_fwd + c_bwd),
+        tp_comm_s=m * t_tp,
+        p2p_s=m * t_p2p,
+        bubble_s=(pp - 1) * t_mb,
+        dp_comm_s=m * (fwd + bwd) + first + last + after,
+        dp_exposed_s=t_dp,
+        step_s=step,
+        tokens_per_s_per_gpu=tokens_per_gpu,
+        mfu=tokens_per_gpu * flops / hw.peak_flops,
+    )
+
+
+# ------------------------------------------------------------------------------------------- enumeration + rank
+
+
+def _cluster_shape(world_size: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, GPUs used per node). A job smaller than a node uses world_size GPUs of one node."""
+    if world_size < 1 or gpus_per_node < 1:
+        raise ValueError(f"world size and GPUs per node must be >= 1, got {world_size} and {gpus_per_node}")
+    if world_size <= gpus_per_node:
+        return 1, world_size
+    if world_size % gpus_per_node:
+        raise ValueError(
+            f"world size {world_size} is not a whole number of nodes of {gpus_per_node} GPUs; "
+            f"use a multiple of {gpus_per_node}"
+        )
+    return world_size // gpus_per_node, gpus_per_node
+
+
+def _micro_batches(global_batch_size: int, dp: int, sizes: Sequence[int] | None) -> list[int]:
+    if global_batch_size % dp:
+        return []
+    per_replica = global_batch_size // dp
+    candidates = sizes if sizes is not None else [2**i for i in range(per_replica.bit_length())]
+    return [b for b in candidates if b >= 1 and per_replica % b == 0]
+
+
+def enumerate_layouts(
+    args: ModelArgs,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    global_batch_size: int,
+    seq_len: int,
+    strategies: Iterable[str] = LAYOUT_STRATEGIES,
+    micro_batch_sizes: Sequence[int] | None = None,
+) -> list[Layout]:
+    """Every layout of the module docstring that divides the world and the global batch evenly."""
+    nodes, per_node = _cluster_shape(world_size, gpus_per_node)
+    wanted = list(strategies)
+    unknown = [s for s in wanted if s not in LAYOUT_STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown layout strategies {unknown}: choose from {', '.join(LAYOUT_STRATEGIES)}")
+    out: list[Layout] = []
+
+    def add(strategy: str, tp: int, pp: int, dp: int, dp_shard: int) -> None:
+        for b in _micro_batches(global_batch_size, dp, micro_batch_sizes):
+            if pp > 1 and global_batch_size // (b * dp) < pp:
+                continue  # 1F1B keeps every stage busy only with at least pp micro-batches
+            for ac in (False, True):
+                out.append(Layout(strategy, tp, pp, dp, b, ac, dp_shard))
+
+    for strategy in wanted:
+        if strategy == "ddp":
+            add("ddp", 1, 1, world_size, 1)
+        elif strategy in ("zero1", "zero2", "zero3", "fsdp"):
+            add(strategy, 1, 1, world_size, world_size)
+        elif strategy == "hsdp" and nodes > 1:
+            add("hsdp", 1, 1, world_size, per_node)
+        elif strategy == "3d":
+            for tp in TP_DEGREES:
+                if tp > per_node or per_node % tp or any(x % tp for x in (args.n_heads, args.kv_heads)):
+                    continue  # tensor parallelism stays inside a node and splits whole heads
+                if args.ffn_dim % tp or seq_len % tp:
+                    continue  # whole SwiGLU columns; sequence parallelism splits the sequence evenly
+                for pp in range(1, min(args.n_layers, world_size // tp) + 1):
+                    if (world_size // tp) % pp or (tp == 1 and pp == 1):
+                        continue
+                    dp = world_size // (tp * pp)
+                    add("3d", tp, pp, dp, dp)
+    return out
+
+
+def rank_layouts(
+    args: ModelArgs,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    global_batch_size: int,
+    seq_len: int,
+    hw: Hardware,
+    reduce_bytes: int = 4,
+    strategies: Iterable[str] = LAYOUT_STRATEGIES,
+    micro_batch_sizes: Sequence[int] | None = None,
+) -> list[StepEstimate]:
+    """Estimates for every layout, best first: fitting ones by tokens/s/GPU (ties: less memory, simpler), then
+    the ones that do not fit in the same order."""
+    layouts = enumerate_layouts(
+        args,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        global_batch_size=global_batch_size,
+        seq_len=seq_len,
+        strategies=strategies,
+        micro_batch_sizes=micro_batch_sizes,
+    )
+    estimates = [
+        estimate_step(
+            args,
+            layout,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            gpus_per_node=gpus_per_node,
+            hw=hw,
+            reduce_bytes=reduce_bytes,
+        )
+        for layout in layouts
+    ]
+    estimates.sort(
+        key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu, e.memory.total, _SIMPLER[e.layout.strategy], e.layout.pp)
+    )
+    return estimates
+
+
+def choose(estimates: Sequence[StepEstimate]) -> StepEstimate:
+    """The top fitting estimate of a ranked list; ValueError when nothing fits."""
+    for e in estimates:
+        if e.fits:
+            return e
+    raise ValueError(
+        f"none of {len(estimates)} layouts fits in GPU memory: add nodes, shorten data.seq_len or lower "
+        "train.global_batch_size (the smallest estimate is "
+        f"{min((e.memory.total for e in estimates), default=0) / GIB:.1f} GiB)"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ table
+
+
+def _fixed(x: float, digits: int) -> str:
+    """Fixed-point, or scientific when that would print as zero (tiny models)."""
+    return f"{x:.{digits}f}" if x >= 10**-digits else f"{x:.1e}"
+
+
+def format_count(n: float) -> str:
+    """13015864320 -> 13.02B; 262144000000 -> 262.1B; 1e12 -> 1.00T; 2.9e6 -> 2.9M."""
+    for scale, suffix, digits in ((1e12, "T", 2), (1e9, "B", 2 if n < 1e11 else 1), (1e6, "M", 1)):
+        if n >= scale:
+            return f"{n / scale:,.{digits}f}{suffix}"
+    return f"{n:,.0f}"
+
+
+def layout_table(
+    estimates: Sequence[StepEstimate],
+    *,
+    args: ModelArgs,
+    gpus_per_node: int,
+    seq_len: int,
+    global_batch_size: int,
+    hw: Hardware,
+    tokens: float,
+    top: int = 10,
+    show_all: bool = False,
+) -> str:
+    """The ranked table printed by ``hpcdist plan``, with a header of inputs and a footer of assumptions."""
+    if not estimates:
+        raise ValueError("no layout divides this world size and global batch; change train.global_batch_size")
+    world = estimates[0].layout.world_size
+    nodes, per_node = _cluster_shape(world, gpus_per_node)
+    fitting = [e for e in estimates if e.fits]
+    shown = [*fitting[:top], *([e for e in estimates if not e.fits][:top] if show_all else [])]
+    step_tokens = global_batch_size * seq_len
+    lines = [
+        f"Layouts: {format_count(num_params(args))} params on {nodes} node(s) x {per_node} GPU(s) = {world}; "
+        f"global batch {global_batch_size} x seq {seq_len} = {step_tokens:,} tokens/step",
+        f"hardware: {hw.gpu_mem_gib:g} GiB/GPU ({hw.gpu_mem_gib - hw.margin_gib:g} usable), bf16 peak "
+        f"{hw.peak_tflops:g} TFLOP/s x efficiency {hw.efficiency:.2f}, bus bandwidth {hw.intra_busbw_gbps:g} GB/s "
+        f"in a node / {hw.inter_busbw_gbps:g} GB/s across nodes; days = time to train {format_count(tokens)} tokens",
+    ]
+    cols: tuple[str, ...] = ("rank", "strategy", "tp", "pp", "dp", "mbs", "AC", "mem GiB", "fits", "tok/s/GPU")
+    cols += ("MFU %", "step s", "days")
+    widths = (4, 8, 2, 2, 5, 3, 3, 7, 4, 9, 5, 7, 7)
+    lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True)))
+    for i, e in enumerate(shown, 1):
+        lay = e.layout
+        cells = (
+            str(i) if e.fits else "-", lay.strategy, str(lay.tp), str(lay.pp), lay.dp_label,
+            str(lay.micro_batch_size), "on" if lay.activation_checkpointing else "off", f"{e.memory.total / GIB:.1f}",
+            "yes" if e.fits else "no", f"{e.tokens_per_s_per_gpu:,.0f}", f"{100 * e.mfu:.1f}", _fixed(e.step_s, 2),
+            _fixed(e.days(tokens), 1),
+        )  # fmt: skip
+        lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    lines += [
+        f"{len(estimates)} layouts considered, {len(fitting)} fit; showing "
+        f"{min(top, len(fitting))} fitting{' and the best that do not' if show_all else ''} (--top, --all).",
+        "Model (formulas: hpcdist/planner.py docstring): compute = tokens x flops_per_token (6N + 12*L*h*s; x4/3 with",
+        "  activation checkpointing) / (peak x efficiency). Data-parallel collectives: ring all-reduce 2(n-1)/n,",
+        "  all-gather / reduce-scatter (n-1)/n of the bytes over bus bandwidth (in-node if the group fits in a node),",
+        "  hidden behind each micro-batch's forward/backward except one layer's share; the ZeRO-1/2 parameter",
+        "  all-gather after the optimizer step is exposed. tp: sequence parallel, 4 all-reduce volumes per layer and",
+        "  micro-batch (+2 recomputed), in-node, not overlapped. pp: 1F1B, bubble (pp-1)/(m+pp-1), p2p not overlapped.",
+        "  Not modelled: optimizer step, data loading, launch gaps, efficiency varying with micro-batch or tp.",
+        "Memory: hpcdist.plan; fsdp / hsdp / 3d rows add FSDP2's unsharded gradients kept while accumulating",
+        "  micro-batches (so they differ from the per-strategy table when accumulation > 1). AC = activation",
+        "  checkpointing; mbs = micro batch size; hsdp dp = replicas x shard.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------ config <-> layout
+
+
+def layout_overrides(layout: Layout) -> list[tuple[str, Any]]:
+    """(config key, value) pairs that make a JobConfig run ``layout``."""
+    out: list[tuple[str, Any]] = [
+        ("train.micro_batch_size", layout.micro_batch_size),
+        ("train.activation_checkpointing", layout.activation_checkpointing),
+    ]
+    match layout.strategy:
+        case "ddp":
+            out.append(("parallel.strategy", "ddp"))
+        case "zero1" | "zero2" | "zero3":
+            out += [("parallel.strategy", "zero"), ("parallel.zero.stage", int(layout.strategy[-1]))]
+            out += [("parallel.zero.offload_optimizer", False), ("parallel.zero.offload_params", False)]
+            out.append(("parallel.zero.overlap_comm", True))  # the time model hides gradient reduction in backward
+        case "fsdp" | "hsdp":
+            replicate = layout.dp // layout.dp_shard
+            out += [("parallel.strategy", "fsdp"), ("parallel.fsdp.replicate", replicate)]
+        case "3d":
+            out += [("parallel.strategy", "3d"), ("parallel.pp", layout.pp), ("parallel.dp", layout.dp)]
+            out += [("parallel.tp", layout.tp), ("parallel.fsdp.replicate", 1)]
+            if layout.pp > 1:  # the time model's bubble is 1F1B's
+                out += [("parallel.pp_schedule", "1F1B"), ("parallel.pp_stages_per_rank", None)]
+        case other:
+            raise ValueError(f"unknown layout strategy {other!r}")
+    return out
+
+
+def apply_layout(cfg: JobConfig, layout: Layout) -> tuple[JobConfig, list[str]]:
+    """A copy of ``cfg`` set to run ``layout``, and the keys this build of the config lacks (then unusable)."""
+    new = copy.deepcopy(cfg)
+    missing = []
+    for key, value in layout_overrides(layout):
+        *path, leaf = key.split(".")
+        node: Any = new
+        for part in path:
+            node = getattr(node, part)
+        if not dataclasses.is_dataclass(node) or leaf not in {f.name for f in dataclasses.fields(node)}:
+            missing.append(key)
+            continue
+        setattr(node, leaf, value)
+    why = f"no such config key in this build (strategy {layout.strategy} not available)"
+    return new, [f"{key}: {why}" for key in missing]
+
+
+def layout_of(cfg: JobConfig, world_size: int) -> Layout:
+    """The Layout a resolved config runs on ``world_size`` ranks (the inverse of :func:`apply_layout`)."""
+    p, t = cfg.parallel, cfg.train
+    common: dict[str, Any] = {
+        "micro_batch_size": t.micro_batch_size,
+        "activation_checkpointing": t.activation_checkpointing,
+    }
+    match p.strategy:
+        case "ddp":
+            return Layout("ddp", 1, 1, world_size, dp_shard=1, **common)
+        case "zero":
+            return Layout(f"zero{p.zero.stage}", 1, 1, world_size, dp_shard=world_size, **common)
+        case "fsdp":
+            replicate = p.fsdp.replicate
+            strategy = "hsdp" if replicate > 1 else "fsdp"
+            return Layout(strategy, 1, 1, world_size, dp_shard=world_size // replicate, **common)
+        case "3d":
+            from hpcdist.config import parallel_dims
+
+            dims = parallel_dims(cfg, world_size)  # resolves a -1 degree
+            return Layout("3d", dims.tp, dims.pp, dims.dp, dp_shard=dims.dp_shard, **common)
+    raise ValueError(f"parallel.strategy={p.strategy!r} has no planner layout")
+
+
+def grad_reduce_bytes(cfg: JobConfig) -> int:
+    """Bytes per element FSDP reduces gradients in (parallel.fsdp.reduce_dtype)."""
+    return _REDUCE_BYTES.get(cfg.parallel.fsdp.reduce_dtype, 4)
+
+
+def _problems(cfg: JobConfig, world_size: int, gpus_per_node: int) -> list[str]:
+    from hpcdist import config as config_mod
+
+    problems = config_mod.check(cfg)
+    if not problems:
+        try:
+            config_mod.check_world(cfg, world_size, ranks_per_node=gpus_per_node)
+        except config_mod.ConfigError as e:
+            problems = e.problems
+    return problems
+
+
+def pick(
+    cfg: JobConfig, estimates: Sequence[StepEstimate], world_size: int, gpus_per_node: int
+) -> tuple[JobConfig, StepEstimate, str]:
+    """The highest fitting row that ``cfg`` can run (config validation passes), and why it was taken.
+
+    Rows above it are skipped for what validation says (a strategy this build lacks, a restriction such as ZeRO
+    without checkpoints); the reason lists them grouped by problem.
+    """
+    from hpcdist.config import ConfigError
+
+    fitting = [e for e in estimates if e.fits]
+    skipped: Counter[str] = Counter()
+    for i, e in enumerate(fitting, 1):
+        new, missing = apply_layout(cfg, e.layout)
+        problems = missing or _problems(new, world_size, gpus_per_node)
+        if problems:
+            skipped[f"{e.layout.strategy}: {problems[0]}"] += 1
+            continue
+        reason = (
+            f"row {i} of {len(fitting)} fitting layouts ({len(estimates)} considered): {e.layout.describe()}; "
+            f"predicted {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {100 * e.mfu:.1f}% MFU, "
+            f"{e.memory.total / GIB:.1f} GiB/GPU, step {e.step_s:.2f} s"
+        )
+        if skipped:
+            reason += "; skipped higher rows: " + "; ".join(f"{n} x {why}" for why, n in skipped.items())
+        return new, e, reason
+    if not fitting:
+        try:
+            choose(estimates)
+        except ValueError as e:
+            raise ConfigError([f"parallel.strategy=auto: {e}"]) from None
+    raise ConfigError(
+        [f"parallel.strategy=auto: none of the {len(fitting)} fitting layouts is runnable with this config"]
+        + [f"{n} x {why}" for why, n in skipped.items()]
+    )
+
+
+def resolve_auto(
+    cfg: JobConfig,
+    world_size: int,
+    cluster: ClusterConfig | str | os.PathLike[str] = "a100_ib",
+    *,
+    hardware: Hardware | None = None,
+) -> tuple[JobConfig, str]:
+    """``parallel.strategy: auto``: the config set to the planner's best runnable layout, and why.
+
+    ``cluster`` (a ClusterConfig, or a name in configs/cluster/ or a path) gives GPUs per node and, unless
+    ``hardware`` is passed, the hardware numbers. The global batch, sequence length and model stay as configured;
+    the strategy, its degrees, the micro-batch size and activation checkpointing are chosen. Raises ConfigError
+    when the cluster has no GPUs, nothing fits, or no fitting layout passes the config's validation.
+    """
+    from hpcdist.config import ConfigError
+    from hpcdist.launch.cluster import ClusterConfig, load_cluster
+
+    cl = cluster if isinstance(cluster, ClusterConfig) else load_cluster(cluster)
+    if cl.gpus_per_node < 1:
+        raise ConfigError(
+            [f"parallel.strategy=auto plans GPU layouts, but cluster {cl.name!r} has gpus_per_node: 0; "
+             "name a strategy (e.g. parallel.strategy=ddp) or a GPU cluster profile"]
+        )  # fmt: skip
+    try:
+        hw = hardware or Hardware.from_cluster(cl)
+        estimates = rank_layouts(
+            cfg.model_args(),
+            world_size=world_size,
+            gpus_per_node=cl.gpus_per_node,
+            global_batch_size=cfg.train.global_batch_size,
+            seq_len=cfg.data.seq_len,
+            hw=hw,
+            reduce_bytes=grad_reduce_bytes(cfg),
+        )
+    except ValueError as e:
+        raise ConfigError([f"parallel.strategy=auto: {e}"]) from None
+    if not estimates:
+        raise ConfigError(
+            [f"parallel.strategy=auto: no layout splits train.global_batch_size={cfg.train.global_batch_size} "
+             f"over {world_size} ranks; make it a multiple of {world_size}"]
+        )  # fmt: skip
+    new, _, reason = pick(cfg, estimates, world_size, cl.gpus_per_node)
+    return new, f"parallel.strategy=auto on {world_size} GPUs ({cl.name}): {reason}"
