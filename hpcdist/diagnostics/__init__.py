@@ -1,0 +1,22 @@
+"""nccl_check's core: a communication diagnostic that says what is wrong and where.
+
+Modules, in the order a run uses them:
+
+- ``audit``       what each rank sees (versions, GPUs, NCCL/GLOO variables, HCAs, interfaces) and findings
+- ``rendezvous``  joining through rank 0's TCPStore under a deadline, naming ranks that never arrive
+- ``watchdog``    progress markers + a thread that reports which ranks a hung step is waiting for
+- ``health``      allocate + matmul per device against a CPU reference
+- ``collectives`` nccl-tests' sweep (time, algbw, busbw, #wrong) through torch.distributed
+- ``finder``      pairwise transfers ranking ranks and hosts by bandwidth; the --exclude list
+- ``verdict``     expected busbw of a cluster profile; PASS/FAIL with every reason
+- ``report``      human tables and the JSON document
+- ``runner``      one rank from start to verdict; ``cli`` the command line and local launcher
+- ``faults``      TEST-ONLY fault injection (HPCDIST_NCCL_CHECK_* variables)
+
+Needs only ``hpcdist.env`` (and, when an NCCL profile is named, ``hpcdist.launch.nccl`` to apply it).
+"""
+
+from hpcdist.diagnostics.collectives import OPS, bandwidths, busbw_factor
+from hpcdist.diagnostics.runner import Options, run_rank
+
+__all__ = ["OPS", "Options", "bandwidths", "busbw_factor", "run_rank"]
