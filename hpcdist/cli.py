@@ -258,9 +258,17 @@ def run_train(config_path: str | os.PathLike[str], overrides: Sequence[str] = ()
         for line in nccl_lines:
             log0("%s", line)
 
-    from hpcdist.trainer import run
+    from hpcdist.launch.failures import start_attempt
+    from hpcdist.launch.watchdog import collective_timeout_s
+    from hpcdist.trainer import TrainResult, run
 
-    init_process_group(env)
+    # the restart ledger, the rank's supervisor, NCCL error handling (fault.*; hpcdist.launch.failures)
+    refused = start_attempt(cfg, env)
+    if refused:
+        print(f"hpcdist: {refused}", file=sys.stderr, flush=True)
+        return TrainResult(step=0, exit_code=3)
+    # collectives time out a minute after the hang watchdog, which reports first (with stacks and suspects)
+    init_process_group(env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s))
     try:
         result = run(cfg, env)
     finally:

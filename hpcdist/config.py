@@ -28,7 +28,7 @@ from hpcdist.parallel.dims import ParallelDims, layout_problems
 # Strategies this version can run. Later strategies register here when they exist, so a config naming one
 # that is not built yet fails validation instead of failing deep inside the trainer.
 VERIFY_MODES: tuple[str, ...] = ("checksum", "size", "none")
-STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero", "3d")
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero", "3d", "auto")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -167,8 +167,12 @@ class ZeroConfig:
 @dataclass
 class ParallelConfig:
     strategy: str = "ddp"
-    """ddp, fsdp (FSDP2, HSDP with fsdp.replicate > 1), zero (DeepSpeed ZeRO 1/2/3) or 3d (pp x dp x tp on one
-    DeviceMesh: pipeline stages, FSDP2 on dp, tensor + sequence parallel). Planned: auto."""
+    """ddp, fsdp (FSDP2, HSDP with fsdp.replicate > 1), zero (DeepSpeed ZeRO 1/2/3), 3d (pp x dp x tp on one
+    DeviceMesh: pipeline stages, FSDP2 on dp, tensor + sequence parallel) or auto (the top row of `hpcdist plan`
+    for this model on parallel.auto_cluster at the job's world size, chosen when the job starts and logged)."""
+    auto_cluster: str = "a100_ib"
+    """parallel.strategy=auto: the cluster profile (configs/cluster/ name or path) whose GPUs and bandwidths the
+    planner assumes."""
     bucket_cap_mb: int = 25
     """DDP gradient bucket size."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -257,8 +261,8 @@ class LoggingConfig:
     per-rank checksum, metric `replica_divergence`, a warning naming divergent ranks. 0 disables."""
     straggler_every_steps: int = 100
     """Every N steps all ranks all-gather their data-loading time per step and a fixed compute probe; ranks slower
-    than the lower median by straggler_factor get a warning, the `straggler` metrics and a failures.jsonl line.
-    0 disables."""
+    than the lower median by straggler_factor at two checks in a row get a warning and a failures.jsonl line; every
+    check writes the `straggler` metrics. 0 disables."""
     straggler_factor: float = 1.5
     """How many times the lower median a rank's time must be to count as a straggler (> 1)."""
 

@@ -23,6 +23,7 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -536,6 +537,8 @@ def init_process_group(env: DistEnv, *, timeout_s: float = 1800) -> None:
     if env.device.startswith("cuda"):
         # Before init, so NCCL's communicator and any tensor created without a device land on our GPU.
         torch.cuda.set_device(env.torch_device())
+    if env.rank != 0:
+        _wait_for_master(env.master_addr, env.master_port, timeout_s)
     torch.distributed.init_process_group(
         backend=env.backend,
         init_method="env://",
@@ -543,6 +546,21 @@ def init_process_group(env: DistEnv, *, timeout_s: float = 1800) -> None:
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def _wait_for_master(addr: str, port: int, timeout_s: float) -> None:
+    """Poll until rank 0's TCPStore accepts connections. A client that reaches the port before the server listens
+    backs off for timeout/10 (torch's TCPStore: 66 s with a 660 s timeout, 180 s with 30 min), so a rank that
+    merely started first would stall the whole job; polling here costs at most 0.2 s after the server is up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                return  # let init_process_group report the failure with its own message
+            time.sleep(0.2)
 
 
 def destroy_process_group() -> None:

@@ -30,11 +30,15 @@ from hpcdist.data import (
     stdlib_corpus,
 )
 from hpcdist.env import DistEnv
+from hpcdist.goodput import Goodput
+from hpcdist.launch import failures
 from hpcdist.launch.preempt import PreemptionHandler, StopReason
+from hpcdist.launch.watchdog import HangWatchdog
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats, mfu, peak_flops
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.parallel.parallelize import build_strategy
+from hpcdist.stragglers import StragglerMonitor
 
 log = get_logger(__name__)
 
@@ -80,8 +84,13 @@ def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
 
 class Trainer:
     def __init__(self, cfg: JobConfig, env: DistEnv):
-        self.cfg, self.env = cfg, env
         setup_logging(env.rank, level=cfg.run.log_level)
+        if cfg.parallel.strategy == "auto":  # every rank plans the same layout (deterministic), before any building
+            from hpcdist.planner import resolve_auto
+
+            cfg, reason = resolve_auto(cfg, env.world_size, cfg.parallel.auto_cluster)
+            log.info("parallel.strategy=auto: %s", reason)
+        self.cfg, self.env = cfg, env
         config_mod.check_world(cfg, env.world_size, ranks_per_node=env.local_world_size)
         # tp and pp peers of one data-parallel replica must read the same slice of each global batch
         self.dims = config_mod.parallel_dims(cfg, env.world_size)
@@ -115,12 +124,21 @@ class Trainer:
             f"{num_params(args):,}", num_params(args) / 1e6, cfg.parallel.strategy, env.world_size,
             self.strategy.grad_accum, self.flops_per_token,
         )  # fmt: skip
+        # rank 0 accounts the run's wall time (training, checkpoints, restarts) across attempts in goodput.json
+        self.goodput = Goodput(self.run_dir, enabled=env.is_main)
         self.resumed_from = self._resume()
         f = cfg.fault
         self.preemption = PreemptionHandler(
             rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal, requeue=f.requeue,
-            max_restarts=f.max_restarts,
+            max_restarts=f.max_restarts, run_dir=self.run_dir,
         )  # fmt: skip
+        self.watchdog = HangWatchdog(
+            rank=env.rank, world_size=env.world_size, host=env.hostname, run_dir=self.run_dir,
+            timeout_s=f.watchdog_timeout_s, on_fire=self.goodput.flush,
+        )  # fmt: skip
+        self.stragglers = StragglerMonitor(
+            every=cfg.logging.straggler_every_steps, factor=cfg.logging.straggler_factor, device=env.torch_device()
+        )
         self.saved_step = self.step if self.resumed_from else -1
         # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
         self.metrics = MetricsLogger(
@@ -134,6 +152,7 @@ class Trainer:
         if dist.is_initialized():
             hosts = [""] * self.env.world_size
             dist.all_gather_object(hosts, self.env.hostname)
+        self.hosts = hosts
         if self.env.is_main:
             by_host: dict[str, list[int]] = {}
             for rank, host in enumerate(hosts):
@@ -173,12 +192,18 @@ class Trainer:
             return None
         t0 = time.perf_counter()
         self.ckpt.load(path, self.stateful())
-        log.info("resumed from %s at step %d (%.2fs)", path, self.step, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.goodput.add("restore", seconds)
+        log.info("resumed from %s at step %d (%.2fs)", path, self.step, seconds)
         return str(path)
 
     def save(self) -> None:
+        self.watchdog.beat(self.step, "checkpoint save")
+        t0 = time.perf_counter()
         self.ckpt.save(self.step, self.stateful())
         self.saved_step = self.step
+        self.goodput.add("checkpoint_save", time.perf_counter() - t0)
+        self.goodput.flush()
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self, *, until: int | None = None) -> TrainResult:
@@ -186,12 +211,18 @@ class Trainer:
         cfg, result = self.cfg, TrainResult(step=self.step, resumed_from=self.resumed_from)
         end = min(cfg.train.steps, until) if until is not None else cfg.train.steps
         self.preemption.install()  # signal handlers only while the loop runs; close() restores the old ones
+        self.goodput.begin(self.step if self.resumed_from else None)
+        self.watchdog.start()
         try:
             self._loop(end, result)
         except BaseException:
+            self.watchdog.stop()
             self.preemption.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
             raise
+        self.watchdog.beat(self.step, "stop agreement (last MAX all-reduce)")
         self.preemption.close()
+        self.watchdog.stop()
+        self._report_goodput()
         self.metrics.close()
         result.step = self.step
         return result
@@ -200,20 +231,30 @@ class Trainer:
         cfg = self.cfg
         while self.step < end:
             t0 = time.perf_counter()
+            # the hang watchdog's heartbeat; a phase names the collective it waits in, for the report
+            self.watchdog.beat(self.step, "data + forward/backward (gradient all-reduce)")
             batch = self.loader.next_batch()
+            data_s = time.perf_counter() - t0  # no collective: a rank's own speed, for straggler detection
             loss = self.strategy.forward_backward(batch)
+            self.watchdog.beat(self.step, "optimizer step (grad-norm all-reduce)")
             grad_norm = self.strategy.optimizer_step()
             self.step += 1
             self.tokens_seen += self.tokens_per_step
 
             self.throughput.update(self.tokens_per_step, time.perf_counter() - t0)
+            self.watchdog.beat(self.step, "logging / evaluation (loss all-reduce)")
             if self.step % cfg.logging.every_steps == 0 or self.step in (1, end):  # first: where loss starts
                 result.losses[self.step] = self._log(loss, grad_norm)
             if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and self.val_ds:
                 result.eval_losses[self.step] = self.evaluate()
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
                 self.save()
+            if self.stragglers.due(self.step):
+                self._check_stragglers()
+            self.watchdog.beat(self.step, "stop agreement (MAX all-reduce)")
             stop = self.preemption.agreed()  # async one-int all-reduce: every rank leaves after the same step
+            self.stragglers.add(data_s=data_s, step_s=time.perf_counter() - t0)
+            self.goodput.step(self.step, time.perf_counter() - t0)  # minus the save / evaluation inside it
             if stop:
                 log.info("stop requested (%s) at step %d: saving a checkpoint", stop.name, self.step)
                 result.stop_reason = stop
@@ -222,6 +263,7 @@ class Trainer:
         interrupted = self.step < cfg.train.steps
         if (cfg.checkpoint.save_final or interrupted) and self.saved_step != self.step:
             self.save()
+        self.watchdog.beat(self.step, "checkpoint completion")
         self.ckpt.wait()  # the checkpoint is complete before anyone requeues or exits
         if result.stop_reason:
             result.exit_code = self.preemption.after_checkpoint(result.stop_reason)
@@ -249,6 +291,33 @@ class Trainer:
         log.info(format_line(self.step, self.cfg.train.steps, m))
         return m["loss"]
 
+    def _check_stragglers(self) -> None:
+        """All ranks: gather per-rank data-loading and compute-probe times; rank 0 reports the slow ranks."""
+        self.watchdog.beat(self.step, "straggler check (all-gather)")
+        report = self.stragglers.check(self.hosts)
+        if not self.env.is_main:
+            return
+        self.metrics.log(self.step, report.metrics(), prefix="straggler")
+        for s in report.stragglers:
+            log.warning("step %d: %s", self.step, s.describe())
+            failures.record(
+                self.run_dir, kind="straggler", cause=s.describe(), rank=s.rank, host=s.host,
+                blame=[{"rank": s.rank, "host": s.host}], step=self.step, measure=s.measure,
+                ratio=round(s.ratio, 3), per_rank=report.table,
+            )  # fmt: skip
+
+    def _report_goodput(self) -> None:
+        """End of this attempt (finished or stopped by a signal): the effective-training-time ratio of the run."""
+        self.goodput.flush(clean=True)
+        if not self.env.is_main:
+            return
+        g = self.goodput.summary()
+        parts = ", ".join(f"{k.replace('_', ' ')} {g[k]:.1f}s" for k in ("train", "checkpoint_save", "restore",
+                          "startup", "lost", "queue_wait", "other"))  # fmt: skip
+        log.info("goodput %.1f%% of %.1fs over %d attempt(s): %s", 100 * g["goodput"], g["total_s"], g["attempts"],
+                 parts)  # fmt: skip
+        self.metrics.log(self.step, g, prefix="goodput")
+
     def _check_replicas(self) -> float:
         """Data-parallel replicas must hold bitwise-identical parameters; report the ranks that do not (a silent
         data corruption, a non-deterministic kernel, or a rank that skipped an update)."""
@@ -269,6 +338,8 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches global batches of the validation split (same each time)."""
+        self.watchdog.beat(self.step, "evaluation")
+        t0 = time.perf_counter()
         sampler = ResumableSampler(len(self.val_ds), seed=self.cfg.run.seed, shuffle=False)
         loader = BatchLoader(
             self.val_ds, sampler, global_batch_size=self.cfg.train.global_batch_size, dp_rank=self.dp_rank,
@@ -276,6 +347,7 @@ class Trainer:
         )  # fmt: skip
         losses = [self.strategy.eval_loss(loader.next_batch()) for _ in range(self.cfg.train.eval_batches)]
         value = float(torch.stack(losses).mean())
+        self.goodput.add("eval", time.perf_counter() - t0)
         self.metrics.log(self.step, {"loss": value}, prefix="eval")
         log.info("eval step %d | loss %.4f", self.step, value)
         return value
@@ -286,4 +358,14 @@ def run(cfg: JobConfig, env: DistEnv) -> TrainResult:
     if env.device == "cpu" and env.local_world_size > 1:
         # several CPU ranks on one node would each start one thread per core and thrash
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
-    return Trainer(cfg, env).train()
+    trainer = None
+    try:
+        trainer = Trainer(cfg, env)
+        return trainer.train()
+    except Exception as e:
+        # who failed, where, why: the batch script's failure policy reads it (hpcdist.launch.failures)
+        failures.record_exception(cfg.run.dir, e, rank=env.rank, host=env.hostname,
+                                  step=trainer.step if trainer else None)  # fmt: skip
+        if trainer is not None:
+            trainer.goodput.flush()
+        raise

@@ -18,4 +18,4 @@ if [ $# -lt 1 ]; then
   echo "usage: sbatch sbatch/train.sh CONFIG [section.key=value ...]" >&2
   exit 2
 fi
-hpcdist_srun "$HPCDIST_PYTHON" -m hpcdist train "$@"
+hpcdist_train "$@"

@@ -18,4 +18,4 @@
 #SBATCH --open-mode=append
 
 source "${SLURM_SUBMIT_DIR:-.}/sbatch/common.sh"
-hpcdist_srun "$HPCDIST_PYTHON" -m hpcdist train configs/train_13b.yaml "$@"
+hpcdist_train configs/train_13b.yaml "$@"

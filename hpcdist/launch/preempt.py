@@ -43,6 +43,9 @@ class SlurmJob:
 
     job_id: str | None
     restart_count: int
+    partition: str | None = None
+    """Where the job runs: node exclusion checks that the partition keeps enough usable nodes."""
+    num_nodes: int | None = None
 
     @classmethod
     def from_environ(cls, environ: os._Environ[str] | dict[str, str] | None = None) -> SlurmJob:
@@ -51,7 +54,11 @@ class SlurmJob:
         # array jobs are requeued by their own id (<array job>_<task>)
         if job_id and environ.get("SLURM_ARRAY_TASK_ID"):
             job_id = f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
-        return cls(job_id=job_id, restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0))
+        nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES")
+        return cls(
+            job_id=job_id, restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
+            partition=environ.get("SLURM_JOB_PARTITION") or None, num_nodes=int(nodes) if nodes else None,
+        )  # fmt: skip
 
 
 def signal_number(name: str) -> signal.Signals:
@@ -69,10 +76,13 @@ class PreemptionHandler:
         requeue: bool = True,
         max_restarts: int = 10,
         job: SlurmJob | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
     ):
         self.rank, self.device = rank, device
         self.requeue_signal = signal_number(requeue_signal)
         self.requeue_enabled, self.max_restarts = requeue, max_restarts
+        # where the restart ledger lives (time-limit requeues are counted there, apart from preemptions and failures)
+        self.run_dir = run_dir
         self.job = job if job is not None else SlurmJob.from_environ()
         self._local = StopReason.NONE
         self._previous: dict[int, object] = {}
@@ -139,16 +149,23 @@ class PreemptionHandler:
         if not self.requeue_enabled:
             log.info("fault.requeue is off: job %s ends here; resubmit to continue", self.job.job_id)
             return 0
-        if self.job.restart_count >= self.max_restarts:
-            log.error("job %s was restarted %d times (fault.max_restarts=%d): not requeueing again",
-                      self.job.job_id, self.job.restart_count, self.max_restarts)  # fmt: skip
+        from hpcdist.launch import failures  # failures imports this module
+
+        refused = failures.time_limit_decision(self.run_dir, self.max_restarts, self.job)
+        if refused:
+            log.error("%s", refused)
+        exclude: list[str] = []
+        if self.rank == 0 and self.run_dir is not None:
+            # recorded before the requeue: SLURM ends this process right after it
+            exclude = failures.mark_time_limit(self.run_dir, self.job, reason=refused)
+        if refused:
             return 3
         if self.rank == 0:
-            return requeue(self.job.job_id)
+            return requeue(self.job.job_id, exclude=exclude)
         return 0
 
 
-def requeue(job_id: str) -> int:
+def requeue(job_id: str, *, exclude: Iterable[str] = ()) -> int:
     scontrol = shutil.which("scontrol")
     fallback = (
         f"resubmit a follow-up that starts when this one ends: sbatch --dependency=afterany:{job_id} <same script>; "
@@ -166,4 +183,21 @@ def requeue(job_id: str) -> int:
         log.error("scontrol requeue %s failed (%s); %s", job_id, (p.stderr or p.stdout).strip(), fallback)
         return 4
     log.info("requeued job %s; the next run resumes from the checkpoint just written", job_id)
+    exclude = sorted(set(exclude))
+    if exclude:
+        # ExcNodeList can only change while the job is pending, i.e. now; SLURM holds a requeued job for a while
+        # (BeginTime) before it may start again, so the update lands before the next start
+        arg = f"ExcNodeList={','.join(exclude)}"
+        try:
+            p = subprocess.run([scontrol, "update", f"jobid={job_id}", arg], capture_output=True, text=True,
+                               timeout=60, check=False)  # fmt: skip
+            ok, why = p.returncode == 0, (p.stderr or p.stdout).strip()
+        except subprocess.TimeoutExpired:
+            ok, why = False, "timed out"
+        if ok:
+            log.info("job %s will avoid %s", job_id, ",".join(exclude))
+        else:
+            log.warning(
+                "scontrol update jobid=%s %s failed (%s); the job may run on those nodes again", job_id, arg, why
+            )
     return 0

@@ -82,8 +82,27 @@ def _extra_flags(cluster: ClusterConfig) -> dict[str, Any]:
     return flags
 
 
-def slurm_parameters(cluster: ClusterConfig, *, job_name: str) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters (the keyword arguments of its _make_sbatch_string) for ``cluster``."""
+def _teardown_lines(cluster: ClusterConfig, run_dir: str) -> list[str]:
+    """After srun (first line: $? is srun's status): if the step failed, the failure policy records the cause,
+    excludes the culprit's node and requeues the job, or ends it with the reason (hpcdist.launch.failures)."""
+    python = shlex.quote(cluster.interpreter)
+    return [
+        "hpcdist_rc=$?",
+        f'if [ "$hpcdist_rc" -ne 0 ]; then {python} -m hpcdist.launch.failures after-step --exit-code "$hpcdist_rc" '
+        f"--run-dir {shlex.quote(run_dir)}; exit $?; fi",
+    ]
+
+
+def _supervised_python(cluster: ClusterConfig) -> str:
+    """What srun starts for each rank: the interpreter under hpcdist.supervise, which records a rank killed by a
+    signal (OOM killer, segfault) before srun notices. submitit appends ``-u -m submitit.core._submit <folder>``."""
+    python = shlex.quote(cluster.interpreter)
+    return f"{python} -m hpcdist.supervise -- {python}"
+
+
+def slurm_parameters(cluster: ClusterConfig, *, job_name: str, run_dir: str | None = None) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters (the keyword arguments of its _make_sbatch_string) for ``cluster``;
+    with ``run_dir``, the failure policy runs after a failed step (teardown)."""
     additional: dict[str, Any] = {"requeue": True, **_extra_flags(cluster)}
     sig = _signal_name(cluster.signal)
     from submitit.slurm.slurm import SlurmJobEnvironment
@@ -112,6 +131,7 @@ def slurm_parameters(cluster: ClusterConfig, *, job_name: str) -> dict[str, Any]
         # --cpus-per-task: srun of SLURM 22.05 no longer inherits it from sbatch.
         "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={cluster.cpus_per_task}"],
         "additional_parameters": additional,
+        "teardown": _teardown_lines(cluster, run_dir) if run_dir is not None else None,
     }
     return {k: v for k, v in params.items() if v is not None}
 
@@ -127,19 +147,23 @@ def local_parameters(cluster: ClusterConfig) -> dict[str, Any]:
     }
 
 
-def _command(cluster: ClusterConfig, folder: Path) -> str:
+def _command(cluster: ClusterConfig, folder: Path, *, python: str | None = None) -> str:
     # the same string submitit's executors build (_submitit_command_str), with the interpreter quoted
-    return " ".join([shlex.quote(cluster.interpreter), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    python = shlex.quote(cluster.interpreter) if python is None else python
+    return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
 
 
-def render_sbatch(cluster: ClusterConfig, *, job_name: str, folder: str | os.PathLike[str]) -> str:
+def render_sbatch(
+    cluster: ClusterConfig, *, job_name: str, folder: str | os.PathLike[str], run_dir: str | None = None
+) -> str:
     """The exact sbatch script submitit writes for this job (deterministic: no ids, no temp names)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     path = Path(folder).expanduser().absolute()
     return _make_sbatch_string(
-        command=_command(cluster, path), folder=path, **slurm_parameters(cluster, job_name=job_name)
-    )
+        command=_command(cluster, path, python=_supervised_python(cluster)), folder=path,
+        **slurm_parameters(cluster, job_name=job_name, run_dir=run_dir),
+    )  # fmt: skip
 
 
 def _render_local(cluster: ClusterConfig, folder: Path) -> str:
@@ -352,6 +376,7 @@ def submit(
         raise ConfigError(problems)
     job_name = cluster_cfg.job_name or cfg.run.name
     folder = cluster_cfg.folder(cfg.run.dir)
+    run_dir = str(Path(cfg.run.dir).expanduser().absolute())  # the batch script's after-step reads it
     problems = _check_job(cfg, cluster_cfg, job_name, folder)
     if problems:
         raise ConfigError(problems)
@@ -359,7 +384,7 @@ def submit(
     if dry_run:
         if cluster_cfg.executor == "local":
             return _render_local(cluster_cfg, folder)
-        return render_sbatch(cluster_cfg, job_name=job_name, folder=folder)
+        return render_sbatch(cluster_cfg, job_name=job_name, folder=folder, run_dir=run_dir)
 
     kind, why = choose_executor(cluster_cfg)
     if kind == "local" and cluster_cfg.executor != "local":
@@ -369,8 +394,8 @@ def submit(
 
     try:
         if kind == "slurm":
-            executor: Any = submitit.SlurmExecutor(folder=folder, python=shlex.quote(cluster_cfg.interpreter))
-            executor.update_parameters(**slurm_parameters(cluster_cfg, job_name=job_name))
+            executor: Any = submitit.SlurmExecutor(folder=folder, python=_supervised_python(cluster_cfg))
+            executor.update_parameters(**slurm_parameters(cluster_cfg, job_name=job_name, run_dir=run_dir))
         else:
             executor = submitit.LocalExecutor(folder=folder, python=shlex.quote(cluster_cfg.interpreter))
             executor.update_parameters(**local_parameters(cluster_cfg))

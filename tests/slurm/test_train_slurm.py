@@ -114,7 +114,8 @@ def _rank_pid(job: str, rank: int) -> int | None:
             continue
         if f"SLURM_JOB_ID={job}".encode() in environ and f"SLURM_PROCID={rank}".encode() in environ:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"hpcdist" in cmdline and b"srun" not in cmdline:
+            # the rank itself, not srun nor the rank's supervisor (python -m hpcdist.supervise -- <rank>)
+            if b"hpcdist" in cmdline and b"srun" not in cmdline and b"hpcdist.supervise" not in cmdline:
                 return int(pid)
     return None
 
@@ -122,8 +123,9 @@ def _rank_pid(job: str, rank: int) -> int | None:
 def test_killed_rank_fails_the_job_fast(slurm_cluster: Cluster, corpus_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "kill"
     args = ["--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=1"]
-    job = submit(slurm_cluster, "train.sh", args, ["configs/demo.yaml", *tiny_overrides(run, corpus_dir, 100_000)],
-                 tmp_path / "out.txt")  # fmt: skip
+    # fault.max_failures=0: no failure requeue (tests/slurm/test_faults_slurm.py has the requeue after a kill)
+    over = tiny_overrides(run, corpus_dir, 100_000, "fault.max_failures=0")
+    job = submit(slurm_cluster, "train.sh", args, ["configs/demo.yaml", *over], tmp_path / "out.txt")
     wait_for_step(run, 3)
     pid = _rank_pid(job, 2)
     assert pid is not None

@@ -209,7 +209,8 @@ def test_running_the_script_injects_nothing(sandbox_script: tuple[str, Path], tm
     assert got["profile"] == "ethernet"
     assert got["argv"] == [
         "--unbuffered", "--output", f"{folder}/%j_%t_log.out", "--error", f"{folder}/%j_%t_log.err",
-        "--kill-on-bad-exit=1", "--cpus-per-task=1", sys.executable, "-u", "-m", "submitit.core._submit", str(folder),
+        "--kill-on-bad-exit=1", "--cpus-per-task=1", sys.executable, "-m", "hpcdist.supervise", "--", sys.executable,
+        "-u", "-m", "submitit.core._submit", str(folder),
     ]  # fmt: skip
 
 

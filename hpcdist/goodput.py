@@ -1,0 +1,179 @@
+"""Goodput: where the wall time of a run went, across every attempt (restart) of it, in <run.dir>/goodput.json.
+
+Rank 0 of each attempt appends one entry and keeps it current (at most once a second while training, and at every
+checkpoint, stop and watchdog exit); the batch script stamps the end of a failed attempt (after-step). From the
+entries:
+
+    train            optimizer steps whose result was kept
+    checkpoint_save  blocking time of checkpoint saves
+    restore          loading the checkpoint at the start of an attempt
+    startup          process start to the first step, minus restore (imports, rendezvous, model build, data)
+    lost             steps computed again after a restart (the work since the checkpoint the next attempt resumed
+                     from), plus the unaccounted end of an attempt that did not stop cleanly (the hang until the
+                     watchdog fired, the teardown)
+    queue_wait       between the end of one attempt and the start of the next (requeue hold, queue)
+    other            the rest (evaluation, logging, clean shutdown)
+
+goodput = train / (last end - first start). The first attempt's wait in the queue before it started is not in the
+total (the job does not know its submit time); everything after the first start is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CATEGORIES", "Goodput", "mark_attempt_end", "process_start_time", "summarize"]
+
+GOODPUT_FILE = "goodput.json"
+CATEGORIES = ("train", "checkpoint_save", "restore", "startup", "lost", "queue_wait", "other")
+_FLUSH_EVERY_S = 1.0
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (from /proc; now where /proc is missing)."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22: starttime, clock ticks after boot
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime"))  # fmt: skip
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"attempts": []}
+    return data if isinstance(data, dict) and isinstance(data.get("attempts"), list) else {"attempts": []}
+
+
+def _save(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def summarize(attempts: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds per category over all attempts, ``total_s`` and ``goodput`` (train / total)."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    prev_end = None
+    for a in attempts:
+        start = float(a["start"])
+        end = float(a.get("end") or a.get("last") or start)
+        if prev_end is not None:
+            out["queue_wait"] += max(0.0, start - prev_end)
+        known = 0.0
+        for key in ("train", "checkpoint_save", "restore", "startup", "lost", "other"):
+            value = float(a.get(f"{key}_s", 0.0))
+            out[key] += value
+            known += value
+        rest = max(0.0, (end - start) - known)
+        # an attempt that did not stop cleanly spent its unaccounted end hanging or being torn down
+        out["other" if a.get("clean") else "lost"] += rest
+        prev_end = end
+    first = float(attempts[0]["start"]) if attempts else 0.0
+    out["total_s"] = (prev_end - first) if attempts and prev_end is not None else 0.0
+    out["goodput"] = out["train"] / out["total_s"] if out["total_s"] > 0 else 0.0
+    out["attempts"] = float(len(attempts))
+    return out
+
+
+def mark_attempt_end(run_dir: str | os.PathLike[str], when: float | None = None) -> None:
+    """The batch script, after a failed step: the last attempt ended now (if it did not say so itself)."""
+    path = Path(run_dir) / GOODPUT_FILE
+    data = _load(path)
+    if data["attempts"] and not data["attempts"][-1].get("end"):
+        data["attempts"][-1]["end"] = time.time() if when is None else when
+        _save(path, data)
+
+
+class Goodput:
+    """One attempt's accounting; a no-op unless ``enabled`` (rank 0). Thread-safe (the watchdog flushes it)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, enabled: bool, start: float | None = None) -> None:
+        self.enabled = enabled
+        self.path = Path(run_dir) / GOODPUT_FILE
+        self._lock = threading.Lock()
+        self._data: dict[str, Any] = {"attempts": []}
+        self._entry: dict[str, Any] = {"start": process_start_time() if start is None else start, "last_step": None}
+        self._pending = 0.0  # seconds of save/eval inside the current step, not train time
+        self._flushed = 0.0
+
+    def add(self, category: str, seconds: float) -> None:
+        """Time spent on ``category`` (restore, checkpoint_save, eval -> other)."""
+        if not self.enabled:
+            return
+        key = "other" if category == "eval" else category
+        with self._lock:
+            self._entry[f"{key}_s"] = self._entry.get(f"{key}_s", 0.0) + seconds
+            self._pending += seconds
+
+    def begin(self, resumed_step: int | None) -> None:
+        """The loop is about to start. A resume from ``resumed_step`` turns the previous attempt's steps after it
+        into lost time (they are computed again)."""
+        if not self.enabled or "loop_start" in self._entry:
+            return  # one attempt per process: a second train() call continues it
+        with self._lock:
+            self._data = _load(self.path)
+            now = time.time()
+            e = self._entry
+            e.update(loop_start=now, resumed_step=resumed_step, last=now)
+            e["startup_s"] = max(0.0, now - e["start"] - e.get("restore_s", 0.0))
+            self._pending = 0.0
+            prev = self._data["attempts"][-1] if self._data["attempts"] else None
+            if prev is not None and prev.get("last_step") is not None:
+                # the previous attempt's steps after the checkpoint we resume from are computed again: lost
+                steps = max(1, int(prev["last_step"]) - int(prev.get("first_step") or 0))
+                redo = max(0, min(int(prev["last_step"]) - (resumed_step or 0), steps))
+                train = float(prev.get("train_s", 0.0))
+                moved = min(train, redo * train / steps)
+                prev["train_s"] = train - moved
+                prev["lost_s"] = float(prev.get("lost_s", 0.0)) + moved
+                prev["lost_steps"] = redo
+            e["first_step"] = resumed_step or 0
+            self._data["attempts"].append(e)
+            self._flush_locked(force=True)
+
+    def step(self, step: int, seconds: float) -> None:
+        """One optimizer step done, ``seconds`` of wall time for the whole iteration (save/eval inside it excluded)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            train = max(0.0, seconds - self._pending)
+            self._pending = 0.0
+            self._entry["train_s"] = self._entry.get("train_s", 0.0) + train
+            self._entry["last_step"] = step
+            self._flush_locked()
+
+    def flush(self, *, clean: bool = False) -> None:
+        """Write now; ``clean`` marks the attempt as ended by the trainer itself (finished or stopped by a signal)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if clean:
+                self._entry["end"] = time.time()
+                self._entry["clean"] = True
+            self._flush_locked(force=True)
+
+    def summary(self) -> dict[str, float]:
+        with self._lock:
+            return summarize(self._data["attempts"])
+
+    def _flush_locked(self, *, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._flushed < _FLUSH_EVERY_S:
+            return
+        self._entry["last"] = now
+        try:
+            _save(self.path, self._data)
+            self._flushed = now
+        except OSError:
+            pass  # accounting must never stop training; the next flush tries again

@@ -1,0 +1,248 @@
+"""Hang watchdog: a per-rank thread that ends a rank whose training loop stopped making progress.
+
+A collective that never completes (a peer frozen or dead, a broken link, a deadlock) blocks its caller inside C++
+where nothing in Python notices, and NCCL's own timeout, when it fires at all, kills the process without saying
+where it was or who was missing. So:
+
+- the loop calls ``beat(step, phase)`` at each stage (three attribute stores);
+- a daemon thread checks once a second; after ``timeout_s`` without a beat it writes a report to stderr (the job
+  log): rank, host, step and phase (the last collective the loop entered), the peers that look responsible (from
+  the heartbeat files, below) and every thread's Python stack (faulthandler); the lowest responsive rank records
+  the failure in <run.dir>/failures.jsonl; then the process exits with 124 (as timeout(1) does). srun
+  --kill-on-bad-exit ends the step, and the failure policy (hpcdist.launch.failures) requeues or stops the job;
+- the same thread writes <run.dir>/heartbeats/rank-NNNNN.json every ``heartbeat_s`` (pid, host, step, phase, time).
+  A frozen rank (SIGSTOP, a hang holding the GIL) or a dead one stops writing and a stuck one falls behind: that
+  is how a waiting rank names the culprit, which cannot run its own watchdog;
+- if this thread itself cannot run (a C extension hangs holding the GIL), faulthandler's C-level timer, re-armed
+  by the thread while it runs, dumps the stacks and exits at timeout + BACKSTOP_GRACE_S.
+
+The process-group timeout is ``collective_timeout_s`` (timeout + 60 s): NCCL's watchdog (told by
+TORCH_NCCL_ASYNC_ERROR_HANDLING to tear the process down) and gloo's timeout are only the backstop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from hpcdist.launch import failures
+from hpcdist.logging_utils import get_logger
+
+__all__ = ["WATCHDOG_EXIT_CODE", "HangWatchdog", "collective_timeout_s", "configure_collectives", "read_heartbeats"]
+
+log = get_logger(__name__)
+
+WATCHDOG_EXIT_CODE = 124
+COLLECTIVE_MARGIN_S = 60.0
+BACKSTOP_GRACE_S = 30.0
+DEFAULT_PG_TIMEOUT_S = 1800.0
+
+
+def collective_timeout_s(watchdog_timeout_s: float) -> float:
+    """Process-group timeout: a minute after the watchdog, so the watchdog (with stacks and attribution) fires first."""
+    return watchdog_timeout_s + COLLECTIVE_MARGIN_S if watchdog_timeout_s > 0 else DEFAULT_PG_TIMEOUT_S
+
+
+def configure_collectives(environ: MutableMapping[str, str], run_dir: str | os.PathLike[str]) -> list[str]:
+    """Before the process group exists: make a failed or timed-out NCCL collective end the process (not hang), and
+    keep NCCL's flight recorder so its timeout dumps the last collectives of every rank into <run.dir>/hangs/.
+    Values the user exported win; returns warnings."""
+    warnings = []
+    handling = environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # 3: tear down without cleanup
+    if handling.strip() not in ("1", "3"):
+        warnings.append(
+            f"TORCH_NCCL_ASYNC_ERROR_HANDLING={handling}: a timed-out NCCL collective will not end the process; "
+            "unset it (hpcdist uses 3) so a hang ends the step"
+        )
+    environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # torch >= 2.8 names (TORCH_NCCL_TRACE_* are deprecated)
+    environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(run_dir).absolute() / "hangs" / "nccl_trace_rank_"))
+    return warnings
+
+
+def _heartbeat_dir(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / "heartbeats"
+
+
+def read_heartbeats(run_dir: str | os.PathLike[str], world_size: int) -> dict[int, dict[str, Any]]:
+    """rank -> its last heartbeat (pid, host, step, phase, time, job_id, restart); ranks without one are absent."""
+    out = {}
+    for rank in range(world_size):
+        try:
+            out[rank] = json.loads((_heartbeat_dir(run_dir) / f"rank-{rank:05d}.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+class HangWatchdog:
+    """See the module docstring. ``start()`` when the loop starts, ``beat()`` as it goes, ``stop()`` at the end."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        host: str,
+        run_dir: str | os.PathLike[str],
+        timeout_s: float,
+        heartbeat_s: float | None = None,
+        on_fire: Callable[[], None] | None = None,
+    ) -> None:
+        self.rank, self.world_size, self.host = rank, world_size, host
+        self.run_dir = Path(run_dir)
+        self.timeout_s = float(timeout_s)
+        # often enough that a frozen rank's file is clearly stale when a waiting rank's watchdog fires
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(30.0, max(0.5, self.timeout_s / 5))
+        self.on_fire = on_fire
+        self.step, self.phase = 0, "start"
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._path = _heartbeat_dir(self.run_dir) / f"rank-{rank:05d}.json"
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout_s > 0
+
+    def beat(self, step: int, phase: str) -> None:
+        """Progress: the loop is at ``step`` entering ``phase`` (name it after the collective it runs)."""
+        self.step, self.phase, self._last = step, phase, time.monotonic()
+
+    def start(self) -> HangWatchdog:
+        if not self.enabled or self._thread is not None:
+            return self
+        self._stop.clear()  # train() may run again after a stop()
+        self._last = time.monotonic()
+        self._write_heartbeat()  # at once: tests and tools find this rank's pid here
+        self._thread = threading.Thread(target=self._run, name="hpcdist-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        with contextlib.suppress(RuntimeError):
+            faulthandler.cancel_dump_traceback_later()
+
+    # ------------------------------------------------------------------------------------------ thread
+    def _write_heartbeat(self) -> None:
+        from hpcdist.launch.preempt import SlurmJob
+
+        job = SlurmJob.from_environ()
+        beat = {
+            "rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step, "phase": self.phase,
+            "time": time.time(), "idle_s": round(time.monotonic() - self._last, 3), "job_id": job.job_id,
+            "restart": job.restart_count,
+        }  # fmt: skip
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._path.with_name(f".{self._path.name}.tmp")
+            tmp.write_text(json.dumps(beat))
+            os.replace(tmp, self._path)  # readers see a whole file, old or new
+        except OSError as e:
+            log.debug("heartbeat %s: %s", self._path, e)
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        seen = -1.0
+        poll = min(1.0, self.heartbeat_s)
+        last_poll = time.monotonic()
+        while not self._stop.wait(poll):
+            now = time.monotonic()
+            if now - last_poll > max(3 * self.heartbeat_s, 5 * poll) and now - self._last > self.timeout_s:
+                # this thread did not run either: the whole process was frozen (SIGSTOP, then SIGCONT when SLURM
+                # ends the step), not waiting for a peer; the other ranks have reported it
+                frozen = now - last_poll
+                print(f"[hpcdist watchdog] rank {self.rank} on {self.host}: this process was frozen for {frozen:.0f} s "
+                      "(SIGSTOP or starved); exiting", file=sys.stderr, flush=True)  # fmt: skip
+                os._exit(WATCHDOG_EXIT_CODE)
+            last_poll = now
+            if now >= next_beat:
+                self._write_heartbeat()
+                next_beat = now + self.heartbeat_s
+            if self._last != seen:
+                # progress since the last look: push the C-level backstop out again
+                seen = self._last
+                faulthandler.dump_traceback_later(self.timeout_s + BACKSTOP_GRACE_S, exit=True)
+            idle = now - self._last
+            if idle > self.timeout_s:
+                self._fire(idle)
+                return
+
+    def culprits(self, now: float | None = None) -> tuple[list[dict[str, Any]], int]:
+        """(ranks that look responsible, the lowest rank that still responds). Stale or missing heartbeat: frozen or
+        dead; else behind the furthest step: stuck earlier; else nobody (the collective itself is stuck)."""
+        now = time.time() if now is None else now
+        beats = read_heartbeats(self.run_dir, self.world_size)
+        stale_after = 3 * self.heartbeat_s
+        blamed: list[dict[str, Any]] = []
+        fresh = {r: b for r, b in beats.items() if now - float(b.get("time", 0)) <= stale_after}
+        fresh.setdefault(self.rank, {"step": self.step, "phase": self.phase, "host": self.host})
+        for rank in range(self.world_size):
+            if rank in fresh:
+                continue
+            b = beats.get(rank)
+            why = f"no heartbeat for {now - float(b['time']):.0f} s (frozen or dead)" if b else "no heartbeat at all"
+            blamed.append({"rank": rank, "host": (b or {}).get("host"), "why": why, "step": (b or {}).get("step")})
+        if not blamed:
+            top = max(int(b.get("step", 0)) for b in fresh.values())
+            for rank, b in sorted(fresh.items()):
+                if int(b.get("step", 0)) < top:
+                    why = f"behind: at step {b.get('step')} in {b.get('phase')} while others reached step {top}"
+                    blamed.append({"rank": rank, "host": b.get("host"), "why": why, "step": b.get("step")})
+        return blamed, min(fresh)
+
+    def _fire(self, idle: float) -> None:
+        err = sys.stderr
+        try:
+            blamed, reporter = self.culprits()
+            who = "; ".join(f"rank {b['rank']} on {b['host']}: {b['why']}" for b in blamed) or (
+                "every rank is alive and at the same step: the collective itself is stuck (network, a GPU, NCCL)"
+            )
+            cause = (f"hang watchdog: no progress for {idle:.0f} s (fault.watchdog_timeout_s={self.timeout_s:g}) at "
+                     f"step {self.step} in {self.phase}")  # fmt: skip
+            print(f"\n[hpcdist watchdog] rank {self.rank} on {self.host} (pid {os.getpid()}): {cause}; last "
+                  f"collective: {self.phase}; suspects: {who}", file=err, flush=True)  # fmt: skip
+            print(f"[hpcdist watchdog] Python stacks of rank {self.rank} (all threads):", file=err, flush=True)
+            faulthandler.dump_traceback(file=err, all_threads=True)
+            self._dump_nccl_trace()
+            if reporter == self.rank:
+                blame = [{"rank": b["rank"], "host": b["host"]} for b in blamed if b.get("host")]
+                failures.record(
+                    self.run_dir, kind="watchdog", cause=f"no progress in {self.phase}", rank=self.rank,
+                    host=self.host, blame=blame, step=self.step, detail=f"{cause}; suspects: {who}",
+                    suspects=blamed, idle_s=round(idle, 1),
+                )  # fmt: skip
+            if self.on_fire is not None:
+                self.on_fire()
+        except Exception as e:
+            print(f"[hpcdist watchdog] report failed: {e!r}", file=err, flush=True)
+        finally:
+            err.flush()
+            os._exit(WATCHDOG_EXIT_CODE)  # the main thread is stuck in a collective: no clean shutdown is possible
+
+    def _dump_nccl_trace(self) -> None:
+        """NCCL's flight recorder (last collectives, their sequence numbers and states) into <run.dir>/hangs/."""
+        import torch.distributed as dist
+
+        dump = getattr(getattr(__import__("torch")._C, "_distributed_c10d", None), "_dump_nccl_trace", None)
+        if dump is None or not dist.is_initialized() or dist.get_backend() != "nccl":
+            return
+        try:
+            path = self.run_dir / "hangs" / f"nccl_trace_rank_{self.rank}.pkl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(dump())
+            print(f"[hpcdist watchdog] NCCL flight recorder: {path}", file=sys.stderr, flush=True)
+        except Exception as e:
+            print(f"[hpcdist watchdog] NCCL flight recorder dump failed: {e!r}", file=sys.stderr, flush=True)

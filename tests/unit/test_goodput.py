@@ -1,0 +1,67 @@
+"""Goodput accounting across attempts: train, checkpoint, restore, startup, lost (redone steps and an unclean end),
+queue wait; the ratio."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcdist.goodput import CATEGORIES, Goodput, mark_attempt_end, process_start_time, summarize
+
+
+def test_summarize_splits_every_second() -> None:
+    attempts = [
+        # failed: 100 s of wall; its end after the last flush is unaccounted -> lost
+        {"start": 0, "end": 100, "startup_s": 10, "restore_s": 0, "train_s": 60, "checkpoint_save_s": 5,
+         "lost_s": 15},
+        # requeued after 20 s; stopped cleanly: its unaccounted rest is "other"
+        {"start": 120, "end": 200, "clean": True, "startup_s": 8, "restore_s": 2, "train_s": 60, "other_s": 4},
+    ]  # fmt: skip
+    g = summarize(attempts)
+    assert g["total_s"] == 200 and g["queue_wait"] == 20 and g["train"] == 120 and g["goodput"] == 0.6
+    assert g["lost"] == 15 + 10 and g["other"] == 4 + 6 and g["checkpoint_save"] == 5 and g["restore"] == 2
+    assert sum(g[k] for k in CATEGORIES) == pytest.approx(g["total_s"])
+
+
+def test_two_attempts_with_a_failure_and_a_resume(tmp_path: Path) -> None:
+    t0 = time.time()
+    first = Goodput(tmp_path, enabled=True, start=t0 - 5.0)
+    first.begin(None)
+    for step in range(1, 11):
+        first.step(step, 0.5)
+        if step == 6:
+            first.add("checkpoint_save", 0.25)  # a save inside step 6: not train time
+    first.flush()  # ... and then the rank was killed: no clean end
+    mark_attempt_end(tmp_path, when=time.time())  # the batch script's after-step
+
+    second = Goodput(tmp_path, enabled=True, start=time.time() + 0.0)
+    second.add("restore", 0.5)
+    second.begin(resumed_step=6)  # steps 7..10 of the first attempt are computed again
+    for step in range(7, 11):
+        second.step(step, 0.5)
+    second.flush(clean=True)
+
+    a, b = json.loads((tmp_path / "goodput.json").read_text())["attempts"]
+    assert a["lost_steps"] == 4 and a["first_step"] == 0 and a["last_step"] == 10
+    assert a["train_s"] + a["lost_s"] == pytest.approx(10 * 0.5 - 0.25)  # the save stays checkpoint time
+    assert a["lost_s"] == pytest.approx(4 * (4.75 / 10))
+    assert a["startup_s"] == pytest.approx(5.0, abs=0.5) and not a.get("clean")
+    assert b["first_step"] == 6 and b["restore_s"] == 0.5 and b["clean"] and b["train_s"] == pytest.approx(2.0)
+    g = second.summary()
+    assert g["attempts"] == 2 and g["train"] == pytest.approx(a["train_s"] + 2.0)
+    assert g["goodput"] == pytest.approx(g["train"] / g["total_s"])
+
+
+def test_disabled_on_other_ranks(tmp_path: Path) -> None:
+    g = Goodput(tmp_path, enabled=False)
+    g.begin(None)
+    g.step(1, 1.0)
+    g.flush(clean=True)
+    assert not (tmp_path / "goodput.json").exists()
+
+
+def test_process_start_time_is_in_the_past() -> None:
+    assert time.time() - 3600 * 24 * 365 < process_start_time() <= time.time()

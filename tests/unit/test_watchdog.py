@@ -1,0 +1,95 @@
+"""Hang watchdog in one process: it fires, dumps stacks, records, exits 124; names the culprit from heartbeats;
+the C-level backstop fires when a hang holds the GIL. Multi-rank hangs: tests/dist/test_watchdog.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hpcdist.launch.failures import read_failures
+from hpcdist.launch.watchdog import (
+    WATCHDOG_EXIT_CODE,
+    HangWatchdog,
+    collective_timeout_s,
+    configure_collectives,
+    read_heartbeats,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_stuck_rank_dumps_its_stacks_records_and_exits_124(tmp_path: Path) -> None:
+    p = _run(
+        "import time\n"
+        "from hpcdist.launch.watchdog import HangWatchdog\n"
+        f"w = HangWatchdog(rank=0, world_size=1, host='h0', run_dir={str(tmp_path)!r}, timeout_s=1.0).start()\n"
+        "w.beat(41, 'forward/backward (gradient all-reduce)')\n"
+        "def stuck_in_a_collective():\n"
+        "    time.sleep(60)\n"
+        "stuck_in_a_collective()\n"
+    )
+    assert p.returncode == WATCHDOG_EXIT_CODE, p.stderr
+    assert "s (fault.watchdog_timeout_s=1) at step 41 in forward/backward" in p.stderr
+    assert "last collective: forward/backward (gradient all-reduce)" in p.stderr
+    assert "Python stacks of rank 0" in p.stderr and "most recent call first" in p.stderr
+    assert "in stuck_in_a_collective" in p.stderr  # the main thread's stack, where it hangs
+    (rec,) = read_failures(tmp_path)
+    assert (rec["kind"], rec["rank"], rec["host"], rec["step"]) == ("watchdog", 0, "h0", 41)
+    assert rec["cause"] == "no progress in forward/backward (gradient all-reduce)"
+    assert read_heartbeats(tmp_path, 1)[0]["step"] == 41
+
+
+def test_the_backstop_fires_when_a_hang_holds_the_gil(tmp_path: Path) -> None:
+    # ctypes.PyDLL keeps the GIL during the call: the watchdog thread cannot run, faulthandler's C timer can
+    p = _run(
+        "import ctypes\n"
+        "from hpcdist.launch import watchdog\n"
+        "watchdog.BACKSTOP_GRACE_S = 1.0\n"
+        f"w = watchdog.HangWatchdog(rank=0, world_size=1, host='h', run_dir={str(tmp_path)!r}, timeout_s=1.0)\n"
+        "w.start()\n"
+        "import time; time.sleep(0.8)  # the thread arms the backstop once\n"
+        "ctypes.PyDLL(None).sleep(60)\n"
+    )
+    assert p.returncode == 1, p.stderr  # faulthandler's exit
+    assert "Timeout (0:00:02)!" in p.stderr and "most recent call first" in p.stderr  # the configured 1 s + 1 s
+
+
+def test_culprits_from_heartbeats(tmp_path: Path) -> None:
+    dogs = [HangWatchdog(rank=r, world_size=3, host=f"n{r}", run_dir=tmp_path, timeout_s=1, heartbeat_s=0.1)
+            for r in range(3)]  # fmt: skip
+    for d in dogs:
+        d.beat(5, "forward/backward")
+        d._write_heartbeat()
+    blamed, reporter = dogs[1].culprits()
+    assert blamed == [] and reporter == 0  # all alive at the same step: the collective itself is stuck
+
+    dogs[2].beat(4, "data")  # rank 2 stuck one step earlier
+    dogs[2]._write_heartbeat()
+    blamed, _ = dogs[0].culprits()
+    assert [(b["rank"], b["host"]) for b in blamed] == [(2, "n2")] and "behind: at step 4" in blamed[0]["why"]
+
+    time.sleep(0.4)  # > 3 heartbeats: whoever did not write since is frozen or dead (rank 0 here)
+    for d in dogs[1:]:
+        d._write_heartbeat()
+    blamed, reporter = dogs[2].culprits()
+    assert [(b["rank"], b["host"]) for b in blamed] == [(0, "n0")] and "frozen or dead" in blamed[0]["why"]
+    assert reporter == 1  # the lowest rank that still answers writes the record
+
+
+def test_collective_settings() -> None:
+    assert collective_timeout_s(600) == 660 and collective_timeout_s(0) == 1800
+    env: dict[str, str] = {}
+    assert configure_collectives(env, "/runs/x") == []
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"].endswith("/runs/x/hangs/nccl_trace_rank_")
+    user = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    (warning,) = configure_collectives(user, "/r")
+    assert user["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and "will not end the process" in warning
