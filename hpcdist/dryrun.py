@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import multiprocessing as mp
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,8 @@ from hpcdist.launch.cluster import ClusterConfig, load_cluster
 from hpcdist.models.llama import build_model, num_params
 from hpcdist.plan import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory
 from hpcdist.planner import DEFAULT_MARGIN_GIB, format_count
+
+T = TypeVar("T")
 
 __all__ = ["DryRunReport", "RankCount", "dry_run", "parse_ranks"]
 
@@ -137,6 +140,58 @@ def parse_ranks(spec: str | None, world_size: int) -> list[int]:
     return ranks
 
 
+def _count_rank(cfg: JobConfig, rank: int, node: int, world_size: int) -> RankCount:
+    """Parameters this rank holds under cfg's plan, applied to a meta model as ``rank`` of a fake group."""
+    strategy = cfg.parallel.strategy
+    with _fake_group(rank, world_size):
+        model = build_model(cfg.model_args())  # meta: shapes only
+        if strategy != "3d" and cfg.train.activation_checkpointing:
+            from hpcdist.parallel.parallelize import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model)  # the trainer's order: checkpointing before sharding
+        match strategy:
+            case "ddp":
+                n = sum(p.numel() for p in model.parameters())
+                return RankCount(rank, node, f"replica {rank}", n, n, "replicated (DDP)")
+            case "fsdp":
+                where, n = _fsdp_count(cfg, model, world_size)
+                return RankCount(rank, node, where, n, n, "sharded on meta (FSDP2)")
+            case "zero":
+                resident, optim = _zero_count(cfg, model, world_size)
+                how = f"DeepSpeed ZeRO-{cfg.parallel.zero.stage} partition rule"
+                return RankCount(rank, node, f"dp {rank}", resident, optim, how)
+            case "3d":
+                where, n, stages = _three_d_count(cfg, model, rank, world_size)
+                return RankCount(rank, node, where, n, n, f"sharded on meta: {stages}")
+            case other:
+                raise ConfigError([f"parallel.strategy={other!r}: the dry run does not know this strategy"])
+
+
+def _in_child(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in a forked child process; its result or its exception comes back through a pipe."""
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+
+    def run() -> None:
+        try:
+            child.send((True, fn(*args)))
+        except BaseException as e:  # sent back and re-raised in the parent
+            child.send((False, e))
+
+    proc = ctx.Process(target=run, daemon=True)
+    proc.start()
+    child.close()
+    try:
+        ok, value = parent.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"the dry run's child process died (exit code {proc.exitcode})") from None
+    proc.join()
+    if not ok:
+        raise value
+    return value
+
+
 @contextlib.contextmanager
 def _fake_group(rank: int, world_size: int) -> Iterator[None]:
     """This process as rank ``rank`` of ``world_size`` on torch's fake backend (no peers, no data moved)."""
@@ -182,41 +237,17 @@ def _fsdp_count(cfg: JobConfig, model: nn.Module, world_size: int) -> tuple[str,
 def _three_d_count(cfg: JobConfig, model: nn.Module, rank: int, world_size: int) -> tuple[str, int, str]:
     """Apply hpcdist's 3d plan to the meta model as ``rank``: (mesh coordinates, local elements, stages held).
 
-    The steps of hpcdist.parallel.parallelize.build_3d up to (not including) materialization: split this rank's
-    pipeline stage(s) off the meta model, then per stage TP -> activation checkpointing -> FSDP2 on the dp mesh.
+    ``shard_3d`` is the function build_3d itself runs before materializing: split this rank's pipeline stage(s)
+    off the meta model, then per stage TP -> activation checkpointing -> FSDP2 on the dp mesh.
     """
-    from hpcdist.parallel.dims import SCHEDULES
-    from hpcdist.parallel.fsdp import apply_fsdp
-    from hpcdist.parallel.parallelize import apply_activation_checkpointing, autocast_dtype
-    from hpcdist.parallel.pp import part_costs, schedule_stages_per_rank, split_layers, split_model, stage_ids
-    from hpcdist.parallel.tp import apply_tp
+    from hpcdist.parallel.parallelize import shard_3d
 
-    par, f = cfg.parallel, cfg.parallel.fsdp
     dims = config_mod.parallel_dims(cfg, world_size)
-    meshes = dims.build_meshes("cpu")
     coords = dims.coords(rank)
-    per_rank = schedule_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank) if dims.pp_enabled else 1
-    num_stages = dims.pp * per_rank
-    ids = stage_ids(coords["pp"], dims.pp, per_rank, style=SCHEDULES[par.pp_schedule].style)
-    args = cfg.model_args()
-    if dims.pp_enabled:
-        embed_cost, head_cost = part_costs(args, cfg.data.seq_len)
-        layers = split_layers(args.n_layers, num_stages, first_cost=embed_cost, last_cost=head_cost)
-        parts = [split_model(model, layers[i], first=i == 0, last=i == num_stages - 1) for i in ids]
-    else:
-        layers, parts = [list(range(args.n_layers))], [model]
-    compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, torch.device("cuda"))
-    for part in parts:
-        if dims.tp_enabled:
-            apply_tp(part, meshes["tp"], loss_parallel=True)
-        if cfg.train.activation_checkpointing:
-            apply_activation_checkpointing(part)
-        if dims.dp_enabled:
-            apply_fsdp(
-                part, meshes["fsdp"], param_dtype=compute or torch.float32,
-                reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
-                reshard_after_forward=f.reshard_after_forward and not dims.pp_enabled, cpu_offload=False,
-            )  # fmt: skip
+    # the dtypes a GPU run would use (they do not change the counts); no compile: nothing runs
+    parts, ids, num_stages, layers = shard_3d(
+        cfg, model, dims, dims.build_meshes("cpu"), coords["pp"], device=torch.device("cuda"), compile_blocks=False
+    )
     seen: set[int] = set()
     n = 0
     for part in parts:
@@ -339,29 +370,9 @@ def dry_run(
     total = num_params(args)
     counts: list[RankCount] = []
     for rank in chosen:
-        node = rank // gpus_per_node
-        with _fake_group(rank, world_size):
-            model = build_model(args)  # meta: shapes only
-            if strategy != "3d" and cfg.train.activation_checkpointing:
-                from hpcdist.parallel.parallelize import apply_activation_checkpointing
-
-                apply_activation_checkpointing(model)  # the trainer's order: checkpointing before sharding
-            match strategy:
-                case "ddp":
-                    n = sum(p.numel() for p in model.parameters())
-                    counts.append(RankCount(rank, node, f"replica {rank}", n, n, "replicated (DDP)"))
-                case "fsdp":
-                    where, n = _fsdp_count(cfg, model, world_size)
-                    counts.append(RankCount(rank, node, where, n, n, "sharded on meta (FSDP2)"))
-                case "zero":
-                    resident, optim = _zero_count(cfg, model, world_size)
-                    how = f"DeepSpeed ZeRO-{cfg.parallel.zero.stage} partition rule"
-                    counts.append(RankCount(rank, node, f"dp {rank}", resident, optim, how))
-                case "3d":
-                    where, n, stages = _three_d_count(cfg, model, rank, world_size)
-                    counts.append(RankCount(rank, node, where, n, n, f"sharded on meta: {stages}"))
-                case other:
-                    raise ConfigError([f"parallel.strategy={other!r}: the dry run does not know this strategy"])
+        # each rank in a forked child: the fake group, DTensor's caches and meshes never leak into this process
+        # (a later real run in the same process, e.g. a test session, would otherwise reuse them)
+        counts.append(_in_child(_count_rank, cfg, rank, rank // gpus_per_node, world_size))
     if strategy == "zero":
         notes.append("ZeRO counts follow DeepSpeed's partitioning rule; its engine cannot be built on meta tensors")
     if strategy == "3d":

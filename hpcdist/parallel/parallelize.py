@@ -13,6 +13,7 @@ import copy
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
 
 from hpcdist.config import JobConfig, grad_accum_steps, parallel_dims
 from hpcdist.env import DistEnv
@@ -20,7 +21,7 @@ from hpcdist.models.llama import Transformer
 from hpcdist.optim import build_optimizer
 from hpcdist.parallel.base import Strategy
 from hpcdist.parallel.ddp import DDPStrategy
-from hpcdist.parallel.dims import SCHEDULES
+from hpcdist.parallel.dims import SCHEDULES, ParallelDims
 from hpcdist.parallel.fsdp import FSDPStrategy, apply_fsdp, fsdp_mesh, materialize_sharded
 from hpcdist.parallel.pp import part_costs, schedule_stages_per_rank, split_layers, split_model, stage_ids
 from hpcdist.parallel.threed import ThreeDStrategy, materialize_parts
@@ -142,33 +143,37 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
     return strategy
 
 
-def build_3d(cfg: JobConfig, env: DistEnv, model: nn.Module, common: dict) -> ThreeDStrategy:
-    """pp x dp x tp, per pipeline stage of this rank: split -> TP -> AC -> compile -> FSDP2 (meta) -> materialize."""
-    assert isinstance(model, Transformer), "3d splits and shards the hpcdist Transformer"
-    par, device = cfg.parallel, common["device"]
-    dims = parallel_dims(cfg, env.world_size)
-    meshes = dims.build_meshes(device.type) if env.world_size > 1 else {}
-    coords = dims.coords(env.rank)
-
-    # pipeline split on the meta model: stages keep the unsplit FQNs (parts set to None, other blocks deleted)
+def shard_3d(
+    cfg: JobConfig,
+    model: Transformer,
+    dims: ParallelDims,
+    meshes: dict[str, DeviceMesh],
+    pp_rank: int,
+    *,
+    device: torch.device,
+    compile_blocks: bool,
+) -> tuple[list[nn.Module], list[int], int, list[list[int]]]:
+    """build_3d up to materialization, on the meta model (also what the dry run applies, so the two cannot drift):
+    split this rank's pipeline stage(s) off (stages keep the unsplit FQNs), then per stage TP -> activation
+    checkpointing -> compile -> FSDP2 on the dp mesh. Returns (parts, stage ids, number of stages, layers per
+    stage); ``model`` itself stays the unsplit reference (names and shapes)."""
+    par, f = cfg.parallel, cfg.parallel.fsdp
     per_rank = schedule_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank) if dims.pp_enabled else 1
     num_stages = dims.pp * per_rank
-    ids = stage_ids(coords["pp"], dims.pp, per_rank, style=SCHEDULES[par.pp_schedule].style)
+    ids = stage_ids(pp_rank, dims.pp, per_rank, style=SCHEDULES[par.pp_schedule].style)
     if dims.pp_enabled:
         embed_cost, head_cost = part_costs(model.args, cfg.data.seq_len)
         layers = split_layers(model.args.n_layers, num_stages, first_cost=embed_cost, last_cost=head_cost)
         parts = [split_model(model, layers[i], first=i == 0, last=i == num_stages - 1) for i in ids]
     else:
-        parts = [copy.deepcopy(model)]  # the original stays the unsplit reference (names and shapes)
-
-    f = cfg.parallel.fsdp
+        layers, parts = [list(range(model.args.n_layers))], [copy.deepcopy(model)]
     compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, device)
     for part in parts:
         if dims.tp_enabled:
             apply_tp(part, meshes["tp"], loss_parallel=True)
         if cfg.train.activation_checkpointing:
             apply_activation_checkpointing(part)
-        if cfg.train.compile:
+        if compile_blocks:
             apply_compile(part)
         if dims.dp_enabled:
             apply_fsdp(
@@ -178,6 +183,20 @@ def build_3d(cfg: JobConfig, env: DistEnv, model: nn.Module, common: dict) -> Th
                 # for the whole step (the schedule reshards after the last backward)
                 reshard_after_forward=f.reshard_after_forward and not dims.pp_enabled, cpu_offload=False,
             )  # fmt: skip
+    return parts, ids, num_stages, layers
+
+
+def build_3d(cfg: JobConfig, env: DistEnv, model: nn.Module, common: dict) -> ThreeDStrategy:
+    """pp x dp x tp, per pipeline stage of this rank: split -> TP -> AC -> compile -> FSDP2 (meta) -> materialize."""
+    assert isinstance(model, Transformer), "3d splits and shards the hpcdist Transformer"
+    par, device = cfg.parallel, common["device"]
+    dims = parallel_dims(cfg, env.world_size)
+    meshes = dims.build_meshes(device.type) if env.world_size > 1 else {}
+    coords = dims.coords(env.rank)
+
+    parts, ids, num_stages, _ = shard_3d(
+        cfg, model, dims, meshes, coords["pp"], device=device, compile_blocks=cfg.train.compile
+    )
     materialize_parts(parts, reference=model, device=device, seed=cfg.run.seed)
     return ThreeDStrategy(
         parts, dims=dims, meshes=meshes, stage_ids=ids, num_stages=num_stages, schedule=par.pp_schedule,
