@@ -213,12 +213,14 @@ def summarize(seconds: Sequence[float]) -> dict[str, float]:
 
 
 def last_metrics(run_dir: str) -> dict[str, Any]:
-    """The last line of the run's metrics.jsonl (the final step's record), {} if there is none."""
+    """The final training step's record of the run's metrics.jsonl, {} if there is none (end-of-run records such
+    as goodput carry no loss and are skipped)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return {}
-    lines = path.read_text().strip().splitlines()
-    return json.loads(lines[-1]) if lines else {}
+    records = [json.loads(line) for line in path.read_text().strip().splitlines()]
+    steps = [r for r in records if "loss" in r and "split" not in r]
+    return steps[-1] if steps else {}
 
 
 class CpuShare:
