@@ -213,21 +213,12 @@ def _local_numel(p: torch.Tensor) -> int:
 
 def _fsdp_count(cfg: JobConfig, model: nn.Module, world_size: int) -> tuple[str, int]:
     """Apply hpcdist's FSDP2 plan to the meta model on the fake group; (mesh coordinates, local elements)."""
-    from hpcdist.parallel.fsdp import apply_fsdp, fsdp_mesh
-    from hpcdist.parallel.parallelize import autocast_dtype
+    from hpcdist.parallel.fsdp import fsdp_mesh
+    from hpcdist.parallel.parallelize import apply_fsdp_config
 
-    f = cfg.parallel.fsdp
-    mesh = fsdp_mesh("cpu", world_size, replicate=f.replicate)
+    mesh = fsdp_mesh("cpu", world_size, replicate=cfg.parallel.fsdp.replicate)
     # the dtypes a GPU run would use (train.dtype auto -> bf16 on cuda); they do not change the counts
-    compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, torch.device("cuda"))
-    apply_fsdp(
-        model,
-        mesh,
-        param_dtype=compute or torch.float32,
-        reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
-        reshard_after_forward=f.reshard_after_forward,
-        cpu_offload=f.cpu_offload,
-    )
+    apply_fsdp_config(model, mesh, cfg, device=torch.device("cuda"))
     coords = list(mesh.get_coordinate() or ())
     names = mesh.mesh_dim_names or ()
     where = ", ".join(f"{name} {c}" for name, c in zip(names, coords, strict=True))

@@ -134,11 +134,9 @@ def interfaces(
 
 
 def _resolve(host: str) -> list[str]:
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (socket.gaierror, UnicodeError):
-        return []
-    return list(dict.fromkeys(str(info[4][0]).split("%")[0] for info in infos))
+    from hpcdist.launch.nccl import resolve_host  # lazy, like the profile: the core needs only hpcdist.env
+
+    return resolve_host(host)
 
 
 def _driver_version() -> str | None:

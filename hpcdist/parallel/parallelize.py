@@ -56,6 +56,21 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     return None  # fp32: no autocast
 
 
+def apply_fsdp_config(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, *, device: torch.device) -> None:
+    """``apply_fsdp`` with parallel.fsdp.* (strategy fsdp; also the dry run's plan). Mixed precision is FSDP's
+    policy (gathered params cast once per unit), not autocast."""
+    f = cfg.parallel.fsdp
+    compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, device)
+    apply_fsdp(
+        model,
+        mesh,
+        param_dtype=compute or torch.float32,
+        reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
+        reshard_after_forward=f.reshard_after_forward,
+        cpu_offload=f.cpu_offload,
+    )
+
+
 def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dict:
     """The DeepSpeed config for ``parallel.strategy=zero``: batch, accumulation and clipping come from the train
     and optim sections, so DeepSpeed's view of the step can never disagree with hpcdist's."""
@@ -93,18 +108,8 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
             materialize(model, device=device, seed=cfg.run.seed)
             strategy = DDPStrategy(model, bucket_cap_mb=cfg.parallel.bucket_cap_mb, **common)
         case "fsdp":
-            f = cfg.parallel.fsdp
-            # mixed precision is FSDP's policy (gathered params cast once per unit), not autocast
-            compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, device)
-            mesh = fsdp_mesh(device.type, env.world_size, replicate=f.replicate)
-            apply_fsdp(
-                model,
-                mesh,
-                param_dtype=compute or torch.float32,
-                reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
-                reshard_after_forward=f.reshard_after_forward,
-                cpu_offload=f.cpu_offload,
-            )
+            mesh = fsdp_mesh(device.type, env.world_size, replicate=cfg.parallel.fsdp.replicate)
+            apply_fsdp_config(model, mesh, cfg, device=device)
             # on the sharded meta model: to_empty allocates only local shards; init equals the unsharded path's
             materialize_sharded(model, device=device, seed=cfg.run.seed)
             strategy = FSDPStrategy(model, mesh=mesh, **{**common, "autocast_dtype": None})
