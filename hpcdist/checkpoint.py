@@ -361,11 +361,24 @@ def _files(path: Path) -> list[str]:
     return sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f.name not in skip)
 
 
+_HASH_CHUNK = 1 << 20  # bytes read per step when hashing a checkpoint file
+
+
+def _sha256(file: Path) -> str:
+    """Hex sha256 of a file, read in chunks into one reused buffer (hashlib.file_digest is 3.11+; we support 3.10)."""
+    h = hashlib.sha256()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    with open(file, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
 def _digest(file: Path, checksum: bool) -> dict[str, Any]:
     entry: dict[str, Any] = {"size": file.stat().st_size}
     if checksum:
-        with open(file, "rb") as f:
-            entry["sha256"] = hashlib.file_digest(f, "sha256").hexdigest()
+        entry["sha256"] = _sha256(file)
     return entry
 
 

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hpcdist.trainer import TrainResult
@@ -47,13 +47,39 @@ _positive_int = _int_at_least(1)
 _nonnegative_int = _int_at_least(0)
 
 
+def _version() -> str:
+    """The installed distribution's version; the package's ``__version__`` when it is not installed (a checkout on
+    PYTHONPATH)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("hpcdist")
+    except metadata.PackageNotFoundError:
+        from hpcdist import __version__
+
+        return __version__
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the version is looked up only when asked for (not on every command)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(f"{parser.prog} {_version()}")  # stdout, like argparse's own version action
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hpcdist",
-        description="Train Llama-style language models (DDP or FSDP2) from one YAML config, locally or on SLURM.",
+        description="Train Llama-style language models from one YAML config, locally or on SLURM: DDP, FSDP2/HSDP, "
+        "DeepSpeed ZeRO 1-3, 3D (pipeline x data x tensor parallel), or auto (the planner picks the layout).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action=_VersionAction, help="print the installed hpcdist version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser(
@@ -118,12 +144,12 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
         help="submit a training job to SLURM with submitit (local processes when no SLURM answers)",
         description="Validate CONFIG + overrides for the cluster's world size, then submit one job: one rank per "
         "GPU via srun, --requeue, a warning signal before the time limit (the trainer checkpoints and "
-        "requeues), the cluster's NCCL profile. Cluster settings come from configs/cluster/NAME.yaml; the "
+        "requeues), the cluster's NCCL profile. Cluster settings come from the --cluster profile; the "
         "options below override them. Logs: <run.dir>/slurm/<jobid>_<rank>_log.out|err.",
     )
     s.add_argument("config", help="YAML training config, e.g. configs/train_13b.yaml")
     s.add_argument("overrides", nargs="*", metavar="section.key=value")
-    s.add_argument("--cluster", default="a100_ib", help="name in configs/cluster/ or a YAML path (default: a100_ib)")
+    s.add_argument("--cluster", default="a100_ib", help="shipped profile name or a YAML path (default: a100_ib)")
     s.add_argument("--nodes", type=_positive_int)
     s.add_argument("--gpus-per-node", type=_nonnegative_int, help="also the ranks per node")
     s.add_argument("--time", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
@@ -217,11 +243,12 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "(2) every layout (ddp, zero1-3, fsdp, hsdp, 3d with tp/pp/dp; each micro batch, checkpointing on/off) "
         "that fits --gpu-mem minus --mem-margin, ranked by predicted tokens/s/GPU with MFU, step time and days "
         "to train --tokens; then the row parallel.strategy=auto would take and why. Hardware numbers come from "
-        "the --cluster profile's hardware: block; the time model is documented in hpcdist/planner.py.",
+        "the --cluster profile's hardware: block; the time model is documented in hpcdist/planner.py. Exit status 1 "
+        "when no layout fits.",
     )
     pl.add_argument("config", help="YAML training config, e.g. configs/train_13b.yaml")
     pl.add_argument("overrides", nargs="*", metavar="section.key=value")
-    pl.add_argument("--cluster", default="a100_ib", help="profile in configs/cluster/ or a YAML path (default a100_ib)")
+    pl.add_argument("--cluster", default="a100_ib", help="shipped profile name or a YAML path (default a100_ib)")
     pl.add_argument("--nodes", type=_positive_int, help="default: the cluster profile's")
     pl.add_argument("--gpus-per-node", type=_positive_int, help="default: the cluster profile's")
     pl.add_argument("--gpu-mem", type=_gpu_mem, help="memory of one GPU, e.g. 80GB (default: the cluster profile's)")
@@ -249,7 +276,11 @@ def run_train(config_path: str | os.PathLike[str], overrides: Sequence[str] = ()
     cfg = config_mod.load(config_path, overrides)
     env = from_environ()
     config_mod.check_world(cfg, env.world_size)  # before any process group: a bad batch split fails fast
-    config_mod.check_run_dir(cfg)  # every rank: one failing alone would leave the others at the rendezvous
+    try:
+        config_mod.check_run_dir(cfg)  # every rank: one failing alone would leave the others at the rendezvous
+    except config_mod.ConfigError as e:
+        e.per_host = True  # type: ignore[attr-defined]  # as this host sees them: cmd_train prints it per node
+        raise
     # In every task, before the process group: NCCL and gloo read these at init, and interface names differ
     # between hosts. A no-op unless the job names a profile (hpcdist submit exports HPCDIST_NCCL_PROFILE).
     nccl_lines = apply_to_environ(os.environ.get(PROFILE_ENV), master_addr=env.master_addr)
@@ -289,7 +320,30 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"train: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --dry-run "
             "(a real run takes its ranks from torchrun or srun)"
         )
-    return run_train(args.config, args.overrides).exit_code
+    from hpcdist.config import ConfigError
+
+    try:
+        return run_train(args.config, args.overrides).exit_code
+    except ConfigError as e:
+        return _config_error_once(e)
+
+
+def _config_error_once(e: Exception) -> int:
+    """A configuration error of ``hpcdist train`` under srun/torchrun, printed once per job rather than by every
+    rank: every rank loads the same config and fails the same way, so rank 0 prints it and the others exit with
+    the same status silently. Problems with run.dir / checkpoint.dir depend on the host's mounts, so the first
+    rank of every node prints those, naming its host."""
+    from hpcdist.env import from_environ
+
+    try:
+        env = from_environ(cuda_available=False)  # rank, local rank and host only: no CUDA initialization
+    except ValueError:  # a garbled launcher environment: print, as a single process would
+        return _fail(str(e))
+    if env.rank == 0:
+        return _fail(str(e))
+    if getattr(e, "per_host", False) and env.local_rank == 0:
+        return _fail(f"rank {env.rank} on {env.hostname}: {e}")
+    return 2  # _fail's status: every rank exits alike
 
 
 def cmd_dry_run(args: argparse.Namespace) -> int:
@@ -420,7 +474,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hpcdist import config as config_mod
     from hpcdist import planner
     from hpcdist.launch import load_cluster
-    from hpcdist.plan import plan_table
+    from hpcdist.plan import GIB, plan_table
 
     cfg = config_mod.load(args.config, args.overrides)
     shape = {k: v for k, v in (("nodes", args.nodes), ("gpus_per_node", args.gpus_per_node)) if v is not None}
@@ -467,7 +521,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             global_batch_size=t.global_batch_size, hw=hw, tokens=tokens, top=args.top, show_all=args.all,
         ),
         end="",
+        flush=True,  # before the error line on stderr
     )  # fmt: skip
+    if not any(e.fits for e in estimates):
+        smallest = min(e.memory.total for e in estimates) / GIB
+        return _fail(
+            f"plan: none of {len(estimates)} layouts fits: the smallest needs {smallest:.1f} GiB per GPU, "
+            f"{hw.gpu_mem_gib - hw.margin_gib:g} GiB usable (--gpu-mem minus --mem-margin); add nodes, shorten "
+            "data.seq_len or lower train.global_batch_size (--all lists them)",
+            code=1,
+        )
     try:
         _, chosen, reason = planner.pick(cfg, estimates, world, cluster.gpus_per_node)
     except config_mod.ConfigError as e:

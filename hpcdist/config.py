@@ -72,7 +72,8 @@ class RunConfig:
 @dataclass
 class ModelConfig(ModelArgs):
     preset: str | None = None
-    """Name of configs/models/<preset>.yaml (or a path); its keys are defaults under this section's keys."""
+    """A shipped preset name (hpcdist/resources/models/<name>.yaml) or a YAML path; its keys are defaults under
+    this section's keys."""
 
 
 @dataclass
@@ -171,7 +172,7 @@ class ParallelConfig:
     DeviceMesh: pipeline stages, FSDP2 on dp, tensor + sequence parallel) or auto (the top row of `hpcdist plan`
     for this model on parallel.auto_cluster at the job's world size, chosen when the job starts and logged)."""
     auto_cluster: str = "a100_ib"
-    """parallel.strategy=auto: the cluster profile (configs/cluster/ name or path) whose GPUs and bandwidths the
+    """parallel.strategy=auto: the cluster profile (shipped name or YAML path) whose GPUs and bandwidths the
     planner assumes."""
     bucket_cap_mb: int = 25
     """DDP gradient bucket size."""

@@ -12,10 +12,19 @@ Detection order in :func:`from_environ`:
    ``SLURM_NTASKS=N``; treating it as rank 0 of N would wait forever for N-1 peers, so it needs step
    variables too.
 3. a single local process.
+
+Before the process group exists, :func:`init_process_group` exports the resolved DistEnv the way torchrun hands it to
+every process (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``; :func:`export_environ`): libraries read those, not SLURM_* (DeepSpeed refuses to
+start without ``LOCAL_RANK``, even in one process). The names it added or changed are recorded in
+``HPCDIST_EXPORTED``; while they keep those values, :func:`from_environ` reads the environment as if they had never
+been exported, so a later call in the same process (or in a child, even a task of a nested srun) resolves from its
+launcher again instead of taking hpcdist's own export for torchrun's.
 """
 
 import datetime
 import itertools
+import json
 import logging
 import math
 import os
@@ -25,7 +34,7 @@ import socket
 import subprocess
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +44,7 @@ __all__ = [
     "DistEnv",
     "destroy_process_group",
     "expand_nodelist",
+    "export_environ",
     "from_environ",
     "hostnames",
     "init_process_group",
@@ -45,6 +55,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MASTER_PORT = 29500
 LAUNCHERS = ("slurm", "torchrun", "single")
+# JSON {name: value} of the variables export_environ added or changed (see the module docstring).
+EXPORTED_VAR = "HPCDIST_EXPORTED"
 
 # `scontrol show hostnames` needs no controller, but it must read a config first: with SLURM_CONF naming a
 # missing file, 22.05 retries for 60 s, and without any config it tries DNS SRV lookups.
@@ -395,7 +407,7 @@ def from_environ(environ: Mapping[str, str] | None = None, *, cuda_available: bo
     ``environ`` defaults to ``os.environ``; ``cuda_available=None`` asks torch (tests pass it explicitly).
     Missing or garbled integers raise ValueError naming the variable and its value.
     """
-    env_map: Mapping[str, str] = os.environ if environ is None else environ
+    env_map: Mapping[str, str] = _without_own_exports(os.environ if environ is None else environ)
     v = _Vars(env_map)
     device_count: int | None = None
     if cuda_available is None:
@@ -434,6 +446,33 @@ def from_environ(environ: Mapping[str, str] | None = None, *, cuda_available: bo
     except ValueError as err:
         seen = ", ".join(f"{name}={env_map[name]}" for name in _READS[launcher] if v.has(name))
         raise ValueError(f"inconsistent {launcher} environment ({seen or 'no variables set'}): {err}") from None
+
+
+def _own_exports(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables a previous :func:`export_environ` added or changed that still hold its values; {} if none.
+
+    Stale records count for nothing: a name changed since (a launcher such as DeepSpeed's or a test harness set
+    its own ranks) invalidates the whole record, and under torchrun (``TORCHELASTIC_RUN_ID``) its variables are
+    authoritative even where they happen to equal an inherited record.
+    """
+    raw = environ.get(EXPORTED_VAR)
+    if not raw or environ.get("TORCHELASTIC_RUN_ID", "").strip():
+        return {}
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(record, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in record.items()):
+        return {}
+    return record if all(environ.get(name) == value for name, value in record.items()) else {}
+
+
+def _without_own_exports(environ: Mapping[str, str]) -> Mapping[str, str]:
+    """``environ`` minus what hpcdist exported itself, so that export carries no weight in detection."""
+    own = _own_exports(environ)
+    if not own:
+        return environ
+    return {name: value for name, value in environ.items() if name not in own}
 
 
 def _torchrun_fields(v: _Vars) -> dict[str, Any]:
@@ -516,8 +555,56 @@ def _slurm_fields(v: _Vars) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------- process group
 
 
+def _torchrun_variables(env: DistEnv) -> dict[str, str]:
+    """The variables torchrun would give this process (names and meanings as torchrun's)."""
+    return {
+        "RANK": str(env.rank),
+        "LOCAL_RANK": str(env.local_rank),
+        "WORLD_SIZE": str(env.world_size),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size),
+        "GROUP_RANK": str(env.node_rank),
+        "GROUP_WORLD_SIZE": str(env.num_nodes),
+        "MASTER_ADDR": env.master_addr,
+        "MASTER_PORT": str(env.master_port),
+    }
+
+
+def export_environ(env: DistEnv, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Put ``env`` into ``environ`` (default ``os.environ``) as torchrun's variables; return what it changed.
+
+    srun and a plain ``python`` set none of them, but the process group's ``env://`` reads MASTER_ADDR/PORT and
+    DeepSpeed asserts LOCAL_RANK (also with world size 1). The DistEnv is what every rank computed alike, so it wins
+    over a different value already there, loudly; a value hpcdist exported itself earlier (this process, or a
+    parent whose srun started this one) is replaced quietly. The names added or changed go to ``HPCDIST_EXPORTED``
+    (merged with still valid earlier records), so that :func:`from_environ` keeps resolving to the same DistEnv.
+    """
+    target: MutableMapping[str, str] = os.environ if environ is None else environ
+    own = _own_exports(target)
+    record = dict(own)
+    changed: dict[str, str] = {}
+    for name, value in _torchrun_variables(env).items():
+        current = target.get(name)
+        if current == value:
+            continue
+        if current is not None and current.strip() and name not in own:
+            log.warning(
+                "%s=%s in the environment differs from DistEnv's %s (%s launcher); using %s",
+                name, current, value, env.launcher, value,
+            )  # fmt: skip
+        target[name] = value
+        record[name] = changed[name] = value
+    if record:
+        target[EXPORTED_VAR] = json.dumps(record, sort_keys=True)
+    else:
+        target.pop(EXPORTED_VAR, None)  # a stale record inherited from a parent means nothing here
+    return changed
+
+
 def init_process_group(env: DistEnv, *, timeout_s: float = 1800) -> None:
-    """Join the default process group (``env://``) for world_size > 1; no-op for one process or if joined."""
+    """Export ``env`` as torchrun's variables (:func:`export_environ`), then join the default process group
+    (``env://``) for world_size > 1; no process group for one process, nothing new if already joined."""
+    # Also for one process: libraries (DeepSpeed) read LOCAL_RANK / RANK / WORLD_SIZE whatever the world size.
+    export_environ(env)
     if not env.is_distributed:
         return
     if not torch.distributed.is_available():
@@ -527,13 +614,6 @@ def init_process_group(env: DistEnv, *, timeout_s: float = 1800) -> None:
         if joined != env.world_size:
             raise RuntimeError(f"a process group of {joined} ranks already exists, but env has {env.world_size}")
         return
-    # env:// reads the rendezvous address from os.environ; the DistEnv is what every rank computed alike,
-    # so it wins over a stale value, loudly.
-    for name, value in (("MASTER_ADDR", env.master_addr), ("MASTER_PORT", str(env.master_port))):
-        current = os.environ.get(name)
-        if current is not None and current != value:
-            log.warning("%s=%s in the environment differs from DistEnv's %s; using %s", name, current, value, value)
-        os.environ[name] = value
     if env.device.startswith("cuda"):
         # Before init, so NCCL's communicator and any tensor created without a device land on our GPU.
         torch.cuda.set_device(env.torch_device())

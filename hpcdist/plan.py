@@ -406,10 +406,12 @@ def plan_table(
     header = (
         f"{num_params(args) / 1e9:.2f}B params, {nodes} node(s) x {gpus_per_node} GPU(s) = {world}, "
         f"{gpu_mem_gb:g} GiB/GPU, micro batch {micro_batch_size}, seq {seq_len}, activation checkpointing "
-        f"{'on' if activation_checkpointing else 'off'}; GiB per GPU"
+        f"{'on' if activation_checkpointing else 'off'}; per GPU"
     )
-    cols = ("strategy", "params", "grads", "optim", "activ", "buffers", "total", "fits", "ms_deepspeed", "ms_ideal")
-    widths = (13, 7, 7, 7, 7, 7, 7, 4, 12, 8)
+    cols: tuple[str, ...]
+    cols = ("strategy", "params GiB", "grads GiB", "optim GiB", "activ GiB", "buffers GiB", "total GiB", "fits")
+    cols += ("DS states GiB", "16B/param GiB")  # model states: DeepSpeed's estimate, the 16 bytes/param ideal
+    widths = (13, 10, 9, 9, 9, 11, 9, 4, 13, 13)
     lines = [header, "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True))]
     for label, strategy, off_opt, off_par in _ROWS:
         e = estimate_memory(
@@ -426,11 +428,14 @@ def plan_table(
         )
         ds = "-" if e.model_states_deepspeed is None else f"{e.model_states_deepspeed / GIB:.1f}"
         cells = [e.params, e.grads, e.optimizer, e.activations, e.buffers, e.total]
-        row = [f"{label:>13}", *(f"{c / GIB:7.1f}" for c in cells)]
-        row += [f"{'yes' if e.fits(mem) else 'no':>4}", f"{ds:>12}", f"{e.model_states_ideal / GIB:8.1f}"]
+        row = [f"{label:>13}", *(f"{c / GIB:{w}.1f}" for c, w in zip(cells, widths[1:7], strict=True))]
+        row += [f"{'yes' if e.fits(mem) else 'no':>4}", f"{ds:>13}", f"{e.model_states_ideal / GIB:13.1f}"]
         lines.append("  ".join(row))
-    lines.append(
+    lines += [
         "activations: Korthikanti et al. with SDPA (no a*s^2 scores) + fp32 logits; buffers: 10% margin + 1 GiB "
-        "CUDA context; ms_deepspeed: DeepSpeed's zero2/zero3 estimator (GPU side); ms_ideal: 16 bytes/param sharded"
-    )
+        "CUDA context",
+        "model states (params + grads + optimizer): DS states = DeepSpeed's zero2/zero3 estimator (GPU side); "
+        "16B/param = the",
+        "  ZeRO paper's 16 bytes/param, sharded",
+    ]
     return "\n".join(lines) + "\n"

@@ -185,7 +185,7 @@ class Hardware:
         if missing:
             raise ValueError(
                 f"cluster {cluster.name!r} does not say {', '.join(missing)}: the planner needs GPU memory, bf16 peak "
-                "and bus bandwidths; add a hardware: block like configs/cluster/a100_ib.yaml's"
+                "and bus bandwidths; add a hardware: block like hpcdist/resources/cluster/a100_ib.yaml's"
             )
         out = cls(
             **values,  # type: ignore[arg-type]
@@ -726,7 +726,7 @@ def resolve_auto(
 ) -> tuple[JobConfig, str]:
     """``parallel.strategy: auto``: the config set to the planner's best runnable layout, and why.
 
-    ``cluster`` (a ClusterConfig, or a name in configs/cluster/ or a path) gives GPUs per node and, unless
+    ``cluster`` (a ClusterConfig, or a shipped profile name or a YAML path) gives GPUs per node and, unless
     ``hardware`` is passed, the hardware numbers. The global batch, sequence length and model stay as configured;
     the strategy, its degrees, the micro-batch size and activation checkpointing are chosen. Raises ConfigError
     when the cluster has no GPUs, nothing fits, or no fitting layout passes the config's validation.

@@ -37,7 +37,7 @@ from hpcdist.launch.watchdog import HangWatchdog
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats, mfu, peak_flops
 from hpcdist.models import build_model, flops_per_token, num_params
-from hpcdist.parallel.parallelize import build_strategy
+from hpcdist.parallel.parallelize import build_strategy, describe_layout
 from hpcdist.stragglers import StragglerMonitor
 
 log = get_logger(__name__)
@@ -124,6 +124,7 @@ class Trainer:
             f"{num_params(args):,}", num_params(args) / 1e6, cfg.parallel.strategy, env.world_size,
             self.strategy.grad_accum, self.flops_per_token,
         )  # fmt: skip
+        log.info("layout: %s", describe_layout(cfg, env.world_size))
         # rank 0 accounts the run's wall time (training, checkpoints, restarts) across attempts in goodput.json
         self.goodput = Goodput(self.run_dir, enabled=env.is_main)
         self.resumed_from = self._resume()

@@ -11,7 +11,7 @@ cd "$HPCDIST_ROOT"
 
 # Interpreter with hpcdist installed (the submitting shell's environment is exported to the job by default).
 HPCDIST_PYTHON=${HPCDIST_PYTHON:-python3}
-# NCCL/GLOO variables come from configs/nccl/<profile>.yaml, resolved inside each task (interfaces and HCAs
+# NCCL/GLOO variables come from hpcdist/resources/nccl/<profile>.yaml, resolved inside each task (interfaces and HCAs
 # can differ per node). Anything already exported by the user wins and is logged.
 export HPCDIST_NCCL_PROFILE=${HPCDIST_NCCL_PROFILE:-ib_a100}
 export PYTHONUNBUFFERED=1

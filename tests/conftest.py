@@ -47,3 +47,37 @@ def small_cfg(tmp_path: Path, corpus_dir: Path):
         return config_mod.load(None, [*base, *overrides])
 
     return make
+
+
+_SLURM_IDS = pytest.StashKey[set[str]]()
+
+
+@pytest.hookimpl(trylast=True)  # after tests/slurm/conftest.py has marked its tests
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[_SLURM_IDS] = {item.nodeid for item in items if item.get_closest_marker("slurm")}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    """Say in one line, last, whether the real-SLURM tier ran: a skipped tier must not pass unnoticed in `-q`."""
+    slurm_ids = config.stash.get(_SLURM_IDS, set())
+    reports = [
+        r
+        for kind in ("passed", "failed", "skipped", "error")
+        for r in terminalreporter.stats.get(kind, [])
+        if getattr(r, "nodeid", None) in slurm_ids and getattr(r, "when", "call") in ("setup", "call")
+    ]
+    if not reports:
+        return  # the tier was not selected (-m "not slurm", a single file): nothing to say
+    skipped = {r.nodeid: r for r in reports if r.skipped}
+    ran = {r.nodeid for r in reports if not r.skipped and r.when == "call"}
+    if not skipped:
+        terminalreporter.write_line(f"SLURM tier: ran {len(ran)} tests on a real slurmctld + slurmd")
+        return
+    reason = next(iter(skipped.values())).longrepr
+    text = reason[2] if isinstance(reason, tuple) else str(reason)
+    terminalreporter.write_line(
+        f"SLURM tier: NOT RUN for {len(skipped)} of {len(skipped) + len(ran)} tests: {text.removeprefix('Skipped: ')}",
+        red=True,
+        bold=True,
+    )

@@ -92,13 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank/host is slow below this fraction of the typical bandwidth (default 0.7 on GPUs; "
                    "0.3 on CPU, where ranks share cores with everything else and timings are noisier)")  # fmt: skip
     p.add_argument("--cluster", default="auto",
-                   help="expected busbw from configs/cluster/NAME.yaml hardware: (or a YAML path, or none); "
+                   help="expected busbw from cluster profile NAME's hardware: (or a YAML path, or none); "
                    "auto = a100_ib with NCCL, none on CPU")  # fmt: skip
     p.add_argument("--expect-intra", type=_positive(float), help="expected intra-node all_reduce busbw, GB/s")
     p.add_argument("--expect-inter", type=_positive(float), help="expected inter-node all_reduce busbw, GB/s")
     p.add_argument("--tolerance", type=float, default=0.8, help="PASS at >= this x expected (default 0.8)")
     p.add_argument("--nccl-profile", default=os.environ.get("HPCDIST_NCCL_PROFILE"),
-                   help="apply configs/nccl/NAME.yaml in every task first, as training does (default: "
+                   help="apply NCCL profile NAME (or a YAML path) in every task first, as training does (default: "
                    "$HPCDIST_NCCL_PROFILE; none = use the environment as it is)")  # fmt: skip
     p.add_argument("--requeue-signal", default="USR2", help="the job's requeue signal, for the audit (default USR2)")
     p.add_argument("--json", metavar="PATH", help="write every number as JSON to PATH ('-': stdout, report to stderr)")

@@ -57,7 +57,7 @@ class Options:
 
 
 def apply_profile(name: str | None, env: DistEnv) -> tuple[str, list[str]] | None:
-    """Resolve an NCCL profile (configs/nccl) into this task's environment, as ``hpcdist train`` does.
+    """Resolve an NCCL profile (hpcdist.resources "nccl") into this task's environment, as ``hpcdist train`` does.
 
     So the check runs with the variables training will have. Imported lazily: the check itself needs only
     hpcdist.env, and a profile that fails to load is reported in the audit instead of stopping the diagnosis.

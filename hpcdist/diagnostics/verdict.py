@@ -1,9 +1,10 @@
 """PASS / FAIL: expected bus bandwidth of a cluster profile, and every reason a run fails.
 
-Expected numbers come from the ``hardware:`` block of ``configs/cluster/<name>.yaml`` (the planner reads the same
-block), e.g. a100_ib: 8x A100 with NVSwitch, ~230 GB/s intra-node all_reduce busbw; 8x HDR InfiniBand, ~190 GB/s
-between nodes. Those are nccl-tests peaks at large messages, so the bandwidth check uses the all_reduce row of the
-largest size measured and is skipped (with a note) when that is below ``MIN_CHECK_BYTES``.
+Expected numbers come from the ``hardware:`` block of the cluster profile ``hpcdist/resources/cluster/<name>.yaml``
+(the planner reads the same block), e.g. a100_ib: 8x A100 with NVSwitch, ~230 GB/s intra-node all_reduce busbw;
+8x HDR InfiniBand, ~190 GB/s between nodes. Those are nccl-tests peaks at large messages, so the bandwidth check
+uses the all_reduce row of the largest size measured and is skipped (with a note) when that is below
+``MIN_CHECK_BYTES``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any
 
 import yaml
 
-__all__ = ["CLUSTER_DIR", "MIN_CHECK_BYTES", "Expectation", "Verdict", "bandwidth_checks", "load_expectation"]
+from hpcdist import resources
 
-CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "cluster"
+__all__ = ["MIN_CHECK_BYTES", "Expectation", "Verdict", "bandwidth_checks", "load_expectation"]
+
 MIN_CHECK_BYTES = 256 << 20  # nccl-tests' all_reduce busbw on 8x A100 is within a few % of peak from here on
 
 
@@ -37,15 +39,14 @@ def load_expectation(
     inter: float | None = None,
     tolerance: float = 0.8,
 ) -> Expectation:
-    """From ``configs/cluster/<cluster>.yaml`` (or a YAML path) ``hardware.*_busbw_gbps``; explicit values win."""
+    """From the shipped cluster profile ``cluster`` (or a YAML path) ``hardware.*_busbw_gbps``; explicit values win."""
     found: dict[str, Any] = {}
     source = "command line" if intra is not None or inter is not None else "none"
     if cluster and cluster != "none":
-        path = CLUSTER_DIR / f"{cluster}.yaml"
+        shipped = resources.names("cluster")
+        path = resources.path("cluster", cluster) if cluster in shipped else Path(cluster).expanduser()
         if not path.is_file():
-            path = Path(cluster).expanduser()
-        if not path.is_file():
-            names = ", ".join(sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml")))
+            names = ", ".join(shipped)
             raise ValueError(f"--cluster {cluster!r}: no such profile; choose one of {names}, none, or a YAML path")
         data = yaml.safe_load(path.read_text()) or {}
         hardware = data.get("hardware") or {} if isinstance(data, dict) else {}

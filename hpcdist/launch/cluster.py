@@ -1,4 +1,4 @@
-"""Where a job runs: :class:`ClusterConfig` from ``configs/cluster/<name>.yaml`` (or a path) plus overrides.
+"""Where a job runs: :class:`ClusterConfig` from a shipped profile ``<name>`` (or a YAML path) plus overrides.
 
 Validated like :mod:`hpcdist.config`: every problem is collected and reported at once in one ConfigError,
 unknown keys list the valid ones. Everything that ends up in the generated sbatch script is checked here to be
@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist import config as config_mod
+from hpcdist import resources
 from hpcdist.config import ConfigError
 from hpcdist.launch import nccl
 
-__all__ = ["CLUSTER_DIR", "ClusterConfig", "HardwareConfig", "cluster_names", "load_cluster", "parse_time"]
+__all__ = ["ClusterConfig", "HardwareConfig", "cluster_names", "load_cluster", "parse_time"]
 
 log = logging.getLogger(__name__)
 
-CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "cluster"
 EXECUTORS = ("auto", "slurm", "local")
 # sbatch flags a ClusterConfig field (or submitit itself) controls: --sbatch-arg must not set them twice.
 _FIELD_FLAGS = {
@@ -94,7 +94,7 @@ class ClusterConfig:
     signal_lead_s: int = 300
     """Seconds of warning before the time limit: enough for one collective checkpoint save."""
     nccl_profile: str | None = None
-    """configs/nccl/<name>.yaml applied in every task (a,b merges), or null for none."""
+    """NCCL profile applied in every task: a shipped name (ib_a100, ...) or a YAML path; a,b merges; null: none."""
     log_dir: str | None = None
     """submitit folder: job pickles and per-rank logs <jobid>_<rank>_log.out/.err; default <run.dir>/slurm."""
     python: str | None = None
@@ -148,8 +148,8 @@ def parse_time(text: str | int) -> int:
 
 
 def cluster_names() -> list[str]:
-    """Clusters shipped in configs/cluster/."""
-    return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+    """Clusters shipped in hpcdist/resources/cluster/."""
+    return resources.names("cluster")
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -275,7 +275,7 @@ def signal_warnings(c: ClusterConfig, environ: Mapping[str, str]) -> list[str]:
 def _cluster_path(name: str | os.PathLike[str], problems: list[str]) -> Path | None:
     text = str(name)
     if text in cluster_names():
-        return CLUSTER_DIR / f"{text}.yaml"
+        return resources.path("cluster", text)
     path = Path(text).expanduser()
     if path.suffix in (".yaml", ".yml") or path.is_file():
         return path
@@ -335,7 +335,7 @@ def _hardware_keys() -> list[str]:
 
 
 def load_cluster(name_or_path: str | os.PathLike[str] | ClusterConfig, **overrides: Any) -> ClusterConfig:
-    """A validated ClusterConfig: ``configs/cluster/<name>.yaml``, a YAML path, or a ClusterConfig; then overrides.
+    """A validated ClusterConfig from a shipped name (``cluster_names()``), a YAML path or a ClusterConfig; + overrides.
 
     Overrides are field values (``nodes=4, partition="gpu"``; ``hardware={...}`` merges into the block).
     Raises ConfigError listing every problem; logs a warning when NCCL_PROXY_DUMP_SIGNAL (environment or

@@ -1,4 +1,4 @@
-"""NCCL / torch.distributed environment profiles (``configs/nccl/*.yaml``) and their resolution in each task.
+"""NCCL / torch.distributed environment profiles (``hpcdist/resources/nccl/*.yaml``) and their resolution in each task.
 
 A profile maps variables to a value and a one-line reason. The value ``auto`` is resolved where the task
 runs, because interface and HCA names differ between hosts of one job:
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import yaml
 
+from hpcdist import resources
 from hpcdist.config import ConfigError
 
 __all__ = [
-    "PROFILE_DIR",
     "PROFILE_ENV",
     "NetLookup",
     "apply_to_environ",
@@ -39,7 +39,6 @@ __all__ = [
     "signal_conflict",
 ]
 
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "nccl"
 PROFILE_ENV = "HPCDIST_NCCL_PROFILE"
 AUTO = "auto"
 AUTO_VARS = ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
@@ -54,13 +53,13 @@ Profile = dict[str, tuple[str, str]]
 
 
 def profile_names() -> list[str]:
-    """Profiles shipped in configs/nccl/."""
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+    """Profiles shipped in hpcdist/resources/nccl/."""
+    return resources.names("nccl")
 
 
 def _profile_path(name: str) -> Path | None:
     if name in profile_names():
-        return PROFILE_DIR / f"{name}.yaml"
+        return resources.path("nccl", name)
     path = Path(name).expanduser()
     return path if path.suffix in (".yaml", ".yml") or path.is_file() else None
 
@@ -116,7 +115,7 @@ def _read_profile(name: str, problems: list[str]) -> Profile:
 
 
 def load_profile(name: str) -> Profile:
-    """Read a profile by name (``configs/nccl/<name>.yaml``) or path; ``"a,b"`` merges b over a.
+    """Read a profile by name (``profile_names()``) or path; ``"a,b"`` merges b over a.
 
     Raises :class:`hpcdist.config.ConfigError` listing every problem.
     """

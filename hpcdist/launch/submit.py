@@ -357,10 +357,10 @@ def submit(
 ) -> JobHandle | str:
     """Validate ``config`` + ``overrides`` for the cluster and submit one training job.
 
-    ``cluster`` is a name in configs/cluster/, a YAML path, or a ClusterConfig; ``params`` override its fields
-    (``nodes=4, partition="gpu", extra_sbatch=["--mail-type=END"]``). Everything is validated before anything
-    is submitted (ConfigError lists every problem). ``dry_run=True`` returns the sbatch script text instead
-    (a description of the local run for executor ``local``). Returns a :class:`JobHandle`.
+    ``cluster`` is a shipped profile name (``cluster_names()``), a YAML path, or a ClusterConfig; ``params``
+    override its fields (``nodes=4, partition="gpu", extra_sbatch=["--mail-type=END"]``). Everything is validated
+    before anything is submitted (ConfigError lists every problem). ``dry_run=True`` returns the sbatch script
+    text instead (a description of the local run for executor ``local``). Returns a :class:`JobHandle`.
     """
     problems: list[str] = []
     cluster_cfg = cfg = None

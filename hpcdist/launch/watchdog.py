@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from hpcdist.launch import failures
 from hpcdist.logging_utils import get_logger
@@ -81,6 +81,16 @@ def read_heartbeats(run_dir: str | os.PathLike[str], world_size: int) -> dict[in
         except (OSError, ValueError):
             continue
     return out
+
+
+def _fd_stream() -> TextIO:
+    """Where faulthandler's C timer writes: it needs a real file descriptor. sys.stderr may be a replacement
+    without one (pytest's capture, a tool's redirection); the process's original stderr always has one."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return sys.__stderr__ or sys.stderr
 
 
 class HangWatchdog:
@@ -174,7 +184,7 @@ class HangWatchdog:
             if self._last != seen:
                 # progress since the last look: push the C-level backstop out again
                 seen = self._last
-                faulthandler.dump_traceback_later(self.timeout_s + BACKSTOP_GRACE_S, exit=True)
+                faulthandler.dump_traceback_later(self.timeout_s + BACKSTOP_GRACE_S, exit=True, file=_fd_stream())
             idle = now - self._last
             if idle > self.timeout_s:
                 self._fire(idle)

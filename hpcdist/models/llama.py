@@ -28,6 +28,8 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
+from hpcdist import resources
+
 __all__ = [
     "Attention",
     "FeedForward",
@@ -43,8 +45,6 @@ __all__ = [
     "precompute_rope",
     "preset_names",
 ]
-
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 
 @dataclass
@@ -405,13 +405,13 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Presets (configs/models/*.yaml)
+# Presets (hpcdist/resources/models/*.yaml, shipped as package data)
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def preset_names() -> list[str]:
-    """Names of the YAML presets in configs/models/, sorted."""
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    """Names of the shipped YAML presets (hpcdist/resources/models/), sorted."""
+    return resources.names("models")
 
 
 def load_preset(name_or_path: str) -> dict[str, Any]:
@@ -422,7 +422,7 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
     """
     names = preset_names()
     if name_or_path in names:
-        path = PRESET_DIR / f"{name_or_path}.yaml"
+        path = resources.path("models", name_or_path)
     else:
         path = Path(name_or_path)
         if path.suffix not in (".yaml", ".yml") and not path.is_file():

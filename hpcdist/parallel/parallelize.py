@@ -85,6 +85,35 @@ def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dic
     )  # fmt: skip
 
 
+def describe_layout(cfg: JobConfig, world_size: int) -> str:
+    """The layout ``build_strategy`` builds, for the start-up log: ``ddp x 4 ranks``, ``fsdp x 8 ranks``,
+    ``hsdp 2 x 4`` (replicas x shard), ``zero3 x 4 ranks, offload optimizer``, ``3d pp2 x dp2 x tp2,
+    Interleaved1F1B, 4 stages``. Pure: the config (strategy already resolved from auto) and the world size."""
+    par = cfg.parallel
+    ranks = f"{world_size} rank{'' if world_size == 1 else 's'}"
+    match par.strategy:
+        case "ddp":
+            return f"ddp x {ranks}"
+        case "fsdp":
+            r = par.fsdp.replicate
+            text = f"hsdp {r} x {world_size // r}" if r > 1 else f"fsdp x {ranks}"
+            return text + (", cpu offload" if par.fsdp.cpu_offload else "")
+        case "zero":
+            z = par.zero
+            offload = [what for what, on in (("optimizer", z.offload_optimizer), ("params", z.offload_params)) if on]
+            return f"zero{z.stage} x {ranks}" + (f", offload {' and '.join(offload)}" if offload else "")
+        case "3d":
+            dims = parallel_dims(cfg, world_size)
+            hsdp = f" (hsdp {dims.dp_replicate} x {dims.dp_shard})" if dims.hsdp_enabled else ""
+            text = f"3d pp{dims.pp} x dp{dims.dp}{hsdp} x tp{dims.tp}"
+            if dims.pp_enabled:
+                stages = dims.pp * schedule_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
+                text += f", {par.pp_schedule}, {stages} stages"
+            return text
+        case other:
+            return f"{other} x {ranks}"
+
+
 def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
     device = env.torch_device()
     dp_size = env.world_size  # pure data parallelism: every rank is a replica

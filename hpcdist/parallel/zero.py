@@ -85,6 +85,21 @@ def _skip_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def _ensure_process_group(device: torch.device, dp_size: int) -> None:
+    """A one-rank process group when the job has one process: hpcdist joins none then (hpcdist.env's
+    init_process_group), but DeepSpeed works only inside one (``initialize(dist_init_required=False)`` asserts it;
+    letting DeepSpeed create it would bind a TCP port through env://). An in-process store needs no port. The
+    trainer's caller (hpcdist.cli.run_train) destroys it with the rest at the end of the run."""
+    if dist.is_initialized():
+        return
+    if dp_size != 1:
+        # a 1-rank group here would let each of the job's ranks train alone, silently
+        raise RuntimeError(f"parallel.strategy=zero on {dp_size} ranks: join the process group first (hpcdist.env)")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    log.info("one process: created a 1-rank %s process group for DeepSpeed", backend)
+
+
 class ZeroStrategy(Strategy):
     def __init__(
         self,
@@ -104,6 +119,7 @@ class ZeroStrategy(Strategy):
         # built before initialize, on the materialized model: DeepSpeed wraps this torch optimizer and steps
         # this scheduler at each accumulation boundary
         self.optimizer, self.scheduler = build_optimizer(model)
+        _ensure_process_group(self.device, _dp_size(ds_config))
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=self.optimizer,
@@ -213,6 +229,12 @@ class ZeroStrategy(Strategy):
 
 
 _TAG = "zero"
+
+
+def _dp_size(ds_config: dict[str, Any]) -> int:
+    # deepspeed_config's train_batch_size is micro x accumulation x data-parallel ranks
+    per_rank = ds_config["train_micro_batch_size_per_gpu"] * ds_config["gradient_accumulation_steps"]
+    return ds_config["train_batch_size"] // per_rank
 
 
 def _saved_world_size(path: Path) -> int | None:

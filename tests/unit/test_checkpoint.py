@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdist.checkpoint import MARKER, STATE_FILE, CheckpointManager, latest, list_checkpoints
+from hpcdist import checkpoint
+from hpcdist.checkpoint import MANIFEST, MARKER, STATE_FILE, CheckpointManager, latest, list_checkpoints
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single
 
@@ -84,3 +86,27 @@ def test_prune_never_deletes_before_newer_complete(tmp_path: Path) -> None:
     assert [s for s, _ in complete] == [2] and [d.name for d in incomplete] == ["step-00000003"]
     shutil.rmtree(root)
     assert latest(root) is None
+
+
+def test_manifest_round_trip_hashes_like_sha256(tmp_path: Path) -> None:
+    """The manifest's sha256 is hashlib's over the whole file, across chunk boundaries (this failed on Python 3.10
+    while the manifest used hashlib.file_digest, 3.11+: every save failed and training went on without any)."""
+    chunk = checkpoint._HASH_CHUNK
+    sizes = {"empty": 0, "one": 1, "below": chunk - 1, "exact": chunk, "above": chunk + 1, "many": 5 * chunk // 2}
+    d = tmp_path / "step-00000001"
+    (d / "sub").mkdir(parents=True)
+    for i, (name, size) in enumerate(sizes.items()):
+        (d / "sub" / f"{name}.bin").write_bytes((bytes(range(i, 251)) * (size // 200 + 1))[:size])
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+    mgr._write_manifest(d, distributed=False)
+    files = json.loads((d / MANIFEST).read_text())["files"]
+    assert sorted(files) == sorted(f"sub/{name}.bin" for name in sizes)
+    for rel, entry in files.items():
+        data = (d / rel).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert mgr.verify(d, "checksum") == [] and mgr.verify(d, "size") == []
+    altered = bytearray((d / "sub/above.bin").read_bytes())
+    altered[chunk] ^= 1  # one bit in the second chunk: same size, other digest
+    (d / "sub/above.bin").write_bytes(bytes(altered))
+    assert mgr.verify(d, "size") == []
+    assert mgr.verify(d, "checksum") == ["sub/above.bin: sha256 differs from the manifest (altered)"]

@@ -26,8 +26,12 @@ DEMO = "configs/demo.yaml"
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def hpcdist(*args: str | os.PathLike[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def hpcdist(
+    *args: str | os.PathLike[str], timeout: float = 120, environ: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m hpcdist ARGS`` in the repo, without the caller's SLURM/launcher variables (plus ``environ``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in _LAUNCHER_VARS}
+    env.update(environ or {})
     return subprocess.run(
         [sys.executable, "-m", "hpcdist", *map(str, args)],
         cwd=REPO,
@@ -70,6 +74,35 @@ def test_help(args: tuple[str, ...], fragments: tuple[str, ...]) -> None:
         assert frag in text, f"{frag!r} not in help:\n{proc.stdout}"
 
 
+def test_version() -> None:
+    from importlib import metadata
+
+    import hpcdist as pkg
+
+    proc = hpcdist("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"hpcdist {metadata.version('hpcdist')}\n"
+    assert metadata.version("hpcdist") == pkg.__version__  # setup.cfg and the package agree
+
+
+def test_version_without_an_installed_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    def missing(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)  # a checkout on PYTHONPATH, never pip-installed
+    from hpcdist import __version__
+
+    assert cli._version() == __version__
+
+
+def test_description_names_every_strategy() -> None:
+    text = " ".join(hpcdist("--help").stdout.split())
+    for name in ("DDP", "FSDP2/HSDP", "ZeRO", "3D", "auto"):
+        assert name in text, text
+
+
 def test_no_command_is_a_usage_error() -> None:
     proc = hpcdist()
     assert proc.returncode == 2
@@ -98,6 +131,38 @@ def test_train_rejects_bad_config_before_training(tmp_path: Path, args: tuple[st
     assert not run_dir.exists(), "a bad config must fail before the run directory is created"
 
 
+# ---------------------------------------------------------------------------------------- one message per job
+
+_RUN_DIR_IS_A_FILE = "exists and is not a directory"
+
+
+def _as_rank(rank: int, *, nodes: int, args: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """``hpcdist train ARGS`` as rank ``rank`` of a 2-rank torchrun-style job on 1 or 2 nodes (it fails before any
+    rendezvous)."""
+    per_node = 2 // nodes
+    layout = {"RANK": rank, "LOCAL_RANK": rank % per_node, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": per_node}
+    return hpcdist("train", *args, environ={k: str(v) for k, v in layout.items()})
+
+
+def test_config_error_is_printed_by_rank_0_only(tmp_path: Path) -> None:
+    args = (DEMO, "train.stepz=3", f"run.dir={tmp_path / 'run'}")
+    first, other = _as_rank(0, nodes=1, args=args), _as_rank(1, nodes=1, args=args)
+    assert_clean_failure(first, "Invalid configuration", "train.stepz: unknown key")
+    assert other.returncode == first.returncode == 2
+    assert other.stderr == other.stdout == ""  # the same error N times would bury it
+
+
+def test_run_dir_error_is_printed_once_per_node(tmp_path: Path) -> None:
+    """run.dir as each host sees it (a node-local mount can differ): the first rank of every node says so."""
+    run_dir = tmp_path / "file"
+    run_dir.write_text("")
+    args = (DEMO, f"run.dir={run_dir}")
+    first, same_node, second_node = (_as_rank(r, nodes=n, args=args) for r, n in ((0, 1), (1, 1), (1, 2)))
+    assert_clean_failure(first, _RUN_DIR_IS_A_FILE)
+    assert_clean_failure(second_node, "hpcdist: rank 1 on ", _RUN_DIR_IS_A_FILE)
+    assert same_node.stderr == "" and same_node.returncode == first.returncode == second_node.returncode == 2
+
+
 # --------------------------------------------------------------------------------------------------- config
 
 
@@ -117,7 +182,8 @@ def test_config_prints_resolved_yaml(tmp_path: Path) -> None:
 
 
 def test_config_world_size_checks_batch_divisibility(tmp_path: Path) -> None:
-    proc = hpcdist("config", DEMO, f"run.dir={tmp_path}", "--world-size", "3")  # demo: global 16, micro 8
+    batch = ("train.global_batch_size=16", "train.micro_batch_size=8")
+    proc = hpcdist("config", DEMO, *batch, f"run.dir={tmp_path}", "--world-size", "3")
     assert_clean_failure(
         proc,
         "train.global_batch_size (16) must be divisible by train.micro_batch_size (8) x data-parallel size (3) = 24",

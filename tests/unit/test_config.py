@@ -14,24 +14,26 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpcdist import config as config_mod
+from hpcdist import resources
 from hpcdist.config import ConfigError, JobConfig, check, check_world, load, parse_overrides, save
 from hpcdist.models.llama import ModelArgs, load_preset, preset_names
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = REPO / "configs"
-PRESET_DIR = CONFIGS / "models"
+CONFIGS = REPO / "configs"  # user-facing example jobs only; presets and profiles ship in hpcdist/resources/
 # Collected at import time so a new YAML is tested without touching this file. Model presets are not job
 # configs (their keys are ModelArgs fields, not sections): they are tested through model.preset below.
-JOB_CONFIGS = sorted(CONFIGS.glob("*.yaml"))  # configs/<dir>/ hold other kinds: presets, clusters, NCCL profiles
-ALL_YAML = sorted(CONFIGS.rglob("*.yaml"))
-PRESET_FILES = sorted(PRESET_DIR.glob("*.yaml"))
+JOB_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
+PRESET_FILES = resources.paths("models")
+SHIPPED_YAML = [p for kind in resources.KINDS for p in resources.paths(kind)]
+ALL_YAML = sorted(CONFIGS.rglob("*.yaml")) + SHIPPED_YAML  # every YAML a user sees or the package ships
 
 SECTIONS = [f.name for f in dataclasses.fields(JobConfig)]
 FIELDS = {s: [f.name for f in dataclasses.fields(type(getattr(JobConfig(), s)))] for s in SECTIONS}
 
 
 def _rel(p: Path) -> str:
-    return str(p.relative_to(REPO))
+    """Test id: the path in the checkout (or <kind>/<file> for a shipped file of an installed package)."""
+    return p.relative_to(REPO).as_posix() if p.is_relative_to(REPO) else f"{p.parent.name}/{p.name}"
 
 
 def _problems(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
@@ -172,7 +174,7 @@ def test_parse_overrides_rejects_a_key_that_is_both_value_and_section() -> None:
 
 def test_shipped_config_lists_are_not_empty() -> None:
     assert JOB_CONFIGS, f"no job configs found under {CONFIGS}"
-    assert PRESET_FILES, f"no model presets found under {PRESET_DIR}"
+    assert PRESET_FILES, "no model presets found by hpcdist.resources"
     assert (CONFIGS / "demo.yaml") in JOB_CONFIGS
 
 
@@ -211,7 +213,7 @@ def test_demo_uses_the_tiny_preset_and_its_batch_split() -> None:
     cfg = load(CONFIGS / "demo.yaml")
     assert cfg.model.preset == "tiny"
     assert cfg.model.dim == load_preset("tiny")["dim"]
-    assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (16, 8)
+    assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (16, 2)
 
 
 # ----------------------------------------------------------------------------------------------- errors: keys, types
@@ -552,11 +554,11 @@ def test_missing_file_and_bad_overrides_are_reported_together(tmp_path: Path) ->
 
 
 def test_check_world_accepts_divisible_world_sizes() -> None:
-    cfg = load(CONFIGS / "demo.yaml")  # global 16, micro 8
-    for world_size in (1, 2):
+    cfg = load(CONFIGS / "demo.yaml")  # global 16, micro 2: the README runs it on 1, 4 (torchrun) and 8 (srun) ranks
+    for world_size in (1, 2, 4, 8):
         check_world(cfg, world_size)
-    assert config_mod.grad_accum_steps(cfg, 1) == 2
-    assert config_mod.grad_accum_steps(cfg, 2) == 1
+    assert config_mod.grad_accum_steps(cfg, 1) == 8
+    assert config_mod.grad_accum_steps(cfg, 8) == 1
 
 
 def test_check_world_suggests_a_valid_global_batch() -> None:
@@ -565,9 +567,9 @@ def test_check_world_suggests_a_valid_global_batch() -> None:
         check_world(cfg, 3)
     (msg,) = exc.value.problems
     assert "train.global_batch_size (16)" in msg
-    assert "train.micro_batch_size (8) x data-parallel size (3) = 24" in msg
-    assert "e.g. train.global_batch_size=24" in msg
-    check_world(load(CONFIGS / "demo.yaml", ["train.global_batch_size=24"]), 3)  # the suggestion works
+    assert "train.micro_batch_size (2) x data-parallel size (3) = 6" in msg
+    assert "e.g. train.global_batch_size=12" in msg
+    check_world(load(CONFIGS / "demo.yaml", ["train.global_batch_size=12"]), 3)  # the suggestion works
 
 
 @pytest.mark.parametrize("world_size", [3, 5, 6, 7, 16, 24, 64])
@@ -718,23 +720,30 @@ def test_fuzz_yaml_documents_only_raise_config_error(fuzz_dir: Path, doc: dict[A
 
 
 def _validate_any(path: Path) -> None:
-    """Load one YAML of configs/ with the loader of its kind; an unknown kind (a new directory) fails."""
+    """Load one YAML of configs/ or of the shipped resources with the loader of its kind; an unknown kind fails."""
     from hpcdist.launch import load_cluster
     from hpcdist.launch.nccl import load_profile
 
-    kind = path.parent.relative_to(CONFIGS).as_posix()
-    if kind == ".":
+    if path in SHIPPED_YAML:
+        kind = path.parent.name
+        if kind == "models":
+            by_path, by_name = load(None, [f"model.preset={path}"]), load(None, [f"model.preset={path.stem}"])
+            assert by_path.model_args() == by_name.model_args()
+        elif kind == "cluster":
+            assert load_cluster(path) == load_cluster(path.stem)
+        elif kind == "nccl":
+            assert load_profile(path.stem) == load_profile(str(path))
+        else:
+            raise AssertionError(f"no validator for shipped resources of kind {kind!r}: add one here")
+    elif path.parent == CONFIGS:
         load(path)
-    elif kind == "models":
-        load(None, [f"model.preset={path}"])
-    elif kind == "cluster":
-        load_cluster(path)
-    elif kind == "nccl":
-        assert load_profile(path.stem)
     else:
-        raise AssertionError(f"no validator for configs/{kind}/: add one here")
+        rel = path.parent.relative_to(CONFIGS).as_posix()
+        raise AssertionError(
+            f"no validator for configs/{rel}/ (presets and cluster/NCCL profiles ship in hpcdist/resources/<kind>/)"
+        )
 
 
-@pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.relative_to(CONFIGS).as_posix())
+@pytest.mark.parametrize("path", ALL_YAML, ids=_rel)
 def test_every_yaml_in_configs_validates(path: Path) -> None:
     _validate_any(path)

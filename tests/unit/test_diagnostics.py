@@ -12,12 +12,11 @@ import pytest
 import torch
 import yaml
 
+from hpcdist import resources
 from hpcdist.diagnostics import collectives, finder, report, verdict
 from hpcdist.diagnostics.cli import _without_nproc, build_parser, parse_size
 from hpcdist.diagnostics.faults import Faults
 from hpcdist.diagnostics.watchdog import Hang
-
-REPO = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------------------------------ bandwidth
 
@@ -140,7 +139,7 @@ def test_bandwidths_from_gathered_transfers() -> None:
 
 
 def test_expectations_come_from_the_cluster_profile() -> None:
-    hardware = yaml.safe_load((REPO / "configs" / "cluster" / "a100_ib.yaml").read_text())["hardware"]
+    hardware = yaml.safe_load(resources.path("cluster", "a100_ib").read_text())["hardware"]
     exp = verdict.load_expectation("a100_ib")
     assert (exp.intra_node_gbps, exp.inter_node_gbps) == (hardware["intra_node_busbw_gbps"], 190)
     assert exp.intra_node_gbps == 230

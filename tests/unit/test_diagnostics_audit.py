@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hpcdist.diagnostics import audit
 from hpcdist.diagnostics.audit import MASK, collect_local, findings, is_secret, masked_environ
@@ -224,7 +225,9 @@ def test_a_missing_gpu(tmp_path: Path) -> None:
     )
 
 
-def test_cpu_build_skips_gpu_checks(tmp_path: Path) -> None:
+def test_cpu_build_skips_gpu_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CPU build whatever torch this machine has (Python 3.10/3.13 venvs get PyPI's CUDA build, which runs on CPU)
+    monkeypatch.setattr(torch.version, "cuda", None)
     recs = [record(tmp_path, "node-a", 0, environ={"CUDA_VISIBLE_DEVICES": "0,1"})]  # the sandbox's fake GPUs
     found = findings(recs, backend="gloo")
     assert "gpu_missing" not in codes(found) and "cpu_build" in codes(found, "info")

@@ -15,9 +15,11 @@ import torch.distributed as dist
 
 from hpcdist import env as envmod
 from hpcdist.env import (
+    EXPORTED_VAR,
     DistEnv,
     destroy_process_group,
     expand_nodelist,
+    export_environ,
     from_environ,
     hostnames,
     init_process_group,
@@ -34,6 +36,27 @@ def no_scontrol(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     bin_dir.mkdir()
     monkeypatch.setenv("PATH", str(bin_dir))
     return bin_dir
+
+
+# What torchrun gives every worker, and what export_environ writes.
+TORCHRUN_NAMES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+    "MASTER_PORT",
+)  # fmt: skip
+
+
+@pytest.fixture
+def clean_environ(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """os.environ without launcher variables (torchrun's, SLURM's, hpcdist's export record); everything a test
+    adds or changes (export_environ writes os.environ) is undone afterwards."""
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_")) or name in (*TORCHRUN_NAMES, EXPORTED_VAR):
+            monkeypatch.delenv(name)
+    # export_environ adds names the test did not set: register them so monkeypatch removes them again
+    for name in (*TORCHRUN_NAMES, EXPORTED_VAR):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    return monkeypatch
 
 
 def fake_scontrol(bin_dir: Path, body: str) -> Path:
@@ -437,6 +460,125 @@ def test_from_environ_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatc
     assert from_environ(cuda_available=False).master_port == 23456
 
 
+# ----------------------------------------------------------------------------------------- export_environ
+
+
+def test_export_gives_a_slurm_task_torchruns_variables(no_scontrol: Path, clean_environ: pytest.MonkeyPatch) -> None:
+    # srun sets SLURM_PROCID / SLURM_LOCALID only; DeepSpeed asserts LOCAL_RANK, env:// reads MASTER_ADDR/PORT
+    for name, value in slurm_step().items():
+        clean_environ.setenv(name, value)
+    e = from_environ(cuda_available=False)
+    changed = export_environ(e)
+    want = {
+        "RANK": "13", "LOCAL_RANK": "5", "WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "4", "MASTER_ADDR": "gpu010", "MASTER_PORT": str(port_from_job_id("4242")),
+    }  # fmt: skip
+    assert changed == want
+    assert {name: os.environ[name] for name in TORCHRUN_NAMES} == want
+    # a later from_environ in this process (or in a child that inherits os.environ) resolves the same DistEnv,
+    # still as a SLURM task, not as torchrun
+    assert from_environ(cuda_available=False) == e and e.launcher == "slurm"
+    assert from_environ(dict(os.environ), cuda_available=False) == e
+    assert export_environ(e) == {}  # idempotent
+
+
+def _uneven_slurm() -> dict[str, str]:
+    environ = slurm_step(SLURM_PROCID="4", SLURM_LOCALID="0", SLURM_NODEID="2", SLURM_NTASKS="5")
+    for name in ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NODELIST"):
+        del environ[name]
+    return {**environ, "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "c[1-3]"}
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        slurm_step(),
+        slurm_step(MASTER_ADDR="10.0.0.1", MASTER_PORT="23456"),
+        _uneven_slurm(),  # last node short: node_rank / local_world_size not derivable from RANK alone
+        slurm_step(RANK="7"),  # a lone stale RANK does not make torchrun; it is overwritten
+        {},
+        {"MASTER_PORT": "12345", "MASTER_ADDR": "somewhere"},  # single ignores MASTER_ADDR: overwritten
+        sbatch_script(),
+        torchrun_vars(),
+        {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"},  # torchrun-like launcher without the rest
+    ],
+    ids=["srun", "srun-master", "srun-uneven", "srun-stale-rank", "single", "single-port", "sbatch", "torchrun",
+         "rank-vars"],
+)  # fmt: skip
+def test_from_environ_after_export_is_the_same(
+    no_scontrol: Path, clean_environ: pytest.MonkeyPatch, environ: dict[str, str]
+) -> None:
+    for name, value in environ.items():
+        clean_environ.setenv(name, value)
+    before = from_environ(cuda_available=False)
+    export_environ(before)
+    assert all(os.environ[name] for name in TORCHRUN_NAMES)
+    assert from_environ(cuda_available=False) == before
+    for cuda in (True, False):  # the device follows the same local rank
+        assert from_environ(cuda_available=cuda) == from_environ(environ, cuda_available=cuda)
+
+
+def test_export_warns_before_overwriting_a_different_value(no_scontrol: Path, caplog: pytest.LogCaptureFixture) -> None:
+    environ = slurm_step(LOCAL_RANK="7", MASTER_PORT="")  # LOCAL_RANK alone is not torchrun's: slurm's 5 wins
+    e = from_environ(environ, cuda_available=False)
+    with caplog.at_level("WARNING", logger="hpcdist.env"):
+        export_environ(e, environ)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "LOCAL_RANK=7 in the environment differs from DistEnv's 5" in warned[0], warned
+    assert environ["LOCAL_RANK"] == "5" and environ["MASTER_PORT"] == str(e.master_port)  # empty = unset: quiet
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hpcdist.env"):
+        export_environ(e, environ)
+    assert not caplog.records
+
+
+def test_exported_values_changed_by_another_launcher_count_again(no_scontrol: Path) -> None:
+    environ = slurm_step()
+    export_environ(from_environ(environ, cuda_available=False), environ)
+    # e.g. a test harness or DeepSpeed's launcher started in the task sets its own ranks: they are not ours anymore
+    environ.update(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+                   GROUP_WORLD_SIZE="1")  # fmt: skip
+    e = from_environ(environ, cuda_available=False)
+    assert (e.launcher, e.rank, e.world_size, e.num_nodes) == ("torchrun", 1, 2, 1)
+    # under torchrun its variables decide, even where they equal an inherited export record
+    environ = slurm_step()
+    export_environ(from_environ(environ, cuda_available=False), environ)
+    environ["TORCHELASTIC_RUN_ID"] = "none"
+    e = from_environ(environ, cuda_available=False)
+    assert (e.launcher, e.rank, e.world_size) == ("torchrun", 13, 32)
+
+
+def test_task_of_a_nested_srun_resolves_its_own_step(no_scontrol: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A task started by srun from an exporting rank inherits the export; it is that task's SLURM step that counts
+    (including the step's first node as the rendezvous host), and its own export replaces the parent's quietly."""
+    parent = slurm_step()
+    export_environ(from_environ(parent, cuda_available=False), parent)
+    child = {**parent, **slurm_step(SLURM_STEP_ID="1", SLURM_STEP_NODELIST="gpu012", SLURM_STEP_NUM_NODES="1",
+                                    SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="2", SLURM_PROCID="1",
+                                    SLURM_LOCALID="1", SLURM_NODEID="0")}  # fmt: skip
+    e = from_environ(child, cuda_available=False)
+    assert (e.launcher, e.rank, e.local_rank, e.world_size, e.master_addr) == ("slurm", 1, 1, 2, "gpu012")
+    with caplog.at_level("WARNING", logger="hpcdist.env"):
+        export_environ(e, child)
+    assert not caplog.records
+    assert (child["RANK"], child["WORLD_SIZE"], child["MASTER_ADDR"]) == ("1", "2", "gpu012")
+    assert from_environ(child, cuda_available=False) == e
+
+
+def test_torchrun_export_leaves_no_record(clean_environ: pytest.MonkeyPatch) -> None:
+    environ = torchrun_vars(**{EXPORTED_VAR: '{"RANK": "0"}'})  # stale record inherited from a parent
+    e = from_environ(environ, cuda_available=False)
+    assert export_environ(e, environ) == {}
+    assert EXPORTED_VAR not in environ
+    assert from_environ(environ, cuda_available=False) == e
+
+
+def test_garbled_export_record_is_ignored(no_scontrol: Path) -> None:
+    for record in ("{", "[1]", '{"RANK": 3}'):
+        environ = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", EXPORTED_VAR: record}
+        assert from_environ(environ, cuda_available=False).launcher == "torchrun"
+
+
 # ---------------------------------------------------------------------------------------------- DistEnv
 
 
@@ -453,27 +595,32 @@ def test_distenv_is_frozen_and_validated() -> None:
 # ---------------------------------------------------------------------------------------- process group
 
 
-def test_init_process_group_single_process_is_noop(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    monkeypatch.delenv("MASTER_PORT", raising=False)
-
+def test_init_process_group_single_process_exports_but_joins_nothing(clean_environ: pytest.MonkeyPatch) -> None:
     def must_not_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("init_process_group must not be called for world_size 1")
 
-    monkeypatch.setattr(dist, "init_process_group", must_not_run)
+    clean_environ.setattr(dist, "init_process_group", must_not_run)
     init_process_group(from_environ({}, cuda_available=False))
     assert not dist.is_initialized()
-    assert "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ
+    # DeepSpeed asserts LOCAL_RANK even in one process: torchrun's variables are there all the same
+    assert {name: os.environ[name] for name in TORCHRUN_NAMES} == {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+    }  # fmt: skip
 
 
-def test_init_process_group_passes_env_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_init_process_group_passes_env_to_torch(clean_environ: pytest.MonkeyPatch) -> None:
     calls: list[dict[str, object]] = []
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch = clean_environ
     monkeypatch.setenv("MASTER_PORT", "1111")  # stale: the DistEnv is what every rank agreed on
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    # rank 1 first waits for rank 0's store: there is no host n1 here, so without this it polls for the full 60 s
+    waited: list[tuple[object, ...]] = []
+    monkeypatch.setattr(envmod, "_wait_for_master", lambda *args: waited.append(args))
     e = make_env(rank=1, world_size=2, local_world_size=2, local_rank=1, master_addr="n1", master_port=24000)
     init_process_group(e, timeout_s=60)
+    assert waited == [("n1", 24000, 60)]
     assert calls == [
         dict(
             backend="gloo",
@@ -484,9 +631,11 @@ def test_init_process_group_passes_env_to_torch(monkeypatch: pytest.MonkeyPatch)
         )
     ]
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("n1", "24000")
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("1", "1", "2")
 
 
-def test_init_process_group_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_init_process_group_is_idempotent(clean_environ: pytest.MonkeyPatch) -> None:
+    monkeypatch = clean_environ
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: pytest.fail("initialized twice"))

@@ -32,7 +32,7 @@ import submitit
 import yaml
 from submitit.core.utils import cloudpickle_dump
 
-from hpcdist import cli
+from hpcdist import cli, resources
 from hpcdist.config import ConfigError
 from hpcdist.launch import ClusterConfig, JobHandle, load_cluster, submit
 from hpcdist.launch.cluster import cluster_names, parse_time
@@ -265,7 +265,7 @@ def test_local_cluster_dry_run_describes_the_local_run(tmp_path: Path) -> None:
 def test_every_shipped_cluster_loads(name: str) -> None:
     cluster = load_cluster(name)
     assert cluster.name == name and cluster.problems() == []
-    assert load_cluster(REPO / "configs" / "cluster" / f"{name}.yaml") == cluster
+    assert load_cluster(resources.path("cluster", name)) == cluster
 
 
 def test_shipped_clusters_have_the_documented_shape() -> None:
@@ -362,9 +362,9 @@ def test_training_config_is_checked_against_the_cluster(tmp_path: Path) -> None:
     text = str(exc.value)  # both files' problems at once
     assert "cluster.nodes" in text and "train.stepz" in text
     with pytest.raises(ConfigError) as exc:
-        submit(DEMO, [f"run.dir={tmp_path}", "fault.requeue_signal=USR1"], cluster="sandbox", nodes=2, dry_run=True)
+        submit(DEMO, [f"run.dir={tmp_path}", "fault.requeue_signal=USR1"], cluster="sandbox", nodes=4, dry_run=True)
     text = str(exc.value)
-    assert "x data-parallel size (8)" in text and "(on 2 node(s) x 4 tasks = 8 ranks)" in text
+    assert "x data-parallel size (16)" in text and "(on 4 node(s) x 4 tasks = 16 ranks)" in text
     assert "differs from fault.requeue_signal (USR1)" in text
 
 

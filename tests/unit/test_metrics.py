@@ -269,13 +269,24 @@ def test_metrics_logger_disabled_writes_nothing(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- logging_utils
 
 
+def _owned(logger: logging.Logger) -> list[logging.Handler]:
+    """The handlers setup_logging installed (not the ones a test runner or another library added)."""
+    return [h for h in logger.handlers if getattr(h, "_hpcdist_owned", False)]
+
+
 @pytest.fixture
 def clean_logger() -> Iterator[logging.Logger]:
     """Restore the hpcdist logger after a test that calls setup_logging."""
     logger = get_logger()
-    saved = (list(logger.handlers), logger.level, logger.propagate, logging_utils._rank)
+    # Only our own handlers are saved and restored: pytest's log capture attaches and detaches its handlers
+    # around every test phase (on non-propagating loggers too, since pytest 9.2), and restoring a snapshot of
+    # those would leave stale capture handlers behind for later tests.
+    saved = (_owned(logger), logger.level, logger.propagate, logging_utils._rank)
     yield logger
-    logger.handlers[:] = saved[0]
+    for handler in _owned(logger):
+        logger.removeHandler(handler)
+    for handler in saved[0]:
+        logger.addHandler(handler)
     logger.setLevel(saved[1])
     logger.propagate = saved[2]
     logging_utils._rank = saved[3]
@@ -284,7 +295,7 @@ def clean_logger() -> Iterator[logging.Logger]:
 def test_setup_logging_idempotent(clean_logger: logging.Logger, capsys: pytest.CaptureFixture[str]) -> None:
     setup_logging(0)
     setup_logging(0)
-    assert len(clean_logger.handlers) == 1
+    assert len(_owned(clean_logger)) == 1
     log0("hello %d", 42)
     out = capsys.readouterr().out
     assert out.count("hello 42") == 1

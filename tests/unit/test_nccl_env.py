@@ -1,4 +1,4 @@
-"""NCCL environment profiles (configs/nccl/*.yaml) and their resolution inside a task.
+"""NCCL environment profiles (hpcdist/resources/nccl/*.yaml) and their resolution inside a task.
 
 Nothing here touches the real network or /sys: the HCA lookup reads a fake sysfs tree (``sysfs_root``) and
 the interface lookup goes through a fake :class:`NetLookup`.
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from hpcdist import resources
 from hpcdist.config import ConfigError
 from hpcdist.launch import nccl
 from hpcdist.launch.nccl import NetLookup, apply_to_environ, auto_hcas, load_profile, resolve_env
 
-REPO = Path(__file__).resolve().parents[2]
-PROFILES = sorted((REPO / "configs" / "nccl").glob("*.yaml"))
+PROFILES = resources.paths("nccl")
 
 
 def fake_net(

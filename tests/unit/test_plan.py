@@ -142,6 +142,11 @@ def test_cli_plan_prints_every_strategy(capsys):
     assert rows["ddp"][7] == "no"
     assert rows["zero3"][7] == "yes" and rows["fsdp"][7] == "yes"
     assert "13.02B params" in out and "= 32" in out
+    # every memory column names its unit; the model-state columns must not read as milliseconds ("ms_...")
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["strategy"])
+    for col in ("params GiB", "grads GiB", "optim GiB", "activ GiB", "buffers GiB", "total GiB", "DS states GiB"):
+        assert col in header, header
+    assert "16B/param GiB" in header and "ms_" not in out
 
 
 def test_cli_plan_accepts_overrides_and_plain_numbers(capsys):

@@ -261,6 +261,15 @@ def test_cli_plan_rejects_bad_options(capsys: pytest.CaptureFixture[str], option
     assert fragment in capsys.readouterr().err
 
 
+def test_cli_plan_exits_1_when_nothing_fits(capsys: pytest.CaptureFixture[str]):
+    argv = ["plan", "configs/train_13b.yaml", "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem", "4"]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "0 fit" in out and "auto would take" not in out  # the tables still print
+    assert err.count("\n") == 1 and err.startswith("hpcdist: plan: none of ")
+    assert "fits: the smallest needs 34.7 GiB per GPU, 2 GiB usable" in err
+
+
 def test_cli_plan_cluster_without_hardware(capsys: pytest.CaptureFixture[str]):
     assert main(["plan", "configs/train_13b.yaml", "--cluster", "sandbox"]) == 2
     assert "hardware.bf16_peak_tflops" in capsys.readouterr().err

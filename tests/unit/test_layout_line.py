@@ -1,0 +1,37 @@
+"""The start-up log's ``layout:`` line (hpcdist.parallel.parallelize.describe_layout), one case per strategy."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcdist import config as config_mod
+from hpcdist.parallel.parallelize import describe_layout
+
+
+@pytest.mark.parametrize(
+    ("world", "overrides", "expected"),
+    [
+        (4, ["parallel.strategy=ddp"], "ddp x 4 ranks"),
+        (1, ["parallel.strategy=ddp"], "ddp x 1 rank"),
+        (8, ["parallel.strategy=fsdp"], "fsdp x 8 ranks"),
+        (4, ["parallel.strategy=fsdp", "parallel.fsdp.replicate=2"], "hsdp 2 x 2"),
+        (4, ["parallel.strategy=fsdp", "parallel.fsdp.cpu_offload=true"], "fsdp x 4 ranks, cpu offload"),
+        (4, ["parallel.strategy=zero", "parallel.zero.stage=1"], "zero1 x 4 ranks"),
+        (4, ["parallel.strategy=zero", "parallel.zero.stage=3", "parallel.zero.offload_optimizer=true"],
+         "zero3 x 4 ranks, offload optimizer"),
+        (4, ["parallel.strategy=zero", "parallel.zero.stage=3", "parallel.zero.offload_optimizer=true",
+             "parallel.zero.offload_params=true"], "zero3 x 4 ranks, offload optimizer and params"),
+        (8, ["parallel.strategy=3d", "parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=Interleaved1F1B"],
+         "3d pp2 x dp2 x tp2, Interleaved1F1B, 4 stages"),
+        (8, ["parallel.strategy=3d", "parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=1F1B"],
+         "3d pp2 x dp2 x tp2, 1F1B, 2 stages"),
+        (8, ["parallel.strategy=3d", "parallel.tp=2"], "3d pp1 x dp4 x tp2"),
+        (16, ["parallel.strategy=3d", "parallel.tp=2", "parallel.fsdp.replicate=2"],
+         "3d pp1 x dp8 (hsdp 2 x 4) x tp2"),
+    ],
+    ids=["ddp", "ddp-1", "fsdp", "hsdp", "fsdp-offload", "zero1", "zero3-offload", "zero3-offload-all",
+         "3d-interleaved", "3d-1f1b", "3d-no-pp", "3d-hsdp"],
+)  # fmt: skip
+def test_describe_layout(world: int, overrides: list[str], expected: str) -> None:
+    cfg = config_mod.load(None, ["model.preset=tiny", *overrides])
+    assert describe_layout(cfg, world) == expected
