@@ -414,7 +414,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         out = submit(args.config, args.overrides, cluster=args.cluster, dry_run=args.dry_run, **params)
         if isinstance(out, str):
-            print(out, end="")
+            print(out, end="" if out.endswith("\n") else "\n")  # the shell prompt then starts on a line of its own
             return 0
         logs = out.paths[0]
         print(f"submitted job {out.job_id} ({out.executor}, {out.num_tasks} ranks)\n"
