@@ -169,6 +169,7 @@ CHECKS: dict[str, Check] = {
         "cli", expect=("name: llama-13b", "global_batch_size: 256", "stage: 3")
     ),
     "hpcdist prepare my_texts/ --glob '*.txt' --out data/mycorpus": Check("cli", expect=("files into data/mycorpus",)),
+    "hpcdist --version": Check("cli", expect=("hpcdist 0.1.0",)),
     # ---------------------------------------------------------------------------------------------- config
     "hpcdist train configs/demo.yaml train.stepz=3 optim.lr=fast": Check("cli", returncode=2),
     # ------------------------------------------------------------------------------------ communication check
