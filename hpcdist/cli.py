@@ -1,16 +1,13 @@
-"""``hpcdist`` command line: a thin layer over the library. Configuration errors print one message, no traceback."""
+"""``hpcdist`` command line: argument parsing over the library (``train`` runs hpcdist.run, ``submit`` hpcdist.launch).
+Configuration errors print one message, no traceback."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from hpcdist.trainer import TrainResult
+from typing import Any
 
 EPILOG = """examples:
   hpcdist train configs/demo.yaml                      # one process on this machine
@@ -266,51 +263,6 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
-def run_train(config_path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> TrainResult:
-    """What ``hpcdist train`` runs in one process (rank); also the body of every task of ``hpcdist submit``."""
-    from hpcdist import config as config_mod
-    from hpcdist.env import destroy_process_group, from_environ, init_process_group
-    from hpcdist.launch.nccl import PROFILE_ENV, apply_to_environ
-    from hpcdist.logging_utils import log0, setup_logging
-
-    cfg = config_mod.load(config_path, overrides)
-    env = from_environ()
-    config_mod.check_world(cfg, env.world_size)  # before any process group: a bad batch split fails fast
-    try:
-        config_mod.check_run_dir(cfg)  # every rank: one failing alone would leave the others at the rendezvous
-    except config_mod.ConfigError as e:
-        e.per_host = True  # type: ignore[attr-defined]  # as this host sees them: cmd_train prints it per node
-        raise
-    # In every task, before the process group: NCCL and gloo read these at init, and interface names differ
-    # between hosts. A no-op unless the job names a profile (hpcdist submit exports HPCDIST_NCCL_PROFILE).
-    nccl_lines = apply_to_environ(os.environ.get(PROFILE_ENV), master_addr=env.master_addr)
-    if nccl_lines:
-        setup_logging(env.rank, level=cfg.run.log_level)
-        for line in nccl_lines:
-            log0("%s", line)
-
-    from hpcdist.launch.failures import start_attempt
-    from hpcdist.launch.watchdog import collective_timeout_s
-    from hpcdist.trainer import TrainResult, run
-
-    # the restart ledger, the rank's supervisor, NCCL error handling (fault.*; hpcdist.launch.failures)
-    refused = start_attempt(cfg, env)
-    if refused:
-        print(f"hpcdist: {refused}", file=sys.stderr, flush=True)
-        return TrainResult(step=0, exit_code=3)
-    # collectives time out a minute after the hang watchdog, which reports first (with stacks and suspects)
-    init_process_group(env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s))
-    try:
-        result = run(cfg, env)
-    finally:
-        destroy_process_group()
-    if env.is_main and result.losses:
-        first, last = min(result.losses), max(result.losses)
-        print(f"done: step {result.step}, loss {result.losses[first]:.4f} (step {first}) -> "
-              f"{result.losses[last]:.4f} (step {last}); run dir {cfg.run.dir}")  # fmt: skip
-    return result
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         return cmd_dry_run(args)
@@ -321,9 +273,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             "(a real run takes its ranks from torchrun or srun)"
         )
     from hpcdist.config import ConfigError
+    from hpcdist.launch.job import SlurmEnvironment
+    from hpcdist.run import main as run_main
 
     try:
-        return run_train(args.config, args.overrides).exit_code
+        return run_main(args.config, args.overrides, job=SlurmEnvironment()).exit_code
     except ConfigError as e:
         return _config_error_once(e)
 

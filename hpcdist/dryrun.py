@@ -36,8 +36,9 @@ from torch import nn
 
 from hpcdist import config as config_mod
 from hpcdist.config import ConfigError, JobConfig
-from hpcdist.launch.cluster import ClusterConfig, load_cluster
+from hpcdist.config.cluster import ClusterConfig, load_cluster
 from hpcdist.models.llama import build_model, num_params
+from hpcdist.parallel.dims import parallel_dims
 from hpcdist.plan import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory
 from hpcdist.planner import DEFAULT_MARGIN_GIB, format_count
 
@@ -121,7 +122,7 @@ class DryRunReport:
         return self.memory.total <= (self.gpu_mem_gib - DEFAULT_MARGIN_GIB) * GIB
 
     def _dp(self) -> int:
-        return config_mod.parallel_dims(self.cfg, self.world_size).dp
+        return parallel_dims(self.cfg, self.world_size).dp
 
 
 def parse_ranks(spec: str | None, world_size: int) -> list[int]:
@@ -233,7 +234,7 @@ def _three_d_count(cfg: JobConfig, model: nn.Module, rank: int, world_size: int)
     """
     from hpcdist.parallel.parallelize import shard_3d
 
-    dims = config_mod.parallel_dims(cfg, world_size)
+    dims = parallel_dims(cfg, world_size)
     coords = dims.coords(rank)
     # the dtypes a GPU run would use (they do not change the counts); no compile: nothing runs
     parts, ids, num_stages, layers = shard_3d(
@@ -367,8 +368,8 @@ def dry_run(
     if strategy == "zero":
         notes.append("ZeRO counts follow DeepSpeed's partitioning rule; its engine cannot be built on meta tensors")
     if strategy == "3d":
-        layout = f"3d: {config_mod.parallel_dims(cfg, world_size).describe()}"
-        if config_mod.parallel_dims(cfg, world_size).pp_enabled:
+        layout = f"3d: {parallel_dims(cfg, world_size).describe()}"
+        if parallel_dims(cfg, world_size).pp_enabled:
             layout += f", schedule {cfg.parallel.pp_schedule}"
     else:
         layout = {
@@ -396,7 +397,7 @@ def _default_ranks(cfg: JobConfig, world_size: int) -> list[int]:
     between stages, not between the dp / tp ranks of one stage)."""
     ranks = set(parse_ranks(None, world_size))
     if cfg.parallel.strategy == "3d":
-        dims = config_mod.parallel_dims(cfg, world_size)
+        dims = parallel_dims(cfg, world_size)
         ranks |= {stage * dims.dp * dims.tp for stage in range(dims.pp)}
     return sorted(ranks)
 

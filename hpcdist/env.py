@@ -42,6 +42,7 @@ import torch
 
 __all__ = [
     "DistEnv",
+    "SlurmJob",
     "destroy_process_group",
     "expand_nodelist",
     "export_environ",
@@ -303,6 +304,37 @@ def port_from_job_id(job_id: str | None, base: int = 20000, span: int = 12000) -
     # A stable hash, not hash(): that is salted per process and would differ between nodes.
     value = int(digits) if digits else zlib.crc32(str(job_id).encode())
     return base + value % span
+
+
+# ----------------------------------------------------------------------------------------------- job
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """The SLURM job facts restarts, requeues and failure records need (job id, restart count, partition, size).
+
+    Read here, beside the rank layout, so no other module reads SLURM_* itself. ``job_id`` is None outside SLURM.
+    """
+
+    job_id: str | None
+    restart_count: int
+    partition: str | None = None
+    """Where the job runs: node exclusion checks that the partition keeps enough usable nodes."""
+    num_nodes: int | None = None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "SlurmJob":
+        environ = os.environ if environ is None else environ
+        job_id = environ.get("SLURM_JOB_ID") or None
+        # An array task is requeued by its array id (<array job>_<task>). Not DistEnv.job_id's rule (<job>_<task>,
+        # only a rendezvous port seed): scontrol needs the array job's own id.
+        if job_id and environ.get("SLURM_ARRAY_TASK_ID"):
+            job_id = f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+        nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES")
+        return cls(
+            job_id=job_id, restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
+            partition=environ.get("SLURM_JOB_PARTITION") or None, num_nodes=int(nodes) if nodes else None,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- environment

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcdist.models.llama import ModelArgs, num_params
+from hpcdist.models.args import ModelArgs, num_params
 
 __all__ = [
     "GIB",

@@ -77,14 +77,14 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hpcdist.models.llama import ModelArgs, flops_per_token, num_params
+from hpcdist import config as config_mod
+from hpcdist.config import ConfigError, JobConfig
+from hpcdist.config.cluster import ClusterConfig, load_cluster
+from hpcdist.models.args import ModelArgs, flops_per_token, num_params
+from hpcdist.parallel.dims import parallel_dims
 from hpcdist.plan import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory, stage_params
-
-if TYPE_CHECKING:
-    from hpcdist.config import JobConfig
-    from hpcdist.launch.cluster import ClusterConfig
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -656,8 +656,6 @@ def layout_of(cfg: JobConfig, world_size: int) -> Layout:
             strategy = "hsdp" if replicate > 1 else "fsdp"
             return Layout(strategy, 1, 1, world_size, dp_shard=world_size // replicate, **common)
         case "3d":
-            from hpcdist.config import parallel_dims
-
             dims = parallel_dims(cfg, world_size)  # resolves a -1 degree
             return Layout("3d", dims.tp, dims.pp, dims.dp, dp_shard=dims.dp_shard, **common)
     raise ValueError(f"parallel.strategy={p.strategy!r} has no planner layout")
@@ -669,7 +667,6 @@ def grad_reduce_bytes(cfg: JobConfig) -> int:
 
 
 def _problems(cfg: JobConfig, world_size: int, gpus_per_node: int) -> list[str]:
-    from hpcdist import config as config_mod
 
     problems = config_mod.check(cfg)
     if not problems:
@@ -688,7 +685,6 @@ def pick(
     Rows above it are skipped for what validation says (a strategy this build lacks, a restriction such as ZeRO
     without checkpoints); the reason lists them grouped by problem.
     """
-    from hpcdist.config import ConfigError
 
     fitting = [e for e in estimates if e.fits]
     skipped: Counter[str] = Counter()
@@ -731,8 +727,6 @@ def resolve_auto(
     the strategy, its degrees, the micro-batch size and activation checkpointing are chosen. Raises ConfigError
     when the cluster has no GPUs, nothing fits, or no fitting layout passes the config's validation.
     """
-    from hpcdist.config import ConfigError
-    from hpcdist.launch.cluster import ClusterConfig, load_cluster
 
     cl = cluster if isinstance(cluster, ClusterConfig) else load_cluster(cluster)
     if cl.gpus_per_node < 1:

@@ -1,13 +1,14 @@
 """The trainer core every task runs: ``Trainer(cfg, env).train()``.
 
 ``__init__`` builds everything (data, model on the meta device, strategy, optimizer, checkpoints, metrics) and
-resumes; ``train()`` is the loop and holds no strategy branches.
+resumes; ``train()`` is the loop and holds no strategy branches. It returns why it stopped and knows no scheduler:
+what follows a stop (requeue or exit) is decided by its caller, hpcdist.run, which also resolves
+``parallel.strategy=auto`` before building a Trainer.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,15 +31,16 @@ from hpcdist.data import (
     stdlib_corpus,
 )
 from hpcdist.env import DistEnv
-from hpcdist.goodput import Goodput
-from hpcdist.launch import failures
-from hpcdist.launch.preempt import PreemptionHandler, StopReason
-from hpcdist.launch.watchdog import HangWatchdog
+from hpcdist.fault import failures
+from hpcdist.fault.goodput import Goodput
+from hpcdist.fault.hang import HangWatchdog
+from hpcdist.fault.stop import StopFlag, StopReason
+from hpcdist.fault.stragglers import StragglerMonitor
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats, mfu, peak_flops
 from hpcdist.models import build_model, flops_per_token, num_params
+from hpcdist.parallel.dims import parallel_dims
 from hpcdist.parallel.parallelize import build_strategy, describe_layout
-from hpcdist.stragglers import StragglerMonitor
 
 log = get_logger(__name__)
 
@@ -53,6 +55,7 @@ class TrainResult:
     stop_reason: StopReason = StopReason.NONE
     """Why training stopped before train.steps (a signal), NONE when it finished."""
     exit_code: int = 0
+    """The process's exit status: set by hpcdist.run's after-stop decision (the trainer leaves it 0)."""
 
 
 def _barrier() -> None:
@@ -85,15 +88,14 @@ def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
 class Trainer:
     def __init__(self, cfg: JobConfig, env: DistEnv):
         setup_logging(env.rank, level=cfg.run.log_level)
-        if cfg.parallel.strategy == "auto":  # every rank plans the same layout (deterministic), before any building
-            from hpcdist.planner import resolve_auto
-
-            cfg, reason = resolve_auto(cfg, env.world_size, cfg.parallel.auto_cluster)
-            log.info("parallel.strategy=auto: %s", reason)
+        if cfg.parallel.strategy == "auto":
+            # the planner runs once, before the process group, in hpcdist.run.resolve_auto (the trainer imports no
+            # planner): a Trainer builds exactly the layout it is given
+            raise ValueError("parallel.strategy=auto must be resolved before building a Trainer (hpcdist.run)")
         self.cfg, self.env = cfg, env
         config_mod.check_world(cfg, env.world_size, ranks_per_node=env.local_world_size)
         # tp and pp peers of one data-parallel replica must read the same slice of each global batch
-        self.dims = config_mod.parallel_dims(cfg, env.world_size)
+        self.dims = parallel_dims(cfg, env.world_size)
         self.dp_rank = self.dims.dp_rank(env.rank)
         self.run_dir = Path(cfg.run.dir)
         if env.is_main:
@@ -129,10 +131,7 @@ class Trainer:
         self.goodput = Goodput(self.run_dir, enabled=env.is_main)
         self.resumed_from = self._resume()
         f = cfg.fault
-        self.preemption = PreemptionHandler(
-            rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal, requeue=f.requeue,
-            max_restarts=f.max_restarts, run_dir=self.run_dir,
-        )  # fmt: skip
+        self.stop_flag = StopFlag(rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal)
         self.watchdog = HangWatchdog(
             rank=env.rank, world_size=env.world_size, host=env.hostname, run_dir=self.run_dir,
             timeout_s=f.watchdog_timeout_s, on_fire=self.goodput.flush,
@@ -211,17 +210,17 @@ class Trainer:
         """Train to ``train.steps``; ``until`` stops earlier (an interruption: a checkpoint is saved there)."""
         cfg, result = self.cfg, TrainResult(step=self.step, resumed_from=self.resumed_from)
         end = min(cfg.train.steps, until) if until is not None else cfg.train.steps
-        self.preemption.install()  # signal handlers only while the loop runs; close() restores the old ones
+        self.stop_flag.install()  # signal handlers only while the loop runs; close() restores the old ones
         self.goodput.begin(self.step if self.resumed_from else None)
         self.watchdog.start()
         try:
             self._loop(end, result)
         except BaseException:
             self.watchdog.stop()
-            self.preemption.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
+            self.stop_flag.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
             raise
         self.watchdog.beat(self.step, "stop agreement (last MAX all-reduce)")
-        self.preemption.close()
+        self.stop_flag.close()
         self.watchdog.stop()
         self._report_goodput()
         self.metrics.close()
@@ -253,7 +252,7 @@ class Trainer:
             if self.stragglers.due(self.step):
                 self._check_stragglers()
             self.watchdog.beat(self.step, "stop agreement (MAX all-reduce)")
-            stop = self.preemption.agreed()  # async one-int all-reduce: every rank leaves after the same step
+            stop = self.stop_flag.agreed()  # async one-int all-reduce: every rank leaves after the same step
             self.stragglers.add(data_s=data_s, step_s=time.perf_counter() - t0)
             self.goodput.step(self.step, time.perf_counter() - t0)  # minus the save / evaluation inside it
             if stop:
@@ -265,9 +264,7 @@ class Trainer:
         if (cfg.checkpoint.save_final or interrupted) and self.saved_step != self.step:
             self.save()
         self.watchdog.beat(self.step, "checkpoint completion")
-        self.ckpt.wait()  # the checkpoint is complete before anyone requeues or exits
-        if result.stop_reason:
-            result.exit_code = self.preemption.after_checkpoint(result.stop_reason)
+        self.ckpt.wait()  # the checkpoint is complete before train() returns: the caller may requeue at once
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> float:
         # .item() synchronizes with the device: done only on log steps
@@ -352,21 +349,3 @@ class Trainer:
         self.metrics.log(self.step, {"loss": value}, prefix="eval")
         log.info("eval step %d | loss %.4f", self.step, value)
         return value
-
-
-def run(cfg: JobConfig, env: DistEnv) -> TrainResult:
-    """Build a Trainer and train; the entry point of every task (CLI, srun, torchrun, tests)."""
-    if env.device == "cpu" and env.local_world_size > 1:
-        # several CPU ranks on one node would each start one thread per core and thrash
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
-    trainer = None
-    try:
-        trainer = Trainer(cfg, env)
-        return trainer.train()
-    except Exception as e:
-        # who failed, where, why: the batch script's failure policy reads it (hpcdist.launch.failures)
-        failures.record_exception(cfg.run.dir, e, rank=env.rank, host=env.hostname,
-                                  step=trainer.step if trainer else None)  # fmt: skip
-        if trainer is not None:
-            trainer.goodput.flush()
-        raise

@@ -43,16 +43,16 @@ hpcdist_srun() {
 }
 
 # hpcdist_train CONFIG [section.key=value ...]: the training step, then the failure policy if it failed.
-#   Every task runs under `python -m hpcdist.supervise`, which records a rank killed by a signal (OOM killer,
-#   segfault) in <run.dir>/failures.jsonl before srun can notice. If srun fails, `hpcdist.launch.failures
+#   Every task runs under `python -m hpcdist.fault.supervise`, which records a rank killed by a signal (OOM killer,
+#   segfault) in <run.dir>/failures.jsonl before srun can notice. If srun fails, `hpcdist.launch.restarts
 #   after-step` attributes the failure (rank, host, cause), excludes the host (ExcNodeList, within limits) and
 #   requeues the job, or stops with the reason (fault.max_failures, fault.max_same_failure). It exits 0 after a
 #   requeue (SLURM ends this run and starts the next) and with srun's status otherwise (the job ends FAILED).
 hpcdist_train() {
   local rc=0
-  hpcdist_srun "$HPCDIST_PYTHON" -m hpcdist.supervise -- "$HPCDIST_PYTHON" -m hpcdist train "$@" || rc=$?
+  hpcdist_srun "$HPCDIST_PYTHON" -m hpcdist.fault.supervise -- "$HPCDIST_PYTHON" -m hpcdist train "$@" || rc=$?
   if [ "$rc" -ne 0 ]; then
-    "$HPCDIST_PYTHON" -m hpcdist.launch.failures after-step --exit-code "$rc" -- "$@" && rc=0 || rc=$?
+    "$HPCDIST_PYTHON" -m hpcdist.launch.restarts after-step --exit-code "$rc" -- "$@" && rc=0 || rc=$?
   fi
   return "$rc"
 }

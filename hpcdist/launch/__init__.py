@@ -1,11 +1,12 @@
-"""Launching jobs: submitit executors, sbatch rendering, NCCL environment profiles, preemption handling.
+"""Scheduling: submitit executors, sbatch rendering, cluster and NCCL profiles, the job side of a task, requeueing
+and the restart policy.
 
 Imported eagerly (submitit itself is only imported when a job is rendered or submitted): a lazy attribute
 could not work here, because importing the submodule ``hpcdist.launch.submit`` rebinds the package attribute
 ``submit`` to the module unless the package has bound the function first.
 """
 
-from hpcdist.launch.cluster import ClusterConfig, load_cluster
+from hpcdist.config.cluster import ClusterConfig, load_cluster
 from hpcdist.launch.submit import JobHandle, submit
 
 __all__ = ["ClusterConfig", "JobHandle", "load_cluster", "submit"]

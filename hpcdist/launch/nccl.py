@@ -1,4 +1,4 @@
-"""NCCL / torch.distributed environment profiles (``hpcdist/resources/nccl/*.yaml``) and their resolution in each task.
+"""NCCL / torch.distributed environment profiles resolved in each task (read by :mod:`hpcdist.config.nccl_profiles`).
 
 A profile maps variables to a value and a one-line reason. The value ``auto`` is resolved where the task
 runs, because interface and HCA names differ between hosts of one job:
@@ -16,7 +16,6 @@ import ipaddress
 import os
 import re
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -24,113 +23,12 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from hpcdist.config.nccl_profiles import AUTO, load_profile
 
-from hpcdist import resources
-from hpcdist.config import ConfigError
-
-__all__ = [
-    "PROFILE_ENV",
-    "NetLookup",
-    "apply_to_environ",
-    "load_profile",
-    "profile_names",
-    "resolve_env",
-    "signal_conflict",
-]
+__all__ = ["PROFILE_ENV", "NetLookup", "apply_to_environ", "resolve_env", "resolve_host"]
 
 PROFILE_ENV = "HPCDIST_NCCL_PROFILE"
-AUTO = "auto"
-AUTO_VARS = ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-_VAR_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 _IP_TIMEOUT_S = 5.0
-
-Profile = dict[str, tuple[str, str]]
-"""VAR -> (value, why)."""
-
-
-# --------------------------------------------------------------------------------------------- profiles
-
-
-def profile_names() -> list[str]:
-    """Profiles shipped in hpcdist/resources/nccl/."""
-    return resources.names("nccl")
-
-
-def _profile_path(name: str) -> Path | None:
-    if name in profile_names():
-        return resources.path("nccl", name)
-    path = Path(name).expanduser()
-    return path if path.suffix in (".yaml", ".yml") or path.is_file() else None
-
-
-def _read_profile(name: str, problems: list[str]) -> Profile:
-    where = f"nccl profile {name!r}"
-    path = _profile_path(name)
-    if path is None:
-        problems.append(f"{where}: unknown; choose one of {', '.join(profile_names())} or give a path to a YAML file")
-        return {}
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        problems.append(f"{where}: cannot read {str(path)!r}: {e.strerror}")
-        return {}
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        problems.append(f"{where}: {str(path)!r} is not valid YAML: {getattr(e, 'problem', e)}")
-        return {}
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        problems.append(f"{where}: must be a mapping VAR: {{value: ..., why: ...}}, not {type(data).__name__}")
-        return {}
-    out: Profile = {}
-    for var, entry in data.items():
-        key = f"{where}: {var}"
-        if not isinstance(var, str) or not _VAR_NAME.fullmatch(var):
-            problems.append(f"{key}: not an environment variable name (upper case, digits, _)")
-            continue
-        if not isinstance(entry, dict):
-            problems.append(f"{key}: must be a mapping {{value: ..., why: ...}}, got {entry!r}")
-            continue
-        unknown = sorted(str(k) for k in entry if k not in ("value", "why"))
-        if unknown:
-            problems.append(f"{key}: unknown key(s) {', '.join(unknown)}; valid keys: value, why")
-        value, why = entry.get("value"), entry.get("why")
-        # bool is refused: YAML turns `yes`/`on` into True, which would be exported as the string "True"
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            problems.append(f"{key}.value: must be a string or a number, got {value!r}")
-            continue
-        if not isinstance(why, str) or not why.strip():
-            problems.append(f"{key}.why: give a one-line reason for the setting")
-            continue
-        text = str(value)
-        if any(c in text for c in "\n\r\0"):
-            problems.append(f"{key}.value: must be one line")
-            continue
-        if text == AUTO and var not in AUTO_VARS:
-            problems.append(f"{key}.value: 'auto' is only understood for {', '.join(AUTO_VARS)}")
-            continue
-        out[var] = (text, why.strip())
-    return out
-
-
-def load_profile(name: str) -> Profile:
-    """Read a profile by name (``profile_names()``) or path; ``"a,b"`` merges b over a.
-
-    Raises :class:`hpcdist.config.ConfigError` listing every problem.
-    """
-    problems: list[str] = []
-    merged: Profile = {}
-    parts = [p.strip() for p in str(name).split(",")]
-    if not any(parts):
-        raise ConfigError([f"nccl profile {name!r}: empty name; choose one of {', '.join(profile_names())}"])
-    for part in parts:
-        if part:
-            merged.update(_read_profile(part, problems))
-    if problems:
-        raise ConfigError(problems)
-    return merged
-
 
 # --------------------------------------------------------------------------------------------- network
 
@@ -324,33 +222,6 @@ def auto_hcas(sysfs_root: str | os.PathLike[str] = "/sys") -> tuple[str | None, 
         return None, note
     # '=' makes NCCL match names exactly: without it "mlx5_1" also selects mlx5_10, mlx5_11, ...
     return "=" + ",".join(chosen), note
-
-
-# --------------------------------------------------------------------------------------------- signals
-
-
-def signal_number(name: str) -> int | None:
-    """``"USR2"`` / ``"SIGUSR2"`` / ``"12"`` -> 12; None if unknown."""
-    text = str(name).strip().upper()
-    if text.isdigit():
-        return int(text)
-    try:
-        return int(signal.Signals[text if text.startswith("SIG") else f"SIG{text}"])
-    except KeyError:
-        return None
-
-
-def signal_conflict(proxy_dump_signal: str | None, preempt_signal: str | None) -> str | None:
-    """Warning text when NCCL_PROXY_DUMP_SIGNAL is the preemption signal (NCCL would eat the warning)."""
-    if not proxy_dump_signal or not preempt_signal:
-        return None
-    proxy, ours = signal_number(proxy_dump_signal), signal_number(preempt_signal)
-    if proxy is None or proxy != ours:
-        return None
-    return (
-        f"NCCL_PROXY_DUMP_SIGNAL={proxy_dump_signal} is the preemption signal {preempt_signal} ({ours}): NCCL's "
-        "proxy thread would dump its state on it and the job may miss its checkpoint warning; use another signal"
-    )
 
 
 # --------------------------------------------------------------------------------------------- resolution

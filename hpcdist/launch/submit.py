@@ -9,7 +9,7 @@ The job is the same trainer ``hpcdist train`` runs, one task (rank) per GPU thro
       srun ... --kill-on-bad-exit=1 <python> -u -m submitit.core._submit <folder>   -> TrainTask() per rank
 
 Where no SLURM controller answers, the same TrainTask runs under submitit's LocalExecutor (one node).
-Everything user-provided that reaches the script is validated to one line (hpcdist.launch.cluster) and
+Everything user-provided that reaches the script is validated to one line (hpcdist.config.cluster) and
 shell-quoted (submitit quotes #SBATCH values and the srun line; the setup lines are quoted here).
 """
 
@@ -27,8 +27,8 @@ from typing import Any
 
 from hpcdist import config as config_mod
 from hpcdist.config import ConfigError
+from hpcdist.config.cluster import ClusterConfig, _one_line, load_cluster
 from hpcdist.launch import slurm_cli
-from hpcdist.launch.cluster import ClusterConfig, _one_line, load_cluster
 from hpcdist.launch.nccl import PROFILE_ENV
 from hpcdist.launch.task import TrainTask
 
@@ -84,20 +84,20 @@ def _extra_flags(cluster: ClusterConfig) -> dict[str, Any]:
 
 def _teardown_lines(cluster: ClusterConfig, run_dir: str) -> list[str]:
     """After srun (first line: $? is srun's status): if the step failed, the failure policy records the cause,
-    excludes the culprit's node and requeues the job, or ends it with the reason (hpcdist.launch.failures)."""
+    excludes the culprit's node and requeues the job, or ends it with the reason (hpcdist.launch.restarts)."""
     python = shlex.quote(cluster.interpreter)
     return [
         "hpcdist_rc=$?",
-        f'if [ "$hpcdist_rc" -ne 0 ]; then {python} -m hpcdist.launch.failures after-step --exit-code "$hpcdist_rc" '
+        f'if [ "$hpcdist_rc" -ne 0 ]; then {python} -m hpcdist.launch.restarts after-step --exit-code "$hpcdist_rc" '
         f"--run-dir {shlex.quote(run_dir)}; exit $?; fi",
     ]
 
 
 def _supervised_python(cluster: ClusterConfig) -> str:
-    """What srun starts for each rank: the interpreter under hpcdist.supervise, which records a rank killed by a
+    """What srun starts for each rank: the interpreter under hpcdist.fault.supervise, which records a rank killed by a
     signal (OOM killer, segfault) before srun notices. submitit appends ``-u -m submitit.core._submit <folder>``."""
     python = shlex.quote(cluster.interpreter)
-    return f"{python} -m hpcdist.supervise -- {python}"
+    return f"{python} -m hpcdist.fault.supervise -- {python}"
 
 
 def slurm_parameters(cluster: ClusterConfig, *, job_name: str, run_dir: str | None = None) -> dict[str, Any]:

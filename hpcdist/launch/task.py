@@ -24,7 +24,7 @@ def local_rank_environ(environ: MutableMapping[str, str]) -> None:
     """
     if environ.get("SUBMITIT_EXECUTOR") != "local":
         return
-    from hpcdist.env import port_from_job_id
+    from hpcdist.env import port_from_job_id  # imports torch: only in a local task, never on the submitting side
 
     for name in [n for n in environ if n.startswith("SLURM_")]:
         del environ[name]
@@ -52,7 +52,8 @@ class TrainTask:
     There is deliberately no ``checkpoint()`` method. submitit would call it from its own SIGUSR2 handler, on
     rank 0 only, and requeue by itself: a sharded checkpoint needs every rank to save collectively. Instead the
     trainer installs its own SIGUSR2/SIGTERM handlers at startup (replacing submitit's), agrees on the
-    preemption flag across ranks, saves on all ranks, and requeues the job (hpcdist.launch.preempt). After
+    preemption flag across ranks (hpcdist.fault.stop), saves on all ranks, and returns; rank 0 then requeues the
+    job (SlurmEnvironment.after_stop, hpcdist.launch.restarts). After
     a requeue the task must not return normally (submitit would record a result and ``JobHandle.wait`` would
     stop): ``__call__`` raises SystemExit instead, which submitit does not catch.
 
@@ -71,10 +72,13 @@ class TrainTask:
 
     def __call__(self) -> dict[str, Any]:
         local_rank_environ(os.environ)
-        from hpcdist.cli import run_train
-        from hpcdist.launch.preempt import StopReason
+        # imported here, in the task: submitting needs neither the training stack nor the restart policy (and
+        # hpcdist.launch, which imports this module, stays free of them)
+        from hpcdist.fault.stop import StopReason
+        from hpcdist.launch.job import SlurmEnvironment
+        from hpcdist.run import main
 
-        result = run_train(self.config_path, self.overrides)
+        result = main(self.config_path, self.overrides, job=SlurmEnvironment())
         if result.stop_reason != StopReason.NONE:
             # Stopped by a signal after a complete checkpoint. Leave without a result: on SLURM the requeued job
             # (or a resubmission) continues it; on the LocalExecutor this exit code makes the controller

@@ -15,13 +15,13 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpcdist.config import JobConfig, grad_accum_steps, parallel_dims
+from hpcdist.config import JobConfig, grad_accum_steps
 from hpcdist.env import DistEnv
 from hpcdist.models.llama import Transformer
 from hpcdist.optim import build_optimizer
 from hpcdist.parallel.base import Strategy
 from hpcdist.parallel.ddp import DDPStrategy
-from hpcdist.parallel.dims import SCHEDULES, ParallelDims
+from hpcdist.parallel.dims import SCHEDULES, ParallelDims, parallel_dims
 from hpcdist.parallel.fsdp import FSDPStrategy, apply_fsdp, fsdp_mesh, materialize_sharded
 from hpcdist.parallel.pp import part_costs, schedule_stages_per_rank, split_layers, split_model, stage_ids
 from hpcdist.parallel.threed import ThreeDStrategy, materialize_parts

@@ -89,7 +89,7 @@ def _ensure_process_group(device: torch.device, dp_size: int) -> None:
     """A one-rank process group when the job has one process: hpcdist joins none then (hpcdist.env's
     init_process_group), but DeepSpeed works only inside one (``initialize(dist_init_required=False)`` asserts it;
     letting DeepSpeed create it would bind a TCP port through env://). An in-process store needs no port. The
-    trainer's caller (hpcdist.cli.run_train) destroys it with the rest at the end of the run."""
+    trainer's caller (hpcdist.run.main) destroys it with the rest at the end of the run."""
     if dist.is_initialized():
         return
     if dp_size != 1:

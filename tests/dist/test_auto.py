@@ -1,4 +1,5 @@
-"""parallel.strategy=auto: the trainer runs the planner's top layout for its world size and says why."""
+"""parallel.strategy=auto: the run resolves the planner's top layout for its world size once, says why, and the
+trainer builds it; a Trainer never plans (it refuses an unresolved config)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import yaml
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.planner import resolve_auto
+from hpcdist.run import train
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
 
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.dist
 
 
 def _train(env: DistEnv, cfg: JobConfig) -> dict:
-    result = Trainer(cfg, env).train()
+    result = train(cfg, env)  # hpcdist.run's per-rank body: resolves auto, then Trainer(cfg, env).train()
     return {"losses": result.losses}
 
 
@@ -32,3 +34,12 @@ def test_auto_trains_with_the_planners_top_row(small_cfg, tmp_path: Path, capfd)
     saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["parallel"]
     assert saved["strategy"] == expected.parallel.strategy  # the run records the layout it really used
     assert (saved["pp"], saved["dp"], saved["tp"]) == (expected.parallel.pp, expected.parallel.dp, expected.parallel.tp)
+
+
+def test_a_trainer_refuses_an_unresolved_auto_config(small_cfg, tmp_path: Path) -> None:
+    cfg = small_cfg("parallel.strategy=auto", run_dir=tmp_path / "r")
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                  master_addr="127.0.0.1", master_port=29500, device="cpu", backend="gloo", launcher="single",
+                  job_id=None, hostname="h")  # fmt: skip
+    with pytest.raises(ValueError, match="resolved before building a Trainer"):
+        Trainer(cfg, env)

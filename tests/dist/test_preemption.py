@@ -11,7 +11,7 @@ import pytest
 from hpcdist.checkpoint import list_checkpoints
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
-from hpcdist.launch.preempt import StopReason
+from hpcdist.fault.stop import StopReason
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
 

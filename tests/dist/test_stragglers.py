@@ -11,7 +11,7 @@ import pytest
 
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
-from hpcdist.launch.failures import read_failures
+from hpcdist.fault.failures import read_failures
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
 

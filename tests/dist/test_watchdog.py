@@ -15,9 +15,9 @@ import torch
 
 from hpcdist.config import JobConfig
 from hpcdist.env import destroy_process_group, from_environ, init_process_group
-from hpcdist.launch.failures import read_failures
-from hpcdist.launch.watchdog import WATCHDOG_EXIT_CODE, collective_timeout_s, read_heartbeats
-from hpcdist.trainer import run
+from hpcdist.fault.failures import read_failures
+from hpcdist.fault.hang import WATCHDOG_EXIT_CODE, collective_timeout_s, read_heartbeats
+from hpcdist.run import train
 from tests.dist.harness import free_port
 
 pytestmark = pytest.mark.dist
@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, port: int, cfg: JobConfig, log: str) -> None:
     env = from_environ(cuda_available=False)
     init_process_group(env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s))
     try:
-        run(cfg, env)
+        train(cfg, env)
     finally:
         destroy_process_group()
 

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 import hpcdist
-from hpcdist.launch.failures import load_ledger, read_failures
-from hpcdist.launch.watchdog import read_heartbeats
+from hpcdist.fault.failures import read_failures
+from hpcdist.fault.hang import read_heartbeats
+from hpcdist.launch.restarts import load_ledger
 from tests.slurm.conftest import Cluster, job_info, release_requeue_hold, run_cmd, wait_job
 from tests.slurm.test_train_slurm import step_losses, submit, tiny_overrides, wait_for_step
 

@@ -114,8 +114,8 @@ def _rank_pid(job: str, rank: int) -> int | None:
             continue
         if f"SLURM_JOB_ID={job}".encode() in environ and f"SLURM_PROCID={rank}".encode() in environ:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            # the rank itself, not srun nor the rank's supervisor (python -m hpcdist.supervise -- <rank>)
-            if b"hpcdist" in cmdline and b"srun" not in cmdline and b"hpcdist.supervise" not in cmdline:
+            # the rank itself, not srun nor the rank's supervisor (python -m hpcdist.fault.supervise -- <rank>)
+            if b"hpcdist" in cmdline and b"srun" not in cmdline and b".supervise" not in cmdline:
                 return int(pid)
     return None
 

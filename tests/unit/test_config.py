@@ -630,7 +630,7 @@ def test_save_overwrites_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     def no_replace(src: Any, dst: Any) -> None:
         raise OSError("disk gone")
 
-    monkeypatch.setattr(config_mod.os, "replace", no_replace)
+    monkeypatch.setattr(os, "replace", no_replace)
     with pytest.raises(OSError, match="disk gone"):
         save(load(None, ["train.steps=3"]), out)
     monkeypatch.undo()
@@ -721,8 +721,8 @@ def test_fuzz_yaml_documents_only_raise_config_error(fuzz_dir: Path, doc: dict[A
 
 def _validate_any(path: Path) -> None:
     """Load one YAML of configs/ or of the shipped resources with the loader of its kind; an unknown kind fails."""
+    from hpcdist.config.nccl_profiles import load_profile
     from hpcdist.launch import load_cluster
-    from hpcdist.launch.nccl import load_profile
 
     if path in SHIPPED_YAML:
         kind = path.parent.name

@@ -17,26 +17,29 @@ from pathlib import Path
 import pytest
 
 from hpcdist.diagnostics.finder import exclude_flag
-from hpcdist.launch import failures
-from hpcdist.launch.failures import (
+from hpcdist.env import SlurmJob
+from hpcdist.fault import failures
+from hpcdist.fault.failures import (
+    classify_exception,
+    primary_failure,
+    read_failures,
+    record,
+    record_exception,
+    signature,
+)
+from hpcdist.launch import restarts
+from hpcdist.launch.restarts import (
     RestartPolicy,
     after_step,
     begin_attempt,
-    classify_exception,
     failure_streak,
     load_ledger,
     parse_hosts,
     plan_exclusion,
     preemptions,
-    primary_failure,
-    read_failures,
-    record,
-    record_exception,
     save_ledger,
-    signature,
     time_limit_decision,
 )
-from hpcdist.launch.preempt import SlurmJob
 
 REPO = Path(__file__).resolve().parents[2]
 # the texts torch 2.13's gloo raises when a peer process dies, and when a peer never answers
@@ -111,7 +114,7 @@ def test_preemptions_are_restarts_hpcdist_did_not_ask_for(tmp_path: Path) -> Non
     assert begin_attempt(tmp_path, policy, job0, write=True) is None
     data = load_ledger(tmp_path, "7")
     assert data["policy"]["max_preemptions"] == 1 and "0" in data["attempts"]
-    failures.mark_time_limit(tmp_path, job0, reason=None)  # restart 1 is ours (time limit)
+    restarts.mark_time_limit(tmp_path, job0, reason=None)  # restart 1 is ours (time limit)
     assert begin_attempt(tmp_path, policy, SlurmJob("7", 1), write=True) is None
     assert begin_attempt(tmp_path, policy, SlurmJob("7", 2), write=True) is None  # restart 2: SLURM's own (1)
     # restart 3: a second one SLURM made by itself -> over fault.max_preemptions=1; every rank says so, before
@@ -133,7 +136,7 @@ def test_time_limit_requeues_have_their_own_budget(tmp_path: Path) -> None:
     assert time_limit_decision(tmp_path, 3, job) is None  # 2 time-limit requeues; the failure and preemption apart
     assert "max_restarts=2" in (time_limit_decision(tmp_path, 2, job) or "")
     assert "max_restarts=4" in (time_limit_decision(None, 4, job) or "")  # no run dir: SLURM_RESTART_COUNT
-    failures.mark_time_limit(tmp_path, job, reason=None)  # rank 0 marks this attempt: other ranks still agree
+    restarts.mark_time_limit(tmp_path, job, reason=None)  # rank 0 marks this attempt: other ranks still agree
     assert time_limit_decision(tmp_path, 3, job) is None
 
 
@@ -187,7 +190,7 @@ def test_failure_budget_and_silent_failures(tmp_path: Path, capsys: pytest.Captu
     assert after_step(tmp_path, 0, _policy(), job) == 0  # success: nothing to decide
     # rank 0 requeued this attempt at its time limit; SLURM then ended the exiting ranks: nothing to decide either
     job = SlurmJob("4", 1)
-    failures.mark_time_limit(tmp_path, job, reason=None)
+    restarts.mark_time_limit(tmp_path, job, reason=None)
     assert after_step(tmp_path, 143, _policy(), job) == 0 and "nothing to decide" in capsys.readouterr().out
     assert not read_failures(tmp_path, restart=1) and load_ledger(tmp_path, "4")["stopped"]["restart"] == 0
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -197,11 +200,11 @@ def _supervised(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     # the child announces itself the way hpcdist train does, then runs `code`
     child = (
         "import os, sys\n"
-        "from hpcdist.launch.failures import announce_task\n"
-        "from hpcdist.launch.preempt import SlurmJob\n"
+        "from hpcdist.fault.failures import announce_task\n"
+        "from hpcdist.env import SlurmJob\n"
         f"announce_task({str(tmp_path)!r}, rank=5, host='hostA', job=SlurmJob('12', 2))\n" + code
     )
-    cmd = [sys.executable, "-m", "hpcdist.supervise", "--", sys.executable, "-c", child]
+    cmd = [sys.executable, "-m", "hpcdist.fault.supervise", "--", sys.executable, "-c", child]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
@@ -228,10 +231,10 @@ def test_supervisor_passes_exit_status_and_signals_through(tmp_path: Path) -> No
         "    time.sleep(0.01)\n"
     )
     child = (
-        "import os, sys\nfrom hpcdist.launch.failures import announce_task\n"
+        "import os, sys\nfrom hpcdist.fault.failures import announce_task\n"
         f"announce_task({str(tmp_path)!r}, rank=0, host='h')\n" + code
     )
-    p = subprocess.Popen([sys.executable, "-m", "hpcdist.supervise", "--", sys.executable, "-c", child], cwd=REPO,
+    p = subprocess.Popen([sys.executable, "-m", "hpcdist.fault.supervise", "--", sys.executable, "-c", child], cwd=REPO,
                          stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     time.sleep(0.2)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.goodput import CATEGORIES, Goodput, mark_attempt_end, process_start_time, summarize
+from hpcdist.fault.goodput import CATEGORIES, Goodput, mark_attempt_end, process_start_time, summarize
 
 
 def test_summarize_splits_every_second() -> None:

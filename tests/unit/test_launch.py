@@ -34,8 +34,8 @@ from submitit.core.utils import cloudpickle_dump
 
 from hpcdist import cli, resources
 from hpcdist.config import ConfigError
+from hpcdist.config.cluster import cluster_names, parse_time
 from hpcdist.launch import ClusterConfig, JobHandle, load_cluster, submit
-from hpcdist.launch.cluster import cluster_names, parse_time
 from hpcdist.launch.slurm_cli import slurm_reachable
 from hpcdist.launch.submit import LaunchError, _signal_name, choose_executor, slurm_parameters
 from hpcdist.launch.task import TrainTask, local_rank_environ
@@ -209,8 +209,8 @@ def test_running_the_script_injects_nothing(sandbox_script: tuple[str, Path], tm
     assert got["profile"] == "ethernet"
     assert got["argv"] == [
         "--unbuffered", "--output", f"{folder}/%j_%t_log.out", "--error", f"{folder}/%j_%t_log.err",
-        "--kill-on-bad-exit=1", "--cpus-per-task=1", sys.executable, "-m", "hpcdist.supervise", "--", sys.executable,
-        "-u", "-m", "submitit.core._submit", str(folder),
+        "--kill-on-bad-exit=1", "--cpus-per-task=1", sys.executable, "-m", "hpcdist.fault.supervise", "--",
+        sys.executable, "-u", "-m", "submitit.core._submit", str(folder),
     ]  # fmt: skip
 
 
@@ -399,7 +399,7 @@ def test_proxy_dump_signal_warning(
     # the trainer's setup_logging stops propagation on the hpcdist logger; caplog listens on the root
     monkeypatch.setattr(logging.getLogger("hpcdist"), "propagate", True)
     monkeypatch.delenv("NCCL_PROXY_DUMP_SIGNAL", raising=False)
-    with caplog.at_level(logging.WARNING, logger="hpcdist.launch.cluster"):
+    with caplog.at_level(logging.WARNING, logger="hpcdist.config.cluster"):
         load_cluster("sandbox")
         assert not caplog.records
         monkeypatch.setenv("NCCL_PROXY_DUMP_SIGNAL", "12")  # SIGUSR2 on Linux

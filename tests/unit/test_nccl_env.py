@@ -12,8 +12,10 @@ import pytest
 
 from hpcdist import resources
 from hpcdist.config import ConfigError
+from hpcdist.config import nccl_profiles as profiles
+from hpcdist.config.nccl_profiles import load_profile
 from hpcdist.launch import nccl
-from hpcdist.launch.nccl import NetLookup, apply_to_environ, auto_hcas, load_profile, resolve_env
+from hpcdist.launch.nccl import NetLookup, apply_to_environ, auto_hcas, resolve_env
 
 PROFILES = resources.paths("nccl")
 
@@ -49,7 +51,7 @@ def make_hca(root: Path, name: str, ports: dict[str, tuple[str, str]] | None) ->
 
 
 def test_shipped_profiles_are_found() -> None:
-    assert {"ib_a100", "ethernet", "debug"} <= set(nccl.profile_names())
+    assert {"ib_a100", "ethernet", "debug"} <= set(profiles.profile_names())
 
 
 @pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.stem)
@@ -252,8 +254,8 @@ def test_parse_ip_addr() -> None:
 
 
 def test_signal_conflict() -> None:
-    assert nccl.signal_number("USR2") == nccl.signal_number("SIGUSR2") == nccl.signal_number("12") == 12
-    assert nccl.signal_conflict("12", "USR2") is not None
-    assert "NCCL_PROXY_DUMP_SIGNAL=12" in (nccl.signal_conflict("12", "SIGUSR2") or "")
-    assert nccl.signal_conflict("10", "USR2") is None  # USR1
-    assert nccl.signal_conflict(None, "USR2") is None
+    assert profiles.signal_number("USR2") == profiles.signal_number("SIGUSR2") == profiles.signal_number("12") == 12
+    assert profiles.signal_conflict("12", "USR2") is not None
+    assert "NCCL_PROXY_DUMP_SIGNAL=12" in (profiles.signal_conflict("12", "SIGUSR2") or "")
+    assert profiles.signal_conflict("10", "USR2") is None  # USR1
+    assert profiles.signal_conflict(None, "USR2") is None

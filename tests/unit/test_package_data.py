@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from hpcdist import resources
-from hpcdist.launch.cluster import cluster_names
-from hpcdist.launch.nccl import profile_names
+from hpcdist.config.cluster import cluster_names
+from hpcdist.config.nccl_profiles import profile_names
 from hpcdist.models.llama import preset_names
 
 REPO = Path(__file__).resolve().parents[2]

@@ -197,7 +197,7 @@ def test_resolve_auto_returns_the_top_runnable_row_as_a_valid_config():
 
 
 def test_resolve_auto_skips_rows_the_config_cannot_run(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(config_mod, "STRATEGIES", ("ddp", "fsdp"))  # a build without zero and 3d
+    monkeypatch.setattr(config_mod.rules, "STRATEGIES", ("ddp", "fsdp"))  # a build without zero and 3d
     new, reason = resolve_auto(load_13b("parallel.strategy=ddp"), 32, load_cluster("a100_ib"))
     assert new.parallel.strategy == "fsdp"
     assert "skipped higher rows" in reason and "zero3: parallel.strategy" in reason and "3d:" in reason

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from hpcdist.launch.failures import read_failures
-from hpcdist.launch.watchdog import (
+from hpcdist.fault.failures import read_failures
+from hpcdist.fault.hang import (
     WATCHDOG_EXIT_CODE,
     HangWatchdog,
     collective_timeout_s,
@@ -29,7 +29,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 def test_a_stuck_rank_dumps_its_stacks_records_and_exits_124(tmp_path: Path) -> None:
     p = _run(
         "import time\n"
-        "from hpcdist.launch.watchdog import HangWatchdog\n"
+        "from hpcdist.fault.hang import HangWatchdog\n"
         f"w = HangWatchdog(rank=0, world_size=1, host='h0', run_dir={str(tmp_path)!r}, timeout_s=1.0).start()\n"
         "w.beat(41, 'forward/backward (gradient all-reduce)')\n"
         "def stuck_in_a_collective():\n"
@@ -51,7 +51,7 @@ def test_the_backstop_fires_when_a_hang_holds_the_gil(tmp_path: Path) -> None:
     # ctypes.PyDLL keeps the GIL during the call: the watchdog thread cannot run, faulthandler's C timer can
     p = _run(
         "import ctypes\n"
-        "from hpcdist.launch import watchdog\n"
+        "from hpcdist.fault import hang as watchdog\n"
         "watchdog.BACKSTOP_GRACE_S = 1.0\n"
         f"w = watchdog.HangWatchdog(rank=0, world_size=1, host='h', run_dir={str(tmp_path)!r}, timeout_s=1.0)\n"
         "w.start()\n"

@@ -1,9 +1,9 @@
 """Where a job runs: :class:`ClusterConfig` from a shipped profile ``<name>`` (or a YAML path) plus overrides.
 
-Validated like :mod:`hpcdist.config`: every problem is collected and reported at once in one ConfigError,
-unknown keys list the valid ones. Everything that ends up in the generated sbatch script is checked here to be
-one line without control characters, so quoting (done by :mod:`hpcdist.launch.submit`) is the only defense
-the script needs.
+Loaded with :mod:`hpcdist.config.loader`, like the job config: every problem is collected and reported at once
+in one ConfigError, unknown keys list the valid ones. Everything that ends up in the generated sbatch script is
+checked here to be one line without control characters, so quoting (done by :mod:`hpcdist.launch.submit`) is the
+only defense the script needs.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcdist import config as config_mod
 from hpcdist import resources
-from hpcdist.config import ConfigError
-from hpcdist.launch import nccl
+from hpcdist.config import loader
+from hpcdist.config import nccl_profiles as nccl
+from hpcdist.config.loader import ConfigError
 
 __all__ = ["ClusterConfig", "HardwareConfig", "cluster_names", "load_cluster", "parse_time"]
 
@@ -290,7 +290,7 @@ def _build(data: Mapping[str, Any], problems: list[str]) -> ClusterConfig:
     for name, value in data.items():
         key = f"cluster.{name}"
         if name not in names:
-            problems.append(config_mod._unknown(key, str(name), names))
+            problems.append(loader.unknown_key(key, str(name), names))
             continue
         if name == "extra_sbatch":
             items = [value] if isinstance(value, str) else value
@@ -301,7 +301,7 @@ def _build(data: Mapping[str, Any], problems: list[str]) -> ClusterConfig:
         elif name == "hardware":
             kwargs[name] = _build_hardware(value, problems)
         else:
-            coerced, err = config_mod._coerce(key, value, hints[name])
+            coerced, err = loader.coerce(key, value, hints[name])
             if err:
                 problems.append(err)
             else:
@@ -320,9 +320,9 @@ def _build_hardware(value: Any, problems: list[str]) -> HardwareConfig | None:
     for name, item in value.items():
         key = f"cluster.hardware.{name}"
         if name not in _hardware_keys():
-            problems.append(config_mod._unknown(key, str(name), _hardware_keys()))
+            problems.append(loader.unknown_key(key, str(name), _hardware_keys()))
             continue
-        coerced, err = config_mod._coerce(key, item, float | None)
+        coerced, err = loader.coerce(key, item, float | None)
         if err:
             problems.append(err)
         else:
@@ -351,7 +351,7 @@ def load_cluster(name_or_path: str | os.PathLike[str] | ClusterConfig, **overrid
             names = ", ".join(cluster_names())
             problems.append(f"cluster file {str(path)!r} does not exist (clusters by name: {names})")
         elif path is not None:
-            data, read_problems = config_mod._read_yaml(path)
+            data, read_problems = loader.read_yaml(path)
             problems += [p.replace("config file", "cluster file", 1) for p in read_problems]
             data.setdefault("name", path.stem)
     for key, value in overrides.items():

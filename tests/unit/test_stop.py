@@ -1,4 +1,5 @@
-"""Stop reasons and the requeue decision (no SLURM needed: scontrol is replaced by a script on PATH)."""
+"""Stop reasons (hpcdist.fault.stop) and the after-stop requeue decision (hpcdist.launch.restarts.after_stop, no SLURM
+needed: scontrol is replaced by a script on PATH)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdist.launch.preempt import PreemptionHandler, SlurmJob, StopReason, requeue, signal_number
+from hpcdist.env import SlurmJob
+from hpcdist.fault.stop import StopFlag, StopReason, signal_number
+from hpcdist.launch.requeue import requeue
+from hpcdist.launch.restarts import after_stop
 from hpcdist.logging_utils import setup_logging
 
 
-def _handler(job: SlurmJob, **kw) -> PreemptionHandler:
-    return PreemptionHandler(rank=0, device=torch.device("cpu"), job=job, **kw)
+def _after(job: SlurmJob, reason: StopReason, *, rank: int = 0, **kw) -> int:
+    return after_stop(reason, rank=rank, job=job, **kw)
 
 
 def _fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rc: int = 0) -> Path:
@@ -29,7 +33,7 @@ def _fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rc: int = 0)
 
 
 def test_signal_sets_flag_only_and_term_wins() -> None:
-    h = _handler(SlurmJob(None, 0)).install()
+    h = StopFlag(rank=0, device=torch.device("cpu"), job=SlurmJob(None, 0)).install()
     try:
         assert h.agreed() == StopReason.NONE
         os.kill(os.getpid(), signal.SIGUSR2)
@@ -45,18 +49,17 @@ def test_signal_sets_flag_only_and_term_wins() -> None:
 
 def test_requeue_after_time_limit_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _fake_scontrol(tmp_path, monkeypatch)
-    assert _handler(SlurmJob("123", 0)).after_checkpoint(StopReason.TIME_LIMIT) == 0
+    assert _after(SlurmJob("123", 0), StopReason.TIME_LIMIT) == 0
     assert calls.read_text().split() == ["requeue", "123"]
 
 
 def test_no_requeue_on_terminate_limit_or_disabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _fake_scontrol(tmp_path, monkeypatch)
-    assert _handler(SlurmJob("9", 0)).after_checkpoint(StopReason.TERMINATE) == 0
-    assert _handler(SlurmJob("9", 0), requeue=False).after_checkpoint(StopReason.TIME_LIMIT) == 0
-    assert _handler(SlurmJob("9", 3), max_restarts=3).after_checkpoint(StopReason.TIME_LIMIT) == 3
-    assert _handler(SlurmJob(None, 0)).after_checkpoint(StopReason.TIME_LIMIT) == 0  # not a SLURM job
-    rank1 = PreemptionHandler(rank=1, device=torch.device("cpu"), job=SlurmJob("9", 0))
-    assert rank1.after_checkpoint(StopReason.TIME_LIMIT) == 0  # only rank 0 talks to SLURM
+    assert _after(SlurmJob("9", 0), StopReason.TERMINATE) == 0
+    assert _after(SlurmJob("9", 0), StopReason.TIME_LIMIT, requeue_enabled=False) == 0
+    assert _after(SlurmJob("9", 3), StopReason.TIME_LIMIT, max_restarts=3) == 3
+    assert _after(SlurmJob(None, 0), StopReason.TIME_LIMIT) == 0  # not a SLURM job
+    assert _after(SlurmJob("9", 0), StopReason.TIME_LIMIT, rank=1) == 0  # only rank 0 talks to SLURM
     assert not calls.exists()
 
 

@@ -9,7 +9,7 @@ where it was or who was missing. So:
   log): rank, host, step and phase (the last collective the loop entered), the peers that look responsible (from
   the heartbeat files, below) and every thread's Python stack (faulthandler); the lowest responsive rank records
   the failure in <run.dir>/failures.jsonl; then the process exits with 124 (as timeout(1) does). srun
-  --kill-on-bad-exit ends the step, and the failure policy (hpcdist.launch.failures) requeues or stops the job;
+  --kill-on-bad-exit ends the step, and the failure policy (hpcdist.launch.restarts) requeues or stops the job;
 - the same thread writes <run.dir>/heartbeats/rank-NNNNN.json every ``heartbeat_s`` (pid, host, step, phase, time).
   A frozen rank (SIGSTOP, a hang holding the GIL) or a dead one stops writing and a stuck one falls behind: that
   is how a waiting rank names the culprit, which cannot run its own watchdog;
@@ -33,7 +33,8 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcdist.launch import failures
+from hpcdist.env import SlurmJob
+from hpcdist.fault import failures
 from hpcdist.logging_utils import get_logger
 
 __all__ = ["WATCHDOG_EXIT_CODE", "HangWatchdog", "collective_timeout_s", "configure_collectives", "read_heartbeats"]
@@ -147,8 +148,6 @@ class HangWatchdog:
 
     # ------------------------------------------------------------------------------------------ thread
     def _write_heartbeat(self) -> None:
-        from hpcdist.launch.preempt import SlurmJob
-
         job = SlurmJob.from_environ()
         beat = {
             "rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step, "phase": self.phase,

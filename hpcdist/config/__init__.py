@@ -1,0 +1,70 @@
+"""Typed job configuration: YAML + ``section.key=value`` overrides -> a validated :class:`JobConfig`.
+
+Torch-free, and imports nothing from ``parallel``, ``launch`` or ``trainer`` (they import it). Modules:
+
+* :mod:`~hpcdist.config.schema`: the nested dataclasses, one per YAML section; their docstrings are the reference.
+* :mod:`~hpcdist.config.loader`: generic YAML + overrides -> dataclasses, all problems in one :class:`ConfigError`
+  (also used for cluster profiles).
+* :mod:`~hpcdist.config.job`: ``load`` / ``dump`` / ``save`` of a JobConfig (presets merged, rules run).
+* :mod:`~hpcdist.config.rules` and :mod:`~hpcdist.config.layout`: the checks, without and with the world size.
+* :mod:`~hpcdist.config.dirs`: the file-system checks of run.dir and checkpoint.dir.
+"""
+
+from hpcdist.config.dirs import check_run_dir
+from hpcdist.config.job import dump, load, save
+from hpcdist.config.loader import ConfigError, parse_overrides
+from hpcdist.config.rules import (
+    BYTE_VOCAB,
+    DATA_SOURCES,
+    DTYPES,
+    LR_SCHEDULES,
+    STRATEGIES,
+    VERIFY_MODES,
+    check,
+    check_world,
+    grad_accum_steps,
+)
+from hpcdist.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    FaultConfig,
+    FSDPConfig,
+    JobConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    ZeroConfig,
+)
+
+__all__ = [
+    "BYTE_VOCAB",
+    "DATA_SOURCES",
+    "DTYPES",
+    "LR_SCHEDULES",
+    "STRATEGIES",
+    "VERIFY_MODES",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "FSDPConfig",
+    "FaultConfig",
+    "JobConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "TrainConfig",
+    "ZeroConfig",
+    "check",
+    "check_run_dir",
+    "check_world",
+    "dump",
+    "grad_accum_steps",
+    "load",
+    "parse_overrides",
+    "save",
+]

@@ -1,0 +1,214 @@
+"""Generic typed-config loading: YAML files + ``section.key=value`` overrides -> nested dataclasses.
+
+Nothing here knows the job schema: :mod:`hpcdist.config.job` applies it to :class:`~hpcdist.config.JobConfig`,
+:mod:`hpcdist.config.cluster` to cluster profiles. Every problem (unreadable YAML, unknown key with the closest valid
+one, wrong type) is collected, so a caller reports them all at once in one :class:`ConfigError` (submitit's
+parameter check, litgpt's validation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "build",
+    "coerce",
+    "load_tree",
+    "merge",
+    "parse_overrides",
+    "raw_text",
+    "read_yaml",
+    "unknown_key",
+]
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem. ``str()`` is a readable, one-paragraph report."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        n = len(self.problems)
+        head = f"Invalid configuration ({n} problem{'s' if n != 1 else ''}):"
+        super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))
+
+
+@dataclass(frozen=True)
+class _Typed:
+    """An override value as parsed by YAML plus the text the user typed: a str key takes the text, so
+    ``run.name=2024-05-01`` stays a string instead of becoming a date (YAML 1.1 would also turn ``yes`` into True)."""
+
+    value: Any
+    text: str
+
+
+def parse_overrides(overrides: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
+    """``["train.steps=10", "model.dim=64"]`` -> nested dict; values parsed as YAML scalars/lists."""
+    tree, problems = _parse_typed(overrides)
+    return _unwrap(tree), problems
+
+
+def _unwrap(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _unwrap(v) for k, v in node.items()}
+    return node.value if isinstance(node, _Typed) else node
+
+
+def _parse_typed(overrides: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
+    """Like :func:`parse_overrides`, with each value kept as a :class:`_Typed` (YAML value + the text typed)."""
+    tree: dict[str, Any] = {}
+    problems: list[str] = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or "." not in key or any(not part for part in key.split(".")):
+            problems.append(f"override {item!r}: expected section.key=value, e.g. train.steps=200")
+            continue
+        try:
+            parsed = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            parsed = raw  # an unparsable value is taken as a plain string; type checking catches misuse
+        value = _Typed(parsed, raw)
+        node = tree
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                problems.append(f"override {item!r}: {p} is set both as a value and as a section")
+                break
+        else:
+            node[leaf] = value
+    return tree, problems
+
+
+def merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, recursively for mappings present in both (neither is modified)."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """A YAML mapping file -> (data, problems); a missing, unreadable, non-UTF-8, invalid or non-mapping file is a
+    problem (worded "config file ...") and gives ``{}``; an empty file is ``{}``."""
+    if not path.is_file():
+        return {}, [f"config file {str(path)!r} does not exist (pass a YAML file such as configs/demo.yaml)"]
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        return {}, [f"config file {str(path)!r} is not UTF-8 text; save it as UTF-8"]
+    except OSError as e:
+        return {}, [f"config file {str(path)!r} cannot be read: {e.strerror}"]
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return {}, [f"config file {str(path)!r} is not valid YAML{where}: {getattr(e, 'problem', e)}"]
+    if data is None:
+        return {}, []
+    if not isinstance(data, dict):
+        return {}, [
+            f"config file {str(path)!r} must be a mapping of sections (run:, model:, ...), not {type(data).__name__}"
+        ]
+    return data, []
+
+
+def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if args:
+        return " or ".join("null" if a is type(None) else a.__name__ for a in args)
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(key: str, value: Any, tp: Any) -> tuple[Any, str | None]:
+    """Check ``value`` against a simple annotation (int, float, bool, str, X | None)."""
+    allowed = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    if isinstance(value, _Typed):
+        # only a scalar YAML turned into something else (date, bool, number) falls back to the typed text;
+        # a quoted string keeps YAML's unquoting, lists and mappings stay type errors
+        text_wanted = str in allowed and not isinstance(value.value, (str, dict, list, type(None)))
+        value = value.text if text_wanted else value.value
+    if value is None:
+        return (None, None) if type(None) in allowed else (None, f"{key}: must be {_type_name(tp)}, got null")
+    for t in allowed:
+        if t is bool and isinstance(value, bool):
+            return value, None
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value, None
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                return float(value), None
+            except OverflowError:
+                return None, f"{key}: {str(value)[:20]}... is too large for a float"
+        if t is float and isinstance(value, str):
+            # YAML 1.1 reads "1e11" and "3e-4" (no dot) as strings: accept what is plainly a number
+            try:
+                return float(value), None
+            except (ValueError, OverflowError):
+                pass
+        if t is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value), None
+    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return None, f"{key}: must be {_type_name(tp)}, got {shown}"
+
+
+def unknown_key(key: str, name: str, valid: Sequence[str]) -> str:
+    """The problem for an unknown ``key``: the closest valid name, if one is close, and every valid one."""
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{key}: unknown key; {hint}valid keys: {', '.join(valid)}"
+
+
+def build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[str]) -> Any:
+    """Dataclass ``cls`` (nested dataclass fields become sections) from ``data``; every unknown key and bad value is
+    appended to ``problems`` (keys shown as ``prefix + name``) and leaves that field at its default."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in names:
+            problems.append(unknown_key(key, str(name), names))
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, Mapping):
+                shown = value.text if isinstance(value, _Typed) else value
+                problems.append(f"{key}: must be a section (a mapping of keys), got {shown!r}")
+                continue
+            kwargs[name] = build(tp, value, f"{key}.", problems)
+        else:
+            coerced, err = coerce(key, value, tp)
+            if err:
+                problems.append(err)
+            else:
+                kwargs[name] = coerced
+    return cls(**kwargs)
+
+
+def raw_text(value: Any) -> Any:
+    """An override's value as the user typed it (text), any other value unchanged."""
+    return value.text if isinstance(value, _Typed) else value
+
+
+def load_tree(path: str | os.PathLike[str] | None, overrides: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
+    """YAML file (optional) with ``section.key=value`` overrides merged over it -> (tree, problems).
+
+    Override values stay typed (YAML value + text) until :func:`build` / :func:`coerce` see the field's type.
+    """
+    data: dict[str, Any] = {}
+    problems: list[str] = []
+    if path is not None:
+        data, problems = read_yaml(Path(path))
+    over, over_problems = _parse_typed(overrides)
+    return merge(data, over), problems + over_problems

@@ -1,0 +1,234 @@
+"""Validation rules of a :class:`~hpcdist.config.JobConfig`: every problem, each saying how to fix it.
+
+:func:`check` needs only the config (run at load); :func:`check_world` adds the rules that need the job's size
+(the batch split, the 3d layout on that many ranks) and runs before any process group exists. Both include the
+(pp, dp, tp) layout rules of :mod:`hpcdist.config.layout`, so a job learns every problem at once.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+
+from hpcdist.config import layout
+from hpcdist.config.loader import ConfigError
+from hpcdist.config.schema import JobConfig
+
+__all__ = [
+    "BYTE_VOCAB",
+    "DATA_SOURCES",
+    "DTYPES",
+    "LR_SCHEDULES",
+    "STRATEGIES",
+    "VERIFY_MODES",
+    "check",
+    "check_world",
+    "grad_accum_steps",
+]
+
+# Strategies this version can run. Later strategies register here when they exist, so a config naming one
+# that is not built yet fails validation instead of failing deep inside the trainer.
+VERIFY_MODES: tuple[str, ...] = ("checksum", "size", "none")
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero", "3d", "auto")
+DATA_SOURCES = ("stdlib", "files", "synthetic")
+DTYPES = ("auto", "fp32", "bf16")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
+
+
+def _choice(key: str, value: str, options: Sequence[str]) -> list[str]:
+    return [] if value in options else [f"{key}: {value!r} is not one of {', '.join(options)}"]
+
+
+def _positive(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) -> list[str]:
+    out = []
+    for key in keys:
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        # `not finite` first: NaN compares False with everything and would slip through `v <= 0`
+        if v is not None and not math.isfinite(v):
+            out.append(f"{key}: must be a finite number, got {v}")
+        elif v is not None and (v < 0 if allow_zero else v <= 0):
+            out.append(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {v}")
+    return out
+
+
+def check(cfg: JobConfig) -> list[str]:
+    """Semantic checks that need no world size. Returns problems (empty = valid)."""
+    p: list[str] = []
+    p += _choice("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
+    p += _choice("data.source", cfg.data.source, DATA_SOURCES)
+    p += _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
+    p += _choice("train.dtype", cfg.train.dtype, DTYPES)
+    p += _choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)
+    p += _choice("parallel.fsdp.param_dtype", cfg.parallel.fsdp.param_dtype, DTYPES)
+    p += _choice("parallel.fsdp.reduce_dtype", cfg.parallel.fsdp.reduce_dtype, ("fp32", "bf16"))
+    if cfg.parallel.fsdp.replicate < 1:
+        p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {cfg.parallel.fsdp.replicate}")
+    p += _check_zero(cfg)
+    if cfg.parallel.strategy == "3d":
+        p += _layout_problems(cfg, world_size=None)
+    elif cfg.parallel.strategy in ("ddp", "fsdp", "zero"):
+        par = cfg.parallel
+        ignored = [
+            f"parallel.{k}={getattr(par, k)}"
+            for k, unset in (("pp", 1), ("dp", -1), ("tp", 1))
+            if getattr(par, k) != unset
+        ]
+        if ignored:
+            p.append(
+                f"{', '.join(ignored)}: only parallel.strategy=3d reads the degrees (parallel.strategy={par.strategy} "
+                "is pure data parallel over all ranks); set parallel.strategy=3d or drop them"
+            )
+    p += _choice("run.log_level", cfg.run.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))
+    p += _positive(
+        cfg,
+        ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches", "data.seq_len",
+         "optim.lr", "logging.every_steps", "checkpoint.keep_last", "parallel.bucket_cap_mb", "data.max_tokens",
+         "data.synthetic_samples", "logging.peak_flops", "optim.eps"],
+    )  # fmt: skip
+    p += _positive(
+        cfg,
+        ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps",
+         "logging.replica_check_every_steps", "logging.straggler_every_steps",
+         "train.eval_every_steps", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"],
+        allow_zero=True,
+    )  # fmt: skip
+    sig = cfg.fault.requeue_signal.upper()
+    if (sig if sig.startswith("SIG") else f"SIG{sig}") not in signal.Signals.__members__:
+        p.append(f"fault.requeue_signal: {cfg.fault.requeue_signal!r} is not a signal name; use e.g. USR2, USR1")
+    for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes"):
+        if getattr(cfg.fault, key) < 0:
+            p.append(f"fault.{key}: must be >= 0, got {getattr(cfg.fault, key)}")
+    if cfg.fault.max_same_failure == 0:
+        p.append("fault.max_same_failure: must be >= 1 (1 = never requeue the same failure twice)")
+    if cfg.fault.max_preemptions < -1:
+        p.append(f"fault.max_preemptions: must be >= 0, or -1 for unlimited, got {cfg.fault.max_preemptions}")
+    if cfg.fault.exclude_nodes_file is not None and not Path(cfg.fault.exclude_nodes_file).is_file():
+        p.append(f"fault.exclude_nodes_file: {cfg.fault.exclude_nodes_file!r} is not a file (one host per line)")
+    if not math.isfinite(cfg.fault.watchdog_timeout_s) or cfg.fault.watchdog_timeout_s < 0:
+        p.append(
+            f"fault.watchdog_timeout_s: must be >= 0 (0 disables the watchdog), got {cfg.fault.watchdog_timeout_s}"
+        )
+    if not (math.isfinite(cfg.logging.straggler_factor) and cfg.logging.straggler_factor > 1):
+        p.append(f"logging.straggler_factor: must be > 1, got {cfg.logging.straggler_factor}")
+    if not cfg.run.dir.strip():
+        p.append("run.dir: must name a directory, e.g. run.dir=runs/my-run")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        p.append(f"data.val_fraction: must be in [0, 1), got {cfg.data.val_fraction}")
+    for beta in ("beta1", "beta2"):
+        if not getattr(cfg.optim, beta) < 1:
+            p.append(f"optim.{beta}: must be < 1, got {getattr(cfg.optim, beta)}")
+    if cfg.optim.min_lr_ratio > 1:
+        p.append(f"optim.min_lr_ratio: must be <= 1, got {cfg.optim.min_lr_ratio}")
+    if cfg.train.eval_every_steps and cfg.data.val_fraction == 0 and cfg.data.source != "synthetic":
+        p.append("train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01)")
+
+    m = cfg.model
+    p += m.problems()
+    if cfg.data.seq_len > m.max_seq_len > 0:
+        p.append(
+            f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
+            "lower one or raise the other"
+        )
+    if cfg.data.source != "synthetic" and 0 < m.vocab_size < BYTE_VOCAB:
+        p.append(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's {BYTE_VOCAB} tokens")
+    if cfg.data.source == "files" and not cfg.data.path:
+        p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
+
+    t = cfg.train
+    if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
+        p.append(
+            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
+            f"({t.micro_batch_size})"
+        )
+    if cfg.checkpoint.verify not in VERIFY_MODES:
+        p.append(f"checkpoint.verify: {cfg.checkpoint.verify!r} is not one of {', '.join(VERIFY_MODES)}")
+    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_dir():
+        p.append(f"checkpoint.resume: {cfg.checkpoint.resume!r} is not auto, none, or an existing checkpoint directory")
+    return p
+
+
+def _check_zero(cfg: JobConfig) -> list[str]:
+    z, p = cfg.parallel.zero, []
+    if z.stage not in (1, 2, 3):
+        p.append(f"parallel.zero.stage: must be 1, 2 or 3, got {z.stage}")
+    if z.offload_params and z.stage != 3:
+        p.append(f"parallel.zero.offload_params: needs parallel.zero.stage=3 (got stage {z.stage})")
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if getattr(z, key) <= 0:
+            p.append(f"parallel.zero.{key}: must be > 0, got {getattr(z, key)}")
+    if z.param_persistence_threshold < 0:
+        p.append(f"parallel.zero.param_persistence_threshold: must be >= 0, got {z.param_persistence_threshold}")
+    return p
+
+
+def _layout_problems(cfg: JobConfig, *, world_size: int | None, ranks_per_node: int | None = None) -> list[str]:
+    par, m, t = cfg.parallel, cfg.model, cfg.train
+    if m.problems():  # reported on their own; the layout rules need a sane model
+        return []
+    p = layout.layout_problems(
+        pp=par.pp, dp=par.dp, tp=par.tp, world_size=world_size, dp_replicate=par.fsdp.replicate,
+        n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.kv_heads, dim=m.dim, ffn_dim=m.ffn_dim,
+        seq_len=cfg.data.seq_len, tie_embeddings=m.tie_embeddings, schedule=par.pp_schedule,
+        stages_per_rank=par.pp_stages_per_rank, global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size, ranks_per_node=ranks_per_node, tp_across_nodes=par.tp_across_nodes,
+        evaluates=t.eval_every_steps > 0,
+    )  # fmt: skip
+    if par.fsdp.cpu_offload:
+        p.append("parallel.fsdp.cpu_offload: not supported with parallel.strategy=3d; use parallel.strategy=fsdp")
+    return p
+
+
+def check_world(cfg: JobConfig, world_size: int, *, ranks_per_node: int | None = None) -> None:
+    """Checks that need the job's size. Raises ConfigError before any process group is created.
+
+    ``ranks_per_node`` (GPUs per node) adds the rule that a tensor-parallel group stays inside one node."""
+    if world_size < 1:
+        raise ConfigError([f"world size must be >= 1, got {world_size}"])
+    # 3d: every layout problem and the batch split below are reported together
+    problems: list[str] = []
+    if cfg.parallel.strategy == "3d":
+        problems = _layout_problems(cfg, world_size=world_size, ranks_per_node=ranks_per_node)
+    if cfg.parallel.strategy == "fsdp" and world_size == 1:
+        raise ConfigError(
+            ["parallel.strategy=fsdp shards over ranks and needs more than one; use parallel.strategy=ddp for one"]
+        )
+    replicate = cfg.parallel.fsdp.replicate
+    if cfg.parallel.strategy == "fsdp" and replicate > 1 and world_size % replicate:
+        raise ConfigError(
+            [
+                f"parallel.fsdp.replicate ({replicate}) must divide the world size ({world_size}): HSDP needs "
+                f"replicate x shard == world size; pick a divisor of {world_size} (or 1 for plain FSDP)"
+            ]
+        )
+    t = cfg.train
+    dp = _data_parallel_size(cfg, world_size)  # 0: an impossible 3d layout, already in problems
+    if dp and t.global_batch_size % (t.micro_batch_size * dp):
+        fix = t.micro_batch_size * dp
+        problems.append(
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.micro_batch_size "
+            f"({t.micro_batch_size}) x data-parallel size ({dp}) = {fix}; e.g. train.global_batch_size="
+            f"{max(fix, (t.global_batch_size // fix) * fix)}"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _data_parallel_size(cfg: JobConfig, world_size: int) -> int:
+    """The data-parallel degree: the world, or what 3d leaves of it; 0 when the 3d degrees cannot be resolved.
+
+    The same arithmetic as :func:`hpcdist.parallel.dims.parallel_dims` (which this package must not import)."""
+    par = cfg.parallel
+    if par.strategy != "3d":
+        return world_size
+    (_, dp, _), problems = layout.resolve_degrees(par.pp, par.dp, par.tp, world_size)
+    replicate = par.fsdp.replicate
+    return 0 if problems or replicate < 1 or dp % replicate else dp
+
+
+def grad_accum_steps(cfg: JobConfig, dp_size: int) -> int:
+    """Micro-batches each data-parallel rank runs per optimizer step."""
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)

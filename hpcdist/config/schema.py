@@ -1,0 +1,303 @@
+"""The job configuration's schema: nested dataclasses whose fields are the YAML keys (the user's reference).
+
+One section per dataclass; ``section.key=value`` overrides and YAML keys map 1:1 to these fields and their
+docstrings say what each does. Loading lives in :mod:`hpcdist.config.loader` / :mod:`hpcdist.config.job`, the
+rules in :mod:`hpcdist.config.rules`. Torch-free: the model section is :class:`hpcdist.models.args.ModelArgs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcdist.models.args import ModelArgs
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "FSDPConfig",
+    "FaultConfig",
+    "JobConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "TrainConfig",
+    "ZeroConfig",
+]
+
+
+@dataclass
+class RunConfig:
+    """Identity and place of the run (``run:``)."""
+
+    name: str = "hpcdist"
+    """Job name (TensorBoard, logs, SLURM job name)."""
+    dir: str = "runs/demo"
+    """Run directory: resolved config, checkpoints/, metrics.jsonl, tensorboard/. Must be on a shared
+    filesystem for multi-node jobs."""
+    seed: int = 1234
+    """Seed for weight init and data order; identical on all ranks so layouts agree."""
+    log_level: str = "INFO"
+    """Log level of rank 0: DEBUG, INFO, WARNING or ERROR; the other ranks log WARNING and above."""
+
+
+@dataclass
+class ModelConfig(ModelArgs):
+    """The model (``model:``): the :class:`~hpcdist.models.args.ModelArgs` fields, optionally over a preset."""
+
+    preset: str | None = None
+    """A shipped preset name (hpcdist/resources/models/<name>.yaml) or a YAML path; its keys are defaults under
+    this section's keys."""
+
+
+@dataclass
+class DataConfig:
+    """Training data (``data:``): where tokens come from and how they are cut into samples."""
+
+    source: str = "stdlib"
+    """stdlib: this interpreter's standard library sources (nothing downloaded); files: shards prepared by
+    `hpcdist prepare` at data.path; synthetic: deterministic random tokens (benchmarks)."""
+    path: str | None = None
+    """Prepared shard directory (source=files); for stdlib, where to cache shards (default <run.dir>/data)."""
+    seq_len: int = 128
+    """Tokens per sample (the model sees seq_len inputs and seq_len shifted targets)."""
+    max_tokens: int | None = 4_000_000
+    """Cap on tokens prepared from the stdlib corpus (keeps the demo's preparation to seconds)."""
+    val_fraction: float = 0.01
+    """Fraction of the tokens held out for evaluation, in [0, 1)."""
+    shuffle: bool = True
+    """A new sample order every epoch (seeded by run.seed, so resuming continues it)."""
+    dtype: str = "uint16"
+    """Token dtype of the prepared shards: uint16 (vocab <= 65536) or uint32."""
+    synthetic_samples: int = 100_000
+    """Samples in the synthetic dataset (source=synthetic)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule (``optim:``)."""
+
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of lr (cosine / linear decay)."""
+    schedule: str = "cosine"
+    """LR decay after warmup: cosine, linear or constant."""
+    warmup_steps: int = 100
+    """Linear warmup to lr over this many steps (0 = none)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (matrices only; norms are not decayed)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay, in [0, 1)."""
+    beta2: float = 0.95
+    """AdamW second-moment decay, in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping (the norm is still measured)."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop (``train:``): length, batch sizes, precision, evaluation."""
+
+    steps: int = 1000
+    """Optimizer steps to train in total (a resumed run continues up to this number)."""
+    global_batch_size: int = 32
+    """Samples per optimizer step across all data-parallel ranks."""
+    micro_batch_size: int = 8
+    """Samples per forward pass per rank; accumulation = global / (micro * data-parallel size)."""
+    dtype: str = "auto"
+    """auto = bf16 autocast on GPU, fp32 on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (less memory, ~1/3 more compute)."""
+    compile: bool = False
+    """torch.compile each transformer block (one graph reused for all blocks)."""
+    eval_every_steps: int = 0
+    """0 disables periodic evaluation."""
+    eval_batches: int = 4
+    """Batches per evaluation."""
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 (``fully_shard``) settings; read only when parallel.strategy=fsdp."""
+
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward and gather them again for backward (ZeRO-3
+    memory); false keeps them until backward (less communication, more memory: ZeRO-2 like)."""
+    replicate: int = 1
+    """HSDP: number of replica groups. 1 = shard over all ranks; R > 1 = shard inside groups of world/R ranks
+    (e.g. one node) and all-reduce gradients across the R groups. Must divide the world size."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory (GPU jobs short of memory)."""
+    param_dtype: str = "auto"
+    """Dtype of the gathered parameters that forward/backward compute in: auto = bf16 on GPU, fp32 on CPU
+    (what train.dtype selects; train.dtype=bf16 makes it bf16 on CPU too), or fp32 / bf16. The sharded master
+    weights and the optimizer state stay fp32."""
+    reduce_dtype: str = "fp32"
+    """Dtype gradients are reduce-scattered / all-reduced in: fp32 (exact sums) or bf16 (half the traffic)."""
+
+
+@dataclass
+class ZeroConfig:
+    """DeepSpeed ZeRO settings; read only when parallel.strategy=zero."""
+
+    stage: int = 2
+    """1 = partition optimizer state, 2 = + gradients, 3 = + parameters."""
+    offload_optimizer: bool = False
+    """Optimizer state and step on the host (ZeRO-Offload; JIT-builds DeepSpeed's cpu_adam, ~100 s the first time)."""
+    offload_params: bool = False
+    """Partitioned parameters in host memory (ZeRO-Infinity); stage 3 only."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward (more memory for the buckets)."""
+    reduce_bucket_size: int = 500_000_000
+    """Elements per gradient reduce bucket."""
+    allgather_bucket_size: int = 500_000_000
+    """Elements per parameter all-gather bucket (stages 1 and 2)."""
+    param_persistence_threshold: int = 100_000
+    """Stage 3: parameters with fewer elements stay whole on every rank (DeepSpeed's default; 0 shards all)."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the job is spread over its ranks (``parallel:``)."""
+
+    strategy: str = "ddp"
+    """ddp, fsdp (FSDP2, HSDP with fsdp.replicate > 1), zero (DeepSpeed ZeRO 1/2/3), 3d (pp x dp x tp on one
+    DeviceMesh: pipeline stages, FSDP2 on dp, tensor + sequence parallel) or auto (the top row of `hpcdist plan`
+    for this model on parallel.auto_cluster at the job's world size, chosen when the job starts and logged)."""
+    auto_cluster: str = "a100_ib"
+    """parallel.strategy=auto: the cluster profile (shipped name or YAML path) whose GPUs and bandwidths the
+    planner assumes."""
+    bucket_cap_mb: int = 25
+    """DDP gradient bucket size."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2 / HSDP settings (parallel.strategy=fsdp)."""
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """DeepSpeed ZeRO settings (parallel.strategy=zero)."""
+    pp: int = 1
+    """3d: pipeline-parallel degree (stages across ranks, outermost mesh dimension). -1 = fill the remaining ranks."""
+    dp: int = -1
+    """3d: data-parallel degree, FSDP2 over these ranks (parallel.fsdp.* apply; fsdp.replicate > 1 = HSDP).
+    -1 (default) = fill: world size / (pp x tp)."""
+    tp: int = 1
+    """3d: tensor-parallel degree (innermost: consecutive ranks, one node). Must divide model.n_heads,
+    model.n_kv_heads, model.ffn_dim and data.seq_len (sequence parallelism). -1 = fill."""
+    tp_across_nodes: bool = False
+    """Allow a tp group larger than one node (slow: every layer all-gathers and reduce-scatters activations)."""
+    pp_schedule: str = "1F1B"
+    """3d with pp > 1: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV.
+    Micro-batches per step = train.global_batch_size / (train.micro_batch_size x dp): they all go through the
+    pipeline in one schedule step (no separate accumulation loop); 1F1B-like schedules need at least pp of them."""
+    pp_stages_per_rank: int | None = None
+    """Virtual pipeline stages per rank; null = 2 for interleaved / V schedules, 1 otherwise. Stages are cut by
+    layer count balanced against the embedding and output-head cost (hpcdist.parallel.pp.split_layers)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming (``checkpoint:``)."""
+
+    every_steps: int = 100
+    """Save every N steps (0 = only at the end)."""
+    dir: str | None = None
+    """Default <run.dir>/checkpoints."""
+    keep_last: int = 3
+    """Complete checkpoints to keep; older ones are deleted only after a newer one is complete."""
+    resume: str = "auto"
+    """auto = newest complete checkpoint if any, else fresh; none = always fresh; or a step-XXXXXXXX path."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    save_final: bool = True
+    """Save a checkpoint when training ends."""
+    verify: str = "checksum"
+    """Before resuming, check the checkpoint against its MANIFEST.json: checksum (sha256 of every file, read
+    once, spread over the ranks), size (sizes only: cheap, catches truncation) or none. A damaged checkpoint is
+    skipped for the previous complete one, with a warning naming the file."""
+
+
+@dataclass
+class FaultConfig:
+    """Preemption, requeue and failure policy (``fault:``)."""
+
+    requeue_signal: str = "USR2"
+    """Signal SLURM sends before the time limit (sbatch --signal=<sig>@<lead>): checkpoint on all ranks, requeue,
+    exit. SIGTERM (scancel, preemption) always means: checkpoint and exit without requeueing."""
+    requeue: bool = True
+    """Requeue the SLURM job after the stop checkpoint (scontrol requeue), and after a failure (fault.max_failures)."""
+    max_restarts: int = 10
+    """Time-limit requeues (the requeue signal) allowed; preemptions and failures have their own limits below. Counted
+    in <run.dir>/restarts.json (outside a run dir: SLURM_RESTART_COUNT)."""
+    max_preemptions: int = -1
+    """Restarts SLURM made by itself (preemption with PreemptMode=REQUEUE, a node failure, an admin requeue) after
+    which the job stops instead of training again; -1 = unlimited."""
+    max_failures: int = 5
+    """Requeues after a failure (a rank raised, was killed, or hung past fault.watchdog_timeout_s); the batch script
+    decides after srun fails (sbatch/common.sh -> hpcdist.launch.restarts after-step). 0 = a failure ends the job."""
+    max_same_failure: int = 3
+    """A failure loop: the same failure (same cause, e.g. the same exception or signal) this many times in a row stops
+    requeueing with that reason, whatever max_failures still allows."""
+    exclude_failed_nodes: bool = True
+    """On a failure requeue, add the host the failure is attributed to to the job's excluded nodes (ExcNodeList)."""
+    max_excluded_nodes: int = 2
+    """At most this many nodes excluded in all, and never so many that the partition keeps fewer usable nodes than
+    the job needs (the job must stay schedulable)."""
+    exclude_nodes_file: str | None = None
+    """Hosts to exclude at the next requeue too: one per line, comma-separated, or the `--exclude=...` line the
+    nccl_check finder prints (same limits)."""
+    watchdog_timeout_s: float = 600.0
+    """Hang watchdog: a rank whose loop makes no progress (a step, a checkpoint save, an evaluation) for this long
+    dumps every thread's Python stack to its log, records the failure in <run.dir>/failures.jsonl and exits 124, so
+    srun ends the step and the failure policy requeues or stops the job. 0 disables it. The process-group
+    (collective) timeout becomes this + 60 s, so NCCL's / gloo's own timeout is only the backstop."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics, MFU and the health checks that run with logging (``logging:``)."""
+
+    every_steps: int = 10
+    """Log metrics every N steps."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to <run.dir>/tensorboard."""
+    peak_flops: float | None = None
+    """Per-device peak FLOP/s for MFU; default: bf16 peak table on GPU, measured fp32 matmul on CPU."""
+    replica_check_every_steps: int = 0
+    """Every N steps (on a log step) check that data-parallel replicas hold identical parameters: all-gather of a
+    per-rank checksum, metric `replica_divergence`, a warning naming divergent ranks. 0 disables."""
+    straggler_every_steps: int = 100
+    """Every N steps all ranks all-gather their data-loading time per step and a fixed compute probe; ranks slower
+    than the lower median by straggler_factor at two checks in a row get a warning and a failures.jsonl line; every
+    check writes the `straggler` metrics. 0 disables."""
+    straggler_factor: float = 1.5
+    """How many times the lower median a rank's time must be to count as a straggler (> 1)."""
+
+
+@dataclass
+class JobConfig:
+    """One training job: every section of the YAML; ``hpcdist.config.load`` builds and validates it."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def model_args(self) -> ModelArgs:
+        fields = {f.name for f in dataclasses.fields(ModelArgs)}
+        return ModelArgs(**{k: v for k, v in dataclasses.asdict(self.model).items() if k in fields})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.run.dir) / "checkpoints"

@@ -1,0 +1,15 @@
+"""Per-rank fault tolerance at run time: what every rank does so a failure is noticed, attributed and survived.
+
+- ``hang``: the hang watchdog (heartbeats, stacks, exit 124) and the process-group timeouts behind it;
+- ``failures``: failure records in <run.dir>/failures.jsonl (who failed, where, why);
+- ``stop``: signal handlers that set a stop flag, and the all-reduce by which every rank agrees on it;
+- ``goodput``: the run's wall time split into training, checkpoints, restarts (<run.dir>/goodput.json);
+- ``stragglers``: slow-rank detection;
+- ``supervise``: the per-rank supervisor that records a death by signal (standard library only).
+
+Nothing here knows the scheduler: requeueing, the restart ledger and node exclusion are ``hpcdist.launch``'s, which
+may import this package (never the other way round). SLURM job facts come from ``hpcdist.env``.
+
+Deliberately empty: ``python -m hpcdist.fault.supervise`` starts once per rank and must import only the standard
+library, so this package imports none of its modules.
+"""

@@ -1,0 +1,207 @@
+"""Failure records: which rank failed, on which host, why. One file, <run.dir>/failures.jsonl (on a cluster a shared
+file system, like the checkpoints), one JSON object per event, appended by whoever saw it. ``kind``:
+    exception   a rank raised (hpcdist.run's exception path); attributed to that rank and its host. A collective
+                that failed because a peer died or timed out is kind ``collective`` instead, attributed to nobody:
+                the peer's own record (or its supervisor's) names the culprit.
+    watchdog    a rank's loop made no progress for fault.watchdog_timeout_s (hpcdist.fault.hang); attributed
+                to the ranks whose heartbeat stopped, or that were behind the others.
+    killed      a rank's process died from a signal (the OOM killer's SIGKILL, SIGSEGV, SIGABRT): recorded by its
+                supervisor (``python -m hpcdist.fault.supervise``), which outlives it.
+    exit        the step failed and no rank said why (recorded by after-step, hpcdist.launch.restarts).
+    straggler   a warning, not a failure (hpcdist.fault.stragglers).
+  Fields: time, job_id, restart (SLURM_RESTART_COUNT), rank, host, pid, kind, cause (one line), blame (the
+  [{"rank", "host"}] it is attributed to), step, signature (the cause without numbers: "the same failure" means the
+  same signature), detail (traceback tail).
+
+What to do about a failure (requeue, exclude a node, stop) is the restart policy's: hpcdist.launch.restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpcdist.env import SlurmJob
+from hpcdist.fault.supervise import TASK_INFO_ENV  # the supervisor names a file there; the rank says who it is in it
+from hpcdist.logging_utils import get_logger
+
+__all__ = [
+    "FAILURES_FILE",
+    "TASK_INFO_ENV",
+    "announce_task",
+    "atomic_write",
+    "classify_exception",
+    "primary_failure",
+    "read_failures",
+    "record",
+    "record_exception",
+    "signature",
+]
+
+log = get_logger(__name__)
+
+FAILURES_FILE = "failures.jsonl"
+_DETAIL_CHARS = 4000
+
+# A collective that failed because of another rank: gloo's "Connection closed by peer" / "Timed out waiting",
+# NCCL's remote errors and aborted communicators, c10d store timeouts.
+_PEER_ERRORS = re.compile(
+    r"connection (closed|reset) by peer|broken pipe|remote worker crash|timed out waiting|"
+    r"collective operation timeout|communicator was aborted|ncclRemoteError|remote process exited|"
+    r"socket timeout|connection refused",
+    re.IGNORECASE,
+)
+
+
+# ------------------------------------------------------------------------------------------------ records
+
+
+def _failures_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / FAILURES_FILE
+
+
+def signature(kind: str, cause: str) -> str:
+    """What "the same failure" compares: kind + cause with numbers, addresses and paths blanked out."""
+    text = re.sub(r"0x[0-9a-fA-F]+", "<hex>", cause.splitlines()[0] if cause else "")
+    text = re.sub(r"(/[\w.\-]+)+", "<path>", text)
+    text = re.sub(r"\d+(\.\d+)?", "N", text)
+    return f"{kind}: {text.strip()}"[:300]
+
+
+def record(
+    run_dir: str | os.PathLike[str],
+    *,
+    kind: str,
+    cause: str,
+    rank: int | None = None,
+    host: str | None = None,
+    blame: Iterable[Mapping[str, Any]] = (),
+    step: int | None = None,
+    detail: str = "",
+    job: SlurmJob | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Append one event to <run_dir>/failures.jsonl and return it.
+
+    One ``os.write`` of one line on an O_APPEND descriptor: ranks appending at the same moment do not interleave
+    their lines on a local or Lustre/GPFS file system.
+    """
+    job = job if job is not None else SlurmJob.from_environ()
+    rec: dict[str, Any] = {
+        "time": time.time(),
+        "job_id": job.job_id,
+        "restart": job.restart_count,
+        "rank": rank,
+        "host": host if host is not None else socket.gethostname(),
+        "pid": os.getpid(),
+        "kind": kind,
+        "cause": cause.splitlines()[0][:500] if cause else "",
+        "blame": [dict(b) for b in blame],
+        "step": step,
+        "signature": signature(kind, cause),
+        **extra,
+    }
+    if detail:
+        rec["detail"] = detail[-_DETAIL_CHARS:]
+    path = _failures_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(rec, default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+    return rec
+
+
+def read_failures(
+    run_dir: str | os.PathLike[str], *, job_id: str | None = None, restart: int | None = None
+) -> list[dict[str, Any]]:
+    """Records of failures.jsonl (optionally of one job / one restart); unreadable lines are skipped."""
+    path = _failures_path(run_dir)
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash mid-write
+        if job_id is not None and rec.get("job_id") != job_id:
+            continue
+        if restart is not None and rec.get("restart") != restart:
+            continue
+        out.append(rec)
+    return out
+
+
+def classify_exception(exc: BaseException) -> str:
+    """``collective`` when the error says another rank is gone or stuck, else ``exception`` (this rank's own)."""
+    text = f"{type(exc).__name__}: {exc}"
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & {"DistNetworkError", "DistStoreError"} or _PEER_ERRORS.search(text):
+        return "collective"
+    return "exception"
+
+
+def record_exception(
+    run_dir: str | os.PathLike[str], exc: BaseException, *, rank: int, host: str, step: int | None
+) -> dict[str, Any] | None:
+    """The trainer's exception path: record what this rank raised. Never raises itself (it runs while failing)."""
+    try:
+        kind = classify_exception(exc)
+        cause = f"{type(exc).__name__}: {str(exc).strip() or '(no message)'}"
+        blame = [{"rank": rank, "host": host}] if kind == "exception" else []
+        detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return record(run_dir, kind=kind, cause=cause, rank=rank, host=host, blame=blame, step=step, detail=detail)
+    except Exception as e:
+        print(f"hpcdist: could not record the failure in {run_dir}: {e}", file=sys.stderr)
+        return None
+
+
+def primary_failure(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The failure that started it: the earliest record that blames someone, else the earliest failure record.
+
+    Ranks that lose a peer record ``collective`` errors within milliseconds, sometimes before the culprit's own
+    record; ranks killed when srun ends the step may be recorded as ``killed`` later. Blame decides first, then time.
+    """
+    failures = [r for r in records if r.get("kind") != "straggler"]
+    blamed = [r for r in failures if r.get("blame")]
+    pool = blamed or failures
+    return min(pool, key=lambda r: r.get("time") or 0.0) if pool else None
+
+
+# ------------------------------------------------------------------------------------------------ supervisor
+
+
+def announce_task(run_dir: str | os.PathLike[str], *, rank: int, host: str, job: SlurmJob | None = None) -> None:
+    """Tell this rank's supervisor (if it has one) where to record a death by signal, and as whom."""
+    path = os.environ.get(TASK_INFO_ENV)
+    if not path:
+        return
+    job = job if job is not None else SlurmJob.from_environ()
+    info = {
+        "failures": str(_failures_path(Path(run_dir).absolute())),
+        "job_id": job.job_id,
+        "restart": job.restart_count,
+        "rank": rank,
+        "host": host,
+    }
+    try:
+        atomic_write(Path(path), json.dumps(info))
+    except OSError as e:
+        log.warning("could not write the supervisor's task info %s: %s", path, e)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that readers see the old file or the new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,109 @@
+"""Stop flag + agreement: a signal asks every rank to stop after the same step, with one collective checkpoint.
+
+Signals (both configurable through ``fault``):
+- the requeue signal (USR2 by default; ``--signal=USR2@<lead>`` in every generated job, also what submitit
+  uses): the time limit is near or a scheduled preemption is coming -> StopReason.TIME_LIMIT (checkpoint, then the
+  job environment requeues: hpcdist.run's after-stop decision, hpcdist.launch.requeue);
+- SIGTERM: SLURM is ending the job now (scancel, preemption with GraceTime, or the time limit itself) ->
+  StopReason.TERMINATE (checkpoint and exit without requeueing; a preempting SLURM requeues the job itself when
+  configured to).
+
+A handler only sets a flag: doing work inside a signal handler could interrupt a collective half-way on one
+rank. Agreement uses one MAX all-reduce of a single integer per step, so every rank leaves the loop after the
+same step even if the signal reached only some ranks (or reached them during different steps). What happens after
+the checkpoint (requeue or exit) is not decided here: the trainer returns the agreed reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from collections.abc import Iterable
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from hpcdist.env import SlurmJob
+from hpcdist.logging_utils import get_logger
+
+log = get_logger(__name__)
+
+
+class StopReason(enum.IntEnum):
+    NONE = 0
+    TIME_LIMIT = 1  # the requeue signal: save, requeue, come back
+    TERMINATE = 2  # SIGTERM: save and leave
+
+
+def signal_number(name: str) -> signal.Signals:
+    name = name.upper()
+    return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+
+
+class StopFlag:
+    """See the module docstring. ``install()`` when the loop starts, ``agreed()`` every step, ``close()`` at the end."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        device: torch.device,
+        requeue_signal: str = "USR2",
+        job: SlurmJob | None = None,
+    ):
+        self.rank, self.device = rank, device
+        self.requeue_signal = signal_number(requeue_signal)
+        self.job = job if job is not None else SlurmJob.from_environ()  # only named in the start-up line
+        self._local = StopReason.NONE
+        self._previous: dict[int, object] = {}
+        self._group: dist.ProcessGroup | None = None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+
+    def install(self, extra: Iterable[signal.Signals] = ()) -> StopFlag:
+        """Take over the signals (replacing submitit's own rank-0 checkpoint handler: ours saves on all ranks)."""
+        for sig in (self.requeue_signal, signal.SIGTERM, *extra):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        if self.job.job_id:
+            log.info("SLURM job %s, restart %d; %s -> checkpoint + requeue, SIGTERM -> checkpoint + exit",
+                     self.job.job_id, self.job.restart_count, self.requeue_signal.name)  # fmt: skip
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        reason = StopReason.TIME_LIMIT if signum == self.requeue_signal else StopReason.TERMINATE
+        self._local = max(self._local, reason)  # TERMINATE wins over TIME_LIMIT: never requeue a cancelled job
+
+    def request(self, reason: StopReason) -> None:
+        """Ask to stop as if a signal had arrived (tests, watchdogs)."""
+        self._local = max(self._local, reason)
+
+    def agreed(self) -> StopReason:
+        """Collective: the strongest stop reason any rank had seen one step ago. Every rank calls it every step.
+
+        The MAX all-reduce runs asynchronously on a CPU (gloo) group and is read one step later, so it never
+        stalls the step or forces a GPU sync; the stop comes one step after the signal, on every rank alike.
+        """
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self._local
+        result = StopReason.NONE
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            result = StopReason(int(flag.item()))
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        flag = torch.tensor([int(self._local)], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return result
+
+    def close(self) -> None:
+        """Finish the agreement in flight and restore the previous signal handlers (every rank, at the end)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+        self.uninstall()

@@ -1,0 +1,118 @@
+"""Run one rank under a supervisor that outlives it: ``python -m hpcdist.fault.supervise -- CMD [ARGS...]``.
+
+A rank killed by a signal (the OOM killer's SIGKILL, a segfault, an abort inside a CUDA library) cannot say so
+itself, and as soon as srun sees the dead task it ends the others too (--kill-on-bad-exit): afterwards nobody knows
+which rank died first. srun starts this supervisor as the task; it runs the rank as its child and forwards signals
+to it. When the child dies from a signal other than a request to stop (TERM, INT, HUP), the supervisor appends a
+``killed`` record (rank, host, signal) to the run's failures.jsonl *before* exiting, so before srun can know, and
+then dies from the same signal, so srun and SLURM see what they would have seen without it. Any other exit status
+is passed through unchanged (a rank that raised records its own exception; hpcdist.fault.failures).
+
+Where to write and which rank this is, the child says itself: it writes them to the file named by
+HPCDIST_TASK_INFO once its config is loaded (hpcdist.fault.failures.announce_task). This module therefore needs no
+SLURM variable and imports only the standard library: it starts in milliseconds, once per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+TASK_INFO_ENV = "HPCDIST_TASK_INFO"  # imported by hpcdist.fault.failures (one name for both sides)
+# Signals SLURM (or a user) sends to a step: the rank must see them even when only its supervisor is signalled.
+FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Deaths by these were asked for (scancel, SLURM ending the step after another rank failed or after a requeue):
+# not a failure of this rank, nothing to record.
+STOP_REQUESTS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: if the supervisor is killed, the kernel kills the rank too (no orphan that keeps
+    a GPU or waits forever in a collective)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def record_death(info_path: Path, pid: int, signum: int) -> str | None:
+    """Append the ``killed`` record the child's task info asks for; returns the line written (None if no info)."""
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, ValueError):
+        return None  # the child died before loading its config: the batch script's after-step records the exit
+    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+    cause = f"rank {info.get('rank')} (pid {pid}) was killed by {name}"
+    rec = {
+        "time": time.time(), "job_id": info.get("job_id"), "restart": info.get("restart"), "rank": info.get("rank"),
+        "host": info.get("host"), "pid": pid, "kind": "killed", "cause": cause,
+        "blame": [{"rank": info.get("rank"), "host": info.get("host")}], "step": None,
+        "signature": f"killed: {name}",
+    }  # fmt: skip
+    line = json.dumps(rec) + "\n"
+    path = Path(info["failures"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())  # one write on O_APPEND: lines of concurrent writers do not interleave
+    finally:
+        os.close(fd)
+    return line
+
+
+def supervise(cmd: Sequence[str]) -> int:
+    """Run ``cmd`` as a child; returns its exit status, or ends this process with the signal that ended the child."""
+    fd, info_name = tempfile.mkstemp(prefix="hpcdist-task-", suffix=".json")
+    os.close(fd)
+    info_path = Path(info_name)
+    info_path.unlink()  # the child creates it (atomically) once it knows its run dir
+    children: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
+
+    # before the child exists: a TERM arriving in between must not end the supervisor with its default action
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    child = subprocess.Popen(list(cmd), env={**os.environ, TASK_INFO_ENV: info_name}, preexec_fn=_die_with_parent)
+    children.append(child)
+    rc = child.wait()
+    try:
+        if rc < 0 and -rc not in STOP_REQUESTS:
+            line = record_death(info_path, child.pid, -rc)
+            print(f"hpcdist.supervise: {line.strip() if line else f'pid {child.pid} killed by signal {-rc}'}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        info_path.unlink(missing_ok=True)
+    if rc < 0:
+        # die the same way, so srun reports "Killed" / "Segmentation fault" for this task as it would have
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL / SIGSTOP take no handler: already default
+            signal.signal(-rc, signal.SIG_DFL)
+        os.kill(os.getpid(), -rc)
+        return 128 - rc  # a signal whose default action is not to terminate
+    return rc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args:
+        print("usage: python -m hpcdist.fault.supervise -- CMD [ARGS...]", file=sys.stderr)
+        return 2
+    return supervise(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

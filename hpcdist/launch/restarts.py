@@ -1,0 +1,444 @@
+"""The restart policy: whether a SLURM job comes back after it stopped, and on which nodes.
+
+``restarts.json`` in <run.dir>: the restart ledger of the current SLURM job: one entry per attempt (restart number)
+saying how it ended and whether hpcdist requeued it, the excluded nodes, the policy (fault.*), and why requeueing
+stopped. A new job id starts a new ledger (a resubmission gets the full budget again). What failed and where is in
+failures.jsonl (hpcdist.fault.failures).
+
+Restart policy, three separate budgets:
+    time limit   the requeue signal -> checkpoint -> the trainer returns -> :func:`after_stop`: rank 0 requeues
+                 (hpcdist.launch.requeue); fault.max_restarts
+    failure      srun failed -> the batch script runs ``python -m hpcdist.launch.restarts after-step``, which
+                 attributes the failure, excludes the host (fault.exclude_failed_nodes, within limits that keep the
+                 job schedulable) and requeues, unless fault.max_failures is spent or the same failure happened
+                 fault.max_same_failure times in a row (a failure loop): then it says why and the job ends FAILED
+    preemption   SLURM requeued the job by itself (preemption, node failure, admin): counted when the next attempt
+                 starts (:func:`begin_attempt`); beyond fault.max_preemptions (-1 = unlimited) that attempt stops
+                 before training
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcdist.env import SlurmJob, expand_nodelist
+from hpcdist.fault.failures import FAILURES_FILE, atomic_write, primary_failure, read_failures, record
+from hpcdist.fault.goodput import mark_attempt_end
+from hpcdist.fault.stop import StopReason, signal_number
+from hpcdist.launch.requeue import requeue
+from hpcdist.logging_utils import get_logger
+
+__all__ = [
+    "LEDGER_FILE",
+    "RestartPolicy",
+    "after_step",
+    "after_stop",
+    "begin_attempt",
+    "plan_exclusion",
+]
+
+log = get_logger(__name__)
+
+LEDGER_FILE = "restarts.json"
+
+
+# ------------------------------------------------------------------------------------------------ ledger
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """fault.* as the requeue decisions read it (also stored in the ledger for after-step without a config)."""
+
+    requeue: bool
+    max_time_limit: int
+    max_preemptions: int
+    max_failures: int
+    max_same_failure: int
+    exclude_failed_nodes: bool
+    max_excluded_nodes: int
+    exclude_nodes_file: str | None
+
+    @classmethod
+    def from_fault(cls, fault: Any) -> RestartPolicy:
+        return cls(
+            requeue=fault.requeue, max_time_limit=fault.max_restarts, max_preemptions=fault.max_preemptions,
+            max_failures=fault.max_failures, max_same_failure=fault.max_same_failure,
+            exclude_failed_nodes=fault.exclude_failed_nodes, max_excluded_nodes=fault.max_excluded_nodes,
+            exclude_nodes_file=fault.exclude_nodes_file,
+        )  # fmt: skip
+
+    @classmethod
+    def defaults(cls) -> RestartPolicy:
+        from hpcdist.config import FaultConfig  # imports torch: only where no config and no ledger is at hand
+
+        return cls.from_fault(FaultConfig())
+
+
+def load_ledger(run_dir: str | os.PathLike[str], job_id: str | None) -> dict[str, Any]:
+    """The ledger of ``job_id``; a fresh one when the file is missing, unreadable, or belongs to another job."""
+    path = Path(run_dir) / LEDGER_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    if not isinstance(data, dict) or data.get("job_id") != job_id:
+        data = {"job_id": job_id, "attempts": {}, "excluded": [], "stopped": None, "policy": None}
+    return data
+
+
+def save_ledger(run_dir: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
+    atomic_write(Path(run_dir) / LEDGER_FILE, json.dumps(data, indent=1, sort_keys=True))
+
+
+def _attempt(data: dict[str, Any], restart: int) -> dict[str, Any]:
+    return data["attempts"].setdefault(str(restart), {"restart": restart})
+
+
+def requeues(data: Mapping[str, Any], reason: str, *, before: int | None = None) -> int:
+    """How many attempts (restarts < ``before``, if given) hpcdist requeued for ``reason`` (time_limit | failure)."""
+    return sum(1 for k, a in data["attempts"].items() if a.get("requeued") == reason and (before is None or
+               int(k) < before))  # fmt: skip
+
+
+def preemptions(data: Mapping[str, Any], restart: int) -> int:
+    """Restarts 1..restart that SLURM made by itself: the attempt before each was not requeued by hpcdist.
+
+    Reads only attempts before ``restart``, so every rank computes the same number whether or not rank 0 has
+    already written this attempt's entry.
+    """
+    attempts = data["attempts"]
+    return sum(1 for k in range(1, restart + 1) if not attempts.get(str(k - 1), {}).get("requeued"))
+
+
+def failure_streak(data: Mapping[str, Any], restart: int, sig: str) -> int:
+    """Consecutive attempts up to ``restart`` (included) that ended in a failure with signature ``sig``."""
+    n = 0
+    for k in range(restart, -1, -1):
+        a = data["attempts"].get(str(k), {})
+        if a.get("ended") != "failure" or a.get("signature") != sig:
+            break
+        n += 1
+    return n
+
+
+def begin_attempt(run_dir: str | os.PathLike[str], policy: RestartPolicy, job: SlurmJob, *, write: bool) -> str | None:
+    """At the start of an attempt (every rank, before the process group): a reason to stop, or None to train.
+
+    ``write`` (rank 0) registers the attempt and the policy in the ledger. The preemption count reads only earlier
+    attempts, so all ranks reach the same decision.
+    """
+    if job.job_id is None:
+        return None  # not a SLURM job: nothing restarts it
+    data = load_ledger(run_dir, job.job_id)
+    n = preemptions(data, job.restart_count)
+    reason = None
+    if policy.max_preemptions >= 0 and n > policy.max_preemptions:
+        reason = (
+            f"job {job.job_id} came back from {n} restart(s) SLURM made by itself (preemption, node failure) "
+            f"and fault.max_preemptions={policy.max_preemptions}: not training again; resubmit to continue"
+        )
+    if write:
+        entry = _attempt(data, job.restart_count)
+        entry.update(start=time.time(), host=socket.gethostname(), preemptions=n)
+        data["policy"] = asdict(policy)
+        if reason:
+            entry.update(ended="stopped")
+            data["stopped"] = {"time": time.time(), "restart": job.restart_count, "reason": reason}
+        save_ledger(run_dir, data)
+    return reason
+
+
+def time_limit_decision(run_dir: str | os.PathLike[str] | None, max_time_limit: int, job: SlurmJob) -> str | None:
+    """Before a time-limit requeue (every rank, same answer): a reason not to requeue, or None.
+
+    Counted in the ledger (time-limit requeues only; earlier attempts only, so ranks reading before or after rank 0
+    marked this one agree); without a run dir, SLURM_RESTART_COUNT (all restarts)."""
+    data = load_ledger(run_dir, job.job_id) if run_dir is not None else None
+    count = requeues(data, "time_limit", before=job.restart_count) if data is not None else job.restart_count
+    if count >= max_time_limit:
+        return (
+            f"job {job.job_id} was already requeued {count} time(s) at its time limit (fault.max_restarts="
+            f"{max_time_limit}): not requeueing again; resubmit to continue from the checkpoint"
+        )
+    return None
+
+
+def mark_time_limit(run_dir: str | os.PathLike[str], job: SlurmJob, *, reason: str | None) -> list[str]:
+    """Rank 0, before the time-limit requeue (``reason`` None) or instead of it: record how this attempt ended.
+    Returns the nodes the requeued job must avoid (earlier exclusions plus fault.exclude_nodes_file)."""
+    data = load_ledger(run_dir, job.job_id)
+    entry = _attempt(data, job.restart_count)
+    entry.update(ended="time_limit", end=time.time(), requeued=None if reason else "time_limit")
+    excluded = list(data.get("excluded", []))
+    if reason:
+        data["stopped"] = {"time": time.time(), "restart": job.restart_count, "reason": reason}
+    elif data.get("policy"):
+        excluded = _exclusions(data, RestartPolicy(**data["policy"]), job, blamed_hosts=[])
+    save_ledger(run_dir, data)
+    return excluded
+
+
+def _exclusions(
+    data: dict[str, Any], policy: RestartPolicy, job: SlurmJob, *, blamed_hosts: Sequence[str]
+) -> list[str]:
+    """The job's excluded nodes after adding ``blamed_hosts`` and fault.exclude_nodes_file, within the limits;
+    stored in the ledger (``data``, saved by the caller)."""
+    candidates = list(blamed_hosts) if policy.exclude_failed_nodes else []
+    if policy.exclude_nodes_file:
+        try:
+            candidates += parse_hosts(Path(policy.exclude_nodes_file).read_text())
+        except (OSError, ValueError) as e:
+            _say(f"fault.exclude_nodes_file {policy.exclude_nodes_file}: {e}")
+    excluded = list(data.get("excluded", []))
+    if candidates:
+        excluded, notes = plan_exclusion(
+            excluded, candidates, max_excluded=policy.max_excluded_nodes, job_nodes=job.num_nodes or 1,
+            usable=usable_nodes(job.partition),
+        )  # fmt: skip
+        for note in notes:
+            _say(note)
+    data["excluded"] = excluded
+    return excluded
+
+
+def after_stop(
+    reason: StopReason,
+    *,
+    rank: int,
+    requeue_signal: str = "USR2",
+    requeue_enabled: bool = True,
+    max_restarts: int = 10,
+    run_dir: str | os.PathLike[str] | None = None,
+    job: SlurmJob | None = None,
+) -> int:
+    """Every rank, once the stop checkpoint is complete: requeue (rank 0) or exit. Returns the exit code.
+
+    ``run_dir`` holds the restart ledger (time-limit requeues are counted there, apart from preemptions and
+    failures); ``max_restarts`` is fault.max_restarts."""
+    job = job if job is not None else SlurmJob.from_environ()
+    if reason != StopReason.TIME_LIMIT:
+        log.info("stopping on SIGTERM after a complete checkpoint; not requeueing")
+        return 0
+    if not job.job_id:
+        log.info("stopped by %s outside SLURM; rerun with checkpoint.resume=auto to continue",
+                 signal_number(requeue_signal).name)  # fmt: skip
+        return 0
+    if not requeue_enabled:
+        log.info("fault.requeue is off: job %s ends here; resubmit to continue", job.job_id)
+        return 0
+    refused = time_limit_decision(run_dir, max_restarts, job)
+    if refused:
+        log.error("%s", refused)
+    exclude: list[str] = []
+    if rank == 0 and run_dir is not None:
+        # recorded before the requeue: SLURM ends this process right after it
+        exclude = mark_time_limit(run_dir, job, reason=refused)
+    if refused:
+        return 3
+    if rank == 0:
+        return requeue(job.job_id, exclude=exclude)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ exclusion
+
+
+def parse_hosts(text: str) -> list[str]:
+    """Host names from a file's text: one per line, comma- or blank-separated, SLURM hostlists (node[1-3]), or the
+    ``--exclude=a,b`` / ``suggested: --exclude=...`` line the nccl_check finder prints. ``#`` starts a comment."""
+    hosts: list[str] = []
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if "--exclude=" in line:
+            words = line.split("--exclude=", 1)[1].split()
+            line = words[0] if words else ""
+        if not line:
+            continue
+        for name in expand_nodelist(line):
+            if name not in hosts:
+                hosts.append(name)
+    return hosts
+
+
+def usable_nodes(partition: str | None) -> list[str] | None:
+    """Nodes of the partition that can run jobs (not down, drained, failed or unresponsive); None if unknown."""
+    exe = shutil.which("sinfo")
+    if exe is None:
+        return None
+    args = [exe, "-h", "-N", "-o", "%N %t"] + (["-p", partition] if partition else [])
+    try:
+        p = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if p.returncode != 0:
+        return None
+    nodes = []
+    for line in p.stdout.splitlines():
+        name, _, state = line.strip().partition(" ")
+        bad = state.endswith("*") or state.startswith(("down", "drain", "drng", "fail", "maint", "inval"))
+        if name and not bad and name not in nodes:
+            nodes.append(name)
+    return nodes
+
+
+def plan_exclusion(
+    excluded: Sequence[str],
+    candidates: Sequence[str],
+    *,
+    max_excluded: int,
+    job_nodes: int,
+    usable: Sequence[str] | None,
+) -> tuple[list[str], list[str]]:
+    """(new excluded list, one note per candidate not added). Never more than ``max_excluded`` nodes, and never so
+    many that fewer than ``job_nodes`` usable nodes stay outside the list: the job must stay schedulable."""
+    out = list(excluded)
+    notes = []
+    for host in candidates:
+        if host in out:
+            continue
+        if len(out) + 1 > max_excluded:
+            notes.append(f"not excluding {host}: {len(out)} node(s) excluded already (fault.max_excluded_nodes="
+                         f"{max_excluded})")  # fmt: skip
+            continue
+        if usable is not None:
+            left = [n for n in usable if n not in out and n != host]
+            if len(left) < job_nodes:
+                notes.append(f"not excluding {host}: the partition would keep {len(left)} usable node(s) for a "
+                             f"{job_nodes}-node job")  # fmt: skip
+                continue
+        out.append(host)
+    return out, notes
+
+
+# ------------------------------------------------------------------------------------------------ after-step
+
+
+def _say(msg: str) -> None:
+    # the batch script's stdout is the job log; flush before scontrol requeue makes SLURM end this script
+    print(f"[hpcdist after-step {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartPolicy | None, job: SlurmJob) -> int:
+    """Decide, after the training step failed, whether the job is requeued. Returns the batch script's exit code:
+    0 after a requeue (SLURM is ending this run anyway), else ``exit_code`` so the job ends FAILED."""
+    if exit_code == 0:
+        return 0
+    # `scontrol requeue` makes SLURM send TERM to this batch script and its children: finish the ledger and the
+    # ExcNodeList update first (SIGKILL follows only after KillWait)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    run_dir = Path(run_dir)
+    data = load_ledger(run_dir, job.job_id)
+    if data["attempts"].get(str(job.restart_count), {}).get("requeued"):
+        # rank 0 requeued this attempt (time limit) and SLURM then ended the step while the ranks were exiting
+        _say(f"srun exited with {exit_code} after job {job.job_id} was requeued: nothing to decide")
+        return 0
+    if policy is None:
+        policy = RestartPolicy(**data["policy"]) if data.get("policy") else RestartPolicy.defaults()
+    records = read_failures(run_dir, job_id=job.job_id, restart=job.restart_count)
+    primary = primary_failure(records)
+    if primary is None:
+        primary = record(run_dir, kind="exit", cause=f"the training step exited with status {exit_code} and no rank "
+                         "recorded a cause (see the job log)", job=job)  # fmt: skip
+    sig = primary["signature"]
+    blamed = [b for b in primary.get("blame", []) if b.get("host")]
+    who = ", ".join(f"rank {b.get('rank')} on {b['host']}" for b in blamed) or "no rank in particular"
+    _say(f"step failed (exit {exit_code}): {primary['kind']}: {primary['cause']} [{who}]")
+
+    entry = _attempt(data, job.restart_count)
+    entry.update(ended="failure", end=time.time(), signature=sig, cause=primary["cause"],
+                 blame=blamed, requeued=None)  # fmt: skip
+    streak = failure_streak(data, job.restart_count, sig)
+    done = requeues(data, "failure")
+    reason = None
+    if job.job_id is None:
+        reason = "not a SLURM job"
+    elif data.get("stopped"):
+        reason = f"requeueing stopped earlier: {data['stopped']['reason']}"
+    elif not policy.requeue:
+        reason = "fault.requeue is off"
+    elif done >= policy.max_failures:
+        reason = f"{done} failure requeue(s) already (fault.max_failures={policy.max_failures})"
+    elif streak >= policy.max_same_failure:
+        reason = (
+            f"failure loop: the same failure happened {streak} time(s) in a row (fault.max_same_failure="
+            f"{policy.max_same_failure}): {sig}; requeueing will not fix it"
+        )
+    if reason:
+        data["stopped"] = data.get("stopped") or {"time": time.time(), "restart": job.restart_count, "reason": reason}
+        save_ledger(run_dir, data)
+        _say(f"not requeueing job {job.job_id}: {reason}; see {run_dir / FAILURES_FILE}")
+        _mark_goodput_end(run_dir)
+        return exit_code
+
+    excluded = _exclusions(data, policy, job, blamed_hosts=[b["host"] for b in blamed])
+    entry.update(requeued="failure", excluded=excluded)
+    save_ledger(run_dir, data)  # before the requeue: SLURM may end this script right after it
+    _mark_goodput_end(run_dir)
+    _say(f"requeueing job {job.job_id} (failure requeue {done + 1} of {policy.max_failures}, this failure "
+         f"{streak} time(s) in a row)" + (f", excluding {','.join(excluded)}" if excluded else ""))  # fmt: skip
+    rc = requeue(str(job.job_id), exclude=excluded)
+    if rc != 0:
+        entry.update(requeued=None)  # requeue() said why; a later failure may try again
+        save_ledger(run_dir, data)
+        return exit_code
+    return 0
+
+
+def _mark_goodput_end(run_dir: Path) -> None:
+    try:
+        mark_attempt_end(run_dir)
+    except (OSError, ValueError) as e:
+        _say(f"goodput: {e}")
+
+
+def _run_dir_and_policy(config_args: Sequence[str]) -> tuple[Path, RestartPolicy]:
+    from hpcdist import config as config_mod
+
+    cfg = config_mod.load(config_args[0], list(config_args[1:]))
+    return Path(cfg.run.dir), RestartPolicy.from_fault(cfg.fault)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdist.launch.restarts",
+        description="Batch-script side of the failure policy (see this module's docstring).",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("after-step", help="after srun: record, exclude, requeue or stop; exit status for the script")
+    a.add_argument("--exit-code", type=int, required=True, help="srun's exit status")
+    a.add_argument("--run-dir", help="the run directory (instead of CONFIG)")
+    a.add_argument("config", nargs="*", help="CONFIG [section.key=value ...], as given to hpcdist train")
+    args = p.parse_args(argv)
+    if args.exit_code == 0:
+        return 0
+    job = SlurmJob.from_environ()
+    if args.run_dir:
+        run_dir, policy = Path(args.run_dir), None
+    elif args.config:
+        try:
+            run_dir, policy = _run_dir_and_policy(args.config)
+        except ValueError as e:  # ConfigError: the trainer failed on the same config; nothing to requeue
+            _say(f"config: {e}")
+            return args.exit_code
+    else:
+        p.error("after-step needs --run-dir or CONFIG")
+    from hpcdist.logging_utils import setup_logging
+
+    setup_logging(0)
+    return after_step(run_dir, args.exit_code, policy, job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

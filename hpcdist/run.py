@@ -1,0 +1,128 @@
+"""The one per-rank main: ``hpcdist train`` and every task of ``hpcdist submit`` run :func:`main`.
+
+    config -> DistEnv -> resolve parallel.strategy=auto (once) -> checks -> the job environment's start (NCCL
+    profile, restart ledger) -> process group -> Trainer(cfg, env).train() -> after-stop decision (requeue or exit)
+    -> close
+
+The trainer returns why it stopped and never requeues. What a stop means for the job is the scheduler's, and it is
+passed in as a :class:`JobEnvironment` (hpcdist.launch.task.SlurmEnvironment for ``hpcdist train`` and submitted
+tasks), the way submitit keeps requeueing in its job environment rather than in the user's function: this module
+imports nothing from hpcdist.launch, so launch's task may call it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from hpcdist import config as config_mod
+from hpcdist import planner
+from hpcdist.config import JobConfig
+from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
+from hpcdist.fault import failures
+from hpcdist.fault.hang import collective_timeout_s, configure_collectives
+from hpcdist.fault.stop import StopReason
+from hpcdist.logging_utils import get_logger, setup_logging
+from hpcdist.trainer import Trainer, TrainResult
+
+__all__ = ["JobEnvironment", "main", "resolve_auto", "train"]
+
+log = get_logger(__name__)
+
+
+class JobEnvironment(Protocol):
+    """The scheduler's side of one rank, around training."""
+
+    def before_start(self, cfg: JobConfig, env: DistEnv) -> str | None:
+        """Every rank, before the process group: prepare the job's environment; a reason not to train, or None."""
+        ...
+
+    def after_stop(self, cfg: JobConfig, env: DistEnv, reason: StopReason) -> int:
+        """Every rank, once the stop checkpoint is complete: requeue (or not); returns the exit code."""
+        ...
+
+
+def resolve_auto(cfg: JobConfig, env: DistEnv) -> JobConfig:
+    """``parallel.strategy=auto`` -> the planner's layout for this world size; any other config unchanged.
+
+    Every rank plans the same layout (the planner is deterministic), so no collective is needed to agree on it."""
+    if cfg.parallel.strategy != "auto":
+        return cfg
+    cfg, reason = planner.resolve_auto(cfg, env.world_size, cfg.parallel.auto_cluster)
+    log.info("parallel.strategy=auto: %s", reason)
+    return cfg
+
+
+def train(cfg: JobConfig, env: DistEnv, *, job: JobEnvironment | None = None) -> TrainResult:
+    """One rank's training once the process group exists (or there is one rank): Trainer -> train -> after-stop.
+
+    ``job`` decides what a stop means (requeue or exit); without one the run simply ends after its checkpoint. An
+    exception is recorded in <run.dir>/failures.jsonl (who failed, where, why: the batch script's failure policy,
+    hpcdist.launch.restarts, reads it) and raised again."""
+    setup_logging(env.rank, level=cfg.run.log_level)
+    cfg = resolve_auto(cfg, env)  # a no-op when main() resolved it already
+    if env.device == "cpu" and env.local_world_size > 1:
+        # several CPU ranks on one node would each start one thread per core and thrash
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    trainer = None
+    try:
+        trainer = Trainer(cfg, env)
+        result = trainer.train()
+        if result.stop_reason != StopReason.NONE:
+            # the checkpoint is complete (train() waited for it): requeueing or exiting now loses no step
+            if job is not None:
+                result.exit_code = job.after_stop(cfg, env, result.stop_reason)
+            else:
+                log.info("stopped (%s) after a complete checkpoint; rerun with checkpoint.resume=auto to continue",
+                         result.stop_reason.name)  # fmt: skip
+        return result
+    except Exception as e:
+        failures.record_exception(cfg.run.dir, e, rank=env.rank, host=env.hostname,
+                                  step=trainer.step if trainer else None)  # fmt: skip
+        if trainer is not None:
+            trainer.goodput.flush()
+        raise
+
+
+def main(
+    config_path: str | os.PathLike[str], overrides: Sequence[str] = (), *, job: JobEnvironment | None = None
+) -> TrainResult:
+    """What ``hpcdist train`` runs in one process (rank); also the body of every task of ``hpcdist submit``.
+
+    Configuration errors raise ConfigError before any process group exists (the CLI prints them once per job)."""
+    cfg = config_mod.load(config_path, overrides)
+    env = from_environ()
+    setup_logging(env.rank, level=cfg.run.log_level)
+    # the batch split as configured first: its message names the user's own values, and a bad one fails fast
+    config_mod.check_world(cfg, env.world_size)
+    cfg = resolve_auto(cfg, env)
+    try:
+        config_mod.check_run_dir(cfg)  # every rank: one failing alone would leave the others at the rendezvous
+    except config_mod.ConfigError as e:
+        e.per_host = True  # type: ignore[attr-defined]  # as this host sees them: the CLI prints it per node
+        raise
+    # the scheduler's part (NCCL profile, restart ledger) before the process group: NCCL and gloo read the
+    # environment at init
+    refused = job.before_start(cfg, env) if job is not None else None
+    if refused:
+        print(f"hpcdist: {refused}", file=sys.stderr, flush=True)
+        return TrainResult(step=0, exit_code=3)
+    # tell this rank's supervisor who it is; make a failed NCCL collective end the process (fault.*)
+    failures.announce_task(cfg.run.dir, rank=env.rank, host=env.hostname)
+    for warning in configure_collectives(os.environ, cfg.run.dir):
+        log.warning("%s", warning)
+    # collectives time out a minute after the hang watchdog, which reports first (with stacks and suspects)
+    init_process_group(env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s))
+    try:
+        result = train(cfg, env, job=job)
+    finally:
+        destroy_process_group()
+    if env.is_main and result.losses:
+        first, last = min(result.losses), max(result.losses)
+        print(f"done: step {result.step}, loss {result.losses[first]:.4f} (step {first}) -> "
+              f"{result.losses[last]:.4f} (step {last}); run dir {cfg.run.dir}")  # fmt: skip
+    return result

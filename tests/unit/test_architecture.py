@@ -1,0 +1,269 @@
+"""The house rules of docs/ARCHITECTURE.md, checked on the source: no import cycles, the trainer knows no scheduler
+and no planner, and only hpcdist.env and hpcdist.launch read SLURM_* variables.
+
+Imports are read from the AST of every hpcdist module, function-level ones included: a cycle hidden by an import
+inside a function is still a cycle (it only moves the failure to run time). ``if TYPE_CHECKING:`` blocks never run
+and are left out. Importing ``hpcdist.a.b`` also runs ``hpcdist/a/__init__.py``, so it counts as an edge to
+``hpcdist.a`` too (not to the root package, whose only import is its lazy ``hpcdist.submit``).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "hpcdist"
+
+# Third-party modules hpcdist imports inside functions on purpose (optional or heavy: the module works, or imports
+# fast, without them). Any other lazy third-party import fails the test: say why and add it here.
+LAZY_THIRD_PARTY = {
+    "deepspeed",  # optional: only parallel.strategy=zero
+    "submitit",  # only when a job is rendered or submitted, never on the nodes' import path
+    "tensorboard",
+    "torch",  # hpcdist.launch.task / nccl_check / the supervisor start without it
+    "wandb",
+    "mlflow",
+    "prometheus_client",
+    "matplotlib",  # the run report's PNGs
+    "yaml",
+    "numpy",
+    "transformers",
+    "safetensors",
+    "huggingface_hub",
+    "sentencepiece",
+    "tiktoken",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
+
+
+def _walk(tree: ast.AST) -> Iterator[tuple[ast.AST, bool]]:
+    """(import node, inside a function) for every import outside ``if TYPE_CHECKING:``."""
+
+    def visit(node: ast.AST, in_function: bool) -> Iterator[tuple[ast.AST, bool]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.orelse:
+                    yield from visit(sub, in_function)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child, in_function
+            yield from visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    yield from visit(tree, False)
+
+
+def _resolve(module: str, node: ast.AST) -> list[str]:
+    """The modules an import statement names (``from . import x`` and ``from pkg import submodule`` resolved)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    assert isinstance(node, ast.ImportFrom)
+    base = node.module or ""
+    if node.level:
+        package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    out = []
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        out.append(sub if sub in MODULES else base)
+    return out
+
+
+def _edges() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(module -> hpcdist modules it imports, module -> third-party top-level names it imports inside functions)."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    lazy: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        for node, in_function in _walk(ast.parse(path.read_text(), str(path))):
+            for target in _resolve(module, node):
+                if target.split(".")[0] != "hpcdist":
+                    top = target.split(".")[0]
+                    if in_function and top not in sys.stdlib_module_names:
+                        lazy[module].add(top)
+                    continue
+                while target not in MODULES and "." in target:  # `import hpcdist.x.y as z` of an attribute
+                    target = target.rpartition(".")[0]
+                graph[module].add(target)
+                # importing hpcdist.a.b runs hpcdist/a/__init__.py first (the root package excepted, see above;
+                # and a package's own modules, which Python imports only once their package has started)
+                parent = target.rpartition(".")[0]
+                while parent.count(".") >= 1:
+                    if not module.startswith(f"{parent}."):
+                        graph[module].add(parent)
+                    parent = parent.rpartition(".")[0]
+        graph[module].discard(module)
+    return graph, lazy
+
+
+def _package(module: str) -> str:
+    """hpcdist.launch.task -> hpcdist.launch; hpcdist.run -> hpcdist.run (a top-level module is its own unit)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one node (Tarjan), as a readable path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return [_path_through(graph, comp) for comp in components]
+
+
+def _path_through(graph: dict[str, set[str]], comp: list[str]) -> list[str]:
+    """A shortest cycle through the component's first node, e.g. [a, b, c, a]."""
+    members, start = set(comp), comp[0]
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & members):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if len(path) > 1 else [start, v, start]
+                if w not in previous:
+                    previous[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return comp
+
+
+def _describe(cycles: list[list[str]]) -> str:
+    return "\n".join("  " + " -> ".join(c) for c in cycles)
+
+
+def test_no_import_cycle_between_modules() -> None:
+    graph, _ = _edges()
+    cycles = _cycles(graph)
+    assert not cycles, f"import cycles (function-level imports included):\n{_describe(cycles)}"
+
+
+def test_no_import_cycle_between_packages() -> None:
+    graph, _ = _edges()
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module == "hpcdist":
+            continue  # the root's lazy hpcdist.submit is a facade, not a dependency of everything below it
+        packages.setdefault(_package(module), set()).update(
+            _package(t) for t in targets if t != "hpcdist" and _package(t) != _package(module)
+        )
+    cycles = _cycles(packages)
+    assert not cycles, f"import cycles between packages / top-level modules:\n{_describe(cycles)}"
+
+
+def test_function_level_imports_are_optional_dependencies_only() -> None:
+    _, lazy = _edges()
+    unexpected = {m: sorted(names - LAZY_THIRD_PARTY) for m, names in lazy.items() if names - LAZY_THIRD_PARTY}
+    assert not unexpected, f"third-party imports inside functions, not on the allow-list: {unexpected}"
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph[todo.pop()]:
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+@pytest.mark.parametrize("forbidden", ["hpcdist.launch", "hpcdist.planner", "hpcdist.plan", "hpcdist.dryrun"])
+def test_the_trainer_knows_no_scheduler_and_no_planner(forbidden: str) -> None:
+    graph, _ = _edges()
+    direct = {t for t in graph["hpcdist.trainer"] if t == forbidden or t.startswith(f"{forbidden}.")}
+    assert not direct, f"hpcdist.trainer imports {sorted(direct)}"
+    # nor through the modules it builds on (fault, parallel, checkpoint, ...)
+    reached = {t for t in _reachable(graph, "hpcdist.trainer") if t == forbidden or t.startswith(f"{forbidden}.")}
+    assert not reached, f"hpcdist.trainer reaches {sorted(reached)} through its imports"
+
+
+def _code_strings(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """String constants that are code, not documentation: docstrings are left out (comments are not in the AST)."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = getattr(node, "body", [])
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(id(body[0].value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            docstrings.add(id(node.value))  # attribute docstrings and other bare string statements
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+
+
+def test_only_env_and_launch_read_slurm_variables() -> None:
+    allowed = lambda m: m == "hpcdist.env" or m == "hpcdist.launch" or m.startswith("hpcdist.launch.")  # noqa: E731
+    offenders = [
+        f"{path.relative_to(REPO)}:{line}: {text[:80]!r}"
+        for module, path in MODULES.items()
+        if not allowed(module)
+        for line, text in _code_strings(ast.parse(path.read_text()))
+        if "SLURM_" in text
+    ]
+    assert not offenders, "SLURM_* read outside hpcdist.env / hpcdist.launch:\n" + "\n".join(offenders)
+
+
+def test_the_checks_see_hidden_cycles_and_lazy_imports(tmp_path: Path) -> None:
+    """The checker itself: a function-level import closes a cycle; ``from . import x`` resolves to the module."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"a"}}
+    assert _cycles(graph) == [["a", "b", "a"]]
+    tree = ast.parse("import os\nif TYPE_CHECKING:\n    import x\ndef f():\n    from . import run\n    import yaml\n")
+    found = [(type(n).__name__, f) for n, f in _walk(tree)]
+    assert found == [("Import", False), ("ImportFrom", True), ("Import", True)]
+    assert _resolve("hpcdist.launch.task", next(n for n, _ in _walk(tree) if isinstance(n, ast.ImportFrom))) == [
+        "hpcdist.launch"
+    ]
+    assert "hpcdist.launch" in MODULES and "hpcdist.run" in MODULES
