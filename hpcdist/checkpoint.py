@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from hpcdist.atomic import atomic_write
 from hpcdist.logging_utils import get_logger
 
 MARKER = "COMPLETE"
@@ -53,15 +54,6 @@ log = get_logger(__name__)
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def list_checkpoints(root: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
@@ -160,7 +152,7 @@ class CheckpointManager:
     def _write_local(self, path: Path, state: Stateful) -> None:
         torch.save(_rng_state(), path / "rng" / f"rank-{self.rank:05d}.pt")
         if self.rank == 0:
-            _atomic_write(path / STATE_FILE, json.dumps(state.trainer_state(), indent=1))
+            atomic_write(path / STATE_FILE, json.dumps(state.trainer_state(), indent=1))
 
     def _write_shards(self, path: Path, state: Stateful, step: int, t0: float) -> None:
         if state.save_native is not None:  # synchronous, collective; before the marker like every other file
@@ -181,13 +173,13 @@ class CheckpointManager:
             rel: _digest(path / rel, checksum=True) for rel in files
         }  # fmt: skip
         if self.rank == 0:
-            _atomic_write(path / MANIFEST, json.dumps({"files": entries}, indent=0, sort_keys=True))
+            atomic_write(path / MANIFEST, json.dumps({"files": entries}, indent=0, sort_keys=True))
 
     def _complete(self, path: Path, step: int, t0: float) -> None:
         if self.rank == 0:
             seconds = time.perf_counter() - t0
             marker = {"step": step, "world_size": self.world_size, "time": time.time(), "save_seconds": seconds}
-            _atomic_write(path / MARKER, json.dumps(marker))
+            atomic_write(path / MARKER, json.dumps(marker))
             log.info("checkpoint %s complete (%.2fs)", path, seconds)
             self._prune()
 

@@ -27,6 +27,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from hpcdist.atomic import atomic_write
+
 __all__ = [
     "BatchLoader",
     "ByteTokenizer",
@@ -110,16 +112,6 @@ def _fingerprint(
     return h.hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes | memoryview) -> None:
-    """Write to a temp name, fsync, then rename: readers see the old file, the whole new one, or nothing."""
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _read_meta(path: Path) -> dict[str, Any] | None:
     try:
         with open(path / META_NAME, encoding="utf-8") as fh:
@@ -193,7 +185,7 @@ def prepare_shards(
     def flush() -> None:
         nonlocal fill
         name = SHARD_PATTERN.format(len(shards))
-        _write_atomic(out_dir / name, memoryview(buf[:fill]).cast("B"))
+        atomic_write(out_dir / name, memoryview(buf[:fill]).cast("B"))
         shards.append({"name": name, "tokens": fill})
         fill = 0
 
@@ -230,7 +222,7 @@ def prepare_shards(
         "shards": shards,
         "fingerprint": fingerprint,
     }
-    _write_atomic(out_dir / META_NAME, (json.dumps(meta, indent=2) + "\n").encode())
+    atomic_write(out_dir / META_NAME, (json.dumps(meta, indent=2) + "\n").encode())
     return out_dir
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from hpcdist.atomic import atomic_write
 from hpcdist.config import loader, rules
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.schema import JobConfig
@@ -48,9 +49,4 @@ def dump(cfg: JobConfig) -> str:
 
 def save(cfg: JobConfig, path: str | os.PathLike[str]) -> Path:
     """Write the resolved config atomically (a reader never sees half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(dump(cfg))
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, dump(cfg))

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
+from hpcdist.atomic import atomic_write
 from hpcdist.diagnostics.audit import Finding, distinct, field
 from hpcdist.diagnostics.finder import Outlier
 from hpcdist.diagnostics.verdict import Verdict
@@ -259,8 +258,4 @@ def write_json(document: dict[str, Any], path: str) -> None:
     if path == "-":
         print(text, flush=True)
         return
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(target)
+    atomic_write(path, text + "\n")

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpcdist.atomic import atomic_write
 from hpcdist.env import SlurmJob
 from hpcdist.fault.supervise import TASK_INFO_ENV  # the supervisor names a file there; the rank says who it is in it
 from hpcdist.logging_utils import get_logger
@@ -37,7 +38,6 @@ __all__ = [
     "FAILURES_FILE",
     "TASK_INFO_ENV",
     "announce_task",
-    "atomic_write",
     "classify_exception",
     "primary_failure",
     "read_failures",
@@ -197,11 +197,3 @@ def announce_task(run_dir: str | os.PathLike[str], *, rank: int, host: str, job:
         atomic_write(Path(path), json.dumps(info))
     except OSError as e:
         log.warning("could not write the supervisor's task info %s: %s", path, e)
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that readers see the old file or the new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcdist.atomic import atomic_write
+
 __all__ = ["CATEGORIES", "Goodput", "mark_attempt_end", "process_start_time", "summarize"]
 
 GOODPUT_FILE = "goodput.json"
@@ -55,10 +57,7 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def _save(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(data, indent=1))
 
 
 def summarize(attempts: list[dict[str, Any]]) -> dict[str, float]:

@@ -33,6 +33,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from hpcdist.atomic import atomic_write
 from hpcdist.env import SlurmJob
 from hpcdist.fault import failures
 from hpcdist.logging_utils import get_logger
@@ -155,10 +156,7 @@ class HangWatchdog:
             "restart": job.restart_count,
         }  # fmt: skip
         try:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._path.with_name(f".{self._path.name}.tmp")
-            tmp.write_text(json.dumps(beat))
-            os.replace(tmp, self._path)  # readers see a whole file, old or new
+            atomic_write(self._path, json.dumps(beat), durable=False)  # rewritten every few seconds
         except OSError as e:
             log.debug("heartbeat %s: %s", self._path, e)
 

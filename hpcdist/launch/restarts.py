@@ -33,8 +33,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcdist.atomic import atomic_write
 from hpcdist.env import SlurmJob, expand_nodelist
-from hpcdist.fault.failures import FAILURES_FILE, atomic_write, primary_failure, read_failures, record
+from hpcdist.fault.failures import FAILURES_FILE, primary_failure, read_failures, record
 from hpcdist.fault.goodput import mark_attempt_end
 from hpcdist.fault.stop import StopReason, signal_number
 from hpcdist.launch.requeue import requeue
