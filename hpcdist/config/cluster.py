@@ -23,6 +23,7 @@ from hpcdist import resources
 from hpcdist.config import loader
 from hpcdist.config import nccl_profiles as nccl
 from hpcdist.config.loader import ConfigError
+from hpcdist.signals import parse_signal
 
 __all__ = ["ClusterConfig", "HardwareConfig", "cluster_names", "load_cluster", "parse_time"]
 
@@ -204,8 +205,7 @@ def _check(c: ClusterConfig) -> list[str]:
             f"cluster.signal_lead_s ({c.signal_lead_s}) must be shorter than the time limit "
             f"({c.time} = {minutes * 60} s)"
         )
-    number = nccl.signal_number(c.signal)
-    if number is None or c.signal.strip().isdigit():
+    if parse_signal(c.signal, numbers=False) is None:
         p.append(f"cluster.signal: {c.signal!r} is not a signal name such as USR2, USR1 or TERM")
     elif c.signal.upper().removeprefix("SIG") in ("KILL", "STOP"):
         p.append(f"cluster.signal: {c.signal} cannot be caught, so the trainer could not save; use USR2")

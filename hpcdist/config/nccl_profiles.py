@@ -7,15 +7,15 @@ the preemption signal with it; :mod:`hpcdist.launch.nccl` resolves a profile in 
 from __future__ import annotations
 
 import re
-import signal
 from pathlib import Path
 
 import yaml
 
 from hpcdist import resources
 from hpcdist.config.loader import ConfigError
+from hpcdist.signals import parse_signal
 
-__all__ = ["AUTO", "AUTO_VARS", "Profile", "load_profile", "profile_names", "signal_conflict", "signal_number"]
+__all__ = ["AUTO", "AUTO_VARS", "Profile", "load_profile", "profile_names", "signal_conflict"]
 
 AUTO = "auto"
 AUTO_VARS = ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
@@ -111,22 +111,11 @@ def load_profile(name: str) -> Profile:
 # --------------------------------------------------------------------------------------------- signals
 
 
-def signal_number(name: str) -> int | None:
-    """``"USR2"`` / ``"SIGUSR2"`` / ``"12"`` -> 12; None if unknown."""
-    text = str(name).strip().upper()
-    if text.isdigit():
-        return int(text)
-    try:
-        return int(signal.Signals[text if text.startswith("SIG") else f"SIG{text}"])
-    except KeyError:
-        return None
-
-
 def signal_conflict(proxy_dump_signal: str | None, preempt_signal: str | None) -> str | None:
     """Warning text when NCCL_PROXY_DUMP_SIGNAL is the preemption signal (NCCL would eat the warning)."""
     if not proxy_dump_signal or not preempt_signal:
         return None
-    proxy, ours = signal_number(proxy_dump_signal), signal_number(preempt_signal)
+    proxy, ours = parse_signal(proxy_dump_signal), parse_signal(preempt_signal)
     if proxy is None or proxy != ours:
         return None
     return (

@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 import math
-import signal
 from collections.abc import Sequence
 from pathlib import Path
 
 from hpcdist.config import layout
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.schema import JobConfig
+from hpcdist.signals import parse_signal
 
 __all__ = [
     "BYTE_VOCAB",
@@ -96,8 +96,7 @@ def check(cfg: JobConfig) -> list[str]:
          "train.eval_every_steps", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"],
         allow_zero=True,
     )  # fmt: skip
-    sig = cfg.fault.requeue_signal.upper()
-    if (sig if sig.startswith("SIG") else f"SIG{sig}") not in signal.Signals.__members__:
+    if parse_signal(cfg.fault.requeue_signal, numbers=False) is None:
         p.append(f"fault.requeue_signal: {cfg.fault.requeue_signal!r} is not a signal name; use e.g. USR2, USR1")
     for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes"):
         if getattr(cfg.fault, key) < 0:

@@ -13,7 +13,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -26,6 +25,7 @@ import torch
 
 from hpcdist import __version__ as hpcdist_version
 from hpcdist.env import DistEnv
+from hpcdist.signals import parse_signal
 
 __all__ = ["Finding", "collect_local", "distinct", "field", "findings", "is_secret", "masked_environ"]
 
@@ -287,13 +287,8 @@ def _nccl_ifname_matches(value: str, names: list[str]) -> tuple[list[str], list[
 
 
 def _signal_number(name: str) -> int | None:
-    text = name.strip().upper()
-    if text.isdigit():
-        return int(text)
-    try:
-        return int(signal.Signals[text if text.startswith("SIG") else f"SIG{text}"])
-    except KeyError:
-        return None
+    sig = parse_signal(name)
+    return None if sig is None else int(sig)
 
 
 def _versions(records: list[dict[str, Any]]) -> list[Finding]:

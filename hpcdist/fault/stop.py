@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hpcdist.env import SlurmJob
 from hpcdist.logging_utils import get_logger
+from hpcdist.signals import parse_signal
 
 log = get_logger(__name__)
 
@@ -37,8 +38,11 @@ class StopReason(enum.IntEnum):
 
 
 def signal_number(name: str) -> signal.Signals:
-    name = name.upper()
-    return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    """A validated signal name (config rules checked it) -> the signal; KeyError if it names none."""
+    sig = parse_signal(name)
+    if sig is None:
+        raise KeyError(name)
+    return sig
 
 
 class StopFlag:

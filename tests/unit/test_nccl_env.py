@@ -16,6 +16,7 @@ from hpcdist.config import nccl_profiles as profiles
 from hpcdist.config.nccl_profiles import load_profile
 from hpcdist.launch import nccl
 from hpcdist.launch.nccl import NetLookup, apply_to_environ, auto_hcas, resolve_env
+from hpcdist.signals import parse_signal
 
 PROFILES = resources.paths("nccl")
 
@@ -254,7 +255,8 @@ def test_parse_ip_addr() -> None:
 
 
 def test_signal_conflict() -> None:
-    assert profiles.signal_number("USR2") == profiles.signal_number("SIGUSR2") == profiles.signal_number("12") == 12
+    assert parse_signal("USR2") == parse_signal("SIGUSR2") == parse_signal(" usr2 ") == parse_signal("12") == 12
+    assert parse_signal("12", numbers=False) is None and parse_signal("NOPE") is None and parse_signal("999") is None
     assert profiles.signal_conflict("12", "USR2") is not None
     assert "NCCL_PROXY_DUMP_SIGNAL=12" in (profiles.signal_conflict("12", "SIGUSR2") or "")
     assert profiles.signal_conflict("10", "USR2") is None  # USR1
