@@ -1,7 +1,7 @@
 """The strategy seam: what the train loop calls, whatever the parallelism underneath.
 
 The loop only ever calls ``forward_backward(batch)``, ``optimizer_step()``, ``eval_loss(batch)`` and the
-checkpoint hooks. Each strategy (DDP now; ZeRO, FSDP2, 3D later) implements them once, so adding one never
+checkpoint hooks. Each strategy (DDP, FSDP2, ZeRO, 3D) implements them once, so adding one never
 touches the loop.
 """
 
