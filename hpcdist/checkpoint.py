@@ -113,7 +113,7 @@ class CheckpointManager:
     ):
         self.root, self.rank, self.world_size = Path(root), rank, world_size
         self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
-        self._pending: Future[Any] | None = None
+        self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
         self._pg = self._async_pg = None
         if dist.is_initialized():
             # CPU groups of their own: agreement flags and manifest gathers work on NCCL jobs too; async DCP runs
@@ -158,9 +158,22 @@ class CheckpointManager:
         if state.save_native is not None:  # synchronous, collective; before the marker like every other file
             state.save_native(path / NATIVE)
         if self.async_save:
-            fut = dcp.async_save(state.dcp_state(), checkpoint_id=str(path), process_group=self._async_pg)
-            fut.add_done_callback(lambda f: self._finish_async(f, path, step, t0))
-            self._pending = fut
+            # wait() must mean "complete", not "shards written": CPython wakes a future's result() waiters before its
+            # done-callbacks run, so waiting on DCP's future would return while the callback still hashes and writes
+            # the marker. The callback resolves a future of our own once it is done, whatever happened.
+            done: Future[bool] = Future()
+
+            def shards_written(fut: Future[Any]) -> None:
+                ok = False
+                try:
+                    ok = self._finish_async(fut, path, step, t0)
+                finally:
+                    done.set_result(ok)
+
+            self._pending = done
+            dcp.async_save(state.dcp_state(), checkpoint_id=str(path), process_group=self._async_pg).add_done_callback(
+                shards_written
+            )
             return
         with _single_process_ok():
             dcp.save(state.dcp_state(), checkpoint_id=str(path))
@@ -183,16 +196,19 @@ class CheckpointManager:
             log.info("checkpoint %s complete (%.2fs)", path, seconds)
             self._prune()
 
-    def _finish_async(self, fut: Future[Any], path: Path, step: int, t0: float) -> None:
+    def _finish_async(self, fut: Future[Any], path: Path, step: int, t0: float) -> bool:
+        """True when this rank's part of an async save is done (rank 0: manifest and marker written)."""
         # runs in DCP's background thread on every rank once the shards (and .metadata) are written: rank 0
         # hashes alone here (no collectives off the main thread), off the training's critical path
         if fut.exception() is not None:
             log.error("async checkpoint %s failed: %s; it stays incomplete", path, fut.exception())
-            return
+            return False
         if self.rank == 0:
             err = _attempt(lambda: (self._write_manifest(path, distributed=False), self._complete(path, step, t0)))
             if err is not None:
                 log.error("async checkpoint %s failed: %s; it stays incomplete", path, err)
+                return False
+        return True
 
     def _abandon(self, path: Path, step: int) -> None:
         previous = latest(self.root, warn=False)
@@ -209,13 +225,16 @@ class CheckpointManager:
             shutil.rmtree(path, ignore_errors=True)  # frees the space; it never had a marker
         _barrier(self._pg)
 
-    def wait(self) -> None:
-        """Block until an async save in flight is complete (call before exit and before the next save)."""
+    def wait(self) -> bool:
+        """Block until an async save in flight is complete (manifest and marker on disk) or has failed (logged; it
+        stays incomplete). Call before exit, before a requeue and before the next save. False if it failed on this
+        rank (rank 0 also writes the marker); after the barrier every rank sees rank 0's marker."""
+        ok = True
         if self._pending is not None:
-            with contextlib.suppress(Exception):  # a failed async save is logged by its callback; it stays incomplete
-                self._pending.result()
+            ok = self._pending.result()
             self._pending = None
         _barrier()
+        return ok
 
     def _prune(self) -> None:
         complete, incomplete = list_checkpoints(self.root)

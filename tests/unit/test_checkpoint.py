@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,45 @@ def test_manifest_round_trip_hashes_like_sha256(tmp_path: Path) -> None:
     (d / "sub/above.bin").write_bytes(bytes(altered))
     assert mgr.verify(d, "size") == []
     assert mgr.verify(d, "checksum") == ["sub/above.bin: sha256 differs from the manifest (altered)"]
+
+
+def _linear_state(model: torch.nn.Module, step: int = 1) -> checkpoint.Stateful:
+    return checkpoint.Stateful(
+        dcp_state=lambda: {"model": model.state_dict()},
+        load_dcp_state=lambda s: None,
+        trainer_state=lambda: {"step": step},
+        load_trainer_state=lambda s: None,
+    )
+
+
+def test_async_wait_returns_only_after_manifest_and_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """wait() means complete: the caller requeues or exits right after it (issue 13.1). CPython wakes a future's
+    result() waiters before its done-callbacks run, and the callback writes MANIFEST and COMPLETE: hashing a large
+    state takes long, so a slow manifest makes the race certain here."""
+    real = CheckpointManager._write_manifest
+
+    def slow_manifest(self: CheckpointManager, path: Path, *, distributed: bool) -> None:
+        time.sleep(0.5)
+        real(self, path, distributed=distributed)
+
+    monkeypatch.setattr(CheckpointManager, "_write_manifest", slow_manifest)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, async_save=True)
+    path = mgr.save(1, _linear_state(torch.nn.Linear(8, 8)))
+    assert path is not None
+    mgr.wait()
+    assert (path / MANIFEST).is_file() and (path / MARKER).is_file(), sorted(p.name for p in path.iterdir())
+    assert latest(tmp_path) == path
+
+
+def test_async_save_that_fails_to_complete_is_reported_by_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest/marker failure in the background is known when wait() returns (logged; no marker, not resumed)."""
+
+    def broken_manifest(self: CheckpointManager, path: Path, *, distributed: bool) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(CheckpointManager, "_write_manifest", broken_manifest)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, async_save=True)
+    path = mgr.save(1, _linear_state(torch.nn.Linear(8, 8)))
+    assert path is not None
+    assert mgr.wait() is False
+    assert not (path / MARKER).exists() and latest(tmp_path) is None
