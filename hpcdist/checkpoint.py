@@ -13,8 +13,11 @@ Layout of one checkpoint, ``<dir>/step-00001234/``:
 A directory without ``COMPLETE`` is a crashed or in-flight save: resume ignores it (with a warning) and
 pruning never deletes a complete checkpoint before a newer one is complete. Resume verifies the newest complete
 checkpoint against its manifest; a damaged one (missing, truncated or altered file) is demoted (``COMPLETE``
-renamed ``DAMAGED``) with a warning naming the file, and the previous one is used. A save that fails (disk full)
-on any rank is abandoned by all ranks together: its directory is removed and training continues.
+renamed ``DAMAGED``) with a warning naming the file, and the previous one is used. Damaged directories are never
+deleted: pruning skips them, a new save of the same step moves the old one aside (``step-N.damaged-<time>``), and
+when every checkpoint is damaged resume refuses to start from step 0 unless ``checkpoint.resume=none`` says so.
+A save that fails (disk full) on any rank is abandoned by all ranks together: its directory is removed and
+training continues.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcdist.atomic import atomic_write
+from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
 
 MARKER = "COMPLETE"
@@ -145,7 +149,11 @@ class CheckpointManager:
 
     def _prepare(self, path: Path) -> None:
         if self.rank == 0:
-            if path.exists():  # leftover of a crashed save at the same step: never mix old and new shards
+            if (path / DAMAGED).is_file():  # a demoted checkpoint is evidence: moved aside, never deleted
+                aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+                path.rename(aside)
+                log.warning("kept the damaged %s as %s (saving step %s again)", path.name, aside.name, path.name[5:])
+            elif path.exists():  # leftover of a crashed save at the same step: never mix old and new shards
                 shutil.rmtree(path)
             (path / "rng").mkdir(parents=True)
 
@@ -241,8 +249,8 @@ class CheckpointManager:
         for _, d in complete[: -self.keep_last]:
             shutil.rmtree(d, ignore_errors=True)
         newest = complete[-1][0] if complete else -1
-        for d in incomplete:  # crashed saves older than a complete checkpoint are garbage
-            if int(d.name.split("-")[1]) < newest:
+        for d in incomplete:  # crashed saves older than a complete checkpoint are garbage; damaged ones are kept
+            if int(d.name.split("-")[1]) < newest and not (d / DAMAGED).exists():
                 shutil.rmtree(d, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ collectives
@@ -302,6 +310,14 @@ class CheckpointManager:
                 if not problems:
                     return path
                 self._demote(path, problems)
+            damaged = [d for d in list_checkpoints(self.root)[1] if (d / DAMAGED).is_file()]
+            if damaged:  # starting from step 0 would silently drop the progress they hold
+                raise ConfigError([
+                    f"checkpoint.resume=auto: no intact checkpoint in {self.root}, only damaged ones ("
+                    f"{', '.join(d.name for d in damaged)}; the warnings above say which file); nothing was deleted. "
+                    "Set checkpoint.resume=none to start from step 0 anyway (they are kept), or repair one, rename "
+                    f"its {DAMAGED} file back to {MARKER} and set checkpoint.resume=<its path>"
+                ])  # fmt: skip
             return None
         path = Path(resume)
         if not (path / MARKER).is_file():

@@ -66,6 +66,8 @@ def test_damaged_newest_checkpoint_falls_back(small_cfg, tmp_path, capfd, damage
     assert resumed["losses"] == {s: v for s, v in straight["losses"].items() if s > 4}
     assert (newest / MARKER).is_file()  # step 6 was saved again over the damaged one (which had been demoted)
     assert not (newest / DAMAGED).exists()
+    (aside,) = cfg.checkpoint_dir.glob("step-00000006.damaged-*")  # the damaged one kept, not overwritten
+    assert (aside / DAMAGED).is_file()
 
 
 def test_explicit_resume_of_a_damaged_checkpoint_is_refused(small_cfg, tmp_path) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from hpcdist import checkpoint
 from hpcdist.checkpoint import MANIFEST, MARKER, STATE_FILE, CheckpointManager, latest, list_checkpoints
+from hpcdist.config import ConfigError
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single
 
@@ -153,3 +154,35 @@ def test_async_save_that_fails_to_complete_is_reported_by_wait(tmp_path: Path, m
     assert path is not None
     assert mgr.wait() is False
     assert not (path / MARKER).exists() and latest(tmp_path) is None
+
+
+def _flip_a_byte(ckpt: Path) -> None:
+    shard = sorted(ckpt.glob("*.distcp"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def test_all_checkpoints_damaged_refuses_to_start_fresh_and_deletes_nothing(small_cfg) -> None:
+    """Issue 13.5: every checkpoint damaged used to mean a silent restart from step 0, and the new run's saves then
+    deleted the damaged directories (the docs say they are kept)."""
+    over = ("train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=1", "train.micro_batch_size=4")
+    cfg = small_cfg(*over, "checkpoint.keep_last=5")
+    single(_train, cfg)
+    for step in (2, 4):
+        _flip_a_byte(cfg.checkpoint_dir / f"step-{step:08d}")
+
+    with pytest.raises(ConfigError) as err:
+        single(_train, small_cfg(*over, "train.steps=6"))
+    text = str(err.value)
+    assert "step-00000002" in text and "step-00000004" in text and "checkpoint.resume=none" in text
+    assert all((cfg.checkpoint_dir / f"step-{s:08d}" / checkpoint.DAMAGED).is_file() for s in (2, 4))
+
+    # the explicit override starts fresh; the damaged directories survive its saves and its pruning (keep_last=1)
+    _, fresh = single(_train, small_cfg(*over, "train.steps=6", "checkpoint.resume=none"))
+    assert fresh.resumed_from is None and fresh.step == 6
+    kept = sorted(p.name for p in cfg.checkpoint_dir.iterdir() if (p / checkpoint.DAMAGED).is_file())
+    assert [name.split(".")[0] for name in kept] == ["step-00000002", "step-00000004"], kept
+    assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [6]
+    # and a damaged directory is never taken for a complete one again
+    assert latest(cfg.checkpoint_dir) == cfg.checkpoint_dir / "step-00000006"
