@@ -87,6 +87,11 @@ def latest(root: Path, *, warn: bool = True) -> Path | None:
     return complete[-1][1] if complete else None
 
 
+class CheckpointMismatch(ValueError):
+    """An intact checkpoint that does not fit this job (another model, a ZeRO world size): resume stops with this
+    message and the checkpoint is kept as it is (never demoted like a damaged one)."""
+
+
 @dataclass
 class Stateful:
     """What a checkpoint holds, as callables so the manager never knows the strategy's types."""
@@ -254,9 +259,10 @@ class CheckpointManager:
                 shutil.rmtree(d, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ collectives
-    def _all_ok(self, err: BaseException | None) -> bool:
-        """Collective: True iff no rank failed; each failure is logged by the rank that had it."""
-        if err is not None:
+    def _all_ok(self, err: BaseException | None, *, log_error: bool = True) -> bool:
+        """Collective: True iff no rank failed; each failure is logged by the rank that had it (unless the caller
+        reports it itself)."""
+        if err is not None and log_error:
             log.error("rank %d: checkpoint I/O failed: %s: %s", self.rank, type(err).__name__, err)
         if self._pg is None:
             return err is None
@@ -280,12 +286,11 @@ class CheckpointManager:
         mode = mode or self.verify_mode
         if mode == "none":
             return []
-        if not (path / MANIFEST).is_file():
-            log.warning("%s has no %s (an older hpcdist wrote it): it is not verified", path, MANIFEST)
-            return []
+        if not (path / MANIFEST).is_file():  # every save writes one before the marker: it was removed
+            return [f"{MANIFEST}: missing, so nothing in it can be verified (set checkpoint.verify=none to trust it)"]
         try:
-            manifest: dict[str, dict[str, Any]] = json.loads((path / MANIFEST).read_text())["files"]
-        except (OSError, ValueError, KeyError) as e:
+            manifest = _read_manifest(path / MANIFEST, checksum=mode == "checksum")
+        except (OSError, ValueError) as e:
             return [f"{MANIFEST}: unreadable ({e})"]
         present = set(_files(path))
         problems = [f"{rel}: missing" for rel in sorted(set(manifest) - present)]
@@ -329,6 +334,53 @@ class CheckpointManager:
             raise ValueError(f"checkpoint.resume: {path} is damaged: {'; '.join(problems)}")
         return path
 
+    def _check_model_shapes(self, path: Path, metadata: Any, model: dict[str, Any]) -> None:
+        """Collective: CheckpointMismatch naming the parameters when the checkpoint's model is not this model.
+
+        Without it a smaller model loaded a bigger one's checkpoint silently (DCP loads only the keys asked for)
+        and a bigger one failed inside DCP with a message that hid the cause. Keys are compared over all ranks
+        (a pipeline stage holds only its own layers); shapes are global (DTensor), so layouts do not matter."""
+        saved = {
+            key[len("model.") :]: tuple(meta.size)
+            for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and hasattr(meta, "size")
+        }
+        mine = {k: tuple(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
+        wanted = set(mine)
+        if self._pg is not None:
+            parts: list[list[str]] = [[] for _ in range(self.world_size)]
+            dist.all_gather_object(parts, sorted(mine), group=self._pg)
+            wanted = {k for part in parts for k in part}
+        problems = [f"{k}: not in the checkpoint" for k in sorted(set(mine) - set(saved))]
+        problems += [f"{k}: in the checkpoint, not in this model" for k in sorted(set(saved) - wanted)]
+        problems += [
+            f"{k}: checkpoint {list(saved[k])}, this model {list(shape)}"
+            for k, shape in sorted(mine.items())
+            if k in saved and saved[k] != shape
+        ]
+        if problems:
+            shown = "; ".join(problems[:3]) + (f"; ... ({len(problems)} in all)" if len(problems) > 3 else "")
+            raise CheckpointMismatch(
+                f"{path} holds a different model ({shown}): model.* must match the run that saved it; use a new "
+                "run.dir (or checkpoint.resume=none) to train this model from scratch"
+            )
+
+    def restore(self, resume: str, state: Stateful) -> Path | None:
+        """``resolve`` + ``load``: the checkpoint restored into ``state``, or None (start fresh). With ``auto``, a
+        checkpoint that verifies but cannot be loaded (any error, on any rank) is demoted like a damaged one and
+        the previous one is tried; an explicitly named one that cannot be loaded raises ValueError."""
+        while (path := self.resolve(resume)) is not None:
+            err = _attempt(lambda: self.load(path, state))
+            if self._all_ok(err, log_error=False):
+                return path
+            if isinstance(err, CheckpointMismatch):  # intact, just not this job's: never demoted
+                raise err
+            why = f"{type(err).__name__}: {err}" if err is not None else "loading failed on another rank"
+            if resume != "auto":
+                raise ValueError(f"checkpoint.resume: {path} cannot be loaded: {why}")
+            self._demote(path, [f"loading failed: {why}"])
+        return None
+
     def _demote(self, path: Path, problems: list[str]) -> None:
         """A damaged checkpoint is never a resume candidate again: its marker is renamed (files kept to inspect)."""
         log.warning("checkpoint %s is damaged, using the previous complete one: %s", path, "; ".join(problems))
@@ -339,6 +391,14 @@ class CheckpointManager:
         _barrier(self._pg)
 
     def load(self, path: Path, state: Stateful) -> dict[str, Any]:
+        """Collective: restore ``path`` into ``state``; the trainer state as saved. Raises on any problem; the
+        per-rank files are read first, so a rank that fails there fails before the collective part."""
+        trainer_state = json.loads((path / STATE_FILE).read_bytes())
+        if not isinstance(trainer_state, dict):
+            raise ValueError(f"{STATE_FILE} holds {type(trainer_state).__name__}, not the trainer's state")
+        rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
+        # absent when resuming on more ranks than saved: those ranks keep their seeded RNG
+        rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
         if state.load_native is not None and (path / NATIVE).is_dir():
             state.load_native(path / NATIVE)
         else:
@@ -348,15 +408,13 @@ class CheckpointManager:
             for part in [k for k in dest if k not in saved]:  # e.g. a ZeRO checkpoint's DCP part has no "optim"
                 log.warning("%s holds no %r state: it is not restored (starts fresh)", path, part)
                 del dest[part]
+            self._check_model_shapes(path, metadata, dest.get("model", {}))
             with _single_process_ok():
                 dcp.load(dest, checkpoint_id=str(path))
             state.load_dcp_state(dest)
-        trainer_state = json.loads((path / STATE_FILE).read_text())
         state.load_trainer_state(trainer_state)
-        rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
-        if rng_file.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seeded RNG
-            _set_rng_state(torch.load(rng_file, weights_only=True))
-        _barrier()
+        if rng is not None:
+            _set_rng_state(rng)
         return trainer_state
 
 
@@ -380,6 +438,21 @@ def _attempt(fn: Callable[[], Any]) -> BaseException | None:
     except (Exception, CheckpointException) as e:  # OSError (ENOSPC, EIO, EDQUOT); DCP's wrapper of rank errors
         return e  # (CheckpointException is a BaseException: a bare `except Exception` would let it through)
     return None
+
+
+def _read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size", "sha256"}}; ValueError naming the first malformed part (a flipped byte in a key
+    must demote the checkpoint, not crash the resume)."""
+    data = json.loads(file.read_bytes())
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        raise ValueError('no "files" mapping')
+    for rel, entry in files.items():
+        size = entry.get("size") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        if not isinstance(size, int) or size < 0 or (checksum and not re.fullmatch(r"[0-9a-f]{64}", str(digest))):
+            raise ValueError(f"malformed entry for {rel!r}: {entry!r}")
+    return files
 
 
 def _files(path: Path) -> list[str]:

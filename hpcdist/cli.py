@@ -272,13 +272,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"train: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --dry-run "
             "(a real run takes its ranks from torchrun or srun)"
         )
+    from hpcdist.checkpoint import CheckpointMismatch
     from hpcdist.config import ConfigError
     from hpcdist.launch.job import SlurmEnvironment
     from hpcdist.run import main as run_main
 
     try:
         return run_main(args.config, args.overrides, job=SlurmEnvironment()).exit_code
-    except ConfigError as e:
+    except (ConfigError, CheckpointMismatch) as e:  # one readable message, no traceback, once per job
         return _config_error_once(e)
 
 

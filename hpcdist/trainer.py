@@ -99,7 +99,7 @@ class Trainer:
         self.dp_rank = self.dims.dp_rank(env.rank)
         self.run_dir = Path(cfg.run.dir)
         if env.is_main:
-            config_mod.save(cfg, self.run_dir / "config.yaml")
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self._record_layout()
         self.step, self.tokens_seen = 0, 0
 
@@ -130,6 +130,8 @@ class Trainer:
         # rank 0 accounts the run's wall time (training, checkpoints, restarts) across attempts in goodput.json
         self.goodput = Goodput(self.run_dir, enabled=env.is_main)
         self.resumed_from = self._resume()
+        if env.is_main:  # after the resume was accepted: a refused one leaves the saved run's config.yaml as it was
+            config_mod.save(cfg, self.run_dir / "config.yaml")
         f = cfg.fault
         self.stop_flag = StopFlag(rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal)
         self.watchdog = HangWatchdog(
@@ -186,12 +188,11 @@ class Trainer:
         self.strategy.load_scheduler_state(state["scheduler"])
 
     def _resume(self) -> str | None:
-        path = self.ckpt.resolve(self.cfg.checkpoint.resume)
+        t0 = time.perf_counter()
+        path = self.ckpt.restore(self.cfg.checkpoint.resume, self.stateful())
         if path is None:
             log.info("starting fresh (no complete checkpoint in %s)", self.cfg.checkpoint_dir)
             return None
-        t0 = time.perf_counter()
-        self.ckpt.load(path, self.stateful())
         seconds = time.perf_counter() - t0
         self.goodput.add("restore", seconds)
         log.info("resumed from %s at step %d (%.2fs)", path, self.step, seconds)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from hpcdist.checkpoint import CheckpointMismatch
 from hpcdist.parallel.base import Strategy, cross_entropy
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class ZeroStrategy(Strategy):
     def load_dcp_state(self, state: dict[str, Any]) -> None:
         """Weights only, from a DDP/FSDP checkpoint (stages 1 and 2); the optimizer moments start from zero."""
         if self.stage == 3:
-            raise ValueError(
+            raise CheckpointMismatch(
                 "parallel.zero.stage=3 resumes only from its own checkpoints (step-N/native/); to start from a "
                 "DDP/FSDP checkpoint's weights, resume it with parallel.zero.stage=1 or 2, or with fsdp"
             )
@@ -215,7 +216,7 @@ class ZeroStrategy(Strategy):
         saved = _saved_world_size(path)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if saved is not None and saved != world:
-            raise ValueError(
+            raise CheckpointMismatch(
                 f"{path.parent} was saved by parallel.strategy=zero on {saved} ranks and this job has {world}: "
                 f"DeepSpeed's optimizer partitions are per rank. Resume on {saved} ranks, or point "
                 "checkpoint.resume at it from a ddp/fsdp run (weights only)"

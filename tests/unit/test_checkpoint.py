@@ -186,3 +186,59 @@ def test_all_checkpoints_damaged_refuses_to_start_fresh_and_deletes_nothing(smal
     assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [6]
     # and a damaged directory is never taken for a complete one again
     assert latest(cfg.checkpoint_dir) == cfg.checkpoint_dir / "step-00000006"
+
+
+def _two_checkpoints(small_cfg, *extra: str):
+    over = ("train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=4", *extra)
+    cfg = small_cfg(*over)
+    single(_train, cfg)
+    return cfg, cfg.checkpoint_dir / "step-00000004"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["manifest-key-flipped", "manifest-not-json", "manifest-deleted-and-shard-altered", "trainer-state-garbage"],
+)
+def test_any_problem_verifying_or_loading_falls_back_to_the_previous(
+    small_cfg, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 13.6: a malformed manifest crashed every resume (KeyError); a deleted one turned verification off, so
+    an altered shard loaded; a garbage trainer_state.json crashed with UnicodeDecodeError. Each must demote the
+    checkpoint with a warning and resume from the previous one."""
+    verify = ["checkpoint.verify=none"] if damage == "trainer-state-garbage" else []  # only loading can see it
+    _, newest = _two_checkpoints(small_cfg, *verify)
+    manifest = newest / MANIFEST
+    if damage == "manifest-key-flipped":
+        manifest.write_text(manifest.read_text().replace('"size"', '"rize"', 1))
+    elif damage == "manifest-not-json":
+        manifest.write_bytes(b"\xff\xfe not json")
+    elif damage == "manifest-deleted-and-shard-altered":
+        manifest.unlink()
+        _flip_a_byte(newest)
+    else:
+        (newest / STATE_FILE).write_bytes(b"\x80\x81\x82 garbage")
+    capsys.readouterr()
+
+    _, resumed = single(_train, small_cfg("train.steps=6", "checkpoint.every_steps=2", "train.micro_batch_size=4",
+                                          "checkpoint.keep_last=5", *verify))  # fmt: skip
+    out = capsys.readouterr().out
+    assert resumed.resumed_from.endswith("step-00000002"), out[-2000:]
+    assert "step-00000004 is damaged" in out
+    assert resumed.step == 6
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ("model.n_layers=1", "layers.1.attention.wq.weight: in the checkpoint, not in this model"),
+    ("model.n_layers=3", "layers.2.attention.wq.weight: not in the checkpoint"),
+    ("model.ffn_dim=256", "checkpoint [128, 64], this model [256, 64]"),
+])  # fmt: skip
+def test_a_different_model_is_refused_and_its_checkpoint_kept(small_cfg, change: str, says: str) -> None:
+    """Issue 13.4 (part): 2 layers -> 1 used to "resume" silently, dropping a layer and its optimizer state. The
+    refusal names the parameters; the intact checkpoint is not demoted."""
+    over = ("train.steps=2", "checkpoint.every_steps=2", "train.micro_batch_size=4")
+    cfg = small_cfg(*over)
+    single(_train, cfg)
+    with pytest.raises(checkpoint.CheckpointMismatch, match="holds a different model") as err:
+        single(_train, small_cfg(*over, "train.steps=4", change))
+    assert says in str(err.value)
+    assert (cfg.checkpoint_dir / "step-00000002" / MARKER).is_file()
