@@ -21,11 +21,12 @@ import torch
 
 from hpcdist import config as config_mod
 from hpcdist import planner
+from hpcdist.checkpoint import MARKER, step_dir
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
 from hpcdist.fault import failures
 from hpcdist.fault.hang import collective_timeout_s, configure_collectives
-from hpcdist.fault.stop import StopReason
+from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.trainer import Trainer, TrainResult
 
@@ -57,7 +58,9 @@ def resolve_auto(cfg: JobConfig, env: DistEnv) -> JobConfig:
     return cfg
 
 
-def train(cfg: JobConfig, env: DistEnv, *, job: JobEnvironment | None = None) -> TrainResult:
+def train(
+    cfg: JobConfig, env: DistEnv, *, job: JobEnvironment | None = None, stop_flag: StopFlag | None = None
+) -> TrainResult:
     """One rank's training once the process group exists (or there is one rank): Trainer -> train -> after-stop.
 
     ``job`` decides what a stop means (requeue or exit); without one the run simply ends after its checkpoint. An
@@ -70,7 +73,7 @@ def train(cfg: JobConfig, env: DistEnv, *, job: JobEnvironment | None = None) ->
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     trainer = None
     try:
-        trainer = Trainer(cfg, env)
+        trainer = Trainer(cfg, env, stop_flag=stop_flag)
         result = trainer.train()
         if result.stop_reason != StopReason.NONE:
             # the checkpoint is complete (train() waited for it): requeueing or exiting now loses no step
@@ -81,6 +84,8 @@ def train(cfg: JobConfig, env: DistEnv, *, job: JobEnvironment | None = None) ->
                          result.stop_reason.name)  # fmt: skip
         return result
     except Exception as e:
+        if stop_flag is not None:
+            stop_flag.uninstall()
         failures.record_exception(cfg.run.dir, e, rank=env.rank, host=env.hostname,
                                   step=trainer.step if trainer else None)  # fmt: skip
         if trainer is not None:
@@ -115,13 +120,24 @@ def main(
     failures.announce_task(cfg.run.dir, rank=env.rank, host=env.hostname)
     for warning in configure_collectives(os.environ, cfg.run.dir):
         log.warning("%s", warning)
-    # collectives time out a minute after the hang watchdog, which reports first (with stacks and suspects)
-    init_process_group(env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s))
+    # from here on a signal is remembered, not fatal: start-up (process group, data, model, resume) can take
+    # minutes, and USR2's default action would kill the rank and have the node blamed for it
+    stop_flag = StopFlag(rank=env.rank, device=env.torch_device(), requeue_signal=cfg.fault.requeue_signal).install()
     try:
-        result = train(cfg, env, job=job)
+        # collectives time out a minute after the hang watchdog, which reports first (with stacks and suspects)
+        init_process_group(env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s))
+        try:
+            result = train(cfg, env, job=job, stop_flag=stop_flag)
+        finally:
+            destroy_process_group()
     finally:
-        destroy_process_group()
-    if env.is_main and result.losses:
+        stop_flag.uninstall()
+    if env.is_main and result.stop_reason != StopReason.NONE and result.step < cfg.train.steps:
+        ckpt = step_dir(cfg.checkpoint_dir, result.step)
+        saved = "complete" if (ckpt / MARKER).is_file() else "NOT saved (see the errors above)"
+        print(f"stopped early by {result.stop_reason.signal_name}: step {result.step} of {cfg.train.steps}, "
+              f"checkpoint {ckpt} {saved}; run the same command again to continue")  # fmt: skip
+    elif env.is_main and result.losses:
         first, last = min(result.losses), max(result.losses)
         print(f"done: step {result.step}, loss {result.losses[first]:.4f} (step {first}) -> "
               f"{result.losses[last]:.4f} (step {last}); run dir {cfg.run.dir}")  # fmt: skip

@@ -86,7 +86,9 @@ def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, env: DistEnv):
+    def __init__(self, cfg: JobConfig, env: DistEnv, *, stop_flag: StopFlag | None = None):
+        """``stop_flag``: one already installed by the caller (hpcdist.run installs it before the start-up, so a
+        signal during data preparation, model build or resume is remembered); else one is made here."""
         setup_logging(env.rank, level=cfg.run.log_level)
         if cfg.parallel.strategy == "auto":
             # the planner runs once, before the process group, in hpcdist.run.resolve_auto (the trainer imports no
@@ -133,7 +135,9 @@ class Trainer:
         if env.is_main:  # after the resume was accepted: a refused one leaves the saved run's config.yaml as it was
             config_mod.save(cfg, self.run_dir / "config.yaml")
         f = cfg.fault
-        self.stop_flag = StopFlag(rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal)
+        self.stop_flag = stop_flag or StopFlag(
+            rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal
+        )
         self.watchdog = HangWatchdog(
             rank=env.rank, world_size=env.world_size, host=env.hostname, run_dir=self.run_dir,
             timeout_s=f.watchdog_timeout_s, on_fire=self.goodput.flush,
@@ -211,7 +215,7 @@ class Trainer:
         """Train to ``train.steps``; ``until`` stops earlier (an interruption: a checkpoint is saved there)."""
         cfg, result = self.cfg, TrainResult(step=self.step, resumed_from=self.resumed_from)
         end = min(cfg.train.steps, until) if until is not None else cfg.train.steps
-        self.stop_flag.install()  # signal handlers only while the loop runs; close() restores the old ones
+        self.stop_flag.install()  # if the caller has not; close() restores the previous handlers
         self.goodput.begin(self.step if self.resumed_from else None)
         self.watchdog.start()
         try:

@@ -6,7 +6,11 @@ Signals (both configurable through ``fault``):
   job environment requeues: hpcdist.run's after-stop decision, hpcdist.launch.requeue);
 - SIGTERM: SLURM is ending the job now (scancel, preemption with GraceTime, or the time limit itself) ->
   StopReason.TERMINATE (checkpoint and exit without requeueing; a preempting SLURM requeues the job itself when
-  configured to).
+  configured to);
+- SIGINT (Ctrl-C): StopReason.INTERRUPT, like SIGTERM; a second Ctrl-C aborts at once, without a checkpoint.
+
+The handlers are installed by hpcdist.run before the long start-up (data, model, resume), so a signal that arrives
+then is remembered and acted on after the first steps instead of killing the rank (USR2's default action).
 
 A handler only sets a flag: doing work inside a signal handler could interrupt a collective half-way on one
 rank. Agreement uses one MAX all-reduce of a single integer per step, so every rank leaves the loop after the
@@ -17,6 +21,7 @@ the checkpoint (requeue or exit) is not decided here: the trainer returns the ag
 from __future__ import annotations
 
 import enum
+import os
 import signal
 from collections.abc import Iterable
 from types import FrameType
@@ -32,9 +37,16 @@ log = get_logger(__name__)
 
 
 class StopReason(enum.IntEnum):
+    """Ordered: the strongest reason any rank saw wins the agreement (never requeue a cancelled job)."""
+
     NONE = 0
     TIME_LIMIT = 1  # the requeue signal: save, requeue, come back
-    TERMINATE = 2  # SIGTERM: save and leave
+    INTERRUPT = 2  # SIGINT (Ctrl-C): save and leave
+    TERMINATE = 3  # SIGTERM: save and leave
+
+    @property
+    def signal_name(self) -> str:
+        return {StopReason.INTERRUPT: "SIGINT", StopReason.TERMINATE: "SIGTERM"}.get(self, "the requeue signal")
 
 
 def signal_number(name: str) -> signal.Signals:
@@ -66,7 +78,9 @@ class StopFlag:
 
     def install(self, extra: Iterable[signal.Signals] = ()) -> StopFlag:
         """Take over the signals (replacing submitit's own rank-0 checkpoint handler: ours saves on all ranks)."""
-        for sig in (self.requeue_signal, signal.SIGTERM, *extra):
+        if self._previous:  # installed already (hpcdist.run does it before the start-up; the loop again)
+            return self
+        for sig in (self.requeue_signal, signal.SIGTERM, signal.SIGINT, *extra):
             self._previous[sig] = signal.signal(sig, self._on_signal)
         if self.job.job_id:
             log.info("SLURM job %s, restart %d; %s -> checkpoint + requeue, SIGTERM -> checkpoint + exit",
@@ -79,7 +93,14 @@ class StopFlag:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        reason = StopReason.TIME_LIMIT if signum == self.requeue_signal else StopReason.TERMINATE
+        if signum == signal.SIGINT:
+            reason = StopReason.INTERRUPT
+            # the next Ctrl-C gets the previous handler (KeyboardInterrupt): a way out if the checkpoint hangs
+            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))  # type: ignore[arg-type]
+            if self.rank == 0:  # os.write: logging is not safe inside a signal handler
+                os.write(2, b"\nhpcdist: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: abort)\n")
+        else:
+            reason = StopReason.TIME_LIMIT if signum == self.requeue_signal else StopReason.TERMINATE
         self._local = max(self._local, reason)  # TERMINATE wins over TIME_LIMIT: never requeue a cancelled job
 
     def request(self, reason: StopReason) -> None:

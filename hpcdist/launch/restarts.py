@@ -230,7 +230,11 @@ def after_stop(
     failures); ``max_restarts`` is fault.max_restarts."""
     job = job if job is not None else SlurmJob.from_environ()
     if reason != StopReason.TIME_LIMIT:
-        log.info("stopping on SIGTERM after a complete checkpoint; not requeueing")
+        if not job.job_id:  # the shell's convention for a process ended by that signal: 130 / 143
+            return 128 + (signal.SIGINT if reason == StopReason.INTERRUPT else signal.SIGTERM)
+        # under SLURM the job is being cancelled or preempted: a non-zero status would make the batch script's
+        # failure policy (after-step) treat it as a failure and requeue it
+        log.info("stopping on %s after a complete checkpoint; not requeueing", reason.signal_name)
         return 0
     if not job.job_id:
         log.info("stopped by %s outside SLURM; rerun with checkpoint.resume=auto to continue",
