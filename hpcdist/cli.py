@@ -274,6 +274,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     from hpcdist.checkpoint import CheckpointMismatch
     from hpcdist.config import ConfigError
+    from hpcdist.fault.nonfinite import NonFiniteError
     from hpcdist.launch.job import SlurmEnvironment
     from hpcdist.run import main as run_main
 
@@ -281,24 +282,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run_main(args.config, args.overrides, job=SlurmEnvironment()).exit_code
     except (ConfigError, CheckpointMismatch) as e:  # one readable message, no traceback, once per job
         return _config_error_once(e)
+    except NonFiniteError as e:  # every rank stops at the same step (the norm is global): say it once
+        return _config_error_once(e, code=1)
 
 
-def _config_error_once(e: Exception) -> int:
-    """A configuration error of ``hpcdist train`` under srun/torchrun, printed once per job rather than by every
-    rank: every rank loads the same config and fails the same way, so rank 0 prints it and the others exit with
-    the same status silently. Problems with run.dir / checkpoint.dir depend on the host's mounts, so the first
-    rank of every node prints those, naming its host."""
+def _config_error_once(e: Exception, code: int = 2) -> int:
+    """An error every rank of ``hpcdist train`` has alike (config, checkpoint mismatch, non-finite step), printed
+    once per job rather than by every rank: rank 0 prints it and the others exit with the same status silently.
+    Problems with run.dir / checkpoint.dir depend on the host's mounts, so the first rank of every node prints
+    those, naming its host."""
     from hpcdist.env import from_environ
 
     try:
         env = from_environ(cuda_available=False)  # rank, local rank and host only: no CUDA initialization
     except ValueError:  # a garbled launcher environment: print, as a single process would
-        return _fail(str(e))
+        return _fail(str(e), code=code)
     if env.rank == 0:
-        return _fail(str(e))
+        return _fail(str(e), code=code)
     if getattr(e, "per_host", False) and env.local_rank == 0:
-        return _fail(f"rank {env.rank} on {env.hostname}: {e}")
-    return 2  # _fail's status: every rank exits alike
+        return _fail(f"rank {env.rank} on {env.hostname}: {e}", code=code)
+    return code  # every rank exits alike
 
 
 def cmd_dry_run(args: argparse.Namespace) -> int:

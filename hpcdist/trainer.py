@@ -34,6 +34,7 @@ from hpcdist.env import DistEnv
 from hpcdist.fault import failures
 from hpcdist.fault.goodput import Goodput
 from hpcdist.fault.hang import HangWatchdog
+from hpcdist.fault.nonfinite import NonFiniteGuard
 from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.fault.stragglers import StragglerMonitor
 from hpcdist.logging_utils import get_logger, setup_logging
@@ -145,6 +146,10 @@ class Trainer:
         self.stragglers = StragglerMonitor(
             every=cfg.logging.straggler_every_steps, factor=cfg.logging.straggler_factor, device=env.torch_device()
         )
+        self.nonfinite = NonFiniteGuard(
+            mode=cfg.train.nonfinite, max_skips=cfg.train.max_nonfinite_skips, device=env.torch_device(),
+            last_checkpoint=self.resumed_from,
+        )  # fmt: skip
         self.saved_step = self.step if self.resumed_from else -1
         # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
         self.metrics = MetricsLogger(
@@ -203,9 +208,13 @@ class Trainer:
         return str(path)
 
     def save(self) -> None:
+        # a NaN model is never saved, so pruning never trades a finite checkpoint for it
+        self.nonfinite.check()
+        self.nonfinite.check_params(self.step, self.strategy.params_finite())
         self.watchdog.beat(self.step, "checkpoint save")
         t0 = time.perf_counter()
-        self.ckpt.save(self.step, self.stateful())
+        path = self.ckpt.save(self.step, self.stateful())
+        self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
         self.saved_step = self.step
         self.goodput.add("checkpoint_save", time.perf_counter() - t0)
         self.goodput.flush()
@@ -242,14 +251,16 @@ class Trainer:
             data_s = time.perf_counter() - t0  # no collective: a rank's own speed, for straggler detection
             loss = self.strategy.forward_backward(batch)
             self.watchdog.beat(self.step, "optimizer step (grad-norm all-reduce)")
-            grad_norm = self.strategy.optimizer_step()
+            grad_norm = self.strategy.optimizer_step(skip_nonfinite=cfg.train.nonfinite == "skip")
             self.step += 1
+            self.nonfinite.after_step(self.step, grad_norm, skipped=self.strategy.last_step_skipped)
             self.tokens_seen += self.tokens_per_step
 
             self.throughput.update(self.tokens_per_step, time.perf_counter() - t0)
             self.watchdog.beat(self.step, "logging / evaluation (loss all-reduce)")
             if self.step % cfg.logging.every_steps == 0 or self.step in (1, end):  # first: where loss starts
                 result.losses[self.step] = self._log(loss, grad_norm)
+                self.nonfinite.check()  # the log line synchronized already: stop at once, not at the next save
             if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and self.val_ds:
                 result.eval_losses[self.step] = self.evaluate()
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
@@ -268,6 +279,7 @@ class Trainer:
         interrupted = self.step < cfg.train.steps
         if (cfg.checkpoint.save_final or interrupted) and self.saved_step != self.step:
             self.save()
+        self.nonfinite.check()  # also when no final save follows
         self.watchdog.beat(self.step, "checkpoint completion")
         self.ckpt.wait()  # the checkpoint is complete before train() returns: the caller may requeue at once
 
@@ -287,6 +299,8 @@ class Trainer:
             "eta_s": remaining,
             **memory_stats(self.env.torch_device()),
         }
+        if self.cfg.train.nonfinite == "skip":
+            m["nonfinite_skips"] = float(self.nonfinite.skipped_total)
         every = self.cfg.logging.replica_check_every_steps
         if every and self.step % every == 0 and self.strategy.has_replicas():
             m["replica_divergence"] = self._check_replicas()

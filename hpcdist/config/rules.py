@@ -60,6 +60,12 @@ def check(cfg: JobConfig) -> list[str]:
     p: list[str] = []
     p += _choice("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
     p += _choice("data.source", cfg.data.source, DATA_SOURCES)
+    p += _choice("train.nonfinite", cfg.train.nonfinite, ("stop", "skip"))
+    if cfg.train.nonfinite == "skip" and cfg.parallel.strategy == "zero":
+        p.append("train.nonfinite=skip: DeepSpeed applies the update before the norm is known; use "
+                 "train.nonfinite=stop with parallel.strategy=zero")  # fmt: skip
+    if cfg.train.max_nonfinite_skips < 1:
+        p.append(f"train.max_nonfinite_skips: must be >= 1, got {cfg.train.max_nonfinite_skips}")
     p += _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
     p += _choice("train.dtype", cfg.train.dtype, DTYPES)
     p += _choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)

@@ -120,6 +120,11 @@ class TrainConfig:
     """0 disables periodic evaluation."""
     eval_batches: int = 4
     """Batches per evaluation."""
+    nonfinite: str = "stop"
+    """A NaN/Inf gradient norm: stop (exit 1 naming the first bad step; that state is never checkpointed) or skip
+    (the update is dropped, the LR schedule not advanced; one device sync per step; not with parallel.strategy=zero)."""
+    max_nonfinite_skips: int = 10
+    """With nonfinite=skip: more non-finite steps than this in a row stop the run like nonfinite=stop."""
 
 
 @dataclass

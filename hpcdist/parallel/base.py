@@ -52,6 +52,7 @@ class Strategy:
         self.device, self.grad_accum, self.micro_batch_size = device, grad_accum, micro_batch_size
         self.grad_clip, self.autocast_dtype, self.dp_group = grad_clip, autocast_dtype, dp_group
         self._params: list[torch.Tensor] | None = None
+        self.last_step_skipped = False  # the last optimizer_step dropped a non-finite update
 
     # ------------------------------------------------------------------------------------------ train
     def _sync_context(self, is_last: bool) -> contextlib.AbstractContextManager[Any]:
@@ -81,16 +82,26 @@ class Strategy:
             total += loss.detach()
         return total
 
-    def optimizer_step(self) -> torch.Tensor:
-        """Clip, step, advance the LR schedule, zero grads. Returns the pre-clip global gradient norm."""
+    def optimizer_step(self, *, skip_nonfinite: bool = False) -> torch.Tensor:
+        """Clip, step, advance the LR schedule, zero grads. Returns the pre-clip global gradient norm.
+
+        ``skip_nonfinite``: when that norm is NaN/Inf, drop the update (grads zeroed, optimizer and LR schedule
+        untouched) and set ``last_step_skipped``; costs one device sync. The norm is global, so every rank
+        decides alike."""
         if self._params is None:  # built once: the parameter set never changes after wrapping
             self._params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm, foreach=True)
-        self.optimizer.step()
-        self.scheduler.step()
+        norm = norm.detach().full_tensor() if hasattr(norm, "full_tensor") else norm.detach()
+        self._update(norm, skip_nonfinite)
+        return norm
+
+    def _update(self, norm: torch.Tensor, skip_nonfinite: bool) -> None:
+        self.last_step_skipped = skip_nonfinite and not bool(torch.isfinite(norm))
+        if not self.last_step_skipped:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm.detach().full_tensor() if hasattr(norm, "full_tensor") else norm.detach()
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> torch.Tensor:
@@ -146,12 +157,27 @@ class Strategy:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------------------------------ memory
+    def local_params(self) -> list[torch.Tensor]:
+        """This rank's own part of every parameter (a DTensor's local shard)."""
+        return [_local(p) for p in self.module.parameters()]
+
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds for parameters, gradients and optimizer state (local shards only)."""
-        params = [_local(p) for p in self.module.parameters()]
+        params = self.local_params()
         grads = [_local(p.grad) for p in self.module.parameters() if p.grad is not None]
         optim = [_local(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
         return {"params": params, "grads": grads, "optimizer": optim}
+
+    def params_finite(self) -> bool:
+        """Collective: no parameter shard on any rank holds a NaN/Inf. One pass over the local shards and a
+        one-element all-reduce; run before every checkpoint save, so a non-finite model is never saved."""
+        bad = torch.zeros((), device=self.device)
+        for t in self.local_params():
+            if t.numel():
+                bad = torch.maximum(bad, (~torch.isfinite(t.detach())).any().to(bad.dtype))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Measured bytes per category, each storage counted once (views such as DDP's gradient buckets and

@@ -216,8 +216,9 @@ class ThreeDStrategy(Strategy):
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pp_group)  # only the last stage's rank adds a value
         return loss
 
-    def optimizer_step(self) -> torch.Tensor:
-        """Clip by the global norm over every stage and shard, step, advance the schedule. Returns the norm."""
+    def optimizer_step(self, *, skip_nonfinite: bool = False) -> torch.Tensor:
+        """Clip by the global norm over every stage and shard, step, advance the schedule. Returns the norm
+        (``skip_nonfinite``: see Strategy.optimizer_step)."""
         if self._params is None:
             self._params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad for p in self._params if p.grad is not None]
@@ -231,9 +232,7 @@ class ThreeDStrategy(Strategy):
             norm = squared.sqrt()
         if self.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm, foreach=True)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._update(norm.detach(), skip_nonfinite)
         return norm.detach()
 
     @torch.no_grad()

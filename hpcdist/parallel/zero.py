@@ -152,8 +152,11 @@ class ZeroStrategy(Strategy):
             raise ValueError(f"expected {self.grad_accum} micro-batches per step, got {n}")
         return total
 
-    def optimizer_step(self) -> torch.Tensor:
-        """The boundary step: DeepSpeed reduces, clips, steps AdamW and the LR schedule, zeroes grads."""
+    def optimizer_step(self, *, skip_nonfinite: bool = False) -> torch.Tensor:
+        """The boundary step: DeepSpeed reduces, clips, steps AdamW and the LR schedule, zeroes grads.
+        ``skip_nonfinite`` is refused by the config rules: DeepSpeed applies the step before the norm is known."""
+        if skip_nonfinite:
+            raise ValueError("train.nonfinite=skip is not available with parallel.strategy=zero")
         if not self.engine.is_gradient_accumulation_boundary():
             raise RuntimeError("ZeroStrategy.optimizer_step called before the last micro-batch of the step")
         self.engine.step()
@@ -170,16 +173,21 @@ class ZeroStrategy(Strategy):
         # stages 1-2 keep whole parameters on every rank (comparable); stage 3 holds disjoint partitions
         return self.stage < 3 and super().has_replicas()
 
+    def local_params(self) -> list[torch.Tensor]:
+        """Stage 3: this rank's partition (``ds_tensor``); stages 1-2: the whole 16-bit parameters."""
+        return [getattr(p, "ds_tensor", p) for p in self.module.parameters()]
+
     def model_state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """DeepSpeed's own buffers (0.19 attribute names): 16-bit weights (flat; stage 3: this rank's partition
         plus persistent small parameters), gradient partitions, fp32 master partitions and the Adam moments."""
         opt = self.ds_optimizer
-        params = [getattr(p, "ds_tensor", p) for p in self.module.parameters()]
+        params = self.local_params()
         if self.stage == 3:
             grads = [opt.grad_partitions_flat_buffer]
             master = list(opt.fp32_partitioned_groups_flat)
         else:
-            grads = [g for gs in opt.averaged_gradients.values() for g in gs if g is not None]
+            # a partition's entry is None between steps (DeepSpeed resets it after the update)
+            grads = [g for gs in opt.averaged_gradients.values() if gs for g in gs if g is not None]
             grads += [p.grad for p in self.module.parameters() if p.grad is not None]
             master = list(opt.single_partition_of_fp32_groups)
         moments = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]

@@ -44,8 +44,8 @@ def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
     ids: dict[int, list[int]] = {}
     step_fn, next_batch = trainer.strategy.optimizer_step, trainer.loader.next_batch
 
-    def record_norm() -> torch.Tensor:
-        norm = step_fn()
+    def record_norm(**kw: bool) -> torch.Tensor:
+        norm = step_fn(**kw)
         norms.append(float(norm))
         return norm
 

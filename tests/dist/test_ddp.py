@@ -111,8 +111,8 @@ def _train_with_drift(env: DistEnv, cfg: JobConfig, rank: int, after_step: int) 
     trainer = Trainer(cfg, env)
     step_fn = trainer.strategy.optimizer_step
 
-    def step_then_drift():
-        norm = step_fn()
+    def step_then_drift(**kw):
+        norm = step_fn(**kw)
         if env.rank == rank and trainer.step + 1 == after_step:
             with torch.no_grad():
                 p = next(trainer.strategy.module.parameters())

@@ -23,10 +23,10 @@ def _train_with_signal(env: DistEnv, cfg: JobConfig, rank: int, at_step: int, si
     trainer = Trainer(cfg, env)
     step_fn = trainer.strategy.optimizer_step
 
-    def step_and_maybe_signal():
+    def step_and_maybe_signal(**kw):
         if env.rank == rank and trainer.step + 1 == at_step:
             os.kill(os.getpid(), sig)  # the handler only sets a flag; the step still completes
-        return step_fn()
+        return step_fn(**kw)
 
     trainer.strategy.optimizer_step = step_and_maybe_signal
     r = trainer.train()

@@ -191,9 +191,9 @@ def instrument(trainer: Trainer, clock: StepClock, after_step: Callable[[], None
         clock.start()
         return next_batch()
 
-    def timed_optimizer_step() -> torch.Tensor:
+    def timed_optimizer_step(**kw: bool) -> torch.Tensor:
         clock.opt_start()
-        norm = optimizer_step()
+        norm = optimizer_step(**kw)
         clock.end()
         if after_step is not None:
             after_step()
