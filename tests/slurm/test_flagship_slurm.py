@@ -25,7 +25,7 @@ def _flagship_overrides(run: Path, corpus: Path, steps: int) -> list[str]:
     return [
         *SMALL, f"run.dir={run}", "data.source=files", f"data.path={corpus}", "data.seq_len=32",
         f"train.steps={steps}", "train.global_batch_size=4", "train.micro_batch_size=1", "train.eval_every_steps=0",
-        "train.dtype=float32", "logging.every_steps=1", "logging.tensorboard=false", f"checkpoint.every_steps={steps}",
+        "logging.every_steps=1", "logging.tensorboard=false", f"checkpoint.every_steps={steps}",
     ]  # fmt: skip
 
 
