@@ -26,6 +26,7 @@ from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
 from hpcdist.fault import failures
 from hpcdist.fault.hang import collective_timeout_s, configure_collectives
+from hpcdist.fault.rundir_lock import RunDirInUse
 from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.trainer import Trainer, TrainResult
@@ -86,8 +87,9 @@ def train(
     except Exception as e:
         if stop_flag is not None:
             stop_flag.uninstall()
-        failures.record_exception(cfg.run.dir, e, rank=env.rank, host=env.hostname,
-                                  step=trainer.step if trainer else None)  # fmt: skip
+        if not isinstance(e, RunDirInUse):  # that run.dir is another run's: its failure log is not ours to write
+            failures.record_exception(cfg.run.dir, e, rank=env.rank, host=env.hostname,
+                                      step=trainer.step if trainer else None)  # fmt: skip
         if trainer is not None:
             trainer.goodput.flush()
         raise
@@ -125,7 +127,9 @@ def main(
     stop_flag = StopFlag(rank=env.rank, device=env.torch_device(), requeue_signal=cfg.fault.requeue_signal).install()
     try:
         # collectives time out a minute after the hang watchdog, which reports first (with stacks and suspects)
-        init_process_group(env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s))
+        init_process_group(
+            env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s, cfg.fault.watchdog_slow_phase_s)
+        )
         try:
             result = train(cfg, env, job=job, stop_flag=stop_flag)
         finally:

@@ -35,6 +35,7 @@ from hpcdist.fault import failures
 from hpcdist.fault.goodput import Goodput
 from hpcdist.fault.hang import HangWatchdog
 from hpcdist.fault.nonfinite import NonFiniteGuard
+from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
 from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.fault.stragglers import StragglerMonitor
 from hpcdist.logging_utils import get_logger, setup_logging
@@ -103,6 +104,8 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_lock = RunDirLock(self.run_dir)
+        self._lock_run_dir()  # before anything is written there: a second run is refused, not interleaved
         self._record_layout()
         self.step, self.tokens_seen = 0, 0
 
@@ -132,7 +135,11 @@ class Trainer:
         log.info("layout: %s", describe_layout(cfg, env.world_size))
         # rank 0 accounts the run's wall time (training, checkpoints, restarts) across attempts in goodput.json
         self.goodput = Goodput(self.run_dir, enabled=env.is_main)
-        self.resumed_from = self._resume()
+        try:
+            self.resumed_from = self._resume()
+        except BaseException:
+            self.run_lock.release()  # a refused resume (another model) is not a run: the directory is free again
+            raise
         if env.is_main:  # after the resume was accepted: a refused one leaves the saved run's config.yaml as it was
             config_mod.save(cfg, self.run_dir / "config.yaml")
         f = cfg.fault
@@ -141,7 +148,7 @@ class Trainer:
         )
         self.watchdog = HangWatchdog(
             rank=env.rank, world_size=env.world_size, host=env.hostname, run_dir=self.run_dir,
-            timeout_s=f.watchdog_timeout_s, on_fire=self.goodput.flush,
+            timeout_s=f.watchdog_timeout_s, slow_phase_s=f.watchdog_slow_phase_s, on_fire=self.goodput.flush,
         )  # fmt: skip
         self.stragglers = StragglerMonitor(
             every=cfg.logging.straggler_every_steps, factor=cfg.logging.straggler_factor, device=env.torch_device()
@@ -151,6 +158,7 @@ class Trainer:
             last_checkpoint=self.resumed_from,
         )  # fmt: skip
         self.saved_step = self.step if self.resumed_from else -1
+        self._last_save = time.perf_counter()  # checkpoint.every_minutes (train() restarts the clock)
         # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
         self.metrics = MetricsLogger(
             self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
@@ -196,6 +204,27 @@ class Trainer:
         self.loader.load_state_dict(state["sampler"])
         self.strategy.load_scheduler_state(state["scheduler"])
 
+    def _maybe_request_timed_save(self) -> None:
+        """checkpoint.every_minutes: rank 0's clock asks once per interval; the stop agreement carries the request,
+        so every rank saves after the same step. Measured from the last save, or from the start of train()."""
+        minutes = self.cfg.checkpoint.every_minutes
+        if minutes and self.env.is_main and time.perf_counter() - self._last_save >= minutes * 60:
+            self.stop_flag.request_checkpoint()
+            self._last_save = time.perf_counter()  # asked: the save itself resets it again one step later
+
+    def _lock_run_dir(self) -> None:
+        """Rank 0 takes run.dir's lock; every rank raises the same RunDirInUse when another run holds it."""
+        problems: list[list[str] | None] = [None]
+        if self.env.is_main:
+            try:
+                self.run_lock.acquire()
+            except RunDirInUse as e:
+                problems = [e.problems]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(problems, src=0)
+        if problems[0]:
+            raise RunDirInUse(problems[0])
+
     def _resume(self) -> str | None:
         t0 = time.perf_counter()
         path = self.ckpt.restore(self.cfg.checkpoint.resume, self.stateful())
@@ -211,8 +240,8 @@ class Trainer:
         # a NaN model is never saved, so pruning never trades a finite checkpoint for it
         self.nonfinite.check()
         self.nonfinite.check_params(self.step, self.strategy.params_finite())
-        self.watchdog.beat(self.step, "checkpoint save")
-        t0 = time.perf_counter()
+        self.watchdog.beat(self.step, "checkpoint save", slow=True)
+        t0 = self._last_save = time.perf_counter()
         path = self.ckpt.save(self.step, self.stateful())
         self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
         self.saved_step = self.step
@@ -224,20 +253,24 @@ class Trainer:
         """Train to ``train.steps``; ``until`` stops earlier (an interruption: a checkpoint is saved there)."""
         cfg, result = self.cfg, TrainResult(step=self.step, resumed_from=self.resumed_from)
         end = min(cfg.train.steps, until) if until is not None else cfg.train.steps
+        self._lock_run_dir()  # held already unless an earlier train() returned
         self.stop_flag.install()  # if the caller has not; close() restores the previous handlers
+        self._last_save = time.perf_counter()  # checkpoint.every_minutes counts from here
         self.goodput.begin(self.step if self.resumed_from else None)
-        self.watchdog.start()
+        self.watchdog.start(self.step)
         try:
             self._loop(end, result)
         except BaseException:
             self.watchdog.stop()
             self.stop_flag.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
+            self.run_lock.release()
             raise
         self.watchdog.beat(self.step, "stop agreement (last MAX all-reduce)")
         self.stop_flag.close()
         self.watchdog.stop()
         self._report_goodput()
         self.metrics.close()
+        self.run_lock.release()  # after the last checkpoint is complete (the loop waited for it)
         result.step = self.step
         return result
 
@@ -256,7 +289,9 @@ class Trainer:
             self.nonfinite.after_step(self.step, grad_norm, skipped=self.strategy.last_step_skipped)
             self.tokens_seen += self.tokens_per_step
 
-            self.throughput.update(self.tokens_per_step, time.perf_counter() - t0)
+            step_s = time.perf_counter() - t0
+            self.throughput.update(self.tokens_per_step, step_s)
+            self.watchdog.step_time(step_s)
             self.watchdog.beat(self.step, "logging / evaluation (loss all-reduce)")
             if self.step % cfg.logging.every_steps == 0 or self.step in (1, end):  # first: where loss starts
                 result.losses[self.step] = self._log(loss, grad_norm)
@@ -265,10 +300,13 @@ class Trainer:
                 result.eval_losses[self.step] = self.evaluate()
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
                 self.save()
+            self._maybe_request_timed_save()
             if self.stragglers.due(self.step):
                 self._check_stragglers()
             self.watchdog.beat(self.step, "stop agreement (MAX all-reduce)")
-            stop = self.stop_flag.agreed()  # async one-int all-reduce: every rank leaves after the same step
+            stop = self.stop_flag.agreed()  # async two-int all-reduce: every rank leaves after the same step
+            if self.stop_flag.checkpoint_due and not stop and self.saved_step != self.step:
+                self.save()  # checkpoint.every_minutes (a stop saves below anyway)
             self.stragglers.add(data_s=data_s, step_s=time.perf_counter() - t0)
             self.goodput.step(self.step, time.perf_counter() - t0)  # minus the save / evaluation inside it
             if stop:
@@ -280,7 +318,7 @@ class Trainer:
         if (cfg.checkpoint.save_final or interrupted) and self.saved_step != self.step:
             self.save()
         self.nonfinite.check()  # also when no final save follows
-        self.watchdog.beat(self.step, "checkpoint completion")
+        self.watchdog.beat(self.step, "checkpoint completion", slow=True)
         self.ckpt.wait()  # the checkpoint is complete before train() returns: the caller may requeue at once
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> float:
@@ -355,7 +393,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches global batches of the validation split (same each time)."""
-        self.watchdog.beat(self.step, "evaluation")
+        self.watchdog.beat(self.step, "evaluation", slow=True)
         t0 = time.perf_counter()
         sampler = ResumableSampler(len(self.val_ds), seed=self.cfg.run.seed, shuffle=False)
         loader = BatchLoader(

@@ -98,7 +98,7 @@ def check(cfg: JobConfig) -> list[str]:
     p += _positive(
         cfg,
         ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps",
-         "logging.replica_check_every_steps", "logging.straggler_every_steps",
+         "checkpoint.every_minutes", "logging.replica_check_every_steps", "logging.straggler_every_steps",
          "train.eval_every_steps", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"],
         allow_zero=True,
     )  # fmt: skip
@@ -113,6 +113,8 @@ def check(cfg: JobConfig) -> list[str]:
         p.append(f"fault.max_preemptions: must be >= 0, or -1 for unlimited, got {cfg.fault.max_preemptions}")
     if cfg.fault.exclude_nodes_file is not None and not Path(cfg.fault.exclude_nodes_file).is_file():
         p.append(f"fault.exclude_nodes_file: {cfg.fault.exclude_nodes_file!r} is not a file (one host per line)")
+    if not math.isfinite(cfg.fault.watchdog_slow_phase_s) or cfg.fault.watchdog_slow_phase_s < 0:
+        p.append(f"fault.watchdog_slow_phase_s: must be >= 0, got {cfg.fault.watchdog_slow_phase_s}")
     if not math.isfinite(cfg.fault.watchdog_timeout_s) or cfg.fault.watchdog_timeout_s < 0:
         p.append(
             f"fault.watchdog_timeout_s: must be >= 0 (0 disables the watchdog), got {cfg.fault.watchdog_timeout_s}"

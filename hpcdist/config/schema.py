@@ -209,6 +209,10 @@ class CheckpointConfig:
 
     every_steps: int = 100
     """Save every N steps (0 = only at the end)."""
+    every_minutes: float = 0.0
+    """Also save when this many minutes passed since the last save (0 = off), whichever of the two comes first:
+    bounds the work a crash loses in wall time whatever the step time. Rank 0's clock decides; the ranks agree
+    through the per-step stop agreement, so the save comes one step after the deadline, on every rank alike."""
     dir: str | None = None
     """Default <run.dir>/checkpoints."""
     keep_last: int = 3
@@ -254,11 +258,15 @@ class FaultConfig:
     exclude_nodes_file: str | None = None
     """Hosts to exclude at the next requeue too: one per line, comma-separated, or the `--exclude=...` line the
     nccl_check finder prints (same limits)."""
-    watchdog_timeout_s: float = 600.0
-    """Hang watchdog: a rank whose loop makes no progress (a step, a checkpoint save, an evaluation) for this long
-    dumps every thread's Python stack to its log, records the failure in <run.dir>/failures.jsonl and exits 124, so
-    srun ends the step and the failure policy requeues or stops the job. 0 disables it. The process-group
-    (collective) timeout becomes this + 60 s, so NCCL's / gloo's own timeout is only the backstop."""
+    watchdog_timeout_s: float = 90.0
+    """Hang watchdog: a rank whose training step makes no progress for this long (or 4x its slowest step so far,
+    if longer) dumps every thread's Python stack to its log, records the failure in <run.dir>/failures.jsonl and
+    exits 124, so srun ends the step and the failure policy requeues or stops the job. 0 disables it. 90 s keeps
+    detection + SLURM's requeue hold (~2 min) + restart within the 5-minute recovery target (docs/FAULTS.md). The
+    process-group (collective) timeout becomes the longest allowance + 60 s: NCCL's / gloo's own is the backstop."""
+    watchdog_slow_phase_s: float = 900.0
+    """The watchdog's allowance for the legitimately long phases: an attempt's first step (NCCL init, compile),
+    checkpoint saves and their completion, evaluation. Never below watchdog_timeout_s."""
 
 
 @dataclass

@@ -156,7 +156,9 @@ def record_exception(
     """The trainer's exception path: record what this rank raised. Never raises itself (it runs while failing)."""
     try:
         kind = classify_exception(exc)
-        cause = f"{type(exc).__name__}: {str(exc).strip() or '(no message)'}"
+        problems = getattr(exc, "problems", None)  # a ConfigError's first line is only its headline
+        text = "; ".join(problems) if problems else str(exc).strip() or "(no message)"
+        cause = f"{type(exc).__name__}: {text}"
         blame = [{"rank": rank, "host": host}] if kind == "exception" else []
         detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         return record(run_dir, kind=kind, cause=cause, rank=rank, host=host, blame=blame, step=step, detail=detail)

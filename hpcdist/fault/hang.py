@@ -4,8 +4,12 @@ A collective that never completes (a peer frozen or dead, a broken link, a deadl
 where nothing in Python notices, and NCCL's own timeout, when it fires at all, kills the process without saying
 where it was or who was missing. So:
 
-- the loop calls ``beat(step, phase)`` at each stage (three attribute stores);
-- a daemon thread checks once a second; after ``timeout_s`` without a beat it writes a report to stderr (the job
+- the loop calls ``beat(step, phase)`` at each stage (a few attribute stores);
+- the allowance: ``timeout_s`` for the steps (raised to STEP_FACTOR x the slowest step seen, so a model whose
+  steps are long is never killed for being slow), ``slow_phase_s`` for the phases that are legitimately long once
+  in a while: the first step of an attempt (NCCL communicators, torch.compile, allocator warm-up), checkpoint saves
+  and their completion, evaluation (``beat(..., slow=True)``);
+- a daemon thread checks once a second; after the allowance without a beat it writes a report to stderr (the job
   log): rank, host, step and phase (the last collective the loop entered), the peers that look responsible (from
   the heartbeat files, below) and every thread's Python stack (faulthandler); the lowest responsive rank records
   the failure in <run.dir>/failures.jsonl; then the process exits with 124 (as timeout(1) does). srun
@@ -14,10 +18,16 @@ where it was or who was missing. So:
   A frozen rank (SIGSTOP, a hang holding the GIL) or a dead one stops writing and a stuck one falls behind: that
   is how a waiting rank names the culprit, which cannot run its own watchdog;
 - if this thread itself cannot run (a C extension hangs holding the GIL), faulthandler's C-level timer, re-armed
-  by the thread while it runs, dumps the stacks and exits at timeout + BACKSTOP_GRACE_S.
+  by the thread while it runs, dumps the stacks and exits at the allowance + BACKSTOP_GRACE_S.
 
-The process-group timeout is ``collective_timeout_s`` (timeout + 60 s): NCCL's watchdog (told by
+The process-group timeout is ``collective_timeout_s`` (the longest allowance + 60 s): NCCL's watchdog (told by
 TORCH_NCCL_ASYNC_ERROR_HANDLING to tear the process down) and gloo's timeout are only the backstop.
+
+Why the default timeout is 90 s (``fault.watchdog_timeout_s``): the recovery target is 5 minutes from the hang to
+training again, and recovery = detection + SLURM's requeue hold (cred_expire + 1 s: 121 s by default) + start-up
+and resume (about a minute for the 13B flagship: imports, NCCL init, reading the sharded checkpoint). 600 s (the
+old default) spent twice the whole budget on detection alone; 90 s leaves ~40 s of margin, while a 13B step on
+32 A100s (~15 s, planner) is 6x shorter and longer steps raise the allowance by themselves (STEP_FACTOR).
 """
 
 from __future__ import annotations
@@ -45,12 +55,15 @@ log = get_logger(__name__)
 WATCHDOG_EXIT_CODE = 124
 COLLECTIVE_MARGIN_S = 60.0
 BACKSTOP_GRACE_S = 30.0
+STEP_FACTOR = 4.0  # a step may take this many times the slowest step seen so far before it counts as a hang
 DEFAULT_PG_TIMEOUT_S = 1800.0
 
 
-def collective_timeout_s(watchdog_timeout_s: float) -> float:
-    """Process-group timeout: a minute after the watchdog, so the watchdog (with stacks and attribution) fires first."""
-    return watchdog_timeout_s + COLLECTIVE_MARGIN_S if watchdog_timeout_s > 0 else DEFAULT_PG_TIMEOUT_S
+def collective_timeout_s(watchdog_timeout_s: float, slow_phase_s: float = 0.0) -> float:
+    """Process-group timeout: a minute after the watchdog's longest allowance, so the watchdog (with stacks and
+    attribution) fires first, and a collective inside a long phase (a checkpoint save) is not cut short."""
+    longest = max(watchdog_timeout_s, slow_phase_s)
+    return longest + COLLECTIVE_MARGIN_S if watchdog_timeout_s > 0 else DEFAULT_PG_TIMEOUT_S
 
 
 def configure_collectives(environ: MutableMapping[str, str], run_dir: str | os.PathLike[str]) -> list[str]:
@@ -106,12 +119,17 @@ class HangWatchdog:
         host: str,
         run_dir: str | os.PathLike[str],
         timeout_s: float,
+        slow_phase_s: float = 0.0,
         heartbeat_s: float | None = None,
         on_fire: Callable[[], None] | None = None,
     ) -> None:
         self.rank, self.world_size, self.host = rank, world_size, host
         self.run_dir = Path(run_dir)
         self.timeout_s = float(timeout_s)
+        self.slow_phase_s = max(float(slow_phase_s), self.timeout_s)
+        self._slowest_step = 0.0
+        self._first_step: int | None = None  # the step train() started from: its first step is a slow phase
+        self._allow, self._slow = self.timeout_s, False
         # often enough that a frozen rank's file is clearly stale when a waiting rank's watchdog fires
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(30.0, max(0.5, self.timeout_s / 5))
         self.on_fire = on_fire
@@ -125,14 +143,27 @@ class HangWatchdog:
     def enabled(self) -> bool:
         return self.timeout_s > 0
 
-    def beat(self, step: int, phase: str) -> None:
-        """Progress: the loop is at ``step`` entering ``phase`` (name it after the collective it runs)."""
+    def beat(self, step: int, phase: str, *, slow: bool = False) -> None:
+        """Progress: the loop is at ``step`` entering ``phase`` (name it after the collective it runs); ``slow``: a
+        phase that may take up to ``slow_phase_s`` (checkpoint, evaluation)."""
+        self._slow = slow or step == self._first_step
+        self._allow = self.slow_phase_s if self._slow else max(self.timeout_s, STEP_FACTOR * self._slowest_step)
         self.step, self.phase, self._last = step, phase, time.monotonic()
 
-    def start(self) -> HangWatchdog:
+    def step_time(self, seconds: float) -> None:
+        """A completed step's compute time: the step allowance grows with the slowest one (the attempt's first step,
+        with its one-off warm-up, does not count)."""
+        if self.step != self._first_step:
+            self._slowest_step = max(self._slowest_step, seconds)
+
+    def start(self, step: int | None = None) -> HangWatchdog:
+        """Start watching; ``step``: where train() starts (its first step gets the slow-phase allowance)."""
+        if step is not None:
+            self.step = step
         if not self.enabled or self._thread is not None:
             return self
         self._stop.clear()  # train() may run again after a stop()
+        self._first_step, self._allow, self._slow = self.step, self.slow_phase_s, True
         self._last = time.monotonic()
         self._write_heartbeat()  # at once: tests and tools find this rank's pid here
         self._thread = threading.Thread(target=self._run, name="hpcdist-watchdog", daemon=True)
@@ -167,7 +198,7 @@ class HangWatchdog:
         last_poll = time.monotonic()
         while not self._stop.wait(poll):
             now = time.monotonic()
-            if now - last_poll > max(3 * self.heartbeat_s, 5 * poll) and now - self._last > self.timeout_s:
+            if now - last_poll > max(3 * self.heartbeat_s, 5 * poll) and now - self._last > self._allow:
                 # this thread did not run either: the whole process was frozen (SIGSTOP, then SIGCONT when SLURM
                 # ends the step), not waiting for a peer; the other ranks have reported it
                 frozen = now - last_poll
@@ -181,9 +212,9 @@ class HangWatchdog:
             if self._last != seen:
                 # progress since the last look: push the C-level backstop out again
                 seen = self._last
-                faulthandler.dump_traceback_later(self.timeout_s + BACKSTOP_GRACE_S, exit=True, file=_fd_stream())
+                faulthandler.dump_traceback_later(self._allow + BACKSTOP_GRACE_S, exit=True, file=_fd_stream())
             idle = now - self._last
-            if idle > self.timeout_s:
+            if idle > self._allow:
                 self._fire(idle)
                 return
 
@@ -217,8 +248,10 @@ class HangWatchdog:
             who = "; ".join(f"rank {b['rank']} on {b['host']}: {b['why']}" for b in blamed) or (
                 "every rank is alive and at the same step: the collective itself is stuck (network, a GPU, NCCL)"
             )
-            cause = (f"hang watchdog: no progress for {idle:.0f} s (fault.watchdog_timeout_s={self.timeout_s:g}) at "
-                     f"step {self.step} in {self.phase}")  # fmt: skip
+            setting = (f"fault.watchdog_slow_phase_s={self.slow_phase_s:g}" if self._slow
+                       else f"fault.watchdog_timeout_s={self.timeout_s:g}")  # fmt: skip
+            cause = (f"hang watchdog: no progress for {idle:.0f} s (allowed {self._allow:.0f} s, {setting}) at step "
+                     f"{self.step} in {self.phase}")  # fmt: skip
             print(f"\n[hpcdist watchdog] rank {self.rank} on {self.host} (pid {os.getpid()}): {cause}; last "
                   f"collective: {self.phase}; suspects: {who}", file=err, flush=True)  # fmt: skip
             print(f"[hpcdist watchdog] Python stacks of rank {self.rank} (all threads):", file=err, flush=True)

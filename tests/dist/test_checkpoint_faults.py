@@ -129,3 +129,15 @@ def test_disk_full_during_save_keeps_training_and_previous_checkpoint(small_cfg,
         assert again["resumed"].endswith("step-00000002")
         assert again["losses"] == {s: v for s, v in out["losses"].items() if s > 2}
         shutil.rmtree(cfg.run.dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("minutes", "saved"), [(1e-9, [2, 3, 4, 5]), (60.0, [])])
+def test_every_minutes_saves_on_rank_0s_clock_on_every_rank_alike(small_cfg, tmp_path, minutes, saved) -> None:
+    """checkpoint.every_minutes (issue 13.10): rank 0's clock asks, the per-step agreement carries the request one
+    step later, both ranks save the same step (a save is collective: a lone rank would hang). An interval already
+    due at every step saves from step 2 on; one of an hour never does."""
+    cfg = small_cfg("train.steps=5", "checkpoint.every_steps=0", "checkpoint.save_final=false",
+                    "checkpoint.keep_last=10", f"checkpoint.every_minutes={minutes}", run_dir=tmp_path / "run")  # fmt: skip
+    run_ranks(2, _train, cfg)
+    complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
+    assert [s for s, _ in complete] == saved and incomplete == []

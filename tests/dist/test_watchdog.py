@@ -66,7 +66,7 @@ def test_sigstop_one_rank_the_other_ranks_watchdog_fires(small_cfg, tmp_path: Pa
             p.join(10)
 
     log0 = logs[0].read_text()
-    assert "[hpcdist watchdog] rank 0" in log0 and "s (fault.watchdog_timeout_s=3) at step" in log0
+    assert "[hpcdist watchdog] rank 0" in log0 and "s, fault.watchdog_timeout_s=3) at step" in log0
     assert f"suspects: rank 1 on {frozen['host']}: no heartbeat for" in log0
     assert "Python stacks of rank 0 (all threads)" in log0 and "most recent call first" in log0
     assert 'File "' in log0 and "trainer.py" in log0  # the main thread's stack, inside the training loop

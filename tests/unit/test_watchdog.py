@@ -37,7 +37,7 @@ def test_a_stuck_rank_dumps_its_stacks_records_and_exits_124(tmp_path: Path) -> 
         "stuck_in_a_collective()\n"
     )
     assert p.returncode == WATCHDOG_EXIT_CODE, p.stderr
-    assert "s (fault.watchdog_timeout_s=1) at step 41 in forward/backward" in p.stderr
+    assert "s (allowed 1 s, fault.watchdog_timeout_s=1) at step 41 in forward/backward" in p.stderr
     assert "last collective: forward/backward (gradient all-reduce)" in p.stderr
     assert "Python stacks of rank 0" in p.stderr and "most recent call first" in p.stderr
     assert "in stuck_in_a_collective" in p.stderr  # the main thread's stack, where it hangs
@@ -45,6 +45,24 @@ def test_a_stuck_rank_dumps_its_stacks_records_and_exits_124(tmp_path: Path) -> 
     assert (rec["kind"], rec["rank"], rec["host"], rec["step"]) == ("watchdog", 0, "h0", 41)
     assert rec["cause"] == "no progress in forward/backward (gradient all-reduce)"
     assert read_heartbeats(tmp_path, 1)[0]["step"] == 41
+
+
+def test_long_phases_and_long_steps_get_their_allowance_a_stuck_step_does_not(tmp_path: Path) -> None:
+    """Issue 13.10: a short step timeout (the recovery target) must not kill an attempt's first step, a checkpoint
+    save, or a model whose steps are simply long; a step stuck past its allowance still ends the rank."""
+    p = _run(
+        "import time\n"
+        "from hpcdist.fault.hang import HangWatchdog\n"
+        f"w = HangWatchdog(rank=0, world_size=1, host='h0', run_dir={str(tmp_path)!r}, timeout_s=1.0, "
+        "slow_phase_s=3.0).start(5)\n"
+        "w.beat(5, 'first step (NCCL init, compile)'); time.sleep(2)\n"  # the attempt's first step: 3 s
+        "w.beat(6, 'checkpoint save', slow=True); time.sleep(2)\n"  # a save: 3 s
+        "w.step_time(0.6); w.beat(6, 'long step'); time.sleep(1.8)\n"  # slowest step 0.6 s: 4 x 0.6 = 2.4 s
+        "w.beat(7, 'stuck'); time.sleep(60)\n"
+    )
+    assert p.returncode == WATCHDOG_EXIT_CODE, p.stderr
+    assert "(allowed 2 s, fault.watchdog_timeout_s=1) at step 7 in stuck" in p.stderr, p.stderr[-2000:]
+    assert collective_timeout_s(90, 900) == 960  # collectives inside a long phase are not cut short
 
 
 def test_the_backstop_fires_when_a_hang_holds_the_gil(tmp_path: Path) -> None:
