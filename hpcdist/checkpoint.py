@@ -89,7 +89,11 @@ def latest(root: Path, *, warn: bool = True) -> Path | None:
 
 class CheckpointMismatch(ValueError):
     """An intact checkpoint that does not fit this job (another model, a ZeRO world size): resume stops with this
-    message and the checkpoint is kept as it is (never demoted like a damaged one)."""
+    message and the checkpoint is kept as it is (never demoted like a damaged one). ``path``: that checkpoint."""
+
+    def __init__(self, message: str, path: Path | None = None):
+        super().__init__(message)
+        self.path = path
 
 
 @dataclass
@@ -334,12 +338,10 @@ class CheckpointManager:
             raise ValueError(f"checkpoint.resume: {path} is damaged: {'; '.join(problems)}")
         return path
 
-    def _check_model_shapes(self, path: Path, metadata: Any, model: dict[str, Any]) -> None:
-        """Collective: CheckpointMismatch naming the parameters when the checkpoint's model is not this model.
-
-        Without it a smaller model loaded a bigger one's checkpoint silently (DCP loads only the keys asked for)
-        and a bigger one failed inside DCP with a message that hid the cause. Keys are compared over all ranks
-        (a pipeline stage holds only its own layers); shapes are global (DTensor), so layouts do not matter."""
+    def _model_diff(self, metadata: Any, model: dict[str, Any]) -> dict[str, list[str]]:
+        """Collective: this model's weights against the checkpoint's, by name and global shape. ``missing``: here,
+        not saved; ``unexpected``: saved, on no rank here (keys gathered: a pipeline stage holds only its own
+        layers); ``shape``: both, different shapes (DTensor shapes are global, so layouts do not matter)."""
         saved = {
             key[len("model.") :]: tuple(meta.size)
             for key, meta in metadata.state_dict_metadata.items()
@@ -351,19 +353,52 @@ class CheckpointManager:
             parts: list[list[str]] = [[] for _ in range(self.world_size)]
             dist.all_gather_object(parts, sorted(mine), group=self._pg)
             wanted = {k for part in parts for k in part}
-        problems = [f"{k}: not in the checkpoint" for k in sorted(set(mine) - set(saved))]
-        problems += [f"{k}: in the checkpoint, not in this model" for k in sorted(set(saved) - wanted)]
-        problems += [
-            f"{k}: checkpoint {list(saved[k])}, this model {list(shape)}"
-            for k, shape in sorted(mine.items())
-            if k in saved and saved[k] != shape
-        ]
+        return {
+            "missing": sorted(set(mine) - set(saved)),
+            "unexpected": sorted(set(saved) - wanted),
+            "shape": [
+                f"{k}: checkpoint {list(saved[k])}, this model {list(s)}"
+                for k, s in sorted(mine.items())
+                if k in saved and saved[k] != s
+            ],
+        }
+
+    def _check_model_shapes(self, path: Path, metadata: Any, model: dict[str, Any]) -> None:
+        """Collective: CheckpointMismatch naming the parameters when the checkpoint's model is not this model.
+
+        Without it a smaller model loaded a bigger one's checkpoint silently (DCP loads only the keys asked for)
+        and a bigger one failed inside DCP with a message that hid the cause."""
+        diff = self._model_diff(metadata, model)
+        problems = [f"{k}: not in the checkpoint" for k in diff["missing"]]
+        problems += [f"{k}: in the checkpoint, not in this model" for k in diff["unexpected"]]
+        problems += diff["shape"]
         if problems:
             shown = "; ".join(problems[:3]) + (f"; ... ({len(problems)} in all)" if len(problems) > 3 else "")
             raise CheckpointMismatch(
                 f"{path} holds a different model ({shown}): model.* must match the run that saved it; use a new "
-                "run.dir (or checkpoint.resume=none) to train this model from scratch"
+                "run.dir (or checkpoint.resume=none) to train this model from scratch, or checkpoint.init_from="
+                f"{path} in a new run.dir to start from its weights",
+                path=path,
             )
+
+    def init_weights(self, path: Path, state: Stateful) -> dict[str, list[str]]:
+        """Collective: ``checkpoint.init_from``. The model weights of the complete, intact checkpoint ``path`` that
+        match this model by name and shape are loaded; everything else keeps its initialization (optimizer,
+        schedule, data position and step start fresh). Returns what did not match (missing / unexpected / shape)."""
+        if not (path / MARKER).is_file():
+            raise ValueError(f"checkpoint.init_from: {path} has no {MARKER} marker; it is incomplete")
+        problems = self.verify(path)
+        if problems:
+            raise ValueError(f"checkpoint.init_from: {path} is damaged: {'; '.join(problems)}")
+        model = state.dcp_state()["model"]  # this model's initialized weights, every key: loaded into in place
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        diff = self._model_diff(metadata, model)
+        skip = set(diff["missing"]) | {s.split(":", 1)[0] for s in diff["shape"]}
+        matching = {k: v for k, v in model.items() if k not in skip}
+        with _single_process_ok():
+            dcp.load({"model": matching}, checkpoint_id=str(path))
+        state.load_dcp_state({"model": model})
+        return diff
 
     def restore(self, resume: str, state: Stateful) -> Path | None:
         """``resolve`` + ``load``: the checkpoint restored into ``state``, or None (start fresh). With ``auto``, a

@@ -8,6 +8,7 @@ what follows a stop (requeue or exit) is decided by its caller, hpcdist.run, whi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import Counter
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import CheckpointManager, Stateful
+from hpcdist.checkpoint import STATE_FILE, CheckpointManager, CheckpointMismatch, Stateful
 from hpcdist.config import JobConfig
 from hpcdist.data import (
     BatchLoader,
@@ -197,12 +198,29 @@ class Trainer:
             "sampler": self.loader.state_dict(),
             "scheduler": self.strategy.scheduler_state(),
             "world_size": self.env.world_size,
+            "config": dataclasses.asdict(self.cfg),  # what trained it: a resume names what changed since
         }
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.loader.load_state_dict(state["sampler"])
         self.strategy.load_scheduler_state(state["scheduler"])
+        self._apply_optim_config(state.get("config"))
+
+    def _apply_optim_config(self, saved: dict[str, Any] | None) -> None:
+        """The optimizer state loaded from a checkpoint carries the old run's lr, betas, eps and weight decay; the
+        config's apply instead (a lower optim.lr after a loss spike is why people restart), said once."""
+        o = self.cfg.optim
+        want = {"optim.lr": o.lr, "optim.beta1": o.beta1, "optim.beta2": o.beta2, "optim.eps": o.eps,
+                "optim.weight_decay": o.weight_decay}  # fmt: skip
+        have = self.strategy.optim_hparams()
+        if all(have[k] == float(v) for k, v in want.items()):
+            return
+        self.strategy.set_optim_hparams(lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay)
+        old = {k: _dotted(saved, k) for k in want} if saved else have
+        changed = [f"{k} {old[k]:g} -> {float(v):g}" for k, v in want.items() if old.get(k) != float(v)]
+        log.warning("resumed with a changed optimizer: %s (the config's values apply from step %d; the checkpoint's "
+                    "Adam moments are kept)", ", ".join(changed) or "hyper-parameters", self.step + 1)  # fmt: skip
 
     def _maybe_request_timed_save(self) -> None:
         """checkpoint.every_minutes: rank 0's clock asks once per interval; the stop agreement carries the request,
@@ -227,9 +245,17 @@ class Trainer:
 
     def _resume(self) -> str | None:
         t0 = time.perf_counter()
-        path = self.ckpt.restore(self.cfg.checkpoint.resume, self.stateful())
+        try:
+            path = self.ckpt.restore(self.cfg.checkpoint.resume, self.stateful())
+        except CheckpointMismatch as e:
+            raise CheckpointMismatch(f"{e}{_config_changes(e.path, self.cfg)}", path=e.path) from None
         if path is None:
-            log.info("starting fresh (no complete checkpoint in %s)", self.cfg.checkpoint_dir)
+            init = self.cfg.checkpoint.init_from
+            if init:  # only while the run has no checkpoint of its own: a requeue resumes its own progress
+                diff = self.ckpt.init_weights(Path(init), self.stateful())
+                log.info("starting fresh from the weights of %s (%s)", init, _describe_diff(diff))
+            else:
+                log.info("starting fresh (no complete checkpoint in %s)", self.cfg.checkpoint_dir)
             return None
         seconds = time.perf_counter() - t0
         self.goodput.add("restore", seconds)
@@ -406,3 +432,31 @@ class Trainer:
         self.metrics.log(self.step, {"loss": value}, prefix="eval")
         log.info("eval step %d | loss %.4f", self.step, value)
         return value
+
+
+def _dotted(tree: dict[str, Any], key: str) -> Any:
+    section, name = key.split(".", 1)
+    value = tree.get(section, {}).get(name)
+    return float(value) if isinstance(value, (int, float)) else value
+
+
+def _config_changes(path: Path | None, cfg: JobConfig) -> str:
+    """'; the checkpoint was saved with model.n_layers=4 (now 2), ...' from the config stored in its trainer state."""
+    try:
+        saved = json.loads((path / STATE_FILE).read_text())["config"] if path else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    if not isinstance(saved, dict):
+        return ""
+    now = dataclasses.asdict(cfg)
+    changed = [f"{section}.{k}={v!r} (now {now[section].get(k)!r})" for section in ("model", "parallel")
+               for k, v in sorted(saved.get(section, {}).items()) if now[section].get(k) != v]  # fmt: skip
+    return f"; it was saved with {', '.join(changed)}" if changed else ""
+
+
+def _describe_diff(diff: dict[str, list[str]]) -> str:
+    kinds = (("missing", "not in it, kept their initialization"), ("unexpected", "in it, not in this model, ignored"),
+             ("shape", "of another shape, kept their initialization"))  # fmt: skip
+    parts = [f"{len(diff[k])} {what}: {', '.join(diff[k][:4])}{' ...' if len(diff[k]) > 4 else ''}"
+             for k, what in kinds if diff[k]]  # fmt: skip
+    return "; ".join(parts) if parts else "every weight matched"

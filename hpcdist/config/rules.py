@@ -155,6 +155,12 @@ def check(cfg: JobConfig) -> list[str]:
         p.append(f"checkpoint.verify: {cfg.checkpoint.verify!r} is not one of {', '.join(VERIFY_MODES)}")
     if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_dir():
         p.append(f"checkpoint.resume: {cfg.checkpoint.resume!r} is not auto, none, or an existing checkpoint directory")
+    init = cfg.checkpoint.init_from
+    if init is not None and not Path(init).is_dir():
+        p.append(f"checkpoint.init_from: {init!r} is not an existing checkpoint directory (a step-XXXXXXXX)")
+    if init is not None and cfg.parallel.strategy == "zero" and cfg.parallel.zero.stage == 3:
+        p.append("checkpoint.init_from: parallel.zero.stage=3 cannot load weights from another run; start with "
+                 "parallel.zero.stage=1 or 2 (or fsdp), then resume that run's checkpoints with stage 3")  # fmt: skip
     return p
 
 

@@ -219,6 +219,11 @@ class CheckpointConfig:
     """Complete checkpoints to keep; older ones are deleted only after a newer one is complete."""
     resume: str = "auto"
     """auto = newest complete checkpoint if any, else fresh; none = always fresh; or a step-XXXXXXXX path."""
+    init_from: str | None = None
+    """A step-XXXXXXXX checkpoint (any run, any strategy but ZeRO-3) whose model weights start this run when it
+    has no checkpoint of its own yet: weights that match by name and shape are loaded, the others keep their
+    initialization (listed in the log); optimizer, schedule, data position and step start fresh. Unlike
+    checkpoint.resume it survives a requeue: once this run saved, it resumes from its own checkpoints."""
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
     save_final: bool = True

@@ -210,6 +210,23 @@ class Strategy:
     def scheduler_state(self) -> dict[str, Any]:
         return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
 
+    def optim_hparams(self) -> dict[str, Any]:
+        """The optimizer hyper-parameters in force (after a resume: the checkpoint's), under their config names."""
+        decay = self.optimizer.param_groups[0]  # optim.param_groups: [decay, no_decay]
+        return {"optim.lr": float(self.scheduler.base_lrs[0]), "optim.beta1": float(decay["betas"][0]),
+                "optim.beta2": float(decay["betas"][1]), "optim.eps": float(decay["eps"]),
+                "optim.weight_decay": float(decay["weight_decay"])}  # fmt: skip
+
+    def set_optim_hparams(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+        """Replace the hyper-parameters a resumed optimizer took from its checkpoint (the moments are kept); the LR
+        schedule continues at the same step with the new peak."""
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)  # type: ignore[attr-defined]
+        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        for i, group in enumerate(self.optimizer.param_groups):
+            group.update(initial_lr=lr, lr=lr * factor, betas=(beta1, beta2), eps=eps)
+            group["weight_decay"] = weight_decay if i == 0 else 0.0  # never the norms (optim.param_groups)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]  # type: ignore[attr-defined]
+
     def load_scheduler_state(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state})
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):

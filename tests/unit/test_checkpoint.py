@@ -18,6 +18,10 @@ from hpcdist.trainer import Trainer
 from tests.dist.harness import single
 
 
+def _build(env, cfg):
+    return Trainer(cfg, env)
+
+
 def _train(env, cfg, until=None):
     t = Trainer(cfg, env)
     r = t.train(until=until)
@@ -227,18 +231,70 @@ def test_any_problem_verifying_or_loading_falls_back_to_the_previous(
     assert resumed.step == 6
 
 
-@pytest.mark.parametrize(("change", "says"), [
-    ("model.n_layers=1", "layers.1.attention.wq.weight: in the checkpoint, not in this model"),
-    ("model.n_layers=3", "layers.2.attention.wq.weight: not in the checkpoint"),
-    ("model.ffn_dim=256", "checkpoint [128, 64], this model [256, 64]"),
+@pytest.mark.parametrize(("change", "says", "key"), [
+    ("model.n_layers=1", "layers.1.attention.wq.weight: in the checkpoint, not in this model",
+     "model.n_layers=2 (now 1)"),
+    ("model.n_layers=3", "layers.2.attention.wq.weight: not in the checkpoint", "model.n_layers=2 (now 3)"),
+    ("model.ffn_dim=256", "checkpoint [128, 64], this model [256, 64]", "model.ffn_dim=128 (now 256)"),
 ])  # fmt: skip
-def test_a_different_model_is_refused_and_its_checkpoint_kept(small_cfg, change: str, says: str) -> None:
-    """Issue 13.4 (part): 2 layers -> 1 used to "resume" silently, dropping a layer and its optimizer state. The
-    refusal names the parameters; the intact checkpoint is not demoted."""
+def test_a_different_model_is_refused_and_its_checkpoint_kept(small_cfg, change: str, says: str, key: str) -> None:
+    """Issue 13.4: 2 layers -> 1 used to "resume" silently, dropping a layer and its optimizer state. The refusal
+    names the parameters and the config keys that differ (the checkpoint carries its config); the intact
+    checkpoint is not demoted; the message points at checkpoint.init_from."""
     over = ("train.steps=2", "checkpoint.every_steps=2", "train.micro_batch_size=4")
     cfg = small_cfg(*over)
     single(_train, cfg)
     with pytest.raises(checkpoint.CheckpointMismatch, match="holds a different model") as err:
         single(_train, small_cfg(*over, "train.steps=4", change))
-    assert says in str(err.value)
+    assert says in str(err.value) and f"it was saved with {key}" in str(err.value)
+    assert "checkpoint.init_from=" in str(err.value)
     assert (cfg.checkpoint_dir / "step-00000002" / MARKER).is_file()
+    assert (
+        json.loads((cfg.checkpoint_dir / "step-00000002" / STATE_FILE).read_text())["config"]["model"]["n_layers"] == 2
+    )
+
+
+@pytest.mark.parametrize("change", ["optim.lr=0.001", "optim.weight_decay=0.05", "optim.beta2=0.99"])
+def test_a_changed_optimizer_hyperparameter_applies_on_resume_and_is_said(small_cfg, tmp_path, caplog, change) -> None:
+    """Issue 13.4: the checkpoint's optimizer state used to override a changed optim.lr (or betas, weight decay)
+    silently. Now the config's value applies: the resumed optimizer's groups equal those of a run that used the new
+    value from the start, at the same step, and one warning names the change."""
+    over = ("train.steps=8", "checkpoint.every_steps=4", "train.micro_batch_size=4", "optim.warmup_steps=2")
+    single(_train, small_cfg(*over), 4)  # lr 0.003 (SMALL), weight decay 0.1, betas (0.9, 0.95)
+    reference, _ = single(_train, small_cfg(*over, change, run_dir=tmp_path / "ref"), 4)
+    with caplog.at_level("WARNING", logger="hpcdist"):
+        resumed = single(_build, small_cfg(*over, change))
+    assert resumed.step == 4
+    key, value = change.split("=")
+    assert f"{key} " in caplog.text and f"-> {float(value):g}" in caplog.text and "from step 5" in caplog.text
+    hyper = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+    got = [{k: g[k] for k in hyper} for g in resumed.strategy.optimizer.param_groups]
+    want = [{k: g[k] for k in hyper} for g in reference.strategy.optimizer.param_groups]
+    assert got == want and resumed.strategy.scheduler.base_lrs == reference.strategy.scheduler.base_lrs
+
+
+def test_init_from_starts_a_different_model_from_the_matching_weights(small_cfg, tmp_path, caplog) -> None:
+    """Issue 13.4: the explicit way to load weights into another model (here one layer more): matching weights are
+    loaded, the rest keep their initialization and are listed; step, optimizer and data start fresh. Once the new
+    run saved, a requeue resumes its own checkpoint, not init_from."""
+    over = ("train.steps=2", "checkpoint.every_steps=2", "train.micro_batch_size=4")
+    src, _ = single(_train, small_cfg(*over, run_dir=tmp_path / "src"))
+    src_ckpt = tmp_path / "src" / "checkpoints" / "step-00000002"
+    bigger = small_cfg(*over, "model.n_layers=3", f"checkpoint.init_from={src_ckpt}", run_dir=tmp_path / "big")
+    fresh = single(_build, small_cfg(*over, "model.n_layers=3", run_dir=tmp_path / "fresh"))
+    with caplog.at_level("INFO", logger="hpcdist"):
+        big = single(_build, bigger)
+    assert big.step == 0 and big.resumed_from is None
+    assert f"starting fresh from the weights of {src_ckpt}" in caplog.text
+    assert "not in it, kept their initialization: layers.2." in caplog.text
+    mine, theirs, init = (dict(t.strategy.model.named_parameters()) for t in (big, src, fresh))
+    for name, p in mine.items():
+        expected = init[name] if name.startswith("layers.2.") else theirs[name]
+        assert torch.equal(p, expected), name
+    big.train()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="hpcdist"):
+        again = single(_build, small_cfg(*over, "train.steps=4", "model.n_layers=3",
+                                          f"checkpoint.init_from={src_ckpt}", run_dir=tmp_path / "big"))  # fmt: skip
+    assert again.step == 2 and again.resumed_from.endswith("big/checkpoints/step-00000002")
+    assert "starting fresh from the weights" not in caplog.text
