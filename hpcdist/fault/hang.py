@@ -7,8 +7,10 @@ where it was or who was missing. So:
 - the loop calls ``beat(step, phase)`` at each stage (a few attribute stores);
 - the allowance: ``timeout_s`` for the steps (raised to STEP_FACTOR x the slowest step seen, so a model whose
   steps are long is never killed for being slow), ``slow_phase_s`` for the phases that are legitimately long once
-  in a while: the first step of an attempt (NCCL communicators, torch.compile, allocator warm-up), checkpoint saves
-  and their completion, evaluation (``beat(..., slow=True)``);
+  in a while, the first time each runs in this process: the first step of an attempt (NCCL communicators,
+  torch.compile, allocator warm-up), checkpoint saves and their completion, evaluation (``beat(..., slow=True)``);
+  after that a long phase gets STEP_FACTOR x its longest duration so far (at least the step allowance), so a hang
+  in the tenth save is caught as fast as one in a step;
 - a daemon thread checks once a second; after the allowance without a beat it writes a report to stderr (the job
   log): rank, host, step and phase (the last collective the loop entered), the peers that look responsible (from
   the heartbeat files, below) and every thread's Python stack (faulthandler); the lowest responsive rank records
@@ -130,6 +132,8 @@ class HangWatchdog:
         self._slowest_step = 0.0
         self._first_step: int | None = None  # the step train() started from: its first step is a slow phase
         self._allow, self._slow = self.timeout_s, False
+        self._slow_phase: str | None = None  # the long phase the last beat began, if it was one
+        self._seen: dict[str, float] = {}  # longest duration of each long phase so far, by phase name
         # often enough that a frozen rank's file is clearly stale when a waiting rank's watchdog fires
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(30.0, max(0.5, self.timeout_s / 5))
         self.on_fire = on_fire
@@ -145,10 +149,20 @@ class HangWatchdog:
 
     def beat(self, step: int, phase: str, *, slow: bool = False) -> None:
         """Progress: the loop is at ``step`` entering ``phase`` (name it after the collective it runs); ``slow``: a
-        phase that may take up to ``slow_phase_s`` (checkpoint, evaluation)."""
-        self._slow = slow or step == self._first_step
-        self._allow = self.slow_phase_s if self._slow else max(self.timeout_s, STEP_FACTOR * self._slowest_step)
-        self.step, self.phase, self._last = step, phase, time.monotonic()
+        phase that may take up to ``slow_phase_s`` the first time (checkpoint, evaluation), then up to STEP_FACTOR x
+        its longest duration so far."""
+        now = time.monotonic()
+        if self._slow_phase is not None:  # the previous beat began a long phase: it lasted until now
+            self._seen[self._slow_phase] = max(self._seen.get(self._slow_phase, 0.0), now - self._last)
+        self._slow_phase = phase if slow else None
+        step_allow = max(self.timeout_s, STEP_FACTOR * self._slowest_step)
+        if slow and phase in self._seen:  # a save again: as long as the longest one so far allows, not 15 minutes
+            self._slow, self._allow = False, max(step_allow, STEP_FACTOR * self._seen[phase])
+        elif slow or step == self._first_step:  # its first time in this process: nothing to go by
+            self._slow, self._allow = True, self.slow_phase_s
+        else:
+            self._slow, self._allow = False, step_allow
+        self.step, self.phase, self._last = step, phase, now
 
     def step_time(self, seconds: float) -> None:
         """A completed step's compute time: the step allowance grows with the slowest one (the attempt's first step,

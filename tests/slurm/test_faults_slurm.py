@@ -58,8 +58,9 @@ def test_preemption_then_frozen_rank_watchdog_requeues_and_resumes(
     slurm_cluster: Cluster, corpus_dir: Path, tmp_path: Path
 ) -> None:
     run, out, steps = tmp_path / "stop", tmp_path / "out.txt", 40
+    # slow phase 10 s too: the frozen rank may leave rank 0 waiting in the attempt's first save (every 5 steps)
     over = tiny_overrides(run, corpus_dir, steps, "checkpoint.every_steps=5", "fault.watchdog_timeout_s=10",
-                          "logging.straggler_every_steps=0")  # fmt: skip
+                          "fault.watchdog_slow_phase_s=10", "logging.straggler_every_steps=0")  # fmt: skip
     job = submit(slurm_cluster, "train.sh", TWO_RANKS, ["configs/demo.yaml", *over], out)
 
     # 1. a preemption notice (the time-limit signal): checkpoint, requeue, resume

@@ -56,12 +56,24 @@ def test_long_phases_and_long_steps_get_their_allowance_a_stuck_step_does_not(tm
         f"w = HangWatchdog(rank=0, world_size=1, host='h0', run_dir={str(tmp_path)!r}, timeout_s=1.0, "
         "slow_phase_s=3.0).start(5)\n"
         "w.beat(5, 'first step (NCCL init, compile)'); time.sleep(2)\n"  # the attempt's first step: 3 s
-        "w.beat(6, 'checkpoint save', slow=True); time.sleep(2)\n"  # a save: 3 s
+        "w.beat(6, 'checkpoint save', slow=True); time.sleep(2)\n"  # the first save: 3 s
         "w.step_time(0.6); w.beat(6, 'long step'); time.sleep(1.8)\n"  # slowest step 0.6 s: 4 x 0.6 = 2.4 s
         "w.beat(7, 'stuck'); time.sleep(60)\n"
     )
     assert p.returncode == WATCHDOG_EXIT_CODE, p.stderr
     assert "(allowed 2 s, fault.watchdog_timeout_s=1) at step 7 in stuck" in p.stderr, p.stderr[-2000:]
+    # a second save gets 4 x the first one's duration (0.5 s -> 2 s), not slow_phase_s: a hang there is caught
+    p = _run(
+        "import time\n"
+        "from hpcdist.fault.hang import HangWatchdog\n"
+        f"w = HangWatchdog(rank=0, world_size=1, host='h0', run_dir={str(tmp_path)!r}, timeout_s=1.0, "
+        "slow_phase_s=600.0).start(0)\n"
+        "w.beat(1, 'checkpoint save', slow=True); time.sleep(0.5)\n"
+        "w.beat(1, 'step'); time.sleep(0.2)\n"
+        "t0 = time.monotonic(); w.beat(2, 'checkpoint save', slow=True); time.sleep(60)\n"
+    )
+    assert p.returncode == WATCHDOG_EXIT_CODE, p.stderr
+    assert "(allowed 2 s, fault.watchdog_timeout_s=1) at step 2 in checkpoint save" in p.stderr, p.stderr[-2000:]
     assert collective_timeout_s(90, 900) == 960  # collectives inside a long phase are not cut short
 
 
