@@ -7,7 +7,10 @@ Layout of one checkpoint, ``<dir>/step-00001234/``:
                             flat fp32 partitions and optimizer moments), written before the marker too
     trainer_state.json      step, tokens seen, data sampler, LR scheduler (rank 0)
     rng/rank-00003.pt       each rank's RNG states (plain tensors: loadable with weights_only=True)
-    MANIFEST.json           size and sha256 of every file above (hashed by all ranks, written by rank 0)
+    MANIFEST.json           size and sha256 of every file above, each hashed by the rank that wrote it (while the
+                            pages are in its node's cache), written by rank 0; "hashed_by": bytes per rank.
+                            Sync save: the parts are gathered by a collective; async save: each rank leaves its
+                            part in .manifest/ from the background thread, rank 0 merges them
     COMPLETE                written last, by rank 0, after every rank's shards and the manifest are on disk
 
 A directory without ``COMPLETE`` is a crashed or in-flight save: resume ignores it (with a warning) and
@@ -49,6 +52,8 @@ from hpcdist.logging_utils import get_logger
 MARKER = "COMPLETE"
 DAMAGED = "DAMAGED"  # a COMPLETE marker renamed after the checkpoint failed verification
 MANIFEST = "MANIFEST.json"
+PARTS_DIR = ".manifest"  # async save: each rank's part of the manifest, merged by rank 0, then removed
+ASYNC_PARTS_TIMEOUT_S = 3600.0
 NATIVE = "native"
 KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_kill_point
 STATE_FILE = "trainer_state.json"
@@ -165,6 +170,8 @@ class CheckpointManager:
             elif path.exists():  # leftover of a crashed save at the same step: never mix old and new shards
                 shutil.rmtree(path)
             (path / "rng").mkdir(parents=True)
+            if self.async_save:
+                (path / PARTS_DIR).mkdir()
 
     def _write_local(self, path: Path, state: Stateful) -> None:
         torch.save(_rng_state(), path / "rng" / f"rank-{self.rank:05d}.pt")
@@ -196,14 +203,54 @@ class CheckpointManager:
             dcp.save(state.dcp_state(), checkpoint_id=str(path))
         _test_kill_point(step)
 
+    def _own_digests(self, path: Path) -> dict[str, dict[str, Any]]:
+        """Size and sha256 of the files this rank wrote (``_owner``): read back while they are still in this node's
+        page cache, and the work spread over the ranks as the writing was."""
+        return {rel: _digest(path / rel, checksum=True) for rel in _files(path)
+                if _owner(rel, self.world_size) == self.rank}  # fmt: skip
+
     def _write_manifest(self, path: Path, *, distributed: bool) -> None:
-        """MANIFEST.json: size and sha256 of every file, hashed by all ranks (each a share), written by rank 0."""
-        files = _files(path)
-        entries = self._spread(files, lambda rel: _digest(path / rel, checksum=True)) if distributed else {
-            rel: _digest(path / rel, checksum=True) for rel in files
-        }  # fmt: skip
-        if self.rank == 0:
-            atomic_write(path / MANIFEST, json.dumps({"files": entries}, indent=0, sort_keys=True))
+        """MANIFEST.json: size and sha256 of every file, each hashed by the rank that wrote it, written by rank 0.
+        ``distributed``: the ranks' parts are gathered by a collective (sync save); else (async save, in the
+        background thread where no collective may run) rank 0 reads the part each rank wrote into .manifest/."""
+        if distributed:
+            mine = self._own_digests(path)
+            parts: list[dict[str, Any]] = [mine]
+            if self._pg is not None:
+                parts = [{} for _ in range(self.world_size)]
+                dist.all_gather_object(parts, mine, group=self._pg)
+        else:
+            parts = self._collect_parts(path)
+        if self.rank != 0:
+            return
+        entries = {rel: e for part in parts for rel, e in part.items()}
+        hashed_by = {str(r): sum(e["size"] for e in part.values()) for r, part in enumerate(parts)}
+        for rel in sorted(set(_files(path)) - set(entries)):  # a file no naming rule gave a rank: hash it here
+            entries[rel] = _digest(path / rel, checksum=True)
+            hashed_by["0"] += entries[rel]["size"]
+        manifest = {"files": entries, "hashed_by": hashed_by}
+        atomic_write(path / MANIFEST, json.dumps(manifest, indent=0, sort_keys=True))
+        shutil.rmtree(path / PARTS_DIR, ignore_errors=True)
+
+    def _write_part(self, path: Path, failed: BaseException | None = None) -> None:
+        """Async save, every rank, in the background thread: this rank's digests (or its failure) for rank 0."""
+        name = f"rank-{self.rank:05d}.{'failed' if failed is not None else 'json'}"
+        text = f"{type(failed).__name__}: {failed}" if failed is not None else json.dumps(self._own_digests(path))
+        atomic_write(path / PARTS_DIR / name, text)
+
+    def _collect_parts(self, path: Path) -> list[dict[str, Any]]:
+        """Rank 0, async save: wait for every rank's part (a rank's background thread may finish after ours)."""
+        parts = [path / PARTS_DIR / f"rank-{r:05d}.json" for r in range(self.world_size)]
+        deadline = time.monotonic() + ASYNC_PARTS_TIMEOUT_S
+        while not all(p.is_file() for p in parts):
+            failed = sorted(p.name for p in (path / PARTS_DIR).glob("*.failed"))
+            if failed:
+                raise RuntimeError(f"rank(s) failed to finish their part of the save: {', '.join(failed)}")
+            if time.monotonic() > deadline:
+                missing = [p.name for p in parts if not p.is_file()]
+                raise TimeoutError(f"no part from {', '.join(missing)} after {ASYNC_PARTS_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        return [json.loads(p.read_text()) for p in parts]
 
     def _complete(self, path: Path, step: int, t0: float) -> None:
         if self.rank == 0:
@@ -215,10 +262,16 @@ class CheckpointManager:
 
     def _finish_async(self, fut: Future[Any], path: Path, step: int, t0: float) -> bool:
         """True when this rank's part of an async save is done (rank 0: manifest and marker written)."""
-        # runs in DCP's background thread on every rank once the shards (and .metadata) are written: rank 0
-        # hashes alone here (no collectives off the main thread), off the training's critical path
-        if fut.exception() is not None:
-            log.error("async checkpoint %s failed: %s; it stays incomplete", path, fut.exception())
+        # runs in DCP's background thread on every rank once its shards are written (rank 0: and .metadata): each
+        # rank hashes its own files and leaves its part in .manifest/ (no collectives off the main thread); rank 0
+        # merges the parts into MANIFEST.json and writes the marker
+        err = fut.exception()
+        if err is None:
+            err = _attempt(lambda: self._write_part(path))
+        if err is not None:
+            log.error("async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank, err)
+            with contextlib.suppress(OSError):
+                self._write_part(path, failed=err)  # rank 0 stops waiting for this rank's part
             return False
         if self.rank == 0:
             err = _attempt(lambda: (self._write_manifest(path, distributed=False), self._complete(path, step, t0)))
@@ -491,9 +544,24 @@ def _read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
 
 
 def _files(path: Path) -> list[str]:
-    """Every file of a checkpoint but the marker and manifest, as sorted relative paths."""
+    """Every file of a checkpoint but the marker, the manifest and its parts, as sorted relative paths."""
     skip = {MARKER, MANIFEST, DAMAGED}
-    return sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f.name not in skip)
+    return sorted(
+        rel
+        for f in path.rglob("*")
+        if f.is_file() and f.name not in skip and not (rel := str(f.relative_to(path))).startswith(f"{PARTS_DIR}/")
+    )
+
+
+_OWNER = re.compile(r"^__(\d+)_|rank[-_](\d+)")
+
+
+def _owner(rel: str, world_size: int) -> int:
+    """The rank that wrote a checkpoint file, by its name: DCP's ``__<rank>_<n>.distcp``, ``rng/rank-<rank>.pt``,
+    DeepSpeed's ``zero_pp_rank_<rank>_...``; anything else (``.metadata``, ``trainer_state.json``) is rank 0's."""
+    m = _OWNER.search(Path(rel).name)
+    rank = int(m.group(1) or m.group(2)) if m else 0
+    return rank if rank < world_size else 0
 
 
 _HASH_CHUNK = 1 << 20  # bytes read per step when hashing a checkpoint file

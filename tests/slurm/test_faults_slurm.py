@@ -95,9 +95,12 @@ def test_preemption_then_frozen_rank_watchdog_requeues_and_resumes(
     attempts = _goodput(run)["attempts"]
     reached = attempts[1]["last_step"]  # the furthest step of the frozen attempt (rank 0 flushed at the watchdog)
     _, resumed = resumes[1]
-    # the newest checkpoint at or before it: the preemption's stop checkpoint or a periodic one (every 5 steps)
-    assert resumed == max(resumes[0][1], (reached // 5) * 5)
-    assert attempts[1]["lost_steps"] == reached - resumed <= 5
+    # the newest checkpoint at or before it: the preemption's stop checkpoint or a periodic one (every 5 steps);
+    # or the next step's save, when the freeze caught rank 1 in that save's last agreement: rank 0 had written its
+    # marker (complete, so resumed), and the step never ended for goodput
+    candidates = {max(resumes[0][1], (reached // 5) * 5)} | ({reached + 1} if (reached + 1) % 5 == 0 else set())
+    assert resumed in candidates, (resumed, reached, resumes)
+    assert attempts[1]["lost_steps"] == max(0, reached - resumed) <= 5
     assert sorted(step_losses(run)) == list(range(1, steps + 1))
     final = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["split"] == "goodput" and final["attempts"] == 3 and 0 < final["goodput"] < 1
@@ -105,7 +108,7 @@ def test_preemption_then_frozen_rank_watchdog_requeues_and_resumes(
     detect = hang["time"] - t_stop
     resume = _first_step_after(run, hang["time"]) - t_stop
     print(f"\nSIGSTOP rank 1 at step ~{reached}: watchdog fired {detect:.1f}s later (timeout 10 s), training resumed "
-          f"{resume:.1f}s after the SIGSTOP from step {resumed}, {reached - resumed} step(s) lost; run goodput "
+          f"{resume:.1f}s after the SIGSTOP from step {resumed}, {max(0, reached - resumed)} step(s) lost; run goodput "
           f"{final['goodput']:.3f} over 3 attempts: " + ", ".join(f"{k} {final[k]:.1f}s" for k in (
               "train", "checkpoint_save", "restore", "startup", "lost", "queue_wait", "other")))  # fmt: skip
 

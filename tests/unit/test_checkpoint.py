@@ -104,7 +104,7 @@ def test_manifest_round_trip_hashes_like_sha256(tmp_path: Path) -> None:
     for i, (name, size) in enumerate(sizes.items()):
         (d / "sub" / f"{name}.bin").write_bytes((bytes(range(i, 251)) * (size // 200 + 1))[:size])
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
-    mgr._write_manifest(d, distributed=False)
+    mgr._write_manifest(d, distributed=True)  # one rank: no process group, its own part is the whole
     files = json.loads((d / MANIFEST).read_text())["files"]
     assert sorted(files) == sorted(f"sub/{name}.bin" for name in sizes)
     for rel, entry in files.items():
