@@ -128,9 +128,11 @@ class CheckpointManager:
         keep_last: int = 3,
         async_save: bool = False,
         verify: str = "checksum",
+        write_threads: int = 1,
     ):
         self.root, self.rank, self.world_size = Path(root), rank, world_size
         self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
+        self.write_threads = max(1, write_threads)
         self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
         self._pg = self._async_pg = None
         if dist.is_initialized():
@@ -195,12 +197,12 @@ class CheckpointManager:
                     done.set_result(ok)
 
             self._pending = done
-            dcp.async_save(state.dcp_state(), checkpoint_id=str(path), process_group=self._async_pg).add_done_callback(
-                shards_written
-            )
+            dcp.async_save(
+                state.dcp_state(), storage_writer=self._writer(path), process_group=self._async_pg
+            ).add_done_callback(shards_written)
             return
         with _single_process_ok():
-            dcp.save(state.dcp_state(), checkpoint_id=str(path))
+            dcp.save(state.dcp_state(), storage_writer=self._writer(path))
         _test_kill_point(step)
 
     def _own_digests(self, path: Path) -> dict[str, dict[str, Any]]:
@@ -208,6 +210,11 @@ class CheckpointManager:
         page cache, and the work spread over the ranks as the writing was."""
         return {rel: _digest(path / rel, checksum=True) for rel in _files(path)
                 if _owner(rel, self.world_size) == self.rank}  # fmt: skip
+
+    def _writer(self, path: Path) -> dcp.FileSystemWriter:
+        # DCP serializes and writes with one thread by default: 0.29 GB/s here against dd's 1.07 for a 1.5 GB
+        # state; two threads halve the save (tools/bench/checkpoint.py)
+        return dcp.FileSystemWriter(str(path), thread_count=self.write_threads)
 
     def _write_manifest(self, path: Path, *, distributed: bool) -> None:
         """MANIFEST.json: size and sha256 of every file, each hashed by the rank that wrote it, written by rank 0.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -127,6 +128,7 @@ class Trainer:
         self.ckpt = CheckpointManager(
             cfg.checkpoint_dir, rank=env.rank, world_size=env.world_size, keep_last=cfg.checkpoint.keep_last,
             async_save=cfg.checkpoint.async_save, verify=cfg.checkpoint.verify,
+            write_threads=cfg.checkpoint.write_threads or _auto_write_threads(env.local_world_size),
         )  # fmt: skip
         log.info(
             "model %s params (%.1fM), %s on %d rank(s), grad accum %d, %.3g FLOPs/token",
@@ -460,3 +462,12 @@ def _describe_diff(diff: dict[str, list[str]]) -> str:
     parts = [f"{len(diff[k])} {what}: {', '.join(diff[k][:4])}{' ...' if len(diff[k]) > 4 else ''}"
              for k, what in kinds if diff[k]]  # fmt: skip
     return "; ".join(parts) if parts else "every weight matched"
+
+
+def _auto_write_threads(local_world_size: int) -> int:
+    """checkpoint.write_threads=0: the cores this rank may use, shared with the node's other ranks when they are
+    not bound to their own (torchrun without binding: every rank sees every core), at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores >= (os.cpu_count() or cores):  # unbound: the node's cores are everyone's
+        cores //= max(1, local_world_size)
+    return max(1, min(8, cores))

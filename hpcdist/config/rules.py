@@ -98,7 +98,8 @@ def check(cfg: JobConfig) -> list[str]:
     p += _positive(
         cfg,
         ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps",
-         "checkpoint.every_minutes", "logging.replica_check_every_steps", "logging.straggler_every_steps",
+         "checkpoint.every_minutes", "checkpoint.write_threads", "logging.replica_check_every_steps",
+         "logging.straggler_every_steps",
          "train.eval_every_steps", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"],
         allow_zero=True,
     )  # fmt: skip

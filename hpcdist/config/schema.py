@@ -228,6 +228,9 @@ class CheckpointConfig:
     """Write checkpoints in the background while training continues."""
     save_final: bool = True
     """Save a checkpoint when training ends."""
+    write_threads: int = 0
+    """Threads each rank writes its checkpoint shards with (DCP's FileSystemWriter); 0 = auto: this rank's share
+    of the cores it may run on (os.sched_getaffinity, e.g. srun's --cpus-per-task), at most 8."""
     verify: str = "checksum"
     """Before resuming, check the checkpoint against its MANIFEST.json: checksum (sha256 of every file, read
     once, spread over the ranks), size (sizes only: cheap, catches truncation) or none. A damaged checkpoint is
