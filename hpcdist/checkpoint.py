@@ -114,6 +114,9 @@ class Stateful:
     """Collective: write the strategy's own sharded state into the given directory (None: DCP holds it all)."""
     load_native: Callable[[Path], None] | None = None
     """Collective: restore what ``save_native`` wrote; called instead of the DCP load when the directory exists."""
+    model_shapes: Callable[[], dict[str, tuple[int, ...]]] | None = None
+    """{FQN: global shape} of this model without gathering it: checked against the checkpoint's DCP metadata
+    before ``load_native`` (the DCP load path checks the state dict it loads into)."""
 
 
 class CheckpointManager:
@@ -407,7 +410,8 @@ class CheckpointManager:
             for key, meta in metadata.state_dict_metadata.items()
             if key.startswith("model.") and hasattr(meta, "size")
         }
-        mine = {k: tuple(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
+        mine = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in model.items()
+                if isinstance(v, (torch.Tensor, tuple))}  # fmt: skip
         wanted = set(mine)
         if self._pg is not None:
             parts: list[list[str]] = [[] for _ in range(self.world_size)]
@@ -495,6 +499,10 @@ class CheckpointManager:
         # absent when resuming on more ranks than saved: those ranks keep their seeded RNG
         rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
         if state.load_native is not None and (path / NATIVE).is_dir():
+            if state.model_shapes is not None:  # another model is refused here too, not left to DeepSpeed's error
+                metadata = dcp.FileSystemReader(str(path)).read_metadata()
+                if any(key.startswith("model.") for key in metadata.state_dict_metadata):
+                    self._check_model_shapes(path, metadata, state.model_shapes())
             state.load_native(path / NATIVE)
         else:
             dest = state.dcp_state()

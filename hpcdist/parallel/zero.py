@@ -220,6 +220,10 @@ class ZeroStrategy(Strategy):
         # tag fixed and no `latest` file: hpcdist's COMPLETE marker, not DeepSpeed's, says what is resumable
         self.engine.save_checkpoint(str(path), tag=_TAG, save_latest=False)
 
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{FQN: full shape} of the module's state (stage 3: ``ds_shape``, not the local partition), no gather."""
+        return {k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in self.module.state_dict(keep_vars=True).items()}
+
     def load_native(self, path: Path) -> None:
         saved = _saved_world_size(path)
         world = dist.get_world_size() if dist.is_initialized() else 1

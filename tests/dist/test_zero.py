@@ -149,3 +149,17 @@ def test_zero_checkpoint_portable_and_world_checked(small_cfg, tmp_path: Path) -
         run_ranks(4, _run, cfg)
     with pytest.raises(ConfigError, match="offload_params"):
         small_cfg("parallel.strategy=zero", "parallel.zero.offload_params=true", *NO_CKPT)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_different_model_is_refused_before_deepspeed_loads(small_cfg, tmp_path: Path, stage: int) -> None:
+    """Issue 13.4 on the ZeRO path: the DeepSpeed-native load used to meet another model inside DeepSpeed (an
+    error there demoted the intact checkpoint as damaged). The shapes are now checked first, without gathering
+    (stage 3: ds_shape), and the checkpoint is refused by name and kept."""
+    over = ("train.steps=2", "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.strategy=zero",
+            f"parallel.zero.stage={stage}", "checkpoint.every_steps=2")  # fmt: skip
+    cfg = small_cfg(*over, run_dir=tmp_path / "run")
+    run_ranks(2, _run, cfg)
+    with pytest.raises(AssertionError, match=r"holds a different model \(layers\.1\..*model\.n_layers=2 \(now 1\)"):
+        run_ranks(2, _run, small_cfg(*over, "train.steps=4", "model.n_layers=1", run_dir=tmp_path / "run"))
+    assert (Path(cfg.checkpoint_dir) / "step-00000002" / "COMPLETE").is_file()  # not demoted
