@@ -92,6 +92,10 @@ def latest(root: Path, *, warn: bool = True) -> Path | None:
     return complete[-1][1] if complete else None
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save failed with an error that is not I/O: a bug would otherwise disable checkpointing silently."""
+
+
 class CheckpointMismatch(ValueError):
     """An intact checkpoint that does not fit this job (another model, a ZeRO world size): resume stops with this
     message and the checkpoint is kept as it is (never demoted like a damaged one). ``path``: that checkpoint."""
@@ -137,6 +141,7 @@ class CheckpointManager:
         self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
         self.write_threads = max(1, write_threads)
         self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
+        self._not_io = False  # the last agreement saw an error that is not I/O (save() raises)
         self._pg = self._async_pg = None
         if dist.is_initialized():
             # CPU groups of their own: agreement flags and manifest gathers work on NCCL jobs too; async DCP runs
@@ -147,22 +152,38 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------------ save
     def save(self, step: int, state: Stateful) -> Path | None:
-        """Write step-N collectively; None when it failed (disk full, I/O error): then the partial directory is
-        removed, every rank logs why, and the previous complete checkpoint stays the resume point."""
+        """Write step-N collectively; None when it failed with an I/O error (disk full, EIO, quota): then the partial
+        directory is removed, every rank logs why, and the previous complete checkpoint stays the resume point.
+        Any other error (a bug: training on would silently never checkpoint again) raises CheckpointSaveError on
+        every rank, after the same clean-up."""
         self.wait()  # one save in flight at a time; also makes the previous checkpoint complete
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
+        errors: list[BaseException] = []
+
+        def phase(fn: Callable[[], Any]) -> bool:
+            err = _attempt(fn)
+            if err is not None:
+                errors.append(err)
+            return self._all_ok(err)
+
         # every phase ends in an agreement: a rank whose local write failed must not leave the others waiting in
         # the next collective, and no rank may go on to write a marker for a checkpoint another rank failed
-        ok = self._all_ok(_attempt(lambda: self._prepare(path)))
-        ok = ok and self._all_ok(_attempt(lambda: self._write_local(path, state)))
-        ok = ok and self._all_ok(_attempt(lambda: self._write_shards(path, state, step, t0)))
+        ok = phase(lambda: self._prepare(path))
+        ok = ok and phase(lambda: self._write_local(path, state))
+        ok = ok and phase(lambda: self._write_shards(path, state, step, t0))
         if self.async_save and ok:
             return path  # the future's callback writes the manifest and the marker
-        ok = ok and self._all_ok(_attempt(lambda: self._write_manifest(path, distributed=True)))
-        ok = ok and self._all_ok(_attempt(lambda: self._complete(path, step, t0)))
+        ok = ok and phase(lambda: self._write_manifest(path, distributed=True))
+        ok = ok and phase(lambda: self._complete(path, step, t0))
         if not ok:
             self._abandon(path, step)
+            if self._not_io:
+                raise CheckpointSaveError(
+                    f"checkpoint at step {step} failed with an error that is not I/O ("
+                    + (f"{type(errors[0]).__name__}: {errors[0]}" if errors else "on another rank: see its log")
+                    + "): stopping rather than training on without checkpoints"
+                ) from (errors[0] if errors else None)
             return None
         return path
 
@@ -331,11 +352,22 @@ class CheckpointManager:
         reports it itself)."""
         if err is not None and log_error:
             log.error("rank %d: checkpoint I/O failed: %s: %s", self.rank, type(err).__name__, err)
-        if self._pg is None:
-            return err is None
-        flag = torch.tensor([0 if err is None else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
-        return int(flag) == 0
+        level = 0 if err is None else 1 if _is_io_error(err) or self._disk_nearly_full() else 2
+        if self._pg is not None:
+            flag = torch.tensor([level])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+            level = int(flag)
+        self._not_io = level == 2  # some rank's error was not I/O: save() raises on every rank alike
+        return level == 0
+
+    def _disk_nearly_full(self) -> bool:
+        """Whatever the error said, a full checkpoint disk makes it a storage problem (< 64 MiB free: a percentage
+        means nothing on a petabyte file system)."""
+        try:
+            usage = shutil.disk_usage(self.root if self.root.exists() else self.root.parent)
+        except OSError:
+            return True  # the storage itself is failing
+        return usage.free < 64 << 20
 
     def _spread(self, items: list[str], fn: Callable[[str], Any]) -> dict[str, Any]:
         """{item: fn(item)}, the work split over the ranks (each reads its share once) and gathered to all."""
@@ -532,6 +564,20 @@ def _single_process_ok() -> Iterator[None]:
 def _barrier(group: Any = None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def _is_io_error(err: BaseException) -> bool:
+    """Disk full, I/O error, quota, a vanished mount: the storage's fault, not the code's, so training goes on."""
+    if isinstance(err, OSError):
+        return True
+    if isinstance(err, CheckpointException):  # DCP's wrapper of every rank's failure
+        return bool(err.failures) and all(_is_io_error(exc) for exc, _ in err.failures.values())
+    # torch.save's zip writer (inline_container.cc) turns ENOSPC / EIO into RuntimeErrors: "PytorchStreamWriter
+    # failed writing file ...: file write failed", or, on a full tmpfs, "unexpected pos 704 vs 598"
+    if isinstance(err, RuntimeError) and any(s in str(err) for s in ("PytorchStreamWriter", "inline_container")):
+        return True
+    cause = err.__cause__ or err.__context__
+    return cause is not None and _is_io_error(cause)
 
 
 def _attempt(fn: Callable[[], Any]) -> BaseException | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -298,3 +299,24 @@ def test_init_from_starts_a_different_model_from_the_matching_weights(small_cfg,
                                           f"checkpoint.init_from={src_ckpt}", run_dir=tmp_path / "big"))  # fmt: skip
     assert again.step == 2 and again.resumed_from.endswith("big/checkpoints/step-00000002")
     assert "starting fresh from the weights" not in caplog.text
+
+
+def _failing_state(exc: BaseException) -> checkpoint.Stateful:
+    def trainer_state() -> dict:
+        raise exc
+
+    return dataclasses.replace(_linear_state(torch.nn.Linear(8, 8)), trainer_state=trainer_state)
+
+
+def test_a_save_that_fails_with_a_bug_stops_and_a_full_disk_does_not(tmp_path: Path) -> None:
+    """A save failing with a bug used to be logged as "checkpoint I/O failed" and training went on, never to
+    checkpoint again (every later save hits the same bug): hours of work unprotected. Now only storage errors
+    are survived; anything else raises on every rank after the same clean-up."""
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+    with pytest.raises(checkpoint.CheckpointSaveError, match=r"not I/O .*TypeError: bad field") as err:
+        mgr.save(1, _failing_state(TypeError("bad field")))
+    assert isinstance(err.value.__cause__, TypeError)
+    assert not (tmp_path / "step-00000001").exists()  # cleaned up like any failed save
+    assert mgr.save(2, _failing_state(OSError(28, "No space left on device"))) is None  # training goes on
+    assert mgr.save(3, _failing_state(RuntimeError("[enforce fail] PytorchStreamWriter failed writing file"))) is None
+    assert mgr.save(4, _linear_state(torch.nn.Linear(8, 8))) is not None
