@@ -4,6 +4,8 @@ Configuration errors print one message, no traceback."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -528,6 +530,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except ConfigError as e:
         return _fail(str(e))
+    except BrokenPipeError:  # `hpcdist plan ... | head`: the reader left; not an error worth a traceback
+        # point stdout at /dev/null so the interpreter's final flush does not raise the same error again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

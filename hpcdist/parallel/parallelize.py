@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpcdist.config import JobConfig, grad_accum_steps
-from hpcdist.env import DistEnv
+from hpcdist.env import DistEnv, export_environ
 from hpcdist.models.llama import Transformer
 from hpcdist.optim import build_optimizer
 from hpcdist.parallel.base import Strategy
@@ -144,6 +144,9 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
             strategy = FSDPStrategy(model, mesh=mesh, **{**common, "autocast_dtype": None})
         case "zero":
             o = cfg.optim
+            # DeepSpeed asserts LOCAL_RANK even for one process; hpcdist.run exports it with the process group, a
+            # Trainer built directly (the Python API, one process, no init_process_group) did not
+            export_environ(env)
             materialize(model, device=device, seed=cfg.run.seed)
             ds_config = zero_ds_config(cfg, dp_size=dp_size, device=device)
             # DeepSpeed's bf16 mode (bf16 weights and grads, fp32 master) replaces autocast wherever it is on

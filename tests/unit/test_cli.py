@@ -287,3 +287,12 @@ def test_main_prepare_bad_option_value_is_a_clean_error(tmp_path: Path, capsys: 
     (tmp_path / "a.txt").write_text("hello\n")
     assert run_main("prepare", tmp_path / "a.txt", "--out", tmp_path / "out", "--shard-tokens", "0") != 0
     assert "shard-tokens" in capsys.readouterr().err  # argparse names the option and the rule
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    """`hpcdist plan ... | head -1` printed a BrokenPipeError traceback once head had its line."""
+    cmd = f"{sys.executable} -m hpcdist plan configs/train_13b.yaml --nodes 4 --gpus-per-node 8 | head -1"
+    p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr[-2000:]
+    # 141 (128 + SIGPIPE, as a C tool killed by it) when head left first; 0 when the whole table fit the pipe
+    assert p.stdout.count("\n") == 1 and p.returncode in (0, 141), p.returncode
