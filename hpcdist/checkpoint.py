@@ -423,20 +423,22 @@ class CheckpointManager:
                     f"its {DAMAGED} file back to {MARKER} and set checkpoint.resume=<its path>"
                 ])  # fmt: skip
             return None
-        path = Path(resume)
+        return self._named(Path(resume), "checkpoint.resume")
+
+    def _named(self, path: Path, key: str) -> Path:
+        """Collective: a checkpoint the config names (``key``) must be complete and intact: ValueError otherwise."""
         if not (path / MARKER).is_file():
-            raise ValueError(
-                f"checkpoint.resume: {path} has no {MARKER} marker; it is incomplete and cannot be trusted"
-            )
+            raise ValueError(f"{key}: {path} has no {MARKER} marker; it is incomplete and cannot be trusted")
         problems = self.verify(path)
         if problems:
-            raise ValueError(f"checkpoint.resume: {path} is damaged: {'; '.join(problems)}")
+            raise ValueError(f"{key}: {path} is damaged: {'; '.join(problems)}")
         return path
 
     def _model_diff(self, metadata: Any, model: dict[str, Any]) -> dict[str, list[str]]:
         """Collective: this model's weights against the checkpoint's, by name and global shape. ``missing``: here,
         not saved; ``unexpected``: saved, on no rank here (keys gathered: a pipeline stage holds only its own
-        layers); ``shape``: both, different shapes (DTensor shapes are global, so layouts do not matter)."""
+        layers); ``shape``: both, different shapes (DTensor shapes are global, so layouts do not matter), and
+        ``shape_detail`` says how."""
         saved = {
             key[len("model.") :]: tuple(meta.size)
             for key, meta in metadata.state_dict_metadata.items()
@@ -452,11 +454,8 @@ class CheckpointManager:
         return {
             "missing": sorted(set(mine) - set(saved)),
             "unexpected": sorted(set(saved) - wanted),
-            "shape": [
-                f"{k}: checkpoint {list(saved[k])}, this model {list(s)}"
-                for k, s in sorted(mine.items())
-                if k in saved and saved[k] != s
-            ],
+            "shape": (shape := [k for k, s in sorted(mine.items()) if k in saved and saved[k] != s]),
+            "shape_detail": [f"{k}: checkpoint {list(saved[k])}, this model {list(mine[k])}" for k in shape],
         }
 
     def _check_model_shapes(self, path: Path, metadata: Any, model: dict[str, Any]) -> None:
@@ -467,7 +466,7 @@ class CheckpointManager:
         diff = self._model_diff(metadata, model)
         problems = [f"{k}: not in the checkpoint" for k in diff["missing"]]
         problems += [f"{k}: in the checkpoint, not in this model" for k in diff["unexpected"]]
-        problems += diff["shape"]
+        problems += diff["shape_detail"]
         if problems:
             shown = "; ".join(problems[:3]) + (f"; ... ({len(problems)} in all)" if len(problems) > 3 else "")
             raise CheckpointMismatch(
@@ -481,15 +480,11 @@ class CheckpointManager:
         """Collective: ``checkpoint.init_from``. The model weights of the complete, intact checkpoint ``path`` that
         match this model by name and shape are loaded; everything else keeps its initialization (optimizer,
         schedule, data position and step start fresh). Returns what did not match (missing / unexpected / shape)."""
-        if not (path / MARKER).is_file():
-            raise ValueError(f"checkpoint.init_from: {path} has no {MARKER} marker; it is incomplete")
-        problems = self.verify(path)
-        if problems:
-            raise ValueError(f"checkpoint.init_from: {path} is damaged: {'; '.join(problems)}")
+        self._named(path, "checkpoint.init_from")
         model = state.dcp_state()["model"]  # this model's initialized weights, every key: loaded into in place
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
         diff = self._model_diff(metadata, model)
-        skip = set(diff["missing"]) | {s.split(":", 1)[0] for s in diff["shape"]}
+        skip = set(diff["missing"]) | set(diff["shape"])
         matching = {k: v for k, v in model.items() if k not in skip}
         with _single_process_ok():
             dcp.load({"model": matching}, checkpoint_id=str(path))
