@@ -12,7 +12,7 @@ shards), not computed. What cannot run on meta is counted by its rule instead, a
   (stages 1-2: full bf16 parameters on every rank, the fp32 master + Adam partition ``ceil(P / dp)``; stage 3: each
   parameter split into ``ceil(numel / dp)`` pieces except those under ``param_persistence_threshold``).
 * 3d: ParallelDims' meshes, this rank's pipeline stage(s) split off the meta model, TP, activation checkpointing
-  and FSDP2 on the dp mesh, as hpcdist.parallel.parallelize.build_3d does before materializing; counts differ per
+  and FSDP2 on the dp mesh, as hpcdist.parallel.parallelize.parallelize does before materializing; counts differ per
   pipeline stage, so the first rank of every stage is included by default.
 
 The report ends with the memory estimate (hpcdist.plan) and, when the cluster profile has hardware numbers, the
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcdist import config as config_mod
-from hpcdist.config import ConfigError, JobConfig
+from hpcdist.config import JobConfig
 from hpcdist.config.cluster import ClusterConfig, load_cluster
 from hpcdist.models.llama import build_model, num_params
 from hpcdist.parallel.dims import parallel_dims
@@ -143,29 +143,18 @@ def parse_ranks(spec: str | None, world_size: int) -> list[int]:
 
 def _count_rank(cfg: JobConfig, rank: int, node: int, world_size: int) -> RankCount:
     """Parameters this rank holds under cfg's plan, applied to a meta model as ``rank`` of a fake group."""
-    strategy = cfg.parallel.strategy
     with _fake_group(rank, world_size):
         model = build_model(cfg.model_args())  # meta: shapes only
-        if strategy != "3d" and cfg.train.activation_checkpointing:
-            from hpcdist.parallel.parallelize import apply_activation_checkpointing
+        if cfg.parallel.strategy == "zero":
+            if cfg.train.activation_checkpointing:  # the trainer's order: checkpointing before DeepSpeed
+                from hpcdist.parallel.parallelize import apply_activation_checkpointing
 
-            apply_activation_checkpointing(model)  # the trainer's order: checkpointing before sharding
-        match strategy:
-            case "ddp":
-                n = sum(p.numel() for p in model.parameters())
-                return RankCount(rank, node, f"replica {rank}", n, n, "replicated (DDP)")
-            case "fsdp":
-                where, n = _fsdp_count(cfg, model, world_size)
-                return RankCount(rank, node, where, n, n, "sharded on meta (FSDP2)")
-            case "zero":
-                resident, optim = _zero_count(cfg, model, world_size)
-                how = f"DeepSpeed ZeRO-{cfg.parallel.zero.stage} partition rule"
-                return RankCount(rank, node, f"dp {rank}", resident, optim, how)
-            case "3d":
-                where, n, stages = _three_d_count(cfg, model, rank, world_size)
-                return RankCount(rank, node, where, n, n, f"sharded on meta: {stages}")
-            case other:
-                raise ConfigError([f"parallel.strategy={other!r}: the dry run does not know this strategy"])
+                apply_activation_checkpointing(model)
+            resident, optim = _zero_count(cfg, model, world_size)
+            how = f"DeepSpeed ZeRO-{cfg.parallel.zero.stage} partition rule"
+            return RankCount(rank, node, f"dp {rank}", resident, optim, how)
+        where, n, how = _layout_count(cfg, model, rank, world_size)
+        return RankCount(rank, node, where, n, n, how)
 
 
 def _in_child(fn: Callable[..., T], *args: Any) -> T:
@@ -212,49 +201,42 @@ def _local_numel(p: torch.Tensor) -> int:
     return to_local().numel() if callable(to_local) else p.numel()
 
 
-def _fsdp_count(cfg: JobConfig, model: nn.Module, world_size: int) -> tuple[str, int]:
-    """Apply hpcdist's FSDP2 plan to the meta model on the fake group; (mesh coordinates, local elements)."""
-    from hpcdist.parallel.fsdp import fsdp_mesh
-    from hpcdist.parallel.parallelize import apply_fsdp_config
+def _layout_count(cfg: JobConfig, model: nn.Module, rank: int, world_size: int) -> tuple[str, int, str]:
+    """Apply hpcdist's plan to the meta model as ``rank``: (mesh coordinates, local elements, how it was counted).
 
-    mesh = fsdp_mesh("cpu", world_size, replicate=cfg.parallel.fsdp.replicate)
-    # the dtypes a GPU run would use (train.dtype auto -> bf16 on cuda); they do not change the counts
-    apply_fsdp_config(model, mesh, cfg, device=torch.device("cuda"))
-    coords = list(mesh.get_coordinate() or ())
-    names = mesh.mesh_dim_names or ()
-    where = ", ".join(f"{name} {c}" for name, c in zip(names, coords, strict=True))
-    return where, sum(_local_numel(p) for p in model.parameters())
-
-
-def _three_d_count(cfg: JobConfig, model: nn.Module, rank: int, world_size: int) -> tuple[str, int, str]:
-    """Apply hpcdist's 3d plan to the meta model as ``rank``: (mesh coordinates, local elements, stages held).
-
-    ``shard_3d`` is the function build_3d itself runs before materializing: split this rank's pipeline stage(s)
-    off the meta model, then per stage TP -> activation checkpointing -> FSDP2 on the dp mesh.
+    ``parallelize`` is the function the trainer itself runs before materializing: split this rank's pipeline
+    stage(s) off the meta model, then per stage TP -> activation checkpointing -> FSDP2 on the dp mesh (DDP wraps
+    the materialized model later: its ranks hold the whole model).
     """
-    from hpcdist.parallel.parallelize import shard_3d
+    from hpcdist.parallel.parallelize import parallelize
 
     dims = parallel_dims(cfg, world_size)
     coords = dims.coords(rank)
+    meshes = dims.build_meshes("cpu") if dims.needs_mesh else {}
     # the dtypes a GPU run would use (they do not change the counts); no compile: nothing runs
-    parts, ids, num_stages, layers = shard_3d(
-        cfg, model, dims, dims.build_meshes("cpu"), coords["pp"], device=torch.device("cuda"), compile_blocks=False
-    )
+    stages = parallelize(cfg, model, dims, meshes, coords["pp"], device=torch.device("cuda"), compile_blocks=False)
     seen: set[int] = set()
     n = 0
-    for part in parts:
+    for part in stages.parts:
         for p in part.parameters():
             if id(p) not in seen:  # tied embeddings in one stage count once
                 seen.add(id(p))
                 n += _local_numel(p)
+    if not dims.needs_mesh:
+        return f"replica {rank}", n, "replicated (DDP)"
+    if not (dims.pp_enabled or dims.tp_enabled):
+        where = (
+            f"replicate {rank // dims.dp_shard}, shard {rank % dims.dp_shard}" if dims.hsdp_enabled else f"shard {rank}"
+        )
+        return where, n, "sharded on meta (FSDP2)"
     held = []
-    for i in ids:
-        lo, hi = layers[i][0], layers[i][-1]
+    for i in stages.ids:
+        lo, hi = stages.layers[i][0], stages.layers[i][-1]
         span = f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
-        extra = (" + embedding" if i == 0 else "") + (" + head" if i == num_stages - 1 else "")
+        extra = (" + embedding" if i == 0 else "") + (" + head" if i == stages.num_stages - 1 else "")
         held.append(f"stage {i} ({span}{extra})")
     where = f"pp {coords['pp']}, dp {coords['dp']}, tp {coords['tp']}"
-    return where, n, ", ".join(held)
+    return where, n, f"sharded on meta: {', '.join(held)}"
 
 
 def _zero_count(cfg: JobConfig, model: nn.Module, world_size: int) -> tuple[int, int]:
@@ -396,9 +378,8 @@ def _default_ranks(cfg: JobConfig, world_size: int) -> list[int]:
     """First, middle and last rank; under pipeline parallelism also the first rank of every stage (counts differ
     between stages, not between the dp / tp ranks of one stage)."""
     ranks = set(parse_ranks(None, world_size))
-    if cfg.parallel.strategy == "3d":
-        dims = parallel_dims(cfg, world_size)
-        ranks |= {stage * dims.dp * dims.tp for stage in range(dims.pp)}
+    dims = parallel_dims(cfg, world_size)
+    ranks |= {stage * dims.dp * dims.tp for stage in range(dims.pp)}
     return sorted(ranks)
 
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "ScheduleInfo", "default_stages_per_rank", "layout_problems", "resolve_degrees"]
+__all__ = [
+    "SCHEDULES",
+    "ScheduleInfo",
+    "default_stages_per_rank",
+    "layout_problems",
+    "resolve_degrees",
+    "strategy_degrees",
+]
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,24 @@ def default_stages_per_rank(schedule: str) -> int:
     """Virtual stages per pipeline rank when parallel.pp_stages_per_rank is not set: 2 for multi-stage schedules."""
     info = SCHEDULES.get(schedule)
     return 2 if info is not None and info.multi_stage else 1
+
+
+def strategy_degrees(
+    strategy: str, *, pp: int, dp: int, tp: int, replicate: int, world_size: int
+) -> tuple[int, int, int, int]:
+    """``parallel.strategy`` as degrees (pp, dp, tp, dp_replicate): the one place the user-facing alias becomes a
+    layout. ddp = dp over all ranks, all replicas (dp_shard 1); fsdp = dp over all ranks, sharded (HSDP:
+    ``replicate`` groups); 3d = the configured degrees (-1 still unresolved); zero = dp over all ranks (DeepSpeed
+    partitions by its own stage, not by these degrees)."""
+    match strategy:
+        case "3d":
+            return pp, dp, tp, replicate
+        case "ddp":
+            return 1, world_size, 1, world_size
+        case "fsdp":
+            return 1, world_size, 1, replicate
+        case _:
+            return 1, world_size, 1, 1
 
 
 def resolve_degrees(pp: int, dp: int, tp: int, world_size: int) -> tuple[tuple[int, int, int], list[str]]:
@@ -101,12 +126,14 @@ def layout_problems(
     ranks_per_node: int | None = None,
     tp_across_nodes: bool = False,
     evaluates: bool = False,
+    dp_name: str = "parallel.dp",
 ) -> list[str]:
     """Every reason a (pp, dp, tp) layout cannot run this model, each naming the degrees, the rule and a fix.
 
     ``world_size=None`` (config loading, no job yet): only the checks that do not need it, with -1 degrees
     skipped. ``ranks_per_node`` (GPUs per node) enables the tp-inside-a-node rule; ``evaluates``: the job runs
-    periodic evaluation (forward-only pipeline steps).
+    periodic evaluation (forward-only pipeline steps). ``dp_name``: what the user set dp with (``parallel.dp``, or
+    "the world size" for parallel.strategy=fsdp).
     """
     p: list[str] = []
     if schedule not in SCHEDULES:
@@ -195,7 +222,13 @@ def layout_problems(
         p.append(f"parallel.fsdp.replicate={dp_replicate}: must be >= 1")
     elif dp_replicate > 1 and dp > 0 and dp % dp_replicate:
         p.append(
-            f"parallel.fsdp.replicate={dp_replicate} does not divide parallel.dp={dp}: HSDP splits the dp ranks into "
-            f"replicate x shard groups; pick a divisor of {dp}"
+            f"parallel.fsdp.replicate ({dp_replicate}) must divide {dp_name} ({dp}): HSDP splits the data-parallel "
+            f"ranks into replicate x shard groups; pick a divisor of {dp} (or 1 for plain FSDP)"
+        )
+    elif dp_replicate > 1 and dp_replicate == dp and pp == 1 and tp == 1:
+        # ParallelDims runs this layout as DDP: the parallel.fsdp options would silently not apply
+        p.append(
+            f"parallel.fsdp.replicate ({dp_replicate}) equals {dp_name} ({dp}): every shard group is one rank, "
+            "which is pure replication; use parallel.strategy=ddp, or a smaller parallel.fsdp.replicate"
         )
     return p

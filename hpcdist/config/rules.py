@@ -180,18 +180,24 @@ def _check_zero(cfg: JobConfig) -> list[str]:
 
 
 def _layout_problems(cfg: JobConfig, *, world_size: int | None, ranks_per_node: int | None = None) -> list[str]:
+    """The layout rules for the degrees ``parallel.strategy`` stands for (3d, and fsdp = dp over every rank)."""
     par, m, t = cfg.parallel, cfg.model, cfg.train
     if m.problems():  # reported on their own; the layout rules need a sane model
         return []
+    pp, dp, tp, replicate = layout.strategy_degrees(
+        par.strategy, pp=par.pp, dp=par.dp, tp=par.tp, replicate=par.fsdp.replicate, world_size=world_size or 1
+    )
+    if par.strategy != "3d" and world_size is None:
+        return []  # dp is the world size: nothing to check before the job has one
     p = layout.layout_problems(
-        pp=par.pp, dp=par.dp, tp=par.tp, world_size=world_size, dp_replicate=par.fsdp.replicate,
+        pp=pp, dp=dp, tp=tp, world_size=world_size, dp_replicate=replicate,
         n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.kv_heads, dim=m.dim, ffn_dim=m.ffn_dim,
         seq_len=cfg.data.seq_len, tie_embeddings=m.tie_embeddings, schedule=par.pp_schedule,
         stages_per_rank=par.pp_stages_per_rank, global_batch_size=t.global_batch_size,
         micro_batch_size=t.micro_batch_size, ranks_per_node=ranks_per_node, tp_across_nodes=par.tp_across_nodes,
-        evaluates=t.eval_every_steps > 0,
+        evaluates=t.eval_every_steps > 0, dp_name="parallel.dp" if par.strategy == "3d" else "the world size",
     )  # fmt: skip
-    if par.fsdp.cpu_offload:
+    if par.fsdp.cpu_offload and par.strategy == "3d":
         p.append("parallel.fsdp.cpu_offload: not supported with parallel.strategy=3d; use parallel.strategy=fsdp")
     return p
 
@@ -202,24 +208,16 @@ def check_world(cfg: JobConfig, world_size: int, *, ranks_per_node: int | None =
     ``ranks_per_node`` (GPUs per node) adds the rule that a tensor-parallel group stays inside one node."""
     if world_size < 1:
         raise ConfigError([f"world size must be >= 1, got {world_size}"])
-    # 3d: every layout problem and the batch split below are reported together
-    problems: list[str] = []
-    if cfg.parallel.strategy == "3d":
-        problems = _layout_problems(cfg, world_size=world_size, ranks_per_node=ranks_per_node)
     if cfg.parallel.strategy == "fsdp" and world_size == 1:
         raise ConfigError(
             ["parallel.strategy=fsdp shards over ranks and needs more than one; use parallel.strategy=ddp for one"]
         )
-    replicate = cfg.parallel.fsdp.replicate
-    if cfg.parallel.strategy == "fsdp" and replicate > 1 and world_size % replicate:
-        raise ConfigError(
-            [
-                f"parallel.fsdp.replicate ({replicate}) must divide the world size ({world_size}): HSDP needs "
-                f"replicate x shard == world size; pick a divisor of {world_size} (or 1 for plain FSDP)"
-            ]
-        )
+    # 3d and fsdp: every layout problem and the batch split below are reported together
+    problems: list[str] = []
+    if cfg.parallel.strategy in ("3d", "fsdp"):
+        problems = _layout_problems(cfg, world_size=world_size, ranks_per_node=ranks_per_node)
     t = cfg.train
-    dp = _data_parallel_size(cfg, world_size)  # 0: an impossible 3d layout, already in problems
+    dp = _data_parallel_size(cfg, world_size)  # 0: an impossible layout, already in problems
     if dp and t.global_batch_size % (t.micro_batch_size * dp):
         fix = t.micro_batch_size * dp
         problems.append(
@@ -232,14 +230,14 @@ def check_world(cfg: JobConfig, world_size: int, *, ranks_per_node: int | None =
 
 
 def _data_parallel_size(cfg: JobConfig, world_size: int) -> int:
-    """The data-parallel degree: the world, or what 3d leaves of it; 0 when the 3d degrees cannot be resolved.
+    """The data-parallel degree ``parallel.strategy`` stands for; 0 when its degrees cannot be resolved.
 
     The same arithmetic as :func:`hpcdist.parallel.dims.parallel_dims` (which this package must not import)."""
     par = cfg.parallel
-    if par.strategy != "3d":
-        return world_size
-    (_, dp, _), problems = layout.resolve_degrees(par.pp, par.dp, par.tp, world_size)
-    replicate = par.fsdp.replicate
+    pp, dp, tp, replicate = layout.strategy_degrees(
+        par.strategy, pp=par.pp, dp=par.dp, tp=par.tp, replicate=par.fsdp.replicate, world_size=world_size
+    )
+    (_, dp, _), problems = layout.resolve_degrees(pp, dp, tp, world_size)
     return 0 if problems or replicate < 1 or dp % replicate else dp
 
 

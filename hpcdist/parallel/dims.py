@@ -25,6 +25,7 @@ from hpcdist.config.layout import (
     default_stages_per_rank,
     layout_problems,
     resolve_degrees,
+    strategy_degrees,
 )
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ __all__ = [
     "layout_problems",
     "parallel_dims",
     "resolve_degrees",
+    "strategy_degrees",
 ]
 
 
@@ -82,11 +84,28 @@ class ParallelDims:
 
     @property
     def hsdp_enabled(self) -> bool:
-        return self.dp_replicate > 1
+        """FSDP2 on the 2-D (dp_replicate, dp_shard) mesh; pure replication without pp/tp is DDP instead."""
+        return self.dp_replicate > 1 and not self.ddp_enabled
 
     @property
     def dp_shard(self) -> int:
         return self.dp // self.dp_replicate
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """Pure replication (dp_shard 1, no pp/tp): torch DDP all-reduces buckets, cheaper than FSDP over size-1
+        shards. With pp or tp, replicas stay FSDP2 units over a (dp, 1) mesh (DDP does not take DTensors)."""
+        return self.dp > 1 and self.dp_shard == 1 and not (self.pp_enabled or self.tp_enabled)
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """dp > 1 handled by FSDP2 (sharded, HSDP, or replicas next to pp/tp)."""
+        return self.dp_enabled and not self.ddp_enabled
+
+    @property
+    def needs_mesh(self) -> bool:
+        """Whether the layout uses a DeviceMesh at all (ddp and one rank do not: no sub-groups to create)."""
+        return self.fsdp_enabled or self.pp_enabled or self.tp_enabled
 
     # ------------------------------------------------------------------------------------------ coordinates
     def coords(self, rank: int) -> dict[str, int]:
@@ -148,8 +167,9 @@ class ParallelDims:
 
 
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
-    """The job's (pp, dp, tp) layout: 3d reads parallel.pp/dp/tp; every other strategy is pure data parallel."""
+    """The job's layout: ``parallel.strategy`` turned into degrees (:func:`strategy_degrees`), resolved and checked."""
     par = cfg.parallel
-    if par.strategy == "3d":
-        return ParallelDims(pp=par.pp, dp=par.dp, tp=par.tp, world_size=world_size, dp_replicate=par.fsdp.replicate)
-    return ParallelDims(pp=1, dp=world_size, tp=1, world_size=world_size)
+    pp, dp, tp, replicate = strategy_degrees(
+        par.strategy, pp=par.pp, dp=par.dp, tp=par.tp, replicate=par.fsdp.replicate, world_size=world_size
+    )
+    return ParallelDims(pp=pp, dp=dp, tp=tp, world_size=world_size, dp_replicate=replicate)

@@ -1,19 +1,21 @@
-"""Turn a meta-device model into a trained-ready Strategy. The one place that chooses a strategy.
+"""Turn a meta-device model into a train-ready Strategy. The one place that chooses a strategy.
 
-Order matters and is fixed (torchtitan's): tensor parallel -> activation checkpointing -> compile ->
-(FSDP on meta) -> materialize + init -> data parallel wrapper -> optimizer. Only TP/FSDP can run before
-materialization (they shard meta tensors, so no rank ever holds the whole model); DDP needs real parameters
-because it broadcasts them from rank 0 at construction.
+Every layout but ZeRO is a ParallelDims (``parallel.strategy`` is only an alias for its degrees, see
+``parallel_dims``) and goes through one ``parallelize``, per pipeline stage of this rank, in torchtitan's fixed
+order: tensor parallel -> activation checkpointing -> compile -> FSDP2 (all on meta) -> materialize -> DDP (pure
+replication only: DDP needs real parameters, it broadcasts them at construction) -> optimizer. TP and FSDP shard
+meta tensors, so no rank ever holds the whole model. ZeRO hands the materialized model to DeepSpeed.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh
 
 from hpcdist.config import JobConfig, grad_accum_steps
 from hpcdist.env import DistEnv, export_environ
@@ -22,9 +24,10 @@ from hpcdist.optim import build_optimizer
 from hpcdist.parallel.base import Strategy
 from hpcdist.parallel.ddp import DDPStrategy
 from hpcdist.parallel.dims import SCHEDULES, ParallelDims, parallel_dims
-from hpcdist.parallel.fsdp import FSDPStrategy, apply_fsdp, fsdp_mesh, materialize_sharded
+from hpcdist.parallel.fsdp import apply_fsdp
+from hpcdist.parallel.materialize import materialize
+from hpcdist.parallel.mesh import MeshStrategy
 from hpcdist.parallel.pp import part_costs, schedule_stages_per_rank, split_layers, split_model, stage_ids
-from hpcdist.parallel.threed import ThreeDStrategy, materialize_parts
 from hpcdist.parallel.tp import apply_tp
 from hpcdist.parallel.zero import ZeroStrategy, deepspeed_config
 
@@ -41,34 +44,10 @@ def apply_compile(model: nn.Module) -> None:
         model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
 
-def materialize(model: nn.Module, *, device: torch.device, seed: int) -> None:
-    """Allocate real storage for a meta model and initialize it identically on every rank."""
-    model.to_empty(device=device)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device)
-    model.tie_weights()
-
-
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     if dtype == "bf16" or (dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None  # fp32: no autocast
-
-
-def apply_fsdp_config(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, *, device: torch.device) -> None:
-    """``apply_fsdp`` with parallel.fsdp.* (strategy fsdp; also the dry run's plan). Mixed precision is FSDP's
-    policy (gathered params cast once per unit), not autocast."""
-    f = cfg.parallel.fsdp
-    compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, device)
-    apply_fsdp(
-        model,
-        mesh,
-        param_dtype=compute or torch.float32,
-        reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
-        reshard_after_forward=f.reshard_after_forward,
-        cpu_offload=f.cpu_offload,
-    )
 
 
 def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dict:
@@ -114,86 +93,91 @@ def describe_layout(cfg: JobConfig, world_size: int) -> str:
             return f"{other} x {ranks}"
 
 
-def build_strategy(cfg: JobConfig, env: DistEnv, model: nn.Module) -> Strategy:
+def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer) -> Strategy:
     device = env.torch_device()
-    dp_size = env.world_size  # pure data parallelism: every rank is a replica
+    if cfg.parallel.strategy == "zero":
+        return build_zero(cfg, env, model)
+    dims = parallel_dims(cfg, env.world_size)
+    meshes = dims.build_meshes(device.type) if dims.needs_mesh else {}
+    stages = parallelize(cfg, model, dims, meshes, dims.coords(env.rank)["pp"], device=device,
+                         compile_blocks=cfg.train.compile)  # fmt: skip
+    materialize(stages.parts, reference=model, device=device, seed=cfg.run.seed)
     common = {
         "device": device,
-        "grad_accum": grad_accum_steps(cfg, dp_size),
+        "grad_accum": grad_accum_steps(cfg, dims.dp),
         "micro_batch_size": cfg.train.micro_batch_size,
         "grad_clip": cfg.optim.grad_clip,
-        "autocast_dtype": autocast_dtype(cfg.train.dtype, device),
-        "dp_group": None,
+        # FSDP's MixedPrecisionPolicy casts the gathered parameters; otherwise plain autocast
+        "autocast_dtype": None if dims.fsdp_enabled else autocast_dtype(cfg.train.dtype, device),
+        "dp_group": meshes["dp"].get_group() if meshes else None,
     }
-    # 3d applies these itself: per pipeline stage, after tensor parallelism (build_3d)
-    if cfg.train.activation_checkpointing and cfg.parallel.strategy != "3d":
-        apply_activation_checkpointing(model)
-    if cfg.train.compile and cfg.parallel.strategy != "3d":
-        apply_compile(model)
-
     strategy: Strategy
-    match cfg.parallel.strategy:
-        case "ddp":
-            materialize(model, device=device, seed=cfg.run.seed)
-            strategy = DDPStrategy(model, bucket_cap_mb=cfg.parallel.bucket_cap_mb, **common)
-        case "fsdp":
-            mesh = fsdp_mesh(device.type, env.world_size, replicate=cfg.parallel.fsdp.replicate)
-            apply_fsdp_config(model, mesh, cfg, device=device)
-            # on the sharded meta model: to_empty allocates only local shards; init equals the unsharded path's
-            materialize_sharded(model, device=device, seed=cfg.run.seed)
-            strategy = FSDPStrategy(model, mesh=mesh, **{**common, "autocast_dtype": None})
-        case "zero":
-            o = cfg.optim
-            # DeepSpeed asserts LOCAL_RANK even for one process; hpcdist.run exports it with the process group, a
-            # Trainer built directly (the Python API, one process, no init_process_group) did not
-            export_environ(env)
-            materialize(model, device=device, seed=cfg.run.seed)
-            ds_config = zero_ds_config(cfg, dp_size=dp_size, device=device)
-            # DeepSpeed's bf16 mode (bf16 weights and grads, fp32 master) replaces autocast wherever it is on
-            zero_common = {**common, "autocast_dtype": None}
-            # DeepSpeed wraps the optimizer and schedule, so they exist before the engine (not after the match)
-            return ZeroStrategy(
-                model, stage=cfg.parallel.zero.stage, ds_config=ds_config, **zero_common,
-                build_optimizer=lambda m: build_optimizer(
-                    m, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
-                    warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, schedule=o.schedule,
-                    min_lr_ratio=o.min_lr_ratio,
-                ),
-            )  # fmt: skip
-        case "3d":
-            strategy = build_3d(cfg, env, model, common)
-        case other:  # config validation rejects unknown names first; this guards programmatic use
-            raise ValueError(f"parallel.strategy: {other!r} is not available")
-
+    if not dims.needs_mesh:  # pure replication (or one rank): one whole model, DDP when there are replicas
+        strategy = DDPStrategy(stages.parts[0], bucket_cap_mb=cfg.parallel.bucket_cap_mb, **common)
+    else:
+        strategy = MeshStrategy(
+            stages.parts, dims=dims, meshes=meshes, stage_ids=stages.ids, num_stages=stages.num_stages,
+            schedule=cfg.parallel.pp_schedule, loss_parallel=True, **common,
+        )  # fmt: skip
     o = cfg.optim
     strategy.optimizer, strategy.scheduler = build_optimizer(
-        strategy.model,
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        warmup_steps=o.warmup_steps,
-        total_steps=cfg.train.steps,
-        schedule=o.schedule,
-        min_lr_ratio=o.min_lr_ratio,
-    )
+        strategy.model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
+        warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
+    )  # fmt: skip
     return strategy
 
 
-def shard_3d(
+def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy:
+    """DeepSpeed's engine on the materialized whole model; it wraps the optimizer and schedule itself."""
+    device = env.torch_device()
+    # DeepSpeed asserts LOCAL_RANK even for one process; hpcdist.run exports it with the process group, a
+    # Trainer built directly (the Python API, one process, no init_process_group) did not
+    export_environ(env)
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.train.compile:
+        apply_compile(model)
+    materialize([model], reference=model, device=device, seed=cfg.run.seed)
+    o = cfg.optim
+    return ZeroStrategy(
+        model, stage=cfg.parallel.zero.stage, ds_config=zero_ds_config(cfg, dp_size=env.world_size, device=device),
+        device=device, grad_accum=grad_accum_steps(cfg, env.world_size), micro_batch_size=cfg.train.micro_batch_size,
+        grad_clip=cfg.optim.grad_clip,
+        # DeepSpeed's bf16 mode (bf16 weights and grads, fp32 master) replaces autocast wherever it is on
+        autocast_dtype=None, dp_group=None,
+        build_optimizer=lambda m: build_optimizer(
+            m, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
+            warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, schedule=o.schedule,
+            min_lr_ratio=o.min_lr_ratio,
+        ),
+    )  # fmt: skip
+
+
+@dataclass
+class Stages:
+    """What ``parallelize`` returns: this rank's stage modules (the whole model when pp == 1), their stage ids,
+    the number of stages and the layers of every stage."""
+
+    parts: list[nn.Module]
+    ids: list[int]
+    num_stages: int
+    layers: list[list[int]]
+
+
+def parallelize(
     cfg: JobConfig,
     model: Transformer,
     dims: ParallelDims,
-    meshes: dict[str, DeviceMesh],
+    meshes: dict[str, Any],
     pp_rank: int,
     *,
     device: torch.device,
     compile_blocks: bool,
-) -> tuple[list[nn.Module], list[int], int, list[list[int]]]:
-    """build_3d up to materialization, on the meta model (also what the dry run applies, so the two cannot drift):
-    split this rank's pipeline stage(s) off (stages keep the unsplit FQNs), then per stage TP -> activation
-    checkpointing -> compile -> FSDP2 on the dp mesh. Returns (parts, stage ids, number of stages, layers per
-    stage); ``model`` itself stays the unsplit reference (names and shapes)."""
+) -> Stages:
+    """Every ParallelDims layout up to materialization, on the meta model (also what the dry run applies, so the two
+    cannot drift): split this rank's pipeline stage(s) off (stages keep the unsplit FQNs), then per stage TP ->
+    activation checkpointing -> compile -> FSDP2 on the dp mesh. ``model`` itself stays the unsplit reference
+    (names and shapes). DDP is applied after materialization (``build_strategy``)."""
     par, f = cfg.parallel, cfg.parallel.fsdp
     per_rank = schedule_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank) if dims.pp_enabled else 1
     num_stages = dims.pp * per_rank
@@ -212,37 +196,13 @@ def shard_3d(
             apply_activation_checkpointing(part)
         if compile_blocks:
             apply_compile(part)
-        if dims.dp_enabled:
+        if dims.fsdp_enabled:
             apply_fsdp(
                 part, meshes["fsdp"], param_dtype=compute or torch.float32,
                 reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
                 # with pp every micro-batch would gather each block again after resharding: keep them gathered
                 # for the whole step (the schedule reshards after the last backward)
-                reshard_after_forward=f.reshard_after_forward and not dims.pp_enabled, cpu_offload=False,
+                reshard_after_forward=f.reshard_after_forward and not dims.pp_enabled,
+                cpu_offload=f.cpu_offload,  # config rules allow it only without pp/tp
             )  # fmt: skip
-    return parts, ids, num_stages, layers
-
-
-def build_3d(cfg: JobConfig, env: DistEnv, model: nn.Module, common: dict) -> ThreeDStrategy:
-    """pp x dp x tp, per pipeline stage of this rank: split -> TP -> AC -> compile -> FSDP2 (meta) -> materialize."""
-    assert isinstance(model, Transformer), "3d splits and shards the hpcdist Transformer"
-    par, device = cfg.parallel, common["device"]
-    dims = parallel_dims(cfg, env.world_size)
-    meshes = dims.build_meshes(device.type) if env.world_size > 1 else {}
-    coords = dims.coords(env.rank)
-
-    parts, ids, num_stages, _ = shard_3d(
-        cfg, model, dims, meshes, coords["pp"], device=device, compile_blocks=cfg.train.compile
-    )
-    materialize_parts(parts, reference=model, device=device, seed=cfg.run.seed)
-    return ThreeDStrategy(
-        parts, dims=dims, meshes=meshes, stage_ids=ids, num_stages=num_stages, schedule=par.pp_schedule,
-        loss_parallel=True,
-        **{
-            **common,
-            "grad_accum": grad_accum_steps(cfg, dims.dp),
-            # FSDP's MixedPrecisionPolicy casts when dp shards; otherwise plain autocast
-            "autocast_dtype": None if dims.dp_enabled else common["autocast_dtype"],
-            "dp_group": meshes["dp"].get_group() if meshes else None,
-        },
-    )  # fmt: skip
+    return Stages(parts, ids, num_stages, layers)

@@ -14,7 +14,7 @@ from hpcdist.config import ConfigError, check_world
 from hpcdist.data import BatchLoader, ResumableSampler
 from hpcdist.models import build_model
 from hpcdist.models.llama import ModelArgs
-from hpcdist.parallel.dims import SCHEDULES, ParallelDims, layout_problems, resolve_degrees
+from hpcdist.parallel.dims import SCHEDULES, ParallelDims, layout_problems, parallel_dims, resolve_degrees
 from hpcdist.parallel.pp import part_costs, split_layers, split_model, stage_ids
 
 THREE_D = ["parallel.strategy=3d", "model.n_layers=4", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
@@ -79,6 +79,33 @@ def test_hsdp_splits_dp() -> None:
 
 
 # --------------------------------------------------------------------------------------------------- layout rules
+
+
+@pytest.mark.parametrize(
+    ("over", "degrees", "kind"),
+    [
+        (("parallel.strategy=ddp",), (1, 8, 1, 8), "ddp"),
+        (("parallel.strategy=fsdp",), (1, 8, 1, 1), "fsdp"),
+        (("parallel.strategy=fsdp", "parallel.fsdp.replicate=2"), (1, 8, 1, 2), "hsdp"),
+        (("parallel.dp=-1",), (1, 8, 1, 1), "fsdp"),  # 3d with pp = tp = 1 is fsdp: the same degrees
+        (("parallel.pp=2", "parallel.dp=-1", "parallel.tp=2", "parallel.fsdp.replicate=2"), (2, 2, 2, 2), "hsdp"),
+        (("parallel.strategy=zero",), (1, 8, 1, 1), "fsdp"),
+    ],
+)
+def test_every_strategy_is_degrees_of_one_parallel_dims(over: tuple[str, ...], degrees: tuple, kind: str) -> None:
+    """parallel.strategy is an alias for degrees (one function); what runs follows from the degrees alone."""
+    dims = parallel_dims(_cfg(*over), 8)
+    assert (dims.pp, dims.dp, dims.tp, dims.dp_replicate) == degrees
+    flags = {"ddp": dims.ddp_enabled, "fsdp": dims.fsdp_enabled and not dims.hsdp_enabled, "hsdp": dims.hsdp_enabled}
+    assert [k for k, on in flags.items() if on] == [kind]
+    assert dims.needs_mesh == (kind != "ddp")
+
+
+@pytest.mark.parametrize("over", [("parallel.strategy=fsdp",), ("parallel.dp=-1",)])
+def test_replicate_equal_to_dp_is_ddp_and_refused_under_fsdp_options(over: tuple[str, ...]) -> None:
+    """HSDP with one-rank shard groups is pure replication, which runs as DDP: the fsdp options would not apply."""
+    problems = _world_problems(4, *over, "parallel.fsdp.replicate=4")
+    assert any("parallel.fsdp.replicate (4) equals" in p and "parallel.strategy=ddp" in p for p in problems)
 
 
 def test_config_rejects_impossible_layouts_with_every_problem_at_once() -> None:

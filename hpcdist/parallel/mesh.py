@@ -1,4 +1,6 @@
-"""3D parallelism: pipeline stages (pp) x FSDP2 / HSDP (dp) x tensor + sequence parallel (tp) on one DeviceMesh.
+"""The strategy of every ParallelDims layout that shards: pipeline stages (pp) x FSDP2 / HSDP (dp) x tensor +
+sequence parallel (tp) on one DeviceMesh. ``parallel.strategy=fsdp`` is this with pp = tp = 1, ``3d`` the general
+case; only pure replication (``ddp``) and DeepSpeed (``zero``) run other strategies.
 
 Built by ``hpcdist.parallel.parallelize`` in the house order, per pipeline stage of this rank:
 split -> TP -> activation checkpointing -> compile -> FSDP2 on the dp mesh (meta) -> materialize. See dims.py for
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import warnings
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -27,16 +28,15 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpcdist.logging_utils import get_logger
-from hpcdist.models.llama import Transformer
 from hpcdist.parallel.base import Strategy, cross_entropy
 from hpcdist.parallel.dims import ParallelDims
 from hpcdist.parallel.pp import build_schedule
 
-__all__ = ["ThreeDStrategy", "materialize_parts", "model_view"]
+__all__ = ["MeshStrategy", "clean_fqn", "model_view"]
 
 log = get_logger(__name__)
 
@@ -67,60 +67,7 @@ def model_view(parts: Sequence[nn.Module]) -> nn.Module:
     return shell
 
 
-@torch.no_grad()
-def materialize_parts(parts: Sequence[nn.Module], *, reference: Transformer, device: torch.device, seed: int) -> None:
-    """Allocate this rank's (sharded) stages and give them exactly the single-process init of ``seed``.
-
-    As in fsdp.materialize_sharded: rank 0 initializes one full copy on the host with the very code and RNG
-    sequence of the unsharded path; then each tensor is broadcast in turn (one at a time: the other ranks never
-    hold the whole model) and every rank keeps the slice of its DTensor (or plain) parameter. Each rank's RNG
-    ends where the unsharded path leaves it. ``reference`` is the unsplit meta model (names, shapes, dtypes).
-    """
-    for part in parts:
-        part.to_empty(device=device)
-        # the RoPE buffer; the random draws on shards are discarded (overwritten below, RNG restored)
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-            part.init_weights(buffer_device=device)  # type: ignore[operator]
-        part.tie_weights()  # type: ignore[operator]
-    mine: dict[str, torch.Tensor] = {}
-    for part in parts:
-        for name, param in part.named_parameters(remove_duplicate=False):
-            mine[clean_fqn(name)] = param
-
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    is_src = not distributed or dist.get_rank() == 0
-    torch.manual_seed(seed)
-    full: dict[str, torch.Tensor] = {}
-    if is_src:
-        with torch.device("meta"):
-            ref = Transformer(reference.args)
-        ref.to_empty(device="cpu")
-        ref.init_weights()  # draws from the RNG just seeded, like parallelize.materialize
-        ref.tie_weights()
-        full = ref.state_dict()
-    for name, meta in reference.state_dict().items():
-        if distributed:
-            value = full[name].to(device) if is_src else torch.empty(meta.shape, dtype=meta.dtype, device=device)
-            dist.broadcast(value, src=0)
-        else:
-            value = full[name]
-        p = mine.get(name)
-        if p is None:
-            continue
-        if isinstance(p, DTensor):
-            # every rank has the full value: slice locally (src_data_rank=None: no communication)
-            local = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None).to_local()
-            p.to_local().copy_(local)
-        else:
-            p.copy_(value)
-    if distributed:
-        state = [torch.get_rng_state() if is_src else None]
-        dist.broadcast_object_list(state, src=0)
-        torch.set_rng_state(cast(torch.Tensor, state[0]))
-
-
-class ThreeDStrategy(Strategy):
+class MeshStrategy(Strategy):
     """``parts``: this rank's stage modules (one, or several with an interleaved schedule; the whole model when
     pp == 1). ``model`` / ``module`` is their FQN-faithful view (``model_view``)."""
 
