@@ -242,7 +242,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "(2) every layout (ddp, zero1-3, fsdp, hsdp, 3d with tp/pp/dp; each micro batch, checkpointing on/off) "
         "that fits --gpu-mem minus --mem-margin, ranked by predicted tokens/s/GPU with MFU, step time and days "
         "to train --tokens; then the row parallel.strategy=auto would take and why. Hardware numbers come from "
-        "the --cluster profile's hardware: block; the time model is documented in hpcdist/planner.py. Exit status 1 "
+        "the --cluster profile's hardware: block; the time model is documented in docs/PLANNER.md. Exit status 1 "
         "when no layout fits.",
     )
     pl.add_argument("config", help="YAML training config, e.g. configs/train_13b.yaml")
@@ -308,8 +308,8 @@ def _config_error_once(e: Exception, code: int = 2) -> int:
 
 def cmd_dry_run(args: argparse.Namespace) -> int:
     from hpcdist import config as config_mod
-    from hpcdist.dryrun import dry_run, parse_ranks
-    from hpcdist.plan import GIB
+    from hpcdist.planning.dryrun import dry_run, parse_ranks
+    from hpcdist.planning.memory import GIB
 
     cfg = config_mod.load(args.config, args.overrides)
     world = args.world_size or 8
@@ -432,9 +432,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import textwrap
 
     from hpcdist import config as config_mod
-    from hpcdist import planner
     from hpcdist.launch import load_cluster
-    from hpcdist.plan import GIB, plan_table
+    from hpcdist.planning import layouts as planner
+    from hpcdist.planning.memory import GIB, plan_table
 
     cfg = config_mod.load(args.config, args.overrides)
     shape = {k: v for k, v in (("nodes", args.nodes), ("gpus_per_node", args.gpus_per_node)) if v is not None}

@@ -20,7 +20,6 @@ from typing import Protocol
 import torch
 
 from hpcdist import config as config_mod
-from hpcdist import planner
 from hpcdist.checkpoint import MARKER, step_dir
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
@@ -29,6 +28,7 @@ from hpcdist.fault.hang import collective_timeout_s, configure_collectives
 from hpcdist.fault.rundir_lock import RunDirInUse
 from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.logging_utils import get_logger, setup_logging
+from hpcdist.planning import layouts as planner
 from hpcdist.trainer import Trainer, TrainResult
 
 __all__ = ["JobEnvironment", "main", "resolve_auto", "train"]

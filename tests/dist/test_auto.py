@@ -11,7 +11,7 @@ import yaml
 
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
-from hpcdist.planner import resolve_auto
+from hpcdist.planning.layouts import resolve_auto
 from hpcdist.run import train
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks

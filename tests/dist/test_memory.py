@@ -1,5 +1,5 @@
 """Measured model-state bytes per rank: ZeRO-3 at 4 ranks holds about a quarter of DDP's, and the memory
-estimator (hpcdist.plan) predicts both measurements.
+estimator (hpcdist.planning.memory) predicts both measurements.
 
 Both runs use bf16 mixed precision (DeepSpeed's bf16 mode; DDP under bf16 autocast with fp32 weights), the
 precision the estimator models. Measured after the backward pass of the second step: parameters, gradients
@@ -12,7 +12,7 @@ import pytest
 
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
-from hpcdist.plan import estimate_memory
+from hpcdist.planning.memory import estimate_memory
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
 

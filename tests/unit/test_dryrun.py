@@ -1,4 +1,5 @@
-"""hpcdist.dryrun / `hpcdist train --dry-run`: the parallel plan applied on meta tensors and a fake process group."""
+"""hpcdist.planning.dryrun / `hpcdist train --dry-run`: the parallel plan applied on meta tensors and a fake process
+group."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch.distributed as dist
 
 from hpcdist import config as config_mod
 from hpcdist.cli import main
-from hpcdist.dryrun import dry_run, parse_ranks
 from hpcdist.models.llama import build_model, num_params
+from hpcdist.planning.dryrun import dry_run, parse_ranks
 from tests.conftest import SMALL
 
 # the tiny shapes of the other unit tests: dim 64, 2 layers, 4 heads / 2 kv heads, vocab 258

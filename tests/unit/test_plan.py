@@ -1,4 +1,4 @@
-"""hpcdist.plan: per-GPU memory estimates against DeepSpeed's estimators, hand arithmetic and the CLI."""
+"""hpcdist.planning.memory: per-GPU memory estimates against DeepSpeed's estimators, hand arithmetic and the CLI."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from hpcdist.cli import main
 from hpcdist.models.llama import ModelArgs, build_model, load_preset, num_params
-from hpcdist.plan import (
+from hpcdist.planning.memory import (
     GIB,
     TABLE_ROWS,
     activation_bytes,

@@ -1,4 +1,4 @@
-"""hpcdist.planner: the step-time model against hand arithmetic, layout enumeration, ranking, auto, the CLI."""
+"""hpcdist.planning.layouts: the step-time model against hand arithmetic, layout enumeration, ranking, auto, the CLI."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from hpcdist import config as config_mod
 from hpcdist.cli import main
 from hpcdist.launch import load_cluster
 from hpcdist.models.llama import ModelArgs, flops_per_token, load_preset, num_params
-from hpcdist.plan import GIB, estimate_3d_memory, estimate_memory
-from hpcdist.planner import (
+from hpcdist.planning.layouts import (
     Hardware,
     Layout,
     apply_layout,
@@ -22,6 +21,7 @@ from hpcdist.planner import (
     rank_layouts,
     resolve_auto,
 )
+from hpcdist.planning.memory import GIB, estimate_3d_memory, estimate_memory
 
 # A model small enough to count by hand (see test_tiny_model_counts): 4 layers, dim 64, vocab 1000.
 TINY = ModelArgs(vocab_size=1000, dim=64, n_layers=4, n_heads=4, ffn_dim=128)

@@ -37,7 +37,7 @@ from hpcdist import config as config_mod
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.models.llama import num_params
-from hpcdist.plan import estimate_memory
+from hpcdist.planning.memory import estimate_memory
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
 from tools.bench.overhead import table

@@ -1,71 +1,9 @@
 """Layout planner: which parallel layout trains a model fastest on a cluster, and why.
 
 ``hpcdist plan`` prints the ranked table; ``parallel.strategy: auto`` takes its top row through
-:func:`resolve_auto`. Memory comes from :mod:`hpcdist.plan`; this module adds the layouts and the step-time model.
-
-Layouts enumerated for W = nodes x G GPUs, global batch B samples of s tokens:
-
-* ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp`` (dp = W), ``hsdp`` (FSDP2 sharded inside a node, replicated
-  across nodes; only with more than one node), and ``3d``: tp in {1, 2, 4, 8} dividing G, the (kv) heads, the
-  SwiGLU width and the sequence (sequence parallelism), pp dividing W / tp with at least one layer per stage,
-  dp = W / (tp * pp), FSDP2 on dp, 1F1B with at least pp micro-batches; tp = pp = 1 is the fsdp row.
-* each with every power-of-two micro-batch b dividing B / dp, and activation checkpointing on and off.
-  The global batch is fixed (it is an optimization hyper-parameter); gradient accumulation takes up the rest.
-* CPU offload is not enumerated: it only helps when nothing else fits, and its speed is set by the host.
-
-Step-time model, per optimizer step, on one GPU. Notation: F = ``flops_per_token(args, s)`` = 6N + 12*L*h*s
-(N without the input embedding, L layers, h = dim), peak and eta the bf16 peak FLOP/s and the compute
-efficiency (fraction of peak the matmul-bound work sustains), m = B / (b*dp) micro-batches, L_s = ceil(L / pp)
-layers per stage, U = L_s the number of FSDP units / gradient buckets a stage's traffic is cut into,
-BW_intra / BW_inter the all-reduce bus bandwidths inside a node and across nodes (bytes/s)::
-
-    c_fwd  = b*s*F/3 / (tp*pp) / (peak*eta)               forward compute of one micro-batch
-    c_bwd  = 2*c_fwd, + c_fwd with activation checkpointing (the recomputed forward: 8N instead of 6N)
-    t_tp   = (4 + 2*AC) * L_s * 2(tp-1)/tp * (b*s*h*2) / BW_intra
-             tensor parallel with sequence parallelism: per layer an all-gather + reduce-scatter pair (one
-             all-reduce's traffic) before attention and before the MLP, in forward and again in backward, and
-             again in the recomputed forward; bf16 activations; inside a node; not overlapped
-    t_p2p  = 2 * (b*s*h*2 / tp) / BW_p2p  (pp > 1)        activations forward + their gradients backward;
-             BW_p2p = BW_intra inside one node, else BW_inter / G (each GPU has its own NIC); not overlapped
-    t_mb   = c_fwd + c_bwd + t_tp + t_p2p
-    t_pipe = (m + pp - 1) * t_mb                           1F1B: bubble fraction (pp-1) / (m+pp-1)
-
-Data-parallel collectives (ring algorithms at bus bandwidth; nccl-tests' busbw definitions): all-reduce of X
-bytes over n ranks takes 2(n-1)/n * X / BW, all-gather or reduce-scatter (n-1)/n * X / BW, X being the full
-(unsharded) size. BW = BW_intra when the group lies in one node, else BW_inter: tp is the innermost rank
-dimension and dp the next, so a dp group spans dp*tp consecutive ranks and an FSDP shard group dp_shard*tp
-(dp_shard: ranks one copy of the model states is sharded over; HSDP: one node, replicas = dp / dp_shard).
-P_g = ceil(stage_params(pp) / tp) parameters per model-parallel rank. Events::
-
-    strategy     every micro-batch                        first forward   last backward        after the step
-    ddp          -                                        -               AR fp32 grads 4*P_g  -
-    zero1        -                                        -               RS bf16 grads 2*P_g  AG params 2*P_g
-    zero2        bwd: RS bf16 grads 2*P_g                 -               -                    AG params 2*P_g
-    zero3        fwd: AG 2*P_g; bwd: AG 2*P_g + RS 2*P_g  -               -                    -
-    fsdp, hsdp,  fwd: AG 2*P_g; bwd: AG 2*P_g             -               RS r*P_g, + HSDP:    -
-      3d pp=1    (AG, RS over the shard group)                            AR r*P_g/dp_shard
-    3d pp>1      -                                        AG 2*P_g        as above             -
-
-(r = bytes of parallel.fsdp.reduce_dtype. hpcdist's DDP keeps fp32 grads under autocast; DeepSpeed reduces every
-micro-batch from stage 2 on, stage 1 at the accumulation boundary; FSDP2 with gradient sync off for non-final
-micro-batches re-gathers parameters in every forward and backward (reshard after forward) and reduce-scatters
-once; under pp hpcdist keeps each stage gathered for the whole step.) Overlap: collectives in one window (a
-micro-batch's forward, or its backward) run back to back on one stream and hide behind that window's compute
-except one unit's share (the first gather, the last bucket)::
-
-    exposed(t, w) = t/U + max(0, t*(U-1)/U - w)
-    t_dp   = sum over micro-batches i = 1..m of  exposed(every_fwd + [i = 1] first_fwd, c_fwd)
-                                               + exposed(every_bwd + [i = m] last_bwd, c_bwd)
-             + after
-
-    t_step = t_pipe + t_dp
-    tokens/s/GPU = B*s / (t_step * W);  MFU = tokens/s/GPU * F / peak;  days(N tokens) = N / (tokens/s/GPU * W) / 86400
-
-Not modelled: per-collective latency (so for small models, whose collectives are latency-bound, the ranking
-means little), the optimizer step and data loading, kernel-launch gaps, matmul efficiency changing with the
-micro-batch size or tp, and the embedding/head imbalance between pipeline stages (hpcdist balances them; the
-heaviest stage is taken as ceil(L/pp) blocks + the head). Ranking: highest tokens/s/GPU among layouts whose
-estimated memory fits in (GPU memory - margin); ties go to less memory.
+:func:`resolve_auto`. Memory comes from :mod:`hpcdist.planning.memory`; this module adds the layouts (every
+``ParallelDims`` the cluster allows, plus ZeRO stages) and the step-time model, whose formulas, notation and
+limits are written out in docs/PLANNER.md (keep the two in step).
 """
 
 from __future__ import annotations
@@ -84,7 +22,7 @@ from hpcdist.config import ConfigError, JobConfig
 from hpcdist.config.cluster import ClusterConfig, load_cluster
 from hpcdist.models.args import ModelArgs, flops_per_token, num_params
 from hpcdist.parallel.dims import parallel_dims
-from hpcdist.plan import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory, stage_params
+from hpcdist.planning.memory import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory, stage_params
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -579,14 +517,14 @@ def layout_table(
     lines += [
         f"{len(estimates)} layouts considered, {len(fitting)} fit; showing "
         f"{min(top, len(fitting))} fitting{' and the best that do not' if show_all else ''} (--top, --all).",
-        "Model (formulas: hpcdist/planner.py docstring): compute = tokens x flops_per_token (6N + 12*L*h*s; x4/3 with",
+        "Model (formulas: docs/PLANNER.md): compute = tokens x flops_per_token (6N + 12*L*h*s; x4/3 with",
         "  activation checkpointing) / (peak x efficiency). Data-parallel collectives: ring all-reduce 2(n-1)/n,",
         "  all-gather / reduce-scatter (n-1)/n of the bytes over bus bandwidth (in-node if the group fits in a node),",
         "  hidden behind each micro-batch's forward/backward except one layer's share; the ZeRO-1/2 parameter",
         "  all-gather after the optimizer step is exposed. tp: sequence parallel, 4 all-reduce volumes per layer and",
         "  micro-batch (+2 recomputed), in-node, not overlapped. pp: 1F1B, bubble (pp-1)/(m+pp-1), p2p not overlapped.",
         "  Not modelled: optimizer step, data loading, launch gaps, efficiency varying with micro-batch or tp.",
-        "Memory: hpcdist.plan; fsdp / hsdp / 3d rows add FSDP2's unsharded gradients kept while accumulating",
+        "Memory: planning/memory.py; fsdp / hsdp / 3d rows add FSDP2's unsharded gradients kept while accumulating",
         "  micro-batches (so they differ from the per-strategy table when accumulation > 1). AC = activation",
         "  checkpointing; mbs = micro batch size; hsdp dp = replicas x shard.",
     ]

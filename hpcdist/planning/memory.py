@@ -16,7 +16,7 @@ DeepSpeed's for zero1-3 (zero1 derived from the same terms), FSDP2's for fsdp / 
 ``estimate_3d_memory`` extends the FSDP accounting to (pp, dp, tp) layouts: tensor parallelism divides parameters
 and (with sequence parallelism) activations by tp, pipeline parallelism keeps ``ceil(n_layers / pp)`` layers per
 stage and up to pp micro-batches of activations on the first stage (1F1B), and gradient accumulation adds the
-unsharded gradients FSDP2 keeps while gradient sync is off. hpcdist.planner uses it for fsdp, hsdp and 3d.
+unsharded gradients FSDP2 keeps while gradient sync is off. hpcdist.planning.layouts uses it for fsdp, hsdp and 3d.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ shards), not computed. What cannot run on meta is counted by its rule instead, a
   and FSDP2 on the dp mesh, as hpcdist.parallel.parallelize.parallelize does before materializing; counts differ per
   pipeline stage, so the first rank of every stage is included by default.
 
-The report ends with the memory estimate (hpcdist.plan) and, when the cluster profile has hardware numbers, the
-planner's predicted throughput for this layout. Nothing is allocated beyond the meta model's Python objects.
+The report ends with the memory estimate (hpcdist.planning.memory) and, when the cluster profile has hardware
+numbers, the planner's predicted throughput for this layout. Nothing is allocated beyond the meta model's Python
+objects.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from hpcdist.config import JobConfig
 from hpcdist.config.cluster import ClusterConfig, load_cluster
 from hpcdist.models.llama import build_model, num_params
 from hpcdist.parallel.dims import parallel_dims
-from hpcdist.plan import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory
-from hpcdist.planner import DEFAULT_MARGIN_GIB, format_count
+from hpcdist.planning.layouts import DEFAULT_MARGIN_GIB, format_count
+from hpcdist.planning.memory import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory
 
 T = TypeVar("T")
 
@@ -100,7 +101,7 @@ class DryRunReport:
         cats = ("params", "grads", "optimizer", "activations", "buffers")
         lines += [
             "",
-            "memory estimate per GPU (hpcdist.plan, GiB): "
+            "memory estimate per GPU (hpcdist.planning.memory, GiB): "
             + ", ".join(f"{name} {getattr(m, name) / GIB:.1f}" for name in cats)
             + f"; total {m.total / GIB:.1f}",
         ]
@@ -255,7 +256,7 @@ def _zero_count(cfg: JobConfig, model: nn.Module, world_size: int) -> tuple[int,
 
 
 def _memory(cfg: JobConfig, world_size: int, gpus_per_node: int) -> MemoryEstimate:
-    from hpcdist import planner
+    from hpcdist.planning import layouts as planner
 
     t, p = cfg.train, cfg.parallel
     common: dict[str, Any] = {
@@ -288,7 +289,7 @@ def _memory(cfg: JobConfig, world_size: int, gpus_per_node: int) -> MemoryEstima
 
 def _prediction(cfg: JobConfig, world_size: int, cluster: ClusterConfig) -> str | None:
     """The planner's step time for this very layout, when the cluster profile has hardware numbers."""
-    from hpcdist import planner
+    from hpcdist.planning import layouts as planner
 
     try:
         hw = planner.Hardware.from_cluster(cluster)
@@ -327,7 +328,7 @@ def dry_run(
     gpus_per_node = cl.gpus_per_node or cl.ntasks_per_node
     notes: list[str] = []
     if cfg.parallel.strategy == "auto":
-        from hpcdist.planner import resolve_auto
+        from hpcdist.planning.layouts import resolve_auto
 
         cfg, reason = resolve_auto(cfg, world_size, cl)
         notes.append(reason)
