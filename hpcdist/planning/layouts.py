@@ -21,7 +21,7 @@ from hpcdist import config as config_mod
 from hpcdist.config import ConfigError, JobConfig
 from hpcdist.config.cluster import ClusterConfig, load_cluster
 from hpcdist.models.args import ModelArgs, flops_per_token, num_params
-from hpcdist.parallel.dims import parallel_dims
+from hpcdist.parallel.dims import ParallelDims, parallel_dims
 from hpcdist.planning.memory import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory, stage_params
 
 __all__ = [
@@ -138,26 +138,48 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate: strategy, degrees (W = tp * pp * dp), micro-batch, activation checkpointing."""
+    """One candidate: the trainer's own layout vocabulary (ParallelDims degrees, or a ZeRO stage over pure dp), a
+    micro-batch and activation checkpointing. W = pp * dp * tp."""
 
-    strategy: str
-    """ddp, zero1, zero2, zero3, fsdp, hsdp or 3d."""
-    tp: int
     pp: int
     dp: int
+    tp: int
     micro_batch_size: int
     activation_checkpointing: bool
-    dp_shard: int
-    """Ranks one copy of the model states is spread over: 1 for ddp, dp for zero / fsdp / 3d, G for hsdp."""
+    dp_replicate: int = 1
+    """HSDP replicas (dp = dp_replicate x dp_shard); dp_replicate == dp without pp/tp is DDP (ParallelDims)."""
+    zero_stage: int = 0
+    """1-3: DeepSpeed ZeRO over all W ranks (the degrees are then pp = tp = 1, dp = W); 0: not ZeRO."""
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp, world_size=self.world_size,
+                            dp_replicate=self.dp_replicate)  # fmt: skip
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
     @property
+    def dp_shard(self) -> int:
+        """Ranks one copy of the model states is spread over: 1 for ddp, dp for zero / fsdp / 3d, G for hsdp."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def strategy(self) -> str:
+        """The row's name, derived from the degrees: ddp, zero1-3, fsdp, hsdp or 3d."""
+        if self.zero_stage:
+            return f"zero{self.zero_stage}"
+        if self.pp > 1 or self.tp > 1:
+            return "3d"
+        if self.dp_shard == 1:
+            return "ddp"
+        return "hsdp" if self.dp_replicate > 1 else "fsdp"
+
+    @property
     def dp_label(self) -> str:
         # hsdp: replicas x shard, the way the mesh is built
-        return f"{self.dp // self.dp_shard}x{self.dp_shard}" if self.strategy == "hsdp" else str(self.dp)
+        return f"{self.dp_replicate}x{self.dp_shard}" if self.strategy == "hsdp" else str(self.dp)
 
     def describe(self) -> str:
         dims = f"pp={self.pp} dp={self.dp} tp={self.tp}" if self.strategy == "3d" else f"dp={self.dp_label}"
@@ -377,20 +399,22 @@ def enumerate_layouts(
         raise ValueError(f"unknown layout strategies {unknown}: choose from {', '.join(LAYOUT_STRATEGIES)}")
     out: list[Layout] = []
 
-    def add(strategy: str, tp: int, pp: int, dp: int, dp_shard: int) -> None:
+    def add(pp: int, dp: int, tp: int, *, dp_replicate: int = 1, zero_stage: int = 0) -> None:
         for b in _micro_batches(global_batch_size, dp, micro_batch_sizes):
             if pp > 1 and global_batch_size // (b * dp) < pp:
                 continue  # 1F1B keeps every stage busy only with at least pp micro-batches
             for ac in (False, True):
-                out.append(Layout(strategy, tp, pp, dp, b, ac, dp_shard))
+                out.append(Layout(pp, dp, tp, b, ac, dp_replicate=dp_replicate, zero_stage=zero_stage))
 
     for strategy in wanted:
         if strategy == "ddp":
-            add("ddp", 1, 1, world_size, 1)
-        elif strategy in ("zero1", "zero2", "zero3", "fsdp"):
-            add(strategy, 1, 1, world_size, world_size)
+            add(1, world_size, 1, dp_replicate=world_size)
+        elif strategy in ("zero1", "zero2", "zero3"):
+            add(1, world_size, 1, zero_stage=int(strategy[-1]))
+        elif strategy == "fsdp" and world_size > 1:  # one rank: nothing to shard (the ddp row)
+            add(1, world_size, 1)
         elif strategy == "hsdp" and nodes > 1:
-            add("hsdp", 1, 1, world_size, per_node)
+            add(1, world_size, 1, dp_replicate=world_size // per_node)
         elif strategy == "3d":
             for tp in TP_DEGREES:
                 if tp > per_node or per_node % tp or any(x % tp for x in (args.n_heads, args.kv_heads)):
@@ -400,8 +424,7 @@ def enumerate_layouts(
                 for pp in range(1, min(args.n_layers, world_size // tp) + 1):
                     if (world_size // tp) % pp or (tp == 1 and pp == 1):
                         continue
-                    dp = world_size // (tp * pp)
-                    add("3d", tp, pp, dp, dp)
+                    add(pp, world_size // (tp * pp), tp)
     return out
 
 
@@ -540,23 +563,19 @@ def layout_overrides(layout: Layout) -> list[tuple[str, Any]]:
         ("train.micro_batch_size", layout.micro_batch_size),
         ("train.activation_checkpointing", layout.activation_checkpointing),
     ]
-    match layout.strategy:
-        case "ddp":
-            out.append(("parallel.strategy", "ddp"))
-        case "zero1" | "zero2" | "zero3":
-            out += [("parallel.strategy", "zero"), ("parallel.zero.stage", int(layout.strategy[-1]))]
-            out += [("parallel.zero.offload_optimizer", False), ("parallel.zero.offload_params", False)]
-            out.append(("parallel.zero.overlap_comm", True))  # the time model hides gradient reduction in backward
-        case "fsdp" | "hsdp":
-            replicate = layout.dp // layout.dp_shard
-            out += [("parallel.strategy", "fsdp"), ("parallel.fsdp.replicate", replicate)]
-        case "3d":
-            out += [("parallel.strategy", "3d"), ("parallel.pp", layout.pp), ("parallel.dp", layout.dp)]
-            out += [("parallel.tp", layout.tp), ("parallel.fsdp.replicate", 1)]
-            if layout.pp > 1:  # the time model's bubble is 1F1B's
-                out += [("parallel.pp_schedule", "1F1B"), ("parallel.pp_stages_per_rank", None)]
-        case other:
-            raise ValueError(f"unknown layout strategy {other!r}")
+    if layout.zero_stage:
+        out += [("parallel.strategy", "zero"), ("parallel.zero.stage", layout.zero_stage)]
+        out += [("parallel.zero.offload_optimizer", False), ("parallel.zero.offload_params", False)]
+        out.append(("parallel.zero.overlap_comm", True))  # the time model hides gradient reduction in backward
+    elif layout.pp > 1 or layout.tp > 1:
+        out += [("parallel.strategy", "3d"), ("parallel.pp", layout.pp), ("parallel.dp", layout.dp)]
+        out += [("parallel.tp", layout.tp), ("parallel.fsdp.replicate", layout.dp_replicate)]
+        if layout.pp > 1:  # the time model's bubble is 1F1B's
+            out += [("parallel.pp_schedule", "1F1B"), ("parallel.pp_stages_per_rank", None)]
+    elif layout.dp_shard == 1:
+        out.append(("parallel.strategy", "ddp"))
+    else:
+        out += [("parallel.strategy", "fsdp"), ("parallel.fsdp.replicate", layout.dp_replicate)]
     return out
 
 
@@ -578,25 +597,16 @@ def apply_layout(cfg: JobConfig, layout: Layout) -> tuple[JobConfig, list[str]]:
 
 
 def layout_of(cfg: JobConfig, world_size: int) -> Layout:
-    """The Layout a resolved config runs on ``world_size`` ranks (the inverse of :func:`apply_layout`)."""
+    """The Layout a resolved config runs on ``world_size`` ranks (the inverse of :func:`apply_layout`): the trainer's
+    own ParallelDims, plus the ZeRO stage."""
     p, t = cfg.parallel, cfg.train
-    common: dict[str, Any] = {
-        "micro_batch_size": t.micro_batch_size,
-        "activation_checkpointing": t.activation_checkpointing,
-    }
-    match p.strategy:
-        case "ddp":
-            return Layout("ddp", 1, 1, world_size, dp_shard=1, **common)
-        case "zero":
-            return Layout(f"zero{p.zero.stage}", 1, 1, world_size, dp_shard=world_size, **common)
-        case "fsdp":
-            replicate = p.fsdp.replicate
-            strategy = "hsdp" if replicate > 1 else "fsdp"
-            return Layout(strategy, 1, 1, world_size, dp_shard=world_size // replicate, **common)
-        case "3d":
-            dims = parallel_dims(cfg, world_size)  # resolves a -1 degree
-            return Layout("3d", dims.tp, dims.pp, dims.dp, dp_shard=dims.dp_shard, **common)
-    raise ValueError(f"parallel.strategy={p.strategy!r} has no planner layout")
+    if p.strategy not in ("ddp", "fsdp", "zero", "3d"):
+        raise ValueError(f"parallel.strategy={p.strategy!r} has no planner layout")
+    dims = parallel_dims(cfg, world_size)  # resolves a -1 degree
+    return Layout(
+        dims.pp, dims.dp, dims.tp, t.micro_batch_size, t.activation_checkpointing, dp_replicate=dims.dp_replicate,
+        zero_stage=p.zero.stage if p.strategy == "zero" else 0,
+    )  # fmt: skip
 
 
 def grad_reduce_bytes(cfg: JobConfig) -> int:

@@ -10,6 +10,7 @@ from hpcdist import config as config_mod
 from hpcdist.cli import main
 from hpcdist.launch import load_cluster
 from hpcdist.models.llama import ModelArgs, flops_per_token, load_preset, num_params
+from hpcdist.parallel.dims import parallel_dims
 from hpcdist.planning.layouts import (
     Hardware,
     Layout,
@@ -47,8 +48,9 @@ def test_tiny_model_counts():
 
 def test_hand_computed_ddp_two_nodes():
     """DDP on 2 nodes x 8, micro batch 2, global batch 64: m = 64 / (2 x 16) = 2 micro-batches."""
-    e = estimate_step(TINY, Layout("ddp", 1, 1, 16, 2, False, 1), seq_len=S, global_batch_size=64, gpus_per_node=8,
-                      hw=HW)  # fmt: skip
+    ddp = Layout(1, 16, 1, 2, False, dp_replicate=16)  # every dp rank a replica: the ddp row
+    assert (ddp.strategy, ddp.dp_shard, ddp.dims.ddp_enabled) == ("ddp", 1, True)
+    e = estimate_step(TINY, ddp, seq_len=S, global_batch_size=64, gpus_per_node=8, hw=HW)
     c_fwd = 2 * 128 * 1_763_712 / 3 / RATE  # = 3.01006848e-6 s
     c_bwd = 2 * c_fwd  # no checkpointing
     assert e.microbatches == 2
@@ -68,7 +70,7 @@ def test_hand_computed_ddp_two_nodes():
 
 def test_hand_computed_3d_pipeline_tensor_parallel():
     """pp=2 x dp=4 x tp=2 on 2 nodes x 8, micro batch 1, global batch 32 (m = 8), activation checkpointing on."""
-    layout = Layout("3d", tp=2, pp=2, dp=4, micro_batch_size=1, activation_checkpointing=True, dp_shard=4)
+    layout = Layout(pp=2, dp=4, tp=2, micro_batch_size=1, activation_checkpointing=True)
     e = estimate_step(TINY, layout, seq_len=S, global_batch_size=32, gpus_per_node=8, hw=HW, reduce_bytes=4)
     m, pp, layers = 8, 2, 2  # 4 layers over 2 stages
     c_fwd = 1 * 128 * 1_763_712 / 3 / (2 * 2) / RATE
@@ -91,7 +93,8 @@ def test_hand_computed_3d_pipeline_tensor_parallel():
 
 def test_hand_computed_hsdp_and_zero1():
     # hsdp on 2 nodes x 8 (2 replicas x 8 shards), micro batch 4, global 64: m = 1
-    hsdp = Layout("hsdp", 1, 1, 16, 4, False, 8)
+    hsdp = Layout(1, 16, 1, 4, False, dp_replicate=2)
+    assert (hsdp.strategy, hsdp.dp_label, hsdp.dims.hsdp_enabled) == ("hsdp", "2x8", True)
     e = estimate_step(TINY, hsdp, seq_len=S, global_batch_size=64, gpus_per_node=8, hw=HW, reduce_bytes=4)
     c_fwd = 4 * 128 * 1_763_712 / 3 / RATE
     gather = 7 / 8 * 2 * 292_416 / INTRA  # inside the node
@@ -99,7 +102,7 @@ def test_hand_computed_hsdp_and_zero1():
     assert e.dp_comm_s == pytest.approx(2 * gather + last)
     assert e.dp_exposed_s == pytest.approx(exposed(gather, c_fwd, 4) + exposed(gather + last, 2 * c_fwd, 4))
     # zero1 in one node of 8, micro batch 8, global 64: RS in the backward, AG of bf16 params after the step
-    z = estimate_step(TINY, Layout("zero1", 1, 1, 8, 8, False, 8), seq_len=S, global_batch_size=64,
+    z = estimate_step(TINY, Layout(1, 8, 1, 8, False, zero_stage=1), seq_len=S, global_batch_size=64,
                       gpus_per_node=8, hw=HW)  # fmt: skip
     c_bwd = 2 * 8 * 128 * 1_763_712 / 3 / RATE
     rs = ag = 7 / 8 * 2 * 292_416 / INTRA
@@ -214,13 +217,15 @@ def test_resolve_auto_errors():
 def test_apply_layout_sets_every_key_and_round_trips():
     cfg = load_13b("parallel.strategy=ddp")
     for layout in (
-        Layout("zero2", 1, 1, 32, 4, True, 32),
-        Layout("hsdp", 1, 1, 32, 2, True, 8),
-        Layout("3d", 2, 2, 8, 1, False, 8),
+        Layout(1, 32, 1, 4, True, zero_stage=2),
+        Layout(1, 32, 1, 2, True, dp_replicate=4),
+        Layout(2, 8, 2, 1, False),
     ):
         new, missing = apply_layout(cfg, layout)
         assert missing == []
         assert layout_of(new, 32) == layout
+        # the planner's layout is the trainer's: the config's ParallelDims has the layout's degrees
+        assert parallel_dims(new, 32).describe() == layout.dims.describe()
     assert new.parallel.pp_schedule == "1F1B"
 
 
