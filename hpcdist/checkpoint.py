@@ -136,8 +136,10 @@ class CheckpointManager:
         async_save: bool = False,
         verify: str = "checksum",
         write_threads: int = 1,
+        every_steps: int = 0,
     ):
         self.root, self.rank, self.world_size = Path(root), rank, world_size
+        self.every_steps = every_steps
         self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
         self.write_threads = max(1, write_threads)
         self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
@@ -151,6 +153,11 @@ class CheckpointManager:
                 self._async_pg = dist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------------------------------ save
+    def due(self, step: int) -> bool:
+        """checkpoint.every_steps (0: only the final / stop checkpoint; checkpoint.every_minutes is the trainer's,
+        agreed through the stop flag)."""
+        return self.every_steps > 0 and step % self.every_steps == 0
+
     def save(self, step: int, state: Stateful) -> Path | None:
         """Write step-N collectively; None when it failed with an I/O error (disk full, EIO, quota): then the partial
         directory is removed, every rank logs why, and the previous complete checkpoint stays the resume point.

@@ -274,9 +274,15 @@ class MetricsLogger:
     """
 
     def __init__(
-        self, run_dir: Path, *, enabled: bool, tensorboard: bool = True, purge_step: int | None = None
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        tensorboard: bool = True,
+        purge_step: int | None = None,
+        every_steps: int = 1,
     ) -> None:
-        self.enabled = enabled
+        self.enabled, self.every_steps = enabled, max(1, every_steps)
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file: IO[str] | None = None
         self._tb: Any = None  # torch.utils.tensorboard.SummaryWriter, imported lazily (~1.5 s, rank 0 only)
@@ -294,6 +300,11 @@ class MetricsLogger:
                 self._tb = SummaryWriter(
                     log_dir=str(Path(run_dir) / "tensorboard"), flush_secs=30, purge_step=purge_step
                 )
+
+    def due(self, step: int, *, last: int) -> bool:
+        """A training line at every ``every_steps`` steps, at step 1 (where the loss starts) and at ``last``. Every
+        rank answers alike: logging all-reduces the loss."""
+        return step % self.every_steps == 0 or step in (1, last)
 
     def log(self, step: int, metrics: Mapping[str, float], *, prefix: str = "train") -> None:
         """Append one JSON line and the TB scalars ``{prefix}/{key}`` for ``step``."""

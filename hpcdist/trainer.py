@@ -33,6 +33,7 @@ from hpcdist.data import (
     stdlib_corpus,
 )
 from hpcdist.env import DistEnv
+from hpcdist.evaluate import Evaluator
 from hpcdist.fault import failures
 from hpcdist.fault.goodput import Goodput
 from hpcdist.fault.hang import HangWatchdog
@@ -129,6 +130,12 @@ class Trainer:
             cfg.checkpoint_dir, rank=env.rank, world_size=env.world_size, keep_last=cfg.checkpoint.keep_last,
             async_save=cfg.checkpoint.async_save, verify=cfg.checkpoint.verify,
             write_threads=cfg.checkpoint.write_threads or _auto_write_threads(env.local_world_size),
+            every_steps=cfg.checkpoint.every_steps,
+        )  # fmt: skip
+        self.evaluator = Evaluator(
+            self.val_ds, every_steps=cfg.train.eval_every_steps, batches=cfg.train.eval_batches,
+            global_batch_size=cfg.train.global_batch_size, seed=cfg.run.seed, dp_rank=self.dp_rank,
+            dp_size=self.dims.dp,
         )  # fmt: skip
         log.info(
             "model %s params (%.1fM), %s on %d rank(s), grad accum %d, %.3g FLOPs/token",
@@ -165,7 +172,7 @@ class Trainer:
         # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
         self.metrics = MetricsLogger(
             self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
-            purge_step=self.step + 1 if self.resumed_from else None,
+            purge_step=self.step + 1 if self.resumed_from else None, every_steps=cfg.logging.every_steps,
         )  # fmt: skip
 
     def _record_layout(self) -> None:
@@ -269,9 +276,9 @@ class Trainer:
         # a NaN model is never saved, so pruning never trades a finite checkpoint for it
         self.nonfinite.check()
         self.nonfinite.check_params(self.step, self.strategy.params_finite())
-        self.watchdog.beat(self.step, "checkpoint save", slow=True)
         t0 = self._last_save = time.perf_counter()
-        path = self.ckpt.save(self.step, self.stateful())
+        with self.watchdog.phase(self.step, "checkpoint save", slow=True):
+            path = self.ckpt.save(self.step, self.stateful())
         self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
         self.saved_step = self.step
         self.goodput.add("checkpoint_save", time.perf_counter() - t0)
@@ -294,8 +301,8 @@ class Trainer:
             self.stop_flag.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
             self.run_lock.release()
             raise
-        self.watchdog.beat(self.step, "stop agreement (last MAX all-reduce)")
-        self.stop_flag.close()
+        with self.watchdog.phase(self.step, "stop agreement (last MAX all-reduce)"):
+            self.stop_flag.close()
         self.watchdog.stop()
         self._report_goodput()
         self.metrics.close()
@@ -304,16 +311,15 @@ class Trainer:
         return result
 
     def _loop(self, end: int, result: TrainResult) -> None:
-        cfg = self.cfg
+        cfg, phase = self.cfg, self.watchdog.phase  # a phase names the collective it waits in, for a hang report
         while self.step < end:
             t0 = time.perf_counter()
-            # the hang watchdog's heartbeat; a phase names the collective it waits in, for the report
-            self.watchdog.beat(self.step, "data + forward/backward (gradient all-reduce)")
-            batch = self.loader.next_batch()
-            data_s = time.perf_counter() - t0  # no collective: a rank's own speed, for straggler detection
-            loss = self.strategy.forward_backward(batch)
-            self.watchdog.beat(self.step, "optimizer step (grad-norm all-reduce)")
-            grad_norm = self.strategy.optimizer_step(skip_nonfinite=cfg.train.nonfinite == "skip")
+            with phase(self.step, "data + forward/backward (gradient all-reduce)"):
+                batch = self.loader.next_batch()
+                data_s = time.perf_counter() - t0  # no collective: a rank's own speed, for straggler detection
+                loss = self.strategy.forward_backward(batch)
+            with phase(self.step, "optimizer step (grad-norm all-reduce)"):
+                grad_norm = self.strategy.optimizer_step(skip_nonfinite=cfg.train.nonfinite == "skip")
             self.step += 1
             self.nonfinite.after_step(self.step, grad_norm, skipped=self.strategy.last_step_skipped)
             self.tokens_seen += self.tokens_per_step
@@ -321,19 +327,19 @@ class Trainer:
             step_s = time.perf_counter() - t0
             self.throughput.update(self.tokens_per_step, step_s)
             self.watchdog.step_time(step_s)
-            self.watchdog.beat(self.step, "logging / evaluation (loss all-reduce)")
-            if self.step % cfg.logging.every_steps == 0 or self.step in (1, end):  # first: where loss starts
-                result.losses[self.step] = self._log(loss, grad_norm)
+            if self.metrics.due(self.step, last=end):
+                with phase(self.step, "logging (loss all-reduce)"):
+                    result.losses[self.step] = self._log(loss, grad_norm)
                 self.nonfinite.check()  # the log line synchronized already: stop at once, not at the next save
-            if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and self.val_ds:
+            if self.evaluator.due(self.step):
                 result.eval_losses[self.step] = self.evaluate()
-            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
+            if self.ckpt.due(self.step):
                 self.save()
             self._maybe_request_timed_save()
             if self.stragglers.due(self.step):
                 self._check_stragglers()
-            self.watchdog.beat(self.step, "stop agreement (MAX all-reduce)")
-            stop = self.stop_flag.agreed()  # async two-int all-reduce: every rank leaves after the same step
+            with phase(self.step, "stop agreement (MAX all-reduce)"):
+                stop = self.stop_flag.agreed()  # async two-int all-reduce: every rank leaves after the same step
             if self.stop_flag.checkpoint_due and not stop and self.saved_step != self.step:
                 self.save()  # checkpoint.every_minutes (a stop saves below anyway)
             self.stragglers.add(data_s=data_s, step_s=time.perf_counter() - t0)
@@ -347,8 +353,8 @@ class Trainer:
         if (cfg.checkpoint.save_final or interrupted) and self.saved_step != self.step:
             self.save()
         self.nonfinite.check()  # also when no final save follows
-        self.watchdog.beat(self.step, "checkpoint completion", slow=True)
-        self.ckpt.wait()  # the checkpoint is complete before train() returns: the caller may requeue at once
+        with phase(self.step, "checkpoint completion", slow=True):
+            self.ckpt.wait()  # the checkpoint is complete before train() returns: the caller may requeue at once
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> float:
         # .item() synchronizes with the device: done only on log steps
@@ -377,8 +383,8 @@ class Trainer:
 
     def _check_stragglers(self) -> None:
         """All ranks: gather per-rank data-loading and compute-probe times; rank 0 reports the slow ranks."""
-        self.watchdog.beat(self.step, "straggler check (all-gather)")
-        report = self.stragglers.check(self.hosts)
+        with self.watchdog.phase(self.step, "straggler check (all-gather)"):
+            report = self.stragglers.check(self.hosts)
         if not self.env.is_main:
             return
         self.metrics.log(self.step, report.metrics(), prefix="straggler")
@@ -422,15 +428,9 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches global batches of the validation split (same each time)."""
-        self.watchdog.beat(self.step, "evaluation", slow=True)
         t0 = time.perf_counter()
-        sampler = ResumableSampler(len(self.val_ds), seed=self.cfg.run.seed, shuffle=False)
-        loader = BatchLoader(
-            self.val_ds, sampler, global_batch_size=self.cfg.train.global_batch_size, dp_rank=self.dp_rank,
-            dp_size=self.dims.dp,
-        )  # fmt: skip
-        losses = [self.strategy.eval_loss(loader.next_batch()) for _ in range(self.cfg.train.eval_batches)]
-        value = float(torch.stack(losses).mean())
+        with self.watchdog.phase(self.step, "evaluation", slow=True):
+            value = self.evaluator.loss(self.strategy)
         self.goodput.add("eval", time.perf_counter() - t0)
         self.metrics.log(self.step, {"loss": value}, prefix="eval")
         log.info("eval step %d | loss %.4f", self.step, value)

@@ -41,7 +41,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -137,7 +137,7 @@ class HangWatchdog:
         # often enough that a frozen rank's file is clearly stale when a waiting rank's watchdog fires
         self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(30.0, max(0.5, self.timeout_s / 5))
         self.on_fire = on_fire
-        self.step, self.phase = 0, "start"
+        self.step, self.current_phase = 0, "start"
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -162,7 +162,17 @@ class HangWatchdog:
             self._slow, self._allow = True, self.slow_phase_s
         else:
             self._slow, self._allow = False, step_allow
-        self.step, self.phase, self._last = step, phase, now
+        self.step, self.current_phase, self._last = step, phase, now
+
+    @contextlib.contextmanager
+    def phase(self, step: int, name: str, *, slow: bool = False) -> Iterator[None]:
+        """``with watchdog.phase(step, "optimizer step (grad-norm all-reduce)"):`` -- ``beat`` on entry; a slow
+        phase's duration is taken on exit (not at the next beat), so later runs of it get 4x exactly that."""
+        self.beat(step, name, slow=slow)
+        yield
+        if slow and self._slow_phase == name:
+            self._seen[name] = max(self._seen.get(name, 0.0), time.monotonic() - self._last)
+            self._slow_phase = None
 
     def step_time(self, seconds: float) -> None:
         """A completed step's compute time: the step allowance grows with the slowest one (the attempt's first step,
@@ -196,7 +206,7 @@ class HangWatchdog:
     def _write_heartbeat(self) -> None:
         job = SlurmJob.from_environ()
         beat = {
-            "rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step, "phase": self.phase,
+            "rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step, "phase": self.current_phase,
             "time": time.time(), "idle_s": round(time.monotonic() - self._last, 3), "job_id": job.job_id,
             "restart": job.restart_count,
         }  # fmt: skip
@@ -240,7 +250,7 @@ class HangWatchdog:
         stale_after = 3 * self.heartbeat_s
         blamed: list[dict[str, Any]] = []
         fresh = {r: b for r, b in beats.items() if now - float(b.get("time", 0)) <= stale_after}
-        fresh.setdefault(self.rank, {"step": self.step, "phase": self.phase, "host": self.host})
+        fresh.setdefault(self.rank, {"step": self.step, "phase": self.current_phase, "host": self.host})
         for rank in range(self.world_size):
             if rank in fresh:
                 continue
@@ -265,16 +275,16 @@ class HangWatchdog:
             setting = (f"fault.watchdog_slow_phase_s={self.slow_phase_s:g}" if self._slow
                        else f"fault.watchdog_timeout_s={self.timeout_s:g}")  # fmt: skip
             cause = (f"hang watchdog: no progress for {idle:.0f} s (allowed {self._allow:.0f} s, {setting}) at step "
-                     f"{self.step} in {self.phase}")  # fmt: skip
+                     f"{self.step} in {self.current_phase}")  # fmt: skip
             print(f"\n[hpcdist watchdog] rank {self.rank} on {self.host} (pid {os.getpid()}): {cause}; last "
-                  f"collective: {self.phase}; suspects: {who}", file=err, flush=True)  # fmt: skip
+                  f"collective: {self.current_phase}; suspects: {who}", file=err, flush=True)  # fmt: skip
             print(f"[hpcdist watchdog] Python stacks of rank {self.rank} (all threads):", file=err, flush=True)
             faulthandler.dump_traceback(file=err, all_threads=True)
             self._dump_nccl_trace()
             if reporter == self.rank:
                 blame = [{"rank": b["rank"], "host": b["host"]} for b in blamed if b.get("host")]
                 failures.record(
-                    self.run_dir, kind="watchdog", cause=f"no progress in {self.phase}", rank=self.rank,
+                    self.run_dir, kind="watchdog", cause=f"no progress in {self.current_phase}", rank=self.rank,
                     host=self.host, blame=blame, step=self.step, detail=f"{cause}; suspects: {who}",
                     suspects=blamed, idle_s=round(idle, 1),
                 )  # fmt: skip
