@@ -442,8 +442,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if cluster.gpus_per_node < 1:
         return _fail(f"plan: cluster {cluster.name!r} has no GPUs; pass --gpus-per-node or a GPU --cluster")
     try:
-        hw = planner.Hardware.from_cluster(
-            cluster, gpu_mem_gib=args.gpu_mem, efficiency=args.efficiency, margin_gib=args.mem_margin
+        hw = planner.cluster_hardware(
+            cluster, gpu_mem_gb=args.gpu_mem, efficiency=args.efficiency, margin_gib=args.mem_margin
         )
     except ValueError as e:
         return _fail(f"plan: {e}")
@@ -453,7 +453,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             args_model,
             nodes=cluster.nodes,
             gpus_per_node=cluster.gpus_per_node,
-            gpu_mem_gb=hw.gpu_mem_gib,
+            gpu_mem_gb=hw.gpu_mem_gb,
             micro_batch_size=cfg.train.micro_batch_size,
             seq_len=cfg.data.seq_len,
             activation_checkpointing=cfg.train.activation_checkpointing,
@@ -487,7 +487,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         smallest = min(e.memory.total for e in estimates) / GIB
         return _fail(
             f"plan: none of {len(estimates)} layouts fits: the smallest needs {smallest:.1f} GiB per GPU, "
-            f"{hw.gpu_mem_gib - hw.margin_gib:g} GiB usable (--gpu-mem minus --mem-margin); add nodes, shorten "
+            f"{hw.gpu_mem_gb - hw.margin_gib:g} GiB usable (--gpu-mem minus --mem-margin); add nodes, shorten "
             "data.seq_len or lower train.global_batch_size (--all lists them)",
             code=1,
         )

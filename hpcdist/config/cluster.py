@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 import sys
@@ -25,7 +26,16 @@ from hpcdist.config import nccl_profiles as nccl
 from hpcdist.config.loader import ConfigError
 from hpcdist.signals import parse_signal
 
-__all__ = ["ClusterConfig", "HardwareConfig", "cluster_names", "load_cluster", "parse_time"]
+__all__ = [
+    "DEFAULT_EFFICIENCY",
+    "DEFAULT_MARGIN_GIB",
+    "ClusterConfig",
+    "HardwareConfig",
+    "cluster_hardware",
+    "cluster_names",
+    "load_cluster",
+    "parse_time",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +54,76 @@ _MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
 _TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
-@dataclass
+# Fraction of the bf16 peak that the matmul-bound forward/backward of a Llama block sustains with SDPA flash
+# attention and no fused kernels: an assumption, not a measurement (see README "Planner": published A100 runs
+# reach 52-61% MFU at 13B, i.e. 60-77% of peak counting the recomputed forward).
+DEFAULT_EFFICIENCY = 0.60
+# Usable GPU memory = gpu_mem - margin: the driver/ECC reservation (an A100-80GB shows ~79.2 GiB to CUDA) and
+# room for allocator spikes that the estimator's 10% buffers do not cover.
+DEFAULT_MARGIN_GIB = 2.0
+_MEASURED = ("gpu_mem_gb", "bf16_peak_tflops", "intra_node_busbw_gbps", "inter_node_busbw_gbps")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
 class HardwareConfig:
-    """Per-node hardware numbers for the planner (`parallel.strategy: auto`); not used to submit."""
+    """Per-GPU hardware numbers: the one hardware type, read from a cluster profile's ``hardware:`` block and used
+    by the planner's memory and time model (``hpcdist plan``, ``parallel.strategy: auto``, the dry run); not used
+    to submit. The four measured numbers may be missing from a profile (a CPU sandbox); ``require`` says which."""
 
     gpu_mem_gb: float | None = None
-    """Memory of one GPU."""
+    """Memory of one GPU, counted in GiB as CUDA reports it (an A100-80GB: 80)."""
     bf16_peak_tflops: float | None = None
-    """Dense bf16 tensor-core peak of one GPU (MFU denominator)."""
+    """Dense bf16 tensor-core peak of one GPU (A100: 312; the MFU denominator)."""
     intra_node_busbw_gbps: float | None = None
-    """Measured all-reduce bus bandwidth inside a node (NVLink/NVSwitch), GB/s."""
+    """Measured all-reduce bus bandwidth inside a node (NVLink/NVSwitch), GB/s (NVSwitch A100: ~230)."""
     inter_node_busbw_gbps: float | None = None
-    """Measured all-reduce bus bandwidth across nodes, GB/s."""
+    """Measured all-reduce bus bandwidth across nodes, GB/s (8x HDR 200 Gb/s per node: ~190)."""
+    efficiency: float = DEFAULT_EFFICIENCY
+    """Fraction of peak the compute sustains (eta in docs/PLANNER.md): the planner's assumption for this cluster."""
+    margin_gib: float = DEFAULT_MARGIN_GIB
+    """GPU memory kept free: a layout fits when its estimate <= gpu_mem_gb - margin_gib."""
+
+    @property
+    def usable_bytes(self) -> float:
+        return (float(self.gpu_mem_gb or 0) - self.margin_gib) * (1 << 30)
+
+    @property
+    def peak_flops(self) -> float:
+        return float(self.bf16_peak_tflops or 0) * 1e12
+
+    def problems(self) -> list[str]:
+        """Every number out of range, as "key: rule, got value" (missing measured numbers are ``require``'s
+        business: a CPU profile has none)."""
+        out = []
+        for name in _MEASURED:
+            value = getattr(self, name)
+            if value is not None and not (_number(value) and value > 0):
+                out.append(f"{name}: must be > 0, got {value!r}")
+        if not (_number(self.efficiency) and 0 < self.efficiency <= 1):
+            out.append(f"efficiency: must be in (0, 1], got {self.efficiency!r}")
+        mem = self.gpu_mem_gb if _number(self.gpu_mem_gb) and self.gpu_mem_gb > 0 else None
+        if not (_number(self.margin_gib) and self.margin_gib >= 0 and (mem is None or self.margin_gib < mem)):
+            out.append(f"margin_gib: must be >= 0 and below gpu_mem_gb ({mem!r} GiB), got {self.margin_gib!r}")
+        return out
+
+    def require(self, cluster_name: str, **overrides: Any) -> HardwareConfig:
+        """These numbers with ``overrides`` (None values ignored: ``gpu_mem_gb``, ``efficiency``, ``margin_gib``),
+        all four measured ones present and every value in range; ValueError naming the missing keys otherwise."""
+        hw = dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        missing = [f"hardware.{name}" for name in _MEASURED if getattr(hw, name) is None]
+        if missing:
+            raise ValueError(
+                f"cluster {cluster_name!r} does not say {', '.join(missing)}: the planner needs GPU memory, bf16 peak "
+                "and bus bandwidths; add a hardware: block like hpcdist/resources/cluster/a100_ib.yaml's"
+            )
+        problems = hw.problems()
+        if problems:
+            raise ValueError(f"cluster {cluster_name!r}: " + "; ".join(problems))
+        return hw
 
 
 @dataclass
@@ -233,10 +301,7 @@ def _check(c: ClusterConfig) -> list[str]:
     if c.executor == "local" and c.nodes > 1:
         p.append(f"cluster.nodes: the local executor runs on one node, got {c.nodes}; use a SLURM cluster")
     if c.hardware is not None:
-        for f in dataclasses.fields(HardwareConfig):
-            value = getattr(c.hardware, f.name)
-            if value is not None and not value > 0:
-                p.append(f"cluster.hardware.{f.name}: must be > 0, got {value}")
+        p += [f"cluster.hardware.{problem}" for problem in c.hardware.problems()]
     return p
 
 
@@ -308,6 +373,19 @@ def _build(data: Mapping[str, Any], problems: list[str]) -> ClusterConfig:
                 kwargs[name] = coerced
     # a field with a bad value keeps its default, so the semantic checks below still run on the rest
     return ClusterConfig(**kwargs)
+
+
+def cluster_hardware(
+    cluster: ClusterConfig,
+    *,
+    gpu_mem_gb: float | None = None,
+    efficiency: float | None = None,
+    margin_gib: float | None = None,
+) -> HardwareConfig:
+    """The planner's numbers for ``cluster`` (its hardware: block, with the given overrides); ValueError naming the
+    missing keys or the out-of-range values."""
+    base = cluster.hardware or HardwareConfig()
+    return base.require(cluster.name, gpu_mem_gb=gpu_mem_gb, efficiency=efficiency, margin_gib=margin_gib)
 
 
 def _build_hardware(value: Any, problems: list[str]) -> HardwareConfig | None:

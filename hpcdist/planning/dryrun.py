@@ -292,7 +292,7 @@ def _prediction(cfg: JobConfig, world_size: int, cluster: ClusterConfig) -> str 
     from hpcdist.planning import layouts as planner
 
     try:
-        hw = planner.Hardware.from_cluster(cluster)
+        hw = planner.cluster_hardware(cluster)
         est = planner.estimate_step(
             cfg.model_args(),
             planner.layout_of(cfg, world_size),

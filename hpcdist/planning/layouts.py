@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -19,7 +18,14 @@ from typing import Any
 
 from hpcdist import config as config_mod
 from hpcdist.config import ConfigError, JobConfig
-from hpcdist.config.cluster import ClusterConfig, load_cluster
+from hpcdist.config.cluster import (
+    DEFAULT_EFFICIENCY,
+    DEFAULT_MARGIN_GIB,
+    ClusterConfig,
+    HardwareConfig,
+    cluster_hardware,
+    load_cluster,
+)
 from hpcdist.models.args import ModelArgs, flops_per_token, num_params
 from hpcdist.parallel.dims import ParallelDims, parallel_dims
 from hpcdist.planning.memory import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory, stage_params
@@ -28,11 +34,12 @@ __all__ = [
     "DEFAULT_EFFICIENCY",
     "DEFAULT_MARGIN_GIB",
     "LAYOUT_STRATEGIES",
-    "Hardware",
+    "HardwareConfig",
     "Layout",
     "StepEstimate",
     "apply_layout",
     "choose",
+    "cluster_hardware",
     "enumerate_layouts",
     "estimate_step",
     "format_count",
@@ -45,13 +52,6 @@ __all__ = [
     "resolve_auto",
 ]
 
-# Fraction of the bf16 peak that the matmul-bound forward/backward of a Llama block sustains with SDPA flash
-# attention and no fused kernels: an assumption, not a measurement (see README "Planner": published A100 runs
-# reach 52-61% MFU at 13B, i.e. 60-77% of peak counting the recomputed forward).
-DEFAULT_EFFICIENCY = 0.60
-# Usable GPU memory = gpu_mem - margin: the driver/ECC reservation (an A100-80GB shows ~79.2 GiB to CUDA) and
-# room for allocator spikes that the estimator's 10% buffers do not cover.
-DEFAULT_MARGIN_GIB = 2.0
 LAYOUT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "3d")
 TP_DEGREES = (1, 2, 4, 8)
 _SIMPLER = {name: i for i, name in enumerate(("ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3", "3d"))}
@@ -59,81 +59,6 @@ _REDUCE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Per-GPU numbers the time and memory models need; usually from a cluster profile's ``hardware:`` block."""
-
-    gpu_mem_gib: float
-    """Memory of one GPU (GiB; an A100-80GB has 80)."""
-    peak_tflops: float
-    """Dense bf16 peak of one GPU (A100: 312)."""
-    intra_busbw_gbps: float
-    """All-reduce bus bandwidth inside a node, GB/s (NVSwitch A100: ~230)."""
-    inter_busbw_gbps: float
-    """All-reduce bus bandwidth across nodes, GB/s (8x HDR 200 Gb/s per node: ~190)."""
-    efficiency: float = DEFAULT_EFFICIENCY
-    """Fraction of peak the compute sustains (eta in the module docstring)."""
-    margin_gib: float = DEFAULT_MARGIN_GIB
-    """GPU memory kept free: a layout fits when its estimate <= gpu_mem_gib - margin_gib."""
-
-    @property
-    def usable_bytes(self) -> float:
-        return (self.gpu_mem_gib - self.margin_gib) * GIB
-
-    @property
-    def peak_flops(self) -> float:
-        return self.peak_tflops * 1e12
-
-    def problems(self) -> list[str]:
-        out = []
-        for name in ("gpu_mem_gib", "peak_tflops", "intra_busbw_gbps", "inter_busbw_gbps"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                out.append(f"{name} must be a positive number, got {value!r}")
-        if not 0 < self.efficiency <= 1:
-            out.append(f"efficiency must be in (0, 1], got {self.efficiency}")
-        if not 0 <= self.margin_gib < self.gpu_mem_gib:
-            out.append(
-                f"the memory margin ({self.margin_gib:g} GiB) must be >= 0 and below the GPU memory "
-                f"({self.gpu_mem_gib:g} GiB)"
-            )
-        return out
-
-    @classmethod
-    def from_cluster(
-        cls,
-        cluster: ClusterConfig,
-        *,
-        gpu_mem_gib: float | None = None,
-        efficiency: float | None = None,
-        margin_gib: float | None = None,
-    ) -> Hardware:
-        """From ``cluster.hardware``; keyword arguments override it. Raises ValueError naming missing keys."""
-        hw = cluster.hardware
-        values = {
-            "gpu_mem_gib": gpu_mem_gib if gpu_mem_gib is not None else getattr(hw, "gpu_mem_gb", None),
-            "peak_tflops": getattr(hw, "bf16_peak_tflops", None),
-            "intra_busbw_gbps": getattr(hw, "intra_node_busbw_gbps", None),
-            "inter_busbw_gbps": getattr(hw, "inter_node_busbw_gbps", None),
-        }
-        yaml_keys = ("gpu_mem_gb", "bf16_peak_tflops", "intra_node_busbw_gbps", "inter_node_busbw_gbps")
-        missing = [f"hardware.{key}" for key, v in zip(yaml_keys, values.values(), strict=True) if v is None]
-        if missing:
-            raise ValueError(
-                f"cluster {cluster.name!r} does not say {', '.join(missing)}: the planner needs GPU memory, bf16 peak "
-                "and bus bandwidths; add a hardware: block like hpcdist/resources/cluster/a100_ib.yaml's"
-            )
-        out = cls(
-            **values,  # type: ignore[arg-type]
-            efficiency=DEFAULT_EFFICIENCY if efficiency is None else efficiency,
-            margin_gib=DEFAULT_MARGIN_GIB if margin_gib is None else margin_gib,
-        )
-        problems = out.problems()
-        if problems:
-            raise ValueError(f"cluster {cluster.name!r}: " + "; ".join(problems))
-        return out
 
 
 @dataclass(frozen=True)
@@ -295,7 +220,7 @@ def estimate_step(
     seq_len: int,
     global_batch_size: int,
     gpus_per_node: int,
-    hw: Hardware,
+    hw: HardwareConfig,
     reduce_bytes: int = 4,
 ) -> StepEstimate:
     """Memory and step time of ``layout`` by the formulas of the module docstring (nothing else goes in)."""
@@ -309,7 +234,7 @@ def estimate_step(
     if pp > 1 and m < pp:
         raise ValueError(f"1F1B needs at least pp={pp} micro-batches per step, got {m}")
     per_node = min(gpus_per_node, world)
-    intra, inter = hw.intra_busbw_gbps * 1e9, hw.inter_busbw_gbps * 1e9
+    intra, inter = hw.intra_node_busbw_gbps * 1e9, hw.inter_node_busbw_gbps * 1e9
     flops = flops_per_token(args, seq_len)
     rate = hw.peak_flops * hw.efficiency
 
@@ -435,7 +360,7 @@ def rank_layouts(
     gpus_per_node: int,
     global_batch_size: int,
     seq_len: int,
-    hw: Hardware,
+    hw: HardwareConfig,
     reduce_bytes: int = 4,
     strategies: Iterable[str] = LAYOUT_STRATEGIES,
     micro_batch_sizes: Sequence[int] | None = None,
@@ -504,7 +429,7 @@ def layout_table(
     gpus_per_node: int,
     seq_len: int,
     global_batch_size: int,
-    hw: Hardware,
+    hw: HardwareConfig,
     tokens: float,
     top: int = 10,
     show_all: bool = False,
@@ -520,9 +445,10 @@ def layout_table(
     lines = [
         f"Layouts: {format_count(num_params(args))} params on {nodes} node(s) x {per_node} GPU(s) = {world}; "
         f"global batch {global_batch_size} x seq {seq_len} = {step_tokens:,} tokens/step",
-        f"hardware: {hw.gpu_mem_gib:g} GiB/GPU ({hw.gpu_mem_gib - hw.margin_gib:g} usable), bf16 peak "
-        f"{hw.peak_tflops:g} TFLOP/s x efficiency {hw.efficiency:.2f}, bus bandwidth {hw.intra_busbw_gbps:g} GB/s "
-        f"in a node / {hw.inter_busbw_gbps:g} GB/s across nodes; days = time to train {format_count(tokens)} tokens",
+        f"hardware: {hw.gpu_mem_gb:g} GiB/GPU ({hw.gpu_mem_gb - hw.margin_gib:g} usable), bf16 peak "
+        f"{hw.bf16_peak_tflops:g} TFLOP/s x efficiency {hw.efficiency:.2f}, bus bandwidth "
+        f"{hw.intra_node_busbw_gbps:g} GB/s in a node / {hw.inter_node_busbw_gbps:g} GB/s across nodes; days = time "
+        f"to train {format_count(tokens)} tokens",
     ]
     cols: tuple[str, ...] = ("rank", "strategy", "tp", "pp", "dp", "mbs", "AC", "mem GiB", "fits", "tok/s/GPU")
     cols += ("MFU %", "step s", "days")
@@ -666,7 +592,7 @@ def resolve_auto(
     world_size: int,
     cluster: ClusterConfig | str | os.PathLike[str] = "a100_ib",
     *,
-    hardware: Hardware | None = None,
+    hardware: HardwareConfig | None = None,
 ) -> tuple[JobConfig, str]:
     """``parallel.strategy: auto``: the config set to the planner's best runnable layout, and why.
 
@@ -683,7 +609,7 @@ def resolve_auto(
              "name a strategy (e.g. parallel.strategy=ddp) or a GPU cluster profile"]
         )  # fmt: skip
     try:
-        hw = hardware or Hardware.from_cluster(cl)
+        hw = hardware or cluster_hardware(cl)
         estimates = rank_layouts(
             cfg.model_args(),
             world_size=world_size,

@@ -12,10 +12,11 @@ from hpcdist.launch import load_cluster
 from hpcdist.models.llama import ModelArgs, flops_per_token, load_preset, num_params
 from hpcdist.parallel.dims import parallel_dims
 from hpcdist.planning.layouts import (
-    Hardware,
+    HardwareConfig,
     Layout,
     apply_layout,
     choose,
+    cluster_hardware,
     enumerate_layouts,
     estimate_step,
     layout_of,
@@ -28,8 +29,9 @@ from hpcdist.planning.memory import GIB, estimate_3d_memory, estimate_memory
 TINY = ModelArgs(vocab_size=1000, dim=64, n_layers=4, n_heads=4, ffn_dim=128)
 # Round hardware numbers so every intermediate below is checkable on paper: 1e14 FLOP/s x 0.5 = 5e13 FLOP/s,
 # 100 GB/s inside a node, a deliberately slow 1 GB/s across nodes (so overlap and exposure both show).
-HW = Hardware(gpu_mem_gib=80, peak_tflops=100, intra_busbw_gbps=100, inter_busbw_gbps=1, efficiency=0.5, margin_gib=0)
-A100 = Hardware(gpu_mem_gib=80, peak_tflops=312, intra_busbw_gbps=230, inter_busbw_gbps=190)
+HW = HardwareConfig(gpu_mem_gb=80, bf16_peak_tflops=100, intra_node_busbw_gbps=100, inter_node_busbw_gbps=1,
+                    efficiency=0.5, margin_gib=0)  # fmt: skip
+A100 = HardwareConfig(gpu_mem_gb=80, bf16_peak_tflops=312, intra_node_busbw_gbps=230, inter_node_busbw_gbps=190)
 RATE, INTRA, INTER = 5e13, 1e11, 1e9
 S = 128
 
@@ -163,19 +165,26 @@ def test_13b_on_32_a100_top_row_fits_and_lands_near_published_numbers():
 
 def test_nothing_fits_is_a_clear_error():
     args = ModelArgs(**load_preset("13b"))
-    tiny_gpu = dataclasses.replace(A100, gpu_mem_gib=4, margin_gib=0)
+    tiny_gpu = dataclasses.replace(A100, gpu_mem_gb=4, margin_gib=0)
     ranked = rank_layouts(args, world_size=8, gpus_per_node=8, global_batch_size=64, seq_len=4096, hw=tiny_gpu)
     with pytest.raises(ValueError, match=r"none of .* layouts fits"):
         choose(ranked)
 
 
 def test_hardware_from_cluster_profiles():
-    hw = Hardware.from_cluster(load_cluster("a100_ib"))
-    assert (hw.gpu_mem_gib, hw.peak_tflops, hw.intra_busbw_gbps, hw.inter_busbw_gbps) == (80, 312, 230, 190)
+    hw = cluster_hardware(load_cluster("a100_ib"))
+    # one hardware type: the cluster profile's own block, checked for the planner
+    assert hw == load_cluster("a100_ib").hardware
+    assert (hw.gpu_mem_gb, hw.bf16_peak_tflops, hw.intra_node_busbw_gbps, hw.inter_node_busbw_gbps) == (
+        80,
+        312,
+        230,
+        190,
+    )
     with pytest.raises(ValueError, match=r"hardware\.gpu_mem_gb.*a100_ib.yaml"):
-        Hardware.from_cluster(load_cluster("sandbox"))
-    with pytest.raises(ValueError, match="efficiency must be in"):
-        Hardware.from_cluster(load_cluster("a100_ib"), efficiency=1.5)
+        cluster_hardware(load_cluster("sandbox"))
+    with pytest.raises(ValueError, match="efficiency: must be in"):
+        cluster_hardware(load_cluster("a100_ib"), efficiency=1.5)
 
 
 # --------------------------------------------------------------------------------------------------- auto
@@ -211,7 +220,7 @@ def test_resolve_auto_errors():
     with pytest.raises(config_mod.ConfigError, match="gpus_per_node: 0"):
         resolve_auto(cfg, 2, "local")
     with pytest.raises(config_mod.ConfigError, match=r"none of .* layouts fits"):
-        resolve_auto(cfg, 8, "a100_ib", hardware=dataclasses.replace(A100, gpu_mem_gib=4, margin_gib=0))
+        resolve_auto(cfg, 8, "a100_ib", hardware=dataclasses.replace(A100, gpu_mem_gb=4, margin_gib=0))
 
 
 def test_apply_layout_sets_every_key_and_round_trips():
