@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import pwd
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from hpcdist.checkpoint import DAMAGED, MARKER, STATE_FILE, CheckpointManager, Stateful
+from hpcdist.cli import main
+from hpcdist.config import ConfigError
 from hpcdist.fault.failures import read_failures
+from tests.conftest import SMALL
 
 REPO = Path(__file__).resolve().parents[2]
 OTHER_UID = 4242  # a user of this machine who is not us
@@ -78,3 +87,127 @@ def test_supervisor_task_info_is_private_and_gone_afterwards(tmp_path: Path) -> 
     assert (mode, uid) == (0o700, os.getuid())
     assert not Path(d).exists()
     assert not read_failures(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------- checkpoints (14.1)
+
+
+class _Payload:
+    """What a planted .metadata holds: unpickling it calls open(path, "w"), i.e. runs the planter's code."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.path), "w"))
+
+
+def _plant(step: Path, pwned: Path, uid: int) -> Path:
+    """A checkpoint as its planter would make it: a pickle that runs code, a manifest that vouches for it (whoever
+    plants the files writes the manifest too), the completion marker; everything owned by ``uid``."""
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(pickle.dumps(_Payload(pwned)))
+    (step / STATE_FILE).write_text(json.dumps({"step": 5}))
+    CheckpointManager(step.parent, rank=0, world_size=1)._write_manifest(step, distributed=True)
+    (step / MARKER).write_text("{}")
+    for p in [step, *step.rglob("*")]:
+        os.lchown(p, uid, uid)
+    return step
+
+
+def _nothing() -> Stateful:
+    return Stateful(
+        dcp_state=dict, load_dcp_state=lambda s: None, trainer_state=dict, load_trainer_state=lambda s: None
+    )
+
+
+def _restore(root: Path, resume: str, **kw: Any) -> Path | None:
+    return CheckpointManager(root, rank=0, world_size=1, **kw).restore(resume, _nothing())
+
+
+def test_a_checkpoint_planted_by_another_user_is_refused_before_anything_is_unpickled(tmp_path: Path) -> None:
+    _needs_root()
+    pwned = tmp_path / "PWNED"
+    theirs = _plant(tmp_path / "theirs" / "step-00000005", pwned, OTHER_UID)
+    # checkpoint.resume=<their step dir>
+    with pytest.raises(ConfigError) as e:
+        _restore(tmp_path / "mine", str(theirs))
+    msg = str(e.value)
+    assert "checkpoint.resume" in msg and str(theirs) in msg and f"uid {OTHER_UID}" in msg, msg
+    assert "checkpoint.trusted_owners" in msg, msg
+    # a step directory of theirs inside my own run dir, found by resume=auto: refused, not demoted or skipped
+    mine = tmp_path / "mine"
+    planted = _plant(mine / "step-00000009", pwned, OTHER_UID)
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=auto: .*step-00000009.* belongs to uid 4242"):
+        _restore(mine, "auto")
+    assert not pwned.exists(), "the planted pickle ran"
+    assert (planted / MARKER).is_file() and not (planted / DAMAGED).exists()  # not ours to touch
+
+
+def test_untrusted_checkpoint_through_the_cli_is_one_message_and_exit_2(tmp_path: Path, capsys) -> None:
+    _needs_root()
+    pwned = tmp_path / "PWNED"
+    theirs = _plant(tmp_path / "theirs" / "step-00000005", pwned, OTHER_UID)
+    for key in ("checkpoint.resume", "checkpoint.init_from"):
+        over = [*SMALL, "data.source=synthetic", "data.synthetic_samples=64", f"run.dir={tmp_path / key}"]
+        assert main(["train", "configs/demo.yaml", *over, f"{key}={theirs}"]) == 2
+        err = capsys.readouterr().err
+        assert f"{key}: {theirs}" in err and f"belongs to uid {OTHER_UID}" in err and "Traceback" not in err, err
+        assert not pwned.exists()
+
+
+def test_writable_by_others_or_linked_out_is_refused_and_a_trusted_owner_is_allowed(tmp_path: Path) -> None:
+    """My own files, but writable by a shared group or everyone, or a link to a file elsewhere: refused with the
+    fix. A read-only checkpoint of a user named in checkpoint.trusted_owners loads."""
+    _needs_root()
+    me = os.getuid()
+    pwned = tmp_path / "PWNED"
+    step = _plant(tmp_path / "a" / "step-00000001", pwned, me)
+    os.chmod(step / ".metadata", 0o646)
+    with pytest.raises(ConfigError, match=r"\.metadata.* writable by others \(mode 0646\).*chmod -R go-w"):
+        _restore(step.parent, str(step))
+    os.chmod(step / ".metadata", 0o664)
+    os.chown(step / ".metadata", me, 100)  # group 'users': not a group of mine alone
+    with pytest.raises(ConfigError, match=r"writable by group users \(mode 0664\)"):
+        _restore(step.parent, str(step))
+    os.chmod(step / ".metadata", 0o644)
+    elsewhere = tmp_path / "elsewhere.bin"
+    shutil.move(step / STATE_FILE, elsewhere)
+    (step / STATE_FILE).symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match=r"trainer_state.json: is a link leading out of the checkpoint"):
+        _restore(step.parent, str(step))
+    assert not pwned.exists()
+    # a shared, read-only checkpoint of a trusted user: passes the check (and then loads as any other would)
+    nobody = pwd.getpwnam("nobody")
+    shared = _plant(tmp_path / "shared" / "step-00000002", pwned, nobody.pw_uid)
+    with pytest.raises(ConfigError, match="belongs to nobody"):
+        _restore(shared.parent, str(shared))
+    with pytest.raises(ConfigError, match=r"checkpoint.trusted_owners: .no-such-user-x. is not a user"):
+        CheckpointManager(shared.parent, rank=0, world_size=1, trusted_owners=["no-such-user-x"])
+    assert not pwned.exists()
+    with pytest.raises(Exception):  # noqa: B017 - past the check, DCP reads the planted pickle: trusted means trusted
+        _restore(shared.parent, str(shared), trusted_owners=["nobody"])
+    assert pwned.exists()
+
+
+def test_the_ownership_check_stats_and_never_reads(tmp_path: Path) -> None:
+    """A checkpoint of 2,000 files: every one is looked at (a bad one among them is found), none is opened."""
+    step = tmp_path / "step-00000001"
+    for i in range(20):
+        sub = step / f"d{i}"
+        sub.mkdir(parents=True)
+        for j in range(100):
+            (sub / f"f{j}").write_bytes(b"")
+    os.chmod(step / "d19" / "f99", 0o666)
+    from hpcdist.config.dirs import tree_trust_problems
+
+    opened: list[str] = []
+    sys.addaudithook(
+        lambda ev, args: opened.append(str(args[0])) if ev == "open" and str(step) in str(args[0]) else None
+    )
+    t0 = time.perf_counter()
+    problems = tree_trust_problems(step, {os.getuid()})
+    seconds = time.perf_counter() - t0
+    assert [p.split(":")[0] for p in problems] == [str(step / "d19" / "f99")], problems
+    assert not opened, opened[:3]
+    print(f"ownership walk: 2,020 entries in {seconds * 1000:.1f} ms")
