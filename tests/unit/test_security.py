@@ -211,3 +211,76 @@ def test_the_ownership_check_stats_and_never_reads(tmp_path: Path) -> None:
     assert [p.split(":")[0] for p in problems] == [str(step / "d19" / "f99")], problems
     assert not opened, opened[:3]
     print(f"ownership walk: 2,020 entries in {seconds * 1000:.1f} ms")
+
+
+# ------------------------------------------------------------------------------------------ slurm sandbox (14.3)
+
+SANDBOX = REPO / "tools" / "slurm_sandbox"
+
+
+def _start_time(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
+def _forged_state(d: Path, victim: subprocess.Popen[bytes], links: list[str]) -> None:
+    """A state file naming a process and a link that are not the sandbox's, as a planter would write it (or as a
+    stale state file reads once its pids are reused)."""
+    rec = {"pid": victim.pid, "start": _start_time(victim.pid), "argv": ["slurmctld"]}
+    state = {"dir": str(d), "slurm_conf": str(d / "slurm.conf"), "pids": {"slurmctld": rec}, "supervisor": None,
+             "netns": [], "links": links, "hosts_block": False}  # fmt: skip
+    (d / "state.json").write_text(json.dumps(state))
+
+
+def _sandbox(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SANDBOX), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_sandbox_refuses_a_directory_another_user_created(tmp_path: Path) -> None:
+    """Another user made the sandbox directory first (/tmp is everyone's) and left a state file in it: start and
+    stop refuse it, write nothing there and kill nothing it names."""
+    _needs_root()
+    d = tmp_path / "hpcdist-slurm"
+    d.mkdir(mode=0o777)
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        _forged_state(d, victim, [])
+        os.chown(d, OTHER_UID, OTHER_UID)
+        os.chown(d / "state.json", OTHER_UID, OTHER_UID)
+        before = sorted(p.name for p in d.iterdir())
+        for cmd in ("start", "stop", "status"):
+            p = _sandbox(cmd, "--dir", str(d))
+            assert p.returncode == 2 and f"belongs to uid {OTHER_UID}" in p.stderr, (cmd, p.stderr)
+            assert victim.poll() is None, f"`{cmd}` killed a process named in another user's state file"
+        assert sorted(p.name for p in d.iterdir()) == before  # no munge key, no slurm.conf written there
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_sandbox_stop_acts_only_on_its_own_processes_and_links(tmp_path: Path) -> None:
+    """Our own directory, but its state names a process the sandbox did not start (a pid reused since, or a
+    state file edited) and a link that is not one of its names: stop leaves both alone."""
+    _needs_root()
+    d = tmp_path / "sb"
+    d.mkdir(mode=0o700)
+    link = "hpcdx-victim0"
+    add = ["ip", "link", "add", link, "type", "veth", "peer", "name", f"{link}p"]  # the sandbox makes veths too
+    has_link = subprocess.run(add, capture_output=True).returncode == 0
+    if not has_link:
+        print("no veth pair could be made here (needs CAP_NET_ADMIN): only the process half runs")
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        _forged_state(d, victim, [link] if has_link else [])
+        p = _sandbox("stop", "--dir", str(d))
+        assert p.returncode == 0, p.stderr
+        assert victim.poll() is None, "stop killed a process the sandbox never started"
+        assert "not a process of this sandbox" in p.stderr, p.stderr
+        if has_link:
+            assert subprocess.run(["ip", "link", "show", link], capture_output=True).returncode == 0
+            assert "not a link of this sandbox" in p.stderr, p.stderr
+    finally:
+        victim.kill()
+        victim.wait()
+        if has_link:
+            subprocess.run(["ip", "link", "delete", link], capture_output=True)
