@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import pwd
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pytest
 from hpcdist.checkpoint import DAMAGED, MARKER, STATE_FILE, CheckpointManager, Stateful
 from hpcdist.cli import main
 from hpcdist.config import ConfigError
+from hpcdist.config.dirs import tree_trust_problems
 from hpcdist.fault.failures import read_failures
 from tests.conftest import SMALL
 
@@ -170,6 +172,8 @@ def test_writable_by_others_or_linked_out_is_refused_and_a_trusted_owner_is_allo
     os.chown(step / ".metadata", me, 100)  # group 'users': not a group of mine alone
     with pytest.raises(ConfigError, match=r"writable by group users \(mode 0664\)"):
         _restore(step.parent, str(step))
+    os.chown(step / ".metadata", me, pwd.getpwuid(me).pw_gid)  # my private group (umask 002 sites): only me
+    assert tree_trust_problems(step, {me}) == []
     os.chmod(step / ".metadata", 0o644)
     elsewhere = tmp_path / "elsewhere.bin"
     shutil.move(step / STATE_FILE, elsewhere)
@@ -199,8 +203,6 @@ def test_the_ownership_check_stats_and_never_reads(tmp_path: Path) -> None:
         for j in range(100):
             (sub / f"f{j}").write_bytes(b"")
     os.chmod(step / "d19" / "f99", 0o666)
-    from hpcdist.config.dirs import tree_trust_problems
-
     opened: list[str] = []
     sys.addaudithook(
         lambda ev, args: opened.append(str(args[0])) if ev == "open" and str(step) in str(args[0]) else None
@@ -284,3 +286,17 @@ def test_sandbox_stop_acts_only_on_its_own_processes_and_links(tmp_path: Path) -
         victim.wait()
         if has_link:
             subprocess.run(["ip", "link", "delete", link], capture_output=True)
+
+
+def test_every_test_docs_security_names_exists() -> None:
+    """docs/SECURITY.md names a test for each defence: each must be there (``::name`` alone: the file named last)."""
+    text = (REPO / "docs" / "SECURITY.md").read_text()
+    named, current = [], None
+    for ref in re.findall(r"`((?:tests/\S+?\.py)?(?:::\w+)?)`", text):
+        path, _, name = ref.partition("::")
+        current = path or current
+        if name:
+            named.append((current, name))
+    assert len(named) >= 10, named
+    for path, name in named:
+        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{path}::{name} does not exist"
