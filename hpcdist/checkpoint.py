@@ -116,22 +116,27 @@ class UntrustedCheckpoint(ConfigError):
     """A checkpoint someone else could have written (issue 14.1): refused before any of it is read, with the fix;
     a config problem (exit 2 at the CLI), never a damaged checkpoint to demote."""
 
-    SHOWN = 3  # problems quoted; a foreign tree of thousands of files would otherwise make a page of them
+    SHOWN = 3  # kinds of problem quoted; a foreign tree of thousands of files would otherwise fill a page
 
-    def __init__(self, key: str, path: Path, problems: list[str]):
-        shown = "; ".join(problems[: self.SHOWN]) + (
-            f"; ... ({len(problems)} in all)" if len(problems) > self.SHOWN else ""
-        )
+    def __init__(self, key: str, path: Path, problems: list[tuple[str, str]]):
+        by_why: dict[str, list[str]] = {}
+        for entry, why in problems:
+            by_why.setdefault(why, []).append(entry)
+        parts = [f"{why}: {entries[0]}{f' and {len(entries) - 1} more' if len(entries) > 1 else ''}"
+                 for why, entries in list(by_why.items())[: self.SHOWN]]  # fmt: skip
+        shown = "; ".join(parts) + ("; ..." if len(by_why) > self.SHOWN else "")
         fixes = []
-        if any(": belongs to " in p for p in problems):
+        if any(why.startswith("belongs to ") for why in by_why):
             fixes.append(
                 "if its owner is a user you trust and nobody else can write it, name them in "
                 "checkpoint.trusted_owners (a list of user names); otherwise do not load it"
             )
-        if any(": is writable by " in p for p in problems):
+        if any(why.startswith("is writable by ") for why in by_why):
             fixes.append(f"if it is yours, make it writable by you alone: chmod -R go-w {path}")
-        if any(": is a link leading out" in p for p in problems):
+        if any(why.startswith("is a link leading out") for why in by_why):
             fixes.append("copy the linked files into the checkpoint instead of linking them")
+        if any(why.startswith("cannot be listed") for why in by_why):
+            fixes.append("make it readable to you")
         super().__init__([
             f"{key}: {path} cannot be trusted: {shown}. Loading a checkpoint unpickles parts of it, which runs "
             f"any code its writer put there; {'; '.join(fixes)}. Nothing was read or changed"

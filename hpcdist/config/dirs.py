@@ -82,21 +82,21 @@ def trusted_uids(names: Sequence[str]) -> set[int]:
     return uids
 
 
-def tree_trust_problems(top: Path, trusted: set[int]) -> list[str]:
-    """``"<path>: <why>"`` for every entry of the tree at ``top`` (a real directory, itself included) that someone
+def tree_trust_problems(top: Path, trusted: set[int]) -> list[tuple[str, str]]:
+    """``(path, why)`` for every entry of the tree at ``top`` (a real directory, itself included) that someone
     outside ``trusted`` could have written: owned by another user, writable by others or by a group that is not its
     owner's private one, or a link leading out of the tree. Only lstat: no file is opened (a checkpoint of thousands
     of files costs one stat each)."""
     real_top = os.path.realpath(top)
-    problems = []
+    problems: list[tuple[str, str]] = []
     for path, st in _walk(top, problems):
         why = _entry_problem(path, st, trusted, real_top)
         if why:
-            problems.append(f"{path}: {why}")
+            problems.append((path, why))
     return problems
 
 
-def _walk(top: Path, problems: list[str]) -> Iterator[tuple[str, os.stat_result]]:
+def _walk(top: Path, problems: list[tuple[str, str]]) -> Iterator[tuple[str, os.stat_result]]:
     """(path, lstat) of ``top`` and everything below it; links are reported, never followed."""
     yield str(top), os.lstat(top)
     todo = [str(top)]
@@ -110,7 +110,7 @@ def _walk(top: Path, problems: list[str]) -> Iterator[tuple[str, os.stat_result]
                     if stat.S_ISDIR(st.st_mode):
                         todo.append(e.path)
         except OSError as e:  # what cannot be listed cannot be checked
-            problems.append(f"{d}: cannot be listed ({e.strerror})")
+            problems.append((d, f"cannot be listed ({e.strerror})"))
 
 
 def _entry_problem(path: str, st: os.stat_result, trusted: set[int], real_top: str) -> str | None:

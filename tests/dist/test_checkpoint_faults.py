@@ -182,5 +182,6 @@ def test_a_step_dir_of_another_user_stops_every_rank_alike(small_cfg, tmp_path) 
     ckpt = cfg.checkpoint_dir / "step-00000002"
     os.chown(ckpt / "rng", 4242, 4242)  # a directory of theirs inside my step dir
     messages = run_ranks(2, _refusal, cfg, timeout=120)
-    assert messages[0] == messages[1] and "rng: belongs to uid 4242" in messages[0], messages
+    assert messages[0] == messages[1] and f"belongs to uid 4242, not to you" in messages[0], messages
+    assert f": {ckpt / 'rng'}." in messages[0], messages  # that directory alone: the files in it are mine
     assert (ckpt / MARKER).is_file() and not (ckpt / DAMAGED).exists()
