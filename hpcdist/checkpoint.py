@@ -21,6 +21,12 @@ deleted: pruning skips them, a new save of the same step moves the old one aside
 when every checkpoint is damaged resume refuses to start from step 0 unless ``checkpoint.resume=none`` says so.
 A save that fails (disk full) on any rank is abandoned by all ranks together: its directory is removed and
 training continues.
+
+Loading unpickles parts of a checkpoint (DCP's ``.metadata``; DeepSpeed's files under ``native/``), which runs
+any code their writer put there, and the manifest vouches for nothing (whoever plants the files writes it too).
+So before anything of a checkpoint is read, the whole tree is checked (lstat only): every entry owned by this
+user, root or a user in ``checkpoint.trusted_owners``, none writable by others, no link leading out. A checkpoint
+that fails is refused with one message (:class:`UntrustedCheckpoint`), never demoted or skipped: it is not ours.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import shutil
 import signal
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +52,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcdist.atomic import atomic_write
+from hpcdist.config.dirs import tree_trust_problems, trusted_uids
 from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
 
@@ -105,6 +112,38 @@ class CheckpointMismatch(ValueError):
         self.path = path
 
 
+class UntrustedCheckpoint(ConfigError):
+    """A checkpoint someone else could have written (issue 14.1): refused before any of it is read, with the fix;
+    a config problem (exit 2 at the CLI), never a damaged checkpoint to demote."""
+
+    SHOWN = 3  # kinds of problem quoted; a foreign tree of thousands of files would otherwise fill a page
+
+    def __init__(self, key: str, path: Path, problems: list[tuple[str, str]]):
+        by_why: dict[str, list[str]] = {}
+        for entry, why in problems:
+            by_why.setdefault(why, []).append(entry)
+        parts = [f"{why}: {entries[0]}{f' and {len(entries) - 1} more' if len(entries) > 1 else ''}"
+                 for why, entries in list(by_why.items())[: self.SHOWN]]  # fmt: skip
+        shown = "; ".join(parts) + ("; ..." if len(by_why) > self.SHOWN else "")
+        fixes = []
+        if any(why.startswith("belongs to ") for why in by_why):
+            fixes.append(
+                "if its owner is a user you trust and nobody else can write it, name them in "
+                "checkpoint.trusted_owners (a list of user names); otherwise do not load it"
+            )
+        if any(why.startswith("is writable by ") for why in by_why):
+            fixes.append(f"if it is yours, make it writable by you alone: chmod -R go-w {path}")
+        if any(why.startswith("is a link leading out") for why in by_why):
+            fixes.append("copy the linked files into the checkpoint instead of linking them")
+        if any(why.startswith("cannot be listed") for why in by_why):
+            fixes.append("make it readable to you")
+        super().__init__([
+            f"{key}: {path} cannot be trusted: {shown}. Loading a checkpoint unpickles parts of it, which runs "
+            f"any code its writer put there; {'; '.join(fixes)}. Nothing was read or changed"
+        ])  # fmt: skip
+        self.path = path
+
+
 @dataclass
 class Stateful:
     """What a checkpoint holds, as callables so the manager never knows the strategy's types."""
@@ -137,9 +176,11 @@ class CheckpointManager:
         verify: str = "checksum",
         write_threads: int = 1,
         every_steps: int = 0,
+        trusted_owners: Sequence[str] = (),
     ):
         self.root, self.rank, self.world_size = Path(root), rank, world_size
         self.every_steps = every_steps
+        self.trusted = trusted_uids(trusted_owners)  # besides this user and root
         self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
         self.write_threads = max(1, write_threads)
         self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
@@ -416,7 +457,8 @@ class CheckpointManager:
             return None
         if resume == "auto":
             latest(self.root)  # warns about interrupted saves
-            for _, path in reversed(list_checkpoints(self.root)[0]):
+            for _, found in reversed(list_checkpoints(self.root)[0]):
+                path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
                 problems = self.verify(path)
                 if not problems:
                     return path
@@ -432,8 +474,24 @@ class CheckpointManager:
             return None
         return self._named(Path(resume), "checkpoint.resume")
 
+    def _trusted(self, path: Path, key: str) -> Path:
+        """Collective: ``path`` with links resolved (what is loaded is what was checked), once nobody but this user,
+        root or a trusted owner can have written anything in it; UntrustedCheckpoint (the same on every rank)
+        otherwise. Rank 0 walks the tree alone (stat only) and tells the others: one walk per job, not per rank."""
+        real = path.resolve()
+        if not real.is_dir():
+            return path  # nothing to load from; the caller says what is missing
+        problems = [tree_trust_problems(real, self.trusted) if self.rank == 0 else []]
+        if self._pg is not None:
+            dist.broadcast_object_list(problems, src=0, group=self._pg)
+        if problems[0]:
+            raise UntrustedCheckpoint(key, path, problems[0])
+        return real
+
     def _named(self, path: Path, key: str) -> Path:
-        """Collective: a checkpoint the config names (``key``) must be complete and intact: ValueError otherwise."""
+        """Collective: a checkpoint the config names (``key``) must be trusted, complete and intact: ValueError
+        otherwise (UntrustedCheckpoint, a ConfigError, when someone else could have written it)."""
+        path = self._trusted(path, key)
         if not (path / MARKER).is_file():
             raise ValueError(f"{key}: {path} has no {MARKER} marker; it is incomplete and cannot be trusted")
         problems = self.verify(path)
@@ -487,7 +545,7 @@ class CheckpointManager:
         """Collective: ``checkpoint.init_from``. The model weights of the complete, intact checkpoint ``path`` that
         match this model by name and shape are loaded; everything else keeps its initialization (optimizer,
         schedule, data position and step start fresh). Returns what did not match (missing / unexpected / shape)."""
-        self._named(path, "checkpoint.init_from")
+        path = self._named(path, "checkpoint.init_from")
         model = state.dcp_state()["model"]  # this model's initialized weights, every key: loaded into in place
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
         diff = self._model_diff(metadata, model)

@@ -129,6 +129,7 @@ class Trainer:
         self.ckpt = CheckpointManager(
             cfg.checkpoint_dir, rank=env.rank, world_size=env.world_size, keep_last=cfg.checkpoint.keep_last,
             async_save=cfg.checkpoint.async_save, verify=cfg.checkpoint.verify,
+            trusted_owners=cfg.checkpoint.trusted_owners,
             write_threads=cfg.checkpoint.write_threads or _auto_write_threads(env.local_world_size),
             every_steps=cfg.checkpoint.every_steps,
         )  # fmt: skip

@@ -1,4 +1,5 @@
-"""File-system checks of run.dir and checkpoint.dir: the only config rules that look at the disk.
+"""File-system checks of run.dir and checkpoint.dir, and of who owns a checkpoint: the config rules that look at
+the disk.
 
 Separate from :mod:`hpcdist.config.rules` because they depend on where they run (every rank runs them, on its
 own node) rather than on the config alone.
@@ -6,15 +7,19 @@ own node) rather than on the config alone.
 
 from __future__ import annotations
 
+import functools
+import grp
 import os
 import pwd
+import stat
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.schema import JobConfig
 
-__all__ = ["check_run_dir"]
+__all__ = ["check_run_dir", "tree_trust_problems", "trusted_uids", "user_name"]
 
 
 def check_run_dir(cfg: JobConfig) -> None:
@@ -25,6 +30,10 @@ def check_run_dir(cfg: JobConfig) -> None:
     for key, value in (("run.dir", cfg.run.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
         if value is not None:
             problems += _dir_problems(key, Path(value))
+    try:  # user names are this host's: here rather than in rules, and before any process group
+        trusted_uids(cfg.checkpoint.trusted_owners)
+    except ConfigError as e:
+        problems += e.problems
     if problems:
         raise ConfigError(problems)
 
@@ -33,9 +42,9 @@ def _dir_problems(key: str, path: Path) -> list[str]:
     if path.exists() and not path.is_dir():
         return [f"{key}: {str(path)!r} exists and is not a directory; choose another {key}"]
     if path.is_dir() and path.stat().st_uid != os.getuid():
-        owner = _user_name(path.stat().st_uid)
+        owner = user_name(path.stat().st_uid)
         return [
-            f"{key}: {str(path)!r} belongs to {owner}, not to you ({_user_name(os.getuid())}): it is another user's "
+            f"{key}: {str(path)!r} belongs to {owner}, not to you ({user_name(os.getuid())}): it is another user's "
             f"run; choose your own {key}"
         ]
     existing = next(p for p in (path, *path.parents) if p.exists())
@@ -48,8 +57,90 @@ def _dir_problems(key: str, path: Path) -> list[str]:
     return []
 
 
-def _user_name(uid: int) -> str:
+def user_name(uid: int) -> str:
+    """ "alice (uid 1001)", or "uid 4242" for a uid without a name on this host."""
     try:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
         return f"uid {uid}"
+
+
+# ------------------------------------------------------------------------------------------ checkpoint owners
+
+
+def trusted_uids(names: Sequence[str]) -> set[int]:
+    """Whose checkpoints may be loaded: this user, root (who can change any file anyway) and the users named in
+    checkpoint.trusted_owners; ConfigError naming every name that is no user on this host."""
+    uids, problems = {os.getuid(), 0}, []
+    for name in names:
+        try:
+            uids.add(pwd.getpwnam(name).pw_uid)
+        except KeyError:
+            problems.append(f"checkpoint.trusted_owners: {name!r} is not a user on this host; list user names")
+    if problems:
+        raise ConfigError(problems)
+    return uids
+
+
+def tree_trust_problems(top: Path, trusted: set[int]) -> list[tuple[str, str]]:
+    """``(path, why)`` for every entry of the tree at ``top`` (a real directory, itself included) that someone
+    outside ``trusted`` could have written: owned by another user, writable by others or by a group that is not its
+    owner's private one, or a link leading out of the tree. Only lstat: no file is opened (a checkpoint of thousands
+    of files costs one stat each)."""
+    real_top = os.path.realpath(top)
+    problems: list[tuple[str, str]] = []
+    for path, st in _walk(top, problems):
+        why = _entry_problem(path, st, trusted, real_top)
+        if why:
+            problems.append((path, why))
+    return problems
+
+
+def _walk(top: Path, problems: list[tuple[str, str]]) -> Iterator[tuple[str, os.stat_result]]:
+    """(path, lstat) of ``top`` and everything below it; links are reported, never followed."""
+    yield str(top), os.lstat(top)
+    todo = [str(top)]
+    while todo:
+        d = todo.pop()
+        try:
+            with os.scandir(d) as entries:
+                for e in entries:
+                    st = e.stat(follow_symlinks=False)
+                    yield e.path, st
+                    if stat.S_ISDIR(st.st_mode):
+                        todo.append(e.path)
+        except OSError as e:  # what cannot be listed cannot be checked
+            problems.append((d, f"cannot be listed ({e.strerror})"))
+
+
+def _entry_problem(path: str, st: os.stat_result, trusted: set[int], real_top: str) -> str | None:
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):  # a link's own mode means nothing; where it leads does
+        target = os.path.realpath(path)
+        inside = target == real_top or target.startswith(real_top + os.sep)
+        return None if inside else f"is a link leading out of the checkpoint (to {target})"
+    if st.st_uid not in trusted:
+        return f"belongs to {user_name(st.st_uid)}, not to you ({user_name(os.getuid())})"
+    if mode & stat.S_IWOTH:
+        return f"is writable by others (mode {mode:04o})"
+    if mode & stat.S_IWGRP and not _private_group(st.st_gid, st.st_uid):
+        return f"is writable by group {_group_name(st.st_gid)} (mode {mode:04o})"
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _private_group(gid: int, uid: int) -> bool:
+    """A user private group (umask 002 sites): named like its owner, whose primary group it is, with no other
+    member listed; group-writable files in it are writable by the owner alone."""
+    try:
+        group, owner = grp.getgrgid(gid), pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return group.gr_name == owner.pw_name and owner.pw_gid == gid and set(group.gr_mem) <= {owner.pw_name}
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return f"gid {gid}"

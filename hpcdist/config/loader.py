@@ -131,7 +131,9 @@ def _type_name(tp: Any) -> str:
 
 
 def coerce(key: str, value: Any, tp: Any) -> tuple[Any, str | None]:
-    """Check ``value`` against a simple annotation (int, float, bool, str, X | None)."""
+    """Check ``value`` against a simple annotation (int, float, bool, str, X | None, list[str])."""
+    if typing.get_origin(tp) is list:
+        return _coerce_str_list(key, value)
     allowed = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
     if isinstance(value, _Typed):
         # only a scalar YAML turned into something else (date, bool, number) falls back to the typed text;
@@ -160,6 +162,17 @@ def coerce(key: str, value: Any, tp: Any) -> tuple[Any, str | None]:
             return str(value), None
     shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
     return None, f"{key}: must be {_type_name(tp)}, got {shown}"
+
+
+def _coerce_str_list(key: str, value: Any) -> tuple[list[str] | None, str | None]:
+    """A list of names: YAML ``[a, b]`` (``key=[a,b]`` on the command line), or one name alone."""
+    if isinstance(value, _Typed):
+        value = value.value if isinstance(value.value, list) else value.text  # a bare name stays text
+    items = [value] if isinstance(value, str) else value
+    if isinstance(items, list) and all(isinstance(x, str) and x for x in items):
+        return list(items), None
+    shown = repr(value) if not isinstance(value, dict) else "a mapping"
+    return None, f"{key}: must be a list of names like [alice, bob], got {shown}"
 
 
 def unknown_key(key: str, name: str, valid: Sequence[str]) -> str:

@@ -235,6 +235,12 @@ class CheckpointConfig:
     """Before resuming, check the checkpoint against its MANIFEST.json: checksum (sha256 of every file, read
     once, spread over the ranks), size (sizes only: cheap, catches truncation) or none. A damaged checkpoint is
     skipped for the previous complete one, with a warning naming the file."""
+    trusted_owners: list[str] = field(default_factory=list)
+    """User names whose checkpoints may be loaded besides your own (and root's), e.g. [alice] for a shared
+    read-only checkpoint of hers. Loading a checkpoint unpickles parts of it, which runs any code its writer put
+    there: before anything is read, every file and directory of the checkpoint must belong to you, root or one of
+    these users, and none may be writable by others or by a group other than its owner's private one
+    (docs/SECURITY.md)."""
 
 
 @dataclass

@@ -11,6 +11,10 @@ is passed through unchanged (a rank that raised records its own exception; hpcdi
 Where to write and which rank this is, the child says itself: it writes them to the file named by
 HPCDIST_TASK_INFO once its config is loaded (hpcdist.fault.failures.announce_task). This module therefore needs no
 SLURM variable and imports only the standard library: it starts in milliseconds, once per rank.
+
+That file lives in a directory of its own that only this user can enter (mkdtemp: a new name, created 0700),
+removed with everything in it when the rank ends. A bare name in a shared /tmp (created, deleted, handed on) let
+another local user create it first and choose where the record is appended (issue 14.2; docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +55,8 @@ def record_death(info_path: Path, pid: int, signum: int) -> str | None:
         info = json.loads(info_path.read_text())
     except (OSError, ValueError):
         return None  # the child died before loading its config: the batch script's after-step records the exit
+    if not isinstance(info, dict) or not isinstance(info.get("failures"), str):
+        return None  # not what announce_task writes: say the bare fact rather than crash and lose it
     name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
     cause = f"rank {info.get('rank')} (pid {pid}) was killed by {name}"
     rec = {
@@ -61,7 +68,8 @@ def record_death(info_path: Path, pid: int, signum: int) -> str | None:
     line = json.dumps(rec) + "\n"
     path = Path(info["failures"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    # never through a link: the record goes to the run's own failures.jsonl or nowhere
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         os.write(fd, line.encode())  # one write on O_APPEND: lines of concurrent writers do not interleave
     finally:
@@ -71,10 +79,11 @@ def record_death(info_path: Path, pid: int, signum: int) -> str | None:
 
 def supervise(cmd: Sequence[str]) -> int:
     """Run ``cmd`` as a child; returns its exit status, or ends this process with the signal that ended the child."""
-    fd, info_name = tempfile.mkstemp(prefix="hpcdist-task-", suffix=".json")
-    os.close(fd)
-    info_path = Path(info_name)
-    info_path.unlink()  # the child creates it (atomically) once it knows its run dir
+    # a directory only we can write (0700, a name nobody had): the child creates the file in it (atomically) once
+    # it knows its run dir, and nobody else can create, replace or read it
+    private = Path(tempfile.mkdtemp(prefix="hpcdist-task-"))
+    info_path = private / "task.json"
+    info_name = str(info_path)
     children: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -94,7 +103,7 @@ def supervise(cmd: Sequence[str]) -> int:
             print(f"hpcdist.supervise: {line.strip() if line else f'pid {child.pid} killed by signal {-rc}'}",
                   file=sys.stderr, flush=True)  # fmt: skip
     finally:
-        info_path.unlink(missing_ok=True)
+        shutil.rmtree(private, ignore_errors=True)
     if rc < 0:
         # die the same way, so srun reports "Killed" / "Segmentation fault" for this task as it would have
         with contextlib.suppress(OSError, ValueError):  # SIGKILL / SIGSTOP take no handler: already default

@@ -162,3 +162,26 @@ def test_async_save_hashes_on_every_rank_and_resumes(small_cfg, tmp_path, strate
     resumed = run_ranks(2, _train, cfg)[0]
     assert resumed["resumed"].endswith("step-00000006")
     assert {s: resumed["losses"][s] for s in (7, 8)} == {s: straight["losses"][s] for s in (7, 8)}
+
+
+def _refusal(env: DistEnv, cfg: JobConfig) -> str:
+    try:
+        Trainer(cfg, env)
+    except config_mod.ConfigError as e:
+        return str(e)
+    return "no refusal"
+
+
+def test_a_step_dir_of_another_user_stops_every_rank_alike(small_cfg, tmp_path) -> None:
+    """Issue 14.1 on real ranks: rank 0 checks the tree and tells the others, so every rank refuses with the same
+    message (none waits in a collective) and the checkpoint is left as it is."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to chown a file to another user (CI runs as root)")
+    cfg = small_cfg(*OVER, run_dir=tmp_path / "run")
+    run_ranks(2, _train, cfg, 2)
+    ckpt = cfg.checkpoint_dir / "step-00000002"
+    os.chown(ckpt / "rng", 4242, 4242)  # a directory of theirs inside my step dir
+    messages = run_ranks(2, _refusal, cfg, timeout=120)
+    assert messages[0] == messages[1] and f"belongs to uid 4242, not to you" in messages[0], messages
+    assert f": {ckpt / 'rng'}." in messages[0], messages  # that directory alone: the files in it are mine
+    assert (ckpt / MARKER).is_file() and not (ckpt / DAMAGED).exists()

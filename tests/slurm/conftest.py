@@ -243,15 +243,18 @@ class _SandboxManager:
         if self.running == nodes and _alive(d / "state.json"):
             return self.clusters[nodes]
         self.stop()
-        d.mkdir(parents=True, exist_ok=True)
-        # Job ids start again at 1 with every fresh slurmctld: drop the old slurm-<id>.out files.
-        shutil.rmtree(d / "jobs", ignore_errors=True)
+        # private (0700): the sandbox checks that d and every directory above it are root's before it writes
+        # anything there (issue 14.3), so a root another user made first in /tmp is refused, not used
+        self.root.mkdir(mode=0o700, exist_ok=True)
         cmd = [sys.executable, str(SANDBOX), "start", "--nodes", str(nodes), "--dir", str(d), "--json"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:
             pytest.fail(
                 f"slurm_sandbox start --nodes {nodes} failed ({proc.returncode}):\n{proc.stderr}", pytrace=False
             )
+        # Job ids start again at 1 with every fresh slurmctld: drop the old slurm-<id>.out files (once the sandbox
+        # has checked d is ours).
+        shutil.rmtree(d / "jobs", ignore_errors=True)
         self.running = nodes
         info = json.loads(proc.stdout)
         env = {**_cluster_env(), "SLURM_CONF": info["slurm_conf"]}
@@ -301,7 +304,8 @@ def _slurm_sandbox():
 def _machine_lock(timeout: float = 1800):
     """One pytest session at a time may run a sandbox on this machine: node names, /etc/hosts entries and
     slurm ports are machine-wide. A second session (another checkout, an xdist worker) waits here."""
-    with open(LOCK_PATH, "a") as f:
+    # never through a link another user planted at that name in /tmp
+    with open(LOCK_PATH, "a", opener=lambda path, flags: os.open(path, flags | os.O_NOFOLLOW, 0o644)) as f:
         deadline = time.monotonic() + timeout
         waited = False
         while True:

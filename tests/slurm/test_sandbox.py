@@ -6,6 +6,8 @@ These prove the cluster that the trainer's SLURM tests run on; they do not touch
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -35,6 +37,8 @@ def test_one_node_is_idle_with_8_gpus(slurm_cluster: Cluster) -> None:
     assert out == ["node1", "idle", "gpu:8", "debug*"]
     assert slurm_cluster.node_names == ["node1"]
     assert slurm_cluster.nodes[0]["gpus"] == 8
+    st = slurm_cluster.dir.lstat()  # the munge key and slurm.conf live here: root's alone (issue 14.3)
+    assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o700, os.getuid())
 
 
 def test_batch_job_gets_all_8_gpus(slurm_cluster: Cluster) -> None:
