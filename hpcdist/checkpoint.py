@@ -145,8 +145,9 @@ class UntrustedCheckpoint(ConfigError):
 
 
 @dataclass
-class Stateful:
-    """What a checkpoint holds, as callables so the manager never knows the strategy's types."""
+class Checkpointable:
+    """What a checkpoint holds, as callables so the manager never knows the strategy's types. (Not torch's
+    ``Stateful`` protocol: DCP's state_dict/load_state_dict pair covers only the first two of these.)"""
 
     dcp_state: Callable[[], dict[str, Any]]
     """Sharded state (model + optimizer) for DCP; also the destination tensors on load."""
@@ -199,7 +200,7 @@ class CheckpointManager:
         agreed through the stop flag)."""
         return self.every_steps > 0 and step % self.every_steps == 0
 
-    def save(self, step: int, state: Stateful) -> Path | None:
+    def save(self, step: int, state: Checkpointable) -> Path | None:
         """Write step-N collectively; None when it failed with an I/O error (disk full, EIO, quota): then the partial
         directory is removed, every rank logs why, and the previous complete checkpoint stays the resume point.
         Any other error (a bug: training on would silently never checkpoint again) raises CheckpointSaveError on
@@ -247,12 +248,12 @@ class CheckpointManager:
             if self.async_save:
                 (path / PARTS_DIR).mkdir()
 
-    def _write_local(self, path: Path, state: Stateful) -> None:
+    def _write_local(self, path: Path, state: Checkpointable) -> None:
         torch.save(_rng_state(), path / "rng" / f"rank-{self.rank:05d}.pt")
         if self.rank == 0:
             atomic_write(path / STATE_FILE, json.dumps(state.trainer_state(), indent=1))
 
-    def _write_shards(self, path: Path, state: Stateful, step: int, t0: float) -> None:
+    def _write_shards(self, path: Path, state: Checkpointable, step: int, t0: float) -> None:
         if state.save_native is not None:  # synchronous, collective; before the marker like every other file
             state.save_native(path / NATIVE)
         if self.async_save:
@@ -541,7 +542,7 @@ class CheckpointManager:
                 path=path,
             )
 
-    def init_weights(self, path: Path, state: Stateful) -> dict[str, list[str]]:
+    def init_weights(self, path: Path, state: Checkpointable) -> dict[str, list[str]]:
         """Collective: ``checkpoint.init_from``. The model weights of the complete, intact checkpoint ``path`` that
         match this model by name and shape are loaded; everything else keeps its initialization (optimizer,
         schedule, data position and step start fresh). Returns what did not match (missing / unexpected / shape)."""
@@ -556,7 +557,7 @@ class CheckpointManager:
         state.load_dcp_state({"model": model})
         return diff
 
-    def restore(self, resume: str, state: Stateful) -> Path | None:
+    def restore(self, resume: str, state: Checkpointable) -> Path | None:
         """``resolve`` + ``load``: the checkpoint restored into ``state``, or None (start fresh). With ``auto``, a
         checkpoint that verifies but cannot be loaded (any error, on any rank) is demoted like a damaged one and
         the previous one is tried; an explicitly named one that cannot be loaded raises ValueError."""
@@ -581,7 +582,7 @@ class CheckpointManager:
                 (path / MARKER).rename(path / DAMAGED)
         _barrier(self._pg)
 
-    def load(self, path: Path, state: Stateful) -> dict[str, Any]:
+    def load(self, path: Path, state: Checkpointable) -> dict[str, Any]:
         """Collective: restore ``path`` into ``state``; the trainer state as saved. Raises on any problem; the
         per-rank files are read first, so a rank that fails there fails before the collective part."""
         trainer_state = json.loads((path / STATE_FILE).read_bytes())

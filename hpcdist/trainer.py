@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import STATE_FILE, CheckpointManager, CheckpointMismatch, Stateful
+from hpcdist.checkpoint import STATE_FILE, Checkpointable, CheckpointManager, CheckpointMismatch
 from hpcdist.config import JobConfig
 from hpcdist.data import (
     BatchLoader,
@@ -191,8 +191,8 @@ class Trainer:
             (self.run_dir / "ranks.json").write_text(json.dumps({"hosts": hosts}))
 
     # ------------------------------------------------------------------------------------------ state
-    def stateful(self) -> Stateful:
-        return Stateful(
+    def checkpointable(self) -> Checkpointable:
+        return Checkpointable(
             dcp_state=self.strategy.dcp_state,
             load_dcp_state=self.strategy.load_dcp_state,
             trainer_state=self.trainer_state,
@@ -257,13 +257,13 @@ class Trainer:
     def _resume(self) -> str | None:
         t0 = time.perf_counter()
         try:
-            path = self.ckpt.restore(self.cfg.checkpoint.resume, self.stateful())
+            path = self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
         except CheckpointMismatch as e:
             raise CheckpointMismatch(f"{e}{_config_changes(e.path, self.cfg)}", path=e.path) from None
         if path is None:
             init = self.cfg.checkpoint.init_from
             if init:  # only while the run has no checkpoint of its own: a requeue resumes its own progress
-                diff = self.ckpt.init_weights(Path(init), self.stateful())
+                diff = self.ckpt.init_weights(Path(init), self.checkpointable())
                 log.info("starting fresh from the weights of %s (%s)", init, _describe_diff(diff))
             else:
                 log.info("starting fresh (no complete checkpoint in %s)", self.cfg.checkpoint_dir)
@@ -279,7 +279,7 @@ class Trainer:
         self.nonfinite.check_params(self.step, self.strategy.params_finite())
         t0 = self._last_save = time.perf_counter()
         with self.watchdog.phase(self.step, "checkpoint save", slow=True):
-            path = self.ckpt.save(self.step, self.stateful())
+            path = self.ckpt.save(self.step, self.checkpointable())
         self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
         self.saved_step = self.step
         self.goodput.add("checkpoint_save", time.perf_counter() - t0)

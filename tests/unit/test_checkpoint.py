@@ -119,8 +119,8 @@ def test_manifest_round_trip_hashes_like_sha256(tmp_path: Path) -> None:
     assert mgr.verify(d, "checksum") == ["sub/above.bin: sha256 differs from the manifest (altered)"]
 
 
-def _linear_state(model: torch.nn.Module, step: int = 1) -> checkpoint.Stateful:
-    return checkpoint.Stateful(
+def _linear_state(model: torch.nn.Module, step: int = 1) -> checkpoint.Checkpointable:
+    return checkpoint.Checkpointable(
         dcp_state=lambda: {"model": model.state_dict()},
         load_dcp_state=lambda s: None,
         trainer_state=lambda: {"step": step},
@@ -301,7 +301,7 @@ def test_init_from_starts_a_different_model_from_the_matching_weights(small_cfg,
     assert "starting fresh from the weights" not in caplog.text
 
 
-def _failing_state(exc: BaseException) -> checkpoint.Stateful:
+def _failing_state(exc: BaseException) -> checkpoint.Checkpointable:
     def trainer_state() -> dict:
         raise exc
 

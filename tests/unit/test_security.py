@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from hpcdist.checkpoint import DAMAGED, MARKER, STATE_FILE, CheckpointManager, Stateful
+from hpcdist.checkpoint import DAMAGED, MARKER, STATE_FILE, Checkpointable, CheckpointManager
 from hpcdist.cli import main
 from hpcdist.config import ConfigError
 from hpcdist.config.dirs import tree_trust_problems
@@ -117,8 +117,8 @@ def _plant(step: Path, pwned: Path, uid: int) -> Path:
     return step
 
 
-def _nothing() -> Stateful:
-    return Stateful(
+def _nothing() -> Checkpointable:
+    return Checkpointable(
         dcp_state=dict, load_dcp_state=lambda s: None, trainer_state=dict, load_trainer_state=lambda s: None
     )
 

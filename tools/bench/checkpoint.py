@@ -96,7 +96,7 @@ def hash_seconds(path: Path) -> float:
 def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
     trainer = Trainer(job_config(preset, root / "run"), from_environ({}, cuda_available=False))
     trainer.train()  # one step: AdamW's moments exist, as in a real checkpoint
-    state = trainer.stateful()
+    state = trainer.checkpointable()
     out: dict[str, Any] = {"params": num_params(job_config(preset, root).model_args())}
 
     threads = trainer.ckpt.write_threads  # checkpoint.write_threads=0 (auto) resolved by the trainer
@@ -157,7 +157,7 @@ def _rank_main(rank: int, port: int, preset: str, root: str, q: Any) -> None:
         mgr = CheckpointManager(Path(root) / "two", rank=rank, world_size=2, keep_last=1,
                                 write_threads=trainer.ckpt.write_threads)  # fmt: skip
         t0 = time.perf_counter()
-        assert mgr.save(1, trainer.stateful()) is not None
+        assert mgr.save(1, trainer.checkpointable()) is not None
         q.put((rank, "ok", {"save_s": time.perf_counter() - t0, **hashed}))
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
