@@ -21,6 +21,8 @@ from typing import IO, Any
 
 import torch
 
+from hpcdist.rundir import RunDir
+
 __all__ = [
     "GPU_PEAK_FLOPS",
     "MetricsLogger",
@@ -283,7 +285,7 @@ class MetricsLogger:
         every_steps: int = 1,
     ) -> None:
         self.enabled, self.every_steps = enabled, max(1, every_steps)
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = RunDir(run_dir).metrics
         self._file: IO[str] | None = None
         self._tb: Any = None  # torch.utils.tensorboard.SummaryWriter, imported lazily (~1.5 s, rank 0 only)
         if not enabled:
@@ -297,9 +299,7 @@ class MetricsLogger:
                 logger.warning("TensorBoard disabled: %s", e)
             else:
                 # flush_secs=30: a killed job loses at most 30 s of TB scalars (metrics.jsonl loses none).
-                self._tb = SummaryWriter(
-                    log_dir=str(Path(run_dir) / "tensorboard"), flush_secs=30, purge_step=purge_step
-                )
+                self._tb = SummaryWriter(log_dir=str(RunDir(run_dir).tensorboard), flush_secs=30, purge_step=purge_step)
 
     def due(self, step: int, *, last: int) -> bool:
         """A training line at every ``every_steps`` steps, at step 1 (where the loss starts) and at ``last``. Every

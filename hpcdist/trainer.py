@@ -46,6 +46,7 @@ from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.parallel.dims import parallel_dims
 from hpcdist.parallel.parallelize import build_strategy, describe_layout
+from hpcdist.rundir import RunDir
 
 log = get_logger(__name__)
 
@@ -77,7 +78,7 @@ def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
         val = SyntheticDataset(n_val, d.seq_len, cfg.model.vocab_size, seed=cfg.run.seed + 1) if n_val else None
         return train, val
     if d.source == "stdlib":
-        path = Path(d.path) if d.path else Path(cfg.run.dir) / "data"
+        path = Path(d.path) if d.path else RunDir(cfg.run.dir).data
         if env.is_main:
             t0 = time.perf_counter()
             prepare_shards(stdlib_corpus(), path, dtype=d.dtype, max_tokens=d.max_tokens, tokenizer=ByteTokenizer())
@@ -152,7 +153,7 @@ class Trainer:
             self.run_lock.release()  # a refused resume (another model) is not a run: the directory is free again
             raise
         if env.is_main:  # after the resume was accepted: a refused one leaves the saved run's config.yaml as it was
-            config_mod.save(cfg, self.run_dir / "config.yaml")
+            config_mod.save(cfg, RunDir(self.run_dir).config)
         f = cfg.fault
         self.stop_flag = stop_flag or StopFlag(
             rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal
@@ -188,7 +189,7 @@ class Trainer:
             for rank, host in enumerate(hosts):
                 by_host.setdefault(host, []).append(rank)
             log.info("ranks by host: %s", "; ".join(f"{h}: {r[0]}-{r[-1]}" for h, r in by_host.items()))
-            (self.run_dir / "ranks.json").write_text(json.dumps({"hosts": hosts}))
+            RunDir(self.run_dir).ranks.write_text(json.dumps({"hosts": hosts}))
 
     # ------------------------------------------------------------------------------------------ state
     def checkpointable(self) -> Checkpointable:

@@ -24,6 +24,7 @@ from hpcdist import resources
 from hpcdist.config import loader
 from hpcdist.config import nccl_profiles as nccl
 from hpcdist.config.loader import ConfigError
+from hpcdist.rundir import RunDir
 from hpcdist.signals import parse_signal
 
 __all__ = [
@@ -189,7 +190,7 @@ class ClusterConfig:
 
     def folder(self, run_dir: str | os.PathLike[str]) -> Path:
         """Absolute submitit folder for a run: log_dir, else <run_dir>/slurm."""
-        path = Path(self.log_dir) if self.log_dir else Path(run_dir) / "slurm"
+        path = Path(self.log_dir) if self.log_dir else RunDir(run_dir).slurm_logs
         return path.expanduser().absolute()
 
     def problems(self) -> list[str]:

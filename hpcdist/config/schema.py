@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.models.args import ModelArgs
+from hpcdist.rundir import RunDir
 
 __all__ = [
     "CheckpointConfig",
@@ -327,4 +328,4 @@ class JobConfig:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.run.dir) / "checkpoints"
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else RunDir(self.run.dir).checkpoints

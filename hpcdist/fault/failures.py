@@ -33,9 +33,9 @@ from hpcdist.atomic import atomic_write
 from hpcdist.env import SlurmJob
 from hpcdist.fault.supervise import TASK_INFO_ENV  # the supervisor names a file there; the rank says who it is in it
 from hpcdist.logging_utils import get_logger
+from hpcdist.rundir import RunDir
 
 __all__ = [
-    "FAILURES_FILE",
     "TASK_INFO_ENV",
     "announce_task",
     "classify_exception",
@@ -48,7 +48,6 @@ __all__ = [
 
 log = get_logger(__name__)
 
-FAILURES_FILE = "failures.jsonl"
 _DETAIL_CHARS = 4000
 
 # A collective that failed because of another rank: gloo's "Connection closed by peer" / "Timed out waiting",
@@ -65,7 +64,7 @@ _PEER_ERRORS = re.compile(
 
 
 def _failures_path(run_dir: str | os.PathLike[str]) -> Path:
-    return Path(run_dir) / FAILURES_FILE
+    return RunDir(run_dir).failures
 
 
 def signature(kind: str, cause: str) -> str:

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.atomic import atomic_write
+from hpcdist.rundir import RunDir
 
 __all__ = ["CATEGORIES", "Goodput", "mark_attempt_end", "process_start_time", "summarize"]
 
-GOODPUT_FILE = "goodput.json"
 CATEGORIES = ("train", "checkpoint_save", "restore", "startup", "lost", "queue_wait", "other")
 _FLUSH_EVERY_S = 1.0
 
@@ -87,7 +87,7 @@ def summarize(attempts: list[dict[str, Any]]) -> dict[str, float]:
 
 def mark_attempt_end(run_dir: str | os.PathLike[str], when: float | None = None) -> None:
     """The batch script, after a failed step: the last attempt ended now (if it did not say so itself)."""
-    path = Path(run_dir) / GOODPUT_FILE
+    path = RunDir(run_dir).goodput
     data = _load(path)
     if data["attempts"] and not data["attempts"][-1].get("end"):
         data["attempts"][-1]["end"] = time.time() if when is None else when
@@ -99,7 +99,7 @@ class Goodput:
 
     def __init__(self, run_dir: str | os.PathLike[str], *, enabled: bool, start: float | None = None) -> None:
         self.enabled = enabled
-        self.path = Path(run_dir) / GOODPUT_FILE
+        self.path = RunDir(run_dir).goodput
         self._lock = threading.Lock()
         self._data: dict[str, Any] = {"attempts": []}
         self._entry: dict[str, Any] = {"start": process_start_time() if start is None else start, "last_step": None}

@@ -49,6 +49,7 @@ from hpcdist.atomic import atomic_write
 from hpcdist.env import SlurmJob
 from hpcdist.fault import failures
 from hpcdist.logging_utils import get_logger
+from hpcdist.rundir import RunDir
 
 __all__ = ["WATCHDOG_EXIT_CODE", "HangWatchdog", "collective_timeout_s", "configure_collectives", "read_heartbeats"]
 
@@ -86,7 +87,7 @@ def configure_collectives(environ: MutableMapping[str, str], run_dir: str | os.P
 
 
 def _heartbeat_dir(run_dir: str | os.PathLike[str]) -> Path:
-    return Path(run_dir) / "heartbeats"
+    return RunDir(run_dir).heartbeats
 
 
 def read_heartbeats(run_dir: str | os.PathLike[str], world_size: int) -> dict[int, dict[str, Any]]:

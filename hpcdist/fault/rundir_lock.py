@@ -24,12 +24,12 @@ from typing import Any
 from hpcdist.config.loader import ConfigError
 from hpcdist.env import SlurmJob
 from hpcdist.logging_utils import get_logger
+from hpcdist.rundir import RunDir
 
-__all__ = ["LOCK_FILE", "RunDirInUse", "RunDirLock"]
+__all__ = ["RunDirInUse", "RunDirLock"]
 
 log = get_logger(__name__)
 
-LOCK_FILE = "run.lock"
 SAME_JOB_WAIT_S = 90.0  # a requeued job's old step is gone after SLURM's KillWait (30 s by default) + slack
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
@@ -44,7 +44,7 @@ class RunDirInUse(ConfigError):
 
 class RunDirLock:
     def __init__(self, run_dir: str | os.PathLike[str], *, job_id: str | None = None):
-        self.path = Path(run_dir).absolute() / LOCK_FILE
+        self.path = RunDir(Path(run_dir).absolute()).lock
         self.job_id = job_id if job_id is not None else SlurmJob.from_environ().job_id
 
     @property

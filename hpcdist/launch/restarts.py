@@ -35,14 +35,14 @@ from typing import Any
 
 from hpcdist.atomic import atomic_write
 from hpcdist.env import SlurmJob, expand_nodelist
-from hpcdist.fault.failures import FAILURES_FILE, primary_failure, read_failures, record
+from hpcdist.fault.failures import primary_failure, read_failures, record
 from hpcdist.fault.goodput import mark_attempt_end
 from hpcdist.fault.stop import StopReason, signal_number
 from hpcdist.launch.requeue import requeue
 from hpcdist.logging_utils import get_logger
+from hpcdist.rundir import RunDir
 
 __all__ = [
-    "LEDGER_FILE",
     "RestartPolicy",
     "after_step",
     "after_stop",
@@ -51,8 +51,6 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
-
-LEDGER_FILE = "restarts.json"
 
 
 # ------------------------------------------------------------------------------------------------ ledger
@@ -89,7 +87,7 @@ class RestartPolicy:
 
 def load_ledger(run_dir: str | os.PathLike[str], job_id: str | None) -> dict[str, Any]:
     """The ledger of ``job_id``; a fresh one when the file is missing, unreadable, or belongs to another job."""
-    path = Path(run_dir) / LEDGER_FILE
+    path = RunDir(run_dir).restarts
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -100,7 +98,7 @@ def load_ledger(run_dir: str | os.PathLike[str], job_id: str | None) -> dict[str
 
 
 def save_ledger(run_dir: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
-    atomic_write(Path(run_dir) / LEDGER_FILE, json.dumps(data, indent=1, sort_keys=True))
+    atomic_write(RunDir(run_dir).restarts, json.dumps(data, indent=1, sort_keys=True))
 
 
 def _attempt(data: dict[str, Any], restart: int) -> dict[str, Any]:
@@ -383,7 +381,7 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
     if reason:
         data["stopped"] = data.get("stopped") or {"time": time.time(), "restart": job.restart_count, "reason": reason}
         save_ledger(run_dir, data)
-        _say(f"not requeueing job {job.job_id}: {reason}; see {run_dir / FAILURES_FILE}")
+        _say(f"not requeueing job {job.job_id}: {reason}; see {RunDir(run_dir).failures}")
         _mark_goodput_end(run_dir)
         return exit_code
 

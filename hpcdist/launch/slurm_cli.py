@@ -13,6 +13,8 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from hpcdist.rundir import RunDir
+
 __all__ = [
     "TERMINAL_STATES",
     "SlurmError",
@@ -153,7 +155,7 @@ def log_path(job_id: str, *, rank: int = 0, err: bool = False, run_dir: str | os
     name = f"{job_id}_{rank}_log.{'err' if err else 'out'}"
     candidates: list[Path] = []
     if run_dir is not None:
-        candidates += [Path(run_dir) / "slurm", Path(run_dir)]
+        candidates += [RunDir(run_dir).slurm_logs, Path(run_dir)]
     else:
         try:
             stdout = job_info(job_id).get("StdOut")

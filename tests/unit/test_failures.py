@@ -18,7 +18,6 @@ import pytest
 
 from hpcdist.diagnostics.finder import exclude_flag
 from hpcdist.env import SlurmJob
-from hpcdist.fault import failures
 from hpcdist.fault.failures import (
     classify_exception,
     primary_failure,
@@ -40,6 +39,7 @@ from hpcdist.launch.restarts import (
     save_ledger,
     time_limit_decision,
 )
+from hpcdist.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 # the texts torch 2.13's gloo raises when a peer process dies, and when a peer never answers
@@ -105,7 +105,7 @@ def test_concurrent_appends_keep_whole_lines(tmp_path: Path) -> None:
         p.start()
     for p in procs:
         p.join(30)
-    lines = (tmp_path / failures.FAILURES_FILE).read_text().splitlines()
+    lines = RunDir(tmp_path).failures.read_text().splitlines()
     assert len(lines) == 800 and all(json.loads(line)["job_id"] == "1" for line in lines)
 
 

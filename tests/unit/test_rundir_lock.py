@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 
 from hpcdist.checkpoint import list_checkpoints
-from hpcdist.fault.rundir_lock import LOCK_FILE, RunDirInUse, RunDirLock
+from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
+from hpcdist.rundir import RunDir
 from tests.conftest import REPO, SMALL
+
+LOCK_FILE = RunDir(".").lock.name
 
 HOLD = """
 import sys, time
