@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hpcdist.config import layout
-from hpcdist.config.loader import ConfigError
+from hpcdist.config.loader import ConfigError, echo
 from hpcdist.config.schema import JobConfig
 from hpcdist.signals import parse_signal
 
@@ -39,7 +39,7 @@ BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config s
 
 
 def _choice(key: str, value: str, options: Sequence[str]) -> list[str]:
-    return [] if value in options else [f"{key}: {value!r} is not one of {', '.join(options)}"]
+    return [] if value in options else [f"{key}: {echo(value)} is not one of {', '.join(options)}"]
 
 
 def _positive(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) -> list[str]:

@@ -11,15 +11,17 @@ import contextlib
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpcdist.cli import main
-from hpcdist.config import ConfigError, check_run_dir
+from hpcdist.config import ConfigError, check_run_dir, load
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single
 from tests.unit.test_config import _OVERRIDES
@@ -49,6 +51,100 @@ def test_fuzzed_command_lines_never_raise(command, options, overrides, capsys) -
     assert "Traceback" not in out.out + out.err
     if code not in (0, None):
         assert out.err.strip(), "a failure must say why"
+
+
+# --------------------------------------------------------------------------------------------- YAML documents
+
+
+def _alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """ "Billion laughs": ``levels`` lines of ``width`` aliases each describe width**levels values in a few hundred
+    bytes; the last one is given where a section belongs (the error message used to repr it)."""
+    lines = [f"l0: &l0 [{', '.join(['lol'] * width)}]"]
+    for i in range(1, levels):
+        lines.append(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]")
+    return "\n".join([*lines, f"run: *l{levels - 1}", ""])
+
+
+_CAPPED = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # 1 GiB of address space: the bomb needs far more
+from hpcdist.cli import main
+t0 = time.perf_counter()
+code = main(["config", sys.argv[1]])
+print(f"seconds={time.perf_counter() - t0:.3f} maxrss_kib={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}")
+sys.exit(code)
+"""
+
+
+def test_yaml_alias_bomb_is_refused_at_once_under_a_memory_cap(tmp_path: Path) -> None:
+    """Issue 14.4: 9**9 values in 9 lines; under a 1 GiB cap `hpcdist config` answers in well under 5 s with one
+    problem (it used to copy the expansion into an error message: 54-83 s and a MemoryError under 6 GiB)."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_alias_bomb())
+    p = subprocess.run([sys.executable, "-c", _CAPPED, str(bomb)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert "Traceback" not in p.stderr and "MemoryError" not in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 2, p.stderr[-2000:]
+    seconds = float(re.search(r"seconds=([0-9.]+)", p.stdout).group(1))
+    assert seconds < 5, p.stdout
+    lines = p.stderr.splitlines()
+    assert lines[0] == "hpcdist: Invalid configuration (1 problem):" and len(lines) == 2, p.stderr
+    assert "line 1: its aliases (*name) expand to more than 10000 values" in lines[1] and len(lines[1]) < 300
+
+
+def test_a_few_aliases_and_merge_keys_still_work(tmp_path: Path) -> None:
+    path = tmp_path / "anchors.yaml"
+    path.write_text("train: &t {steps: 7, micro_batch_size: 4}\nrun: {dir: x}\noptim:\n  lr: &lr 0.01\n"
+                    "  warmup_steps: 1\n  min_lr_ratio: *lr\n")  # fmt: skip
+    cfg = load(path)
+    assert (cfg.train.steps, cfg.train.micro_batch_size, cfg.optim.min_lr_ratio) == (7, 4, 0.01)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("train:\n  steps: 5\nmodel: {dim: 64}\ntrain:\n  micro_batch_size: 4\n",
+         "line 4: duplicate key 'train' (first at line 1): the second would silently replace the first"),
+        ("train:\n  steps: 5\n  steps: 6\n", "line 3: duplicate key 'steps' (first at line 2)"),
+        ("[" * 2000 + "]" * 2000, "nested more than 64 levels deep"),
+        ("run: &a [*a]\n", "expand to more than 10000 values"),
+    ],
+    ids=["section-twice", "key-twice", "deep-nesting", "self-reference"],
+)  # fmt: skip
+def test_refused_yaml_documents(tmp_path: Path, text: str, fragment: str) -> None:
+    """Issue 14.6: a second `train:` block replaced the first silently; nesting and self-reference are bounded."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load(path)
+    assert len(e.value.problems) == 1 and fragment in e.value.problems[0], e.value.problems
+
+
+def test_overrides_are_bounded_like_files() -> None:
+    bomb = "[" + ", ".join(f"&l{i} [{', '.join([f'*l{i - 1}' if i else '1'] * 9)}]" for i in range(9)) + "]"
+    with pytest.raises(ConfigError, match=r"override run.dir: its aliases \(\*name\) expand to more than"):
+        load(None, [f"run.dir={bomb}"])
+    with pytest.raises(ConfigError, match=r"override train.steps: duplicate key 'a'"):
+        load(None, ["train.steps={a: 1, a: 2}"])
+
+
+def test_echoed_values_and_problem_lists_are_bounded(tmp_path: Path) -> None:
+    """A megabyte-long value or a thousand bad keys give a report of a few kilobytes, naming the key."""
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump({"run": "x" * 500_000, "train": {f"k{i}": i for i in range(1000)}}))
+    with pytest.raises(ConfigError) as e:
+        load(path, [f"data.source={'y' * 500_000}"])
+    report = str(e.value)
+    assert len(report) < 20_000, len(report)
+    assert "run: must be a section (a mapping of keys), got 'xxxxx" in report and "(500,002 characters)" in report
+    assert "... and 952 more" in report
+    (source,) = [p for p in e.value.problems if p.startswith("data.source:")]
+    assert source.startswith("data.source: 'yyyy") and len(source) < 200, source[:300]
+    assert len(e.value.problems) > 1000  # every problem is kept for callers; only the printed list is cut
+    big = tmp_path / "huge.yaml"
+    big.write_text("run:\n  dir: " + "z" * (2 << 20) + "\n")
+    with pytest.raises(ConfigError, match=r"is 2,097,16\d bytes; a YAML file here is at most 1,048,576"):
+        load(big)
 
 
 # --------------------------------------------------------------------------------------------- run directories
