@@ -426,12 +426,14 @@ class CheckpointManager:
         return self._named(Path(resume), "checkpoint.resume")
 
     def _named(self, path: Path, key: str) -> Path:
-        """Collective: a checkpoint the config names (``key``) must be complete and intact: ValueError otherwise."""
+        """Collective: a checkpoint the config names (``key``) must be complete and intact: ConfigError otherwise
+        (the user's value is wrong, not the program: one message, exit 2)."""
         if not (path / MARKER).is_file():
-            raise ValueError(f"{key}: {path} has no {MARKER} marker; it is incomplete and cannot be trusted")
+            raise ConfigError([f"{key}: {path} has no {MARKER} marker: it is not a checkpoint, or an incomplete one "
+                               "that cannot be trusted; name a step-XXXXXXXX directory holding COMPLETE"])  # fmt: skip
         problems = self.verify(path)
         if problems:
-            raise ValueError(f"{key}: {path} is damaged: {'; '.join(problems)}")
+            raise ConfigError([f"{key}: {path} is damaged: {'; '.join(problems)}"])
         return path
 
     def _model_diff(self, metadata: Any, model: dict[str, Any]) -> dict[str, list[str]]:
@@ -503,7 +505,7 @@ class CheckpointManager:
                 raise err
             why = f"{type(err).__name__}: {err}" if err is not None else "loading failed on another rank"
             if resume != "auto":
-                raise ValueError(f"checkpoint.resume: {path} cannot be loaded: {why}")
+                raise ConfigError([f"checkpoint.resume: {path} cannot be loaded: {why}"])
             self._demote(path, [f"loading failed: {why}"])
         return None
 

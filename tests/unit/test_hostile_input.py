@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -145,6 +146,101 @@ def test_echoed_values_and_problem_lists_are_bounded(tmp_path: Path) -> None:
     big.write_text("run:\n  dir: " + "z" * (2 << 20) + "\n")
     with pytest.raises(ConfigError, match=r"is 2,097,16\d bytes; a YAML file here is at most 1,048,576"):
         load(big)
+
+
+# --------------------------------------------------------------------------------------------- one-line errors
+
+# quick runs: no corpus to prepare, no evaluation, nothing saved
+_QUICK = ["train.steps=2", "train.eval_every_steps=0", "data.source=synthetic", "data.synthetic_samples=64",
+          "checkpoint.save_final=false", "logging.tensorboard=false", "model.n_layers=1", "model.dim=64"]  # fmt: skip
+# Issue 14.5: each of these ended in a traceback (OverflowError, ENAMETOOLONG, ValueError, OSError, torch's seed
+# overflow, FileNotFoundError); 14.6: a watchdog of 0.001 s fired in a normal save. Now: the problem, the key, a fix.
+_BAD_INPUTS = {
+    "400-digit-steps": ([f"train.steps={10**400}"], "train.steps: must be at most 1,000,000,000,000, got an integer"),
+    "300-char-name": ([f"run.dir=/tmp/{'x' * 300}/r"], "run.dir: the name 'xxx"),
+    "resume-etc": (["checkpoint.resume=/etc"], "checkpoint.resume: /etc has no COMPLETE marker"),
+    "resume-empty": (["checkpoint.resume=''"], "checkpoint.resume: empty; use auto, none"),
+    "signal-kill": (["fault.requeue_signal=KILL"], "fault.requeue_signal: SIGKILL cannot be caught; use USR1 or USR2"),
+    "signal-stop": (["fault.requeue_signal=STOP"], "fault.requeue_signal: SIGSTOP cannot be caught"),
+    "signal-term": (["fault.requeue_signal=TERM"], "SIGTERM already means: checkpoint and stop without requeueing"),
+    "seed-2**70": ([f"run.seed={2**70}"], "run.seed: must be at most 9,223,372,036,854,775,807 (torch and numpy"),
+    "seed-negative": (["run.seed=-1"], "run.seed: must be >= 0, got -1"),
+    "max-tokens-10": (["data.source=stdlib", "data.max_tokens=10"], "data.max_tokens (10) holds 0 samples of"),
+    "files-etc": (["data.source=files", "data.path=/etc"], "data.path: '/etc' holds no prepared dataset"),
+    "watchdog-1ms": (["fault.watchdog_timeout_s=0.001"], "fault.watchdog_timeout_s: must be 0 (off) or at least 1 s"),
+    "nul-byte": (["checkpoint.dir=a\x00b"], "checkpoint.dir: contains a NUL character"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "fragment"), _BAD_INPUTS.values(), ids=_BAD_INPUTS.keys())
+def test_bad_inputs_end_in_one_message_and_a_non_zero_exit(tmp_path: Path, capsys, args, fragment) -> None:
+    code = main(["train", "configs/demo.yaml", *_QUICK, f"run.dir={tmp_path / 'run'}", *args])
+    out = capsys.readouterr()
+    assert code == 2, out.err[-3000:]
+    assert "Traceback" not in out.out + out.err and "unexpected" not in out.err, out.err[-3000:]
+    assert out.err.startswith("hpcdist: ") and fragment in out.err, out.err[-3000:]
+
+
+@pytest.mark.parametrize("case", ["400-digit-steps", "resume-etc"])
+def test_bad_inputs_through_the_real_command(tmp_path: Path, case: str) -> None:
+    """The same through `python -m hpcdist` (a sample: each start imports torch): exit 2, no traceback."""
+    args, fragment = _BAD_INPUTS[case]
+    p = subprocess.run([sys.executable, "-m", "hpcdist", "train", "configs/demo.yaml", *_QUICK,
+                        f"run.dir={tmp_path / 'run'}", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert p.returncode == 2 and fragment in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stdout + p.stderr
+
+
+def _boom(args: object) -> int:
+    raise RuntimeError("boom\nsecond line of the message")
+
+
+@pytest.mark.parametrize("run_dir_exists", [True, False])
+def test_an_unexpected_error_prints_one_line_and_keeps_the_traceback(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, run_dir_exists: bool
+) -> None:
+    """Issue 14.5's last resort: an error no rule foresaw is one line naming it and the file holding the traceback
+    (in run.dir when it exists, else a new private temp file), exit 1; it used to be the traceback itself."""
+    import hpcdist.cli as cli
+
+    run_dir = tmp_path / "run"
+    if run_dir_exists:
+        run_dir.mkdir()
+    monkeypatch.setitem(cli.COMMANDS, "config", _boom)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    code = main(["config", "configs/demo.yaml", f"run.dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.splitlines()) == 1, err
+    m = re.fullmatch(r"hpcdist: unexpected error: RuntimeError: boom second line of the message \(the traceback "
+                     r"is in (\S+); please report it\)\n", err)  # fmt: skip
+    assert m, err
+    log = Path(m.group(1))
+    assert log.parent == (run_dir if run_dir_exists else tmp_path / "tmp"), log
+    assert log.name.startswith("hpcdist-error-") and log.suffix == ".log"
+    assert "Traceback (most recent call last)" in log.read_text() and "in _boom" in log.read_text()
+    if not run_dir_exists:
+        assert log.stat().st_mode & 0o777 == 0o600  # mkstemp: nobody else reads it, nobody planted it
+
+
+def test_data_with_a_larger_vocabulary_than_the_model_is_refused_at_start(tmp_path: Path, small_cfg) -> None:
+    """Issue 14.5: shards whose tokens reach 999 with model.vocab_size=258 failed mid-run (IndexError in the
+    embedding); now the trainer refuses before the first step, naming both sizes."""
+    from hpcdist.data import ByteTokenizer, prepare_shards
+
+    class WideTokenizer(ByteTokenizer):
+        vocab_size = 1000
+
+        def encode(self, text, *, bos=False, eos=True):
+            return super().encode(text, bos=bos, eos=eos).astype("int64") * 3  # ids up to 771: past 258
+
+    src = tmp_path / "text.txt"
+    src.write_text("hello world, " * 2000)
+    wide = prepare_shards([src], tmp_path / "wide", tokenizer=WideTokenizer())
+    cfg = small_cfg(f"data.path={wide}", "train.steps=2", "train.micro_batch_size=4", run_dir=tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(258\) is smaller than the 1000 tokens of the data"):
+        single(lambda env, c: Trainer(c, env).train(), cfg)
 
 
 # --------------------------------------------------------------------------------------------- run directories
