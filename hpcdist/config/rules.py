@@ -227,13 +227,13 @@ def _watchdog(f: Any) -> list[str]:
 def _data_volume(cfg: JobConfig) -> list[str]:
     """data.max_tokens must leave one training sample after the validation split (the dataset's own arithmetic)."""
     d = cfg.data
-    if (
-        d.source != "stdlib"
-        or d.max_tokens is None
-        or d.max_tokens < 1
-        or not 1 <= d.seq_len <= MAXIMA["data.seq_len"][0]
-        or not 0 <= d.val_fraction < 1
-    ):
+    in_range = (  # out-of-range values are reported by their own rules; the arithmetic below needs sane ones
+        d.max_tokens is not None
+        and 1 <= d.max_tokens <= MAXIMA["data.max_tokens"][0]
+        and 1 <= d.seq_len <= MAXIMA["data.seq_len"][0]
+        and 0 <= d.val_fraction < 1
+    )
+    if d.source != "stdlib" or not in_range:
         return []
 
     def left_to_train(windows: int) -> int:

@@ -10,9 +10,11 @@ import ast
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,8 +23,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hpcdist import config as config_mod
 from hpcdist.cli import main
-from hpcdist.config import ConfigError, check_run_dir, load
+from hpcdist.config import ConfigError, JobConfig, check_run_dir, load
+from hpcdist.config.rules import _numeric_fields
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single
 from tests.unit.test_config import _OVERRIDES
@@ -30,6 +34,9 @@ from tests.unit.test_config import _OVERRIDES
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = ["a b", "it's", 'say "hi"', "$(touch PWNED)", "`id`", "new\nline", "semi;colon", "-rf", "~", "%j", ""]
 
+# quick runs: no corpus to prepare, no evaluation, nothing saved
+_QUICK = ["train.steps=2", "train.eval_every_steps=0", "data.source=synthetic", "data.synthetic_samples=64",
+          "checkpoint.save_final=false", "logging.tensorboard=false", "model.n_layers=1", "model.dim=64"]  # fmt: skip
 _FLAGS = ["--nodes", "--gpus-per-node", "--gpu-mem", "--world-size", "--cluster", "--tokens", "--top", "-h"]
 _OPTIONS = st.lists(st.sampled_from(_FLAGS) | st.sampled_from(HOSTILE) | st.text(max_size=12), max_size=4)
 _COMMANDS = st.sampled_from([["config", "configs/demo.yaml"], ["plan", "configs/train_13b.yaml"], ["config"], ["plan"]])
@@ -43,15 +50,125 @@ _COMMANDS = st.sampled_from([["config", "configs/demo.yaml"], ["plan", "configs/
 @given(command=_COMMANDS, options=_OPTIONS, overrides=_OVERRIDES)
 def test_fuzzed_command_lines_never_raise(command, options, overrides, capsys) -> None:
     """`hpcdist config|plan` with random options and overrides: an exit code and a message, never a traceback."""
-    try:
-        code = main([*command, *overrides, *options])
-    except SystemExit as e:  # argparse: usage errors exit 2, -h exits 0
-        code = e.code
+    with _time_limit(30):
+        try:
+            code = main([*command, *overrides, *options])
+        except SystemExit as e:  # argparse: usage errors exit 2, -h exits 0
+            code = e.code
     assert code in (0, 1, 2, None)
     out = capsys.readouterr()
-    assert "Traceback" not in out.out + out.err
+    assert "Traceback" not in out.out + out.err and "unexpected error" not in out.err, out.err[-2000:]
     if code not in (0, None):
         assert out.err.strip(), "a failure must say why"
+
+
+# ------------------------------------------------------------------------ extreme values (issue 14 acceptance)
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """TimeoutError in this thread after ``seconds``: a hang fails its example instead of the whole run. The alarm
+    pytest-timeout may have set is put back afterwards, less the time spent here."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - t0), 0.001))
+
+
+_NUMBERS = [
+    "0", "-0", "-1", "1", "2", "3", "7", "-7", str(2**31), str(2**63 - 1), str(2**63), str(2**64), str(-(2**63) - 1),
+    str(10**400), str(-(10**400)), "9" * 4301, "1e308", "1e309", "-1e309", "5e-324", "-0.0", "1e-320", ".inf",
+    "-.inf", ".nan", "1.5", "0x10", "0o17", "0b101", "1_000", "1e3", "3e-4", "1e", "+5", "00012", "0.001", "1e-9",
+    "true", "null", "[]", "{}", "[1, 2]", "''",
+]  # fmt: skip
+_PATHS = [
+    "", " ", "/", ".", "..", "~", "~root", "x" * 255, "x" * 256, f"/tmp/{'x' * 300}/r", "a/" * 2100, "a\x00b",
+    "a\nb", "é/ü", "\udcff", "/dev/null", "/proc/self/mem", "/etc/passwd", "/etc/passwd/x", "/etc", "-rf",
+    "$(touch PWNED)", "`id`", "runs/ok", "step-00000001", "/nonexistent/step-00000002", "'quoted'", "a b/c d",
+]  # fmt: skip
+_SIGNALS = [
+    *(s.name for s in signal.Signals), *(s.name[3:].lower() for s in signal.Signals), "", " ", "USR3", "SIGRTMIN+1",
+    "RTMIN", "0", "9", "-1", "12", "SIG", "sig usr2", "USR2\n", "KILL ", "ＵＳＲ2",
+]  # fmt: skip
+_RESUMES = ["auto", "none", "", " ", "AUTO", "None", "null", "~", "auto ", *_PATHS]
+_NUMERIC_KEYS = [*sorted(k for k, _ in _numeric_fields(JobConfig())), "logging.peak_flops",
+                 "parallel.pp_stages_per_rank", "data.max_tokens", "model.n_kv_heads"]  # fmt: skip
+_PATH_KEYS = ["run.dir", "data.path", "checkpoint.dir", "checkpoint.init_from", "fault.exclude_nodes_file",
+              "model.preset", "parallel.auto_cluster"]  # fmt: skip
+_KINDS = [(_NUMERIC_KEYS, _NUMBERS), (_PATH_KEYS, _PATHS), (["fault.requeue_signal"], _SIGNALS),
+          (["checkpoint.resume"], _RESUMES)]  # fmt: skip
+
+
+def _pair(kind: tuple[list[str], list[str]]) -> st.SearchStrategy[str]:
+    keys, values = kind
+    anything = st.sampled_from(_NUMBERS + _PATHS + _SIGNALS) | st.text(max_size=12)  # a value of another kind
+    return st.builds(lambda k, v: f"{k}={v}", st.sampled_from(keys), st.sampled_from(values) | anything)
+
+
+_EXTREMES = st.lists(st.one_of(*(_pair(kind) for kind in _KINDS)), min_size=1, max_size=5)
+
+
+@pytest.fixture(scope="module")
+def fake_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory that looks like a complete checkpoint to the config rules (resume values point at it)."""
+    d = tmp_path_factory.mktemp("ckpt") / "step-00000002"
+    d.mkdir()
+    (d / "COMPLETE").write_text("{}")
+    return d
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(overrides=_EXTREMES, world=st.sampled_from([1, 2, 8, 3, 10**12]), resume_here=st.booleans())
+def test_fuzzed_extreme_values_only_raise_config_error(overrides, world, resume_here, fake_checkpoint) -> None:
+    """1,000 override sets of numeric extremes (400-digit ints, 1e309, NaN, 5e-324, 2**63), path extremes (255/256-
+    byte names, 4 KiB paths, NUL, newline, unencodable, devices, files as directories), every signal name and number,
+    and resume values, each over the demo config: load, the world-size rules and the run-directory checks raise
+    ConfigError naming the problem or accept the config; nothing else, within 10 s each."""
+    if resume_here:
+        overrides = [*overrides, f"checkpoint.resume={fake_checkpoint}"]
+    with _time_limit(10):
+        try:
+            cfg = load(ROOT / "configs/demo.yaml", overrides)
+            config_mod.check_world(cfg, world)
+            if not Path(cfg.run.dir).is_absolute():  # a relative run.dir is checked where it would be made
+                cfg.run.dir = str(fake_checkpoint.parent / cfg.run.dir)
+            check_run_dir(cfg)
+        except ConfigError as e:
+            assert e.problems and all(isinstance(p, str) and 0 < len(p) <= 1100 for p in e.problems), e.problems
+            assert "Traceback" not in str(e)
+
+
+_CLI_SAMPLE = [
+    ["config", "configs/demo.yaml", f"train.steps={10**400}", "run.seed=-5", "fault.requeue_signal=STOP"],
+    ["config", "configs/demo.yaml", f"run.dir=/tmp/{'y' * 256}", "checkpoint.resume=", "data.max_tokens=1e309"],
+    ["config", "configs/demo.yaml", "checkpoint.dir=a\nb/" + "c" * 4100, "fault.watchdog_timeout_s=5e-324",
+     "optim.lr=.nan"],
+    ["plan", "configs/train_13b.yaml", "--nodes", str(10**30), "train.global_batch_size=0"],
+    ["train", "configs/demo.yaml", "--dry-run", "--world-size", "1000000000000", "data.seq_len=2000000"],
+    ["train", "configs/demo.yaml", *_QUICK, f"checkpoint.init_from=/{'z' * 300}", "fault.requeue_signal=9"],
+    ["train", "/dev/null", "run.dir=/tmp"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", _CLI_SAMPLE, ids=[f"{a[0]}-{i}" for i, a in enumerate(_CLI_SAMPLE)])
+def test_extreme_command_lines_through_the_real_command(tmp_path: Path, argv: list[str]) -> None:
+    """A sample of the extremes through `python -m hpcdist` (each start costs an interpreter): exit 2 with the
+    problem, within 120 s, no traceback."""
+    p = subprocess.run([sys.executable, "-m", "hpcdist", *argv], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert p.returncode in (1, 2), (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stdout + p.stderr and "unexpected error" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.startswith("hpcdist: "), p.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------------------------- YAML documents
@@ -150,9 +267,6 @@ def test_echoed_values_and_problem_lists_are_bounded(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------------------------- one-line errors
 
-# quick runs: no corpus to prepare, no evaluation, nothing saved
-_QUICK = ["train.steps=2", "train.eval_every_steps=0", "data.source=synthetic", "data.synthetic_samples=64",
-          "checkpoint.save_final=false", "logging.tensorboard=false", "model.n_layers=1", "model.dim=64"]  # fmt: skip
 # Issue 14.5: each of these ended in a traceback (OverflowError, ENAMETOOLONG, ValueError, OSError, torch's seed
 # overflow, FileNotFoundError); 14.6: a watchdog of 0.001 s fired in a normal save. Now: the problem, the key, a fix.
 _BAD_INPUTS = {
