@@ -104,9 +104,10 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "logging.straggler_every_steps": (_BIG, ""),
     "logging.straggler_factor": (1e6, ""),
 }
-# The shortest watchdog allowance that is not a typo: below it a normal step or save is declared a hang (0.001 s
-# fired during an ordinary checkpoint save). The hang tests use 1-3 s; production wants tens of seconds.
-MIN_WATCHDOG_S = 1.0
+# The shortest watchdog allowance accepted: 0.001 s fired during an ordinary checkpoint save, and 1 s during the
+# demo's second step on a busy 2-core machine (the allowance grows to 4x the slowest step only once steps are
+# measured). Production wants tens of seconds (default 90); the multi-rank hang test uses this minimum.
+MIN_WATCHDOG_S = 5.0
 # Signals a stop cannot be asked with: KILL and STOP cannot be caught; TERM and INT already mean "stop without
 # requeueing"; the others report a crash (a handler that returns would run the faulting instruction again).
 _NOT_REQUEUE_SIGNALS = {

@@ -281,7 +281,7 @@ _BAD_INPUTS = {
     "seed-negative": (["run.seed=-1"], "run.seed: must be >= 0, got -1"),
     "max-tokens-10": (["data.source=stdlib", "data.max_tokens=10"], "data.max_tokens (10) holds 0 samples of"),
     "files-etc": (["data.source=files", "data.path=/etc"], "data.path: '/etc' holds no prepared dataset"),
-    "watchdog-1ms": (["fault.watchdog_timeout_s=0.001"], "fault.watchdog_timeout_s: must be 0 (off) or at least 1 s"),
+    "watchdog-1ms": (["fault.watchdog_timeout_s=0.001"], "fault.watchdog_timeout_s: must be 0 (off) or at least 5 s"),
     "nul-byte": (["checkpoint.dir=a\x00b"], "checkpoint.dir: contains a NUL character"),
 }  # fmt: skip
 
