@@ -43,6 +43,7 @@ DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
 DATA_META = "meta.json"  # hpcdist.data.META_NAME, what `hpcdist prepare` writes last (same reason)
+CHECKPOINT_MARKER = "COMPLETE"  # hpcdist.checkpoint.MARKER, written last by a save (same reason)
 
 # The largest value of every numeric key (the smallest ones are the rules below). A typo (an extra zero, a pasted
 # 400-digit number) then fails at load, naming the key, instead of as an OverflowError in the rules, in torch's
@@ -355,15 +356,27 @@ def check(cfg: JobConfig) -> list[str]:
     if cfg.checkpoint.verify not in VERIFY_MODES:
         p.append(f"checkpoint.verify: {cfg.checkpoint.verify!r} is not one of {', '.join(VERIFY_MODES)}")
     resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and "checkpoint.resume" not in bad_paths and not Path(resume).is_dir():
-        p.append(f"checkpoint.resume: {echo(resume)} is not auto, none, or an existing checkpoint directory")
+    if resume not in ("auto", "none") and "checkpoint.resume" not in bad_paths:
+        p += _named_checkpoint("checkpoint.resume", resume, "auto, none, or ")
     init = cfg.checkpoint.init_from
-    if init is not None and "checkpoint.init_from" not in bad_paths and not Path(init).is_dir():
-        p.append(f"checkpoint.init_from: {echo(init)} is not an existing checkpoint directory (a step-XXXXXXXX)")
+    if init is not None and "checkpoint.init_from" not in bad_paths:
+        p += _named_checkpoint("checkpoint.init_from", init, "")
     if init is not None and cfg.parallel.strategy == "zero" and cfg.parallel.zero.stage == 3:
         p.append("checkpoint.init_from: parallel.zero.stage=3 cannot load weights from another run; start with "
                  "parallel.zero.stage=1 or 2 (or fsdp), then resume that run's checkpoints with stage 3")  # fmt: skip
     return p
+
+
+def _named_checkpoint(key: str, value: str, alternatives: str) -> list[str]:
+    """A checkpoint the config names must be a directory holding the marker a complete save writes last (a
+    directory like /etc used to pass this rule and fail after the process group existed)."""
+    if not Path(value).is_dir():
+        return [f"{key}: {echo(value)} is not {alternatives}an existing checkpoint directory (a step-XXXXXXXX)"]
+    if not (Path(value) / CHECKPOINT_MARKER).is_file():
+        return [f"{key}: {echo(value)} is not a complete checkpoint (no {CHECKPOINT_MARKER} marker: another kind of "
+                "directory, an interrupted save or a damaged one); name a step-XXXXXXXX directory that holds "
+                f"{CHECKPOINT_MARKER}"]  # fmt: skip
+    return []
 
 
 def _check_zero(cfg: JobConfig) -> list[str]:

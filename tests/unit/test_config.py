@@ -500,7 +500,10 @@ def test_files_source_needs_a_path(tmp_path: Path) -> None:
 def test_resume_from_missing_directory(tmp_path: Path) -> None:
     missing = tmp_path / "step-00000100"
     _one_problem([f"checkpoint.resume={missing}"], "checkpoint.resume:", str(missing), "auto, none")
-    missing.mkdir()
+    missing.mkdir()  # a directory that is no checkpoint (issue 14.5: /etc failed only after the process group)
+    _one_problem([f"checkpoint.resume={missing}"], "is not a complete checkpoint (no COMPLETE marker")
+    _one_problem([f"checkpoint.init_from={missing}"], "checkpoint.init_from:", "no COMPLETE marker")
+    (missing / "COMPLETE").write_text("{}")
     assert load(None, [f"checkpoint.resume={missing}"]).checkpoint.resume == str(missing)
     assert load(None, ["checkpoint.resume=none"]).checkpoint.resume == "none"
 
@@ -604,6 +607,7 @@ def test_check_world_rejects_non_positive_world_size(world_size: int) -> None:
 def test_save_round_trips_and_leaves_no_temp_file(tmp_path: Path) -> None:
     resume = tmp_path / "step-00000010"
     resume.mkdir()
+    (resume / "COMPLETE").write_text("{}")
     cfg = load(
         CONFIGS / "demo.yaml",
         [f"run.dir={tmp_path / 'run'}", f"checkpoint.resume={resume}", "data.max_tokens=null", "optim.eps=1e-9",

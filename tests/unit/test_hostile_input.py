@@ -272,7 +272,7 @@ def test_echoed_values_and_problem_lists_are_bounded(tmp_path: Path) -> None:
 _BAD_INPUTS = {
     "400-digit-steps": ([f"train.steps={10**400}"], "train.steps: must be at most 1,000,000,000,000, got an integer"),
     "300-char-name": ([f"run.dir=/tmp/{'x' * 300}/r"], "run.dir: the name 'xxx"),
-    "resume-etc": (["checkpoint.resume=/etc"], "checkpoint.resume: /etc has no COMPLETE marker"),
+    "resume-etc": (["checkpoint.resume=/etc"], "checkpoint.resume: '/etc' is not a complete checkpoint (no COMPLETE"),
     "resume-empty": (["checkpoint.resume=''"], "checkpoint.resume: empty; use auto, none"),
     "signal-kill": (["fault.requeue_signal=KILL"], "fault.requeue_signal: SIGKILL cannot be caught; use USR1 or USR2"),
     "signal-stop": (["fault.requeue_signal=STOP"], "fault.requeue_signal: SIGSTOP cannot be caught"),
