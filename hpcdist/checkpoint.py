@@ -19,6 +19,8 @@ checkpoint against its manifest; a damaged one (missing, truncated or altered fi
 renamed ``DAMAGED``) with a warning naming the file, and the previous one is used. Damaged directories are never
 deleted: pruning skips them, a new save of the same step moves the old one aside (``step-N.damaged-<time>``), and
 when every checkpoint is damaged resume refuses to start from step 0 unless ``checkpoint.resume=none`` says so.
+Resuming an explicitly named step sets the run's newer checkpoints aside (``step-N.abandoned-<time>``, kept), so a
+later ``auto`` continues from the step the user chose rather than the line they turned back from.
 A save that fails (disk full) on any rank is abandoned by all ranks together: its directory is removed and
 training continues.
 
@@ -490,14 +492,16 @@ class CheckpointManager:
         return real
 
     def _named(self, path: Path, key: str) -> Path:
-        """Collective: a checkpoint the config names (``key``) must be trusted, complete and intact: ValueError
-        otherwise (UntrustedCheckpoint, a ConfigError, when someone else could have written it)."""
+        """Collective: a checkpoint the config names (``key``) must be trusted, complete and intact: ConfigError
+        otherwise (the user's value is wrong, not the program: one message, exit 2; UntrustedCheckpoint when someone
+        else could have written it)."""
         path = self._trusted(path, key)
         if not (path / MARKER).is_file():
-            raise ValueError(f"{key}: {path} has no {MARKER} marker; it is incomplete and cannot be trusted")
+            raise ConfigError([f"{key}: {path} has no {MARKER} marker: it is not a checkpoint, or an incomplete one "
+                               "that cannot be trusted; name a step-XXXXXXXX directory holding COMPLETE"])  # fmt: skip
         problems = self.verify(path)
         if problems:
-            raise ValueError(f"{key}: {path} is damaged: {'; '.join(problems)}")
+            raise ConfigError([f"{key}: {path} is damaged: {'; '.join(problems)}"])
         return path
 
     def _model_diff(self, metadata: Any, model: dict[str, Any]) -> dict[str, list[str]]:
@@ -561,17 +565,40 @@ class CheckpointManager:
         """``resolve`` + ``load``: the checkpoint restored into ``state``, or None (start fresh). With ``auto``, a
         checkpoint that verifies but cannot be loaded (any error, on any rank) is demoted like a damaged one and
         the previous one is tried; an explicitly named one that cannot be loaded raises ValueError."""
+        saved: dict[str, Any] = {}  # the trainer state of the checkpoint loaded
         while (path := self.resolve(resume)) is not None:
-            err = _attempt(lambda: self.load(path, state))
+            err = _attempt(lambda: saved.update(self.load(path, state)))
             if self._all_ok(err, log_error=False):
+                if resume != "auto":
+                    self._set_aside_newer(int(saved["step"]), path)
                 return path
             if isinstance(err, CheckpointMismatch):  # intact, just not this job's: never demoted
                 raise err
             why = f"{type(err).__name__}: {err}" if err is not None else "loading failed on another rank"
             if resume != "auto":
-                raise ValueError(f"checkpoint.resume: {path} cannot be loaded: {why}")
+                raise ConfigError([f"checkpoint.resume: {path} cannot be loaded: {why}"])
             self._demote(path, [f"loading failed: {why}"])
         return None
+
+    def _set_aside_newer(self, step: int, resumed: Path) -> None:
+        """Collective. Resuming an explicitly named step turns back from every newer checkpoint of this run: left as
+        they are, the next ``checkpoint.resume=auto`` (a requeue, a rerun) would jump back to that abandoned line.
+        They are renamed ``step-N.abandoned-<time>``: kept, never resumed or pruned, and said."""
+
+        def move() -> None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for newer_step, d in list_checkpoints(self.root)[0]:
+                if newer_step > step:
+                    aside = d.with_name(f"{d.name}.abandoned-{stamp}")
+                    d.rename(aside)
+                    log.warning("checkpoint.resume=%s turned back from step %d: the newer %s is set aside as %s "
+                                "(kept; rename it back to resume that line)", resumed, newer_step, d.name,
+                                aside.name)  # fmt: skip
+
+        _barrier(self._pg)  # every rank has finished reading before rank 0 renames
+        err = _attempt(move) if self.rank == 0 else None
+        if not self._all_ok(err):
+            raise RuntimeError(f"could not set aside the checkpoints newer than step {step} in {self.root}")
 
     def _demote(self, path: Path, problems: list[str]) -> None:
         """A damaged checkpoint is never a resume candidate again: its marker is renamed (files kept to inspect)."""

@@ -1,5 +1,6 @@
 """``hpcdist`` command line: argument parsing over the library (``train`` runs hpcdist.run, ``submit`` hpcdist.launch).
-Configuration errors print one message, no traceback."""
+Configuration errors print one message, no traceback; anything unforeseen prints one line naming the error and the
+file that holds its traceback (exit 1)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -534,6 +538,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         # point stdout at /dev/null so the interpreter's final flush does not raise the same error again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except Exception as e:  # the last resort: a bug, or an input no rule foresaw (each known one has its message)
+        return _unexpected(e, args)
+
+
+def _unexpected(e: Exception, args: argparse.Namespace) -> int:
+    """One line naming the error and where its traceback went: a file in run.dir when that directory exists (it
+    stays with the run), else a new private temp file. Exit 1."""
+    text = "".join(traceback.format_exception(e))
+    try:
+        where = _write_traceback(text, _run_dir(args))
+    except OSError as err:  # even the temp directory refused: say so, still in one line
+        where = f"nowhere: writing it failed ({err.strerror})"
+    what = " ".join(f"{type(e).__name__}: {e}".split())
+    if len(what) > 300:
+        what = f"{what[:300]}..."
+    return _fail(f"unexpected error: {what} (the traceback is in {where}; please report it)", code=1)
+
+
+def _run_dir(args: argparse.Namespace) -> str | None:
+    """The command's run.dir if its config loads (the error may have come from anywhere, loading included)."""
+    if not hasattr(args, "overrides") or not getattr(args, "config", None):
+        return None
+    from hpcdist import config as config_mod
+
+    try:
+        return config_mod.load(args.config, args.overrides).run.dir
+    except Exception:  # no run.dir then: the traceback goes to a temp file
+        return None
+
+
+def _write_traceback(text: str, run_dir: str | None) -> str:
+    from hpcdist.atomic import atomic_write
+
+    name = f"hpcdist-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    if run_dir and os.path.isdir(run_dir):
+        try:
+            return str(atomic_write(os.path.join(run_dir, name), text))
+        except OSError:
+            pass  # a read-only or full run.dir: the temp file below
+    fd, path = tempfile.mkstemp(prefix=name.removesuffix(".log") + "-", suffix=".log")  # O_EXCL, mode 0600
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
 
 
 if __name__ == "__main__":

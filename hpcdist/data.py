@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hpcdist.atomic import atomic_write
+from hpcdist.config.loader import ConfigError
 
 __all__ = [
     "BatchLoader",
@@ -258,11 +259,11 @@ class TokenDataset:
         if split == "val" and val_fraction == 0.0:
             raise ValueError("split='val' needs val_fraction > 0")
         meta = _read_meta(self.path)
-        if meta is None or not _is_complete(self.path, meta):
-            raise FileNotFoundError(
-                f"no complete prepared dataset at {self.path} (missing or incomplete {META_NAME}); "
+        if meta is None or not _is_complete(self.path, meta):  # the user's data.path (or a damaged preparation)
+            raise ConfigError([
+                f"data.path: no complete prepared dataset at {self.path} (missing or incomplete {META_NAME}); "
                 "run `hpcdist prepare` first"
-            )
+            ])  # fmt: skip
         self.seq_len = seq_len
         self.vocab_size: int = int(meta["vocab_size"])
         self._dtype = _DTYPES[meta["dtype"]]
@@ -274,12 +275,12 @@ class TokenDataset:
         total = int(self._starts[-1])
         n_val = max(1, round(total * val_fraction)) if val_fraction > 0 else 0
         n_train = total - n_val
-        if n_train < 1:
-            raise ValueError(
+        if n_train < 1:  # the user's data and data.seq_len / data.val_fraction do not fit together
+            raise ConfigError([
                 f"{self.path} holds {meta['num_tokens']} tokens ({total} windows of seq_len + 1 = {window} within "
                 f"shards): too few for one train sample{' plus a val sample' if n_val else ''}; "
-                "prepare more tokens or lower seq_len"
-            )
+                "prepare more tokens or lower data.seq_len"
+            ])  # fmt: skip
         self.split = split
         self._offset, self._len = (0, n_train) if split == "train" else (n_train, n_val)
         self._maps: dict[int, np.memmap] = {}

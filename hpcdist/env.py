@@ -64,6 +64,11 @@ EXPORTED_VAR = "HPCDIST_EXPORTED"
 SCONTROL_TIMEOUT_S = 5.0
 # A typo such as "n[0-99999999]" should fail fast, not allocate a hundred million strings.
 MAX_HOSTS = 1 << 20
+# scontrol refuses a single range of more values than this ("Too many hosts in range"; SLURM's MAX_RANGE).
+MAX_RANGE = 1 << 16
+# What separates hosts in a list, as in scontrol: commas, blanks and tabs. A newline is not a separator there (it
+# becomes part of a name, or makes the list invalid), so any control character is refused.
+_SEPARATORS = (",", " ", "\t")
 # SLURM's special step ids (batch script, extern, interactive, pending) are 0xFFFFFFFA..0xFFFFFFFD; some
 # versions print them signed (-5), some unsigned. Real srun steps count up from 0.
 _FIRST_SPECIAL_STEP_ID = 0xFFFFFFF0
@@ -160,20 +165,33 @@ class DistEnv:
 def expand_nodelist(nodelist: str) -> list[str]:
     """Expand SLURM hostlist syntax in pure Python: ``"gpu[001-002,007],login2"`` -> 4 names, in order.
 
-    Zero padding follows the low end of a range (``n[08-11]`` -> n08 n09 n10 n11); several bracket groups in
-    one name multiply out left to right, like ``scontrol show hostnames``. Raises ValueError on malformed
-    input.
+    Matches ``scontrol show hostnames`` (SLURM 22.05, compared in tests/unit/test_env.py): zero padding follows the
+    low end of a range (``n[08-11]`` -> n08 n09 n10 n11); a name may not continue after its last bracket group
+    (``a[1-3]b`` is invalid); with several groups the last one varies fastest, then the first, second, ... (scontrol
+    expands the groups before the last from right to left: ``a[1-2]b[1-2]c[1-2]`` -> a1b1c1 a1b1c2 a2b1c1 ...). Raises
+    ValueError on malformed input, including control characters and blanks inside brackets, which scontrol either
+    refuses or turns into names no host has.
     """
     if not isinstance(nodelist, str):
         raise TypeError(f"nodelist must be a str, got {type(nodelist).__name__}")
     if not nodelist.strip():
         raise ValueError(f"empty nodelist {nodelist!r}: expected something like 'gpu[001-004],login2'")
+    _refuse_control_characters(nodelist)
     hosts: list[str] = []
     for entry in _split_hosts(nodelist):
         hosts.extend(_expand_host(entry, nodelist))
         if len(hosts) > MAX_HOSTS:
             raise ValueError(f"nodelist {nodelist!r} expands to more than {MAX_HOSTS} hosts")
     return hosts
+
+
+def _refuse_control_characters(nodelist: str) -> None:
+    bad = next((pos for pos, char in enumerate(nodelist) if char not in "\t" and not char.isprintable()), None)
+    if bad is not None:
+        raise ValueError(
+            f"control character {nodelist[bad]!r} at position {bad} in nodelist {nodelist!r}: separate hosts with "
+            "commas or blanks, one list per line"
+        )
 
 
 def _split_hosts(nodelist: str) -> list[str]:
@@ -193,7 +211,7 @@ def _split_hosts(nodelist: str) -> list[str]:
             if open_at < 0:
                 raise ValueError(f"unbalanced ']' at position {pos} in nodelist {nodelist!r}")
             open_at = -1
-        elif open_at < 0 and (char == "," or char.isspace()):
+        elif open_at < 0 and char in _SEPARATORS:
             entries.append("".join(current))
             current = []
             continue
@@ -208,44 +226,51 @@ def _split_hosts(nodelist: str) -> list[str]:
 
 
 def _expand_host(entry: str, nodelist: str) -> list[str]:
-    """One host entry (balanced, no nesting) -> its names: the product of its literal and bracket parts."""
-    parts: list[list[str]] = []
+    """One host entry (balanced, no nesting) -> its names, in scontrol's order (see :func:`expand_nodelist`)."""
+    literals: list[str] = []  # literals[i] precedes groups[i]; literals[-1] follows the last group
+    groups: list[list[str]] = []
     pos = 0
-    while pos < len(entry):
-        start = entry.find("[", pos)
-        if start < 0:
-            parts.append([entry[pos:]])
-            break
-        if start > pos:
-            parts.append([entry[pos:start]])
+    while (start := entry.find("[", pos)) >= 0:
         end = entry.index("]", start)  # balance was checked by _split_hosts
-        parts.append(_expand_group(entry[start + 1 : end], entry, nodelist))
+        literals.append(entry[pos:start])
+        groups.append(_expand_group(entry[start + 1 : end], entry, nodelist))
         pos = end + 1
-    count = math.prod(len(choices) for choices in parts)
+    literals.append(entry[pos:])
+    if groups and literals[-1]:
+        raise ValueError(
+            f"host {entry!r} continues after its last ']' (nodelist {nodelist!r}); scontrol refuses that: end the "
+            "name with its bracket group, or list the names one by one"
+        )
+    count = math.prod(len(values) for values in groups)
     if count > MAX_HOSTS:
         raise ValueError(f"host entry {entry!r} expands to {count} hosts (more than {MAX_HOSTS})")
-    return ["".join(combo) for combo in itertools.product(*parts)]
+    # scontrol expands the last group innermost and the groups before it from right to left (outermost first)
+    order = [*reversed(range(len(groups) - 1)), len(groups) - 1] if groups else []
+    names = []
+    for combo in itertools.product(*(groups[i] for i in order)):
+        chosen = dict(zip(order, combo, strict=True))
+        names.append("".join(literals[i] + chosen[i] for i in range(len(groups))) + literals[-1])
+    return names
 
 
 def _expand_group(body: str, entry: str, nodelist: str) -> list[str]:
     """Bracket contents such as ``001-004,007`` -> ["001", ..., "004", "007"]."""
     where = f"in [{body}] of host {entry!r} (nodelist {nodelist!r})"
-    if not body.strip():
+    if not body:
         raise ValueError(f"empty brackets {where}")
     values: list[str] = []
     for item in body.split(","):
-        item = item.strip()
         low, sep, high = item.partition("-")
         if not _DIGITS.fullmatch(low) or (sep and not _DIGITS.fullmatch(high)):
-            raise ValueError(f"bad item {item!r} {where}: expected a number or a range like 01-08")
+            raise ValueError(f"bad item {item!r} {where}: expected a number or a range like 01-08, no blanks")
         if not sep:
             values.append(low)
             continue
         lo, hi = int(low), int(high)
         if lo > hi:
             raise ValueError(f"descending range {item!r} {where}: write {high}-{low}")
-        if hi - lo + 1 > MAX_HOSTS:
-            raise ValueError(f"range {item!r} {where} has more than {MAX_HOSTS} values")
+        if hi - lo + 1 > MAX_RANGE:
+            raise ValueError(f"range {item!r} {where} has more than {MAX_RANGE} values (scontrol's limit)")
         width = len(low)  # SLURM pads every number in the range to the width of its low end
         values.extend(str(n).zfill(width) for n in range(lo, hi + 1))
     return values
@@ -256,6 +281,8 @@ def hostnames(nodelist: str) -> list[str]:
     if not nodelist or not nodelist.strip():
         # Checked here, not left to scontrol: given no list it silently expands $SLURM_JOB_NODELIST instead.
         raise ValueError(f"empty nodelist {nodelist!r}: expected something like 'gpu[001-004],login2'")
+    # scontrol keeps a newline inside a name ("a\nb" is one host), which its output then splits in two
+    _refuse_control_characters(nodelist)
     exe = shutil.which("scontrol")
     if exe is not None:
         try:

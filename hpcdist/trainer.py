@@ -24,6 +24,7 @@ from hpcdist import config as config_mod
 from hpcdist.checkpoint import STATE_FILE, Checkpointable, CheckpointManager, CheckpointMismatch
 from hpcdist.config import JobConfig
 from hpcdist.data import (
+    META_NAME,
     BatchLoader,
     ByteTokenizer,
     ResumableSampler,
@@ -87,6 +88,12 @@ def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
     else:
         path = Path(str(d.path))
     train = TokenDataset(path, d.seq_len, split="train", val_fraction=d.val_fraction)
+    if train.vocab_size > cfg.model.vocab_size:  # a token id past the embedding table: an IndexError mid-run
+        raise config_mod.ConfigError([
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the {train.vocab_size} tokens of the data in "
+            f"{path} (its {META_NAME}); set model.vocab_size={train.vocab_size} or more, or prepare the data with "
+            "this model's tokenizer"
+        ])  # fmt: skip
     val = TokenDataset(path, d.seq_len, split="val", val_fraction=d.val_fraction) if d.val_fraction else None
     return train, val
 

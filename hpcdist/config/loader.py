@@ -20,10 +20,13 @@ from typing import Any
 
 import yaml
 
+from hpcdist import safe_yaml
+
 __all__ = [
     "ConfigError",
     "build",
     "coerce",
+    "echo",
     "load_tree",
     "merge",
     "parse_overrides",
@@ -33,14 +36,42 @@ __all__ = [
 ]
 
 
+# A report stays readable whatever the input: a value is shown up to ECHO_CHARS, a problem up to PROBLEM_CHARS, and
+# at most SHOWN_PROBLEMS problems are listed (a generated file with a million bad keys must not print them all).
+ECHO_CHARS = 80
+PROBLEM_CHARS = 1000
+SHOWN_PROBLEMS = 50
+
+
 class ConfigError(ValueError):
     """A user-facing configuration problem. ``str()`` is a readable, one-paragraph report."""
 
     def __init__(self, problems: Sequence[str]):
-        self.problems = list(problems)
+        self.problems = [_clip(str(p), PROBLEM_CHARS) for p in problems]
         n = len(self.problems)
         head = f"Invalid configuration ({n} problem{'s' if n != 1 else ''}):"
-        super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))
+        lines = [head, *(f"  - {p}" for p in self.problems[:SHOWN_PROBLEMS])]
+        if n > SHOWN_PROBLEMS:
+            lines.append(f"  ... and {n - SHOWN_PROBLEMS} more")
+        super().__init__("\n".join(lines))
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit:,} more characters)"
+
+
+def echo(value: Any) -> str:
+    """A user's value as an error message shows it: ``repr`` for scalars, the type for lists and mappings (their
+    repr walks every alias of a YAML document), cut to ECHO_CHARS; a huge int shows its digit count (``str`` of a
+    5,000-digit int raises)."""
+    if isinstance(value, _Typed):
+        value = value.text
+    if isinstance(value, (dict, list, tuple, set)):
+        return f"a {'mapping' if isinstance(value, dict) else 'list'}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"{'-' if value < 0 else ''}an integer of {len(f'{abs(value):x}') * 4} bits"
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}... ({len(text):,} characters)"
 
 
 @dataclass(frozen=True)
@@ -75,7 +106,10 @@ def _parse_typed(overrides: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
             problems.append(f"override {item!r}: expected section.key=value, e.g. train.steps=200")
             continue
         try:
-            parsed = yaml.safe_load(raw) if raw.strip() else ""
+            parsed = safe_yaml.load(raw) if raw.strip() else ""
+        except safe_yaml.RefusedYAML as e:
+            problems.append(f"override {key}: {e.problem}")
+            continue
         except yaml.YAMLError:
             parsed = raw  # an unparsable value is taken as a plain string; type checking catches misuse
         value = _Typed(parsed, raw)
@@ -105,7 +139,11 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
     if not path.is_file():
         return {}, [f"config file {str(path)!r} does not exist (pass a YAML file such as configs/demo.yaml)"]
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = safe_yaml.load_file(path)
+    except safe_yaml.RefusedYAML as e:
+        mark = e.problem_mark
+        where = f" line {mark.line + 1}" if mark else ""
+        return {}, [f"config file {str(path)!r}{where}: {e.problem}"]
     except UnicodeDecodeError:
         return {}, [f"config file {str(path)!r} is not UTF-8 text; save it as UTF-8"]
     except OSError as e:
@@ -151,7 +189,7 @@ def coerce(key: str, value: Any, tp: Any) -> tuple[Any, str | None]:
             try:
                 return float(value), None
             except OverflowError:
-                return None, f"{key}: {str(value)[:20]}... is too large for a float"
+                return None, f"{key}: {echo(value)} is too large for a float"
         if t is float and isinstance(value, str):
             # YAML 1.1 reads "1e11" and "3e-4" (no dot) as strings: accept what is plainly a number
             try:
@@ -160,7 +198,7 @@ def coerce(key: str, value: Any, tp: Any) -> tuple[Any, str | None]:
                 pass
         if t is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value), None
-    shown = repr(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    shown = type(value).__name__ if isinstance(value, (dict, list)) else echo(value)
     return None, f"{key}: must be {_type_name(tp)}, got {shown}"
 
 
@@ -196,8 +234,7 @@ def build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[str]) 
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, Mapping):
-                shown = value.text if isinstance(value, _Typed) else value
-                problems.append(f"{key}: must be a section (a mapping of keys), got {shown!r}")
+                problems.append(f"{key}: must be a section (a mapping of keys), got {echo(value)}")
                 continue
             kwargs[name] = build(tp, value, f"{key}.", problems)
         else:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from hpcdist import resources
+from hpcdist import resources, safe_yaml
 from hpcdist.config.loader import ConfigError
 from hpcdist.signals import parse_signal
 
@@ -47,7 +47,7 @@ def _read_profile(name: str, problems: list[str]) -> Profile:
         problems.append(f"{where}: unknown; choose one of {', '.join(profile_names())} or give a path to a YAML file")
         return {}
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = safe_yaml.load_file(path)
     except OSError as e:
         problems.append(f"{where}: cannot read {str(path)!r}: {e.strerror}")
         return {}

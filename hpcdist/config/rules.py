@@ -7,20 +7,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+import os
+import signal
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from hpcdist.config import layout
-from hpcdist.config.loader import ConfigError
+from hpcdist.config.loader import ConfigError, echo
 from hpcdist.config.schema import JobConfig
 from hpcdist.signals import parse_signal
 
 __all__ = [
+    "BOUNDED_BY_RULES",
     "BYTE_VOCAB",
     "DATA_SOURCES",
     "DTYPES",
     "LR_SCHEDULES",
+    "MAXIMA",
     "STRATEGIES",
     "VERIFY_MODES",
     "check",
@@ -36,10 +42,88 @@ DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
+DATA_META = "meta.json"  # hpcdist.data.META_NAME, what `hpcdist prepare` writes last (same reason)
+CHECKPOINT_MARKER = "COMPLETE"  # hpcdist.checkpoint.MARKER, written last by a save (same reason)
+
+# The largest value of every numeric key (the smallest ones are the rules below). A typo (an extra zero, a pasted
+# 400-digit number) then fails at load, naming the key, instead of as an OverflowError in the rules, in torch's
+# seeding or in numpy; tests/unit/test_config.py checks that every numeric field of the schema has an entry.
+# Keys in BOUNDED_BY_RULES have both ends in the rules below instead; optim.lr has no maximum on purpose: a diverging
+# LR is what the NaN/Inf guard (train.nonfinite) is for.
+BOUNDED_BY_RULES = frozenset(
+    {"data.val_fraction", "optim.min_lr_ratio", "optim.beta1", "optim.beta2", "parallel.zero.stage", "optim.lr"}
+)
+_BIG = 10**12  # steps, samples, tokens: more than any run takes
+MAXIMA: dict[str, tuple[float, str]] = {
+    "run.seed": (2**63 - 1, "torch and numpy seeds are 64-bit"),
+    "model.vocab_size": (2**31 - 1, "token ids are int32 in the shards' uint32"),
+    "model.dim": (2**17, ""),
+    "model.n_layers": (2**14, ""),
+    "model.n_heads": (2**14, ""),
+    "model.n_kv_heads": (2**14, ""),
+    "model.ffn_dim": (2**20, ""),
+    "model.max_seq_len": (2**24, ""),
+    "model.norm_eps": (1.0, ""),
+    "model.rope_theta": (1e12, ""),
+    "model.init_std": (10.0, ""),
+    "data.seq_len": (2**20, ""),
+    "data.max_tokens": (_BIG * 1000, ""),
+    "data.synthetic_samples": (2**40, ""),
+    "optim.warmup_steps": (_BIG, ""),
+    "optim.weight_decay": (1e3, ""),
+    "optim.eps": (1.0, ""),
+    "optim.grad_clip": (1e12, ""),
+    "train.steps": (_BIG, ""),
+    "train.global_batch_size": (2**24, ""),
+    "train.micro_batch_size": (2**20, ""),
+    "train.eval_every_steps": (_BIG, ""),
+    "train.eval_batches": (2**20, ""),
+    "train.max_nonfinite_skips": (2**20, ""),
+    "parallel.bucket_cap_mb": (2**20, ""),
+    "parallel.fsdp.replicate": (2**20, "ranks"),
+    "parallel.zero.reduce_bucket_size": (2**40, ""),
+    "parallel.zero.allgather_bucket_size": (2**40, ""),
+    "parallel.zero.param_persistence_threshold": (2**40, ""),
+    "parallel.pp": (2**20, "ranks"),
+    "parallel.dp": (2**20, "ranks"),
+    "parallel.tp": (2**20, "ranks"),
+    "parallel.pp_stages_per_rank": (2**10, ""),
+    "checkpoint.every_steps": (_BIG, ""),
+    "checkpoint.every_minutes": (525_600.0, "a year"),
+    "checkpoint.keep_last": (2**20, ""),
+    "checkpoint.write_threads": (1024, ""),
+    "fault.max_restarts": (2**20, ""),
+    "fault.max_preemptions": (2**20, ""),
+    "fault.max_failures": (2**20, ""),
+    "fault.max_same_failure": (2**20, ""),
+    "fault.max_excluded_nodes": (2**20, ""),
+    "fault.watchdog_timeout_s": (604_800.0, "a week"),
+    "fault.watchdog_slow_phase_s": (604_800.0, "a week"),
+    "logging.every_steps": (_BIG, ""),
+    "logging.peak_flops": (1e20, "FLOP/s"),
+    "logging.replica_check_every_steps": (_BIG, ""),
+    "logging.straggler_every_steps": (_BIG, ""),
+    "logging.straggler_factor": (1e6, ""),
+}
+# The shortest watchdog allowance accepted: 0.001 s fired during an ordinary checkpoint save, and 1 s during the
+# demo's second step on a busy 2-core machine (the allowance grows to 4x the slowest step only once steps are
+# measured). Production wants tens of seconds (default 90); the multi-rank hang test uses this minimum.
+MIN_WATCHDOG_S = 5.0
+# Signals a stop cannot be asked with: KILL and STOP cannot be caught; TERM and INT already mean "stop without
+# requeueing"; the others report a crash (a handler that returns would run the faulting instruction again).
+_NOT_REQUEUE_SIGNALS = {
+    signal.SIGKILL: "cannot be caught",
+    signal.SIGSTOP: "cannot be caught",
+    signal.SIGTERM: "already means: checkpoint and stop without requeueing",
+    signal.SIGINT: "already means: checkpoint and stop without requeueing (Ctrl-C)",
+    **{s: "reports a crash" for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT)},
+}
+# File-system limits (Linux NAME_MAX / PATH_MAX): longer paths fail with ENAMETOOLONG wherever they are first used.
+_NAME_MAX, _PATH_MAX = 255, 4095
 
 
 def _choice(key: str, value: str, options: Sequence[str]) -> list[str]:
-    return [] if value in options else [f"{key}: {value!r} is not one of {', '.join(options)}"]
+    return [] if value in options else [f"{key}: {echo(value)} is not one of {', '.join(options)}"]
 
 
 def _positive(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) -> list[str]:
@@ -47,17 +131,131 @@ def _positive(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) 
     for key in keys:
         section, name = key.split(".")
         v = getattr(getattr(cfg, section), name)
-        # `not finite` first: NaN compares False with everything and would slip through `v <= 0`
-        if v is not None and not math.isfinite(v):
+        # `not finite` first: NaN compares False with everything and would slip through `v <= 0` (floats only:
+        # math.isfinite of a 400-digit int raises OverflowError)
+        if isinstance(v, float) and not math.isfinite(v):
             out.append(f"{key}: must be a finite number, got {v}")
         elif v is not None and (v < 0 if allow_zero else v <= 0):
             out.append(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {v}")
     return out
 
 
+def _numeric_fields(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(``section.key``, value) of every int / float field, nested sections included (bools are not numbers)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _numeric_fields(value, f"{prefix}{f.name}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield f"{prefix}{f.name}", value
+
+
+def _maxima(cfg: JobConfig) -> list[str]:
+    out = []
+    for key, value in _numeric_fields(cfg):
+        if key not in MAXIMA:
+            continue
+        top, unit = MAXIMA[key]
+        shown = f"{top:,}" if isinstance(top, int) else f"{top:g}"
+        if not value <= top:  # `not <=`: NaN is out of range too
+            why = f" ({unit})" if unit else ""
+            out.append(f"{key}: must be at most {shown}{why}, got {echo(value)}; set a smaller {key}")
+    return out
+
+
+def _path_problem(key: str, value: str) -> str | None:
+    """A path the kernel would refuse whatever the disk holds: empty, a NUL byte, not encodable, a name longer than
+    255 bytes or a path longer than 4095."""
+    if not value.strip():
+        return f"{key}: empty; name a path"
+    if "\0" in value:
+        return f"{key}: contains a NUL character; remove it"
+    try:
+        raw = os.fsencode(value)
+    except UnicodeEncodeError:
+        return f"{key}: {echo(value)} cannot be encoded as a file name on this system; use plain characters"
+    if len(raw) > _PATH_MAX:
+        return f"{key}: the path is {len(raw):,} bytes long, more than {_PATH_MAX}; choose a shorter {key}"
+    longest = max(raw.split(b"/"), key=len)
+    if len(longest) > _NAME_MAX:
+        name = echo(os.fsdecode(longest))
+        return (f"{key}: the name {name} is {len(longest)} bytes long; file systems allow {_NAME_MAX} per name: "
+                f"choose a shorter {key}")  # fmt: skip
+    return None
+
+
+def _paths(cfg: JobConfig) -> tuple[list[str], set[str]]:
+    """Problems of every path-valued key, and the keys that have one (the disk checks skip those)."""
+    c = cfg.checkpoint
+    keys = {"run.dir": cfg.run.dir, "data.path": cfg.data.path, "checkpoint.dir": c.dir,
+            "checkpoint.init_from": c.init_from, "fault.exclude_nodes_file": cfg.fault.exclude_nodes_file,
+            "checkpoint.resume": None if c.resume in ("auto", "none") else c.resume}  # fmt: skip
+    out, bad = [], set()
+    for key, value in keys.items():
+        problem = _path_problem(key, value) if value is not None else None
+        if problem is not None and not value.strip():  # say what the key takes
+            problem = {"run.dir": None, "checkpoint.resume": "checkpoint.resume: empty; use auto, none, or the path "
+                       "of a step-XXXXXXXX checkpoint"}.get(key, problem)  # fmt: skip
+            bad.add(key)  # run.dir: its own rule below says it
+        if problem:
+            out.append(problem)
+            bad.add(key)
+    return out, bad
+
+
+def _requeue_signal(text: str) -> list[str]:
+    sig = parse_signal(text, numbers=False)
+    if sig is None:
+        return [f"fault.requeue_signal: {echo(text)} is not a signal name; use e.g. USR2, USR1"]
+    if sig in _NOT_REQUEUE_SIGNALS:
+        return [f"fault.requeue_signal: {sig.name} {_NOT_REQUEUE_SIGNALS[sig]}; use USR1 or USR2 (and sbatch "
+                f"--signal=USR2@<seconds>)"]  # fmt: skip
+    return []
+
+
+def _watchdog(f: Any) -> list[str]:
+    out = []
+    for key in ("watchdog_timeout_s", "watchdog_slow_phase_s"):
+        v = getattr(f, key)
+        if not math.isfinite(v) or v < 0:
+            out.append(f"fault.{key}: must be >= 0 (0 disables the watchdog), got {v}")
+        elif 0 < v < MIN_WATCHDOG_S:
+            out.append(f"fault.{key}: must be 0 (off) or at least {MIN_WATCHDOG_S:g} s: a shorter allowance declares "
+                       f"a normal step or checkpoint save a hang; got {v:g} (the default is 90 s for the timeout, "
+                       "900 s for slow phases)")  # fmt: skip
+    return out
+
+
+def _data_volume(cfg: JobConfig) -> list[str]:
+    """data.max_tokens must leave one training sample after the validation split (the dataset's own arithmetic)."""
+    d = cfg.data
+    in_range = (  # out-of-range values are reported by their own rules; the arithmetic below needs sane ones
+        d.max_tokens is not None
+        and 1 <= d.max_tokens <= MAXIMA["data.max_tokens"][0]
+        and 1 <= d.seq_len <= MAXIMA["data.seq_len"][0]
+        and 0 <= d.val_fraction < 1
+    )
+    if d.source != "stdlib" or not in_range:
+        return []
+
+    def left_to_train(windows: int) -> int:
+        return windows - (max(1, round(windows * d.val_fraction)) if d.val_fraction > 0 else 0)
+
+    window = d.seq_len + 1
+    if left_to_train(d.max_tokens // window) >= 1:
+        return []
+    need = next((w for w in range(1, 10_000) if left_to_train(w) >= 1), None)
+    fix = f"set data.max_tokens >= {need * window}" if need else "lower data.val_fraction"
+    return [f"data.max_tokens ({d.max_tokens}) holds {d.max_tokens // window} samples of data.seq_len + 1 = {window} "
+            f"tokens: none left to train on after the validation split (data.val_fraction={d.val_fraction:g}); "
+            f"{fix} or lower data.seq_len"]  # fmt: skip
+
+
 def check(cfg: JobConfig) -> list[str]:
     """Semantic checks that need no world size. Returns problems (empty = valid)."""
-    p: list[str] = []
+    p: list[str] = _maxima(cfg)
+    path_problems, bad_paths = _paths(cfg)
+    p += path_problems
     p += _choice("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
     p += _choice("data.source", cfg.data.source, DATA_SOURCES)
     p += _choice("train.nonfinite", cfg.train.nonfinite, ("stop", "skip"))
@@ -103,8 +301,7 @@ def check(cfg: JobConfig) -> list[str]:
          "train.eval_every_steps", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"],
         allow_zero=True,
     )  # fmt: skip
-    if parse_signal(cfg.fault.requeue_signal, numbers=False) is None:
-        p.append(f"fault.requeue_signal: {cfg.fault.requeue_signal!r} is not a signal name; use e.g. USR2, USR1")
+    p += _requeue_signal(cfg.fault.requeue_signal)
     for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes"):
         if getattr(cfg.fault, key) < 0:
             p.append(f"fault.{key}: must be >= 0, got {getattr(cfg.fault, key)}")
@@ -112,18 +309,16 @@ def check(cfg: JobConfig) -> list[str]:
         p.append("fault.max_same_failure: must be >= 1 (1 = never requeue the same failure twice)")
     if cfg.fault.max_preemptions < -1:
         p.append(f"fault.max_preemptions: must be >= 0, or -1 for unlimited, got {cfg.fault.max_preemptions}")
-    if cfg.fault.exclude_nodes_file is not None and not Path(cfg.fault.exclude_nodes_file).is_file():
-        p.append(f"fault.exclude_nodes_file: {cfg.fault.exclude_nodes_file!r} is not a file (one host per line)")
-    if not math.isfinite(cfg.fault.watchdog_slow_phase_s) or cfg.fault.watchdog_slow_phase_s < 0:
-        p.append(f"fault.watchdog_slow_phase_s: must be >= 0, got {cfg.fault.watchdog_slow_phase_s}")
-    if not math.isfinite(cfg.fault.watchdog_timeout_s) or cfg.fault.watchdog_timeout_s < 0:
-        p.append(
-            f"fault.watchdog_timeout_s: must be >= 0 (0 disables the watchdog), got {cfg.fault.watchdog_timeout_s}"
-        )
+    exclude = cfg.fault.exclude_nodes_file
+    if exclude is not None and "fault.exclude_nodes_file" not in bad_paths and not Path(exclude).is_file():
+        p.append(f"fault.exclude_nodes_file: {echo(exclude)} is not a file (one host per line)")
+    p += _watchdog(cfg.fault)
     if not (math.isfinite(cfg.logging.straggler_factor) and cfg.logging.straggler_factor > 1):
         p.append(f"logging.straggler_factor: must be > 1, got {cfg.logging.straggler_factor}")
     if not cfg.run.dir.strip():
         p.append("run.dir: must name a directory, e.g. run.dir=runs/my-run")
+    if cfg.run.seed < 0:
+        p.append(f"run.seed: must be >= 0, got {echo(cfg.run.seed)}")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         p.append(f"data.val_fraction: must be in [0, 1), got {cfg.data.val_fraction}")
     for beta in ("beta1", "beta2"):
@@ -145,6 +340,12 @@ def check(cfg: JobConfig) -> list[str]:
         p.append(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's {BYTE_VOCAB} tokens")
     if cfg.data.source == "files" and not cfg.data.path:
         p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
+    elif (
+        cfg.data.source == "files" and "data.path" not in bad_paths and not (Path(cfg.data.path) / DATA_META).is_file()
+    ):
+        p.append(f"data.path: {echo(cfg.data.path)} holds no prepared dataset (no {DATA_META}); make one with "
+                 f"`hpcdist prepare FILES --out {cfg.data.path}` or point data.path at one")  # fmt: skip
+    p += _data_volume(cfg)
 
     t = cfg.train
     if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
@@ -154,15 +355,28 @@ def check(cfg: JobConfig) -> list[str]:
         )
     if cfg.checkpoint.verify not in VERIFY_MODES:
         p.append(f"checkpoint.verify: {cfg.checkpoint.verify!r} is not one of {', '.join(VERIFY_MODES)}")
-    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).is_dir():
-        p.append(f"checkpoint.resume: {cfg.checkpoint.resume!r} is not auto, none, or an existing checkpoint directory")
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and "checkpoint.resume" not in bad_paths:
+        p += _named_checkpoint("checkpoint.resume", resume, "auto, none, or ")
     init = cfg.checkpoint.init_from
-    if init is not None and not Path(init).is_dir():
-        p.append(f"checkpoint.init_from: {init!r} is not an existing checkpoint directory (a step-XXXXXXXX)")
+    if init is not None and "checkpoint.init_from" not in bad_paths:
+        p += _named_checkpoint("checkpoint.init_from", init, "")
     if init is not None and cfg.parallel.strategy == "zero" and cfg.parallel.zero.stage == 3:
         p.append("checkpoint.init_from: parallel.zero.stage=3 cannot load weights from another run; start with "
                  "parallel.zero.stage=1 or 2 (or fsdp), then resume that run's checkpoints with stage 3")  # fmt: skip
     return p
+
+
+def _named_checkpoint(key: str, value: str, alternatives: str) -> list[str]:
+    """A checkpoint the config names must be a directory holding the marker a complete save writes last (a
+    directory like /etc used to pass this rule and fail after the process group existed)."""
+    if not Path(value).is_dir():
+        return [f"{key}: {echo(value)} is not {alternatives}an existing checkpoint directory (a step-XXXXXXXX)"]
+    if not (Path(value) / CHECKPOINT_MARKER).is_file():
+        return [f"{key}: {echo(value)} is not a complete checkpoint (no {CHECKPOINT_MARKER} marker: another kind of "
+                "directory, an interrupted save or a damaged one); name a step-XXXXXXXX directory that holds "
+                f"{CHECKPOINT_MARKER}"]  # fmt: skip
+    return []
 
 
 def _check_zero(cfg: JobConfig) -> list[str]:

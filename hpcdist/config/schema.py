@@ -276,7 +276,8 @@ class FaultConfig:
     watchdog_timeout_s: float = 90.0
     """Hang watchdog: a rank whose training step makes no progress for this long (or 4x its slowest step so far,
     if longer) dumps every thread's Python stack to its log, records the failure in <run.dir>/failures.jsonl and
-    exits 124, so srun ends the step and the failure policy requeues or stops the job. 0 disables it. 90 s keeps
+    exits 124, so srun ends the step and the failure policy requeues or stops the job. 0 disables it; otherwise at
+    least 5 s (shorter ones declare normal steps and saves hangs). 90 s keeps
     detection + SLURM's requeue hold (~2 min) + restart within the 5-minute recovery target (docs/FAULTS.md). The
     process-group (collective) timeout becomes the longest allowance + 60 s: NCCL's / gloo's own is the backstop."""
     watchdog_slow_phase_s: float = 900.0

@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from hpcdist import resources
+from hpcdist import resources, safe_yaml
 
 __all__ = ["ModelArgs", "flops_per_token", "load_preset", "num_params", "preset_names"]
 
@@ -155,7 +153,7 @@ def load_preset(name_or_path: str) -> dict[str, Any]:
             )
         if not path.is_file():
             raise ValueError(f"model preset file {str(path)!r} does not exist (presets by name: {names})")
-    data = yaml.safe_load(path.read_text())
+    data = safe_yaml.load_file(path)
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -320,3 +320,33 @@ def test_a_save_that_fails_with_a_bug_stops_and_a_full_disk_does_not(tmp_path: P
     assert mgr.save(2, _failing_state(OSError(28, "No space left on device"))) is None  # training goes on
     assert mgr.save(3, _failing_state(RuntimeError("[enforce fail] PytorchStreamWriter failed writing file"))) is None
     assert mgr.save(4, _linear_state(torch.nn.Linear(8, 8))) is not None
+
+
+def test_resuming_an_older_step_sets_the_newer_line_aside(small_cfg, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 14.6: after checkpoint.resume=<step 2> of a run that reached step 6, the next auto-resume jumped back
+    to step 6 of the abandoned line. Now the newer checkpoints are renamed step-N.abandoned-<time> (kept, said), and
+    auto continues the new line."""
+    over = (
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=5",
+        "train.micro_batch_size=4",
+        "checkpoint.save_final=true",
+    )
+    cfg = small_cfg("train.steps=6", *over)
+    single(_train, cfg)
+    root = cfg.checkpoint_dir
+    six = sorted((root / "step-00000006").rglob("*"))
+    capsys.readouterr()
+
+    _, branch = single(_train, small_cfg("train.steps=3", f"checkpoint.resume={root / 'step-00000002'}", *over))
+    assert branch.resumed_from.endswith("step-00000002") and branch.step == 3
+    out = capsys.readouterr().out
+    assert "turned back from step 4: the newer step-00000004 is set aside as step-00000004.abandoned-" in out
+    assert "step-00000006 is set aside as step-00000006.abandoned-" in out
+    assert [s for s, _ in list_checkpoints(root)[0]] == [2, 3]
+    (aside6,) = root.glob("step-00000006.abandoned-*")
+    assert [p.name for p in sorted(aside6.rglob("*"))] == [p.name for p in six] and (aside6 / MARKER).is_file()
+
+    _, after = single(_train, small_cfg("train.steps=4", *over))  # auto: the new line, not the abandoned step 6
+    assert after.resumed_from.endswith("step-00000003") and after.step == 4
+    assert len(list(root.glob("step-*.abandoned-*"))) == 2  # never pruned, never deleted

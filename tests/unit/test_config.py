@@ -490,13 +490,20 @@ def test_blank_run_dir() -> None:
 
 def test_files_source_needs_a_path(tmp_path: Path) -> None:
     _one_problem(["data.source=files"], "data.path: required when data.source=files", "hpcdist prepare")
+    # a directory `hpcdist prepare` did not make (issue 14.5: data.path=/etc was a FileNotFoundError traceback)
+    _one_problem(["data.source=files", f"data.path={tmp_path}"], "holds no prepared dataset (no meta.json)",
+                 f"hpcdist prepare FILES --out {tmp_path}")  # fmt: skip
+    (tmp_path / "meta.json").write_text("{}")  # its completeness is the dataset's to check, when it opens it
     assert load(None, ["data.source=files", f"data.path={tmp_path}"]).data.path == str(tmp_path)
 
 
 def test_resume_from_missing_directory(tmp_path: Path) -> None:
     missing = tmp_path / "step-00000100"
     _one_problem([f"checkpoint.resume={missing}"], "checkpoint.resume:", str(missing), "auto, none")
-    missing.mkdir()
+    missing.mkdir()  # a directory that is no checkpoint (issue 14.5: /etc failed only after the process group)
+    _one_problem([f"checkpoint.resume={missing}"], "is not a complete checkpoint (no COMPLETE marker")
+    _one_problem([f"checkpoint.init_from={missing}"], "checkpoint.init_from:", "no COMPLETE marker")
+    (missing / "COMPLETE").write_text("{}")
     assert load(None, [f"checkpoint.resume={missing}"]).checkpoint.resume == str(missing)
     assert load(None, ["checkpoint.resume=none"]).checkpoint.resume == "none"
 
@@ -600,6 +607,7 @@ def test_check_world_rejects_non_positive_world_size(world_size: int) -> None:
 def test_save_round_trips_and_leaves_no_temp_file(tmp_path: Path) -> None:
     resume = tmp_path / "step-00000010"
     resume.mkdir()
+    (resume / "COMPLETE").write_text("{}")
     cfg = load(
         CONFIGS / "demo.yaml",
         [f"run.dir={tmp_path / 'run'}", f"checkpoint.resume={resume}", "data.max_tokens=null", "optim.eps=1e-9",
@@ -747,3 +755,24 @@ def _validate_any(path: Path) -> None:
 @pytest.mark.parametrize("path", ALL_YAML, ids=_rel)
 def test_every_yaml_in_configs_validates(path: Path) -> None:
     _validate_any(path)
+
+
+def test_every_numeric_key_has_a_maximum() -> None:
+    """Issue 14.5: a 400-digit train.steps was an OverflowError, run.seed=2**70 one inside torch. Every int / float
+    key has a largest value (rules.MAXIMA) or both ends in the rules (BOUNDED_BY_RULES), and a value past it is one
+    problem naming the key."""
+    from hpcdist.config.rules import BOUNDED_BY_RULES, MAXIMA, _numeric_fields
+
+    keys = {key for key, _ in _numeric_fields(JobConfig())} | {
+        "logging.peak_flops",
+        "parallel.pp_stages_per_rank",
+        "data.max_tokens",
+        "model.n_kv_heads",
+    }  # None defaults
+    assert keys - set(MAXIMA) - BOUNDED_BY_RULES == set(), "give each numeric key a range"
+    assert set(MAXIMA) <= keys and not set(MAXIMA) & BOUNDED_BY_RULES
+    for key, (top, _) in MAXIMA.items():
+        over = top * 2 if isinstance(top, int) else top * 10
+        problems = _problems(None, [f"{key}={over}"])
+        assert any(p.startswith(f"{key}: must be at most ") for p in problems), (key, problems)
+    _one_problem([f"train.steps={10**400}"], "train.steps: must be at most 1,000,000,000,000, got an integer of")

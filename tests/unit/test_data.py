@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hpcdist import data as data_mod
+from hpcdist.config import ConfigError
 from hpcdist.data import (
     BatchLoader,
     ByteTokenizer,
@@ -192,7 +193,7 @@ def test_leftover_temp_and_missing_meta_not_complete(tmp_path: Path) -> None:
     # What a crashed run leaves: a finished shard, a half-written temp file, no meta.json.
     (out / "shard-00000.bin").write_bytes(np.arange(8, dtype="<u2").tobytes())
     (out / "shard-00001.bin.tmp.4242").write_bytes(b"\x01\x00")
-    with pytest.raises(FileNotFoundError, match="hpcdist prepare"):
+    with pytest.raises(ConfigError, match="hpcdist prepare"):
         TokenDataset(out, seq_len=2)
     prepare_shards(files, out, shard_tokens=8)
     assert not list(out.glob("*.tmp.*"))
@@ -217,7 +218,7 @@ def test_crash_mid_prepare_leaves_incomplete_dir(tmp_path: Path, monkeypatch: py
         prepare_shards(files, out, shard_tokens=4)  # new options -> rebuild, which dies after one shard
     # The old meta.json must be gone: it would otherwise describe shards that were overwritten.
     assert not (out / "meta.json").exists()
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError):
         TokenDataset(out, seq_len=2)
     monkeypatch.setattr(data_mod, "atomic_write", real_write)
     prepare_shards(files, out, shard_tokens=4)
@@ -231,7 +232,7 @@ def test_truncated_shard_not_complete(tmp_path: Path) -> None:
     out = prepare_shards(files, tmp_path / "ds", shard_tokens=8)
     with open(out / "shard-00001.bin", "r+b") as fh:
         fh.truncate(3)
-    with pytest.raises(FileNotFoundError, match="hpcdist prepare"):
+    with pytest.raises(ConfigError, match="hpcdist prepare"):
         TokenDataset(out, seq_len=2)
     prepare_shards(files, out, shard_tokens=8)  # same fingerprint, but repaired
     assert (out / "shard-00001.bin").stat().st_size == 16
@@ -286,7 +287,7 @@ def test_token_dataset_train_val_split(tmp_path: Path, val_fraction: float) -> N
 
 
 def test_token_dataset_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="hpcdist prepare"):
+    with pytest.raises(ConfigError, match="hpcdist prepare"):
         TokenDataset(tmp_path / "nope", 4)
     out = prepare_shards(_write_docs(tmp_path / "src"), tmp_path / "ds", shard_tokens=10)
     with pytest.raises(ValueError, match="too few"):

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hpcdist import env as envmod
 from hpcdist.env import (
@@ -157,8 +159,15 @@ EXPANSIONS = [
     ("r1n[1,3,5-6]", ["r1n1", "r1n3", "r1n5", "r1n6"]),
     ("a,,b", ["a", "b"]),  # scontrol skips empty entries too
     ("  a  b ", ["a", "b"]),
-    ("gpu[001-002, 007]", ["gpu001", "gpu002", "gpu007"]),
-]
+    ("a\tb", ["a", "b"]),  # a tab separates, like a blank (a newline does not: refused below)
+    ("a[1-2][3-4]", ["a13", "a14", "a23", "a24"]),
+    # issue 14.7: with 3+ groups scontrol varies the last fastest, then the first, second, ...
+    ("a[1-2]b[1-2]c[1-2]", ["a1b1c1", "a1b1c2", "a2b1c1", "a2b1c2", "a1b2c1", "a1b2c2", "a2b2c1", "a2b2c2"]),
+    ("r[1-3]n[1-2]g[0-1]", ["r1n1g0", "r1n1g1", "r2n1g0", "r2n1g1", "r3n1g0", "r3n1g1",
+                            "r1n2g0", "r1n2g1", "r2n2g0", "r2n2g1", "r3n2g0", "r3n2g1"]),
+    ("a[1-2]b[1-2]c[1-2]d[1]", ["a1b1c1d1", "a2b1c1d1", "a1b2c1d1", "a2b2c1d1",
+                                "a1b1c2d1", "a2b1c2d1", "a1b2c2d1", "a2b2c2d1"]),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("nodelist", "expected"), EXPANSIONS)
@@ -181,6 +190,16 @@ def test_expand_nodelist(nodelist: str, expected: list[str]) -> None:
         ("gpu[a]", "bad item 'a'"),
         ("gpu[1,,2]", "bad item ''"),
         ("gpu[0-99999999]", "more than"),
+        ("a[0-65536]", "more than 65536 values"),  # scontrol: "Too many hosts in range"
+        # issue 14.7: scontrol refuses a name that goes on after its last bracket group, and newlines
+        ("a[1-3]b", "continues after its last"),
+        ("[1-2]a", "continues after its last"),
+        ("a[1-2]b[1-2]c", "continues after its last"),
+        ("a[1-2]\n", r"control character '\\n' at position 6"),
+        ("a[1-2]\nb", "control character"),
+        ("a\nb", "control character"),  # scontrol makes one host named "a\nb" of it
+        ("a\rb,c", r"control character '\\r' at position 1"),
+        ("gpu[001-002, 007]", "bad item ' 007'"),  # scontrol: gpu0007 (the blank counts in the padding)
     ],
 )
 def test_expand_nodelist_rejects_malformed(nodelist: str, message: str) -> None:
@@ -234,14 +253,19 @@ def test_hostnames_empty_is_an_error_not_the_jobs_nodelist(no_scontrol: Path, mo
         hostnames("  ")
 
 
-def test_scontrol_agrees_with_parser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module")
+def scontrol(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A working ``scontrol`` (SLURM_CONF set for this module's tests), or a skip saying why not."""
     exe = shutil.which("scontrol")
     if exe is None:
-        pytest.skip("scontrol is not on PATH (install slurm-wlm: .ci/install-slurm)")
+        reason = "scontrol is not on PATH (install slurm-wlm: .ci/install-slurm)"
+        print(reason)
+        pytest.skip(reason)
     # scontrol needs a readable slurm.conf even to expand host lists; four lines are enough (FACTS.md)
-    conf = tmp_path / "slurm.conf"
+    conf = tmp_path_factory.mktemp("slurm") / "slurm.conf"
     conf.write_text("ClusterName=t\nSlurmctldHost=localhost\nNodeName=n1 CPUs=1\nPartitionName=p Nodes=n1\n")
-    monkeypatch.setenv("SLURM_CONF", str(conf))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SLURM_CONF", str(conf))
     try:
         # A SLURM_CONF naming a missing file makes scontrol retry for 60 s: keep the probe short.
         probe = subprocess.run([exe, "show", "hostnames", "n[1-2]"], capture_output=True, text=True, timeout=3)
@@ -251,13 +275,69 @@ def test_scontrol_agrees_with_parser(tmp_path: Path, monkeypatch: pytest.MonkeyP
         works = probe.returncode == 0 and probe.stdout.split() == ["n1", "n2"]
         reason = "" if works else f"scontrol does not work here (exit {probe.returncode}): {probe.stderr.strip()[:200]}"
     if reason:
+        mp.undo()
         print(reason)
         pytest.skip(reason)
+    yield exe
+    mp.undo()
+
+
+def _scontrol(exe: str, nodelist: str) -> list[str] | None:
+    """scontrol's expansion, or None where it refuses the list (22.05 exits 0 and says "Invalid hostlist") or
+    complains: a bad range in a group before the last of 3+ is reported ("error: ... Invalid range") and then
+    dropped with the names it would have made, which the parser refuses instead."""
+    out = subprocess.run([exe, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
+    said = out.stdout + out.stderr
+    refused = out.returncode != 0 or "Invalid hostlist" in said or "error:" in said or not out.stdout.strip()
+    return None if refused else out.stdout.splitlines()
+
+
+def _parser(nodelist: str) -> list[str] | None:
+    try:
+        return expand_nodelist(nodelist)
+    except ValueError:
+        return None
+
+
+def test_scontrol_agrees_with_parser(scontrol: str) -> None:
     for nodelist, expected in EXPANSIONS:
         if " " in nodelist:
             continue  # one argv word per list in real use
-        out = subprocess.run([exe, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
-        assert out.stdout.split() == expected == expand_nodelist(nodelist), nodelist
+        assert _scontrol(scontrol, nodelist) == expected == expand_nodelist(nodelist), nodelist
+
+
+# lists scontrol refuses, which the parser used to accept (a name after the last group, a newline after a group)
+# or expanded in another order; scontrol's quirks the parser refuses on purpose ("a\nb" as one host, blanks counted
+# in the padding) are not compared
+@pytest.mark.parametrize("nodelist", ["a[1-3]b", "[1-2]a", "a[1-2]-", "a[1-2]\n", "a[1-2]\nb", "a[0-65536]",
+                                      "a[5-2]", "a[]", "a[1,,2]", "a[1-2-3]", "a[[1-2]]", "a[1-2]]"])  # fmt: skip
+def test_parser_refuses_what_scontrol_refuses(scontrol: str, nodelist: str) -> None:
+    assert _scontrol(scontrol, nodelist) is None
+    with pytest.raises(ValueError):
+        expand_nodelist(nodelist)
+
+
+_GROUP = st.lists(
+    st.tuples(st.integers(0, 12), st.integers(0, 3), st.integers(1, 2)).map(
+        lambda t: f"{t[0]:0{t[2]}d}" if t[1] == 0 else f"{t[0]:0{t[2]}d}-{t[0] + t[1] - (t[1] == 3) * 20}"
+    ),  # mostly ascending ranges; sometimes a descending one (both refuse it)
+    min_size=1,
+    max_size=3,
+).map(lambda items: f"[{','.join(items)}]")
+_PREFIX = st.text("abn-", max_size=3).filter(lambda t: not t.startswith("-"))  # "-x" is an option to scontrol
+_ENTRY = st.tuples(_PREFIX, st.lists(st.tuples(_GROUP, st.text("bx-", max_size=2)), max_size=4), st.booleans()).map(
+    # prefix, then groups with literals between them; the literal after the last group only when the flag says so
+    lambda t: t[0] + "".join(g + lit for g, lit in t[1][:-1]) + (t[1][-1][0] + t[1][-1][1] * t[2] if t[1] else "")
+)
+_NODELISTS = st.lists(_ENTRY.filter(bool), min_size=1, max_size=3).map(",".join)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(nodelist=_NODELISTS)
+def test_parser_matches_scontrol_on_generated_lists(scontrol: str, nodelist: str) -> None:
+    """Issue 14.7: bracket groups 1-4 per name, literals between them, sometimes a name after the last group or a
+    descending range; the parser's names (in order) or refusal equal scontrol's."""
+    assert _parser(nodelist) == _scontrol(scontrol, nodelist), nodelist
 
 
 # ---------------------------------------------------------------------------------------------- port
