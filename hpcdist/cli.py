@@ -570,11 +570,13 @@ def _run_dir(args: argparse.Namespace) -> str | None:
 
 def _write_traceback(text: str, run_dir: str | None) -> str:
     from hpcdist.atomic import atomic_write
+    from hpcdist.rundir import RunDir
 
-    name = f"hpcdist-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    target = RunDir(run_dir or ".").error_log(time.strftime("%Y%m%d-%H%M%S"), os.getpid())
+    name = target.name
     if run_dir and os.path.isdir(run_dir):
         try:
-            return str(atomic_write(os.path.join(run_dir, name), text))
+            return str(atomic_write(target, text))
         except OSError:
             pass  # a read-only or full run.dir: the temp file below
     fd, path = tempfile.mkstemp(prefix=name.removesuffix(".log") + "-", suffix=".log")  # O_EXCL, mode 0600

@@ -78,6 +78,10 @@ class RunDir:
         """One heartbeat file per rank for the hang watchdog (fault/hang.py)."""
         return self.root / "heartbeats"
 
+    def error_log(self, when: str, pid: int) -> Path:
+        """Where the CLI's last-resort handler keeps an unexpected error's traceback (``when``: a timestamp)."""
+        return self.root / f"hpcdist-error-{when}-{pid}.log"
+
     @property
     def slurm_logs(self) -> Path:
         """Batch jobs' stdout/stderr unless the cluster profile sets log_dir."""

@@ -23,3 +23,8 @@ def test_every_run_dir_entry_is_documented_and_every_documented_entry_is_one() -
     owned = {name: getattr(rd, name) for name in dir(RunDir) if isinstance(getattr(RunDir, name), property)}
     assert all(path.parent == rd.root for path in owned.values()), owned  # one level: names, not nested paths
     assert {p.name for p in owned.values()} == _readme_entries()
+
+
+def test_the_error_log_is_named_as_documented() -> None:
+    block = (REPO / "README.md").read_text(encoding="utf-8").split("### Run directory", 1)[1].split("```", 2)[1]
+    assert RunDir("r").error_log("<time>", "<pid>").name in block  # type: ignore[arg-type]
