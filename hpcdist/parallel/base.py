@@ -1,8 +1,9 @@
 """The strategy seam: what the train loop calls, whatever the parallelism underneath.
 
 The loop only ever calls ``forward_backward(batch)``, ``optimizer_step()``, ``eval_loss(batch)`` and the
-checkpoint hooks. Each strategy (DDP, FSDP2, ZeRO, 3D) implements them once, so adding one never
-touches the loop.
+checkpoint hooks. Each strategy (DDPStrategy for pure replication, MeshStrategy for every sharded ParallelDims
+layout: FSDP2, HSDP, TP, pipelines; ZeroStrategy for DeepSpeed) implements them once, so adding one never touches
+the loop.
 """
 
 from __future__ import annotations
