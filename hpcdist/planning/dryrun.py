@@ -41,7 +41,7 @@ from hpcdist.config.cluster import ClusterConfig, load_cluster
 from hpcdist.models.llama import build_model, num_params
 from hpcdist.parallel.dims import parallel_dims
 from hpcdist.planning.layouts import DEFAULT_MARGIN_GIB, format_count
-from hpcdist.planning.memory import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory
+from hpcdist.planning.memory import GIB, MemoryEstimate
 
 T = TypeVar("T")
 
@@ -256,35 +256,18 @@ def _zero_count(cfg: JobConfig, model: nn.Module, world_size: int) -> tuple[int,
 
 
 def _memory(cfg: JobConfig, world_size: int, gpus_per_node: int) -> MemoryEstimate:
+    """The planner's estimate for the layout this config runs (its own row, ZeRO offload included)."""
     from hpcdist.planning import layouts as planner
 
     t, p = cfg.train, cfg.parallel
-    common: dict[str, Any] = {
-        "micro_batch_size": t.micro_batch_size,
-        "seq_len": cfg.data.seq_len,
-        "activation_checkpointing": t.activation_checkpointing,
-    }
-    args = cfg.model_args()
-    if p.strategy == "ddp":
-        return estimate_memory(args, strategy="ddp", world_size=world_size, gpus_per_node=gpus_per_node, **common)
-    if p.strategy == "zero":
-        z = p.zero
-        return estimate_memory(
-            args, strategy=f"zero{z.stage}", world_size=world_size, gpus_per_node=gpus_per_node,
-            offload_optimizer=z.offload_optimizer, offload_params=z.offload_params, **common,
-        )  # fmt: skip
     layout = planner.layout_of(cfg, world_size)
-    return estimate_3d_memory(
-        args,
-        tp=layout.tp,
-        pp=layout.pp,
-        dp=layout.dp,
-        dp_shard=layout.dp_shard,
+    zero = p.strategy == "zero"
+    return planner.layout_memory(
+        cfg.model_args(), layout, seq_len=cfg.data.seq_len, gpus_per_node=gpus_per_node,
         microbatches=t.global_batch_size // (t.micro_batch_size * layout.dp),
-        reduce_bytes=planner.grad_reduce_bytes(cfg),
-        strategy=layout.strategy,
-        **common,
-    )
+        reduce_bytes=planner.grad_reduce_bytes(cfg), offload_optimizer=zero and p.zero.offload_optimizer,
+        offload_params=zero and p.zero.offload_params,
+    )  # fmt: skip
 
 
 def _prediction(cfg: JobConfig, world_size: int, cluster: ClusterConfig) -> str | None:

@@ -44,6 +44,7 @@ __all__ = [
     "estimate_step",
     "format_count",
     "grad_reduce_bytes",
+    "layout_memory",
     "layout_of",
     "layout_overrides",
     "layout_table",
@@ -188,9 +189,18 @@ def _dp_events(layout: Layout, p_g: int, reduce_bytes: int, bw_dp: float, bw_sha
     raise ValueError(f"unknown layout strategy {layout.strategy!r}: choose one of {', '.join(LAYOUT_STRATEGIES)}")
 
 
-def _memory(
-    args: ModelArgs, layout: Layout, *, seq_len: int, microbatches: int, gpus_per_node: int, reduce_bytes: int
+def layout_memory(
+    args: ModelArgs,
+    layout: Layout,
+    *,
+    seq_len: int,
+    microbatches: int,
+    gpus_per_node: int,
+    reduce_bytes: int,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
 ) -> MemoryEstimate:
+    """Per-GPU memory of ``layout`` (the planner's rows and the dry run's estimate); offload only for ZeRO."""
     common: dict[str, Any] = {
         "micro_batch_size": layout.micro_batch_size,
         "seq_len": seq_len,
@@ -198,19 +208,13 @@ def _memory(
     }
     if layout.strategy in ("ddp", "zero1", "zero2", "zero3"):
         return estimate_memory(
-            args, strategy=layout.strategy, world_size=layout.dp, gpus_per_node=gpus_per_node, **common
-        )
+            args, strategy=layout.strategy, world_size=layout.dp, gpus_per_node=gpus_per_node,
+            offload_optimizer=offload_optimizer, offload_params=offload_params, **common,
+        )  # fmt: skip
     return estimate_3d_memory(
-        args,
-        tp=layout.tp,
-        pp=layout.pp,
-        dp=layout.dp,
-        dp_shard=layout.dp_shard,
-        microbatches=microbatches,
-        reduce_bytes=reduce_bytes,
-        strategy=layout.strategy,
-        **common,
-    )
+        args, tp=layout.tp, pp=layout.pp, dp=layout.dp, dp_shard=layout.dp_shard, microbatches=microbatches,
+        reduce_bytes=reduce_bytes, strategy=layout.strategy, **common,
+    )  # fmt: skip
 
 
 def estimate_step(
@@ -263,7 +267,9 @@ def estimate_step(
 
     step = t_pipe + t_dp
     tokens_per_gpu = global_batch_size * seq_len / (step * world)
-    memory = _memory(args, layout, seq_len=seq_len, microbatches=m, gpus_per_node=per_node, reduce_bytes=reduce_bytes)
+    memory = layout_memory(
+        args, layout, seq_len=seq_len, microbatches=m, gpus_per_node=per_node, reduce_bytes=reduce_bytes
+    )
     return StepEstimate(
         layout=layout,
         memory=memory,
