@@ -344,6 +344,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     from hpcdist.planning.memory import GIB
 
     cfg = config_mod.load(args.config, args.overrides)
+    _warn_data(cfg)
     world = args.world_size or 8
     try:
         ranks = None if args.ranks is None else parse_ranks(args.ranks, world)  # None: the dry run's default
@@ -362,10 +363,19 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_data(cfg: Any) -> None:
+    """A dry run plans a job without its data: a missing dataset or a vocabulary mismatch is a warning there."""
+    from hpcdist import config as config_mod
+
+    for problem in config_mod.check_data(cfg, strict=False):
+        print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from hpcdist import config as config_mod
 
     cfg = config_mod.load(args.config, args.overrides)
+    _warn_data(cfg)
     config_mod.check_world(cfg, args.world_size)
     print(config_mod.dump(cfg), end="")
     return 0

@@ -135,14 +135,13 @@ def check(cfg: JobConfig) -> list[str]:
         p.append("train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01)")
 
     m = cfg.model
-    p += m.problems()
+    # an unresolved model.vocab_size (auto without data, a typo) is already reported by config.vocab.resolve_vocab
+    p += [q for q in m.problems() if not (isinstance(m.vocab_size, str) and q.startswith("model.vocab_size="))]
     if cfg.data.seq_len > m.max_seq_len > 0:
         p.append(
             f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
             "lower one or raise the other"
         )
-    if cfg.data.source != "synthetic" and 0 < m.vocab_size < BYTE_VOCAB:
-        p.append(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's {BYTE_VOCAB} tokens")
     if cfg.data.source == "files" and not cfg.data.path:
         p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
 

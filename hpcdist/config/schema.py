@@ -49,6 +49,10 @@ class RunConfig:
 class ModelConfig(ModelArgs):
     """The model (``model:``): the :class:`~hpcdist.models.args.ModelArgs` fields, optionally over a preset."""
 
+    vocab_size: int | str = 258
+    """Vocabulary size V (258 = the byte tokenizer), or ``auto``: the prepared data's vocabulary rounded up to a
+    multiple of 64 (hpcdist.config.vocab; the padding rows are never a target). Data with ids >= V is refused at
+    start-up."""
     preset: str | None = None
     """A shipped preset name (hpcdist/resources/models/<name>.yaml) or a YAML path; its keys are defaults under
     this section's keys."""
