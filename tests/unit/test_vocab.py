@@ -98,3 +98,14 @@ def test_cli_missing_data_refuses_to_train_but_dry_runs_warn(tmp_path: Path) -> 
     sub = hpcdist("submit", "configs/demo.yaml", *over, "--cluster", "a100_ib", "--dry-run")
     assert sub.returncode == 0, sub.stderr
     assert f"hpcdist: warning: {line}" in sub.stderr and "#SBATCH" in sub.stdout
+
+
+def test_flagship_config_names_prepared_data_and_refuses_to_start_without_it(tmp_path: Path) -> None:
+    cfg = config_mod.load("configs/train_13b.yaml")
+    assert (cfg.data.source, cfg.data.path, cfg.model.vocab_size) == ("files", "data/llama2-corpus", 32000)
+    proc = hpcdist("train", "configs/train_13b.yaml", f"run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "hpcdist: data.path data/llama2-corpus: no prepared dataset there (no complete meta.json); make it with "
+        "`hpcdist prepare INPUT... --tokenizer SPEC --out data/llama2-corpus`"
+    ]
