@@ -26,6 +26,7 @@ from hpcdist.config import JobConfig
 from hpcdist.data import (
     BatchLoader,
     ByteTokenizer,
+    PrefetchLoader,
     ResumableSampler,
     SyntheticDataset,
     TokenDataset,
@@ -113,10 +114,16 @@ class Trainer:
 
         train_ds, self.val_ds = build_datasets(cfg, env)
         self.sampler = ResumableSampler(len(train_ds), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
-        self.loader = BatchLoader(
+        loader = BatchLoader(
             train_ds, self.sampler, global_batch_size=cfg.train.global_batch_size, dp_rank=self.dp_rank,
             dp_size=self.dims.dp,
         )  # fmt: skip
+        # the next batches are built while this step computes; pinned on CUDA for the strategy's non-blocking copy
+        self.loader: BatchLoader | PrefetchLoader = (
+            PrefetchLoader(loader, depth=cfg.data.prefetch, pin_memory=env.device == "cuda")
+            if cfg.data.prefetch else loader
+        )  # fmt: skip
+        self._data_wait = [0.0, 0.0]  # data-wait and step seconds since the last log line
 
         args = cfg.model_args()
         model = build_model(args, device="meta")
@@ -290,10 +297,12 @@ class Trainer:
         try:
             self._loop(end, result)
         except BaseException:
+            self.loader.close()
             self.watchdog.stop()
             self.stop_flag.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
             self.run_lock.release()
             raise
+        self.loader.close()  # prefetched batches are dropped: the saved sampler state never counted them
         self.watchdog.beat(self.step, "stop agreement (last MAX all-reduce)")
         self.stop_flag.close()
         self.watchdog.stop()
@@ -319,6 +328,8 @@ class Trainer:
             self.tokens_seen += self.tokens_per_step
 
             step_s = time.perf_counter() - t0
+            self._data_wait[0] += data_s
+            self._data_wait[1] += step_s
             self.throughput.update(self.tokens_per_step, step_s)
             self.watchdog.step_time(step_s)
             self.watchdog.beat(self.step, "logging / evaluation (loss all-reduce)")
@@ -364,6 +375,9 @@ class Trainer:
             "step_time_s": self.throughput.step_time,
             "tokens_seen": float(self.tokens_seen),
             "eta_s": remaining,
+            # the share of step time this rank waited for its batch (since the last log line): ~0 with prefetching
+            # unless building batches is slower than computing on them
+            "data_wait_share": self._data_wait[0] / self._data_wait[1] if self._data_wait[1] else 0.0,
             **memory_stats(self.env.torch_device()),
         }
         if self.cfg.train.nonfinite == "skip":
@@ -371,6 +385,7 @@ class Trainer:
         every = self.cfg.logging.replica_check_every_steps
         if every and self.step % every == 0 and self.strategy.has_replicas():
             m["replica_divergence"] = self._check_replicas()
+        self._data_wait = [0.0, 0.0]
         self.metrics.log(self.step, m)
         log.info(format_line(self.step, self.cfg.train.steps, m))
         return m["loss"]

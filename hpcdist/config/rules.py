@@ -142,6 +142,8 @@ def check(cfg: JobConfig) -> list[str]:
             f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
             "lower one or raise the other"
         )
+    if cfg.data.prefetch < 0:
+        p.append(f"data.prefetch: must be >= 0 (0 = no background thread), got {cfg.data.prefetch}")
     if cfg.data.source == "files" and not cfg.data.path:
         p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
 

@@ -77,6 +77,9 @@ class DataConfig:
     """A new sample order every epoch (seeded by run.seed, so resuming continues it)."""
     dtype: str = "uint16"
     """Token dtype of the prepared shards: uint16 (vocab <= 65536) or uint32."""
+    prefetch: int = 2
+    """Batches built ahead in a background thread (pinned memory on CUDA, copied non-blocking); 0 builds each batch
+    in the training thread. Resume is exact either way: prefetched batches not yet trained on are not consumed."""
     synthetic_samples: int = 100_000
     """Samples in the synthetic dataset (source=synthetic)."""
 

@@ -7,6 +7,7 @@ Pipeline::
           --TokenDataset-----> sample i = (seq_len + 1,) int64 window (inputs + shifted targets)
           --ResumableSampler-> global sample order, one permutation per epoch
           --BatchLoader------> this data-parallel rank's slice of each global batch
+          --PrefetchLoader---> the next batches built in a background thread (pinned on CUDA)
 
 The sampler counts *global* samples, never per-rank ones, so a checkpoint taken with dp=2 resumes on dp=4
 (or dp=1) reading exactly the samples an uninterrupted run would have read.
@@ -16,7 +17,7 @@ Preparation is single-writer: rank 0 prepares and the other ranks wait on a barr
 """
 
 from hpcdist.data.corpora import stdlib_corpus
-from hpcdist.data.loader import BatchLoader
+from hpcdist.data.loader import BatchLoader, PrefetchLoader
 from hpcdist.data.prepare import PrepareResult, prepare_corpus, prepare_shards
 from hpcdist.data.sampler import ResumableSampler
 from hpcdist.data.shards import SampleDataset, SyntheticDataset, TokenDataset
@@ -25,6 +26,7 @@ from hpcdist.data.tokenizers import ByteTokenizer, Tokenizer, TokenizerError, lo
 __all__ = [
     "BatchLoader",
     "ByteTokenizer",
+    "PrefetchLoader",
     "PrepareResult",
     "ResumableSampler",
     "SampleDataset",

@@ -51,3 +51,19 @@ def test_two_rank_ddp_trains_on_bpe_data_with_auto_vocab_and_resumes_exactly(
     assert first["losses"] + second["losses"] == ref["losses"]  # bitwise
     for name, p in ref["params"].items():
         assert torch.equal(second["params"][name], p), name
+
+
+def test_prefetching_changes_no_loss_and_resumes_exactly(bpe_corpus_dir: Path, tmp_path: Path) -> None:
+    def cfg(run: str, prefetch: int) -> JobConfig:
+        over = [*SMALL, f"run.dir={tmp_path / run}", "data.source=files", f"data.path={bpe_corpus_dir}",
+                "model.vocab_size=auto", "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=4",
+                f"data.prefetch={prefetch}"]  # fmt: skip
+        return config_mod.load(None, over)
+
+    off = run_ranks(2, _train, cfg("off", 0))[0]
+    on = run_ranks(2, _train, cfg("on", 3))[0]
+    assert on["losses"] == off["losses"]  # bitwise: the same batches in the same order
+    # stop at step 2 with up to 3 batches prefetched, resume without prefetching: nothing skipped or repeated
+    first = run_ranks(2, _train, cfg("split", 3), 2)[0]
+    second = run_ranks(2, _train, cfg("split", 0))[0]
+    assert first["losses"] + second["losses"] == off["losses"]
