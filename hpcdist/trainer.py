@@ -25,11 +25,13 @@ from hpcdist.checkpoint import STATE_FILE, CheckpointManager, CheckpointMismatch
 from hpcdist.config import JobConfig
 from hpcdist.data import (
     BatchLoader,
+    BlendedDataset,
     ByteTokenizer,
     PrefetchLoader,
     ResumableSampler,
     SyntheticDataset,
     TokenDataset,
+    make_sampler,
     prepare_shards,
     stdlib_corpus,
 )
@@ -83,6 +85,16 @@ def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
             prepare_shards(stdlib_corpus(), path, dtype=d.dtype, max_tokens=d.max_tokens, tokenizer=ByteTokenizer())
             log.info("data: stdlib corpus ready in %s (%.1fs)", path, time.perf_counter() - t0)
         _barrier()
+    elif d.sources:  # a blend: each source split alike, mixed by the same weights
+        weights = [s.weight for s in d.sources]
+
+        def blend(split: str, seed: int, shuffle: bool) -> BlendedDataset:
+            parts = [TokenDataset(Path(s.path), d.seq_len, split=split, val_fraction=d.val_fraction) for s in d.sources]
+            return BlendedDataset(parts, weights, seed=seed, shuffle=shuffle)
+
+        return blend("train", cfg.run.seed, d.shuffle), blend(
+            "val", cfg.run.seed + 1, False
+        ) if d.val_fraction else None
     else:
         path = Path(str(d.path))
     train = TokenDataset(path, d.seq_len, split="train", val_fraction=d.val_fraction)
@@ -113,7 +125,7 @@ class Trainer:
         self.step, self.tokens_seen = 0, 0
 
         train_ds, self.val_ds = build_datasets(cfg, env)
-        self.sampler = ResumableSampler(len(train_ds), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        self.sampler = make_sampler(train_ds, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         loader = BatchLoader(
             train_ds, self.sampler, global_batch_size=cfg.train.global_batch_size, dp_rank=self.dp_rank,
             dp_size=self.dims.dp,

@@ -28,6 +28,7 @@ from hpcdist.config.rules import (
 from hpcdist.config.schema import (
     CheckpointConfig,
     DataConfig,
+    DataSourceConfig,
     FaultConfig,
     FSDPConfig,
     JobConfig,
@@ -53,6 +54,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DataError",
+    "DataSourceConfig",
     "FSDPConfig",
     "FaultConfig",
     "JobConfig",

@@ -55,6 +55,22 @@ def _positive(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) 
     return out
 
 
+def _check_sources(cfg: JobConfig) -> list[str]:
+    d, out = cfg.data, []
+    if not d.sources:
+        return out
+    if d.source != "files":
+        out.append(f"data.sources: a blend of prepared directories needs data.source=files, not {d.source!r}")
+    if d.path:
+        out.append("data.sources and data.path: give one (a blend, or one prepared directory)")
+    for i, s in enumerate(d.sources):
+        if not s.path.strip():
+            out.append(f"data.sources[{i}].path: must name a directory made by `hpcdist prepare`")
+        if not (math.isfinite(s.weight) and s.weight > 0):
+            out.append(f"data.sources[{i}].weight: must be a finite number > 0, got {s.weight}")
+    return out
+
+
 def check(cfg: JobConfig) -> list[str]:
     """Semantic checks that need no world size. Returns problems (empty = valid)."""
     p: list[str] = []
@@ -144,8 +160,9 @@ def check(cfg: JobConfig) -> list[str]:
         )
     if cfg.data.prefetch < 0:
         p.append(f"data.prefetch: must be >= 0 (0 = no background thread), got {cfg.data.prefetch}")
-    if cfg.data.source == "files" and not cfg.data.path:
+    if cfg.data.source == "files" and not cfg.data.path and not cfg.data.sources:
         p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
+    p += _check_sources(cfg)
 
     t = cfg.train
     if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:

@@ -59,6 +59,16 @@ class ModelConfig(ModelArgs):
 
 
 @dataclass
+class DataSourceConfig:
+    """One prepared dataset of a blend (``data.sources: [{path: ..., weight: ...}, ...]``)."""
+
+    path: str = ""
+    """A directory made by `hpcdist prepare`."""
+    weight: float = 1.0
+    """Its share of the samples, relative to the other sources' weights (> 0)."""
+
+
+@dataclass
 class DataConfig:
     """Training data (``data:``): where tokens come from and how they are cut into samples."""
 
@@ -67,6 +77,9 @@ class DataConfig:
     `hpcdist prepare` at data.path; synthetic: deterministic random tokens (benchmarks)."""
     path: str | None = None
     """Prepared shard directory (source=files); for stdlib, where to cache shards (default <run.dir>/data)."""
+    sources: list[DataSourceConfig] = field(default_factory=list)
+    """source=files, instead of path: a blend of prepared directories, ``[{path: ..., weight: ...}, ...]``. Each is
+    read in its own epochs (every sample once per epoch), in the weights' proportion; all must share one tokenizer."""
     seq_len: int = 128
     """Tokens per sample (the model sees seq_len inputs and seq_len shifted targets)."""
     max_tokens: int | None = 4_000_000

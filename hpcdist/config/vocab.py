@@ -20,7 +20,7 @@ from hpcdist.config.loader import ConfigError
 from hpcdist.config.rules import BYTE_VOCAB
 from hpcdist.config.schema import JobConfig
 
-__all__ = ["META_NAME", "VOCAB_MULTIPLE", "DataError", "check_data", "data_vocab", "resolve_vocab"]
+__all__ = ["META_NAME", "VOCAB_MULTIPLE", "DataError", "check_data", "data_vocab", "dataset_paths", "resolve_vocab"]
 
 VOCAB_MULTIPLE = 64
 META_NAME = "meta.json"  # hpcdist.data.shards.META_NAME
@@ -46,18 +46,33 @@ def _dataset_meta(path: str) -> dict | None:
     return meta if isinstance(meta, dict) and isinstance(meta.get("vocab_size"), int) else None
 
 
+def dataset_paths(cfg: JobConfig) -> list[tuple[str, str]]:
+    """(config key, directory) of every prepared dataset the config reads: data.path, or each of data.sources."""
+    d = cfg.data
+    if d.source != "files":
+        return []
+    if d.sources:
+        return [(f"data.sources[{i}].path", s.path) for i, s in enumerate(d.sources)]
+    return [("data.path", d.path)] if d.path else []
+
+
 def data_vocab(cfg: JobConfig) -> tuple[int | None, str]:
-    """(the data's vocabulary size or None when unknown, where it comes from: for messages)."""
+    """(the data's vocabulary size or None when unknown, where it comes from: for messages). A blend's is the
+    largest of its sources'."""
     d = cfg.data
     if d.source == "stdlib":
         return BYTE_VOCAB, "the byte tokenizer of data.source=stdlib"
-    if d.source == "files" and d.path:
-        meta = _dataset_meta(d.path)
+    paths = dataset_paths(cfg)
+    if not paths:
+        return None, f"data.source={d.source}"
+    found = []
+    for key, path in paths:
+        meta = _dataset_meta(path)
         if meta is None:
-            return None, f"data.path={d.path}"
+            return None, f"{key}={path}"
         kind = (meta.get("tokenizer") or {}).get("kind", "byte")
-        return int(meta["vocab_size"]), f"the {kind} tokenizer of data.path={d.path}"
-    return None, f"data.source={d.source}"
+        found.append((int(meta["vocab_size"]), f"the {kind} tokenizer of {key}={path}"))
+    return max(found)
 
 
 def round_up(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
@@ -78,9 +93,10 @@ def resolve_vocab(cfg: JobConfig) -> list[str]:
     if vocab is not None:
         cfg.model.vocab_size = round_up(vocab)
         return []
-    if cfg.data.source == "files" and cfg.data.path:
+    if dataset_paths(cfg):
+        path = where.split("=", 1)[1]
         return [f"model.vocab_size: auto reads the vocabulary of the prepared data, but {where} holds no prepared "
-                f"dataset; {_prepare_hint(cfg.data.path)}, or give a number"]  # fmt: skip
+                f"dataset; {_prepare_hint(path)}, or give a number"]  # fmt: skip
     return [f"model.vocab_size: auto needs prepared data to read the vocabulary from ({where}); give a number"]
 
 
@@ -90,10 +106,19 @@ def check_data(cfg: JobConfig, *, strict: bool = True) -> list[str]:
     ``strict`` raises :class:`DataError` (one line); otherwise the problems are returned as warnings (the dry runs,
     which plan a job without its data)."""
     problems: list[str] = []
-    d, m = cfg.data, cfg.model
-    if d.source == "files" and d.path and _dataset_meta(d.path) is None:
-        problems.append(f"data.path {d.path}: no prepared dataset there (no complete {META_NAME}); "
-                        f"{_prepare_hint(d.path)}")  # fmt: skip
+    m = cfg.model
+    tokenizers = {}
+    for key, path in dataset_paths(cfg):
+        meta = _dataset_meta(path)
+        if meta is None:
+            problems.append(f"{key} {path}: no prepared dataset there (no complete {META_NAME}); "
+                            f"{_prepare_hint(path)}")  # fmt: skip
+        else:
+            tok = meta.get("tokenizer") or {"kind": "byte", "vocab_size": meta["vocab_size"]}
+            tokenizers[path] = json.dumps({k: tok.get(k) for k in ("kind", "vocab_size", "files")}, sort_keys=True)
+    if len(set(tokenizers.values())) > 1:
+        problems.append(f"data.sources: prepared with different tokenizers ({', '.join(tokenizers)}): the same id "
+                        "would mean different text; prepare every source with one tokenizer")  # fmt: skip
     vocab, where = data_vocab(cfg)
     if vocab is not None and isinstance(m.vocab_size, int) and vocab > m.vocab_size:
         problems.append(

@@ -5,6 +5,7 @@ Pipeline::
     corpora (text, jsonl, parquet, datasets dirs) --prepare (tokenizer, worker processes)--> out_dir/shard-*.bin
           + meta.json (written last; names the tokenizer, copied into out_dir/tokenizer/)   [docs/DATA.md]
           --TokenDataset-----> sample i = (seq_len + 1,) int64 window (inputs + shifted targets)
+          --BlendedDataset---> (data.sources) several datasets mixed by weight, each in its own epochs
           --ResumableSampler-> global sample order, one permutation per epoch
           --BatchLoader------> this data-parallel rank's slice of each global batch
           --PrefetchLoader---> the next batches built in a background thread (pinned on CUDA)
@@ -16,6 +17,7 @@ Preparation is single-writer: rank 0 prepares and the other ranks wait on a barr
 `TokenDataset` (the trainer does this). Concurrent calls on one shared directory are not supported.
 """
 
+from hpcdist.data.blend import BlendedDataset, BlendSampler, make_sampler
 from hpcdist.data.corpora import stdlib_corpus
 from hpcdist.data.loader import BatchLoader, PrefetchLoader
 from hpcdist.data.prepare import PrepareResult, prepare_corpus, prepare_shards
@@ -25,6 +27,8 @@ from hpcdist.data.tokenizers import ByteTokenizer, Tokenizer, TokenizerError, lo
 
 __all__ = [
     "BatchLoader",
+    "BlendSampler",
+    "BlendedDataset",
     "ByteTokenizer",
     "PrefetchLoader",
     "PrepareResult",
@@ -35,6 +39,7 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "load_tokenizer",
+    "make_sampler",
     "prepare_corpus",
     "prepare_shards",
     "stdlib_corpus",

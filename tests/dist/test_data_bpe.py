@@ -67,3 +67,18 @@ def test_prefetching_changes_no_loss_and_resumes_exactly(bpe_corpus_dir: Path, t
     first = run_ranks(2, _train, cfg("split", 3), 2)[0]
     second = run_ranks(2, _train, cfg("split", 0))[0]
     assert first["losses"] + second["losses"] == off["losses"]
+
+
+def test_blend_trains_on_two_ranks_and_resumes_exactly(bpe_corpus_dir: Path, tmp_path: Path) -> None:
+    # two sources of one tokenizer: the BPE corpus twice over (weights 3:1), through the trainer's own blend path
+    sources = f"data.sources=[{{path: {bpe_corpus_dir}, weight: 3}}, {{path: {bpe_corpus_dir}, weight: 1}}]"
+
+    def cfg(run: str) -> JobConfig:
+        over = [*SMALL, f"run.dir={tmp_path / run}", "data.source=files", sources, "model.vocab_size=auto",
+                "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=4"]  # fmt: skip
+        return config_mod.load(None, over)
+
+    straight = run_ranks(2, _train, cfg("straight"))[0]
+    first = run_ranks(2, _train, cfg("split"), 3)[0]
+    second = run_ranks(2, _train, cfg("split"))[0]
+    assert first["losses"] + second["losses"] == straight["losses"]
