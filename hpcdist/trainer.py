@@ -92,13 +92,15 @@ def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
             parts = [TokenDataset(Path(s.path), d.seq_len, split=split, val_fraction=d.val_fraction) for s in d.sources]
             return BlendedDataset(parts, weights, seed=seed, shuffle=shuffle)
 
-        return blend("train", cfg.run.seed, d.shuffle), blend(
-            "val", cfg.run.seed + 1, False
-        ) if d.val_fraction else None
+        train = blend("train", cfg.run.seed, d.shuffle)
+        log.info("data: blend of %d sources, %d train samples", len(d.sources), len(train))
+        return train, (blend("val", cfg.run.seed + 1, False) if d.val_fraction else None)
     else:
         path = Path(str(d.path))
     train = TokenDataset(path, d.seq_len, split="train", val_fraction=d.val_fraction)
     val = TokenDataset(path, d.seq_len, split="val", val_fraction=d.val_fraction) if d.val_fraction else None
+    log.info("data: %s: %d train samples, %s tokenizer (vocab %d)", path, len(train), train.tokenizer_kind,
+             train.vocab_size)  # fmt: skip
     return train, val
 
 

@@ -79,6 +79,8 @@ class TokenDataset:
             )
         self.seq_len = seq_len
         self.vocab_size: int = int(meta["vocab_size"])
+        # what made the ids (meta.json's tokenizer; shards from before it was recorded are byte-level)
+        self.tokenizer_kind: str = (meta.get("tokenizer") or {}).get("kind", "byte")
         self._dtype = DTYPES[meta["dtype"]]
         window = seq_len + 1
         self._shard_names = [s["name"] for s in meta["shards"]]
