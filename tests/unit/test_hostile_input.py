@@ -142,6 +142,6 @@ def test_no_pickle_loading_in_hpcdist() -> None:
     assert calls, "expected the RNG restore to use torch.load"
     # checkpoints and configs: no pickle anywhere on their path (submitit's own job-result pickle, read by
     # hpcdist.launch for `JobHandle.result()`, is submitit's format, not a checkpoint or config)
-    for module in ("checkpoint.py", "config", "trainer.py", "data.py", "parallel"):
+    for module in ("checkpoint.py", "config", "trainer.py", "data", "parallel"):
         for py in [ROOT / "hpcdist" / module] if module.endswith(".py") else (ROOT / "hpcdist" / module).rglob("*.py"):
             assert not re.search(r"import pickle|pickle\.load|pickle_load", py.read_text()), py
