@@ -149,6 +149,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="token dtype; auto = uint16 when the vocabulary fits")  # fmt: skip
     pr.add_argument("--shard-tokens", type=_positive_int, default=2**24, help="tokens per shard file")
     pr.add_argument("--max-tokens", type=_positive_int, default=None, help="stop after this many tokens")
+    pr.add_argument(
+        "--megatron", metavar="PREFIX", type=Path,
+        help="import a Megatron-LM indexed dataset (PREFIX.bin + PREFIX.idx) instead of tokenizing inputs; "
+        "--tokenizer names the tokenizer that made it",
+    )  # fmt: skip
 
     tk = sub.add_parser(
         "tokenizer",
@@ -398,6 +403,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from hpcdist.data import load_tokenizer, prepare_corpus, stdlib_corpus
     from hpcdist.data.corpora import CorpusError
 
+    if args.megatron is not None:
+        return _import_megatron(args)
     try:
         files: list[Path] = [*(stdlib_corpus() if args.stdlib else []), *_inputs(args.inputs, args.glob)]
     except CorpusError as e:
@@ -419,6 +426,22 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     print(f"prepared {len(files)} files into {res.path}: {res.num_documents:,} documents, {res.num_tokens:,} tokens "
           f"(tokenizer {tok.kind}, vocab {tok.vocab_size:,}){kept}; {res.mb_per_s:.2f} MB/s, "
           f"{res.tokens_per_s:,.0f} tokens/s with {args.workers} workers")  # fmt: skip
+    return 0
+
+
+def _import_megatron(args: argparse.Namespace) -> int:
+    from hpcdist.data import load_tokenizer
+    from hpcdist.data.megatron import import_megatron
+
+    if args.inputs or args.stdlib:
+        return _fail("prepare: --megatron imports PREFIX.bin/.idx; give no other inputs")
+    try:
+        tok = load_tokenizer(args.tokenizer)
+        res = import_megatron(args.megatron, args.out, tokenizer=tok, shard_tokens=args.shard_tokens, dtype=args.dtype)
+    except (ValueError, OSError) as e:
+        return _fail(f"prepare: {e}")
+    print(f"imported Megatron dataset {args.megatron} into {res.path}: {res.num_documents:,} documents, "
+          f"{res.num_tokens:,} tokens (tokenizer {tok.kind}, vocab {tok.vocab_size:,})")  # fmt: skip
     return 0
 
 
