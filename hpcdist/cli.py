@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+DEFAULT_GLOB = "*.txt,*.jsonl,*.jsonl.gz,*.parquet"  # prepare / tokenizer train: files inside directories
+
 EPILOG = """examples:
   hpcdist train configs/demo.yaml                      # one process on this machine
   hpcdist train configs/demo.yaml train.steps=50 run.dir=runs/try
@@ -22,7 +24,8 @@ EPILOG = """examples:
   torchrun --nproc_per_node=2 -m hpcdist.cli train configs/demo.yaml
   srun --ntasks-per-node=8 hpcdist train configs/train_13b.yaml   # one task per GPU
   hpcdist config configs/demo.yaml model.dim=512        # print the resolved, validated config
-  hpcdist prepare ~/corpus --glob '*.txt' --out data/corpus
+  hpcdist tokenizer train ~/corpus --vocab-size 32000 --out data/tok   # byte-level BPE from local text
+  hpcdist prepare ~/corpus --tokenizer data/tok --out data/corpus      # txt / jsonl / parquet -> token shards
   hpcdist submit configs/train_13b.yaml --nodes 4 --partition gpu   # sbatch through submitit (8 ranks/node)
   hpcdist plan configs/train_13b.yaml --nodes 4 --gpus-per-node 8  # memory per strategy + ranked layouts
   hpcdist submit configs/demo.yaml --cluster local --wait          # no SLURM: ranks as local processes
@@ -122,19 +125,53 @@ def _parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser(
         "prepare",
-        help="tokenize text files into memory-mapped token shards",
-        description="Tokenize files (byte-level, nothing downloaded) into OUT/shard-*.bin + meta.json, usable with "
-        "data.source=files data.path=OUT. Directories are searched recursively with --glob.",
+        help="tokenize text / jsonl / parquet / datasets directories into memory-mapped token shards",
+        description="Tokenize documents into OUT/shard-*.bin + meta.json (docs/DATA.md), usable with data.source=files "
+        "data.path=OUT. Inputs: text files (one document each), .jsonl / .jsonl.gz (--text-field), .parquet, and "
+        "directories written by datasets' save_to_disk; other directories are searched recursively with --glob. "
+        "Documents are separated by EOS (and start with BOS when the tokenizer has one). A killed run continues "
+        "where it stopped when started again with the same arguments.",
     )
     pr.add_argument("inputs", nargs="*", type=Path, help="files or directories (omit with --stdlib)")
     pr.add_argument("--out", type=Path, required=True, help="output directory")
-    pr.add_argument("--glob", default="*.txt", help="pattern for files inside directories (default: *.txt)")
+    pr.add_argument(
+        "--glob", default=DEFAULT_GLOB,
+        help=f"comma-separated patterns for files inside directories (default: {DEFAULT_GLOB})",
+    )  # fmt: skip
     pr.add_argument(
         "--stdlib", action="store_true", help="use this Python's standard library sources (the default corpus)"
     )
-    pr.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16")
+    pr.add_argument(
+        "--tokenizer", default="byte",
+        help="byte (default), a tokenizer.json or its directory, a SentencePiece .model, tiktoken:BPE_FILE, or a "
+        "prepared dataset directory (its tokenizer)",
+    )  # fmt: skip
+    pr.add_argument("--text-field", default="text", help="jsonl key / parquet or datasets column (default: text)")
+    pr.add_argument("--workers", type=_positive_int, default=os.cpu_count() or 1,
+                    help="tokenizer processes (default: the CPU count)")  # fmt: skip
+    pr.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto",
+                    help="token dtype; auto = uint16 when the vocabulary fits")  # fmt: skip
     pr.add_argument("--shard-tokens", type=_positive_int, default=2**24, help="tokens per shard file")
     pr.add_argument("--max-tokens", type=_positive_int, default=None, help="stop after this many tokens")
+    pr.add_argument(
+        "--megatron", metavar="PREFIX", type=Path,
+        help="import a Megatron-LM indexed dataset (PREFIX.bin + PREFIX.idx) instead of tokenizing inputs; "
+        "--tokenizer names the tokenizer that made it",
+    )  # fmt: skip
+
+    tk = sub.add_parser(
+        "tokenizer",
+        help="train a byte-level BPE tokenizer on local text",
+        description="hpcdist tokenizer train INPUT... --vocab-size N --out DIR: a byte-level BPE (lossless on any "
+        "text) trained with the tokenizers library; DIR gets tokenizer.json, usable as prepare --tokenizer DIR.",
+    )
+    tk_sub = tk.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    tt = tk_sub.add_parser("train", help="train a byte-level BPE on local files")
+    tt.add_argument("inputs", nargs="+", type=Path, help="text / jsonl / parquet files, datasets or other directories")
+    tt.add_argument("--vocab-size", type=_positive_int, required=True, help="vocabulary size, <|endoftext|> included")
+    tt.add_argument("--out", type=Path, required=True, help="output directory (tokenizer.json)")
+    tt.add_argument("--glob", default=DEFAULT_GLOB, help=f"patterns inside directories (default: {DEFAULT_GLOB})")
+    tt.add_argument("--text-field", default="text", help="jsonl key / parquet or datasets column (default: text)")
     _add_launch_parsers(sub)
     _add_plan_parser(sub)
     return p
@@ -316,6 +353,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     from hpcdist.planning.memory import GIB
 
     cfg = config_mod.load(args.config, args.overrides)
+    _warn_data(cfg)
     world = args.world_size or 8
     try:
         ranks = None if args.ranks is None else parse_ranks(args.ranks, world)  # None: the dry run's default
@@ -334,35 +372,97 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_data(cfg: Any) -> None:
+    """A dry run plans a job without its data: a missing dataset or a vocabulary mismatch is a warning there."""
+    from hpcdist import config as config_mod
+
+    for problem in config_mod.check_data(cfg, strict=False):
+        print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from hpcdist import config as config_mod
 
     cfg = config_mod.load(args.config, args.overrides)
+    _warn_data(cfg)
     config_mod.check_world(cfg, args.world_size)
     print(config_mod.dump(cfg), end="")
     return 0
 
 
-def cmd_prepare(args: argparse.Namespace) -> int:
-    from hpcdist.data import prepare_shards, stdlib_corpus
+def _inputs(items: Sequence[Path], globs: str) -> list[Path]:
+    """The inputs in the order given; inside each directory, every file matching one of the patterns, sorted."""
+    from hpcdist.data.corpora import expand_inputs
 
-    files: list[Path] = stdlib_corpus() if args.stdlib else []
-    for item in args.inputs:
-        if item.is_dir():
-            files += sorted(f for f in item.rglob(args.glob) if f.is_file())
-        elif item.is_file():
-            files.append(item)
-        else:
-            return _fail(f"prepare: input {str(item)!r} does not exist")
+    patterns = [g.strip() for g in globs.split(",") if g.strip()]
+    found: list[Path] = []
+    for item in items:
+        for path in sorted({p for g in patterns for p in expand_inputs([item], g)}):
+            if path not in found:
+                found.append(path)
+    return found
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from hpcdist.data import load_tokenizer, prepare_corpus, stdlib_corpus
+    from hpcdist.data.corpora import CorpusError
+
+    if args.megatron is not None:
+        return _import_megatron(args)
+    try:
+        files: list[Path] = [*(stdlib_corpus() if args.stdlib else []), *_inputs(args.inputs, args.glob)]
+    except CorpusError as e:
+        return _fail(f"prepare: {e}")
     if not files:
         return _fail("prepare: no input files (give files/directories, check --glob, or pass --stdlib)")
     try:
-        out = prepare_shards(
-            files, args.out, shard_tokens=args.shard_tokens, dtype=args.dtype, max_tokens=args.max_tokens
-        )
+        tok = load_tokenizer(args.tokenizer)
+        res = prepare_corpus(
+            files, args.out, tokenizer=tok, text_field=args.text_field, shard_tokens=args.shard_tokens,
+            dtype=args.dtype, max_tokens=args.max_tokens, workers=args.workers, progress=sys.stderr,
+        )  # fmt: skip
+    except (ValueError, OSError) as e:  # TokenizerError and CorpusError are ValueErrors
+        return _fail(f"prepare: {e}")
+    if res.up_to_date:
+        print(f"prepared {len(files)} files into {res.path}: already up to date ({res.num_tokens:,} tokens)")
+        return 0
+    kept = f", {res.kept_shards} shards kept from an interrupted run" if res.kept_shards else ""
+    print(f"prepared {len(files)} files into {res.path}: {res.num_documents:,} documents, {res.num_tokens:,} tokens "
+          f"(tokenizer {tok.kind}, vocab {tok.vocab_size:,}){kept}; {res.mb_per_s:.2f} MB/s, "
+          f"{res.tokens_per_s:,.0f} tokens/s with {args.workers} workers")  # fmt: skip
+    return 0
+
+
+def _import_megatron(args: argparse.Namespace) -> int:
+    from hpcdist.data import load_tokenizer
+    from hpcdist.data.megatron import import_megatron
+
+    if args.inputs or args.stdlib:
+        return _fail("prepare: --megatron imports PREFIX.bin/.idx; give no other inputs")
+    try:
+        tok = load_tokenizer(args.tokenizer)
+        res = import_megatron(args.megatron, args.out, tokenizer=tok, shard_tokens=args.shard_tokens, dtype=args.dtype)
     except (ValueError, OSError) as e:
         return _fail(f"prepare: {e}")
-    print(f"prepared {len(files)} files into {out}")
+    print(f"imported Megatron dataset {args.megatron} into {res.path}: {res.num_documents:,} documents, "
+          f"{res.num_tokens:,} tokens (tokenizer {tok.kind}, vocab {tok.vocab_size:,})")  # fmt: skip
+    return 0
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from hpcdist.data import train_bpe
+    from hpcdist.data.corpora import CorpusError
+
+    try:
+        inputs = _inputs(args.inputs, args.glob)
+        if not inputs:
+            return _fail("tokenizer train: no input files (check --glob)")
+        tok = train_bpe(inputs, vocab_size=args.vocab_size, out_dir=args.out, text_field=args.text_field)
+    except (CorpusError, ValueError, OSError) as e:
+        return _fail(f"tokenizer train: {e}")
+    print(f"trained a byte-level BPE of {tok.vocab_size:,} tokens on {len(inputs)} files into "
+          f"{args.out / 'tokenizer.json'} (EOS {tok.eos_id}); "
+          f"use it with: hpcdist prepare ... --tokenizer {args.out}")  # fmt: skip
     return 0
 
 
@@ -510,6 +610,7 @@ COMMANDS = {
     "train": cmd_train,
     "config": cmd_config,
     "prepare": cmd_prepare,
+    "tokenizer": cmd_tokenizer,
     "submit": cmd_submit,
     "status": cmd_status,
     "logs": cmd_logs,

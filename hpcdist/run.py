@@ -106,6 +106,8 @@ def main(
     setup_logging(env.rank, level=cfg.run.log_level)
     # the batch split as configured first: its message names the user's own values, and a bad one fails fast
     config_mod.check_world(cfg, env.world_size)
+    # the prepared data exists and its ids fit the embedding table: one line now, not an IndexError mid-run
+    config_mod.check_data(cfg)
     cfg = resolve_auto(cfg, env)
     try:
         config_mod.check_run_dir(cfg)  # every rank: one failing alone would leave the others at the rendezvous

@@ -24,12 +24,13 @@ from hpcdist import config as config_mod
 from hpcdist.checkpoint import STATE_FILE, Checkpointable, CheckpointManager, CheckpointMismatch
 from hpcdist.config import JobConfig
 from hpcdist.data import (
-    META_NAME,
     BatchLoader,
+    BlendedDataset,
     ByteTokenizer,
-    ResumableSampler,
+    PrefetchLoader,
     SyntheticDataset,
     TokenDataset,
+    make_sampler,
     prepare_shards,
     stdlib_corpus,
 )
@@ -85,16 +86,25 @@ def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
             prepare_shards(stdlib_corpus(), path, dtype=d.dtype, max_tokens=d.max_tokens, tokenizer=ByteTokenizer())
             log.info("data: stdlib corpus ready in %s (%.1fs)", path, time.perf_counter() - t0)
         _barrier()
+    elif d.sources:  # a blend: each source split alike, mixed by the same weights
+        weights = [s.weight for s in d.sources]
+
+        def blend(split: str, seed: int, shuffle: bool) -> BlendedDataset:
+            parts = [TokenDataset(Path(s.path), d.seq_len, split=split, val_fraction=d.val_fraction) for s in d.sources]
+            return BlendedDataset(parts, weights, seed=seed, shuffle=shuffle)
+
+        train = blend("train", cfg.run.seed, d.shuffle)
+        log.info("data: blend of %d sources, %d train samples", len(d.sources), len(train))
+        return train, (blend("val", cfg.run.seed + 1, False) if d.val_fraction else None)
     else:
         path = Path(str(d.path))
+    # the one vocabulary rule (hpcdist.run checks it before the process group; a Trainer built directly, the Python
+    # API, gets it here): a token id past the embedding table is an IndexError mid-run, a device assert on GPU
+    config_mod.check_data(cfg)
     train = TokenDataset(path, d.seq_len, split="train", val_fraction=d.val_fraction)
-    if train.vocab_size > cfg.model.vocab_size:  # a token id past the embedding table: an IndexError mid-run
-        raise config_mod.ConfigError([
-            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the {train.vocab_size} tokens of the data in "
-            f"{path} (its {META_NAME}); set model.vocab_size={train.vocab_size} or more, or prepare the data with "
-            "this model's tokenizer"
-        ])  # fmt: skip
     val = TokenDataset(path, d.seq_len, split="val", val_fraction=d.val_fraction) if d.val_fraction else None
+    log.info("data: %s: %d train samples, %s tokenizer (vocab %d)", path, len(train), train.tokenizer_kind,
+             train.vocab_size)  # fmt: skip
     return train, val
 
 
@@ -121,11 +131,17 @@ class Trainer:
         self.step, self.tokens_seen = 0, 0
 
         train_ds, self.val_ds = build_datasets(cfg, env)
-        self.sampler = ResumableSampler(len(train_ds), seed=cfg.run.seed, shuffle=cfg.data.shuffle)
-        self.loader = BatchLoader(
+        self.sampler = make_sampler(train_ds, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        loader = BatchLoader(
             train_ds, self.sampler, global_batch_size=cfg.train.global_batch_size, dp_rank=self.dp_rank,
             dp_size=self.dims.dp,
         )  # fmt: skip
+        # the next batches are built while this step computes; pinned on CUDA for the strategy's non-blocking copy
+        self.loader: BatchLoader | PrefetchLoader = (
+            PrefetchLoader(loader, depth=cfg.data.prefetch, pin_memory=env.device == "cuda")
+            if cfg.data.prefetch else loader
+        )  # fmt: skip
+        self._data_wait = [0.0, 0.0]  # data-wait and step seconds since the last log line
 
         args = cfg.model_args()
         model = build_model(args, device="meta")
@@ -306,10 +322,12 @@ class Trainer:
         try:
             self._loop(end, result)
         except BaseException:
+            self.loader.close()
             self.watchdog.stop()
             self.stop_flag.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
             self.run_lock.release()
             raise
+        self.loader.close()  # prefetched batches are dropped: the saved sampler state never counted them
         with self.watchdog.phase(self.step, "stop agreement (last MAX all-reduce)"):
             self.stop_flag.close()
         self.watchdog.stop()
@@ -334,6 +352,8 @@ class Trainer:
             self.tokens_seen += self.tokens_per_step
 
             step_s = time.perf_counter() - t0
+            self._data_wait[0] += data_s
+            self._data_wait[1] += step_s
             self.throughput.update(self.tokens_per_step, step_s)
             self.watchdog.step_time(step_s)
             if self.metrics.due(self.step, last=end):
@@ -379,6 +399,9 @@ class Trainer:
             "step_time_s": self.throughput.step_time,
             "tokens_seen": float(self.tokens_seen),
             "eta_s": remaining,
+            # the share of step time this rank waited for its batch (since the last log line): ~0 with prefetching
+            # unless building batches is slower than computing on them
+            "data_wait_share": self._data_wait[0] / self._data_wait[1] if self._data_wait[1] else 0.0,
             **memory_stats(self.env.torch_device()),
         }
         if self.cfg.train.nonfinite == "skip":
@@ -386,6 +409,7 @@ class Trainer:
         every = self.cfg.logging.replica_check_every_steps
         if every and self.step % every == 0 and self.strategy.has_replicas():
             m["replica_divergence"] = self._check_replicas()
+        self._data_wait = [0.0, 0.0]
         self.metrics.log(self.step, m)
         log.info(format_line(self.step, self.cfg.train.steps, m))
         return m["loss"]

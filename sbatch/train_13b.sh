@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Llama-2-13B shape on 4 nodes x 8 A100-80GB (32 ranks), InfiniBand NCCL profile: configs/train_13b.yaml.
-#   sbatch sbatch/train_13b.sh                                  # as configured
+#   sbatch sbatch/train_13b.sh          # as configured: prepare data/llama2-corpus first (configs/train_13b.yaml)
 #   sbatch sbatch/train_13b.sh train.steps=100 run.dir=runs/13b-try   # overrides go to the trainer
-#   sbatch --nodes=1 --ntasks-per-node=4 --gpus-per-node=4 sbatch/train_13b.sh model.preset=tiny ...  # smaller
+#   sbatch --nodes=1 --ntasks-per-node=4 --gpus-per-node=4 sbatch/train_13b.sh model.preset=tiny data.source=stdlib ...  # smaller
 # The 300 s signal lead covers one checkpoint of the 13B model (goal < 2 min) with margin.
 #SBATCH --job-name=hpcdist-13b
 #SBATCH --nodes=4

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from hpcdist import config as config_mod
-from hpcdist.data import prepare_shards, stdlib_corpus
+from hpcdist.data import load_tokenizer, prepare_corpus, prepare_shards, stdlib_corpus, train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,6 +37,18 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """200k tokens of the stdlib corpus, prepared once per test session."""
     out = tmp_path_factory.mktemp("corpus")
     return prepare_shards(stdlib_corpus(), out, max_tokens=200_000)
+
+
+@pytest.fixture(scope="session")
+def bpe_corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A jsonl corpus (80 stdlib sources as documents) through a 400-token byte-level BPE trained by the tool, the
+    way README's local-files example goes: tokenizer train -> prepare -> train."""
+    root = tmp_path_factory.mktemp("bpe_corpus")
+    with open(root / "docs.jsonl", "w", encoding="utf-8") as fh:
+        for path in stdlib_corpus()[:80]:
+            fh.write(json.dumps({"text": path.read_text(encoding="utf-8", errors="replace")}) + "\n")
+    train_bpe([root / "docs.jsonl"], vocab_size=400, out_dir=root / "tok")
+    return prepare_corpus([root / "docs.jsonl"], root / "ds", tokenizer=load_tokenizer(root / "tok")).path
 
 
 @pytest.fixture

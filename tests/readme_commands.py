@@ -114,8 +114,8 @@ CHECKS: dict[str, Check] = {
         "config at its exact world size through the dry run (ZeRO-3 plan on a meta model, memory fits), and the same "
         "batch script under SLURM is the next line (the smoke test: 1 node x 4 GPUs, tiny model), run on the sandbox",
     ),
-    "sbatch --nodes=1 --ntasks-per-node=4 --gpus-per-node=4 sbatch/train_13b.sh model.preset=tiny data.seq_len=256 "
-    "train.global_batch_size=16 train.steps=20 run.dir=runs/t": Check(
+    "sbatch --nodes=1 --ntasks-per-node=4 --gpus-per-node=4 sbatch/train_13b.sh model.preset=tiny data.source=stdlib "
+    "data.seq_len=256 train.global_batch_size=16 train.steps=20 run.dir=runs/t": Check(
         "sbatch",
         flags=(ONE_CPU,),
         added=TINY,
@@ -170,6 +170,14 @@ CHECKS: dict[str, Check] = {
     ),
     "hpcdist prepare my_texts/ --glob '*.txt' --out data/mycorpus": Check("cli", expect=("files into data/mycorpus",)),
     "hpcdist --version": Check("cli", expect=("hpcdist 0.1.0",)),
+    "hpcdist tokenizer train my_docs/ --vocab-size 512 --out data/tok && hpcdist prepare my_docs/ --tokenizer data/tok "
+    "--out data/mydocs && hpcdist train configs/demo.yaml data.source=files data.path=data/mydocs "
+    "model.vocab_size=auto run.dir=runs/mydocs": Check(
+        "local",
+        added=TINY,
+        expect=("trained a byte-level BPE of 512 tokens", "tokenizer hf, vocab 512", DONE),
+        reason="tiny overrides appended to the train step (the last command of the chain)",
+    ),
     # ---------------------------------------------------------------------------------------------- config
     "hpcdist train configs/demo.yaml train.stepz=3 optim.lr=fast": Check("cli", returncode=2),
     # ------------------------------------------------------------------------------------ communication check
@@ -314,7 +322,8 @@ _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTE
 
 def workdir(path: Path) -> Path:
     """A scratch directory that looks like the checkout to the README's relative paths (configs/, sbatch/, tools/
-    are symlinks) plus `my_texts/`, the input `hpcdist prepare my_texts/ ...` expects."""
+    are symlinks) plus `my_texts/`, the input `hpcdist prepare my_texts/ ...` expects, and `my_docs/docs.jsonl`, the
+    jsonl corpus of the tokenizer -> prepare -> train example."""
     path.mkdir(parents=True, exist_ok=True)
     for name in ("configs", "sbatch", "tools"):
         link = path / name
@@ -324,6 +333,11 @@ def workdir(path: Path) -> Path:
     texts.mkdir(exist_ok=True)
     for module in sorted(Path(json.__file__).parent.glob("*.py")):  # a few standard library modules as text
         (texts / f"{module.stem}.txt").write_text(module.read_text(encoding="utf-8"), encoding="utf-8")
+    docs = path / "my_docs"
+    docs.mkdir(exist_ok=True)
+    with open(docs / "docs.jsonl", "w", encoding="utf-8") as fh:  # a few hundred kB of standard library source
+        for module in sorted((Path(json.__file__).parent.parent / "email").glob("*.py")):
+            fh.write(json.dumps({"text": module.read_text(encoding="utf-8")}) + "\n")
     return path
 
 

@@ -8,6 +8,7 @@ Torch-free, and imports nothing from ``parallel``, ``launch`` or ``trainer`` (th
 * :mod:`~hpcdist.config.job`: ``load`` / ``dump`` / ``save`` of a JobConfig (presets merged, rules run).
 * :mod:`~hpcdist.config.rules` and :mod:`~hpcdist.config.layout`: the checks, without and with the world size.
 * :mod:`~hpcdist.config.dirs`: the file-system checks of run.dir and checkpoint.dir.
+* :mod:`~hpcdist.config.vocab`: ``model.vocab_size: auto`` and the start-up check of the prepared data.
 """
 
 from hpcdist.config.dirs import check_run_dir
@@ -27,6 +28,7 @@ from hpcdist.config.rules import (
 from hpcdist.config.schema import (
     CheckpointConfig,
     DataConfig,
+    DataSourceConfig,
     FaultConfig,
     FSDPConfig,
     JobConfig,
@@ -38,6 +40,7 @@ from hpcdist.config.schema import (
     TrainConfig,
     ZeroConfig,
 )
+from hpcdist.config.vocab import VOCAB_MULTIPLE, DataError, check_data
 
 __all__ = [
     "BYTE_VOCAB",
@@ -46,9 +49,12 @@ __all__ = [
     "LR_SCHEDULES",
     "STRATEGIES",
     "VERIFY_MODES",
+    "VOCAB_MULTIPLE",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "DataError",
+    "DataSourceConfig",
     "FSDPConfig",
     "FaultConfig",
     "JobConfig",
@@ -60,6 +66,7 @@ __all__ = [
     "TrainConfig",
     "ZeroConfig",
     "check",
+    "check_data",
     "check_run_dir",
     "check_world",
     "dump",

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from hpcdist.atomic import atomic_write
-from hpcdist.config import loader, rules
+from hpcdist.config import loader, rules, vocab
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.schema import JobConfig
 from hpcdist.models.args import load_preset
@@ -36,6 +36,7 @@ def load(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = 
             problems.append(f"model.preset: {str(preset)!r} is not valid YAML: {getattr(e, 'problem', e)}")
 
     cfg = loader.build(JobConfig, data, "", problems)
+    problems += vocab.resolve_vocab(cfg)  # model.vocab_size: auto -> a number, so every later user sees one
     problems += rules.check(cfg)
     if problems:
         raise ConfigError(problems)

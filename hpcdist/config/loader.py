@@ -232,7 +232,15 @@ def build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[str]) 
             problems.append(unknown_key(key, str(name), names))
             continue
         tp = hints[name]
-        if dataclasses.is_dataclass(tp):
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if item is not None and dataclasses.is_dataclass(item):  # a list of sections: data.sources
+            raw = value.value if isinstance(value, _Typed) else value
+            if not isinstance(raw, list) or not all(isinstance(v, Mapping) for v in raw):
+                keys = ", ".join(f.name for f in dataclasses.fields(item))
+                problems.append(f"{key}: must be a list of mappings with keys {keys}, got {raw!r}")
+                continue
+            kwargs[name] = [build(item, v, f"{key}[{i}].", problems) for i, v in enumerate(raw)]
+        elif dataclasses.is_dataclass(tp):
             if not isinstance(value, Mapping):
                 problems.append(f"{key}: must be a section (a mapping of keys), got {echo(value)}")
                 continue

@@ -42,7 +42,6 @@ DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
-DATA_META = "meta.json"  # hpcdist.data.META_NAME, what `hpcdist prepare` writes last (same reason)
 CHECKPOINT_MARKER = "COMPLETE"  # hpcdist.checkpoint.MARKER, written last by a save (same reason)
 
 # The largest value of every numeric key (the smallest ones are the rules below). A typo (an extra zero, a pasted
@@ -251,6 +250,22 @@ def _data_volume(cfg: JobConfig) -> list[str]:
             f"{fix} or lower data.seq_len"]  # fmt: skip
 
 
+def _check_sources(cfg: JobConfig) -> list[str]:
+    d, out = cfg.data, []
+    if not d.sources:
+        return out
+    if d.source != "files":
+        out.append(f"data.sources: a blend of prepared directories needs data.source=files, not {d.source!r}")
+    if d.path:
+        out.append("data.sources and data.path: give one (a blend, or one prepared directory)")
+    for i, s in enumerate(d.sources):
+        if not s.path.strip():
+            out.append(f"data.sources[{i}].path: must name a directory made by `hpcdist prepare`")
+        if not (math.isfinite(s.weight) and s.weight > 0):
+            out.append(f"data.sources[{i}].weight: must be a finite number > 0, got {s.weight}")
+    return out
+
+
 def check(cfg: JobConfig) -> list[str]:
     """Semantic checks that need no world size. Returns problems (empty = valid)."""
     p: list[str] = _maxima(cfg)
@@ -330,22 +345,19 @@ def check(cfg: JobConfig) -> list[str]:
         p.append("train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01)")
 
     m = cfg.model
-    p += m.problems()
+    # an unresolved model.vocab_size (auto without data, a typo) is already reported by config.vocab.resolve_vocab
+    p += [q for q in m.problems() if not (isinstance(m.vocab_size, str) and q.startswith("model.vocab_size="))]
     if cfg.data.seq_len > m.max_seq_len > 0:
         p.append(
             f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
             "lower one or raise the other"
         )
-    if cfg.data.source != "synthetic" and 0 < m.vocab_size < BYTE_VOCAB:
-        p.append(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's {BYTE_VOCAB} tokens")
-    if cfg.data.source == "files" and not cfg.data.path:
+    if cfg.data.prefetch < 0:
+        p.append(f"data.prefetch: must be >= 0 (0 = no background thread), got {cfg.data.prefetch}")
+    if cfg.data.source == "files" and not cfg.data.path and not cfg.data.sources:
         p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
-    elif (
-        cfg.data.source == "files" and "data.path" not in bad_paths and not (Path(cfg.data.path) / DATA_META).is_file()
-    ):
-        p.append(f"data.path: {echo(cfg.data.path)} holds no prepared dataset (no {DATA_META}); make one with "
-                 f"`hpcdist prepare FILES --out {cfg.data.path}` or point data.path at one")  # fmt: skip
     p += _data_volume(cfg)
+    p += _check_sources(cfg)
 
     t = cfg.train
     if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:

@@ -50,9 +50,23 @@ class RunConfig:
 class ModelConfig(ModelArgs):
     """The model (``model:``): the :class:`~hpcdist.models.args.ModelArgs` fields, optionally over a preset."""
 
+    vocab_size: int | str = 258
+    """Vocabulary size V (258 = the byte tokenizer), or ``auto``: the prepared data's vocabulary rounded up to a
+    multiple of 64 (hpcdist.config.vocab; the padding rows are never a target). Data with ids >= V is refused at
+    start-up."""
     preset: str | None = None
     """A shipped preset name (hpcdist/resources/models/<name>.yaml) or a YAML path; its keys are defaults under
     this section's keys."""
+
+
+@dataclass
+class DataSourceConfig:
+    """One prepared dataset of a blend (``data.sources: [{path: ..., weight: ...}, ...]``)."""
+
+    path: str = ""
+    """A directory made by `hpcdist prepare`."""
+    weight: float = 1.0
+    """Its share of the samples, relative to the other sources' weights (> 0)."""
 
 
 @dataclass
@@ -64,6 +78,9 @@ class DataConfig:
     `hpcdist prepare` at data.path; synthetic: deterministic random tokens (benchmarks)."""
     path: str | None = None
     """Prepared shard directory (source=files); for stdlib, where to cache shards (default <run.dir>/data)."""
+    sources: list[DataSourceConfig] = field(default_factory=list)
+    """source=files, instead of path: a blend of prepared directories, ``[{path: ..., weight: ...}, ...]``. Each is
+    read in its own epochs (every sample once per epoch), in the weights' proportion; all must share one tokenizer."""
     seq_len: int = 128
     """Tokens per sample (the model sees seq_len inputs and seq_len shifted targets)."""
     max_tokens: int | None = 4_000_000
@@ -74,6 +91,9 @@ class DataConfig:
     """A new sample order every epoch (seeded by run.seed, so resuming continues it)."""
     dtype: str = "uint16"
     """Token dtype of the prepared shards: uint16 (vocab <= 65536) or uint32."""
+    prefetch: int = 2
+    """Batches built ahead in a background thread (pinned memory on CUDA, copied non-blocking); 0 builds each batch
+    in the training thread. Resume is exact either way: prefetched batches not yet trained on are not consumed."""
     synthetic_samples: int = 100_000
     """Samples in the synthetic dataset (source=synthetic)."""
 

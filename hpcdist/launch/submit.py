@@ -20,6 +20,7 @@ import logging
 import os
 import shlex
 import shutil
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -378,8 +379,12 @@ def submit(
     folder = cluster_cfg.folder(cfg.run.dir)
     run_dir = str(Path(cfg.run.dir).expanduser().absolute())  # the batch script's after-step reads it
     problems = _check_job(cfg, cluster_cfg, job_name, folder)
-    if problems:
-        raise ConfigError(problems)
+    # the data must exist before a job waits in the queue for it; a dry run only warns
+    data_problems = config_mod.check_data(cfg, strict=False)
+    if problems or (data_problems and not dry_run):
+        raise ConfigError(problems + data_problems)
+    for problem in data_problems:
+        print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
 
     if dry_run:
         if cluster_cfg.executor == "local":

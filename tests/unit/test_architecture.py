@@ -37,6 +37,8 @@ LAZY_THIRD_PARTY = {
     "huggingface_hub",
     "sentencepiece",
     "tiktoken",
+    "pyarrow",  # optional (hpcdist[data]): only when a parquet corpus is prepared
+    "datasets",  # optional (hpcdist[data]): only when a Hugging Face datasets directory is prepared
 }
 
 

@@ -480,7 +480,9 @@ def test_min_lr_ratio_above_one() -> None:
 
 
 def test_vocab_smaller_than_byte_tokenizer() -> None:
-    _one_problem(["model.vocab_size=100"], "model.vocab_size (100)", str(config_mod.BYTE_VOCAB))
+    # the one vocabulary check is the start-up check of hpcdist.config.vocab (tests/unit/test_vocab.py)
+    with pytest.raises(config_mod.DataError, match=f"model.vocab_size=100 is smaller than the {config_mod.BYTE_VOCAB}"):
+        config_mod.check_data(load(None, ["model.vocab_size=100"]))
     assert load(None, ["model.vocab_size=100", "data.source=synthetic"]).model.vocab_size == 100
 
 

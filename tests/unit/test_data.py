@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from hpcdist import data as data_mod
 from hpcdist.config import ConfigError
 from hpcdist.data import (
     BatchLoader,
@@ -23,6 +22,7 @@ from hpcdist.data import (
     prepare_shards,
     stdlib_corpus,
 )
+from hpcdist.data import prepare as prepare_mod
 
 TOK = ByteTokenizer()
 DOCS = [b"hello world\n", "caf\u00e9 \u2603 \U0001f680\n".encode(), b"", b"\xff\xfe not utf-8 \x80", b"x" * 23]
@@ -204,7 +204,7 @@ def test_leftover_temp_and_missing_meta_not_complete(tmp_path: Path) -> None:
 def test_crash_mid_prepare_leaves_incomplete_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     files = _write_docs(tmp_path / "src")
     out = prepare_shards(files, tmp_path / "ds", shard_tokens=8)  # a complete older dataset
-    real_write = data_mod.atomic_write
+    real_write = prepare_mod.atomic_write
     calls = []
 
     def crash_on_second(path: Path, payload: bytes | memoryview) -> None:
@@ -213,14 +213,14 @@ def test_crash_mid_prepare_leaves_incomplete_dir(tmp_path: Path, monkeypatch: py
             raise OSError("simulated crash")
         real_write(path, payload)
 
-    monkeypatch.setattr(data_mod, "atomic_write", crash_on_second)
+    monkeypatch.setattr(prepare_mod, "atomic_write", crash_on_second)
     with pytest.raises(OSError, match="simulated"):
         prepare_shards(files, out, shard_tokens=4)  # new options -> rebuild, which dies after one shard
     # The old meta.json must be gone: it would otherwise describe shards that were overwritten.
     assert not (out / "meta.json").exists()
     with pytest.raises(ConfigError):
         TokenDataset(out, seq_len=2)
-    monkeypatch.setattr(data_mod, "atomic_write", real_write)
+    monkeypatch.setattr(prepare_mod, "atomic_write", real_write)
     prepare_shards(files, out, shard_tokens=4)
     meta, shards = _read_shards(out)
     assert meta["shard_tokens"] == 4

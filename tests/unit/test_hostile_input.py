@@ -353,7 +353,7 @@ def test_data_with_a_larger_vocabulary_than_the_model_is_refused_at_start(tmp_pa
     src.write_text("hello world, " * 2000)
     wide = prepare_shards([src], tmp_path / "wide", tokenizer=WideTokenizer())
     cfg = small_cfg(f"data.path={wide}", "train.steps=2", "train.micro_batch_size=4", run_dir=tmp_path / "run")
-    with pytest.raises(ConfigError, match=r"model.vocab_size \(258\) is smaller than the 1000 tokens of the data"):
+    with pytest.raises(ConfigError, match=r"model.vocab_size=258 is smaller than the 1000 tokens of"):
         single(lambda env, c: Trainer(c, env).train(), cfg)
 
 
@@ -448,6 +448,6 @@ def test_no_pickle_loading_in_hpcdist() -> None:
     assert calls, "expected the RNG restore to use torch.load"
     # checkpoints and configs: no pickle anywhere on their path (submitit's own job-result pickle, read by
     # hpcdist.launch for `JobHandle.result()`, is submitit's format, not a checkpoint or config)
-    for module in ("checkpoint.py", "config", "trainer.py", "data.py", "parallel"):
+    for module in ("checkpoint.py", "config", "trainer.py", "data", "parallel"):
         for py in [ROOT / "hpcdist" / module] if module.endswith(".py") else (ROOT / "hpcdist" / module).rglob("*.py"):
             assert not re.search(r"import pickle|pickle\.load|pickle_load", py.read_text()), py

@@ -1,0 +1,130 @@
+"""The one place where the model's vocabulary meets the data's: ``model.vocab_size: auto`` and the vocabulary check.
+
+A token id >= model.vocab_size indexes past the embedding table: an IndexError mid-run on CPU, a device-side assert
+on GPU. So the data's vocabulary (the byte tokenizer's 258 for data.source=stdlib; meta.json's ``vocab_size`` for
+data.source=files, written by ``hpcdist prepare``) is compared before any process group exists.
+
+``auto`` takes the data's vocabulary rounded up to a multiple of :data:`VOCAB_MULTIPLE` (64: the embedding and output
+matmuls tile evenly on tensor cores, and a tp-sharded vocabulary splits evenly up to tp=64). The extra rows are
+padding: no prepared token id reaches them, so they are never a training target and never sampled from the data.
+
+Torch-free: meta.json is read as plain JSON (hpcdist.data imports torch; tests check the names agree).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hpcdist.config.loader import ConfigError
+from hpcdist.config.rules import BYTE_VOCAB
+from hpcdist.config.schema import JobConfig
+
+__all__ = ["META_NAME", "VOCAB_MULTIPLE", "DataError", "check_data", "data_vocab", "dataset_paths", "resolve_vocab"]
+
+VOCAB_MULTIPLE = 64
+META_NAME = "meta.json"  # hpcdist.data.shards.META_NAME
+
+
+class DataError(ConfigError):
+    """The data a config names is missing or does not fit the model: one line, printed once per job."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__(problems)
+        self.args = ("; ".join(problems),)
+
+
+def _prepare_hint(path: str) -> str:
+    return f"make it with `hpcdist prepare INPUT... --tokenizer SPEC --out {path}`"
+
+
+def _dataset_meta(path: str) -> dict | None:
+    try:
+        meta = json.loads((Path(path).expanduser() / META_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # missing, unreadable or torn: not a (complete) dataset
+        return None
+    return meta if isinstance(meta, dict) and isinstance(meta.get("vocab_size"), int) else None
+
+
+def dataset_paths(cfg: JobConfig) -> list[tuple[str, str]]:
+    """(config key, directory) of every prepared dataset the config reads: data.path, or each of data.sources."""
+    d = cfg.data
+    if d.source != "files":
+        return []
+    if d.sources:
+        return [(f"data.sources[{i}].path", s.path) for i, s in enumerate(d.sources)]
+    return [("data.path", d.path)] if d.path else []
+
+
+def data_vocab(cfg: JobConfig) -> tuple[int | None, str]:
+    """(the data's vocabulary size or None when unknown, where it comes from: for messages). A blend's is the
+    largest of its sources'."""
+    d = cfg.data
+    if d.source == "stdlib":
+        return BYTE_VOCAB, "the byte tokenizer of data.source=stdlib"
+    paths = dataset_paths(cfg)
+    if not paths:
+        return None, f"data.source={d.source}"
+    found = []
+    for key, path in paths:
+        meta = _dataset_meta(path)
+        if meta is None:
+            return None, f"{key}={path}"
+        kind = (meta.get("tokenizer") or {}).get("kind", "byte")
+        found.append((int(meta["vocab_size"]), f"the {kind} tokenizer of {key}={path}"))
+    return max(found)
+
+
+def round_up(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
+def resolve_vocab(cfg: JobConfig) -> list[str]:
+    """Turn ``model.vocab_size: auto`` into a number (in place); problems when it cannot be resolved.
+
+    Called by config loading, so every later user (dry run, planner, trainer) sees an integer."""
+    v = cfg.model.vocab_size
+    if isinstance(v, str) and v.strip().isdigit():  # an override's text: model.vocab_size=32000
+        cfg.model.vocab_size = int(v)
+        return []
+    if v != "auto":
+        return [] if isinstance(v, int) else [f"model.vocab_size: must be a positive integer or auto, got {v!r}"]
+    vocab, where = data_vocab(cfg)
+    if vocab is not None:
+        cfg.model.vocab_size = round_up(vocab)
+        return []
+    if dataset_paths(cfg):
+        path = where.split("=", 1)[1]
+        return [f"model.vocab_size: auto reads the vocabulary of the prepared data, but {where} holds no prepared "
+                f"dataset; {_prepare_hint(path)}, or give a number"]  # fmt: skip
+    return [f"model.vocab_size: auto needs prepared data to read the vocabulary from ({where}); give a number"]
+
+
+def check_data(cfg: JobConfig, *, strict: bool = True) -> list[str]:
+    """Start-up check, before any process group: the prepared data exists and its token ids fit the model.
+
+    ``strict`` raises :class:`DataError` (one line); otherwise the problems are returned as warnings (the dry runs,
+    which plan a job without its data)."""
+    problems: list[str] = []
+    m = cfg.model
+    tokenizers = {}
+    for key, path in dataset_paths(cfg):
+        meta = _dataset_meta(path)
+        if meta is None:
+            problems.append(f"{key} {path}: no prepared dataset there (no complete {META_NAME}); "
+                            f"{_prepare_hint(path)}")  # fmt: skip
+        else:
+            tok = meta.get("tokenizer") or {"kind": "byte", "vocab_size": meta["vocab_size"]}
+            tokenizers[path] = json.dumps({k: tok.get(k) for k in ("kind", "vocab_size", "files")}, sort_keys=True)
+    if len(set(tokenizers.values())) > 1:
+        problems.append(f"data.sources: prepared with different tokenizers ({', '.join(tokenizers)}): the same id "
+                        "would mean different text; prepare every source with one tokenizer")  # fmt: skip
+    vocab, where = data_vocab(cfg)
+    if vocab is not None and isinstance(m.vocab_size, int) and vocab > m.vocab_size:
+        problems.append(
+            f"model.vocab_size={m.vocab_size} is smaller than the {vocab} tokens of {where}: ids up to {vocab - 1} "
+            f"would index past the embedding table; set model.vocab_size: auto ({round_up(vocab)}) or >= {vocab}"
+        )
+    if problems and strict:
+        raise DataError(problems)
+    return problems

@@ -1,0 +1,74 @@
+"""The resumable, layout-independent global sample order."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["ResumableSampler"]
+
+
+class ResumableSampler:
+    """Global sample order: per epoch a permutation from torch.Generator(seed + epoch), or identity.
+
+    `position` counts global samples consumed in the current epoch, independent of how many data-parallel ranks
+    split them, so state saved at one dp size resumes exactly at another.
+    """
+
+    def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True) -> None:
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        self.num_samples = num_samples
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order: torch.Tensor | None = None
+        self._order_epoch = -1
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self._order_epoch != self.epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + self.epoch)
+                self._order = torch.randperm(self.num_samples, generator=g)
+            else:
+                self._order = torch.arange(self.num_samples)
+            self._order_epoch = self.epoch
+        assert self._order is not None
+        return self._order
+
+    def next_indices(self, n: int) -> list[int]:
+        """The next `n` global sample ids; crosses into the next epoch (new permutation) when needed."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        out: list[int] = []
+        while len(out) < n:
+            take = min(n - len(out), self.num_samples - self.position)
+            out.extend(self._epoch_order()[self.position : self.position + take].tolist())
+            self.position += take
+            # Roll over eagerly so a saved state is canonical: (epoch + 1, 0), never (epoch, num_samples).
+            if self.position == self.num_samples:
+                self.epoch += 1
+                self.position = 0
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Resume from `state_dict()`; refuses a state saved for another dataset size or seed."""
+        missing = {"epoch", "position", "seed", "num_samples"} - set(state)
+        if missing:
+            raise ValueError(f"sampler state lacks {sorted(missing)}")
+        if int(state["num_samples"]) != self.num_samples:
+            raise ValueError(
+                f"sampler state is for {state['num_samples']} samples but the dataset has {self.num_samples}: "
+                "the data (or seq_len / val_fraction) changed since the checkpoint"
+            )
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"sampler state has seed {state['seed']} but this run uses seed {self.seed}")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.num_samples:
+            raise ValueError(f"bad sampler state: epoch={epoch}, position={position}, num_samples={self.num_samples}")
+        self.epoch, self.position = (epoch + 1, 0) if position == self.num_samples else (epoch, position)
