@@ -66,6 +66,7 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "model.rope_theta": (1e12, ""),
     "model.init_std": (10.0, ""),
     "data.seq_len": (2**20, ""),
+    "data.prefetch": (64, "batches queued ahead; each holds a global batch share in host memory"),
     "data.max_tokens": (_BIG * 1000, ""),
     "data.synthetic_samples": (2**40, ""),
     "optim.warmup_steps": (_BIG, ""),

@@ -280,7 +280,7 @@ _BAD_INPUTS = {
     "seed-2**70": ([f"run.seed={2**70}"], "run.seed: must be at most 9,223,372,036,854,775,807 (torch and numpy"),
     "seed-negative": (["run.seed=-1"], "run.seed: must be >= 0, got -1"),
     "max-tokens-10": (["data.source=stdlib", "data.max_tokens=10"], "data.max_tokens (10) holds 0 samples of"),
-    "files-etc": (["data.source=files", "data.path=/etc"], "data.path: '/etc' holds no prepared dataset"),
+    "files-etc": (["data.source=files", "data.path=/etc"], "data.path /etc: no prepared dataset there"),
     "watchdog-1ms": (["fault.watchdog_timeout_s=0.001"], "fault.watchdog_timeout_s: must be 0 (off) or at least 5 s"),
     "nul-byte": (["checkpoint.dir=a\x00b"], "checkpoint.dir: contains a NUL character"),
 }  # fmt: skip
