@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 
 from hpcdist.parallel.base import Strategy, cross_entropy
 
@@ -124,6 +125,7 @@ class ZeroStrategy(Strategy):
         # checkpoints list groups by FQN, as the torch strategies' optimizer state dicts do
         names = {id(p): n for n, p in model.named_parameters()}
         self._fqn_groups = [[names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
+        self._shard_layout: dict[str, list[ShardMetadata]] | None = None  # built at the first checkpoint
         _ensure_process_group(self.device, _dp_size(ds_config))
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model,
@@ -230,19 +232,41 @@ class ZeroStrategy(Strategy):
                          exp_avg_sq=torch.zeros_like(flat))  # fmt: skip
         return state
 
-    def _sharded(self, frag: _Fragment, source: torch.Tensor | None) -> Any:
+    def _layout(self, fragments: list[_Fragment]) -> dict[str, list[ShardMetadata]]:
+        """Every rank's boxes of every parameter, gathered once (one collective; the partitioning never changes):
+        each ShardedTensor is then built locally, instead of one metadata collective per tensor per save."""
+        if self._shard_layout is None:
+            mine = {f.fqn: (str(f.flat.device if f.flat is not None else self.device),
+                            [(o, z) for o, z, _, _ in flat_boxes(f.shape, f.start, f.start + f.numel)])
+                    for f in fragments}  # fmt: skip
+            parts: list[Any] = [mine]
+            if dist.get_world_size() > 1:
+                parts = [None] * dist.get_world_size()
+                dist.all_gather_object(parts, mine)
+            self._shard_layout = {
+                f.fqn: [ShardMetadata(list(o), list(z), f"rank:{r}/{part[f.fqn][0]}")
+                        for r, part in enumerate(parts) for o, z in part[f.fqn][1]]
+                for f in fragments
+            }  # fmt: skip
+        return self._shard_layout
+
+    def _sharded(self, frag: _Fragment, source: torch.Tensor | None, layout: list[ShardMetadata]) -> ShardedTensor:
         """One parameter-shaped ShardedTensor whose local shards are row-aligned boxes viewing this rank's part of
         ``source`` (a flat fp32 partition or a moment): DCP writes the boxes' data, and loads straight into it."""
-        rank = dist.get_rank()
         shards = []
+        pinned = False
         if source is not None and frag.numel:
             # detached (same storage): DeepSpeed's flat fp32 partitions are leaves that require grad, and async
             # staging deep-copies the shards, which torch allows only for leaf tensors
             local = source.detach().narrow(0, frag.offset, frag.numel)
+            pinned = local.is_pinned()  # offloaded partitions
+            rank = dist.get_rank()
             for offsets, sizes, a, b in flat_boxes(frag.shape, frag.start, frag.start + frag.numel):
                 view = local[a - frag.start : b - frag.start].view(sizes)
                 shards.append(Shard.from_tensor_and_offsets(view, list(offsets), rank))
-        return init_from_local_shards(shards, *frag.shape)
+        properties = TensorProperties(dtype=torch.float32, pin_memory=pinned)
+        metadata = ShardedTensorMetadata(layout, torch.Size(frag.shape), properties)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata)
 
     def dcp_state(self) -> dict[str, Any]:
         """The fp32 master weights and AdamW state keyed by FQN in the torch strategies' layout (``get_state_dict``),
@@ -251,15 +275,17 @@ class ZeroStrategy(Strategy):
         model: dict[str, Any] = {}
         state: dict[str, Any] = {}
         step = self._step()
-        for frag in self._fragments():
-            # every rank builds every ShardedTensor (a collective); one holding no part of the parameter leaves
-            # it out: DCP's load takes an entry without local shards for a pre-2.4 checkpoint and fails
-            master = self._sharded(frag, frag.flat)
+        fragments = self._fragments()
+        layout = self._layout(fragments)
+        for frag in fragments:
+            # a rank holding no part of a parameter leaves it out: DCP's load takes an entry without local shards
+            # for a sign of a pre-2.4 checkpoint and fails
+            if not frag.numel:
+                continue
             moments = self._moments(frag.flat) if frag.flat is not None else {}
-            sharded = {key: self._sharded(frag, moments.get(key)) for key in _MOMENTS}
-            if frag.numel:
-                model[frag.fqn] = master
-                state[frag.fqn] = {**sharded, "step": step.clone()}
+            model[frag.fqn] = self._sharded(frag, frag.flat, layout[frag.fqn])
+            state[frag.fqn] = {key: self._sharded(frag, moments.get(key), layout[frag.fqn]) for key in _MOMENTS}
+            state[frag.fqn]["step"] = step.clone()
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": list(fqns)}
             for g, fqns in zip(self.optimizer.param_groups, self._fqn_groups, strict=True)
