@@ -103,7 +103,7 @@ class CheckpointSaveError(RuntimeError):
 
 
 class CheckpointMismatch(ValueError):
-    """An intact checkpoint that does not fit this job (another model, a ZeRO world size): resume stops with this
+    """An intact checkpoint that does not fit this job (another model): resume stops with this
     message and the checkpoint is kept as it is (never demoted like a damaged one). ``path``: that checkpoint."""
 
     def __init__(self, message: str, path: Path | None = None):
@@ -687,8 +687,8 @@ _OWNER = re.compile(r"^__(\d+)_|rank[-_](\d+)")
 
 
 def _owner(rel: str, world_size: int) -> int:
-    """The rank that wrote a checkpoint file, by its name: DCP's ``__<rank>_<n>.distcp``, ``rng/rank-<rank>.pt``,
-    DeepSpeed's ``zero_pp_rank_<rank>_...``; anything else (``.metadata``, ``trainer_state.json``) is rank 0's."""
+    """The rank that wrote a checkpoint file, by its name: DCP's ``__<rank>_<n>.distcp``, ``rng/rank-<rank>.pt``;
+    anything else (``.metadata``, ``trainer_state.json``) is rank 0's."""
     m = _OWNER.search(Path(rel).name)
     rank = int(m.group(1) or m.group(2)) if m else 0
     return rank if rank < world_size else 0
