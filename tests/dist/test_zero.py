@@ -152,10 +152,14 @@ def _assert_losses(got: dict[int, float], want: dict[int, float]) -> None:
                                atol=0)  # fmt: skip
 
 
-@pytest.mark.parametrize(("stage", "async_save"), [(1, False), (2, False), (3, False), (3, True)],
-                         ids=["zero1", "zero2", "zero3", "zero3-async"])  # fmt: skip
+OFFLOAD = ("parallel.zero.offload_optimizer=true", "parallel.zero.offload_params=true")
+
+
+@pytest.mark.parametrize(("stage", "async_save", "extra"),
+                         [(1, False, ()), (2, False, ()), (3, False, ()), (3, True, ()), (3, False, OFFLOAD)],
+                         ids=["zero1", "zero2", "zero3", "zero3-async", "zero3-offload"])  # fmt: skip
 def test_elastic_resume_2_4_2(
-    small_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: int, async_save: bool
+    small_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: int, async_save: bool, extra: tuple[str, ...]
 ) -> None:
     """Issue 13.3: 2 steps on 2 ranks, resumed on 4 for 2 steps, resumed on 2 to the end: the same losses and fp32
     weights as an uninterrupted 2-rank run (each rank saved and loaded only its own partition, no gather; the async
@@ -165,7 +169,7 @@ def test_elastic_resume_2_4_2(
     monkeypatch.setattr(DeepSpeedEngine, "_zero3_consolidated_16bit_state_dict", _no_gather)  # forked ranks too
     over = ("train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.strategy=zero",
             f"parallel.zero.stage={stage}", "checkpoint.every_steps=0",
-            f"checkpoint.async_save={str(async_save).lower()}")  # fmt: skip
+            f"checkpoint.async_save={str(async_save).lower()}", *extra)  # fmt: skip
     straight = run_ranks(2, _run, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*over, run_dir=tmp_path / "split")
     first = run_ranks(2, _run, cfg, 2)[0]
