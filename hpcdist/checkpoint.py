@@ -3,8 +3,6 @@
 Layout of one checkpoint, ``<dir>/step-00001234/``:
 
     *.distcp, .metadata     model + optimizer shards, written by every rank through DCP
-    native/                 a strategy's own sharded files where DCP cannot hold its state (DeepSpeed ZeRO's
-                            flat fp32 partitions and optimizer moments), written before the marker too
     trainer_state.json      step, tokens seen, data sampler, LR scheduler (rank 0)
     rng/rank-00003.pt       each rank's RNG states (plain tensors: loadable with weights_only=True)
     MANIFEST.json           size and sha256 of every file above, each hashed by the rank that wrote it (while the
@@ -24,7 +22,7 @@ later ``auto`` continues from the step the user chose rather than the line they 
 A save that fails (disk full) on any rank is abandoned by all ranks together: its directory is removed and
 training continues.
 
-Loading unpickles parts of a checkpoint (DCP's ``.metadata``; DeepSpeed's files under ``native/``), which runs
+Loading unpickles parts of a checkpoint (DCP's ``.metadata``), which runs
 any code their writer put there, and the manifest vouches for nothing (whoever plants the files writes it too).
 So before anything of a checkpoint is read, the whole tree is checked (lstat only): every entry owned by this
 user, root or a user in ``checkpoint.trusted_owners``, none writable by others, no link leading out. A checkpoint
@@ -63,7 +61,6 @@ DAMAGED = "DAMAGED"  # a COMPLETE marker renamed after the checkpoint failed ver
 MANIFEST = "MANIFEST.json"
 PARTS_DIR = ".manifest"  # async save: each rank's part of the manifest, merged by rank 0, then removed
 ASYNC_PARTS_TIMEOUT_S = 3600.0
-NATIVE = "native"
 KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_kill_point
 STATE_FILE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
@@ -106,7 +103,7 @@ class CheckpointSaveError(RuntimeError):
 
 
 class CheckpointMismatch(ValueError):
-    """An intact checkpoint that does not fit this job (another model, a ZeRO world size): resume stops with this
+    """An intact checkpoint that does not fit this job (another model): resume stops with this
     message and the checkpoint is kept as it is (never demoted like a damaged one). ``path``: that checkpoint."""
 
     def __init__(self, message: str, path: Path | None = None):
@@ -156,13 +153,6 @@ class Checkpointable:
     load_dcp_state: Callable[[dict[str, Any]], None]
     trainer_state: Callable[[], dict[str, Any]]
     load_trainer_state: Callable[[dict[str, Any]], None]
-    save_native: Callable[[Path], None] | None = None
-    """Collective: write the strategy's own sharded state into the given directory (None: DCP holds it all)."""
-    load_native: Callable[[Path], None] | None = None
-    """Collective: restore what ``save_native`` wrote; called instead of the DCP load when the directory exists."""
-    model_shapes: Callable[[], dict[str, tuple[int, ...]]] | None = None
-    """{FQN: global shape} of this model without gathering it: checked against the checkpoint's DCP metadata
-    before ``load_native`` (the DCP load path checks the state dict it loads into)."""
 
 
 class CheckpointManager:
@@ -256,8 +246,6 @@ class CheckpointManager:
             atomic_write(path / STATE_FILE, json.dumps(state.trainer_state(), indent=1))
 
     def _write_shards(self, path: Path, state: Checkpointable, step: int, t0: float) -> None:
-        if state.save_native is not None:  # synchronous, collective; before the marker like every other file
-            state.save_native(path / NATIVE)
         if self.async_save:
             # wait() must mean "complete", not "shards written": CPython wakes a future's result() waiters before its
             # done-callbacks run, so waiting on DCP's future would return while the callback still hashes and writes
@@ -618,23 +606,16 @@ class CheckpointManager:
         rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
         # absent when resuming on more ranks than saved: those ranks keep their seeded RNG
         rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
-        if state.load_native is not None and (path / NATIVE).is_dir():
-            if state.model_shapes is not None:  # another model is refused here too, not left to DeepSpeed's error
-                metadata = dcp.FileSystemReader(str(path)).read_metadata()
-                if any(key.startswith("model.") for key in metadata.state_dict_metadata):
-                    self._check_model_shapes(path, metadata, state.model_shapes())
-            state.load_native(path / NATIVE)
-        else:
-            dest = state.dcp_state()
-            metadata = dcp.FileSystemReader(str(path)).read_metadata()
-            saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
-            for part in [k for k in dest if k not in saved]:  # e.g. a ZeRO checkpoint's DCP part has no "optim"
-                log.warning("%s holds no %r state: it is not restored (starts fresh)", path, part)
-                del dest[part]
-            self._check_model_shapes(path, metadata, dest.get("model", {}))
-            with _single_process_ok():
-                dcp.load(dest, checkpoint_id=str(path))
-            state.load_dcp_state(dest)
+        dest = state.dcp_state()
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+        for part in [k for k in dest if k not in saved]:  # e.g. a weights-only checkpoint has no "optim"
+            log.warning("%s holds no %r state: it is not restored (starts fresh)", path, part)
+            del dest[part]
+        self._check_model_shapes(path, metadata, dest.get("model", {}))
+        with _single_process_ok():
+            dcp.load(dest, checkpoint_id=str(path))
+        state.load_dcp_state(dest)
         state.load_trainer_state(trainer_state)
         if rng is not None:
             _set_rng_state(rng)
@@ -706,8 +687,8 @@ _OWNER = re.compile(r"^__(\d+)_|rank[-_](\d+)")
 
 
 def _owner(rel: str, world_size: int) -> int:
-    """The rank that wrote a checkpoint file, by its name: DCP's ``__<rank>_<n>.distcp``, ``rng/rank-<rank>.pt``,
-    DeepSpeed's ``zero_pp_rank_<rank>_...``; anything else (``.metadata``, ``trainer_state.json``) is rank 0's."""
+    """The rank that wrote a checkpoint file, by its name: DCP's ``__<rank>_<n>.distcp``, ``rng/rank-<rank>.pt``;
+    anything else (``.metadata``, ``trainer_state.json``) is rank 0's."""
     m = _OWNER.search(Path(rel).name)
     rank = int(m.group(1) or m.group(2)) if m else 0
     return rank if rank < world_size else 0

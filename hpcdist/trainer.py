@@ -221,9 +221,6 @@ class Trainer:
             load_dcp_state=self.strategy.load_dcp_state,
             trainer_state=self.trainer_state,
             load_trainer_state=self.load_trainer_state,
-            save_native=getattr(self.strategy, "save_native", None),
-            load_native=getattr(self.strategy, "load_native", None),
-            model_shapes=getattr(self.strategy, "model_shapes", None),
         )
 
     def trainer_state(self) -> dict[str, Any]:

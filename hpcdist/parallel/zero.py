@@ -5,27 +5,28 @@ DeepSpeed owns the step: it counts micro-batches, divides the loss by gradient_a
 accumulation boundary. The optimizer and schedule are hpcdist's torch AdamW + LambdaLR, handed to
 ``deepspeed.initialize`` (naming AdamW in the DeepSpeed config would JIT-build fused_adam).
 
-Checkpoints: DeepSpeed keeps flat fp32 master partitions and optimizer moments per rank, outside the
-FQN-keyed DCP layout. A checkpoint therefore holds both: the engine's own sharded files (``save_native``:
-``engine.save_checkpoint`` into ``step-N/native/``, what resume loads, exact) and the model weights through
-DCP keyed by FQN (``dcp_state``), so DDP/FSDP runs and inference can load a ZeRO checkpoint. The native part
-resumes only on the world size that wrote it (DeepSpeed's partitions are per rank); the trainer says so
-before loading anything.
+Checkpoints: DeepSpeed keeps each rank's part of the fp32 master weights and AdamW moments in flat partitions.
+``dcp_state`` presents them in the torch strategies' layout (``get_state_dict``: ``model.<fqn>`` and
+``optim.state.<fqn>.exp_avg`` ...), each parameter a ShardedTensor of its real shape whose local shards are
+boxes viewing this rank's flat range: every rank writes only its partition (no gather), DCP records global
+shapes and chunks like an FSDP checkpoint, and any strategy on any world size loads it (ZeRO loads DDP/FSDP
+checkpoints the same way, the views as destinations). Exact: the fp32 master and the moments are what is saved.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from pathlib import Path
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 
-from hpcdist.checkpoint import CheckpointMismatch
 from hpcdist.parallel.base import Strategy, cross_entropy
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,11 @@ class ZeroStrategy(Strategy):
         # built before initialize, on the materialized model: DeepSpeed wraps this torch optimizer and steps
         # this scheduler at each accumulation boundary
         self.optimizer, self.scheduler = build_optimizer(model)
+        # each param group's FQNs, taken before DeepSpeed swaps the groups' parameters for its flat partitions:
+        # checkpoints list groups by FQN, as the torch strategies' optimizer state dicts do
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._fqn_groups = [[names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
+        self._shard_layout: dict[str, list[ShardMetadata]] | None = None  # built at the first checkpoint
         _ensure_process_group(self.device, _dp_size(ds_config))
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model,
@@ -194,63 +200,176 @@ class ZeroStrategy(Strategy):
         return {"params": params, "grads": grads, "optimizer": master + moments}
 
     # ------------------------------------------------------------------------------------------ checkpoint
+    def _fragments(self) -> list[_Fragment]:
+        """Where this rank's fp32 master of each parameter lies: DeepSpeed's flat partition, the offset in it and
+        the flat range of the parameter it covers (empty on a rank holding none of it). Views, never copies."""
+        opt, out = self.ds_optimizer, []
+        for fqn, p in self.module.named_parameters():
+            shape = tuple(getattr(p, "ds_shape", p.shape))
+            if self.stage == 3:
+                # every rank holds [rank * k, (rank + 1) * k) of the flat parameter, the last one padded
+                group, offset, k = opt.grad_position[opt.get_param_id(p)]
+                start = opt._get_param_partition_rank(p) * k
+                numel = max(0, min(k, p.ds_numel - start))
+                flat = opt.fp32_partitioned_groups_flat[group]
+            else:
+                mapping = getattr(p, "_hp_mapping", None)  # None: no element of p in this rank's partition
+                if mapping is None:
+                    out.append(_Fragment(fqn, shape, None, 0, 0, 0))
+                    continue
+                flat = opt.single_partition_of_fp32_groups[mapping.param_group_index]
+                offset, numel = mapping.hp_fragment_address.start, mapping.hp_fragment_address.numel
+                start = mapping.lp_fragment_address.start
+            out.append(_Fragment(fqn, shape, flat, offset, start, numel))
+        return out
+
+    def _moments(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The AdamW state of one flat fp32 partition, created as torch's AdamW would at its first step when the
+        optimizer has not stepped yet (a fresh run loading a checkpoint): loading writes into it in place."""
+        state = self.optimizer.state[flat]
+        if not state:
+            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(flat),
+                         exp_avg_sq=torch.zeros_like(flat))  # fmt: skip
+        return state
+
+    def _layout(self, fragments: list[_Fragment]) -> dict[str, list[ShardMetadata]]:
+        """Every rank's boxes of every parameter, gathered once (one collective; the partitioning never changes):
+        each ShardedTensor is then built locally, instead of one metadata collective per tensor per save."""
+        if self._shard_layout is None:
+            mine = {f.fqn: (str(f.flat.device if f.flat is not None else self.device),
+                            [(o, z) for o, z, _, _ in flat_boxes(f.shape, f.start, f.start + f.numel)])
+                    for f in fragments}  # fmt: skip
+            parts: list[Any] = [mine]
+            if dist.get_world_size() > 1:
+                parts = [None] * dist.get_world_size()
+                dist.all_gather_object(parts, mine)
+            self._shard_layout = {
+                f.fqn: [ShardMetadata(list(o), list(z), f"rank:{r}/{part[f.fqn][0]}")
+                        for r, part in enumerate(parts) for o, z in part[f.fqn][1]]
+                for f in fragments
+            }  # fmt: skip
+        return self._shard_layout
+
+    def _sharded(self, frag: _Fragment, source: torch.Tensor | None, layout: list[ShardMetadata]) -> ShardedTensor:
+        """One parameter-shaped ShardedTensor whose local shards are row-aligned boxes viewing this rank's part of
+        ``source`` (a flat fp32 partition or a moment): DCP writes the boxes' data, and loads straight into it."""
+        shards = []
+        pinned = False
+        if source is not None and frag.numel:
+            # detached (same storage): DeepSpeed's flat fp32 partitions are leaves that require grad, and async
+            # staging deep-copies the shards, which torch allows only for leaf tensors
+            local = source.detach().narrow(0, frag.offset, frag.numel)
+            pinned = local.is_pinned()  # offloaded partitions
+            rank = dist.get_rank()
+            for offsets, sizes, a, b in flat_boxes(frag.shape, frag.start, frag.start + frag.numel):
+                view = local[a - frag.start : b - frag.start].view(sizes)
+                shards.append(Shard.from_tensor_and_offsets(view, list(offsets), rank))
+        properties = TensorProperties(dtype=torch.float32, pin_memory=pinned)
+        metadata = ShardedTensorMetadata(layout, torch.Size(frag.shape), properties)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata)
+
     def dcp_state(self) -> dict[str, Any]:
-        """Model weights keyed by FQN (loadable by any strategy). Stages 1-2: every rank holds them whole and DCP
-        writes each once. Stage 3: DeepSpeed gathers one layer at a time onto rank 0's host, so no GPU ever
-        holds the whole model; the other ranks contribute nothing."""
-        if self.stage == 3:
-            full = self.engine._zero3_consolidated_16bit_state_dict()
-            return {"model": dict(full) if full is not None else {}}
-        return {"model": get_model_state_dict(self.module)}
+        """The fp32 master weights and AdamW state keyed by FQN in the torch strategies' layout (``get_state_dict``),
+        each rank holding only its own partition as boxes of the real shapes: no gather, a checkpoint every strategy
+        loads on any world size (a DDP run reads the master as its weights, the moments as its optimizer state)."""
+        model: dict[str, Any] = {}
+        state: dict[str, Any] = {}
+        step = self._step()
+        fragments = self._fragments()
+        layout = self._layout(fragments)
+        for frag in fragments:
+            # a rank holding no part of a parameter leaves it out: DCP's load takes an entry without local shards
+            # for a sign of a pre-2.4 checkpoint and fails
+            if not frag.numel:
+                continue
+            moments = self._moments(frag.flat) if frag.flat is not None else {}
+            model[frag.fqn] = self._sharded(frag, frag.flat, layout[frag.fqn])
+            state[frag.fqn] = {key: self._sharded(frag, moments.get(key), layout[frag.fqn]) for key in _MOMENTS}
+            state[frag.fqn]["step"] = step.clone()
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": list(fqns)}
+            for g, fqns in zip(self.optimizer.param_groups, self._fqn_groups, strict=True)
+        ]
+        return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+    def _step(self) -> torch.Tensor:
+        # AdamW steps every group together: DeepSpeed's flat partitions all hold the same count
+        states = [s for s in self.optimizer.state.values() if "step" in s]
+        return torch.as_tensor(states[0]["step"] if states else 0.0, dtype=torch.float32).detach().clone()
 
     def load_dcp_state(self, state: dict[str, Any]) -> None:
-        """Weights only, from a DDP/FSDP checkpoint (stages 1 and 2); the optimizer moments start from zero."""
+        """``state`` is ``dcp_state()`` after ``dcp.load``: the master and moments were written in place through
+        the views. Here: the step count, then the 16-bit weights refreshed from the new master. The groups'
+        hyper-parameters are not taken from the checkpoint (DCP hands the loaded copies to a dict of its own when
+        it flattens ShardedTensors): the LR schedule's state and the config set them, as the trainer would anyway."""
+        optim = state.get("optim")
+        if optim is not None:
+            # AdamW's bias correction: one count for all groups, as saved (any entry this rank holds has it)
+            for entry in list(optim["state"].values())[:1]:
+                for flat_state in self.optimizer.state.values():
+                    if "step" in flat_state:
+                        flat_state["step"] = torch.as_tensor(entry["step"], dtype=torch.float32).clone()
+        else:
+            log.warning("loaded model weights only: the checkpoint has no optimizer state, moments restart")
+        self._refresh_bit16()
+
+    @torch.no_grad()
+    def _refresh_bit16(self) -> None:
+        """The module's 16-bit weights from the fp32 master, as DeepSpeed does after each step."""
+        opt = self.ds_optimizer
         if self.stage == 3:
-            raise CheckpointMismatch(
-                "parallel.zero.stage=3 resumes only from its own checkpoints (step-N/native/); to start from a "
-                "DDP/FSDP checkpoint's weights, resume it with parallel.zero.stage=1 or 2, or with fsdp"
-            )
-        set_model_state_dict(self.module, state["model"], options=StateDictOptions(strict=True))
-        # the fp32 master partitions are separate copies of the module's weights: refresh them from the module
-        self.ds_optimizer._restore_from_bit16_weights()
-        log.warning("loaded model weights only: the checkpoint has no DeepSpeed optimizer state, moments restart")
-
-    def save_native(self, path: Path) -> None:
-        """DeepSpeed's sharded save: module weights plus each rank's fp32 partitions and Adam moments."""
-        # tag fixed and no `latest` file: hpcdist's COMPLETE marker, not DeepSpeed's, says what is resumable
-        self.engine.save_checkpoint(str(path), tag=_TAG, save_latest=False)
-
-    def model_shapes(self) -> dict[str, tuple[int, ...]]:
-        """{FQN: full shape} of the module's state (stage 3: ``ds_shape``, not the local partition), no gather."""
-        return {k: tuple(getattr(v, "ds_shape", v.shape)) for k, v in self.module.state_dict(keep_vars=True).items()}
-
-    def load_native(self, path: Path) -> None:
-        saved = _saved_world_size(path)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if saved is not None and saved != world:
-            raise CheckpointMismatch(
-                f"{path.parent} was saved by parallel.strategy=zero on {saved} ranks and this job has {world}: "
-                f"DeepSpeed's optimizer partitions are per rank. Resume on {saved} ranks, or point "
-                "checkpoint.resume at it from a ddp/fsdp run (weights only)"
-            )
-        # the scheduler is DeepSpeed-wrapped here: it restores it itself; hpcdist's trainer state agrees with it
-        load_path, _ = self.engine.load_checkpoint(
-            str(path), tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        if load_path is None:
-            raise ValueError(f"{path}: DeepSpeed found no checkpoint with tag {_TAG!r} (damaged checkpoint?)")
+            for i in range(len(opt.fp32_partitioned_groups_flat)):
+                opt._reassign_or_swap_out_partitioned_parameters(i)  # fp32 partition -> 16-bit partition
+            if opt.persistent_parameters:  # small parameters every rank keeps whole
+                opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+        else:
+            opt.update_lp_params()  # copies this rank's partition and all-gathers the others'
 
 
-_TAG = "zero"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class _Fragment:
+    fqn: str
+    shape: tuple[int, ...]
+    flat: torch.Tensor | None  # DeepSpeed's flat fp32 partition holding it
+    offset: int  # where in ``flat``
+    start: int  # where in the flattened parameter
+    numel: int
+
+
+def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[list[int], list[int], int, int]]:
+    """The flat range [start, stop) of a row-major tensor of ``shape`` as N-D boxes: (offsets, sizes, a, b), each
+    box holding the flat elements [a, b) in order. A partial leading slice, whole slices of dim 0, a partial
+    trailing slice (the partial ones split the same way one dimension down): at most 2 * ndim - 1 boxes."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [([start], [stop - start], start, stop)]
+    inner = math.prod(shape[1:])
+    boxes: list[tuple[list[int], list[int], int, int]] = []
+
+    def partial(row: int, lo: int, hi: int) -> None:
+        base = row * inner
+        for offsets, sizes, a, b in flat_boxes(shape[1:], lo - base, hi - base):
+            boxes.append(([row, *offsets], [1, *sizes], a + base, b + base))
+
+    pos = start
+    if pos % inner:
+        end = min(stop, (pos // inner + 1) * inner)
+        partial(pos // inner, pos, end)
+        pos = end
+    rows = (stop - pos) // inner
+    if rows:
+        boxes.append(([pos // inner] + [0] * (len(shape) - 1), [rows, *shape[1:]], pos, pos + rows * inner))
+        pos += rows * inner
+    if pos < stop:
+        partial(pos // inner, pos, stop)
+    return boxes
 
 
 def _dp_size(ds_config: dict[str, Any]) -> int:
     # deepspeed_config's train_batch_size is micro x accumulation x data-parallel ranks
     per_rank = ds_config["train_micro_batch_size_per_gpu"] * ds_config["gradient_accumulation_steps"]
     return ds_config["train_batch_size"] // per_rank
-
-
-def _saved_world_size(path: Path) -> int | None:
-    # one zero_pp_rank_<r>_mp_rank_00_optim_states.pt per data-parallel rank
-    files = list((path / _TAG).glob("*_optim_states.pt"))
-    return len(files) or None

@@ -62,7 +62,7 @@ def test_flagship_zero3_async_checkpoint_requeues_and_resumes_exactly(
     stop_dir = pre_run / "checkpoints" / f"step-{stop_step:08d}"
     assert (stop_dir / MARKER).is_file() and (stop_dir / MANIFEST).is_file()
     assert json.loads((stop_dir / MARKER).read_text())["step"] == stop_step
-    assert (stop_dir / "native").is_dir()  # DeepSpeed's own ZeRO-3 partitions, beside the DCP weights
+    assert not (stop_dir / "native").exists()  # ZeRO-3's partitions (fp32 master, moments) are in the DCP shards
     assert out.count("starting fresh") == 1  # the first run only
     assert job_info(slurm_cluster, job)["Restarts"] == "1"
 

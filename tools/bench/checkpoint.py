@@ -188,27 +188,25 @@ def two_ranks(preset: str, root: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------- 13B prediction
 def predict_13b(hash_gbps: float, write_eff: float, fs_gbps: float) -> list[tuple[str, float]]:
     """Seconds per part of one 13B ZeRO-3 save on 4 nodes x 8 ranks with today's code (hpcdist/checkpoint.py,
-    parallel/zero.py), a rough model: DeepSpeed writes its partitions from every rank, synchronously even with
-    async_save (bf16 weights 2 + fp32 master 4 + Adam 8 = 14 bytes/param, spread over the 4 nodes); the portable
-    DCP part is the bf16 weights gathered layer by layer onto rank 0's host (2 bytes/param; device-to-host at an
-    assumed 20 GB/s), also synchronous, then written by that one node (in the background with async_save); every
-    file is hashed by the rank that wrote it, so rank 0's share (its partitions + all gathered weights) is the
-    longest. Writes at ``fs_gbps`` per node x the write efficiency measured here."""
+    parallel/zero.py), a rough model: the checkpoint is ZeRO's fp32 master + AdamW moments (4 + 8 = 12 bytes/param;
+    no 16-bit copy, no gather), each rank writing its own 1/32 through DCP. Each rank first copies its share
+    device-to-host (assumed 20 GB/s per GPU, all in parallel): with async_save that staging copy is all that
+    blocks the loop. Then the 4 nodes write at ``fs_gbps`` per node x the write efficiency measured here, and each
+    rank hashes the files it wrote (one core per rank, in parallel)."""
     n = num_params(ModelArgs(**load_preset("13b")))
-    partitions_s = 14 * n / (4 * fs_gbps * write_eff * GB)
-    gather_s = 2 * n / (20 * GB)
-    weights_write_s = 2 * n / (fs_gbps * write_eff * GB)
-    rank0_hash_s = (14 * n / 32 + 2 * n) / (hash_gbps * GB)
+    share = 12 * n / 32  # bytes per rank
+    staging_s = share / (20 * GB)
+    write_s = 12 * n / (4 * fs_gbps * write_eff * GB)
+    hash_s = share / (hash_gbps * GB)
     return [
         ("params (B)", n / 1e9),
-        ("checkpoint size (GB)", 16 * n / GB),
-        ("DeepSpeed partitions, 4 nodes writing (s)", partitions_s),
-        ("bf16 weights gathered onto rank 0's host (s)", gather_s),
-        ("gathered weights written by one node (s)", weights_write_s),
-        ("manifest: sha256 of rank 0's share, the longest (s)", rank0_hash_s),
-        ("predicted sync save (s)", partitions_s + gather_s + weights_write_s + rank0_hash_s),
-        ("predicted async save: blocking the loop (s)", partitions_s + gather_s),
-        ("predicted async save: until complete (s)", partitions_s + gather_s + weights_write_s + rank0_hash_s),
+        ("checkpoint size (GB)", 12 * n / GB),
+        ("each rank's share copied device-to-host (s)", staging_s),
+        ("fp32 master + moments, 4 nodes writing (s)", write_s),
+        ("manifest: sha256 of one rank's share (s)", hash_s),
+        ("predicted sync save (s)", staging_s + write_s + hash_s),
+        ("predicted async save: blocking the loop (s)", staging_s),
+        ("predicted async save: until complete (s)", staging_s + write_s + hash_s),
     ]
 
 
