@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)
 
 from hpcdist import checkpoint as ckpt_mod
 from hpcdist import config as config_mod
@@ -72,18 +73,6 @@ def dd_write(directory: Path, nbytes: int) -> float:
     seconds = time.perf_counter() - t0
     target.unlink()
     return count * (64 << 20) / seconds / GB
-
-
-def drop_page_cache(path: Path) -> None:
-    """Best effort: ask the kernel to forget the checkpoint's pages so a load reads the disk (needs root)."""
-    for f in path.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def hash_seconds(path: Path) -> float:
@@ -123,7 +112,7 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
         complete.append(time.perf_counter() - t0)
     out["async_blocking_s"], out["async_complete_s"] = blocking, complete
 
-    drop_page_cache(path)
+    drop_page_cache(path.rglob("*"))  # a load then reads the disk (needs root)
     t0 = time.perf_counter()
     loaded = sync.restore(str(path), state)
     out["load_s"] = time.perf_counter() - t0

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)
 
 from hpcdist import config as config_mod
 from hpcdist.data import load_tokenizer, prepare_corpus, stdlib_corpus, train_bpe
@@ -111,17 +112,6 @@ def bench_prepare(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     return {"mb": nbytes / 1e6, "documents": len(docs), "vocab": args.vocab, "runs": runs, "best": best}
 
 
-def _drop_cache(dataset: Path) -> None:
-    """Evict these shard files (only these) from the page cache, so the next run reads them from disk."""
-    for f in dataset.glob("shard-*.bin"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 class SlowReads:
     """A dataset whose every sample read first waits `latency_s`: a shared filesystem (Lustre, NFS, GPFS) serving
     random reads of a corpus much larger than the page cache, where one small read costs ~1-5 ms, not the ~30 us of
@@ -151,7 +141,7 @@ def _loader_run(
         "checkpoint.save_final=false", "checkpoint.resume=none", f"run.dir={run_dir}", "run.log_level=WARNING",
     ]  # fmt: skip
     cfg = config_mod.load(None, over)
-    _drop_cache(dataset)
+    drop_page_cache(dataset.glob("shard-*.bin"))
     trainer = Trainer(cfg, from_environ())
     batches = getattr(trainer.loader, "loader", trainer.loader)  # the BatchLoader, inside a PrefetchLoader or not
     if latency_ms:
