@@ -174,7 +174,21 @@ def _parser() -> argparse.ArgumentParser:
     tt.add_argument("--text-field", default="text", help="jsonl key / parquet or datasets column (default: text)")
     _add_launch_parsers(sub)
     _add_plan_parser(sub)
+    _add_report_parser(sub)
     return p
+
+
+def _add_report_parser(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser(
+        "report",
+        help="write a run's report: one HTML page with every figure embedded, and the figures as PNGs",
+        description="Read RUN_DIR (finished, running or crashed) and write report.html (self-contained: images "
+        "embedded) and report/*.png: loss and eval loss vs step and tokens, throughput and MFU, memory, goodput "
+        "by attempt, attempts/restarts/failures on a timeline, stragglers, ranks by host, the resolved config. "
+        "Needs matplotlib: pip install 'hpcdist[plot]'.",
+    )
+    r.add_argument("run_dir", type=Path, help="the run's run.dir")
+    r.add_argument("--out", type=Path, help="the HTML file (default RUN_DIR/report.html; PNGs in a folder beside it)")
 
 
 def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
@@ -532,6 +546,25 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from hpcdist.report.page import write_report
+    from hpcdist.report.plots import MissingMatplotlib
+    from hpcdist.rundir import RunDir
+
+    if not args.run_dir.is_dir():
+        return _fail(f"report: {args.run_dir} is not a directory (give the run's run.dir)")
+    rd = RunDir(args.run_dir)
+    out = args.out or rd.report
+    images = rd.report_images if args.out is None else out.with_suffix("")  # report.html -> report/
+    try:
+        page, pngs = write_report(args.run_dir, out, images)
+    except MissingMatplotlib as e:
+        return _fail(f"report: {e}")
+    drawn = [p.name for p in pngs.values() if p is not None]
+    print(f"wrote {page} and {len(drawn)} figure(s) in {images}/: {', '.join(drawn) or 'none (nothing recorded)'}")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import textwrap
 
@@ -616,6 +649,7 @@ COMMANDS = {
     "logs": cmd_logs,
     "cancel": cmd_cancel,
     "plan": cmd_plan,
+    "report": cmd_report,
 }
 
 

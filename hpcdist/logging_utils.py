@@ -14,7 +14,7 @@ from typing import TextIO
 __all__ = ["get_logger", "log0", "setup_logging"]
 
 _ROOT_NAME = "hpcdist"
-_DATEFMT = "%H:%M:%S"
+_DATEFMT = "%Y-%m-%dT%H:%M:%S"  # ISO 8601 local time: a 44-day job's lines need their date
 # Set by setup_logging; log0 checks it so a forgotten setup_logging call still cannot make every rank speak
 # at INFO once somebody lowers the level by hand.
 _rank: int = 0
@@ -71,7 +71,10 @@ def setup_logging(rank: int, *, level: str = "INFO") -> None:
             logger.removeHandler(handler)
 
     handler = _StdoutHandler()
-    handler.setFormatter(logging.Formatter(f"[hpcdist %(asctime)s r{rank}] %(message)s", datefmt=_DATEFMT))
+    # [hpcdist 2026-11-25T19:30:01 INFO r0] ...: date, level and rank on every line, as torchtitan's and
+    # Megatron's logs; grep "WARNING r" finds every rank's warnings in a merged job log
+    fmt = f"[hpcdist %(asctime)s %(levelname)s r{rank}] %(message)s"
+    handler.setFormatter(logging.Formatter(fmt, datefmt=_DATEFMT))
     logger.addHandler(handler)
     logger.setLevel(requested if rank == 0 else max(requested, logging.WARNING))
     # Our handler is the one that prints; propagating as well would print each line again wherever the

@@ -229,7 +229,7 @@ def format_eta(seconds: float) -> str:
 def format_line(step: int, total_steps: int, m: Mapping[str, float]) -> str:
     """One compact log line from whichever of the known metrics are present; missing ones are left out.
 
-    "step 120/200 | loss 2.3456 | lr 2.95e-04 | gnorm 0.87 | 1.23e+04 tok/s | mfu 41.2% | mem 1.2GiB | eta 3m05s"
+    "step 120/200 | loss 2.3456 | lr 2.95e-04 | gnorm 0.87 | tps 12,345 | mfu 41.2% | mem 1.2GiB | eta 3m05s"
     """
     parts = [f"step {step}/{total_steps}"]
     if "loss" in m:
@@ -239,7 +239,12 @@ def format_line(step: int, total_steps: int, m: Mapping[str, float]) -> str:
     if "grad_norm" in m:
         parts.append(f"gnorm {m['grad_norm']:.3g}")
     if "tokens_per_s" in m:
-        parts.append(f"{m['tokens_per_s']:.2e} tok/s")
+        # torchtitan's convention: integer tokens/s with thousands separators; per device when the job has several
+        tps = f"tps {m['tokens_per_s']:,.0f}"
+        per_dev = m.get("tokens_per_s_per_device")
+        if per_dev is not None and round(per_dev) != round(m["tokens_per_s"]):
+            tps += f" ({per_dev:,.0f}/dev)"
+        parts.append(tps)
     if "mfu" in m:
         parts.append(f"mfu {m['mfu'] * 100:.1f}%")
     # Reserved is what decides an OOM on GPU; RSS is the only number on CPU.

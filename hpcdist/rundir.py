@@ -64,6 +64,21 @@ class RunDir:
         return self.root / "goodput.json"
 
     @property
+    def summary(self) -> Path:
+        """run_summary.json: steps, tokens, wall time, goodput, best eval, last checkpoint (rank 0, end of attempt)."""
+        return self.root / "run_summary.json"
+
+    @property
+    def report(self) -> Path:
+        """report.html: `hpcdist report`'s self-contained page (images embedded)."""
+        return self.root / "report.html"
+
+    @property
+    def report_images(self) -> Path:
+        """The report's PNGs, one per figure (`hpcdist report`)."""
+        return self.root / "report"
+
+    @property
     def lock(self) -> Path:
         """Held (flock) by rank 0 while a run uses this directory (fault/rundir_lock.py)."""
         return self.root / "run.lock"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections import Counter
@@ -48,6 +49,7 @@ from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.parallel.dims import parallel_dims
 from hpcdist.parallel.parallelize import build_strategy, describe_layout
+from hpcdist.run_summary import format_summary, previous_best_eval, write_summary
 from hpcdist.rundir import RunDir
 
 log = get_logger(__name__)
@@ -329,6 +331,7 @@ class Trainer:
             self.stop_flag.close()
         self.watchdog.stop()
         self._report_goodput()
+        self._report_summary(result)
         self.metrics.close()
         self.run_lock.release()  # after the last checkpoint is complete (the loop waited for it)
         result.step = self.step
@@ -437,6 +440,29 @@ class Trainer:
         log.info("goodput %.1f%% of %.1fs over %d attempt(s): %s", 100 * g["goodput"], g["total_s"], g["attempts"],
                  parts)  # fmt: skip
         self.metrics.log(self.step, g, prefix="goodput")
+
+    def _report_summary(self, result: TrainResult) -> None:
+        """Rank 0, end of this attempt: the summary block in the log and <run.dir>/run_summary.json."""
+        if not self.env.is_main:
+            return
+        g, rd = self.goodput.summary(), RunDir(self.run_dir)
+        evals = [v for v in result.eval_losses.values() if math.isfinite(v)]
+        best = [v for v in (previous_best_eval(self.run_dir), min(evals, default=None)) if v is not None]
+        attempt = self.goodput.attempt_seconds()
+        summary = {
+            "step": self.step, "total_steps": self.cfg.train.steps, "tokens_seen": self.tokens_seen,
+            "stop_reason": result.stop_reason.name if result.stop_reason else None,
+            "wall_time_s": g["total_s"] or attempt, "attempt_s": attempt, "attempts": int(g["attempts"]) or 1,
+            "goodput": g["goodput"], "tokens_per_s": self.throughput.tokens_per_s,
+            "last_loss": result.losses[max(result.losses)] if result.losses else None,
+            "best_eval_loss": min(best) if best else None, "checkpoint": self.nonfinite.last_checkpoint,
+            "run_dir": str(self.run_dir), "report": str(rd.report), "summary_file": str(rd.summary),
+        }  # fmt: skip
+        try:
+            write_summary(self.run_dir, summary)
+        except OSError as e:  # a full disk must not turn a finished run into a failed one
+            log.warning("could not write %s: %s", rd.summary, e)
+        log.info("\n%s", format_summary(summary))
 
     def _check_replicas(self) -> float:
         """Data-parallel replicas must hold bitwise-identical parameters; report the ranks that do not (a silent

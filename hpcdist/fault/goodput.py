@@ -162,6 +162,10 @@ class Goodput:
                 self._entry["clean"] = True
             self._flush_locked(force=True)
 
+    def attempt_seconds(self) -> float:
+        """Wall time of this attempt so far (process start to now)."""
+        return max(0.0, time.time() - float(self._entry["start"]))
+
     def summary(self) -> dict[str, float]:
         with self._lock:
             return summarize(self._data["attempts"])

@@ -10,7 +10,8 @@ every ``every`` steps:
 - ``compute_s``: a fixed compute probe, timed now: a matmul of fixed size on the rank's device, synchronized, best
   of 3 (a throttled or degraded GPU, a CPU shared with a noisy neighbour);
 - ``wait_s``: how long the rank then waited for the slowest rank to arrive at the check (the straggler waits least);
-- ``step_s``: mean step wall time over the window (for scale).
+- ``step_s``: mean step wall time over the window (for scale);
+- ``mem_gib``: the rank's memory now (CUDA reserved, else resident set size): the report's memory-per-rank bars.
 
 A rank is a straggler when its ``data_s`` or ``compute_s`` exceeds ``factor`` x the lower median over ranks (with two
 ranks: the faster one) by enough to matter (data: at least 5% of the mean step time; probe: 1 ms), at CONFIRM_CHECKS
@@ -20,6 +21,7 @@ at 1.6x on the shared 2-core test machine), a straggler stays slow. The metrics 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -56,19 +58,32 @@ class Straggler:
 @dataclass(frozen=True)
 class StragglerReport:
     table: list[dict[str, float]]
-    """Per rank (index = rank): data_s, compute_s, wait_s, step_s."""
+    """Per rank (index = rank): data_s, compute_s, wait_s, step_s, mem_gib."""
     stragglers: list[Straggler]
 
-    def metrics(self) -> dict[str, float]:
-        """For metrics.jsonl / TensorBoard: count, worst ratio to the median per measure, slowest values."""
-        out: dict[str, float] = {"count": float(len(self.stragglers))}
+    def metrics(self) -> dict[str, float | list[float]]:
+        """For metrics.jsonl / TensorBoard: count, worst ratio to the median per measure, slowest values, and the
+        per-rank memory list (JSON only: TensorBoard takes the numbers)."""
+        out: dict[str, float | list[float]] = {"count": float(len(self.stragglers))}
         for key in ("data_s", "compute_s"):
             values = [r[key] for r in self.table]
             ref = statistics.median_low(values)
             out[f"{key.removesuffix('_s')}_ratio"] = max(values) / ref if ref > 0 else 1.0
             out[f"{key}_max"] = max(values)
         out["wait_s_max"] = max(r["wait_s"] for r in self.table)
+        out["mem_gib_per_rank"] = [round(r["mem_gib"], 4) for r in self.table]
         return out
+
+
+def _memory_gib(device: torch.device) -> float:
+    """This rank's memory now, without resetting the peaks metrics.memory_stats reads: CUDA reserved, else RSS."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device) / 2**30
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def find_stragglers(values: Sequence[float], *, factor: float, min_excess: float) -> list[int]:
@@ -133,10 +148,11 @@ class StragglerMonitor:
         t0 = time.perf_counter()
         dist.all_reduce(arrive, group=group)  # everyone arrives: the time in here is waiting for the slowest
         wait = time.perf_counter() - t0
-        mine = torch.tensor([data_s, probe, wait, step_s], dtype=torch.float64)
-        rows = [torch.zeros(4, dtype=torch.float64) for _ in range(dist.get_world_size())]
+        mine = torch.tensor([data_s, probe, wait, step_s, _memory_gib(self.device)], dtype=torch.float64)
+        rows = [torch.zeros(5, dtype=torch.float64) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine, group=group)
-        table = [dict(zip(("data_s", "compute_s", "wait_s", "step_s"), map(float, r.tolist()), strict=True))
+        names = ("data_s", "compute_s", "wait_s", "step_s", "mem_gib")
+        table = [dict(zip(names, map(float, r.tolist()), strict=True))
                  for r in rows]  # fmt: skip
         mean_step = statistics.fmean(r["step_s"] for r in table)
         out = []

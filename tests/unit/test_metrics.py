@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,14 +170,19 @@ def test_format_line_full() -> None:
     )
     assert (
         line
-        == "step 120/200 | loss 2.3456 | lr 2.95e-04 | gnorm 0.87 | 1.23e+04 tok/s | mfu 41.2% | mem 1.2GiB | eta 3m05s"
+        == "step 120/200 | loss 2.3456 | lr 2.95e-04 | gnorm 0.87 | tps 12,345 | mfu 41.2% | mem 1.2GiB | eta 3m05s"
     )
+
+
+def test_format_line_throughput_reads_like_torchtitan() -> None:
+    line = format_line(3, 9, {"tokens_per_s": 20561.6, "tokens_per_s_per_device": 5140.4})
+    assert line == "step 3/9 | tps 20,562 (5,140/dev)"
 
 
 def test_format_line_omits_missing() -> None:
     line = format_line(5, 10, {"loss": 1.5})
     assert line == "step 5/10 | loss 1.5000"
-    for absent in ("lr", "gnorm", "tok/s", "mfu", "mem", "eta"):
+    for absent in ("lr", "gnorm", "tps", "mfu", "mem", "eta"):
         assert absent not in line
 
 
@@ -299,7 +305,8 @@ def test_setup_logging_idempotent(clean_logger: logging.Logger, capsys: pytest.C
     log0("hello %d", 42)
     out = capsys.readouterr().out
     assert out.count("hello 42") == 1
-    assert out.startswith("[hpcdist ") and " r0] hello 42" in out
+    # ISO date-time, level and rank on every line: [hpcdist 2026-11-25T19:30:01 INFO r0] hello 42
+    assert re.fullmatch(r"\[hpcdist \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d INFO r0\] hello 42\n", out), out
 
 
 def test_setup_logging_other_ranks_warn_only(clean_logger: logging.Logger, capsys: pytest.CaptureFixture[str]) -> None:

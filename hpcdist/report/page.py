@@ -1,0 +1,125 @@
+"""`hpcdist report RUN_DIR`: one self-contained HTML page (every PNG embedded as base64) plus the PNGs themselves.
+
+The page opens from a mail attachment or a copied file on a laptop with nothing else: no script, no stylesheet
+or image fetched from anywhere. Tables are written here with the standard library; only the figures need
+matplotlib (hpcdist.report.plots).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import os
+from pathlib import Path
+from typing import Any
+
+from hpcdist.report.rundata import RunData
+
+__all__ = ["write_report"]
+
+_STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;
+font-size:13px}th{background:#f3f3f3}img{max-width:100%}pre{background:#f7f7f7;padding:1em;font-size:12px;
+overflow:auto}.bad{color:#b00}.none{color:#888;font-style:italic}"""
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "?"
+    return _dt.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds")
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _summary(data: RunData) -> str:
+    last = data.train[-1] if data.train else {}
+    best = min((r["loss"] for r in data.eval if isinstance(r.get("loss"), (int, float))), default=None)
+    g = data.goodput
+    rows = [
+        ["last logged step", last.get("step", "none yet")],
+        ["tokens seen", f"{int(last['tokens_seen']):,}" if isinstance(last.get("tokens_seen"), (int, float)) else "?"],
+        ["last train loss", f"{last['loss']:.4f}" if isinstance(last.get("loss"), (int, float)) else "?"],
+        ["best eval loss", f"{best:.4f}" if best is not None else "no evaluation yet"],
+        ["attempts", len(data.attempts)],
+        ["goodput", f"{100 * g['goodput']:.1f}% of {g['total_s']:.1f} s" if g else "no goodput ledger"],
+        ["failures recorded", sum(1 for f in data.failures if f.get("kind") != "straggler")],
+    ]
+    if data.summary:
+        rows.append(["run_summary.json", ", ".join(f"{k}={v}" for k, v in data.summary.items() if k != "time")])
+    return _table(["", ""], rows)
+
+
+def _attempts(data: RunData) -> str:
+    if not data.attempts:
+        return '<p class="none">no goodput.json: the run has not started its training loop yet</p>'
+    keys = list(data.attempts[0].seconds)
+    rows = [[f"attempt {a.number}", _when(a.start), _when(a.end), f"{a.first_step}-{a.last_step}", a.outcome,
+             *(f"{a.seconds[k]:.1f}" for k in keys)] for a in data.attempts]  # fmt: skip
+    return _table(["attempt", "start", "end (or last seen)", "steps", "outcome", *(f"{k} s" for k in keys)], rows)
+
+
+def _restarts(data: RunData) -> str:
+    ledger = data.restarts
+    out = []
+    if ledger:
+        attempts = ledger.get("attempts") or {}
+        rows = [[f"job {ledger.get('job_id')} restart {k}", _when(a.get("start")), a.get("ended", ""),
+                 a.get("requeued", ""), a.get("host", "")]
+                for k, a in sorted(attempts.items(), key=lambda kv: int(kv[0]))]  # fmt: skip
+        out.append(_table(["SLURM attempt", "start", "ended", "requeued for", "host"], rows))
+        if ledger.get("excluded"):
+            out.append(f"<p>excluded nodes: {html.escape(', '.join(map(str, ledger['excluded'])))}</p>")
+        if ledger.get("stopped"):
+            out.append(f'<p class="bad">stopped: {html.escape(str(ledger["stopped"].get("reason")))}</p>')
+    fails = [f for f in data.failures]
+    if fails:
+        rows = [[_when(f.get("time")), f.get("kind", ""), f.get("rank", ""), f.get("host", ""), f.get("step", ""),
+                 f.get("restart", ""), f.get("cause", "")] for f in fails]  # fmt: skip
+        out.append(_table(["time", "kind", "rank", "host", "step", "restart", "cause"], rows))
+    return "".join(out) or '<p class="none">no restarts.json and no failures.jsonl: nothing failed</p>'
+
+
+def _ranks(data: RunData) -> str:
+    by_host = data.ranks_by_host()
+    if not by_host:
+        return '<p class="none">no ranks.json yet</p>'
+    rows = [[host, len(ranks), ", ".join(map(str, ranks))] for host, ranks in by_host.items()]
+    return _table(["host", "ranks", "rank ids"], rows)
+
+
+def _image(path: Path | None, title: str) -> str:
+    if path is None:
+        return f'<p class="none">{html.escape(title)}: nothing recorded yet</p>'
+    encoded = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img alt="{html.escape(title)}" src="data:image/png;base64,{encoded}">'
+
+
+def write_report(run_dir: str | os.PathLike[str], out: Path, images: Path) -> tuple[Path, dict[str, Path | None]]:
+    """Write the page to ``out`` and the PNGs into ``images``; return both. Raises MissingMatplotlib without it."""
+    from hpcdist.report import plots  # matplotlib is imported by the first figure, not here
+
+    data = RunData.load(run_dir)
+    pngs = plots.figures(data, images)
+    sections = [
+        f"<h1>hpcdist run report: {html.escape(str(Path(run_dir)))}</h1>",
+        f"<p>written {_when(_dt.datetime.now().timestamp())}; the run's files as they were then (a running or "
+        "crashed run shows what it had recorded)</p>",
+        "<h2>Summary</h2>", _summary(data),
+        "<h2>Attempts</h2>", _attempts(data),
+    ]  # fmt: skip
+    for name, (title, _) in plots.FIGURES.items():
+        sections += [f"<h2>{html.escape(title)}</h2>", _image(pngs[name], title)]
+        if name == "timeline":
+            sections.append(_restarts(data))
+    sections += ["<h2>Ranks by host</h2>", _ranks(data), "<h2>Resolved config</h2>",
+                 f"<pre>{html.escape(data.config_text) or 'no config.yaml yet'}</pre>"]  # fmt: skip
+    page = (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>hpcdist report</title><style>{_STYLE}'
+            f"</style></head><body>\n" + "\n".join(sections) + "\n</body></html>\n")  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page, encoding="utf-8")
+    return out, pngs

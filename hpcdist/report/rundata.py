@@ -1,0 +1,129 @@
+"""Everything a run directory records, read back for the report: torch-free and tolerant of partial files.
+
+A report is asked for while a run trains (files are being appended to), after it finished, and after it crashed
+(a truncated last JSON line, a goodput entry without an end, no restarts.json because it never ran under SLURM).
+So every reader here returns what it could read and skips what it could not: an unreadable line is dropped, a
+missing file is an empty record, and nothing here raises on the run's own files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcdist.fault.goodput import CATEGORIES, summarize
+from hpcdist.rundir import RunDir
+
+__all__ = ["Attempt", "RunData", "read_jsonl"]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file, in order; a line that does not parse (the one being written) is skipped."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _series(records: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+    """The records of one split, last line per step (a resumed run logs its re-run steps again), by step."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        if rec.get("split", "train") == split and isinstance(rec.get("step"), int):
+            by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+@dataclass
+class Attempt:
+    """One start of the run (goodput.json's entry): when, which steps, how it ended, where its time went."""
+
+    number: int
+    start: float
+    end: float
+    first_step: int
+    last_step: int | None
+    clean: bool
+    ended: bool  # an end time was written (by the trainer, or by the batch script after a failed step)
+    seconds: dict[str, float]
+
+    @property
+    def outcome(self) -> str:
+        if self.clean:
+            return "stopped cleanly"
+        return "failed" if self.ended else "running or crashed"
+
+
+@dataclass
+class RunData:
+    """The run directory's records; see :meth:`load`."""
+
+    root: Path
+    config_text: str = ""
+    train: list[dict[str, Any]] = field(default_factory=list)
+    eval: list[dict[str, Any]] = field(default_factory=list)
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
+    goodput: dict[str, float] = field(default_factory=dict)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    restarts: dict[str, Any] = field(default_factory=dict)
+    hosts: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, root: str | os.PathLike[str]) -> RunData:
+        rd = RunDir(root)
+        records = read_jsonl(rd.metrics)
+        data = cls(root=Path(root), train=_series(records, "train"), eval=_series(records, "eval"),
+                   stragglers=_series(records, "straggler"), failures=read_jsonl(rd.failures))  # fmt: skip
+        with contextlib.suppress(OSError):
+            data.config_text = rd.config.read_text(encoding="utf-8", errors="replace")
+        ledger = _read_json(rd.restarts)
+        data.restarts = ledger if isinstance(ledger, dict) else {}
+        ranks = _read_json(rd.ranks)
+        if isinstance(ranks, dict) and isinstance(ranks.get("hosts"), list):
+            data.hosts = [str(h) for h in ranks["hosts"]]
+        summary = _read_json(rd.summary)
+        data.summary = summary if isinstance(summary, dict) else {}
+        goodput = _read_json(rd.goodput)
+        entries = goodput.get("attempts") if isinstance(goodput, dict) else None
+        entries = [e for e in entries or [] if isinstance(e, dict) and isinstance(e.get("start"), (int, float))]
+        data.goodput = summarize(entries) if entries else {}
+        for i, e in enumerate(entries, 1):
+            keys = [k for k in CATEGORIES if k != "queue_wait"]
+            data.attempts.append(Attempt(
+                number=i, start=float(e["start"]), end=float(e.get("end") or e.get("last") or e["start"]),
+                first_step=int(e.get("first_step") or 0), last_step=e.get("last_step"), clean=bool(e.get("clean")),
+                ended=bool(e.get("end")), seconds={k: float(e.get(f"{k}_s", 0.0)) for k in keys},
+            ))  # fmt: skip
+        return data
+
+    def ranks_by_host(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for rank, host in enumerate(self.hosts):
+            out.setdefault(host, []).append(rank)
+        return out
+
+    @property
+    def empty(self) -> bool:
+        return not (self.train or self.attempts or self.failures or self.config_text)
