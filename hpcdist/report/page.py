@@ -58,7 +58,8 @@ def _attempts(data: RunData) -> str:
     if not data.attempts:
         return '<p class="none">no goodput.json: the run has not started its training loop yet</p>'
     keys = list(data.attempts[0].seconds)
-    rows = [[f"attempt {a.number}", _when(a.start), _when(a.end), f"{a.first_step}-{a.last_step}", a.outcome,
+    rows = [[f"attempt {a.number}", _when(a.start), _when(a.end),
+             f"{a.first_step}-{a.last_step}" if a.last_step is not None else f"from {a.first_step}", a.outcome,
              *(f"{a.seconds[k]:.1f}" for k in keys)] for a in data.attempts]  # fmt: skip
     return _table(["attempt", "start", "end (or last seen)", "steps", "outcome", *(f"{k} s" for k in keys)], rows)
 
@@ -76,7 +77,7 @@ def _restarts(data: RunData) -> str:
             out.append(f"<p>excluded nodes: {html.escape(', '.join(map(str, ledger['excluded'])))}</p>")
         if ledger.get("stopped"):
             out.append(f'<p class="bad">stopped: {html.escape(str(ledger["stopped"].get("reason")))}</p>')
-    fails = [f for f in data.failures]
+    fails = data.failures
     if fails:
         rows = [[_when(f.get("time")), f.get("kind", ""), f.get("rank", ""), f.get("host", ""), f.get("step", ""),
                  f.get("restart", ""), f.get("cause", "")] for f in fails]  # fmt: skip

@@ -170,14 +170,16 @@ def timeline(data: RunData) -> Any:
     for a in data.attempts:
         color = "#2ca02c" if a.clean else "#d62728"
         ax.plot([_time(a.start), _time(a.end)], [1, 1], linewidth=8, color=color, solid_capstyle="butt")
-        ax.annotate(f"attempt {a.number}: steps {a.first_step}-{a.last_step if a.last_step is not None else '?'}",
-                    (_time(a.start), 1.15), fontsize=7)  # fmt: skip
+        # a killed attempt may not have flushed its last step (goodput.json is written at most once a second)
+        steps = f"{a.first_step}-{a.last_step}" if a.last_step is not None else f"from {a.first_step}"
+        ax.annotate(f"attempt {a.number}: steps {steps}", (_time(a.start), 1.15), fontsize=7)
     kinds = sorted({str(f.get("kind")) for f in data.failures if isinstance(f.get("time"), (int, float))})
     markers = "xv^sDo*"
     for i, kind in enumerate(kinds):
         ts = [_time(f["time"]) for f in data.failures if str(f.get("kind")) == kind and isinstance(f.get("time"),
               (int, float))]  # fmt: skip
         ax.scatter(ts, [0.5] * len(ts), marker=markers[i % len(markers)], s=60, label=f"{kind} ({len(ts)})")
+    ax.margins(x=0.1)  # room for the last attempt's label
     ax.set_yticks([1, 0.5], ["attempts", "failures"])
     ax.set_ylim(0.2, 1.4)
     ax.set(title="attempts and failures", xlabel="time")

@@ -1,0 +1,94 @@
+"""`hpcdist report` on run directories a real run leaves while it trains or after it crashed: partial files.
+
+The fault-run end to end (a preemption and a killed rank, real ranks) is tests/dist/test_report.py; here the files
+are written with the run's own writers (MetricsLogger, Goodput, failures.record) and then cut the way a crash
+cuts them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcdist import cli
+from hpcdist.fault import failures
+from hpcdist.fault.goodput import Goodput
+from hpcdist.metrics import MetricsLogger
+from hpcdist.report.rundata import RunData
+from hpcdist.rundir import RunDir
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _running_run(root: Path, steps: int = 6) -> None:
+    """What a run has written after ``steps`` steps while still training: no end in goodput.json, no summary."""
+    g = Goodput(root, enabled=True, start=time.time() - 5)
+    g.begin(None)
+    with MetricsLogger(root, enabled=True, tensorboard=False) as m:
+        for step in range(1, steps + 1):
+            m.log(step, {"loss": 5.0 - 0.1 * step, "tokens_per_s": 1000.0 + step, "mfu": 0.01,
+                         "tokens_seen": 256.0 * step, "mem_rss_gib": 0.5})  # fmt: skip
+            g.step(step, 0.01)
+        m.log(3, {"loss": 4.9}, prefix="eval")
+    g.flush()
+    RunDir(root).ranks.write_text(json.dumps({"hosts": ["n1", "n1", "n2", "n2"]}))
+
+
+def test_a_crashed_run_with_a_truncated_last_line_is_reported(tmp_path: Path) -> None:
+    _running_run(tmp_path)
+    with RunDir(tmp_path).metrics.open("a") as f:
+        f.write('{"step": 7, "loss": 4.')  # the line being written when the node died
+    failures.record(tmp_path, kind="killed", cause="rank 2 (pid 9) was killed by SIGKILL", rank=2, host="n2")
+    with RunDir(tmp_path).failures.open("a") as f:
+        f.write('{"time": 1, "kind": "exc')
+
+    data = RunData.load(tmp_path)
+    assert [r["step"] for r in data.train] == [1, 2, 3, 4, 5, 6]  # the cut line is skipped, the rest kept
+    assert [f["kind"] for f in data.failures] == ["killed"]
+    assert len(data.attempts) == 1 and data.attempts[0].outcome == "running or crashed"
+    assert data.ranks_by_host() == {"n1": [0, 1], "n2": [2, 3]}
+
+    assert cli.main(["report", str(tmp_path)]) == 0
+    page = RunDir(tmp_path).report.read_text()
+    assert "<td>attempt 1</td>" in page and "running or crashed" in page and "<td>killed</td>" in page
+    assert "<td>n2</td><td>2</td><td>2, 3</td>" in page
+    assert "no config.yaml yet" in page and "Stragglers: nothing recorded yet" in page
+    drawn = sorted(p.name for p in RunDir(tmp_path).report_images.glob("*.png"))
+    assert drawn == ["goodput.png", "loss.png", "memory.png", "throughput.png", "timeline.png"]
+    assert all(p.read_bytes()[:8] == PNG_SIGNATURE for p in RunDir(tmp_path).report_images.glob("*.png"))
+
+
+def test_resumed_steps_keep_their_last_line(tmp_path: Path) -> None:
+    """metrics.jsonl is appended across attempts: a step computed again after a restart counts once, last wins."""
+    with MetricsLogger(tmp_path, enabled=True, tensorboard=False) as m:
+        for step, loss in ((1, 3.0), (2, 2.0), (3, 1.0), (2, 2.5), (3, 1.5)):
+            m.log(step, {"loss": loss})
+    assert [(r["step"], r["loss"]) for r in RunData.load(tmp_path).train] == [(1, 3.0), (2, 2.5), (3, 1.5)]
+
+
+def test_an_empty_directory_gives_a_page_that_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "elsewhere" / "r.html"
+    assert cli.main(["report", str(tmp_path), "--out", str(out)]) == 0
+    assert "none (nothing recorded)" in capsys.readouterr().out
+    assert "not started its training loop" in out.read_text()
+    assert not list((tmp_path / "elsewhere").glob("r/*.png"))
+
+
+def test_not_a_directory_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["report", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a directory" in err
+
+
+def test_without_matplotlib_the_report_says_how_to_install_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _running_run(tmp_path, steps=2)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert cli.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'hpcdist[plot]'" in err
