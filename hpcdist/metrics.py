@@ -288,8 +288,11 @@ class MetricsLogger:
         tensorboard: bool = True,
         purge_step: int | None = None,
         every_steps: int = 1,
+        trackers: Any = None,
     ) -> None:
+        """``trackers``: a hpcdist.trackers.Trackers (W&B / MLflow) that gets every logged line too."""
         self.enabled, self.every_steps = enabled, max(1, every_steps)
+        self._trackers = trackers
         self.path = RunDir(run_dir).metrics
         self._file: IO[str] | None = None
         self._tb: Any = None  # torch.utils.tensorboard.SummaryWriter, imported lazily (~1.5 s, rank 0 only)
@@ -331,6 +334,8 @@ class MetricsLogger:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):  # TB draws NaN as a gap
                     self._tb.add_scalar(f"{prefix}/{key}", value, step)
+        if self._trackers is not None:
+            self._trackers.log(step, values, prefix)
 
     def close(self) -> None:
         """Flush and close both sinks; safe to call more than once."""
@@ -340,6 +345,9 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()  # close() flushes
             self._tb = None
+        if self._trackers is not None:
+            self._trackers.close()
+            self._trackers = None
 
     def __enter__(self) -> MetricsLogger:
         return self

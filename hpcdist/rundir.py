@@ -79,6 +79,16 @@ class RunDir:
         return self.root / "report"
 
     @property
+    def trackers(self) -> Path:
+        """trackers.json: the W&B / MLflow run ids, so a resumed attempt continues the same tracker run."""
+        return self.root / "trackers.json"
+
+    @property
+    def wandb(self) -> Path:
+        """W&B's own files (offline runs wait here for `wandb sync`)."""
+        return self.root / "wandb"
+
+    @property
     def lock(self) -> Path:
         """Held (flock) by rank 0 while a run uses this directory (fault/rundir_lock.py)."""
         return self.root / "run.lock"

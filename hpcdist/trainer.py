@@ -51,6 +51,7 @@ from hpcdist.parallel.dims import parallel_dims
 from hpcdist.parallel.parallelize import build_strategy, describe_layout
 from hpcdist.run_summary import format_summary, previous_best_eval, write_summary
 from hpcdist.rundir import RunDir
+from hpcdist.trackers import Trackers
 
 log = get_logger(__name__)
 
@@ -200,6 +201,7 @@ class Trainer:
         self.metrics = MetricsLogger(
             self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
             purge_step=self.step + 1 if self.resumed_from else None, every_steps=cfg.logging.every_steps,
+            trackers=Trackers(cfg, self.run_dir, enabled=env.is_main, config=cfg.to_dict()),
         )  # fmt: skip
 
     def _record_layout(self) -> None:

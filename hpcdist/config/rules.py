@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import signal
@@ -104,6 +105,7 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "logging.replica_check_every_steps": (_BIG, ""),
     "logging.straggler_every_steps": (_BIG, ""),
     "logging.straggler_factor": (1e6, ""),
+    "logging.prometheus.port": (65535, ""),
 }
 # The shortest watchdog allowance accepted: 0.001 s fired during an ordinary checkpoint save, and 1 s during the
 # demo's second step on a busy 2-core machine (the allowance grows to 4x the slowest step only once steps are
@@ -267,6 +269,22 @@ def _check_sources(cfg: JobConfig) -> list[str]:
     return out
 
 
+def _trackers(cfg: JobConfig) -> list[str]:
+    """logging.wandb / mlflow / prometheus: the values, and the optional package of each one that is switched on."""
+    lg, p = cfg.logging, []
+    p += _choice("logging.wandb.mode", lg.wandb.mode, ("online", "offline", "disabled"))
+    if lg.prometheus.port < 0:
+        p.append(f"logging.prometheus.port: must be >= 0 (0 = no HTTP server), got {lg.prometheus.port}")
+    if lg.prometheus.port and lg.prometheus.textfile:
+        p.append("logging.prometheus: set port or textfile, not both")
+    wanted = [("logging.wandb.project", lg.wandb.project and lg.wandb.mode != "disabled", "wandb", "wandb"),
+              ("logging.mlflow.tracking_uri", lg.mlflow.tracking_uri, "mlflow", "mlflow")]  # fmt: skip
+    for key, on, module, extra in wanted:
+        if on and importlib.util.find_spec(module) is None:
+            p.append(f"{key}: needs the {module} package: pip install 'hpcdist[{extra}]' (or unset {key})")
+    return p
+
+
 def check(cfg: JobConfig) -> list[str]:
     """Semantic checks that need no world size. Returns problems (empty = valid)."""
     p: list[str] = _maxima(cfg)
@@ -329,6 +347,7 @@ def check(cfg: JobConfig) -> list[str]:
     if exclude is not None and "fault.exclude_nodes_file" not in bad_paths and not Path(exclude).is_file():
         p.append(f"fault.exclude_nodes_file: {echo(exclude)} is not a file (one host per line)")
     p += _watchdog(cfg.fault)
+    p += _trackers(cfg)
     if not (math.isfinite(cfg.logging.straggler_factor) and cfg.logging.straggler_factor > 1):
         p.append(f"logging.straggler_factor: must be > 1, got {cfg.logging.straggler_factor}")
     if not cfg.run.dir.strip():

@@ -22,11 +22,14 @@ __all__ = [
     "FaultConfig",
     "JobConfig",
     "LoggingConfig",
+    "MlflowConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "PrometheusConfig",
     "RunConfig",
     "TrainConfig",
+    "WandbConfig",
     "ZeroConfig",
 ]
 
@@ -306,6 +309,41 @@ class FaultConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (``logging.wandb:``), rank 0 only; needs ``pip install 'hpcdist[wandb]'``."""
+
+    project: str | None = None
+    """W&B project; unset (the default) = no W&B run."""
+    mode: str = "online"
+    """online, offline (written under <run.dir>/wandb, upload later with `wandb sync`) or disabled."""
+    entity: str | None = None
+    """W&B team or user; default: the logged-in user's."""
+    name: str | None = None
+    """Display name of the run; default run.name."""
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (``logging.mlflow:``), rank 0 only; needs ``pip install 'hpcdist[mlflow]'``."""
+
+    tracking_uri: str | None = None
+    """Tracking server URL or a file store (``file:///path/mlruns``); unset (the default) = no MLflow run."""
+    experiment: str = "hpcdist"
+    """Experiment name (created when missing)."""
+
+
+@dataclass
+class PrometheusConfig:
+    """Prometheus metrics (``logging.prometheus:``) from each node's local rank 0."""
+
+    port: int = 0
+    """Serve /metrics over HTTP on this port (each node's local rank 0); 0 = no server."""
+    textfile: str | None = None
+    """Or write the metrics to this file for node_exporter's textfile collector (a directory ending in .prom files:
+    give the .prom file's path; ``{node}`` is replaced by the node index)."""
+
+
+@dataclass
 class LoggingConfig:
     """Metrics, MFU and the health checks that run with logging (``logging:``)."""
 
@@ -324,6 +362,13 @@ class LoggingConfig:
     check writes the `straggler` metrics. 0 disables."""
     straggler_factor: float = 1.5
     """How many times the lower median a rank's time must be to count as a straggler (> 1)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases run (rank 0): the resolved config as run config, the keys of metrics.jsonl; a resumed run
+    continues the same W&B run (its id is kept in <run.dir>/trackers.json)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow run (rank 0), same contents and resume as wandb."""
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
+    """Prometheus metrics of every node (its local rank 0): throughput, step time, loss, memory, restarts."""
 
 
 @dataclass
