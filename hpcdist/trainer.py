@@ -35,7 +35,7 @@ from hpcdist.data import (
     prepare_shards,
     stdlib_corpus,
 )
-from hpcdist.env import DistEnv
+from hpcdist.env import DistEnv, SlurmJob
 from hpcdist.evaluate import Evaluator
 from hpcdist.fault import failures
 from hpcdist.fault.goodput import Goodput
@@ -49,6 +49,7 @@ from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.parallel.dims import parallel_dims
 from hpcdist.parallel.parallelize import build_strategy, describe_layout
+from hpcdist.prometheus_metrics import PrometheusExporter
 from hpcdist.run_summary import format_summary, previous_best_eval, write_summary
 from hpcdist.rundir import RunDir
 from hpcdist.trackers import Trackers
@@ -188,6 +189,12 @@ class Trainer:
             rank=env.rank, world_size=env.world_size, host=env.hostname, run_dir=self.run_dir,
             timeout_s=f.watchdog_timeout_s, slow_phase_s=f.watchdog_slow_phase_s, on_fire=self.goodput.flush,
         )  # fmt: skip
+        # each node's local rank 0 exports Prometheus metrics (logging.prometheus); a no-op otherwise
+        self.prom = PrometheusExporter(
+            cfg, enabled=env.local_rank == 0, node=env.node_rank, job=env.job_id or cfg.run.name,
+            restarts=SlurmJob.from_environ().restart_count,
+        )  # fmt: skip
+        self._node_memory: list[float] = []  # GiB per local rank, from the last straggler check
         self.stragglers = StragglerMonitor(
             every=cfg.logging.straggler_every_steps, factor=cfg.logging.straggler_factor, device=env.torch_device()
         )
@@ -357,6 +364,7 @@ class Trainer:
             self._data_wait[0] += data_s
             self._data_wait[1] += step_s
             self.throughput.update(self.tokens_per_step, step_s)
+            self.prom.step(step_s, samples=cfg.train.global_batch_size, tokens=self.tokens_per_step)
             self.watchdog.step_time(step_s)
             if self.metrics.due(self.step, last=end):
                 with phase(self.step, "logging (loss all-reduce)"):
@@ -413,6 +421,9 @@ class Trainer:
             m["replica_divergence"] = self._check_replicas()
         self._data_wait = [0.0, 0.0]
         self.metrics.log(self.step, m)
+        own = m.get("mem_reserved_gib", m.get("mem_rss_gib"))
+        self.prom.log(m, samples_per_token=1 / self.cfg.data.seq_len,
+                      local_memory=self._node_memory or ([own] if own is not None else []))  # fmt: skip
         log.info(format_line(self.step, self.cfg.train.steps, m))
         return m["loss"]
 
@@ -420,6 +431,9 @@ class Trainer:
         """All ranks: gather per-rank data-loading and compute-probe times; rank 0 reports the slow ranks."""
         with self.watchdog.phase(self.step, "straggler check (all-gather)"):
             report = self.stragglers.check(self.hosts)
+        # this node's ranks in local-rank order (ranks are numbered node by node) for the Prometheus memory gauges
+        self._node_memory = [row["mem_gib"] for rank, row in enumerate(report.table)
+                             if rank < len(self.hosts) and self.hosts[rank] == self.env.hostname]  # fmt: skip
         if not self.env.is_main:
             return
         self.metrics.log(self.step, report.metrics(), prefix="straggler")

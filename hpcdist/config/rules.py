@@ -278,7 +278,9 @@ def _trackers(cfg: JobConfig) -> list[str]:
     if lg.prometheus.port and lg.prometheus.textfile:
         p.append("logging.prometheus: set port or textfile, not both")
     wanted = [("logging.wandb.project", lg.wandb.project and lg.wandb.mode != "disabled", "wandb", "wandb"),
-              ("logging.mlflow.tracking_uri", lg.mlflow.tracking_uri, "mlflow", "mlflow")]  # fmt: skip
+              ("logging.mlflow.tracking_uri", lg.mlflow.tracking_uri, "mlflow", "mlflow"),
+              ("logging.prometheus", lg.prometheus.port or lg.prometheus.textfile, "prometheus_client",
+               "prometheus")]  # fmt: skip
     for key, on, module, extra in wanted:
         if on and importlib.util.find_spec(module) is None:
             p.append(f"{key}: needs the {module} package: pip install 'hpcdist[{extra}]' (or unset {key})")
