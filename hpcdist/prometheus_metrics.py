@@ -58,7 +58,9 @@ class PrometheusExporter:
         self.steps = counter("hpcdist_steps", "Optimizer steps completed by this process")
         self.samples = counter("hpcdist_samples", "Samples trained on (all ranks of the job)")
         self.tokens = counter("hpcdist_tokens", "Tokens trained on (all ranks of the job)")
-        self.restarts = counter("hpcdist_restarts", "Restarts of the job before this attempt (SLURM_RESTART_COUNT)")
+        self.restarts = counter(
+            "hpcdist_restarts", "Restarts of the job before this attempt (the scheduler's restart count)"
+        )
         self.restarts.inc(restarts)
         self.step_time = Histogram("hpcdist_step_duration_seconds", "Optimizer-step wall time", names,
                                    buckets=_BUCKETS, registry=r).labels(**labels)  # fmt: skip

@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "$HPCDIST_NCCL_PROFILE; none = use the environment as it is)")  # fmt: skip
     p.add_argument("--requeue-signal", default="USR2", help="the job's requeue signal, for the audit (default USR2)")
     p.add_argument("--json", metavar="PATH", help="write every number as JSON to PATH ('-': stdout, report to stderr)")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw busbw vs message size per collective (expected busbw as lines) "
+        "and the finder's pairwise bandwidth as heat maps into PNG (needs matplotlib: hpcdist[plot])",
+    )
     return p
 
 
@@ -141,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             expect=expect,
             requeue_signal=args.requeue_signal,
             json_path=args.json,
+            plot_path=args.plot,
         )
         if opts.max_bytes < opts.min_bytes:
             raise ValueError(f"--max-bytes {opts.max_bytes} is below --min-bytes {opts.min_bytes}")

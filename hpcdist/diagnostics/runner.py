@@ -54,6 +54,7 @@ class Options:
     expect: Expectation = field(default_factory=Expectation)
     requeue_signal: str = "USR2"
     json_path: str | None = None
+    plot_path: str | None = None
 
 
 def apply_profile(name: str | None, env: DistEnv) -> tuple[str, list[str]] | None:
@@ -112,6 +113,14 @@ class _Run:
         self.emit(report.verdict_text(self.verdict))
         if self.opts.json_path:
             report.write_json(self.doc, self.opts.json_path)
+        if self.opts.plot_path:
+            from hpcdist.diagnostics.plot import write_plot
+            from hpcdist.report.plots import MissingMatplotlib
+
+            try:
+                self.emit(f"# plot: {write_plot(self.doc, self.opts.plot_path)}")
+            except MissingMatplotlib as e:  # the check itself passed or failed on its own; only the picture is missing
+                self.emit(f"# plot: not written: {e}")
         return 0 if self.verdict.passed else 1
 
     def on_hang(self, hang: Hang) -> None:
@@ -342,16 +351,15 @@ class _Run:
         if not self.main_rank:
             return
         nbytes = max(opts.finder_bytes // 4, 1) * 4
-        rank_out, rank_scores = finder.rank_outliers(
-            finder.rank_pair_bandwidth(per_rank, nbytes), self.hosts, opts.slow_threshold
-        )
+        rank_pairs = finder.rank_pair_bandwidth(per_rank, nbytes)
+        rank_out, rank_scores = finder.rank_outliers(rank_pairs, self.hosts, opts.slow_threshold)
         links = finder.host_link_bandwidth(per_rank, self.hosts, nbytes)
         host_out, host_scores, ambiguous = finder.host_outliers(links, opts.slow_threshold)
         outliers = rank_out + host_out
         result = {
             "bytes": nbytes, "iters": opts.finder_iters, "warmup": opts.finder_warmup,
             "threshold": opts.slow_threshold, "hosts": self.hosts,
-            "rank_scores": {str(r): s for r, s in rank_scores.items()},
+            "rank_scores": {str(r): s for r, s in rank_scores.items()}, "rank_pairs": rank_pairs,
             "host_scores": host_scores, "links": links, "outliers": outliers, "ambiguous": ambiguous,
             "exclude": finder.exclude_flag([o.host for o in outliers]), "transfers": per_rank,
         }  # fmt: skip

@@ -93,11 +93,19 @@ def tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureF
     return run
 
 
-def test_healthy_run_passes_with_every_number_in_the_json(tool) -> None:
+def test_healthy_run_passes_with_every_number_in_the_json(tool, tmp_path: Path) -> None:
+    import matplotlib.image
+
+    png = tmp_path / "nccl.png"
     code, text, doc, _ = tool(
-        "--max-bytes", "4K", *QUICK, env={"NCCL_TEST_TOKEN": "hunter2", "NCCL_SOCKET_IFNAME": "nosuch0"}
-    )
+        "--max-bytes", "4K", *QUICK, "--expect-intra", "2", "--plot", str(png),
+        env={"NCCL_TEST_TOKEN": "hunter2", "NCCL_SOCKET_IFNAME": "nosuch0"},
+    )  # fmt: skip
     assert code == 0, text
+    # --plot: a valid PNG (busbw per collective, the expected line, the finder's 4 x 4 rank matrix)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"# plot: {png}" in text
+    assert matplotlib.image.imread(png).shape[0] > 300
+    assert len(doc["finder"]["rank_pairs"]) == 6  # every pair of 4 ranks, drawn as the heat map
     assert doc["verdict"]["passed"] and "# Verdict: PASS" in text
     assert doc["layout"]["world_size"] == 4 and len(doc["health"]) == 4 and all(h["ok"] for h in doc["health"])
     assert [t["op"] for t in doc["sweep"]] == list(collectives.OPS)
