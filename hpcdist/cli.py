@@ -313,6 +313,13 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--tokens", type=_tokens, help="tokens to train, e.g. 1T (default: steps x global batch x seq_len)")
     pl.add_argument("--top", type=_positive_int, default=10, help="fitting layouts to show (default 10)")
     pl.add_argument("--all", action="store_true", help="also show the best layouts that do not fit")
+    pl.add_argument(
+        "--plot",
+        metavar="PNG",
+        type=Path,
+        help="draw the shown layouts' per-GPU memory (params, grads, "
+        "optimizer, activations, buffers) as stacked bars against the GPU memory (needs hpcdist[plot])",
+    )
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -620,6 +627,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         end="",
         flush=True,  # before the error line on stderr
     )  # fmt: skip
+    if args.plot:
+        from hpcdist.planning.plot import write_plot
+        from hpcdist.report.plots import MissingMatplotlib
+
+        fitting = [e for e in estimates if e.fits]  # the table's rows: the top fitting, with --all the top others
+        shown = [*fitting[: args.top], *([e for e in estimates if not e.fits][: args.top] if args.all else [])]
+        try:
+            print(f"plot: {write_plot(shown, args.plot, gpu_mem_gb=hw.gpu_mem_gb, margin_gib=hw.margin_gib)}")
+        except MissingMatplotlib as e:
+            return _fail(f"plan --plot: {e}")
     if not any(e.fits for e in estimates):
         smallest = min(e.memory.total for e in estimates) / GIB
         return _fail(

@@ -160,3 +160,15 @@ def test_cli_plan_rejects_garbage_memory(capsys, bad):
         main(["plan", "configs/train_13b.yaml", f"--gpu-mem={bad}"])
     assert exc.value.code == 2
     assert "--gpu-mem" in capsys.readouterr().err
+
+
+def test_cli_plan_plot_draws_the_shown_layouts(capsys, tmp_path):
+    import matplotlib.image
+
+    png = tmp_path / "plan.png"
+    argv = ["plan", "configs/train_13b.yaml", "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem", "80GB", "--top", "3"]
+    assert main([*argv, "--plot", str(png)]) == 0
+    assert f"plot: {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert height > 200 and width > 400
