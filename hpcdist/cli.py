@@ -241,6 +241,12 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--rank", type=_nonnegative_int, default=0, help="global rank (default 0)")
     lg.add_argument("--err", action="store_true", help="stderr instead of stdout")
     lg.add_argument("--run-dir", type=Path, help="the job's run.dir (or log_dir)")
+    lg.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing what the rank writes until the job ends (through requeues)",
+    )
 
     ca = sub.add_parser("cancel", help="cancel a SLURM job (scancel)")
     ca.add_argument("job", help="job id")
@@ -507,6 +513,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
               f"  follow: hpcdist status {out.job_id}; hpcdist logs {out.job_id} --rank R", flush=True)  # fmt: skip
         if not args.wait:
             return 0
+        from hpcdist.launch.follow import follow
+
+        # rank 0's log streams while the job runs (through requeues); the job's end stops it
+        print(f"--- {logs.stdout} (until the job ends; Ctrl-C stops waiting, not the job)", flush=True)
+        follow(lambda: logs.stdout, out.done, sys.stdout, poll_s=2.0)
         state = out.wait()
         print(f"job {out.job_id} finished: {state}")
         return 0 if state == "COMPLETED" else 1
@@ -532,6 +543,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from hpcdist.launch import slurm_cli
 
     try:
+        if args.follow:
+            return _follow_log(args)
         path = slurm_cli.log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
         with path.open(encoding="utf-8", errors="replace") as f:
             shutil.copyfileobj(f, sys.stdout)
@@ -539,6 +552,33 @@ def cmd_logs(args: argparse.Namespace) -> int:
         return _fail(f"logs: {e}")
     except OSError as e:
         return _fail(f"logs: cannot read {e.filename}: {e.strerror}")
+    return 0
+
+
+def _follow_log(args: argparse.Namespace) -> int:
+    """`logs --follow`: the log may not exist yet (the job is pending); the job's state ends the stream."""
+    from hpcdist.launch import slurm_cli
+    from hpcdist.launch.follow import follow
+
+    slurm_cli.check_job_id(args.job)
+
+    def path() -> Path | None:
+        try:
+            return slurm_cli.log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
+        except slurm_cli.SlurmError:
+            return None  # pending: no log yet
+
+    def finished() -> bool:
+        try:
+            state = slurm_cli.job_state(args.job)
+        except slurm_cli.SlurmError:
+            return False  # the controller is busy: ask again
+        return state is None or state.split()[0].rstrip("+") in slurm_cli.TERMINAL_STATES
+
+    try:
+        follow(path, finished, sys.stdout, poll_s=2.0)
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 
