@@ -180,7 +180,14 @@ def timeline(data: RunData) -> Any:
               (int, float))]  # fmt: skip
         ax.scatter(ts, [0.5] * len(ts), marker=markers[i % len(markers)], s=60, label=f"{kind} ({len(ts)})")
     ax.margins(x=0.1)  # room for the last attempt's label
-    ax.set_yticks([1, 0.5], ["attempts", "failures"])
+    # the SLURM restart ledger: when each restart of the job started, and how it ended (requeued for what)
+    ledger = data.restarts.get("attempts") if isinstance(data.restarts.get("attempts"), dict) else {}
+    for key, entry in sorted(ledger.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0):
+        if isinstance(entry, dict) and isinstance(entry.get("start"), (int, float)):
+            ax.scatter([_time(entry["start"])], [0.75], marker="|", s=200, color="#333333")
+            how = entry.get("requeued") or entry.get("ended") or ""
+            ax.annotate(f"restart {key} {how}".strip(), (_time(entry["start"]), 0.8), fontsize=7)
+    ax.set_yticks([1, 0.75, 0.5], ["attempts", "SLURM restarts", "failures"])
     ax.set_ylim(0.2, 1.4)
     ax.set(title="attempts and failures", xlabel="time")
     if kinds:

@@ -46,6 +46,9 @@ def test_a_crashed_run_with_a_truncated_last_line_is_reported(tmp_path: Path) ->
     with RunDir(tmp_path).failures.open("a") as f:
         f.write('{"time": 1, "kind": "exc')
 
+    ledger = {"job_id": "42", "attempts": {"0": {"restart": 0, "start": time.time() - 4, "requeued": "time_limit"},
+                                           "1": {"restart": 1, "start": time.time() - 2}}}  # fmt: skip
+    RunDir(tmp_path).restarts.write_text(json.dumps(ledger))
     data = RunData.load(tmp_path)
     assert [r["step"] for r in data.train] == [1, 2, 3, 4, 5, 6]  # the cut line is skipped, the rest kept
     assert [f["kind"] for f in data.failures] == ["killed"]
@@ -56,6 +59,7 @@ def test_a_crashed_run_with_a_truncated_last_line_is_reported(tmp_path: Path) ->
     page = RunDir(tmp_path).report.read_text()
     assert "<td>attempt 1</td>" in page and "running or crashed" in page and "<td>killed</td>" in page
     assert "<td>n2</td><td>2</td><td>2, 3</td>" in page
+    assert "<td>job 42 restart 0</td>" in page and "<td>time_limit</td>" in page  # the SLURM ledger
     assert "no config.yaml yet" in page and "Stragglers: nothing recorded yet" in page
     drawn = sorted(p.name for p in RunDir(tmp_path).report_images.glob("*.png"))
     assert drawn == ["goodput.png", "loss.png", "memory.png", "throughput.png", "timeline.png"]
