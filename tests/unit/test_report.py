@@ -96,3 +96,13 @@ def test_without_matplotlib_the_report_says_how_to_install_it(
     assert cli.main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install 'hpcdist[plot]'" in err
+
+
+def test_the_report_loads_no_torch(tmp_path: Path) -> None:
+    """A login node's `hpcdist report` starts fast: the run dir is read and drawn without importing torch."""
+    import subprocess
+
+    RunDir(tmp_path).metrics.write_text('{"step": 1, "loss": 2.0, "tokens_seen": 64}\n')
+    code = (f"import sys; from hpcdist import cli; rc = cli.main(['report', {str(tmp_path)!r}]); "
+            "sys.exit(rc or ('torch' in sys.modules) * 7)")  # fmt: skip
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
