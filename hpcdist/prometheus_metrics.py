@@ -78,8 +78,12 @@ class PrometheusExporter:
         if p.port:
             from prometheus_client import start_http_server
 
-            # a daemon thread: it ends with the process, and binding fails loudly (port taken) at start-up
-            start_http_server(p.port, registry=r)
+            try:  # a daemon thread: it ends with the process
+                start_http_server(p.port, registry=r)
+            except OSError as e:  # the port is taken (another job on this node): monitoring must not stop training
+                log.warning("Prometheus: cannot serve on port %d (%s); no metrics from node %d", p.port, e, node)
+                self.active = False
+                return
             log.info("Prometheus metrics on port %d (/metrics) from node %d", p.port, node)
         self.flush()
 
