@@ -84,7 +84,12 @@ class _Wandb:
         self.run.log(values, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # and stop W&B's service process and its threads: a later fork (the next test's ranks, a prefetch worker)
+        # must not copy a thread that holds a lock
+        wandb.teardown()
 
 
 class _Mlflow:

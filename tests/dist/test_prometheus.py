@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-import time
-import urllib.request
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,21 @@ from tests.dist.harness import free_port, run_ranks
 
 pytestmark = pytest.mark.dist
 prometheus_client = pytest.importorskip("prometheus_client", reason="pip install 'hpcdist[prometheus]'")
+
+
+_SCRAPER = """
+import json, os, sys, time, urllib.request
+port, out, stop = sys.argv[1:]
+scrapes = []
+while not os.path.exists(stop):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            scrapes.append(r.read().decode())
+    except OSError:
+        pass  # not started yet, or already gone
+    time.sleep(0.05)
+open(out, "w").write(json.dumps(scrapes))
+"""
 
 
 def _train(env: DistEnv, cfg: JobConfig) -> int:
@@ -33,25 +48,16 @@ def test_scraped_during_a_2_rank_run_counters_increase(small_cfg, tmp_path: Path
     port = free_port()
     cfg = small_cfg("train.steps=40", "logging.straggler_every_steps=5", f"logging.prometheus.port={port}",
                     run_dir=tmp_path / "run")  # fmt: skip
-    scrapes: list[str] = []
-    done = threading.Event()
-
-    def scrape() -> None:
-        while not done.is_set():
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-                    scrapes.append(r.read().decode())
-            except OSError:
-                pass  # not started yet, or already gone
-            time.sleep(0.05)
-
-    t = threading.Thread(target=scrape, daemon=True)
-    t.start()
+    # the scraper is a process of its own: a thread in this process would be forked into the ranks in the middle of
+    # whatever it holds (the import lock of its first urlopen), and a rank would wait on it forever
+    out, stop = tmp_path / "scrapes.json", tmp_path / "stop"
+    scraper = subprocess.Popen([sys.executable, "-c", _SCRAPER, str(port), str(out), str(stop)])
     try:
         assert run_ranks(2, _train, cfg) == [40, 40]
     finally:
-        done.set()
-        t.join()
+        stop.touch()
+        scraper.wait(timeout=60)
+    scrapes = json.loads(out.read_text())
 
     with_steps = [_samples(s) for s in scrapes if "hpcdist_steps_total{" in s]
     assert len(with_steps) >= 2, f"{len(scrapes)} scrapes"
