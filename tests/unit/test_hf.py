@@ -53,7 +53,8 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     data = request.getfixturevalue(data_fixture)
     root = tmp_path_factory.mktemp(f"hf-{request.param}")
     overrides = [*SMALL, f"run.dir={root / 'run'}", "data.source=files", f"data.path={data}", "train.steps=2",
-                 "checkpoint.save_final=true", "train.global_batch_size=4", "train.micro_batch_size=4", *extra]  # fmt: skip
+                 "checkpoint.save_final=true", "train.global_batch_size=4", "train.micro_batch_size=4",
+                 *extra]  # fmt: skip
     cfg = config_mod.load(None, overrides)
     out = single(_train, cfg)
     hf = root / "hf"
@@ -86,7 +87,8 @@ def test_logits_equal_transformers(run: dict[str, Any]) -> None:
     config = json.loads((run["hf"] / "config.json").read_text())
     assert config["tie_word_embeddings"] == run["cfg"].model.tie_embeddings
     with safe_open(str(run["hf"] / "model.safetensors"), framework="pt") as f:
-        assert ("lm_head.weight" in f.keys()) != run["cfg"].model.tie_embeddings  # tied: no separate head
+        names = set(f.keys())  # a safe_open handle is not a mapping
+    assert ("lm_head.weight" in names) != run["cfg"].model.tie_embeddings  # tied: no separate head
 
 
 def test_tokenizer_equals_the_runs(run: dict[str, Any]) -> None:
@@ -149,8 +151,9 @@ def test_bf16_and_sharded_export(run: dict[str, Any], tmp_path: Path) -> None:
     tensors = {}
     for name in files:
         with safe_open(str(out / name), framework="pt") as f:
-            assert all(index["weight_map"][k] == name for k in f.keys())
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+            names = list(f.keys())  # a safe_open handle is not a mapping
+            assert all(index["weight_map"][k] == name for k in names)
+            tensors.update({k: f.get_tensor(k) for k in names})
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     back = from_hf_state_dict(tensors, run["cfg"].model)
