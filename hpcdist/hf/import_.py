@@ -18,7 +18,6 @@ import dataclasses
 import json
 import time
 from collections import defaultdict
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +137,7 @@ class HFStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         by_fqn = defaultdict(list)
         for req in plan.items:
             by_fqn[req.storage_index.fqn].append(req)
@@ -152,7 +151,7 @@ class HFStorageReader(StorageReader):
                 target.copy_(src)
                 planner.commit_tensor(req, target)
             del full
-        done: Future[None] = Future()
+        done: torch.futures.Future[None] = torch.futures.Future()  # DCP waits on a torch future
         done.set_result(None)
         return done
 
