@@ -26,6 +26,7 @@ from hpcdist.hf.source import (
     ConversionError,
     find_checkpoint,
     load_fqn,
+    return_freed_memory,
     run_config,
     run_model_args,
     run_tokenizer,
@@ -100,6 +101,7 @@ def export(
 ) -> ExportResult:
     """Write the Hugging Face Llama directory ``out`` (which must not exist or be empty) from ``checkpoint``."""
     t0 = time.perf_counter()
+    return_freed_memory()
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConversionError(f"--out {out} exists and is not an empty directory: name a new one")

@@ -7,6 +7,7 @@ checkpoint carries (the config that saved it), so exporting needs no YAML.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import warnings
@@ -23,7 +24,8 @@ from hpcdist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, r
 from hpcdist.models.args import ModelArgs
 from hpcdist.rundir import RunDir
 
-__all__ = ["ConversionError", "find_checkpoint", "load_fqn", "run_config", "run_model_args", "run_tokenizer"]
+__all__ = ["ConversionError", "find_checkpoint", "load_fqn", "return_freed_memory", "run_config", "run_model_args",
+           "run_tokenizer", "saved_shapes"]  # fmt: skip
 
 
 class ConversionError(ValueError):
@@ -81,6 +83,23 @@ def run_tokenizer(config: dict[str, Any], spec: str | None = None) -> Tokenizer:
         raise TokenizerError(f"the tokenizer of the run's data {paths[0]} is missing (no prepared dataset there any "
                              "more): pass --tokenizer SPEC (byte, a tokenizer.json or its directory)")  # fmt: skip
     return found
+
+
+def return_freed_memory() -> None:
+    """Make glibc hand every freed block of 1 MiB or more straight back to the system (Linux; elsewhere nothing).
+
+    A conversion allocates and frees one tensor after another; glibc's default raises its mmap threshold to the size
+    of the largest block freed (up to 32 MiB), after which those tensors come from the heap and their freed space
+    stays in the process: importing the 125m preset grew RSS by 0.44 GB of freed heap (peak 2.9x the largest tensor
+    above baseline, 1.5x with this). Process-wide: the conversions call it; the trainer does not."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(name).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = -3 (malloc.h); setting it ends the dynamic rise
 
 
 @contextmanager
