@@ -120,8 +120,11 @@ class HFSavePlanner(DefaultSavePlanner):
         previous = getattr(self._last, "tensor", None)
         if previous is not None:
             previous.untyped_storage().resize_(0)
-        self._last.tensor = self.weights.tensor(index.fqn.removeprefix("model."))
-        return self._last.tensor
+        tensor = self.weights.tensor(index.fqn.removeprefix("model."))
+        if not tensor.untyped_storage().resizable():  # a float32 file's tensor is safetensors' own buffer: copy it
+            tensor = tensor.clone()
+        self._last.tensor = tensor
+        return tensor
 
 
 class HFStorageReader(StorageReader):

@@ -142,7 +142,8 @@ def test_import_round_trip_and_resume(run: dict[str, Any], tmp_path: Path) -> No
 
 def test_bf16_and_sharded_export(run: dict[str, Any], tmp_path: Path) -> None:
     """--dtype bf16 --max-shard-size: several safetensors files and an index naming each tensor's file; the
-    tensors are the trained weights rounded to bf16 (read back through the inverse permutation)."""
+    tensors are the trained weights rounded to bf16 (read back through the inverse permutation), and import reads
+    the shards back to those values in float32."""
     out = tmp_path / "bf16"
     assert cli.main(["export", str(run["step"]), "--out", str(out), "--max-shard-size", "100KB"]) == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -159,6 +160,11 @@ def test_bf16_and_sharded_export(run: dict[str, Any], tmp_path: Path) -> None:
     back = from_hf_state_dict(tensors, run["cfg"].model)
     for name, t in back.items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, run["state"][name].to(torch.bfloat16)), name
+    # imported back (through the index of shards): float32 of those bf16 values
+    assert cli.main(["import", str(out), "--out", str(tmp_path / "imported")]) == 0
+    model, _, _ = load_model_from_dir(tmp_path / "imported")
+    for name, want in run["state"].items():
+        assert torch.equal(model.state_dict()[name], want.to(torch.bfloat16).float()), name
 
 
 def test_permutations_are_inverse_and_interleave_to_halves() -> None:
