@@ -153,6 +153,9 @@ class Checkpointable:
     load_dcp_state: Callable[[dict[str, Any]], None]
     trainer_state: Callable[[], dict[str, Any]]
     load_trainer_state: Callable[[dict[str, Any]], None]
+    save_planner: Any = None
+    """A DCP SavePlanner for ``dcp_state`` (None: DCP's default). ``hpcdist import`` passes one that reads each
+    tensor from the Hugging Face files only when it is written (hpcdist.hf.import_.HFSavePlanner)."""
 
 
 class CheckpointManager:
@@ -265,7 +268,7 @@ class CheckpointManager:
             ).add_done_callback(shards_written)
             return
         with _single_process_ok():
-            dcp.save(state.dcp_state(), storage_writer=self._writer(path))
+            dcp.save(state.dcp_state(), storage_writer=self._writer(path), planner=state.save_planner)
         _test_kill_point(step)
 
     def _own_digests(self, path: Path) -> dict[str, dict[str, Any]]:
@@ -478,6 +481,11 @@ class CheckpointManager:
         if problems[0]:
             raise UntrustedCheckpoint(key, path, problems[0])
         return real
+
+    def named(self, path: Path, key: str) -> Path:
+        """Collective: ``path`` (links resolved) once it is a trusted, complete and intact checkpoint; ConfigError
+        (UntrustedCheckpoint) naming ``key`` otherwise. For readers outside the trainer (``hpcdist export``)."""
+        return self._named(path, key)
 
     def _named(self, path: Path, key: str) -> Path:
         """Collective: a checkpoint the config names (``key``) must be trusted, complete and intact: ConfigError

@@ -31,6 +31,8 @@ EPILOG = """examples:
   hpcdist submit configs/demo.yaml --cluster local --wait          # no SLURM: ranks as local processes
   hpcdist submit configs/demo.yaml --cluster sandbox --dry-run     # print the sbatch script, submit nothing
   hpcdist status 1234; hpcdist logs 1234 --rank 3 --err; hpcdist cancel 1234
+  hpcdist export runs/demo --out hf/demo             # newest checkpoint -> Hugging Face Llama directory
+  hpcdist import hf/llama --out ckpt/llama           # Hugging Face Llama -> step-0 checkpoint
 """
 
 
@@ -175,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_launch_parsers(sub)
     _add_plan_parser(sub)
     _add_report_parser(sub)
+    _add_hf_parsers(sub)
     return p
 
 
@@ -326,6 +329,35 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="draw the shown layouts' per-GPU memory (params, grads, "
         "optimizer, activations, buffers) as stacked bars against the GPU memory (needs hpcdist[plot])",
     )
+
+
+def _add_hf_parsers(sub: argparse._SubParsersAction) -> None:
+    ex = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face Llama directory (safetensors, config, tokenizer)",
+        description="Convert CHECKPOINT_DIR (a step-XXXXXXXX directory, a checkpoints directory or a run directory: "
+        "its newest complete checkpoint; any strategy and world size) into a Hugging Face LlamaForCausalLM directory "
+        "OUT: config.json, model.safetensors (or shards + index above --max-shard-size), generation_config.json and "
+        "the run's tokenizer. Streams tensor by tensor on CPU.",
+    )
+    ex.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    ex.add_argument("--out", type=Path, required=True, help="new output directory")
+    ex.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default bf16)")
+    ex.add_argument("--max-shard-size", default=None,
+                    help="split the weights into files of at most this size, e.g. 2GB (default: one file)")  # fmt: skip
+    ex.add_argument("--tokenizer", default=None,
+                    help="tokenizer to write (default: the one the run's data was prepared with)")  # fmt: skip
+    ex.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
+    im = sub.add_parser(
+        "import",
+        help="turn a Hugging Face Llama directory into a step-0 hpcdist checkpoint",
+        description="Read HF_DIR (config.json + safetensors of a LlamaForCausalLM) and write OUT/step-00000000: the "
+        "weights in float32, no optimizer state. Resume from it (checkpoint.resume=OUT/step-00000000) or start from "
+        "it (checkpoint.init_from); checkpoint.init_from=HF_DIR also reads HF_DIR directly. The model section of the "
+        "config must match config.json.",
+    )
+    im.add_argument("hf_dir", metavar="HF_DIR")
+    im.add_argument("--out", type=Path, required=True, help="new checkpoints directory")
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -696,6 +728,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from hpcdist.hf.export import export, parse_size
+
+    try:
+        max_shard = parse_size(args.max_shard_size) if args.max_shard_size else None
+        res = export(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=max_shard,
+                     tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer)  # fmt: skip
+    except (ValueError, OSError) as e:  # ConversionError, HFConfigError, TokenizerError, ConfigError: one line
+        return _fail(f"export: {e}")
+    shards = sum(f.endswith(".safetensors") for f in res.files)
+    print(f"exported {res.checkpoint} to {res.out}: {res.total_bytes / 1e6:,.1f} MB of {args.dtype} weights in "
+          f"{shards} file(s), {', '.join(res.files)} ({res.seconds:.1f} s)")  # fmt: skip
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from hpcdist.hf.import_ import import_checkpoint
+
+    try:
+        path = import_checkpoint(args.hf_dir, args.out)
+    except (ValueError, OSError) as e:
+        return _fail(f"import: {e}")
+    print(f"imported {args.hf_dir} as {path} (weights only: the optimizer starts fresh)")
+    return 0
+
+
 COMMANDS = {
     "train": cmd_train,
     "config": cmd_config,
@@ -707,6 +765,8 @@ COMMANDS = {
     "cancel": cmd_cancel,
     "plan": cmd_plan,
     "report": cmd_report,
+    "export": cmd_export,
+    "import": cmd_import,
 }
 
 

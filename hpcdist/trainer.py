@@ -47,6 +47,7 @@ from hpcdist.fault.stragglers import StragglerMonitor
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats, mfu, peak_flops
 from hpcdist.models import build_model, flops_per_token, num_params
+from hpcdist.models.hf_config import is_hf_dir
 from hpcdist.parallel.dims import parallel_dims
 from hpcdist.parallel.parallelize import build_strategy, describe_layout
 from hpcdist.prometheus_metrics import PrometheusExporter
@@ -246,8 +247,11 @@ class Trainer:
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.loader.load_state_dict(state["sampler"])
-        self.strategy.load_scheduler_state(state["scheduler"])
+        # a checkpoint made by `hpcdist import` holds weights only: its data position and schedule start fresh
+        if "sampler" in state:
+            self.loader.load_state_dict(state["sampler"])
+        if "scheduler" in state:
+            self.strategy.load_scheduler_state(state["scheduler"])
         self._apply_optim_config(state.get("config"))
 
     def _apply_optim_config(self, saved: dict[str, Any] | None) -> None:
@@ -294,7 +298,12 @@ class Trainer:
             raise CheckpointMismatch(f"{e}{_config_changes(e.path, self.cfg)}", path=e.path) from None
         if path is None:
             init = self.cfg.checkpoint.init_from
-            if init:  # only while the run has no checkpoint of its own: a requeue resumes its own progress
+            if init and is_hf_dir(init):  # a Hugging Face Llama directory (config.json + safetensors)
+                from hpcdist.hf.import_ import load_into  # safetensors: only when a run starts from HF weights
+
+                load_into(init, self.checkpointable(), self.cfg.model)
+                log.info("starting fresh from the Hugging Face weights of %s", init)
+            elif init:  # only while the run has no checkpoint of its own: a requeue resumes its own progress
                 diff = self.ckpt.init_weights(Path(init), self.checkpointable())
                 log.info("starting fresh from the weights of %s (%s)", init, _describe_diff(diff))
             else:

@@ -170,6 +170,13 @@ CHECKS: dict[str, Check] = {
     ),
     "hpcdist prepare my_texts/ --glob '*.txt' --out data/mycorpus": Check("cli", expect=("files into data/mycorpus",)),
     "hpcdist --version": Check("cli", expect=("hpcdist 0.1.0",)),
+    "hpcdist train configs/demo.yaml train.steps=20 && hpcdist export runs/demo --out runs/demo-hf && hpcdist import "
+    "runs/demo-hf --out runs/demo-imported": Check(
+        "local",
+        replace=(("train.steps=20", " ".join(TINY)),),
+        expect=(DONE, "to runs/demo-hf", "as runs/demo-imported/step-00000000"),
+        reason="tiny overrides replace train.steps=20 in the train step (the first command of the chain)",
+    ),
     "hpcdist tokenizer train my_docs/ --vocab-size 512 --out data/tok && hpcdist prepare my_docs/ --tokenizer data/tok "
     "--out data/mydocs && hpcdist train configs/demo.yaml data.source=files data.path=data/mydocs "
     "model.vocab_size=auto run.dir=runs/mydocs": Check(

@@ -19,6 +19,7 @@ from typing import Any
 from hpcdist.config import layout
 from hpcdist.config.loader import ConfigError, echo
 from hpcdist.config.schema import JobConfig
+from hpcdist.models import hf_config
 from hpcdist.signals import parse_signal
 
 __all__ = [
@@ -394,11 +395,24 @@ def check(cfg: JobConfig) -> list[str]:
         p += _named_checkpoint("checkpoint.resume", resume, "auto, none, or ")
     init = cfg.checkpoint.init_from
     if init is not None and "checkpoint.init_from" not in bad_paths:
-        p += _named_checkpoint("checkpoint.init_from", init, "")
+        p += _hf_init(cfg, init) if hf_config.is_hf_dir(init) else _named_checkpoint("checkpoint.init_from", init, "")
     if init is not None and cfg.parallel.strategy == "zero" and cfg.parallel.zero.stage == 3:
         p.append("checkpoint.init_from: parallel.zero.stage=3 cannot load weights from another run; start with "
                  "parallel.zero.stage=1 or 2 (or fsdp), then resume that run's checkpoints with stage 3")  # fmt: skip
     return p
+
+
+def _hf_init(cfg: JobConfig, path: str) -> list[str]:
+    """checkpoint.init_from naming a Hugging Face Llama directory: the model section must be the model config.json
+    describes (its shape is read from there, presets are not changed), named key by key."""
+    try:
+        theirs = hf_config.model_args_from_hf(hf_config.read_hf_config(path), where=f"{path}/config.json")
+    except hf_config.HFConfigError as e:
+        return [f"checkpoint.init_from: {e}"]
+    if cfg.model.problems():
+        return []  # reported on their own
+    problem = hf_config.shape_mismatch(cfg.model, theirs, where=f"{path}/config.json")
+    return [f"checkpoint.init_from: {problem}"] if problem else []
 
 
 def _named_checkpoint(key: str, value: str, alternatives: str) -> list[str]:

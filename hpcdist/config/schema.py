@@ -247,7 +247,9 @@ class CheckpointConfig:
     """A step-XXXXXXXX checkpoint (any run, any strategy but ZeRO-3) whose model weights start this run when it
     has no checkpoint of its own yet: weights that match by name and shape are loaded, the others keep their
     initialization (listed in the log); optimizer, schedule, data position and step start fresh. Unlike
-    checkpoint.resume it survives a requeue: once this run saved, it resumes from its own checkpoints."""
+    checkpoint.resume it survives a requeue: once this run saved, it resumes from its own checkpoints. Or a Hugging
+    Face Llama directory (config.json + safetensors, e.g. from `hpcdist export`): its weights, every one; the model
+    section must equal config.json's (checked at load, key by key; docs/HF.md)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
     save_final: bool = True

@@ -1,0 +1,222 @@
+"""Hugging Face Llama weights into hpcdist: ``hpcdist import`` (a step-0 checkpoint) and ``checkpoint.init_from``.
+
+:class:`HFWeights` reads one tensor at a time from the directory's safetensors files (one file or an index of
+shards) and returns it in hpcdist's FQN, layout (:mod:`hpcdist.hf.convert`) and float32. Two DCP adapters on it:
+
+* :class:`HFSavePlanner` makes ``dcp.save`` write a checkpoint from meta tensors, reading each real tensor only
+  when DCP's writer asks for it: the import holds one tensor at a time, not the model.
+* :class:`HFStorageReader` is a DCP storage reader over the Hugging Face directory: ``dcp.load`` into any
+  strategy's sharded state (FSDP / TP DTensors, ZeRO partitions, pipeline stages) reads just the boxes each rank
+  needs, so ``checkpoint.init_from: HF_DIR`` needs no conversion step and no rank holds more than one tensor.
+
+safetensors files are plain data (no pickle), so a Hugging Face directory needs no ownership check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+
+from hpcdist.checkpoint import Checkpointable, CheckpointManager
+from hpcdist.data.tokenizers import TokenizerError, load_tokenizer
+from hpcdist.hf.convert import fqn_names, fqn_to_hf, from_hf_tensor
+from hpcdist.hf.source import ConversionError, return_freed_memory
+from hpcdist.models.args import ModelArgs
+from hpcdist.models.hf_config import model_args_from_hf, read_hf_config
+
+__all__ = ["HFSavePlanner", "HFStorageReader", "HFWeights", "import_checkpoint", "load_into"]
+
+_SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+class HFWeights:
+    """The weights of a Hugging Face Llama directory by hpcdist FQN, read one tensor at a time."""
+
+    def __init__(self, path: str | Path, args: ModelArgs | None = None) -> None:
+        self.path = Path(path)
+        self.args = args if args is not None else model_args_from_hf(read_hf_config(self.path),
+                                                                     where=f"{self.path}/config.json")  # fmt: skip
+        if (self.path / _INDEX).is_file():
+            try:
+                files: dict[str, str] = json.loads((self.path / _INDEX).read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ConversionError(f"{self.path / _INDEX}: not a safetensors index ({e})") from None
+        elif (self.path / _SINGLE).is_file():
+            with safe_open(str(self.path / _SINGLE), framework="pt") as f:
+                files = dict.fromkeys(f.keys(), _SINGLE)
+        else:
+            raise ConversionError(f"{self.path}: no {_SINGLE} or {_INDEX} (only safetensors weights are read)")
+        self.files = files
+        missing = [fqn_to_hf(f) for f in fqn_names(self.args) if fqn_to_hf(f) not in files]
+        if missing:
+            raise ConversionError(f"{self.path}: the weights lack {', '.join(missing[:3])}"
+                                  f"{' ...' if len(missing) > 3 else ''} that config.json implies")  # fmt: skip
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for fqn in fqn_names(self.args):
+            name = fqn_to_hf(fqn)
+            with safe_open(str(self.path / files[name]), framework="pt") as f:  # reads the header only
+                self._shapes[fqn] = tuple(f.get_slice(name).get_shape())
+
+    def fqns(self) -> list[str]:
+        """The FQNs a hpcdist model of these args has (a tied model's output.weight is the embedding's)."""
+        return [*fqn_names(self.args), *(["output.weight"] if self.args.tie_embeddings else [])]
+
+    def shape(self, fqn: str) -> tuple[int, ...]:
+        return self._shapes["tok_embeddings.weight" if fqn == "output.weight" and self.args.tie_embeddings else fqn]
+
+    def tensor(self, fqn: str) -> torch.Tensor:
+        """hpcdist's ``fqn`` in float32 and hpcdist's layout (a tied output.weight reads the embedding)."""
+        src = "tok_embeddings.weight" if fqn == "output.weight" and self.args.tie_embeddings else fqn
+        name = fqn_to_hf(src)
+        with safe_open(str(self.path / self.files[name]), framework="pt") as f:
+            t = f.get_tensor(name)
+        return from_hf_tensor(src, t.to(torch.float32), self.args).contiguous()
+
+    def metadata(self) -> Metadata:
+        """DCP metadata of these weights under ``model.<fqn>``: one float32 chunk per tensor."""
+        md = {}
+        for fqn in self.fqns():
+            size = torch.Size(self.shape(fqn))
+            md[f"model.{fqn}"] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch.float32), size=size,
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)],
+            )  # fmt: skip
+        return Metadata(state_dict_metadata=md)  # type: ignore[arg-type]
+
+
+class HFSavePlanner(DefaultSavePlanner):
+    """Saves ``{"model": {fqn: meta tensor}}``: each tensor's data is read from the Hugging Face files only when the
+    writer reaches it (DCP's CPU writer resolves one item at a time and drops it once written)."""
+
+    def __init__(self, weights: HFWeights) -> None:
+        super().__init__()
+        self.weights = weights
+        self._last = threading.local()  # per writer thread: the tensor handed out last
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        # DCP's file writer keeps a reference to every tensor it wrote to a file until the file is done (torch 2.13,
+        # filesystem._write_files_from_queue's tensor_dict, used only for its safetensors format): that held the whole
+        # model (125m: peak 2.9x the weights' size above baseline). A writer thread asks for its next tensor only after
+        # writing the previous one, so that one's storage is released here.
+        previous = getattr(self._last, "tensor", None)
+        if previous is not None:
+            previous.untyped_storage().resize_(0)
+        tensor = self.weights.tensor(index.fqn.removeprefix("model."))
+        if not tensor.untyped_storage().resizable():  # a float32 file's tensor is safetensors' own buffer: copy it
+            tensor = tensor.clone()
+        self._last.tensor = tensor
+        return tensor
+
+
+class HFStorageReader(StorageReader):
+    """DCP storage reader over a Hugging Face Llama directory (``dcp.load(state, storage_reader=...)``)."""
+
+    def __init__(self, weights: HFWeights) -> None:
+        super().__init__()
+        self.weights = weights
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.weights.metadata()
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        by_fqn = defaultdict(list)
+        for req in plan.items:
+            by_fqn[req.storage_index.fqn].append(req)
+        for key, reqs in by_fqn.items():  # one whole tensor in memory at a time; each request takes its box
+            full = self.weights.tensor(key.removeprefix("model."))
+            for req in reqs:
+                src = full
+                for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+                    src = src.narrow(dim, offset, length)
+                target = planner.resolve_tensor(req).detach()
+                target.copy_(src)
+                planner.commit_tensor(req, target)
+            del full
+        done: torch.futures.Future[None] = torch.futures.Future()  # DCP waits on a torch future
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # never picked by DCP's guessing from a path: only given explicitly
+
+
+def load_into(path: str | Path, state: Checkpointable, args: ModelArgs) -> None:
+    """Collective: ``checkpoint.init_from: HF_DIR``. The Hugging Face weights at ``path`` into this run's model state
+    (any strategy); the model section must equal config.json's (checked at config load, again here)."""
+    from hpcdist.models.hf_config import shape_mismatch
+
+    weights = HFWeights(path)
+    problem = shape_mismatch(args, weights.args, where=f"{path}/config.json")
+    if problem:
+        raise ConversionError(f"checkpoint.init_from: {problem}")
+    model = state.dcp_state()["model"]
+    dcp.load({"model": model}, storage_reader=HFStorageReader(weights))
+    state.load_dcp_state({"model": model})
+
+
+def import_checkpoint(path: str | Path, out: str | Path, *, vocab_size: int | None = None) -> Path:
+    """``hpcdist import``: the step-00000000 checkpoint of the Hugging Face Llama at ``path`` written into the
+    checkpoints directory ``out``: model weights in float32 (no optimizer state: it starts fresh), the model
+    section in trainer_state.json. Every strategy resumes from it (``checkpoint.resume``) or starts from it
+    (``checkpoint.init_from``)."""
+    return_freed_memory()
+    weights = HFWeights(path)
+    args = weights.args
+    if vocab_size is not None and vocab_size != args.vocab_size:
+        raise ConversionError(f"model.vocab_size={vocab_size} but {path}/config.json has vocab_size={args.vocab_size}")
+    if (Path(path) / "tokenizer.json").is_file():  # the weights must cover every id the tokenizer produces
+        try:
+            tok = load_tokenizer(path)
+        except TokenizerError as e:
+            raise ConversionError(str(e)) from None
+        if tok.vocab_size > args.vocab_size:
+            raise ConversionError(f"{path}: the tokenizer has {tok.vocab_size} tokens but config.json's vocab_size "
+                                  f"is {args.vocab_size}: the embedding table cannot cover it")  # fmt: skip
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConversionError(f"--out {out} exists and is not empty: name a new checkpoints directory")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": {fqn: torch.empty(weights.shape(fqn), device="meta") for fqn in weights.fqns()}}
+    trainer_state = {"step": 0, "tokens_seen": 0, "world_size": 1, "imported_from": str(Path(path).resolve()),
+                     "config": {"model": dataclasses.asdict(args)}}  # fmt: skip
+    state = Checkpointable(
+        dcp_state=lambda: meta, load_dcp_state=lambda _: None,
+        trainer_state=lambda: trainer_state, load_trainer_state=lambda _: None,
+        save_planner=HFSavePlanner(weights),
+    )  # fmt: skip
+    saved = CheckpointManager(out, rank=0, world_size=1, keep_last=1).save(0, state)
+    if saved is None:
+        raise ConversionError(f"writing the checkpoint into {out} failed (see the error above)")
+    return saved
