@@ -211,6 +211,10 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--wait", action="store_true", help="wait for the job to finish (through requeues); exit 0 if COMPLETED"
     )
+    s.add_argument(
+        "--force", action="store_true",
+        help="submit even when the planner predicts that the layout does not fit the GPUs' memory",
+    )  # fmt: skip
 
     st = sub.add_parser(
         "status", help="show a SLURM job (scontrol/sacct) or your queue (squeue)", description="Without JOB: squeue."
@@ -476,7 +480,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.sbatch_args:  # added to the cluster's own extra flags, not instead of them
         params["extra_sbatch"] = [*load_cluster(args.cluster).extra_sbatch, *args.sbatch_args]
     try:
-        out = submit(args.config, args.overrides, cluster=args.cluster, dry_run=args.dry_run, **params)
+        out = submit(
+            args.config, args.overrides, cluster=args.cluster, dry_run=args.dry_run, force=args.force, **params
+        )
         if isinstance(out, str):
             print(out, end="" if out.endswith("\n") else "\n")  # the shell prompt then starts on a line of its own
             return 0

@@ -134,7 +134,8 @@ class ClusterConfig:
     name: str = "custom"
     """Label of this cluster (the YAML's file name when loaded by name)."""
     executor: str = "auto"
-    """auto: SLURM when a controller answers, else submitit's LocalExecutor; slurm: SLURM or fail; local."""
+    """auto: SLURM where a SLURM client is installed (sbatch on PATH; its controller must answer, else submit fails),
+    submitit's LocalExecutor (one node) only where none is installed; slurm: SLURM or fail; local: this machine."""
     nodes: int = 1
     gpus_per_node: int = 8
     """GPUs per node; one task (rank) per GPU. 0 for CPU-only nodes (then set tasks_per_node)."""

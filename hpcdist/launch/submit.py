@@ -8,7 +8,9 @@ The job is the same trainer ``hpcdist train`` runs, one task (rank) per GPU thro
       export HPCDIST_NCCL_PROFILE=<profile>       (applied inside every task: interface names differ per host)
       srun ... --kill-on-bad-exit=1 <python> -u -m submitit.core._submit <folder>   -> TrainTask() per rank
 
-Where no SLURM controller answers, the same TrainTask runs under submitit's LocalExecutor (one node).
+Where no SLURM client is installed at all (no sbatch on PATH), ``executor: auto`` runs the same TrainTask under
+submitit's LocalExecutor (one node); where sbatch exists, a controller that does not answer is an error, never a
+reason to run the job on the login node (choose_executor).
 Everything user-provided that reaches the script is validated to one line (hpcdist.config.cluster) and
 shell-quoted (submitit quotes #SBATCH values and the srun line; the setup lines are quoted here).
 """
@@ -33,7 +35,16 @@ from hpcdist.launch import slurm_cli
 from hpcdist.launch.nccl import PROFILE_ENV
 from hpcdist.launch.task import TrainTask
 
-__all__ = ["JobHandle", "LaunchError", "LogPaths", "choose_executor", "render_sbatch", "slurm_parameters", "submit"]
+__all__ = [
+    "JobHandle",
+    "LaunchError",
+    "LogPaths",
+    "choose_executor",
+    "describe_executor",
+    "render_sbatch",
+    "slurm_parameters",
+    "submit",
+]
 
 log = logging.getLogger(__name__)
 
@@ -182,23 +193,45 @@ def _render_local(cluster: ClusterConfig, folder: Path) -> str:
 
 
 def choose_executor(cluster: ClusterConfig, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """("slurm" | "local", why). ``auto`` asks the controller: sbatch alone on PATH is not enough."""
+    """("slurm" | "local", why), or LaunchError naming the reason.
+
+    ``auto`` runs local processes only where no SLURM client is installed at all (sbatch not on PATH, as submitit
+    decides). Where sbatch exists this is a login node: a controller that is down, slow or misconfigured is an
+    error, never a reason to run the job on the login node itself.
+    """
     if cluster.executor == "local":
         return "local", "cluster.executor is local"
-    ok, why = slurm_cli.slurm_reachable(environ)
+    installed = slurm_cli.client_installed(environ)
+    if not installed and cluster.executor == "auto":
+        if cluster.nodes > 1:
+            raise LaunchError(
+                f"no SLURM client is installed here (sbatch is not on PATH) and the local fallback runs one node, "
+                f"but nodes={cluster.nodes}; submit from a login node, or use --nodes 1 / --cluster local"
+            )
+        return "local", "auto: no SLURM client installed: sbatch is not on PATH"
+    try:
+        ok, why = slurm_cli.slurm_reachable(environ)
+    except slurm_cli.SlurmError as e:
+        raise LaunchError(str(e)) from None
     env = os.environ if environ is None else environ
     if ok and shutil.which("srun", path=env.get("PATH")) is None:
         ok, why = False, "srun is not on PATH"
     if ok:
         return "slurm", why
-    if cluster.executor == "slurm":
-        raise LaunchError(f"cluster {cluster.name} needs SLURM, but it is not reachable: {why}")
-    if cluster.nodes > 1:
-        raise LaunchError(
-            f"SLURM is not reachable ({why}) and the local fallback runs one node, but nodes={cluster.nodes}; "
-            "submit from a login node, or use --nodes 1 / --cluster local"
-        )
-    return "local", f"SLURM is not reachable ({why})"
+    hint = f"; raise {slurm_cli.PING_TIMEOUT_ENV} (seconds) for a slow controller" if "did not answer" in why else ""
+    raise LaunchError(
+        f"cluster {cluster.name} (executor: {cluster.executor}) needs SLURM, but the controller is not usable: {why}"
+        f"{hint}; nothing was started (to run on this machine on purpose: --cluster local, i.e. executor: local)"
+    )
+
+
+def describe_executor(cluster: ClusterConfig, environ: Mapping[str, str] | None = None) -> str:
+    """One line for the dry run: which executor submit would use and why (it asks the controller, like submit)."""
+    try:
+        kind, why = choose_executor(cluster, environ)
+    except LaunchError as e:
+        return f"executor: none: submit would refuse: {e}"
+    return f"executor: {kind} ({why})"
 
 
 # --------------------------------------------------------------------------------------------- job handle
@@ -348,12 +381,26 @@ def _check_job(cfg: config_mod.JobConfig, cluster: ClusterConfig, job_name: str,
     return problems
 
 
+def _check_memory(cfg: config_mod.JobConfig, cluster: ClusterConfig, *, force: bool) -> list[str]:
+    """The planner's fit check for the requested nodes: a problem unless forced (then a warning)."""
+    from hpcdist.planning.fit import check_fit
+
+    check = check_fit(cfg, cluster)
+    if check is None or check.fits:
+        return []
+    if force:
+        print(f"hpcdist: warning: --force: {check.refusal()}", file=sys.stderr, flush=True)
+        return []
+    return [check.refusal()]
+
+
 def submit(
     config: str | os.PathLike[str],
     overrides: Sequence[str] = (),
     *,
     cluster: str | os.PathLike[str] | ClusterConfig = "a100_ib",
     dry_run: bool = False,
+    force: bool = False,
     **params: Any,
 ) -> JobHandle | str:
     """Validate ``config`` + ``overrides`` for the cluster and submit one training job.
@@ -362,6 +409,9 @@ def submit(
     override its fields (``nodes=4, partition="gpu", extra_sbatch=["--mail-type=END"]``). Everything is validated
     before anything is submitted (ConfigError lists every problem). ``dry_run=True`` returns the sbatch script
     text instead (a description of the local run for executor ``local``). Returns a :class:`JobHandle`.
+
+    A layout the planner predicts not to fit the cluster's GPUs (its hardware: block) is refused, naming the
+    nearest layouts that fit; ``force=True`` submits it anyway.
     """
     problems: list[str] = []
     cluster_cfg = cfg = None
@@ -379,6 +429,8 @@ def submit(
     folder = cluster_cfg.folder(cfg.run.dir)
     run_dir = str(Path(cfg.run.dir).expanduser().absolute())  # the batch script's after-step reads it
     problems = _check_job(cfg, cluster_cfg, job_name, folder)
+    if not problems:
+        problems = _check_memory(cfg, cluster_cfg, force=force)
     # the data must exist before a job waits in the queue for it; a dry run only warns
     data_problems = config_mod.check_data(cfg, strict=False)
     if problems or (data_problems and not dry_run):
@@ -387,6 +439,7 @@ def submit(
         print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
 
     if dry_run:
+        print(f"hpcdist: {describe_executor(cluster_cfg)}", file=sys.stderr, flush=True)
         if cluster_cfg.executor == "local":
             return _render_local(cluster_cfg, folder)
         return render_sbatch(cluster_cfg, job_name=job_name, folder=folder, run_dir=run_dir)

@@ -43,6 +43,7 @@ from hpcdist.launch.task import TrainTask, local_rank_environ
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo.yaml")
 GOLDEN = REPO / "tests" / "data" / "submit_dryrun.golden"
+SLEEP = shutil.which("sleep")
 NASTY_NAME = "it's $(rm -rf /) `id` job"  # a space, a single quote, command substitutions
 # A model small enough to train a few steps in a second or two (see tests/conftest.py SMALL).
 TINY = [
@@ -421,29 +422,73 @@ def test_no_sbatch_means_local(tmp_path: Path) -> None:
     ok, why = slurm_reachable({"PATH": str(tmp_path)})
     assert not ok and why == "sbatch is not on PATH"
     assert choose_executor(load_cluster("sandbox"), {"PATH": str(tmp_path)}) == (
-        "local", "SLURM is not reachable (sbatch is not on PATH)",
+        "local", "auto: no SLURM client installed: sbatch is not on PATH",
     )  # fmt: skip
 
 
-def test_sbatch_without_a_controller_means_local(tmp_path: Path) -> None:
-    # what FACTS.md saw: sbatch installed, no configuration source; submitit's AutoExecutor would pick slurm
+def test_sbatch_without_a_controller_is_an_error(tmp_path: Path) -> None:
+    # sbatch installed but no configuration source (FACTS.md): a SLURM client is installed, so this is a broken
+    # login node, not a laptop: never fall back to running the job here
     for tool in ("sbatch", "srun", "scontrol", "sinfo"):
         write_exe(tmp_path / tool, f"echo '{tool}: fatal: Could not establish a configuration source' >&2; exit 1")
-    kind, why = choose_executor(load_cluster("sandbox"), {"PATH": str(tmp_path)})
-    assert kind == "local" and "Could not establish a configuration source" in why
-    with pytest.raises(LaunchError, match="needs SLURM"):
-        choose_executor(load_cluster("sandbox", executor="slurm"), {"PATH": str(tmp_path)})
+    for executor in ("auto", "slurm"):
+        with pytest.raises(LaunchError, match=r"Could not establish a configuration source.*nothing was started"):
+            choose_executor(load_cluster("sandbox", executor=executor), {"PATH": str(tmp_path)})
+    assert choose_executor(load_cluster("local"), {"PATH": str(tmp_path)})[0] == "local"  # asked for: fine
+
+
+def test_no_sbatch_and_two_nodes_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="local fallback runs one node"):
         choose_executor(load_cluster("sandbox", nodes=2), {"PATH": str(tmp_path)})
 
 
-def test_a_hanging_controller_means_local(tmp_path: Path) -> None:
-    write_exe(tmp_path / "sbatch", "exit 0")
-    sleep = shutil.which("sleep")
-    write_exe(tmp_path / "scontrol", f"exec {sleep} 30")
-    write_exe(tmp_path / "sinfo", f"exec {sleep} 30")
-    ok, why = slurm_reachable({"PATH": str(tmp_path)}, timeout=0.5)
+def hanging_controller(bindir: Path) -> Path:
+    """A login node whose controller does not answer: real sbatch/srun stand-ins, scontrol and sinfo that hang."""
+    bindir.mkdir(exist_ok=True)
+    write_exe(bindir / "sbatch", "echo 'must not be called' >&2; exit 99")
+    write_exe(bindir / "srun", "exit 0")
+    write_exe(bindir / "scontrol", f"exec {SLEEP} 30")
+    write_exe(bindir / "sinfo", f"exec {SLEEP} 30")
+    return bindir
+
+
+def test_a_hanging_controller_is_not_reachable(tmp_path: Path) -> None:
+    ok, why = slurm_reachable({"PATH": str(hanging_controller(tmp_path))}, timeout=0.2)
     assert not ok and "did not answer" in why
+
+
+def test_slow_controller_refuses_to_submit_and_starts_nothing_locally(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The found bug: `executor: auto` ran the job as local processes (on the login node) when the controller took
+    longer than the ping timeout. Now: an error naming the reason, exit 2, no executor made, no run dir written."""
+    bindir = hanging_controller(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HPCDIST_SLURM_PING_TIMEOUT", "0.3")
+    monkeypatch.setattr(submitit, "LocalExecutor", RecordingExecutor)
+    monkeypatch.setattr(submitit, "SlurmExecutor", RecordingExecutor)
+    RecordingExecutor.made.clear()
+    run = tmp_path / "run"
+    rc = cli.main(["submit", DEMO, "--cluster", "sandbox", f"run.dir={run}", "train.global_batch_size=32"])
+    err = capsys.readouterr().err
+    assert rc == 2, err  # the CLI's code for a refused submission
+    assert "did not answer within 0.3 s" in err and "nothing was started" in err and "executor: local" in err
+    assert RecordingExecutor.made == [] and not run.exists()
+
+
+def test_dry_run_says_which_executor_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = [f"run.dir={tmp_path / 'run'}", "train.global_batch_size=32"]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no SLURM client at all
+    assert cli.main(["submit", DEMO, "--cluster", "sandbox", "--dry-run", *overrides]) == 0
+    assert "executor: local (auto: no SLURM client installed: sbatch is not on PATH)" in capsys.readouterr().err
+    bindir = hanging_controller(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HPCDIST_SLURM_PING_TIMEOUT", "0.3")
+    assert cli.main(["submit", DEMO, "--cluster", "sandbox", "--dry-run", *overrides]) == 0
+    err = capsys.readouterr().err
+    assert "executor: none: submit would refuse" in err and "did not answer within" in err
 
 
 def test_answering_controller_means_slurm(fake_slurm: Path) -> None:
@@ -678,3 +723,27 @@ def test_local_executor_trains_two_ranks(tmp_path: Path, clean_env: pytest.Monke
     assert len(results) == 2 and results[0] == results[1] and results[0]["step"] == 4
     log = handle.paths[0].stdout.read_text()
     assert "ddp on 2 rank(s)" in log and "done: step 4" in log
+
+
+# --------------------------------------------------------------------------------------------- memory check
+
+
+def test_submit_refuses_a_layout_predicted_not_to_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """configs/train_13b.yaml (zero3, micro batch 2, no checkpointing) on the default 1 node of a100_ib: the planner
+    predicts 91.2 GiB/GPU of 78 usable; submit refuses and names the layouts that fit; --force renders it."""
+    base = ["submit", str(REPO / "configs" / "train_13b.yaml"), "--cluster", "a100_ib", "--dry-run",
+            f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    assert cli.main(base) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "91.2 GiB per GPU, 78 GiB usable" in err
+    assert "zero3 dp=8, micro batch 1, activation checkpointing off, 61.4 GiB/GPU" in err  # the planner's best row
+    assert "(overrides: train.micro_batch_size=1)" in err and "--nodes 2 fits this layout" in err
+    assert cli.main([*base, "train.micro_batch_size=1"]) == 0  # the named fix passes the check
+    assert cli.main([*base, "--nodes", "2"]) == 0
+    capsys.readouterr()
+    assert cli.main([*base, "--force"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("#!/bin/bash") and "warning: --force: memory check:" in err
+    # a profile without GPU memory numbers (the CPU sandbox) has nothing to check
+    assert cli.main([*base[:2], "--cluster", "sandbox", "--dry-run", f"run.dir={tmp_path / 'run'}",
+                     "--gpus-per-node", "8"]) == 0  # fmt: skip
