@@ -30,6 +30,8 @@ EPILOG = """examples:
   hpcdist plan configs/train_13b.yaml --nodes 4 --gpus-per-node 8  # memory per strategy + ranked layouts
   hpcdist submit configs/demo.yaml --cluster local --wait          # no SLURM: ranks as local processes
   hpcdist submit configs/demo.yaml --cluster sandbox --dry-run     # print the sbatch script, submit nothing
+  hpcdist submit configs/demo.yaml --sweep optim.lr=1e-4,3e-4 --sweep train.global_batch_size=256,512  # 1 array
+  hpcdist submit configs/demo.yaml --chain 3                         # 3 jobs, each resuming the previous one
   hpcdist status 1234; hpcdist logs 1234 --rank 3 --err; hpcdist cancel 1234
 """
 
@@ -215,11 +217,28 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
         "--force", action="store_true",
         help="submit even when the planner predicts that the layout does not fit the GPUs' memory",
     )  # fmt: skip
+    s.add_argument(
+        "--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+        help="sweep KEY over the values (repeat for a grid): one SLURM job array, one run dir per task, "
+        "<run.dir>/<its overrides>",
+    )  # fmt: skip
+    s.add_argument("--sweep-file", type=Path, help="a YAML list of override mappings, one array task each")
+    s.add_argument("--max-parallel", type=_positive_int, metavar="M", help="sweep tasks running at once (--array %%M)")
+    s.add_argument(
+        "--after", metavar="JOB[:TYPE]",
+        help="start after job JOB ends: TYPE afterany (default), afterok or afternotok (sbatch --dependency)",
+    )  # fmt: skip
+    s.add_argument(
+        "--chain", type=_positive_int, default=1, metavar="N",
+        help="N jobs of this run, each starting when the previous ends (afterany) and resuming from its checkpoint; "
+        "for clusters that cap the wall time and do not requeue (sets fault.requeue=false)",
+    )  # fmt: skip
 
     st = sub.add_parser(
         "status", help="show a SLURM job (scontrol/sacct) or your queue (squeue)", description="Without JOB: squeue."
     )
-    st.add_argument("job", nargs="?", help="job id")
+    st.add_argument("job", nargs="?", help="job id (a sweep's array job id: every task's state, step and loss)")
+    st.add_argument("--run-dir", type=Path, help="a sweep's base run.dir (when SLURM no longer knows the job)")
 
     lg = sub.add_parser(
         "logs",
@@ -471,30 +490,49 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from hpcdist.launch import load_cluster, submit
+    from hpcdist.launch import load_cluster
     from hpcdist.launch.slurm_cli import SlurmError
-    from hpcdist.launch.submit import LaunchError
+    from hpcdist.launch.submit import LaunchError, submit_chain
 
     names = ("nodes", "gpus_per_node", "time", "partition", "account", "qos", "constraint", "exclude", "job_name")
     params = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.sbatch_args:  # added to the cluster's own extra flags, not instead of them
         params["extra_sbatch"] = [*load_cluster(args.cluster).extra_sbatch, *args.sbatch_args]
+    common = dict(cluster=args.cluster, dry_run=args.dry_run, force=args.force, after=args.after, **params)
+    sweep = bool(args.sweep or args.sweep_file)
+    if sweep and args.chain > 1:
+        return _fail("submit: --chain and --sweep do not combine; chain each task's run separately")
     try:
-        out = submit(
-            args.config, args.overrides, cluster=args.cluster, dry_run=args.dry_run, force=args.force, **params
-        )
+        if sweep:
+            from hpcdist.launch.sweep import submit_sweep
+
+            out: Any = submit_sweep(args.config, args.overrides, sweep=args.sweep, sweep_file=args.sweep_file,
+                                    max_parallel=args.max_parallel, **common)  # fmt: skip
+        else:
+            out = submit_chain(args.config, args.overrides, args.chain, **common)
+            out = out[0] if args.dry_run else out
         if isinstance(out, str):
             print(out, end="" if out.endswith("\n") else "\n")  # the shell prompt then starts on a line of its own
             return 0
-        logs = out.paths[0]
-        print(f"submitted job {out.job_id} ({out.executor}, {out.num_tasks} ranks)\n"
-              f"  logs:   {logs.stdout}\n          {logs.stderr}\n"
-              f"  follow: hpcdist status {out.job_id}; hpcdist logs {out.job_id} --rank R", flush=True)  # fmt: skip
+        first = out[0]
+        logs = first.paths[0]
+        if sweep:
+            array = first.job_id.split("_")[0]
+            print(f"submitted sweep as job array {array} ({len(out)} tasks, {first.num_tasks} ranks each)\n"
+                  f"  logs:   {first.folder}/{array}_<task>_<rank>_log.out|err\n"
+                  f"  follow: hpcdist status {array}", flush=True)  # fmt: skip
+        else:
+            chained = f"; then {', '.join(h.job_id for h in out[1:])} (chained, afterany)" if len(out) > 1 else ""
+            print(f"submitted job {first.job_id} ({first.executor}, {first.num_tasks} ranks){chained}\n"
+                  f"  logs:   {logs.stdout}\n          {logs.stderr}\n"
+                  f"  follow: hpcdist status {first.job_id}; hpcdist logs {first.job_id} --rank R",
+                  flush=True)  # fmt: skip
         if not args.wait:
             return 0
-        state = out.wait()
-        print(f"job {out.job_id} finished: {state}")
-        return 0 if state == "COMPLETED" else 1
+        states = [h.wait() for h in out]
+        for handle, state in zip(out, states, strict=True):
+            print(f"job {handle.job_id} finished: {state}")
+        return 0 if all(state == "COMPLETED" for state in states) else 1
     except (LaunchError, SlurmError) as e:
         return _fail(f"submit: {e}")
     except KeyboardInterrupt:
@@ -503,9 +541,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from hpcdist.launch import slurm_cli
+    from hpcdist.launch.sweep import sweep_status
 
     try:
-        print(slurm_cli.status_text(args.job))
+        table = sweep_status(args.job, args.run_dir) if args.job else None
+        print(table if table is not None else slurm_cli.status_text(args.job))
     except slurm_cli.SlurmError as e:
         return _fail(f"status: {e}")
     return 0

@@ -83,6 +83,12 @@ class RunDir:
         return self.root / f"hpcdist-error-{when}-{pid}.log"
 
     @property
+    def sweep(self) -> Path:
+        """A sweep's record in its base run.dir: array job id, each task's overrides and run dir (launch/sweep.py);
+        the tasks' runs are <run.dir>/<their overrides>/."""
+        return self.root / "sweep.json"
+
+    @property
     def slurm_logs(self) -> Path:
         """Batch jobs' stdout/stderr unless the cluster profile sets log_dir."""
         return self.root / "slurm"

@@ -94,15 +94,22 @@ def _extra_flags(cluster: ClusterConfig) -> dict[str, Any]:
     return flags
 
 
-def _teardown_lines(cluster: ClusterConfig, run_dir: str) -> list[str]:
+def _teardown_lines(cluster: ClusterConfig, run_dir: str | Sequence[str]) -> list[str]:
     """After srun (first line: $? is srun's status): if the step failed, the failure policy records the cause,
-    excludes the culprit's node and requeues the job, or ends it with the reason (hpcdist.launch.restarts)."""
+    excludes the culprit's node and requeues the job, or ends it with the reason (hpcdist.launch.restarts).
+    A job array (a sweep) passes one run dir per array task: the task picks its own by SLURM_ARRAY_TASK_ID."""
     python = shlex.quote(cluster.interpreter)
-    return [
-        "hpcdist_rc=$?",
+    lines = ["hpcdist_rc=$?"]
+    if isinstance(run_dir, str):
+        where = shlex.quote(run_dir)
+    else:
+        lines.append(f"hpcdist_run_dirs=({' '.join(shlex.quote(d) for d in run_dir)})")
+        where = '"${hpcdist_run_dirs[$SLURM_ARRAY_TASK_ID]}"'
+    lines.append(
         f'if [ "$hpcdist_rc" -ne 0 ]; then {python} -m hpcdist.launch.restarts after-step --exit-code "$hpcdist_rc" '
-        f"--run-dir {shlex.quote(run_dir)}; exit $?; fi",
-    ]
+        f"--run-dir {where}; exit $?; fi"
+    )
+    return lines
 
 
 def _supervised_python(cluster: ClusterConfig) -> str:
@@ -112,7 +119,9 @@ def _supervised_python(cluster: ClusterConfig) -> str:
     return f"{python} -m hpcdist.fault.supervise -- {python}"
 
 
-def slurm_parameters(cluster: ClusterConfig, *, job_name: str, run_dir: str | None = None) -> dict[str, Any]:
+def slurm_parameters(
+    cluster: ClusterConfig, *, job_name: str, run_dir: str | Sequence[str] | None = None
+) -> dict[str, Any]:
     """submitit SlurmExecutor parameters (the keyword arguments of its _make_sbatch_string) for ``cluster``;
     with ``run_dir``, the failure policy runs after a failed step (teardown)."""
     additional: dict[str, Any] = {"requeue": True, **_extra_flags(cluster)}
@@ -166,16 +175,29 @@ def _command(cluster: ClusterConfig, folder: Path, *, python: str | None = None)
 
 
 def render_sbatch(
-    cluster: ClusterConfig, *, job_name: str, folder: str | os.PathLike[str], run_dir: str | None = None
+    cluster: ClusterConfig,
+    *,
+    job_name: str,
+    folder: str | os.PathLike[str],
+    run_dir: str | Sequence[str] | None = None,
+    dependency: str | None = None,
+    array: int | None = None,
+    max_parallel: int | None = None,
 ) -> str:
-    """The exact sbatch script submitit writes for this job (deterministic: no ids, no temp names)."""
+    """The exact sbatch script submitit writes for this job (deterministic: no ids, no temp names); ``array``
+    tasks (a sweep) with at most ``max_parallel`` at once, their run dirs in ``run_dir``."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     path = Path(folder).expanduser().absolute()
-    return _make_sbatch_string(
-        command=_command(cluster, path, python=_supervised_python(cluster)), folder=path,
-        **slurm_parameters(cluster, job_name=job_name, run_dir=run_dir),
-    )  # fmt: skip
+    params = slurm_parameters(cluster, job_name=job_name, run_dir=run_dir)
+    if dependency:
+        params["dependency"] = dependency
+    if array is not None:
+        params["map_count"] = array
+        if max_parallel:
+            params["array_parallelism"] = max_parallel
+    return _make_sbatch_string(command=_command(cluster, path, python=_supervised_python(cluster)), folder=path,
+                               **params)  # fmt: skip
 
 
 def _render_local(cluster: ClusterConfig, folder: Path) -> str:
@@ -394,25 +416,28 @@ def _check_memory(cfg: config_mod.JobConfig, cluster: ClusterConfig, *, force: b
     return [check.refusal()]
 
 
-def submit(
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """One validated job: its cluster, resolved config, job name, log folder and absolute run dir."""
+
+    cluster: ClusterConfig
+    cfg: config_mod.JobConfig
+    job_name: str
+    folder: Path
+    run_dir: str
+
+
+def prepare(
     config: str | os.PathLike[str],
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str],
+    cluster: str | os.PathLike[str] | ClusterConfig,
+    params: Mapping[str, Any],
     *,
-    cluster: str | os.PathLike[str] | ClusterConfig = "a100_ib",
-    dry_run: bool = False,
-    force: bool = False,
-    **params: Any,
-) -> JobHandle | str:
-    """Validate ``config`` + ``overrides`` for the cluster and submit one training job.
-
-    ``cluster`` is a shipped profile name (``cluster_names()``), a YAML path, or a ClusterConfig; ``params``
-    override its fields (``nodes=4, partition="gpu", extra_sbatch=["--mail-type=END"]``). Everything is validated
-    before anything is submitted (ConfigError lists every problem). ``dry_run=True`` returns the sbatch script
-    text instead (a description of the local run for executor ``local``). Returns a :class:`JobHandle`.
-
-    A layout the planner predicts not to fit the cluster's GPUs (its hardware: block) is refused, naming the
-    nearest layouts that fit; ``force=True`` submits it anyway.
-    """
+    dry_run: bool,
+    force: bool,
+) -> tuple[Prepared, list[str]]:
+    """Load and check one job (cluster + config + memory); (prepared, data warnings). ConfigError lists every
+    problem of both files at once."""
     problems: list[str] = []
     cluster_cfg = cfg = None
     try:
@@ -435,33 +460,138 @@ def submit(
     data_problems = config_mod.check_data(cfg, strict=False)
     if problems or (data_problems and not dry_run):
         raise ConfigError(problems + data_problems)
-    for problem in data_problems:
-        print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
+    return Prepared(cluster_cfg, cfg, job_name, folder, run_dir), data_problems
 
-    if dry_run:
-        print(f"hpcdist: {describe_executor(cluster_cfg)}", file=sys.stderr, flush=True)
-        if cluster_cfg.executor == "local":
-            return _render_local(cluster_cfg, folder)
-        return render_sbatch(cluster_cfg, job_name=job_name, folder=folder, run_dir=run_dir)
 
-    kind, why = choose_executor(cluster_cfg)
-    if kind == "local" and cluster_cfg.executor != "local":
+def dependency(after: str | None) -> str | None:
+    """``JOB[:afterok|afterany|afternotok]`` (``--after``) -> sbatch's ``TYPE:JOB``; default afterany, as sbatch's
+    own ``-d JOB``. ValueError naming the argument otherwise."""
+    if after is None:
+        return None
+    job, _, kind = str(after).strip().partition(":")
+    kind = kind or "afterany"
+    if kind not in _DEPENDENCY_TYPES:
+        raise ValueError(f"--after {after}: the dependency type must be one of {', '.join(_DEPENDENCY_TYPES)}")
+    try:
+        job = slurm_cli.check_job_id(job)
+    except slurm_cli.SlurmError as e:
+        raise ValueError(f"--after {after}: {e}") from None
+    return f"{kind}:{job}"
+
+
+_DEPENDENCY_TYPES = ("afterany", "afterok", "afternotok")
+
+
+def launch(
+    prep: Prepared,
+    tasks: Sequence[TrainTask],
+    *,
+    run_dirs: Sequence[str] | None = None,
+    after: str | None = None,
+    max_parallel: int | None = None,
+    allow_local: bool = True,
+) -> list[JobHandle]:
+    """Submit ``tasks`` with ``prep``'s cluster: one job, or (several tasks) one SLURM job array whose task i runs
+    tasks[i] (its failure policy reads run_dirs[i]). ``after``: an sbatch dependency (``afterany:123``)."""
+    cluster = prep.cluster
+    kind, why = choose_executor(cluster)
+    if kind == "local" and (len(tasks) > 1 or after):
+        raise LaunchError(f"{why}: job arrays and dependencies need SLURM; submit from a login node")
+    if kind == "local" and cluster.executor != "local":
         log.warning("%s: running the job with submitit's LocalExecutor on this machine", why)
-    task = TrainTask(str(config), tuple(overrides))
     import submitit
 
     try:
         if kind == "slurm":
-            executor: Any = submitit.SlurmExecutor(folder=folder, python=_supervised_python(cluster_cfg))
-            executor.update_parameters(**slurm_parameters(cluster_cfg, job_name=job_name, run_dir=run_dir))
+            executor: Any = submitit.SlurmExecutor(folder=prep.folder, python=_supervised_python(cluster))
+            dirs: str | Sequence[str] = run_dirs if run_dirs is not None and len(tasks) > 1 else prep.run_dir
+            params = slurm_parameters(cluster, job_name=prep.job_name, run_dir=dirs)
+            if after:
+                params["dependency"] = after
+            if max_parallel:
+                params["array_parallelism"] = max_parallel
+            executor.update_parameters(**params)
         else:
-            executor = submitit.LocalExecutor(folder=folder, python=shlex.quote(cluster_cfg.interpreter))
-            executor.update_parameters(**local_parameters(cluster_cfg))
-        job = executor.submit(task)
+            executor = submitit.LocalExecutor(folder=prep.folder, python=shlex.quote(cluster.interpreter))
+            executor.update_parameters(**local_parameters(cluster))
+        if len(tasks) == 1:
+            jobs = [executor.submit(tasks[0])]
+        else:
+            with executor.batch():
+                delayed = [executor.submit(task) for task in tasks]
+            jobs = list(delayed)
     except (OSError, RuntimeError, ValueError) as e:
         # sbatch's refusal arrives as submitit's FailedJobError/CalledProcessError text: keep its last lines
         text = str(e).strip().splitlines()
         raise LaunchError(f"submission with the {kind} executor failed: {' | '.join(text[-3:])}") from e
-    handle = JobHandle(job, executor=kind, folder=folder, num_tasks=cluster_cfg.world_size)
-    log.info("submitted job %s (%s, %s): logs in %s", handle.job_id, kind, why, folder)
-    return handle
+    handles = [JobHandle(job, executor=kind, folder=prep.folder, num_tasks=cluster.world_size) for job in jobs]
+    log.info("submitted job %s (%s, %s): logs in %s", handles[0].job_id, kind, why, prep.folder)
+    return handles
+
+
+def submit(
+    config: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    *,
+    cluster: str | os.PathLike[str] | ClusterConfig = "a100_ib",
+    dry_run: bool = False,
+    force: bool = False,
+    after: str | None = None,
+    **params: Any,
+) -> JobHandle | str:
+    """Validate ``config`` + ``overrides`` for the cluster and submit one training job.
+
+    ``cluster`` is a shipped profile name (``cluster_names()``), a YAML path, or a ClusterConfig; ``params``
+    override its fields (``nodes=4, partition="gpu", extra_sbatch=["--mail-type=END"]``). Everything is validated
+    before anything is submitted (ConfigError lists every problem). ``dry_run=True`` returns the sbatch script
+    text instead (a description of the local run for executor ``local``). Returns a :class:`JobHandle`.
+
+    A layout the planner predicts not to fit the cluster's GPUs (its hardware: block) is refused, naming the
+    nearest layouts that fit; ``force=True`` submits it anyway. ``after="123"`` (or ``"123:afterok"``) starts the
+    job only after job 123 ends (sbatch --dependency).
+    """
+    return submit_chain(config, overrides, 1, cluster=cluster, dry_run=dry_run, force=force, after=after,
+                        **params)[0]  # fmt: skip
+
+
+def submit_chain(
+    config: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    n: int = 2,
+    *,
+    cluster: str | os.PathLike[str] | ClusterConfig = "a100_ib",
+    dry_run: bool = False,
+    force: bool = False,
+    after: str | None = None,
+    **params: Any,
+) -> list[Any]:
+    """``n`` jobs of the same run, each starting when the previous one ends (afterany), for clusters that cap the
+    wall time and do not requeue: each job resumes from the checkpoint the previous one saved on the time-limit
+    signal. With n > 1 the jobs run with fault.requeue=false (the next job continues instead). Returns the
+    handles (a dry run: [the first job's script])."""
+    if n < 1:
+        raise ValueError(f"--chain: must be >= 1, got {n}")
+    try:
+        dep = dependency(after)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    overrides = [*overrides, "fault.requeue=false"] if n > 1 else list(overrides)
+    prep, warnings = prepare(config, overrides, cluster, params, dry_run=dry_run, force=force)
+    for problem in warnings:
+        print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
+    if dry_run:
+        print(f"hpcdist: {describe_executor(prep.cluster)}", file=sys.stderr, flush=True)
+        if n > 1:
+            print(f"hpcdist: --chain {n}: this script, then {n - 1} more job(s) of it, each with "
+                  "--dependency=afterany:<the previous job>", file=sys.stderr, flush=True)  # fmt: skip
+        if prep.cluster.executor == "local":
+            return [_render_local(prep.cluster, prep.folder)]
+        return [render_sbatch(prep.cluster, job_name=prep.job_name, folder=prep.folder, run_dir=prep.run_dir,
+                              dependency=dep)]  # fmt: skip
+    task = TrainTask(str(config), tuple(overrides))
+    handles: list[JobHandle] = []
+    for _ in range(n):
+        (handle,) = launch(prep, [task], after=dep)
+        handles.append(handle)
+        dep = f"afterany:{handle.job_id}"
+    return handles

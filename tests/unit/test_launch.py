@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shlex
 import shutil
 import subprocess
@@ -747,3 +748,66 @@ def test_submit_refuses_a_layout_predicted_not_to_fit(tmp_path: Path, capsys: py
     # a profile without GPU memory numbers (the CPU sandbox) has nothing to check
     assert cli.main([*base[:2], "--cluster", "sandbox", "--dry-run", f"run.dir={tmp_path / 'run'}",
                      "--gpus-per-node", "8"]) == 0  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------- sweeps, dependencies
+
+
+def test_sweep_grid_is_one_array_with_a_run_dir_per_task(
+    fake_slurm: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = tmp_path / "sw"
+    argv = ["submit", DEMO, "--cluster", "sandbox", f"run.dir={base}", "--sweep", "optim.lr=1e-4,3e-4,1e-3",
+            "--sweep", "train.global_batch_size=32,64", "--max-parallel", "2"]  # fmt: skip
+    assert cli.main([*argv, "--dry-run"]) == 0
+    script, err = capsys.readouterr()
+    assert "#SBATCH --array=0-5%2" in script and f"#SBATCH --output={base}/slurm/%A_%a_0_log.out" in script
+    names = [f"optim.lr={lr}_train.global_batch_size={b}" for lr in ("1e-4", "3e-4", "1e-3") for b in (32, 64)]
+    assert f"hpcdist_run_dirs=({' '.join(str(base / n) for n in names)})" in script
+    assert '--run-dir "${hpcdist_run_dirs[$SLURM_ARRAY_TASK_ID]}"' in script
+    assert [line.rsplit(": ", 1)[1] for line in err.splitlines() if "sweep task" in line] == [
+        str(base / n) for n in names
+    ]
+    # submitted for real (sbatch stand-in): the very script, one handle per task, the record status reads
+    assert cli.main(argv) == 0
+    assert "submitted sweep as job array 4242 (6 tasks, 4 ranks each)" in capsys.readouterr().out
+    assert (fake_slurm / "submitted.sh").read_text() == script.removesuffix("\n")  # the CLI printed a newline
+    record = json.loads((base / "sweep.json").read_text())
+    assert [t["job_id"] for t in record["tasks"]] == [f"4242_{i}" for i in range(6)]
+    assert record["tasks"][5]["overrides"] == ["optim.lr=1e-3", "train.global_batch_size=64"]
+    pickled = [pickle.loads((base / "slurm" / f"4242_{i}_submitted.pkl").read_bytes()).function for i in (0, 5)]
+    assert pickled[1].overrides[-3:] == ("optim.lr=1e-3", "train.global_batch_size=64", f"run.dir={base / names[5]}")
+    (base / names[5]).mkdir()
+    (base / names[5] / "metrics.jsonl").write_text('{"step": 7, "loss": 2.5}\n{"step": 8, "loss": 2.25}\n')
+    assert cli.main(["status", "4242", "--run-dir", str(base)]) == 0
+    table = capsys.readouterr().out
+    assert "sweep job 4242: 6 task(s)" in table
+    assert re.search(r"4242_5 RUNNING\s+\S+\s+8\s+2\.2500  " + re.escape(str(base / names[5])), table), table
+
+
+def test_a_bad_sweep_value_refuses_the_whole_sweep(
+    fake_slurm: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sweep_file = tmp_path / "points.yaml"
+    sweep_file.write_text("- {optim.lr: 1.0e-3}\n- {optim.lr: 3.0e-3, train.global_batch_size: 30}\n")
+    argv = ["submit", DEMO, "--cluster", "sandbox", f"run.dir={tmp_path / 'sw'}", "--sweep-file", str(sweep_file)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "sweep task optim.lr=0.003_train.global_batch_size=30: train.global_batch_size" in err
+    assert not (fake_slurm / "submitted.sh").exists() and not (tmp_path / "sw").exists()
+    assert cli.main([*argv[:-2], "--sweep", "optim.lr"]) == 2
+    assert "--sweep 'optim.lr': write key=value1,value2" in capsys.readouterr().err
+
+
+def test_after_and_chain_render_dependencies(fake_slurm: Path, tmp_path: Path, capsys: Any) -> None:
+    argv = ["submit", DEMO, "--cluster", "sandbox", f"run.dir={tmp_path / 'r'}", "train.global_batch_size=32"]
+    assert cli.main([*argv, "--after", "123:afterok", "--dry-run"]) == 0
+    assert "#SBATCH --dependency=afterok:123" in capsys.readouterr().out
+    assert cli.main([*argv, "--after", "12;rm", "--dry-run"]) == 2
+    assert "--after 12;rm" in capsys.readouterr().err
+    assert cli.main([*argv, "--chain", "2"]) == 0
+    assert "submitted job 4242 (slurm, 4 ranks); then 4242 (chained, afterany)" in capsys.readouterr().out
+    # the second job depends on the first; both run with fault.requeue=false
+    assert "#SBATCH --dependency=afterany:4242" in (fake_slurm / "submitted.sh").read_text()
+    task = pickle.loads((tmp_path / "r" / "slurm" / "4242_submitted.pkl").read_bytes()).function
+    assert task.overrides[-1] == "fault.requeue=false"
