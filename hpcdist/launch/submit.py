@@ -72,8 +72,9 @@ def _signal_name(name: str) -> str:
 
 
 def _setup_lines(cluster: ClusterConfig) -> list[str]:
-    """Shell lines run before srun. Values are quoted; nothing secret is exported."""
-    lines = []
+    """Shell lines run before srun: the profile's own setup lines (site commands, as written), then ours, whose
+    values are quoted; nothing secret is exported."""
+    lines = list(cluster.setup)
     if cluster.nccl_profile:
         lines.append(f"export {PROFILE_ENV}={shlex.quote(cluster.nccl_profile)}")
     # One intra-op thread pool per rank sized to its CPUs (torch would otherwise start one thread per core
@@ -98,7 +99,9 @@ def _teardown_lines(cluster: ClusterConfig, run_dir: str | Sequence[str]) -> lis
     """After srun (first line: $? is srun's status): if the step failed, the failure policy records the cause,
     excludes the culprit's node and requeues the job, or ends it with the reason (hpcdist.launch.restarts).
     A job array (a sweep) passes one run dir per array task: the task picks its own by SLURM_ARRAY_TASK_ID."""
-    python = shlex.quote(cluster.interpreter)
+    # the failure policy needs hpcdist: inside the container where the tasks run in one (apptainer, wrapper);
+    # pyxis containers exist only under srun, so there it runs with the host's python
+    python = _container_prefix(cluster) + shlex.quote(cluster.interpreter)
     lines = ["hpcdist_rc=$?"]
     if isinstance(run_dir, str):
         where = shlex.quote(run_dir)
@@ -112,11 +115,43 @@ def _teardown_lines(cluster: ClusterConfig, run_dir: str | Sequence[str]) -> lis
     return lines
 
 
+def _container_prefix(cluster: ClusterConfig) -> str:
+    """What wraps each task's command for an apptainer or wrapper-command container ('' for none and for pyxis,
+    which srun itself applies: _container_srun_args)."""
+    k = cluster.container
+    if k is None or k.runtime == "pyxis":
+        return ""
+    if k.runtime == "command":
+        return f"{shlex.quote(k.wrapper or '')} "
+    args = [k.executable, "exec"]
+    for mount in k.mounts:
+        args += ["--bind", mount]
+    if k.workdir:
+        args += ["--pwd", k.workdir]
+    args.append(k.image or "")
+    return shlex.join(args) + " "
+
+
+def _container_srun_args(cluster: ClusterConfig) -> list[str]:
+    """pyxis's srun options (quoted by submitit with the rest of the srun line)."""
+    k = cluster.container
+    if k is None or k.runtime != "pyxis":
+        return []
+    args = [f"--container-image={k.image}"]
+    if k.mounts:
+        args.append(f"--container-mounts={','.join(k.mounts)}")
+    if k.workdir:
+        args.append(f"--container-workdir={k.workdir}")
+    return args
+
+
 def _supervised_python(cluster: ClusterConfig) -> str:
     """What srun starts for each rank: the interpreter under hpcdist.fault.supervise, which records a rank killed by a
-    signal (OOM killer, segfault) before srun notices. submitit appends ``-u -m submitit.core._submit <folder>``."""
+    signal (OOM killer, segfault) before srun notices; inside the container when the profile has one (the
+    supervisor with it, so signal forwarding is unchanged). submitit appends ``-u -m submitit.core._submit
+    <folder>``."""
     python = shlex.quote(cluster.interpreter)
-    return f"{python} -m hpcdist.fault.supervise -- {python}"
+    return f"{_container_prefix(cluster)}{python} -m hpcdist.fault.supervise -- {python}"
 
 
 def slurm_parameters(
@@ -150,7 +185,11 @@ def slurm_parameters(
         "setup": _setup_lines(cluster),
         # --kill-on-bad-exit: one dead rank ends the step instead of leaving the others in a collective forever.
         # --cpus-per-task: srun of SLURM 22.05 no longer inherits it from sbatch.
-        "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={cluster.cpus_per_task}"],
+        "srun_args": [
+            "--kill-on-bad-exit=1",
+            f"--cpus-per-task={cluster.cpus_per_task}",
+            *_container_srun_args(cluster),
+        ],
         "additional_parameters": additional,
         "teardown": _teardown_lines(cluster, run_dir) if run_dir is not None else None,
     }

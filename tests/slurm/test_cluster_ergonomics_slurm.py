@@ -19,6 +19,24 @@ from hpcdist.config import load as load_config
 from tests.slurm.conftest import REPO, Cluster, job_info, release_requeue_hold, run_cmd
 from tests.slurm.test_train_slurm import step_losses, tiny_overrides, wait_for_step
 
+# `apptainer exec [--bind X | --pwd X]... IMAGE CMD...` -> records the image, mounts and command, then execs CMD
+APPTAINER_STANDIN = """#!/bin/sh
+[ "$1" = exec ] || {{ echo "stand-in apptainer: only exec" >&2; exit 64; }}
+shift
+binds=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bind|-B) binds="$binds$2;"; shift 2 ;;
+    --pwd) shift 2 ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+image=$1; shift
+echo "image=$image bind=$binds cmd=$*" >> {log}
+exec "$@"
+"""
+
 
 @pytest.fixture
 def login_env(slurm_cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Cluster:
@@ -64,11 +82,19 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
         "- {optim.lr: 1.0e-3}\n"
     )
     tasks = hpcdist.submit_sweep("configs/demo.yaml", base, sweep_file=points, max_parallel=3, **one_rank)
+    # the chain runs each task through a stand-in apptainer (drops its options and the image, records them, execs
+    # the task: the supervisor and the trainer inside get srun's signals) after the profile's setup lines
+    standin = tmp_path / "bin" / "apptainer"
+    standin.parent.mkdir()
+    standin.write_text(APPTAINER_STANDIN.format(log=tmp_path / "apptainer.log"))
+    standin.chmod(0o755)
+    container = {"runtime": "apptainer", "image": "/images/train.sif", "mounts": [f"{tmp_path}:{tmp_path}"],
+                 "executable": str(standin)}  # fmt: skip
     chain_run = tmp_path / "chain"
     chain = hpcdist.submit_chain(
         "configs/demo.yaml",
         tiny_overrides(chain_run, corpus_dir, steps, "train.global_batch_size=4", "train.micro_batch_size=2"),
-        2, **one_rank,
+        2, container=container, setup=["echo \"site setup ran: $(hostname)\""], **one_rank,
     )  # fmt: skip
     array = tasks[0].job_id.split("_")[0]
     assert [t.job_id for t in tasks] == [f"{array}_{i}" for i in range(3)]
@@ -114,6 +140,10 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     assert "fault.requeue is off" in log_first and "resumed from" not in log_first
     assert "resumed from" in log_second
     assert sorted(step_losses(chain_run)) == list(range(1, steps + 1))
+    assert "site setup ran: node1" in log_first and "site setup ran: node1" in log_second
+    used = (tmp_path / "apptainer.log").read_text().splitlines()
+    assert len(used) == 2 and all(line.startswith("image=/images/train.sif bind=") for line in used), used
+    assert all("-m hpcdist.fault.supervise --" in line for line in used)  # the supervisor runs inside
 
 
 def _record(base: Path) -> dict:

@@ -811,3 +811,70 @@ def test_after_and_chain_render_dependencies(fake_slurm: Path, tmp_path: Path, c
     assert "#SBATCH --dependency=afterany:4242" in (fake_slurm / "submitted.sh").read_text()
     task = pickle.loads((tmp_path / "r" / "slurm" / "4242_submitted.pkl").read_bytes()).function
     assert task.overrides[-1] == "fault.requeue=false"
+
+
+# --------------------------------------------------------------------------------------------- setup, containers
+
+SETUP = ["module load cuda/12.4 nccl", "source /shared/venvs/train/bin/activate", "export HF_HOME='/shared/hf cache'"]
+CONTAINERS = {
+    "pyxis": {"runtime": "pyxis", "image": "nvcr.io#nvidia/pytorch:24.05-py3", "mounts": ["/shared:/shared",
+              "/scratch/$USER:/scratch:rw"], "workdir": "/shared/code"},
+    "apptainer": {"runtime": "apptainer", "image": "/shared/images/train it.sif", "mounts": ["/shared",
+                  "/scratch:/scratch"], "workdir": "/shared/code"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("runtime", sorted(CONTAINERS))
+def test_container_and_setup_rendering_matches_golden_file(
+    runtime: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / f"{runtime}.yaml"
+    data = yaml.safe_load(resources.path("cluster", "sandbox").read_text())
+    profile.write_text(yaml.safe_dump({**data, "setup": SETUP, "container": CONTAINERS[runtime]}))
+    rc = cli.main(["submit", DEMO, "--cluster", str(profile), f"run.dir={tmp_path / 'run'}",
+                   "train.global_batch_size=32", "--dry-run"])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    text = normalize(out.out, tmp_path)
+    golden = REPO / "tests" / "data" / f"submit_{runtime}.golden"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), "rendered script changed; see this file's docstring to regenerate"
+    setup_at = text.index("# setup\n") + len("# setup\n")
+    assert text[setup_at:].startswith("\n".join(SETUP) + "\n")  # the site's lines first, as written
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    if runtime == "pyxis":
+        assert "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3'" in srun
+        assert "'--container-mounts=/shared:/shared,/scratch/$USER:/scratch:rw'" in srun  # quoted: no expansion
+        assert "--container-workdir=/shared/code PYTHON -m hpcdist.fault.supervise" in srun
+    else:
+        prefix = (
+            "apptainer exec --bind /shared --bind /scratch:/scratch --pwd /shared/code '/shared/images/train it.sif'"
+        )
+        wrapped = f"{prefix} PYTHON -m hpcdist.fault.supervise -- PYTHON -u -m submitit"
+        assert wrapped in srun and "after-step" in text.split(wrapped.split(" PYTHON")[0])[-1]
+    assert text.count("hpcdist.fault.supervise") == 1  # the supervisor inside, signals forwarded as without
+
+
+@pytest.mark.parametrize(
+    ("container", "fragment"),
+    [
+        ({"runtime": "docker", "image": "x"}, "cluster.container.runtime: 'docker' is not one of"),
+        ({"runtime": "apptainer"}, "cluster.container.image: required for runtime apptainer"),
+        ({"runtime": "command"}, "cluster.container.wrapper: required for runtime command"),
+        ({"image": "x", "mounts": ["/a,/b"]}, "cluster.container.mounts[0]: one SRC[:DST[:FLAGS]] without commas"),
+        ({"image": "x", "imgae": "y"}, "cluster.container.imgae: unknown key"),
+        ({"image": "x\nrm -rf /"}, "cluster.container.image: must be one line"),
+    ],
+)
+def test_container_validation(container: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_cluster("sandbox", container=container)
+    assert fragment in str(e.value)
+
+
+def test_setup_lines_are_one_line_each() -> None:
+    with pytest.raises(ConfigError, match=r"cluster.setup\[1\]: must be one line"):
+        load_cluster("sandbox", setup=["module load x", "echo a\nrm -rf /"])
+    with pytest.raises(ConfigError, match=r"cluster\.setup: must be a list of shell lines"):
+        load_cluster("sandbox", setup=[1])
