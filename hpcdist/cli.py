@@ -222,6 +222,11 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
         help="sweep KEY over the values (repeat for a grid): one SLURM job array, one run dir per task, "
         "<run.dir>/<its overrides>",
     )  # fmt: skip
+    s.add_argument(
+        "--snapshot", action=argparse.BooleanOptionalAction, default=True,
+        help="run the job from a copy of the code made now, in <run.dir>/code/ (git-tracked files of the checkout, "
+        "or the installed package), so later edits change neither it nor its requeued attempts (default: on)",
+    )  # fmt: skip
     s.add_argument("--sweep-file", type=Path, help="a YAML list of override mappings, one array task each")
     s.add_argument("--max-parallel", type=_positive_int, metavar="M", help="sweep tasks running at once (--array %%M)")
     s.add_argument(
@@ -498,7 +503,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     params = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.sbatch_args:  # added to the cluster's own extra flags, not instead of them
         params["extra_sbatch"] = [*load_cluster(args.cluster).extra_sbatch, *args.sbatch_args]
-    common = dict(cluster=args.cluster, dry_run=args.dry_run, force=args.force, after=args.after, **params)
+    common = dict(cluster=args.cluster, dry_run=args.dry_run, force=args.force, after=args.after,
+                  snapshot=args.snapshot, **params)  # fmt: skip
     sweep = bool(args.sweep or args.sweep_file)
     if sweep and args.chain > 1:
         return _fail("submit: --chain and --sweep do not combine; chain each task's run separately")
@@ -523,7 +529,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                   f"  follow: hpcdist status {array}", flush=True)  # fmt: skip
         else:
             chained = f"; then {', '.join(h.job_id for h in out[1:])} (chained, afterany)" if len(out) > 1 else ""
-            print(f"submitted job {first.job_id} ({first.executor}, {first.num_tasks} ranks){chained}\n"
+            code = f"\n  code:   {first.snapshot}" if first.snapshot else ""
+            print(f"submitted job {first.job_id} ({first.executor}, {first.num_tasks} ranks){chained}{code}\n"
                   f"  logs:   {logs.stdout}\n          {logs.stderr}\n"
                   f"  follow: hpcdist status {first.job_id}; hpcdist logs {first.job_id} --rank R",
                   flush=True)  # fmt: skip

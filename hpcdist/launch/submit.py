@@ -87,6 +87,13 @@ def _setup_lines(cluster: ClusterConfig) -> list[str]:
     return lines
 
 
+def _snapshot_lines(snapshot: str | os.PathLike[str] | None) -> list[str]:
+    """The code snapshot first on PYTHONPATH: every attempt, the supervisor and the failure policy import it."""
+    if snapshot is None:
+        return []
+    return [f"export PYTHONPATH={shlex.quote(str(snapshot))}${{PYTHONPATH:+:$PYTHONPATH}}"]
+
+
 def _extra_flags(cluster: ClusterConfig) -> dict[str, Any]:
     flags: dict[str, Any] = {}
     for flag in cluster.extra_sbatch:
@@ -155,7 +162,11 @@ def _supervised_python(cluster: ClusterConfig) -> str:
 
 
 def slurm_parameters(
-    cluster: ClusterConfig, *, job_name: str, run_dir: str | Sequence[str] | None = None
+    cluster: ClusterConfig,
+    *,
+    job_name: str,
+    run_dir: str | Sequence[str] | None = None,
+    snapshot: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """submitit SlurmExecutor parameters (the keyword arguments of its _make_sbatch_string) for ``cluster``;
     with ``run_dir``, the failure policy runs after a failed step (teardown)."""
@@ -182,7 +193,7 @@ def slurm_parameters(
         "exclude": cluster.exclude,
         "exclusive": True if cluster.exclusive else None,
         "signal_delay_s": cluster.signal_lead_s,
-        "setup": _setup_lines(cluster),
+        "setup": _setup_lines(cluster) + _snapshot_lines(snapshot),
         # --kill-on-bad-exit: one dead rank ends the step instead of leaving the others in a collective forever.
         # --cpus-per-task: srun of SLURM 22.05 no longer inherits it from sbatch.
         "srun_args": [
@@ -222,13 +233,14 @@ def render_sbatch(
     dependency: str | None = None,
     array: int | None = None,
     max_parallel: int | None = None,
+    snapshot: str | os.PathLike[str] | None = None,
 ) -> str:
     """The exact sbatch script submitit writes for this job (deterministic: no ids, no temp names); ``array``
     tasks (a sweep) with at most ``max_parallel`` at once, their run dirs in ``run_dir``."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     path = Path(folder).expanduser().absolute()
-    params = slurm_parameters(cluster, job_name=job_name, run_dir=run_dir)
+    params = slurm_parameters(cluster, job_name=job_name, run_dir=run_dir, snapshot=snapshot)
     if dependency:
         params["dependency"] = dependency
     if array is not None:
@@ -305,11 +317,13 @@ class JobHandle:
     a requeued job goes back to PENDING and is not finished.
     """
 
-    def __init__(self, job: Any, *, executor: str, folder: Path, num_tasks: int) -> None:
+    def __init__(self, job: Any, *, executor: str, folder: Path, num_tasks: int, snapshot: str | None = None) -> None:
         self.job = job  # the submitit Job, for anything not wrapped here
         self.executor = executor
         self.folder = folder
         self.num_tasks = num_tasks
+        self.snapshot = snapshot
+        """The code snapshot the job runs from (None: the installed code)."""
 
     @property
     def job_id(self) -> str:
@@ -528,12 +542,26 @@ def launch(
     run_dirs: Sequence[str] | None = None,
     after: str | None = None,
     max_parallel: int | None = None,
-    allow_local: bool = True,
+    snapshot: bool | str = False,
 ) -> list[JobHandle]:
     """Submit ``tasks`` with ``prep``'s cluster: one job, or (several tasks) one SLURM job array whose task i runs
-    tasks[i] (its failure policy reads run_dirs[i]). ``after``: an sbatch dependency (``afterany:123``)."""
+    tasks[i] (its failure policy reads run_dirs[i]). ``after``: an sbatch dependency (``afterany:123``).
+    ``snapshot``: copy the code into prep's run dir first and run the job from the copy (SLURM only); a string
+    is an existing snapshot directory to run from (a chain's later jobs)."""
     cluster = prep.cluster
     kind, why = choose_executor(cluster)
+    code = None
+    if kind == "slurm" and snapshot:
+        from hpcdist.launch.snapshot import create_snapshot
+
+        if isinstance(snapshot, str):
+            code = snapshot
+        else:
+            snap = create_snapshot(prep.run_dir)
+            code = str(snap.path)
+            # a config inside the checkout is read from the copy too (it is read when the job starts)
+            tasks = [dataclasses.replace(t, config_path=snap.map(t.config_path)) for t in tasks]
+            log.info("code snapshot %s (git commit %s%s)", code, snap.git_commit, ", dirty" if snap.dirty else "")
     if kind == "local" and (len(tasks) > 1 or after):
         raise LaunchError(f"{why}: job arrays and dependencies need SLURM; submit from a login node")
     if kind == "local" and cluster.executor != "local":
@@ -544,7 +572,7 @@ def launch(
         if kind == "slurm":
             executor: Any = submitit.SlurmExecutor(folder=prep.folder, python=_supervised_python(cluster))
             dirs: str | Sequence[str] = run_dirs if run_dirs is not None and len(tasks) > 1 else prep.run_dir
-            params = slurm_parameters(cluster, job_name=prep.job_name, run_dir=dirs)
+            params = slurm_parameters(cluster, job_name=prep.job_name, run_dir=dirs, snapshot=code)
             if after:
                 params["dependency"] = after
             if max_parallel:
@@ -563,7 +591,8 @@ def launch(
         # sbatch's refusal arrives as submitit's FailedJobError/CalledProcessError text: keep its last lines
         text = str(e).strip().splitlines()
         raise LaunchError(f"submission with the {kind} executor failed: {' | '.join(text[-3:])}") from e
-    handles = [JobHandle(job, executor=kind, folder=prep.folder, num_tasks=cluster.world_size) for job in jobs]
+    handles = [JobHandle(job, executor=kind, folder=prep.folder, num_tasks=cluster.world_size, snapshot=code)
+               for job in jobs]  # fmt: skip
     log.info("submitted job %s (%s, %s): logs in %s", handles[0].job_id, kind, why, prep.folder)
     return handles
 
@@ -576,6 +605,7 @@ def submit(
     dry_run: bool = False,
     force: bool = False,
     after: str | None = None,
+    snapshot: bool = True,
     **params: Any,
 ) -> JobHandle | str:
     """Validate ``config`` + ``overrides`` for the cluster and submit one training job.
@@ -587,10 +617,11 @@ def submit(
 
     A layout the planner predicts not to fit the cluster's GPUs (its hardware: block) is refused, naming the
     nearest layouts that fit; ``force=True`` submits it anyway. ``after="123"`` (or ``"123:afterok"``) starts the
-    job only after job 123 ends (sbatch --dependency).
+    job only after job 123 ends (sbatch --dependency). ``snapshot``: run the job from a copy of the code made now
+    (hpcdist.launch.snapshot), so edits after submission change neither the job nor its requeued attempts.
     """
     return submit_chain(config, overrides, 1, cluster=cluster, dry_run=dry_run, force=force, after=after,
-                        **params)[0]  # fmt: skip
+                        snapshot=snapshot, **params)[0]  # fmt: skip
 
 
 def submit_chain(
@@ -602,6 +633,7 @@ def submit_chain(
     dry_run: bool = False,
     force: bool = False,
     after: str | None = None,
+    snapshot: bool = True,
     **params: Any,
 ) -> list[Any]:
     """``n`` jobs of the same run, each starting when the previous one ends (afterany), for clusters that cap the
@@ -625,12 +657,23 @@ def submit_chain(
                   "--dependency=afterany:<the previous job>", file=sys.stderr, flush=True)  # fmt: skip
         if prep.cluster.executor == "local":
             return [_render_local(prep.cluster, prep.folder)]
+        code = snapshot_placeholder(prep.run_dir) if snapshot else None
         return [render_sbatch(prep.cluster, job_name=prep.job_name, folder=prep.folder, run_dir=prep.run_dir,
-                              dependency=dep)]  # fmt: skip
+                              dependency=dep, snapshot=code)]  # fmt: skip
     task = TrainTask(str(config), tuple(overrides))
     handles: list[JobHandle] = []
+    code: bool | str = snapshot
     for _ in range(n):
-        (handle,) = launch(prep, [task], after=dep)
+        (handle,) = launch(prep, [task], after=dep, snapshot=code)
         handles.append(handle)
         dep = f"afterany:{handle.job_id}"
+        code = handle.snapshot or code  # the chain's jobs share the first one's snapshot
+        task = handle.job.submission().function if handle.snapshot and handle.executor == "slurm" else task
     return handles
+
+
+def snapshot_placeholder(run_dir: str) -> str:
+    """What a dry run shows for the snapshot that submit would create (its name has the submission time)."""
+    from hpcdist.rundir import RunDir
+
+    return str(RunDir(run_dir).code_snapshot("<time>-<pid>"))

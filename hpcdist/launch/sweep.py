@@ -23,7 +23,7 @@ from hpcdist.atomic import atomic_write
 from hpcdist.config import ConfigError
 from hpcdist.config.cluster import ClusterConfig
 from hpcdist.launch import slurm_cli
-from hpcdist.launch.submit import JobHandle, describe_executor, launch, prepare, render_sbatch
+from hpcdist.launch.submit import JobHandle, describe_executor, launch, prepare, render_sbatch, snapshot_placeholder
 from hpcdist.launch.task import TrainTask
 from hpcdist.rundir import RunDir
 
@@ -105,6 +105,7 @@ def submit_sweep(
     dry_run: bool = False,
     force: bool = False,
     after: str | None = None,
+    snapshot: bool = True,
     **params: Any,
 ) -> list[JobHandle] | str:
     """Submit the sweep as one job array; one :class:`JobHandle` per task (``job_id`` ``<array>_<i>``), in the
@@ -146,12 +147,15 @@ def submit_sweep(
         for i, run_dir in enumerate(run_dirs):
             print(f"hpcdist: sweep task {i}: {run_dir}", file=sys.stderr, flush=True)
         return render_sbatch(base.cluster, job_name=base.job_name, folder=base.folder, run_dir=run_dirs,
-                             dependency=dep, array=len(tasks), max_parallel=max_parallel)  # fmt: skip
-    handles = launch(base, tasks, run_dirs=run_dirs, after=dep, max_parallel=max_parallel)
+                             dependency=dep, array=len(tasks), max_parallel=max_parallel,
+                             snapshot=snapshot_placeholder(base.run_dir) if snapshot else None)  # fmt: skip
+    # one code snapshot for the whole array, in the sweep's base run dir
+    handles = launch(base, tasks, run_dirs=run_dirs, after=dep, max_parallel=max_parallel, snapshot=snapshot)
     record = {
         "job_id": handles[0].job_id.split("_")[0],
         "config": str(Path(config).expanduser().absolute()),
         "overrides": list(overrides),
+        "snapshot": handles[0].snapshot,
         "tasks": [
             {"index": i, "job_id": h.job_id, "name": n, "overrides": p, "run_dir": d}
             for i, (h, n, p, d) in enumerate(zip(handles, names, points, run_dirs, strict=True))

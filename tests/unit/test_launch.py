@@ -102,6 +102,15 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return bindir
 
 
+def snapshot_free(script: str) -> str:
+    """A script with its code snapshot's name (submission time and pid; the dry run shows <time>-<pid>) replaced."""
+
+    def fix(m: re.Match[str]) -> str:
+        return re.sub(r"/code/[^/$]+\$", "/code/SNAPSHOT$", m.group(0).replace("'", ""))
+
+    return re.sub(r"^export PYTHONPATH=.*$", fix, script, flags=re.MULTILINE)
+
+
 def normalize(text: str, tmp_path: Path) -> str:
     """Machine-independent form of a rendered script."""
     return text.replace(shlex.quote(sys.executable), "PYTHON").replace(str(tmp_path), "/TMP")
@@ -539,11 +548,15 @@ def test_submit_through_slurm_sends_the_dry_run_script(fake_slurm: Path, tmp_pat
     handle = submit(DEMO, overrides, **args)
     assert isinstance(handle, JobHandle)
     assert (handle.job_id, handle.executor, handle.num_tasks) == ("4242", "slurm", 8)
-    assert (fake_slurm / "submitted.sh").read_text() == submit(DEMO, overrides, dry_run=True, **args)
+    submitted = (fake_slurm / "submitted.sh").read_text()
+    assert snapshot_free(submitted) == snapshot_free(submit(DEMO, overrides, dry_run=True, **args))
+    assert f"export PYTHONPATH={shlex.quote(handle.snapshot)}$" in submitted
+    assert Path(handle.snapshot, "hpcdist", "cli.py").is_file()
     folder = tmp_path / "my runs" / "slurm"
     assert handle.paths[5].stdout == folder / "4242_5_log.out"
     task = handle.job.submission().function  # what the nodes will unpickle
-    assert task == TrainTask(DEMO, tuple(overrides))
+    # the config inside the checkout is read from the snapshot, like the code
+    assert task == TrainTask(str(Path(handle.snapshot) / "configs" / "demo.yaml"), tuple(overrides))
     assert handle.state == "RUNNING"
     handle.cancel()
     assert (fake_slurm / "scancel.args").read_text().strip() == "4242"
@@ -771,7 +784,8 @@ def test_sweep_grid_is_one_array_with_a_run_dir_per_task(
     # submitted for real (sbatch stand-in): the very script, one handle per task, the record status reads
     assert cli.main(argv) == 0
     assert "submitted sweep as job array 4242 (6 tasks, 4 ranks each)" in capsys.readouterr().out
-    assert (fake_slurm / "submitted.sh").read_text() == script.removesuffix("\n")  # the CLI printed a newline
+    submitted = (fake_slurm / "submitted.sh").read_text()
+    assert snapshot_free(submitted) == snapshot_free(script.removesuffix("\n"))  # the CLI printed a newline
     record = json.loads((base / "sweep.json").read_text())
     assert [t["job_id"] for t in record["tasks"]] == [f"4242_{i}" for i in range(6)]
     assert record["tasks"][5]["overrides"] == ["optim.lr=1e-3", "train.global_batch_size=64"]
@@ -878,3 +892,21 @@ def test_setup_lines_are_one_line_each() -> None:
         load_cluster("sandbox", setup=["module load x", "echo a\nrm -rf /"])
     with pytest.raises(ConfigError, match=r"cluster\.setup: must be a list of shell lines"):
         load_cluster("sandbox", setup=[1])
+
+
+def test_code_snapshot_copies_the_tracked_files_and_records_the_commit(tmp_path: Path) -> None:
+    from hpcdist.launch.snapshot import create_snapshot
+
+    snap = create_snapshot(tmp_path / "run")
+    git = ["git", "-C", str(REPO)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                            check=True).stdout  # fmt: skip
+    record = json.loads((snap.path / "snapshot.json").read_text())
+    assert (record["git_commit"], record["dirty"], record["source"]) == (head, bool(status.strip()), str(REPO))
+    assert snap.path.parent == tmp_path / "run" / "code"
+    tracked = subprocess.run([*git, "ls-files"], capture_output=True, text=True, check=True).stdout.split()
+    assert record["files"] == len([f for f in tracked if (REPO / f).is_file()])
+    assert (snap.path / "hpcdist" / "launch" / "submit.py").read_bytes() == Path(__file__).parents[2].joinpath(
+        "hpcdist", "launch", "submit.py").read_bytes()  # fmt: skip
+    assert snap.map(DEMO) == str(snap.path / "configs" / "demo.yaml") and snap.map("/etc/x.yaml") == "/etc/x.yaml"
