@@ -1,14 +1,17 @@
 """Issue 19 on the real sandbox: no local fallback on a login node whose controller hangs, a sweep as one job
-array (each task requeued alone, resuming exactly), and a chain of dependent jobs.
+array (each task requeued alone, resuming exactly, from the code snapshot although the checkout was edited), and a
+chain of dependent jobs run through a stand-in container wrapper.
 
 The sweep and the chain run at the same time (4 of the node's 8 fake GPUs, one rank each) to keep the tier short.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ import pytest
 import hpcdist
 from hpcdist import cli
 from hpcdist.config import load as load_config
-from tests.slurm.conftest import REPO, Cluster, job_info, release_requeue_hold, run_cmd
+from tests.slurm.conftest import REPO, Cluster, job_info, release_requeue_hold, run_cmd, wait_job
 from tests.slurm.test_train_slurm import step_losses, tiny_overrides, wait_for_step
 
 # `apptainer exec [--bind X | --pwd X]... IMAGE CMD...` -> records the image, mounts and command, then execs CMD
@@ -81,7 +84,25 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
         "- {optim.lr: 2.0e-3, checkpoint.keep_last: 2}\n- {optim.lr: 2.0e-3, checkpoint.keep_last: 3}\n"
         "- {optim.lr: 1.0e-3}\n"
     )
-    tasks = hpcdist.submit_sweep("configs/demo.yaml", base, sweep_file=points, max_parallel=3, **one_rank)
+    # submitted by `hpcdist submit --sweep-file` from a clone of this checkout (PYTHONPATH), which is edited after
+    # submission: the requeued task must run the code snapshot, not the edited clone
+    clone = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "--quiet", "--local", str(REPO), str(clone)], check=True, timeout=60)
+    env = {**login_env.env, "PYTHONPATH": str(clone)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcdist", "submit", "configs/demo.yaml", "--cluster", "sandbox", "--nodes", "1",
+         "--gpus-per-node", "1", "--sweep-file", str(points), "--max-parallel", "3", *base],
+        cwd=clone, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    record = _record(tmp_path / "sweep")
+    tasks = [Task(t["job_id"], tmp_path / "sweep" / "slurm" / f"{t['job_id']}_0_log.out") for t in record["tasks"]]
+    task_py = clone / "hpcdist" / "launch" / "task.py"
+    task_py.write_text('raise RuntimeError("the edited checkout was imported, not the snapshot")\n' +
+                       task_py.read_text())  # fmt: skip
+    code = json.loads((Path(record["snapshot"]) / "snapshot.json").read_text())
+    head = subprocess.run(["git", "-C", str(clone), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert (code["git_commit"], code["dirty"], code["source"]) == (head.strip(), False, str(clone))
     # the chain runs each task through a stand-in apptainer (drops its options and the image, records them, execs
     # the task: the supervisor and the trainer inside get srun's signals) after the profile's setup lines
     standin = tmp_path / "bin" / "apptainer"
@@ -96,9 +117,9 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
         tiny_overrides(chain_run, corpus_dir, steps, "train.global_batch_size=4", "train.micro_batch_size=2"),
         2, container=container, setup=["echo \"site setup ran: $(hostname)\""], **one_rank,
     )  # fmt: skip
-    array = tasks[0].job_id.split("_")[0]
+    array = record["job_id"]
     assert [t.job_id for t in tasks] == [f"{array}_{i}" for i in range(3)]
-    runs = [Path(info["run_dir"]) for info in _record(tmp_path / "sweep")["tasks"]]
+    runs = [Path(info["run_dir"]) for info in record["tasks"]]
     assert [r.name for r in runs] == [
         "optim.lr=0.002_checkpoint.keep_last=2", "optim.lr=0.002_checkpoint.keep_last=3", "optim.lr=0.001"
     ]  # fmt: skip
@@ -110,7 +131,9 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     wait_for_step(chain_run, 5)
     run_cmd(login_env, "scancel", "--signal=USR2", chain[0].job_id)
     assert release_requeue_hold(login_env, tasks[1].job_id)["Restarts"] == "1"
-    for handle in [*tasks, *chain]:
+    for t in tasks:
+        assert wait_job(login_env, t.job_id, timeout=300) == "COMPLETED", t.log.read_text()[-3000:]
+    for handle in chain:
         assert handle.wait(timeout=300) == "COMPLETED", handle.paths[0].stdout.read_text()[-3000:]
 
     # the sweep: one array; only task 1 was requeued; each run dir's config has its overrides; exact resume
@@ -124,9 +147,10 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     assert sorted(got) == list(range(1, steps + 1))
     assert [got[s] for s in range(1, steps + 1)] == [ref[s] for s in range(1, steps + 1)]  # bitwise on CPU
     assert other[steps] != ref[steps]  # another learning rate trained another model
-    log1 = tasks[1].paths[0].stdout.read_text()
+    log1 = tasks[1].log.read_text()
     assert "stop requested (TIME_LIMIT)" in log1 and "resumed from" in log1
-    assert "resumed from" not in tasks[0].paths[0].stdout.read_text()
+    assert "the edited checkout was imported" not in log1  # the requeued attempt ran the snapshot
+    assert "resumed from" not in tasks[0].log.read_text()
     assert cli.main(["status", array]) == 0
     table = capsys.readouterr().out
     for t, run in zip(tasks, runs, strict=True):
@@ -147,6 +171,10 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
 
 
 def _record(base: Path) -> dict:
-    import json
-
     return json.loads((base / "sweep.json").read_text())
+
+
+@dataclass(frozen=True)
+class Task:
+    job_id: str
+    log: Path
