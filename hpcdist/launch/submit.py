@@ -88,10 +88,12 @@ def _setup_lines(cluster: ClusterConfig) -> list[str]:
 
 
 def _snapshot_lines(snapshot: str | os.PathLike[str] | None) -> list[str]:
-    """The code snapshot first on PYTHONPATH: every attempt, the supervisor and the failure policy import it."""
+    """The code snapshot first on PYTHONPATH: every attempt, the supervisor and the failure policy import it.
+    PYTHONSAFEPATH: ``python -m`` would otherwise put the working directory (where sbatch was run: often the
+    checkout itself) before PYTHONPATH and import the edited checkout (Python >= 3.11; the sandbox test found it)."""
     if snapshot is None:
         return []
-    return [f"export PYTHONPATH={shlex.quote(str(snapshot))}${{PYTHONPATH:+:$PYTHONPATH}}"]
+    return ["export PYTHONSAFEPATH=1", f"export PYTHONPATH={shlex.quote(str(snapshot))}${{PYTHONPATH:+:$PYTHONPATH}}"]
 
 
 def _extra_flags(cluster: ClusterConfig) -> dict[str, Any]:
@@ -559,6 +561,9 @@ def launch(
         else:
             snap = create_snapshot(prep.run_dir)
             code = str(snap.path)
+            if sys.version_info < (3, 11) and (Path.cwd() / "hpcdist").is_dir():
+                log.warning("Python < 3.11 ignores PYTHONSAFEPATH: the job's working directory %s holds an hpcdist "
+                            "package that comes before the snapshot; submit from another directory", Path.cwd())  # fmt: skip
             # a config inside the checkout is read from the copy too (it is read when the job starts)
             tasks = [dataclasses.replace(t, config_path=snap.map(t.config_path)) for t in tasks]
             log.info("code snapshot %s (git commit %s%s)", code, snap.git_commit, ", dirty" if snap.dirty else "")
