@@ -243,7 +243,8 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
         "status", help="show a SLURM job (scontrol/sacct) or your queue (squeue)", description="Without JOB: squeue."
     )
     st.add_argument("job", nargs="?", help="job id (a sweep's array job id: every task's state, step and loss)")
-    st.add_argument("--run-dir", type=Path, help="a sweep's base run.dir (when SLURM no longer knows the job)")
+    st.add_argument("--run-dir", type=Path, help="the job's run.dir (a sweep's base run.dir): local-executor jobs, "
+                    "and jobs SLURM no longer knows, plain sbatch ones included")  # fmt: skip
 
     lg = sub.add_parser(
         "logs",
@@ -256,8 +257,9 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--err", action="store_true", help="stderr instead of stdout")
     lg.add_argument("--run-dir", type=Path, help="the job's run.dir (or log_dir)")
 
-    ca = sub.add_parser("cancel", help="cancel a SLURM job (scancel)")
+    ca = sub.add_parser("cancel", help="cancel a SLURM job (scancel), or a local-executor job with --run-dir")
     ca.add_argument("job", help="job id")
+    ca.add_argument("--run-dir", type=Path, help="the job's run.dir: finds a local-executor job's record")
 
 
 def _gpu_mem(text: str) -> float:
@@ -546,13 +548,40 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return _fail("submit: stopped waiting; the job keeps running", code=130)
 
 
+def _local_record(job: str | None, run_dir: Path | None) -> dict[str, Any] | None:
+    """The run dir's record of a local-executor job (None: not local, or no --run-dir)."""
+    if job is None or run_dir is None:
+        return None
+    from hpcdist.launch.records import find_job
+
+    entry = find_job(job, run_dir)
+    return entry if entry is not None and entry.get("executor") == "local" else None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    from hpcdist.launch import slurm_cli
+    from hpcdist.launch import records, slurm_cli
     from hpcdist.launch.sweep import sweep_status
 
     try:
         table = sweep_status(args.job, args.run_dir) if args.job else None
-        print(table if table is not None else slurm_cli.status_text(args.job))
+        if table is not None:
+            print(table)
+            return 0
+        local = _local_record(args.job, args.run_dir)
+        if local is not None:
+            print(f"job {args.job} (local executor on {local.get('host')}, {local.get('num_tasks')} ranks): "
+                  f"{records.local_state(local)}\n{records.run_summary(args.run_dir)}\n"
+                  f"logs: {local.get('folder')}/{args.job}_<rank>_log.out|err")  # fmt: skip
+            return 0
+        try:
+            print(slurm_cli.status_text(args.job))
+        except slurm_cli.SlurmError:
+            if args.run_dir is None:
+                raise
+            # SLURM forgot the job (or cannot answer): what the run dir knows, plain sbatch jobs included
+            print(f"job {args.job}: SLURM does not know it now; from the run dir:")
+        if args.run_dir is not None:
+            print(records.run_summary(args.run_dir, args.job))
     except slurm_cli.SlurmError as e:
         return _fail(f"status: {e}")
     return 0
@@ -564,7 +593,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from hpcdist.launch import slurm_cli
 
     try:
-        path = slurm_cli.log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
+        local = _local_record(args.job, args.run_dir)
+        if local is not None:  # a local job's log folder is recorded in the run dir (it may be a log_dir)
+            path = Path(local["folder"]) / f"{args.job}_{args.rank}_log.{'err' if args.err else 'out'}"
+        else:
+            path = slurm_cli.log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
         with path.open(encoding="utf-8", errors="replace") as f:
             shutil.copyfileobj(f, sys.stdout)
     except slurm_cli.SlurmError as e:
@@ -575,11 +608,17 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from hpcdist.launch import slurm_cli
+    from hpcdist.launch import records, slurm_cli
 
     try:
-        slurm_cli.cancel(args.job)
+        local = _local_record(args.job, args.run_dir)
+        if local is not None:
+            records.cancel_local(local, args.run_dir)
+        else:
+            slurm_cli.cancel(args.job)
     except slurm_cli.SlurmError as e:
+        return _fail(f"cancel: {e}")
+    except OSError as e:
         return _fail(f"cancel: {e}")
     print(f"cancelled job {args.job}")
     return 0

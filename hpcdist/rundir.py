@@ -94,6 +94,12 @@ class RunDir:
         return self.code / name
 
     @property
+    def jobs(self) -> Path:
+        """One JSON line per job submitted for this run (id, executor, log folder, host): status/logs/cancel read it
+        for local-executor jobs and when SLURM has forgotten a job (launch/records.py)."""
+        return self.root / "jobs.jsonl"
+
+    @property
     def sweep(self) -> Path:
         """A sweep's record in its base run.dir: array job id, each task's overrides and run dir (launch/sweep.py);
         the tasks' runs are <run.dir>/<their overrides>/."""

@@ -562,8 +562,9 @@ def launch(
             snap = create_snapshot(prep.run_dir)
             code = str(snap.path)
             if sys.version_info < (3, 11) and (Path.cwd() / "hpcdist").is_dir():
-                log.warning("Python < 3.11 ignores PYTHONSAFEPATH: the job's working directory %s holds an hpcdist "
-                            "package that comes before the snapshot; submit from another directory", Path.cwd())  # fmt: skip
+                log.warning("Python < 3.11 ignores PYTHONSAFEPATH: the job's working directory %s holds an "
+                            "hpcdist package that comes before the snapshot; submit from another directory",
+                            Path.cwd())  # fmt: skip
             # a config inside the checkout is read from the copy too (it is read when the job starts)
             tasks = [dataclasses.replace(t, config_path=snap.map(t.config_path)) for t in tasks]
             log.info("code snapshot %s (git commit %s%s)", code, snap.git_commit, ", dirty" if snap.dirty else "")
@@ -598,6 +599,11 @@ def launch(
         raise LaunchError(f"submission with the {kind} executor failed: {' | '.join(text[-3:])}") from e
     handles = [JobHandle(job, executor=kind, folder=prep.folder, num_tasks=cluster.world_size, snapshot=code)
                for job in jobs]  # fmt: skip
+    from hpcdist.launch.records import record_job
+
+    for h in handles:
+        record_job(prep.run_dir, {"job_id": h.job_id, "executor": kind, "folder": str(prep.folder),
+                                  "num_tasks": h.num_tasks, "snapshot": code})  # fmt: skip
     log.info("submitted job %s (%s, %s): logs in %s", handles[0].job_id, kind, why, prep.folder)
     return handles
 

@@ -23,6 +23,7 @@ from hpcdist.atomic import atomic_write
 from hpcdist.config import ConfigError
 from hpcdist.config.cluster import ClusterConfig
 from hpcdist.launch import slurm_cli
+from hpcdist.launch.records import last_step
 from hpcdist.launch.submit import JobHandle, describe_executor, launch, prepare, render_sbatch, snapshot_placeholder
 from hpcdist.launch.task import TrainTask
 from hpcdist.rundir import RunDir
@@ -191,23 +192,6 @@ def _find_record(job_id: str, run_dir: str | os.PathLike[str] | None) -> dict[st
     return None
 
 
-def _last_step(run_dir: str) -> tuple[int | None, float | None]:
-    """(step, loss) of the last training line in the run's metrics.jsonl."""
-    step = loss = None
-    try:
-        lines = RunDir(run_dir).metrics.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None, None
-    for line in lines:
-        try:
-            m = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if "split" not in m and "loss" in m:
-            step, loss = m.get("step"), m.get("loss")
-    return step, loss
-
-
 def sweep_status(job_id: str, run_dir: str | os.PathLike[str] | None = None) -> str | None:
     """A table of the array's tasks (state, restarts, step, loss, run dir); None when ``job_id`` is no sweep."""
     job_id = slurm_cli.check_job_id(job_id)
@@ -225,7 +209,7 @@ def sweep_status(job_id: str, run_dir: str | os.PathLike[str] | None = None) -> 
             state, restarts = "?", "?"
         if not info:
             state = slurm_cli.job_state(task["job_id"]) or "UNKNOWN"
-        step, loss = _last_step(task["run_dir"])
+        step, loss = last_step(task["run_dir"])
         loss_text = "-" if loss is None else f"{loss:.4f}"
         rows.append(f"{task['job_id']:>6} {state:<11} {restarts:>8} {step if step is not None else '-':>7} "
                     f"{loss_text:>9}  {task['run_dir']}")  # fmt: skip

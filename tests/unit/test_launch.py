@@ -21,6 +21,7 @@ import pickle
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -726,7 +727,9 @@ def test_cluster_config_defaults_are_valid() -> None:
 
 
 @pytest.mark.slow
-def test_local_executor_trains_two_ranks(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
+def test_local_executor_trains_two_ranks(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """hpcdist.submit with the LocalExecutor: two real ranks (started like spawn: ~10 s) train to the end."""
     import hpcdist
 
@@ -737,6 +740,13 @@ def test_local_executor_trains_two_ranks(tmp_path: Path, clean_env: pytest.Monke
     assert len(results) == 2 and results[0] == results[1] and results[0]["step"] == 4
     log = handle.paths[0].stdout.read_text()
     assert "ddp on 2 rank(s)" in log and "done: step 4" in log
+    # status and logs of a local job come from the run dir's record (SLURM knows nothing of it)
+    capsys.readouterr()
+    assert cli.main(["status", handle.job_id, "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"job {handle.job_id} (local executor" in out and ": COMPLETED" in out and "step 4, loss" in out
+    assert cli.main(["logs", handle.job_id, "--rank", "1", "--run-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == handle.paths[1].stdout.read_text()
 
 
 # --------------------------------------------------------------------------------------------- memory check
@@ -910,3 +920,40 @@ def test_code_snapshot_copies_the_tracked_files_and_records_the_commit(tmp_path:
     assert (snap.path / "hpcdist" / "launch" / "submit.py").read_bytes() == Path(__file__).parents[2].joinpath(
         "hpcdist", "launch", "submit.py").read_bytes()  # fmt: skip
     assert snap.map(DEMO) == str(snap.path / "configs" / "demo.yaml") and snap.map("/etc/x.yaml") == "/etc/x.yaml"
+
+
+def test_status_and_cancel_of_a_local_job_from_its_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hpcdist.launch.records import record_job
+
+    controller = subprocess.Popen([SLEEP, "30"])  # stands in for the LocalExecutor's controller process
+    try:
+        record_job(tmp_path, {"job_id": str(controller.pid), "executor": "local", "folder": str(tmp_path / "slurm"),
+                              "num_tasks": 2, "snapshot": None})  # fmt: skip
+        argv = [str(controller.pid), "--run-dir", str(tmp_path)]
+        assert cli.main(["status", *argv]) == 0
+        assert ": RUNNING" in capsys.readouterr().out
+        assert cli.main(["cancel", *argv]) == 0
+        assert controller.wait(timeout=10) == -signal.SIGINT
+        assert cli.main(["status", *argv]) == 0
+        assert ": CANCELLED" in capsys.readouterr().out
+        assert cli.main(["cancel", *argv]) == 2
+        assert "has already ended" in capsys.readouterr().err
+    finally:
+        controller.kill()
+        controller.wait()
+
+
+def test_status_of_a_job_slurm_forgot_reads_the_run_dir(
+    fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plain `sbatch sbatch/train.sh` job that SLURM no longer remembers (no accounting): progress and attempts
+    from the run dir."""
+    monkeypatch.setenv("FAKE_STATE", "GONE")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 9, "loss": 3.5}\n{"split": "val", "step": 9, "loss": 3.0}\n')
+    (tmp_path / "restarts.json").write_text(json.dumps({"job_id": "77", "attempts": {"0": {}, "1": {}},
+                                                        "stopped": None}))  # fmt: skip
+    assert cli.main(["status", "77"]) == 2  # without the run dir: one line, the tool's error
+    assert cli.main(["status", "77", "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "job 77: SLURM does not know it now" in out and "step 9, loss 3.5000" in out
+    assert "restart ledger of job 77: 2 attempt(s)" in out
