@@ -1,8 +1,8 @@
 """A frozen copy of the code a job runs (``hpcdist submit --snapshot``, the default): edits on the login node after
 submission change neither a queued job nor its requeued attempts.
 
-The copy is the git-tracked files of the checkout hpcdist is imported from (their working-tree content, so local
-edits are included and recorded as dirty), or the installed package directory when hpcdist is not imported from a
+The copy is the git-tracked files of the checkout hpcdist is imported from, plus new files git does not ignore
+(their working-tree content, so local edits are included; edits to tracked files are recorded as dirty), or the installed package directory when hpcdist is not imported from a
 git checkout. It goes to ``<run.dir>/code/<time>-<pid>/`` (one per submission: a job still queued from an earlier
 submission keeps its own) with ``snapshot.json`` (source, git commit, dirty, files); the batch script puts it
 first on PYTHONPATH, so every attempt of the job, its supervisor and its failure policy import it.
@@ -62,9 +62,12 @@ def package_source() -> tuple[Path, list[str], str | None, bool | None]:
     package = Path(hpcdist.__file__).resolve().parent
     root = package.parent
     top = _git(root, "rev-parse", "--show-toplevel")
-    listed = _git(root, "ls-files", "-z") if top is not None and Path(top.strip()).resolve() == root else None
+    # tracked files and new ones git does not ignore: a module created but not yet added is imported from the
+    # checkout too, so the job must have it
+    in_git = top is not None and Path(top.strip()).resolve() == root
+    listed = _git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard") if in_git else None
     if listed is not None:
-        files = [f for f in listed.split("\0") if f and (root / f).is_file()]  # a deleted tracked file is gone
+        files = sorted({f for f in listed.split("\0") if f and (root / f).is_file()})  # a deleted file is gone
         commit = (_git(root, "rev-parse", "HEAD") or "").strip() or None
         status = _git(root, "status", "--porcelain", "--untracked-files=no")
         return root, files, commit, (bool(status.strip()) if status is not None else None)

@@ -915,8 +915,10 @@ def test_code_snapshot_copies_the_tracked_files_and_records_the_commit(tmp_path:
     record = json.loads((snap.path / "snapshot.json").read_text())
     assert (record["git_commit"], record["dirty"], record["source"]) == (head, bool(status.strip()), str(REPO))
     assert snap.path.parent == tmp_path / "run" / "code"
-    tracked = subprocess.run([*git, "ls-files"], capture_output=True, text=True, check=True).stdout.split()
-    assert record["files"] == len([f for f in tracked if (REPO / f).is_file()])
+    tracked = subprocess.run([*git, "ls-files", "--cached", "--others", "--exclude-standard"], capture_output=True,
+                             text=True, check=True).stdout.split()  # fmt: skip
+    assert record["files"] == len({f for f in tracked if (REPO / f).is_file()})
+    assert not (snap.path / ".venv").exists()  # ignored by git: not copied
     assert (snap.path / "hpcdist" / "launch" / "submit.py").read_bytes() == Path(__file__).parents[2].joinpath(
         "hpcdist", "launch", "submit.py").read_bytes()  # fmt: skip
     assert snap.map(DEMO) == str(snap.path / "configs" / "demo.yaml") and snap.map("/etc/x.yaml") == "/etc/x.yaml"
