@@ -2,10 +2,11 @@
 submission change neither a queued job nor its requeued attempts.
 
 The copy is the git-tracked files of the checkout hpcdist is imported from, plus new files git does not ignore
-(their working-tree content, so local edits are included; edits to tracked files are recorded as dirty), or the installed package directory when hpcdist is not imported from a
-git checkout. It goes to ``<run.dir>/code/<time>-<pid>/`` (one per submission: a job still queued from an earlier
-submission keeps its own) with ``snapshot.json`` (source, git commit, dirty, files); the batch script puts it
-first on PYTHONPATH, so every attempt of the job, its supervisor and its failure policy import it.
+(their working-tree content, so local edits are included; edits to tracked files are recorded as dirty), or the
+installed package directory when hpcdist is not imported from a git checkout. It goes to
+``<run.dir>/code/<time>-<pid>/`` (one per submission: a job still queued from an earlier submission keeps its
+own) with ``snapshot.json`` (source, git commit, dirty, files); the batch script puts it first on PYTHONPATH, so
+every attempt of the job, its supervisor and its failure policy import it.
 """
 
 from __future__ import annotations
