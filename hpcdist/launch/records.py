@@ -63,14 +63,15 @@ def local_state(entry: dict[str, Any]) -> str:
         return f"UNKNOWN (it runs on {entry.get('host')}; ask there)"
     if _alive(int(entry["job_id"])):
         return "RUNNING"
-    from hpcdist.launch.submit import JobHandle  # submitit's result files, read the way the handle reads them
+    from submitit.core.utils import JobPaths, pickle_load  # each rank's result file, as JobHandle reads it
 
-    class _Job:
-        job_id = entry["job_id"]
-
-    handle = JobHandle(_Job(), executor="local", folder=Path(entry["folder"]), num_tasks=int(entry["num_tasks"]))
-    state = handle._from_results(none="FAILED")
-    return "CANCELLED" if state != "COMPLETED" and entry.get("cancelled") else state
+    outcomes = []
+    for rank in range(int(entry["num_tasks"])):
+        path = JobPaths(Path(entry["folder"]), job_id=str(entry["job_id"]), task_id=rank).result_pickle
+        outcomes.append(pickle_load(path) if path.exists() else None)
+    if all(o is not None and o[0] == "success" for o in outcomes):
+        return "COMPLETED"
+    return "CANCELLED" if entry.get("cancelled") else "FAILED"
 
 
 def cancel_local(entry: dict[str, Any], run_dir: str | os.PathLike[str]) -> None:

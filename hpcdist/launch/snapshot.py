@@ -58,9 +58,7 @@ def _git(root: Path, *args: str) -> str | None:
 
 def package_source() -> tuple[Path, list[str], str | None, bool | None]:
     """(root, files relative to it, git commit, dirty) of the hpcdist being imported."""
-    import hpcdist
-
-    package = Path(hpcdist.__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # hpcdist/ (this file is hpcdist/launch/snapshot.py)
     root = package.parent
     top = _git(root, "rev-parse", "--show-toplevel")
     # tracked files and new ones git does not ignore: a module created but not yet added is imported from the
