@@ -552,6 +552,8 @@ def launch(
     is an existing snapshot directory to run from (a chain's later jobs)."""
     cluster = prep.cluster
     kind, why = choose_executor(cluster)
+    if kind == "local" and (len(tasks) > 1 or after):
+        raise LaunchError(f"{why}: job arrays and dependencies need SLURM; submit from a login node")
     code = None
     if kind == "slurm" and snapshot:
         from hpcdist.launch.snapshot import create_snapshot
@@ -568,8 +570,6 @@ def launch(
             # a config inside the checkout is read from the copy too (it is read when the job starts)
             tasks = [dataclasses.replace(t, config_path=snap.map(t.config_path)) for t in tasks]
             log.info("code snapshot %s (git commit %s%s)", code, snap.git_commit, ", dirty" if snap.dirty else "")
-    if kind == "local" and (len(tasks) > 1 or after):
-        raise LaunchError(f"{why}: job arrays and dependencies need SLURM; submit from a login node")
     if kind == "local" and cluster.executor != "local":
         log.warning("%s: running the job with submitit's LocalExecutor on this machine", why)
     import submitit
