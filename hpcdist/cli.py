@@ -30,6 +30,8 @@ EPILOG = """examples:
   hpcdist plan configs/train_13b.yaml --nodes 4 --gpus-per-node 8  # memory per strategy + ranked layouts
   hpcdist submit configs/demo.yaml --cluster local --wait          # no SLURM: ranks as local processes
   hpcdist submit configs/demo.yaml --cluster sandbox --dry-run     # print the sbatch script, submit nothing
+  hpcdist submit configs/demo.yaml --sweep optim.lr=1e-4,3e-4 --sweep train.global_batch_size=256,512  # 1 array
+  hpcdist submit configs/demo.yaml --chain 3                         # 3 jobs, each resuming the previous one
   hpcdist status 1234; hpcdist logs 1234 --rank 3 --err; hpcdist cancel 1234
   hpcdist export runs/demo --out hf/demo             # newest checkpoint -> Hugging Face Llama directory
   hpcdist import hf/llama --out ckpt/llama           # Hugging Face Llama -> step-0 checkpoint
@@ -228,11 +230,38 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--wait", action="store_true", help="wait for the job to finish (through requeues); exit 0 if COMPLETED"
     )
+    s.add_argument(
+        "--force", action="store_true",
+        help="submit even when the planner predicts that the layout does not fit the GPUs' memory",
+    )  # fmt: skip
+    s.add_argument(
+        "--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+        help="sweep KEY over the values (repeat for a grid): one SLURM job array, one run dir per task, "
+        "<run.dir>/<its overrides>",
+    )  # fmt: skip
+    s.add_argument(
+        "--snapshot", action=argparse.BooleanOptionalAction, default=True,
+        help="run the job from a copy of the code made now, in <run.dir>/code/ (git-tracked files of the checkout, "
+        "or the installed package), so later edits change neither it nor its requeued attempts (default: on)",
+    )  # fmt: skip
+    s.add_argument("--sweep-file", type=Path, help="a YAML list of override mappings, one array task each")
+    s.add_argument("--max-parallel", type=_positive_int, metavar="M", help="sweep tasks running at once (--array %%M)")
+    s.add_argument(
+        "--after", metavar="JOB[:TYPE]",
+        help="start after job JOB ends: TYPE afterany (default), afterok or afternotok (sbatch --dependency)",
+    )  # fmt: skip
+    s.add_argument(
+        "--chain", type=_positive_int, default=1, metavar="N",
+        help="N jobs of this run, each starting when the previous ends (afterany) and resuming from its checkpoint; "
+        "for clusters that cap the wall time and do not requeue (sets fault.requeue=false)",
+    )  # fmt: skip
 
     st = sub.add_parser(
         "status", help="show a SLURM job (scontrol/sacct) or your queue (squeue)", description="Without JOB: squeue."
     )
-    st.add_argument("job", nargs="?", help="job id")
+    st.add_argument("job", nargs="?", help="job id (a sweep's array job id: every task's state, step and loss)")
+    st.add_argument("--run-dir", type=Path, help="the job's run.dir (a sweep's base run.dir): local-executor jobs, "
+                    "and jobs SLURM no longer knows, plain sbatch ones included")  # fmt: skip
 
     lg = sub.add_parser(
         "logs",
@@ -251,8 +280,9 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
         help="keep printing what the rank writes until the job ends (through requeues)",
     )
 
-    ca = sub.add_parser("cancel", help="cancel a SLURM job (scancel)")
+    ca = sub.add_parser("cancel", help="cancel a SLURM job (scancel), or a local-executor job with --run-dir")
     ca.add_argument("job", help="job id")
+    ca.add_argument("--run-dir", type=Path, help="the job's run.dir: finds a local-executor job's record")
 
 
 def _gpu_mem(text: str) -> float:
@@ -526,44 +556,97 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from hpcdist.launch import load_cluster, submit
+    from hpcdist.launch import load_cluster
     from hpcdist.launch.slurm_cli import SlurmError
-    from hpcdist.launch.submit import LaunchError
+    from hpcdist.launch.submit import LaunchError, submit_chain
 
     names = ("nodes", "gpus_per_node", "time", "partition", "account", "qos", "constraint", "exclude", "job_name")
     params = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.sbatch_args:  # added to the cluster's own extra flags, not instead of them
         params["extra_sbatch"] = [*load_cluster(args.cluster).extra_sbatch, *args.sbatch_args]
+    common = dict(cluster=args.cluster, dry_run=args.dry_run, force=args.force, after=args.after,
+                  snapshot=args.snapshot, **params)  # fmt: skip
+    sweep = bool(args.sweep or args.sweep_file)
+    if sweep and args.chain > 1:
+        return _fail("submit: --chain and --sweep do not combine; chain each task's run separately")
     try:
-        out = submit(args.config, args.overrides, cluster=args.cluster, dry_run=args.dry_run, **params)
+        if sweep:
+            from hpcdist.launch.sweep import submit_sweep
+
+            out: Any = submit_sweep(args.config, args.overrides, sweep=args.sweep, sweep_file=args.sweep_file,
+                                    max_parallel=args.max_parallel, **common)  # fmt: skip
+        else:
+            out = submit_chain(args.config, args.overrides, args.chain, **common)
+            out = out[0] if args.dry_run else out
         if isinstance(out, str):
             print(out, end="" if out.endswith("\n") else "\n")  # the shell prompt then starts on a line of its own
             return 0
-        logs = out.paths[0]
-        print(f"submitted job {out.job_id} ({out.executor}, {out.num_tasks} ranks)\n"
-              f"  logs:   {logs.stdout}\n          {logs.stderr}\n"
-              f"  follow: hpcdist status {out.job_id}; hpcdist logs {out.job_id} --rank R", flush=True)  # fmt: skip
+        first = out[0]
+        logs = first.paths[0]
+        if sweep:
+            array = first.job_id.split("_")[0]
+            print(f"submitted sweep as job array {array} ({len(out)} tasks, {first.num_tasks} ranks each)\n"
+                  f"  logs:   {first.folder}/{array}_<task>_<rank>_log.out|err\n"
+                  f"  follow: hpcdist status {array}", flush=True)  # fmt: skip
+        else:
+            chained = f"; then {', '.join(h.job_id for h in out[1:])} (chained, afterany)" if len(out) > 1 else ""
+            code = f"\n  code:   {first.snapshot}" if first.snapshot else ""
+            print(f"submitted job {first.job_id} ({first.executor}, {first.num_tasks} ranks){chained}{code}\n"
+                  f"  logs:   {logs.stdout}\n          {logs.stderr}\n"
+                  f"  follow: hpcdist status {first.job_id}; hpcdist logs {first.job_id} --rank R",
+                  flush=True)  # fmt: skip
         if not args.wait:
             return 0
-        from hpcdist.launch.follow import follow
+        if not sweep:
+            from hpcdist.launch.follow import follow
 
-        # rank 0's log streams while the job runs (through requeues); the job's end stops it
-        print(f"--- {logs.stdout} (until the job ends; Ctrl-C stops waiting, not the job)", flush=True)
-        follow(lambda: logs.stdout, out.done, sys.stdout, poll_s=2.0)
-        state = out.wait()
-        print(f"job {out.job_id} finished: {state}")
-        return 0 if state == "COMPLETED" else 1
+            # rank 0's log streams while the (first) job runs, through requeues; its end stops the stream
+            print(f"--- {logs.stdout} (until the job ends; Ctrl-C stops waiting, not the job)", flush=True)
+            follow(lambda: logs.stdout, first.done, sys.stdout, poll_s=2.0)
+        states = [h.wait() for h in out]
+        for handle, state in zip(out, states, strict=True):
+            print(f"job {handle.job_id} finished: {state}")
+        return 0 if all(state == "COMPLETED" for state in states) else 1
     except (LaunchError, SlurmError) as e:
         return _fail(f"submit: {e}")
     except KeyboardInterrupt:
         return _fail("submit: stopped waiting; the job keeps running", code=130)
 
 
+def _local_record(job: str | None, run_dir: Path | None) -> dict[str, Any] | None:
+    """The run dir's record of a local-executor job (None: not local, or no --run-dir)."""
+    if job is None or run_dir is None:
+        return None
+    from hpcdist.launch.records import find_job
+
+    entry = find_job(job, run_dir)
+    return entry if entry is not None and entry.get("executor") == "local" else None
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    from hpcdist.launch import slurm_cli
+    from hpcdist.launch import records, slurm_cli
+    from hpcdist.launch.sweep import sweep_status
 
     try:
-        print(slurm_cli.status_text(args.job))
+        table = sweep_status(args.job, args.run_dir) if args.job else None
+        if table is not None:
+            print(table)
+            return 0
+        local = _local_record(args.job, args.run_dir)
+        if local is not None:
+            print(f"job {args.job} (local executor on {local.get('host')}, {local.get('num_tasks')} ranks): "
+                  f"{records.local_state(local)}\n{records.run_summary(args.run_dir)}\n"
+                  f"logs: {local.get('folder')}/{args.job}_<rank>_log.out|err")  # fmt: skip
+            return 0
+        try:
+            print(slurm_cli.status_text(args.job))
+        except slurm_cli.SlurmError:
+            if args.run_dir is None:
+                raise
+            # SLURM forgot the job (or cannot answer): what the run dir knows, plain sbatch jobs included
+            print(f"job {args.job}: SLURM does not know it now; from the run dir:")
+        if args.run_dir is not None:
+            print(records.run_summary(args.run_dir, args.job))
     except slurm_cli.SlurmError as e:
         return _fail(f"status: {e}")
     return 0
@@ -577,7 +660,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
     try:
         if args.follow:
             return _follow_log(args)
-        path = slurm_cli.log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
+        local = _local_record(args.job, args.run_dir)
+        if local is not None:  # a local job's log folder is recorded in the run dir (it may be a log_dir)
+            path = Path(local["folder"]) / f"{args.job}_{args.rank}_log.{'err' if args.err else 'out'}"
+        else:
+            path = slurm_cli.log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
         with path.open(encoding="utf-8", errors="replace") as f:
             shutil.copyfileobj(f, sys.stdout)
     except slurm_cli.SlurmError as e:
@@ -615,11 +702,17 @@ def _follow_log(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from hpcdist.launch import slurm_cli
+    from hpcdist.launch import records, slurm_cli
 
     try:
-        slurm_cli.cancel(args.job)
+        local = _local_record(args.job, args.run_dir)
+        if local is not None:
+            records.cancel_local(local, args.run_dir)
+        else:
+            slurm_cli.cancel(args.job)
     except slurm_cli.SlurmError as e:
+        return _fail(f"cancel: {e}")
+    except OSError as e:
         return _fail(f"cancel: {e}")
     print(f"cancelled job {args.job}")
     return 0

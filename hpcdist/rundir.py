@@ -20,6 +20,8 @@ class RunDir:
     """``RunDir(cfg.run.dir).metrics`` etc.; the attributes are paths, nothing is created or read here."""
 
     root: Path
+    SNAPSHOT_RECORD = "snapshot.json"
+    """In each code snapshot: source, git commit, dirty flag, file count (launch/snapshot.py)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         object.__setattr__(self, "root", Path(root))
@@ -106,6 +108,27 @@ class RunDir:
     def error_log(self, when: str, pid: int) -> Path:
         """Where the CLI's last-resort handler keeps an unexpected error's traceback (``when``: a timestamp)."""
         return self.root / f"hpcdist-error-{when}-{pid}.log"
+
+    @property
+    def code(self) -> Path:
+        """Code snapshots of submitted jobs, one <time>-<pid>/ per submission (launch/snapshot.py)."""
+        return self.root / "code"
+
+    def code_snapshot(self, name: str) -> Path:
+        """One submission's frozen copy of the code (first on the job's PYTHONPATH), with snapshot.json."""
+        return self.code / name
+
+    @property
+    def jobs(self) -> Path:
+        """One JSON line per job submitted for this run (id, executor, log folder, host): status/logs/cancel read it
+        for local-executor jobs and when SLURM has forgotten a job (launch/records.py)."""
+        return self.root / "jobs.jsonl"
+
+    @property
+    def sweep(self) -> Path:
+        """A sweep's record in its base run.dir: array job id, each task's overrides and run dir (launch/sweep.py);
+        the tasks' runs are <run.dir>/<their overrides>/."""
+        return self.root / "sweep.json"
 
     @property
     def slurm_logs(self) -> Path:

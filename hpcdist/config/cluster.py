@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_EFFICIENCY",
     "DEFAULT_MARGIN_GIB",
     "ClusterConfig",
+    "ContainerConfig",
     "HardwareConfig",
     "cluster_hardware",
     "cluster_names",
@@ -127,6 +128,29 @@ class HardwareConfig:
         return hw
 
 
+CONTAINER_RUNTIMES = ("pyxis", "apptainer", "command")
+
+
+@dataclass
+class ContainerConfig:
+    """Run every task of a SLURM job inside a container (the cluster profile's ``container:`` block). The rank's
+    supervisor runs inside too, so signals (USR2 before the time limit) reach the trainer as without it."""
+
+    runtime: str = "pyxis"
+    """pyxis: srun --container-image/--container-mounts/--container-workdir (enroot); apptainer: each task runs
+    as ``apptainer exec --bind M ... [--pwd WORKDIR] IMAGE <python ...>``; command: ``WRAPPER <python ...>``."""
+    image: str | None = None
+    """Image: a pyxis/enroot reference (nvcr.io#nvidia/pytorch:24.05-py3, /shared/img.sqsh) or an apptainer .sif."""
+    mounts: list[str] = field(default_factory=list)
+    """Bind mounts SRC[:DST[:FLAGS]], e.g. /shared:/shared (the run dir and the code must be visible inside)."""
+    workdir: str | None = None
+    """Working directory inside the container."""
+    wrapper: str | None = None
+    """runtime command: a program given the task's command line as its arguments (a site's own launcher)."""
+    executable: str = "apptainer"
+    """runtime apptainer: the program to run (apptainer, singularity, or a full path)."""
+
+
 @dataclass
 class ClusterConfig:
     """Resources and SLURM settings of one job; YAML keys map 1:1 to these fields."""
@@ -134,7 +158,8 @@ class ClusterConfig:
     name: str = "custom"
     """Label of this cluster (the YAML's file name when loaded by name)."""
     executor: str = "auto"
-    """auto: SLURM when a controller answers, else submitit's LocalExecutor; slurm: SLURM or fail; local."""
+    """auto: SLURM where a SLURM client is installed (sbatch on PATH; its controller must answer, else submit fails),
+    submitit's LocalExecutor (one node) only where none is installed; slurm: SLURM or fail; local: this machine."""
     nodes: int = 1
     gpus_per_node: int = 8
     """GPUs per node; one task (rank) per GPU. 0 for CPU-only nodes (then set tasks_per_node)."""
@@ -169,6 +194,11 @@ class ClusterConfig:
     """submitit folder: job pickles and per-rank logs <jobid>_<rank>_log.out/.err; default <run.dir>/slurm."""
     python: str | None = None
     """Interpreter the job runs (same path on the compute nodes); default this one (sys.executable)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the batch script runs before srun, in order (module load, conda/venv activation, exports); each
+    one line, written as given (they are shell commands) and shown by --dry-run."""
+    container: ContainerConfig | None = None
+    """Run each task in a container (pyxis, apptainer, or a wrapper command); null: on the host."""
     hardware: HardwareConfig | None = None
 
     # ---------------------------------------------------------------------------------------- derived
@@ -303,6 +333,27 @@ def _check(c: ClusterConfig) -> list[str]:
         p.append(f"cluster.nodes: the local executor runs on one node, got {c.nodes}; use a SLURM cluster")
     if c.hardware is not None:
         p += [f"cluster.hardware.{problem}" for problem in c.hardware.problems()]
+    for i, line in enumerate(c.setup):
+        p += _one_line(f"cluster.setup[{i}]", line, sbatch=False)
+    if c.container is not None:
+        p += _check_container(c.container)
+    return p
+
+
+def _check_container(k: ContainerConfig) -> list[str]:
+    p: list[str] = []
+    if k.runtime not in CONTAINER_RUNTIMES:
+        return [f"cluster.container.runtime: {k.runtime!r} is not one of {', '.join(CONTAINER_RUNTIMES)}"]
+    if k.runtime in ("pyxis", "apptainer") and not (k.image or "").strip():
+        p.append(f"cluster.container.image: required for runtime {k.runtime} (e.g. /shared/images/train.sif)")
+    if k.runtime == "command" and not (k.wrapper or "").strip():
+        p.append("cluster.container.wrapper: required for runtime command (the program that wraps each task)")
+    for key in ("image", "workdir", "wrapper", "executable"):
+        p += _one_line(f"cluster.container.{key}", getattr(k, key), sbatch=False)
+    for i, mount in enumerate(k.mounts):
+        p += _one_line(f"cluster.container.mounts[{i}]", mount, sbatch=False)
+        if not mount.strip() or "," in mount:
+            p.append(f"cluster.container.mounts[{i}]: one SRC[:DST[:FLAGS]] without commas, got {mount!r}")
     return p
 
 
@@ -364,6 +415,14 @@ def _build(data: Mapping[str, Any], problems: list[str]) -> ClusterConfig:
                 problems.append(f"{key}: must be a list of strings like --mail-type=END, got {value!r}")
             else:
                 kwargs[name] = list(items)
+        elif name == "setup":
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+                problems.append(f"{key}: must be a list of shell lines like 'module load cuda/12.4', got {value!r}")
+            else:
+                kwargs[name] = list(items)
+        elif name == "container":
+            kwargs[name] = _build_container(value, problems)
         elif name == "hardware":
             kwargs[name] = _build_hardware(value, problems)
         else:
@@ -407,6 +466,31 @@ def _build_hardware(value: Any, problems: list[str]) -> HardwareConfig | None:
         else:
             kwargs[name] = coerced
     return HardwareConfig(**kwargs)
+
+
+def _build_container(value: Any, problems: list[str]) -> ContainerConfig | None:
+    if value is None:
+        return None
+    names = [f.name for f in dataclasses.fields(ContainerConfig)]
+    if not isinstance(value, Mapping):
+        problems.append(f"cluster.container: must be a mapping of {', '.join(names)}, got {value!r}")
+        return None
+    kwargs: dict[str, Any] = {}
+    for name, item in value.items():
+        key = f"cluster.container.{name}"
+        if name not in names:
+            problems.append(loader.unknown_key(key, str(name), names))
+        elif name == "mounts":
+            items = [item] if isinstance(item, str) else item
+            if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+                problems.append(f"{key}: must be a list like [/shared:/shared], got {item!r}")
+            else:
+                kwargs[name] = list(items)
+        elif item is not None and not isinstance(item, str):
+            problems.append(f"{key}: must be a string, got {item!r}")
+        elif item is not None or name not in ("runtime", "executable"):
+            kwargs[name] = item
+    return ContainerConfig(**kwargs)
 
 
 def _hardware_keys() -> list[str]:

@@ -19,6 +19,7 @@ __all__ = [
     "TERMINAL_STATES",
     "SlurmError",
     "cancel",
+    "client_installed",
     "job_info",
     "job_state",
     "log_path",
@@ -27,8 +28,11 @@ __all__ = [
 ]
 
 TIMEOUT_S = 10.0
-# A controller that does not answer within this is treated as absent (submit then falls back to local).
+# Seconds the controller has to answer `scontrol ping` / `sinfo` before submit gives up with an error (never a
+# fallback to local processes: sbatch is installed, so this is a login node). A site with a slow controller raises
+# it with HPCDIST_SLURM_PING_TIMEOUT.
 PING_TIMEOUT_S = 5.0
+PING_TIMEOUT_ENV = "HPCDIST_SLURM_PING_TIMEOUT"
 # States after which a job never runs again. PREEMPTED is not among them: with --requeue the job returns.
 TERMINAL_STATES = frozenset(
     {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
@@ -47,7 +51,7 @@ def _run(args: Sequence[str], *, timeout: float = TIMEOUT_S, env: Mapping[str, s
     try:
         proc = subprocess.run([exe, *args[1:]], capture_output=True, text=True, timeout=timeout, check=False, env=env)
     except subprocess.TimeoutExpired:
-        raise SlurmError(f"{' '.join(args)} did not answer within {timeout:.0f} s") from None
+        raise SlurmError(f"{' '.join(args)} did not answer within {timeout:g} s") from None
     except OSError as e:
         raise SlurmError(f"{' '.join(args)} failed: {e.strerror}") from None
     if proc.returncode != 0:
@@ -64,13 +68,34 @@ def check_job_id(job_id: str) -> str:
     return text
 
 
-def slurm_reachable(environ: Mapping[str, str] | None = None, *, timeout: float = PING_TIMEOUT_S) -> tuple[bool, str]:
-    """(True, how) when sbatch is on PATH and a controller answers; else (False, why).
+def client_installed(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a SLURM client is installed here (sbatch on PATH): submitit's own test for a SLURM machine."""
+    return shutil.which("sbatch", path=(os.environ if environ is None else environ).get("PATH")) is not None
+
+
+def ping_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """PING_TIMEOUT_S, or HPCDIST_SLURM_PING_TIMEOUT (seconds > 0) when set."""
+    text = (os.environ if environ is None else environ).get(PING_TIMEOUT_ENV, "").strip()
+    if not text:
+        return PING_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise SlurmError(f"{PING_TIMEOUT_ENV}={text!r}: must be a number of seconds > 0, e.g. 30")
+    return value
+
+
+def slurm_reachable(environ: Mapping[str, str] | None = None, *, timeout: float | None = None) -> tuple[bool, str]:
+    """(True, how) when sbatch is on PATH and a controller answers within ``timeout`` (default
+    :func:`ping_timeout`); else (False, why).
 
     submitit's AutoExecutor picks SLURM whenever sbatch exists, even on a machine whose controller is down or
     absent ("Could not establish a configuration source"): ask the controller itself.
     """
     env = dict(os.environ if environ is None else environ)
+    timeout = ping_timeout(env) if timeout is None else timeout
     if shutil.which("sbatch", path=env.get("PATH")) is None:
         return False, "sbatch is not on PATH"
     reasons = []

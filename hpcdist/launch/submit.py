@@ -8,7 +8,9 @@ The job is the same trainer ``hpcdist train`` runs, one task (rank) per GPU thro
       export HPCDIST_NCCL_PROFILE=<profile>       (applied inside every task: interface names differ per host)
       srun ... --kill-on-bad-exit=1 <python> -u -m submitit.core._submit <folder>   -> TrainTask() per rank
 
-Where no SLURM controller answers, the same TrainTask runs under submitit's LocalExecutor (one node).
+Where no SLURM client is installed at all (no sbatch on PATH), ``executor: auto`` runs the same TrainTask under
+submitit's LocalExecutor (one node); where sbatch exists, a controller that does not answer is an error, never a
+reason to run the job on the login node (choose_executor).
 Everything user-provided that reaches the script is validated to one line (hpcdist.config.cluster) and
 shell-quoted (submitit quotes #SBATCH values and the srun line; the setup lines are quoted here).
 """
@@ -33,7 +35,16 @@ from hpcdist.launch import slurm_cli
 from hpcdist.launch.nccl import PROFILE_ENV
 from hpcdist.launch.task import TrainTask
 
-__all__ = ["JobHandle", "LaunchError", "LogPaths", "choose_executor", "render_sbatch", "slurm_parameters", "submit"]
+__all__ = [
+    "JobHandle",
+    "LaunchError",
+    "LogPaths",
+    "choose_executor",
+    "describe_executor",
+    "render_sbatch",
+    "slurm_parameters",
+    "submit",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +72,9 @@ def _signal_name(name: str) -> str:
 
 
 def _setup_lines(cluster: ClusterConfig) -> list[str]:
-    """Shell lines run before srun. Values are quoted; nothing secret is exported."""
-    lines = []
+    """Shell lines run before srun: the profile's own setup lines (site commands, as written), then ours, whose
+    values are quoted; nothing secret is exported."""
+    lines = list(cluster.setup)
     if cluster.nccl_profile:
         lines.append(f"export {PROFILE_ENV}={shlex.quote(cluster.nccl_profile)}")
     # One intra-op thread pool per rank sized to its CPUs (torch would otherwise start one thread per core
@@ -75,6 +87,15 @@ def _setup_lines(cluster: ClusterConfig) -> list[str]:
     return lines
 
 
+def _snapshot_lines(snapshot: str | os.PathLike[str] | None) -> list[str]:
+    """The code snapshot first on PYTHONPATH: every attempt, the supervisor and the failure policy import it.
+    PYTHONSAFEPATH: ``python -m`` would otherwise put the working directory (where sbatch was run: often the
+    checkout itself) before PYTHONPATH and import the edited checkout (Python >= 3.11; the sandbox test found it)."""
+    if snapshot is None:
+        return []
+    return ["export PYTHONSAFEPATH=1", f"export PYTHONPATH={shlex.quote(str(snapshot))}${{PYTHONPATH:+:$PYTHONPATH}}"]
+
+
 def _extra_flags(cluster: ClusterConfig) -> dict[str, Any]:
     flags: dict[str, Any] = {}
     for flag in cluster.extra_sbatch:
@@ -83,25 +104,72 @@ def _extra_flags(cluster: ClusterConfig) -> dict[str, Any]:
     return flags
 
 
-def _teardown_lines(cluster: ClusterConfig, run_dir: str) -> list[str]:
+def _teardown_lines(cluster: ClusterConfig, run_dir: str | Sequence[str]) -> list[str]:
     """After srun (first line: $? is srun's status): if the step failed, the failure policy records the cause,
-    excludes the culprit's node and requeues the job, or ends it with the reason (hpcdist.launch.restarts)."""
-    python = shlex.quote(cluster.interpreter)
-    return [
-        "hpcdist_rc=$?",
+    excludes the culprit's node and requeues the job, or ends it with the reason (hpcdist.launch.restarts).
+    A job array (a sweep) passes one run dir per array task: the task picks its own by SLURM_ARRAY_TASK_ID."""
+    # the failure policy needs hpcdist: inside the container where the tasks run in one (apptainer, wrapper);
+    # pyxis containers exist only under srun, so there it runs with the host's python
+    python = _container_prefix(cluster) + shlex.quote(cluster.interpreter)
+    lines = ["hpcdist_rc=$?"]
+    if isinstance(run_dir, str):
+        where = shlex.quote(run_dir)
+    else:
+        lines.append(f"hpcdist_run_dirs=({' '.join(shlex.quote(d) for d in run_dir)})")
+        where = '"${hpcdist_run_dirs[$SLURM_ARRAY_TASK_ID]}"'
+    lines.append(
         f'if [ "$hpcdist_rc" -ne 0 ]; then {python} -m hpcdist.launch.restarts after-step --exit-code "$hpcdist_rc" '
-        f"--run-dir {shlex.quote(run_dir)}; exit $?; fi",
-    ]
+        f"--run-dir {where}; exit $?; fi"
+    )
+    return lines
+
+
+def _container_prefix(cluster: ClusterConfig) -> str:
+    """What wraps each task's command for an apptainer or wrapper-command container ('' for none and for pyxis,
+    which srun itself applies: _container_srun_args)."""
+    k = cluster.container
+    if k is None or k.runtime == "pyxis":
+        return ""
+    if k.runtime == "command":
+        return f"{shlex.quote(k.wrapper or '')} "
+    args = [k.executable, "exec"]
+    for mount in k.mounts:
+        args += ["--bind", mount]
+    if k.workdir:
+        args += ["--pwd", k.workdir]
+    args.append(k.image or "")
+    return shlex.join(args) + " "
+
+
+def _container_srun_args(cluster: ClusterConfig) -> list[str]:
+    """pyxis's srun options (quoted by submitit with the rest of the srun line)."""
+    k = cluster.container
+    if k is None or k.runtime != "pyxis":
+        return []
+    args = [f"--container-image={k.image}"]
+    if k.mounts:
+        args.append(f"--container-mounts={','.join(k.mounts)}")
+    if k.workdir:
+        args.append(f"--container-workdir={k.workdir}")
+    return args
 
 
 def _supervised_python(cluster: ClusterConfig) -> str:
     """What srun starts for each rank: the interpreter under hpcdist.fault.supervise, which records a rank killed by a
-    signal (OOM killer, segfault) before srun notices. submitit appends ``-u -m submitit.core._submit <folder>``."""
+    signal (OOM killer, segfault) before srun notices; inside the container when the profile has one (the
+    supervisor with it, so signal forwarding is unchanged). submitit appends ``-u -m submitit.core._submit
+    <folder>``."""
     python = shlex.quote(cluster.interpreter)
-    return f"{python} -m hpcdist.fault.supervise -- {python}"
+    return f"{_container_prefix(cluster)}{python} -m hpcdist.fault.supervise -- {python}"
 
 
-def slurm_parameters(cluster: ClusterConfig, *, job_name: str, run_dir: str | None = None) -> dict[str, Any]:
+def slurm_parameters(
+    cluster: ClusterConfig,
+    *,
+    job_name: str,
+    run_dir: str | Sequence[str] | None = None,
+    snapshot: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
     """submitit SlurmExecutor parameters (the keyword arguments of its _make_sbatch_string) for ``cluster``;
     with ``run_dir``, the failure policy runs after a failed step (teardown)."""
     additional: dict[str, Any] = {"requeue": True, **_extra_flags(cluster)}
@@ -127,10 +195,14 @@ def slurm_parameters(cluster: ClusterConfig, *, job_name: str, run_dir: str | No
         "exclude": cluster.exclude,
         "exclusive": True if cluster.exclusive else None,
         "signal_delay_s": cluster.signal_lead_s,
-        "setup": _setup_lines(cluster),
+        "setup": _setup_lines(cluster) + _snapshot_lines(snapshot),
         # --kill-on-bad-exit: one dead rank ends the step instead of leaving the others in a collective forever.
         # --cpus-per-task: srun of SLURM 22.05 no longer inherits it from sbatch.
-        "srun_args": ["--kill-on-bad-exit=1", f"--cpus-per-task={cluster.cpus_per_task}"],
+        "srun_args": [
+            "--kill-on-bad-exit=1",
+            f"--cpus-per-task={cluster.cpus_per_task}",
+            *_container_srun_args(cluster),
+        ],
         "additional_parameters": additional,
         "teardown": _teardown_lines(cluster, run_dir) if run_dir is not None else None,
     }
@@ -155,16 +227,30 @@ def _command(cluster: ClusterConfig, folder: Path, *, python: str | None = None)
 
 
 def render_sbatch(
-    cluster: ClusterConfig, *, job_name: str, folder: str | os.PathLike[str], run_dir: str | None = None
+    cluster: ClusterConfig,
+    *,
+    job_name: str,
+    folder: str | os.PathLike[str],
+    run_dir: str | Sequence[str] | None = None,
+    dependency: str | None = None,
+    array: int | None = None,
+    max_parallel: int | None = None,
+    snapshot: str | os.PathLike[str] | None = None,
 ) -> str:
-    """The exact sbatch script submitit writes for this job (deterministic: no ids, no temp names)."""
+    """The exact sbatch script submitit writes for this job (deterministic: no ids, no temp names); ``array``
+    tasks (a sweep) with at most ``max_parallel`` at once, their run dirs in ``run_dir``."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     path = Path(folder).expanduser().absolute()
-    return _make_sbatch_string(
-        command=_command(cluster, path, python=_supervised_python(cluster)), folder=path,
-        **slurm_parameters(cluster, job_name=job_name, run_dir=run_dir),
-    )  # fmt: skip
+    params = slurm_parameters(cluster, job_name=job_name, run_dir=run_dir, snapshot=snapshot)
+    if dependency:
+        params["dependency"] = dependency
+    if array is not None:
+        params["map_count"] = array
+        if max_parallel:
+            params["array_parallelism"] = max_parallel
+    return _make_sbatch_string(command=_command(cluster, path, python=_supervised_python(cluster)), folder=path,
+                               **params)  # fmt: skip
 
 
 def _render_local(cluster: ClusterConfig, folder: Path) -> str:
@@ -182,23 +268,45 @@ def _render_local(cluster: ClusterConfig, folder: Path) -> str:
 
 
 def choose_executor(cluster: ClusterConfig, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """("slurm" | "local", why). ``auto`` asks the controller: sbatch alone on PATH is not enough."""
+    """("slurm" | "local", why), or LaunchError naming the reason.
+
+    ``auto`` runs local processes only where no SLURM client is installed at all (sbatch not on PATH, as submitit
+    decides). Where sbatch exists this is a login node: a controller that is down, slow or misconfigured is an
+    error, never a reason to run the job on the login node itself.
+    """
     if cluster.executor == "local":
         return "local", "cluster.executor is local"
-    ok, why = slurm_cli.slurm_reachable(environ)
+    installed = slurm_cli.client_installed(environ)
+    if not installed and cluster.executor == "auto":
+        if cluster.nodes > 1:
+            raise LaunchError(
+                f"no SLURM client is installed here (sbatch is not on PATH) and the local fallback runs one node, "
+                f"but nodes={cluster.nodes}; submit from a login node, or use --nodes 1 / --cluster local"
+            )
+        return "local", "auto: no SLURM client installed: sbatch is not on PATH"
+    try:
+        ok, why = slurm_cli.slurm_reachable(environ)
+    except slurm_cli.SlurmError as e:
+        raise LaunchError(str(e)) from None
     env = os.environ if environ is None else environ
     if ok and shutil.which("srun", path=env.get("PATH")) is None:
         ok, why = False, "srun is not on PATH"
     if ok:
         return "slurm", why
-    if cluster.executor == "slurm":
-        raise LaunchError(f"cluster {cluster.name} needs SLURM, but it is not reachable: {why}")
-    if cluster.nodes > 1:
-        raise LaunchError(
-            f"SLURM is not reachable ({why}) and the local fallback runs one node, but nodes={cluster.nodes}; "
-            "submit from a login node, or use --nodes 1 / --cluster local"
-        )
-    return "local", f"SLURM is not reachable ({why})"
+    hint = f"; raise {slurm_cli.PING_TIMEOUT_ENV} (seconds) for a slow controller" if "did not answer" in why else ""
+    raise LaunchError(
+        f"cluster {cluster.name} (executor: {cluster.executor}) needs SLURM, but the controller is not usable: {why}"
+        f"{hint}; nothing was started (to run on this machine on purpose: --cluster local, i.e. executor: local)"
+    )
+
+
+def describe_executor(cluster: ClusterConfig, environ: Mapping[str, str] | None = None) -> str:
+    """One line for the dry run: which executor submit would use and why (it asks the controller, like submit)."""
+    try:
+        kind, why = choose_executor(cluster, environ)
+    except LaunchError as e:
+        return f"executor: none: submit would refuse: {e}"
+    return f"executor: {kind} ({why})"
 
 
 # --------------------------------------------------------------------------------------------- job handle
@@ -211,11 +319,13 @@ class JobHandle:
     a requeued job goes back to PENDING and is not finished.
     """
 
-    def __init__(self, job: Any, *, executor: str, folder: Path, num_tasks: int) -> None:
+    def __init__(self, job: Any, *, executor: str, folder: Path, num_tasks: int, snapshot: str | None = None) -> None:
         self.job = job  # the submitit Job, for anything not wrapped here
         self.executor = executor
         self.folder = folder
         self.num_tasks = num_tasks
+        self.snapshot = snapshot
+        """The code snapshot the job runs from (None: the installed code)."""
 
     @property
     def job_id(self) -> str:
@@ -348,21 +458,41 @@ def _check_job(cfg: config_mod.JobConfig, cluster: ClusterConfig, job_name: str,
     return problems
 
 
-def submit(
-    config: str | os.PathLike[str],
-    overrides: Sequence[str] = (),
-    *,
-    cluster: str | os.PathLike[str] | ClusterConfig = "a100_ib",
-    dry_run: bool = False,
-    **params: Any,
-) -> JobHandle | str:
-    """Validate ``config`` + ``overrides`` for the cluster and submit one training job.
+def _check_memory(cfg: config_mod.JobConfig, cluster: ClusterConfig, *, force: bool) -> list[str]:
+    """The planner's fit check for the requested nodes: a problem unless forced (then a warning)."""
+    from hpcdist.planning.fit import check_fit
 
-    ``cluster`` is a shipped profile name (``cluster_names()``), a YAML path, or a ClusterConfig; ``params``
-    override its fields (``nodes=4, partition="gpu", extra_sbatch=["--mail-type=END"]``). Everything is validated
-    before anything is submitted (ConfigError lists every problem). ``dry_run=True`` returns the sbatch script
-    text instead (a description of the local run for executor ``local``). Returns a :class:`JobHandle`.
-    """
+    check = check_fit(cfg, cluster)
+    if check is None or check.fits:
+        return []
+    if force:
+        print(f"hpcdist: warning: --force: {check.refusal()}", file=sys.stderr, flush=True)
+        return []
+    return [check.refusal()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """One validated job: its cluster, resolved config, job name, log folder and absolute run dir."""
+
+    cluster: ClusterConfig
+    cfg: config_mod.JobConfig
+    job_name: str
+    folder: Path
+    run_dir: str
+
+
+def prepare(
+    config: str | os.PathLike[str],
+    overrides: Sequence[str],
+    cluster: str | os.PathLike[str] | ClusterConfig,
+    params: Mapping[str, Any],
+    *,
+    dry_run: bool,
+    force: bool,
+) -> tuple[Prepared, list[str]]:
+    """Load and check one job (cluster + config + memory); (prepared, data warnings). ConfigError lists every
+    problem of both files at once."""
     problems: list[str] = []
     cluster_cfg = cfg = None
     try:
@@ -379,36 +509,182 @@ def submit(
     folder = cluster_cfg.folder(cfg.run.dir)
     run_dir = str(Path(cfg.run.dir).expanduser().absolute())  # the batch script's after-step reads it
     problems = _check_job(cfg, cluster_cfg, job_name, folder)
+    if not problems:
+        problems = _check_memory(cfg, cluster_cfg, force=force)
     # the data must exist before a job waits in the queue for it; a dry run only warns
     data_problems = config_mod.check_data(cfg, strict=False)
     if problems or (data_problems and not dry_run):
         raise ConfigError(problems + data_problems)
-    for problem in data_problems:
-        print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
+    return Prepared(cluster_cfg, cfg, job_name, folder, run_dir), data_problems
 
-    if dry_run:
-        if cluster_cfg.executor == "local":
-            return _render_local(cluster_cfg, folder)
-        return render_sbatch(cluster_cfg, job_name=job_name, folder=folder, run_dir=run_dir)
 
-    kind, why = choose_executor(cluster_cfg)
-    if kind == "local" and cluster_cfg.executor != "local":
+def dependency(after: str | None) -> str | None:
+    """``JOB[:afterok|afterany|afternotok]`` (``--after``) -> sbatch's ``TYPE:JOB``; default afterany, as sbatch's
+    own ``-d JOB``. ValueError naming the argument otherwise."""
+    if after is None:
+        return None
+    job, _, kind = str(after).strip().partition(":")
+    kind = kind or "afterany"
+    if kind not in _DEPENDENCY_TYPES:
+        raise ValueError(f"--after {after}: the dependency type must be one of {', '.join(_DEPENDENCY_TYPES)}")
+    try:
+        job = slurm_cli.check_job_id(job)
+    except slurm_cli.SlurmError as e:
+        raise ValueError(f"--after {after}: {e}") from None
+    return f"{kind}:{job}"
+
+
+_DEPENDENCY_TYPES = ("afterany", "afterok", "afternotok")
+
+
+def launch(
+    prep: Prepared,
+    tasks: Sequence[TrainTask],
+    *,
+    run_dirs: Sequence[str] | None = None,
+    after: str | None = None,
+    max_parallel: int | None = None,
+    snapshot: bool | str = False,
+) -> list[JobHandle]:
+    """Submit ``tasks`` with ``prep``'s cluster: one job, or (several tasks) one SLURM job array whose task i runs
+    tasks[i] (its failure policy reads run_dirs[i]). ``after``: an sbatch dependency (``afterany:123``).
+    ``snapshot``: copy the code into prep's run dir first and run the job from the copy (SLURM only); a string
+    is an existing snapshot directory to run from (a chain's later jobs)."""
+    cluster = prep.cluster
+    kind, why = choose_executor(cluster)
+    if kind == "local" and (len(tasks) > 1 or after):
+        raise LaunchError(f"{why}: job arrays and dependencies need SLURM; submit from a login node")
+    code = None
+    if kind == "slurm" and snapshot:
+        from hpcdist.launch.snapshot import create_snapshot
+
+        if isinstance(snapshot, str):
+            code = snapshot
+        else:
+            snap = create_snapshot(prep.run_dir)
+            code = str(snap.path)
+            if sys.version_info < (3, 11) and (Path.cwd() / "hpcdist").is_dir():
+                log.warning("Python < 3.11 ignores PYTHONSAFEPATH: the job's working directory %s holds an "
+                            "hpcdist package that comes before the snapshot; submit from another directory",
+                            Path.cwd())  # fmt: skip
+            # a config inside the checkout is read from the copy too (it is read when the job starts)
+            tasks = [dataclasses.replace(t, config_path=snap.map(t.config_path)) for t in tasks]
+            log.info("code snapshot %s (git commit %s%s)", code, snap.git_commit, ", dirty" if snap.dirty else "")
+    if kind == "local" and cluster.executor != "local":
         log.warning("%s: running the job with submitit's LocalExecutor on this machine", why)
-    task = TrainTask(str(config), tuple(overrides))
     import submitit
 
     try:
         if kind == "slurm":
-            executor: Any = submitit.SlurmExecutor(folder=folder, python=_supervised_python(cluster_cfg))
-            executor.update_parameters(**slurm_parameters(cluster_cfg, job_name=job_name, run_dir=run_dir))
+            executor: Any = submitit.SlurmExecutor(folder=prep.folder, python=_supervised_python(cluster))
+            dirs: str | Sequence[str] = run_dirs if run_dirs is not None and len(tasks) > 1 else prep.run_dir
+            params = slurm_parameters(cluster, job_name=prep.job_name, run_dir=dirs, snapshot=code)
+            if after:
+                params["dependency"] = after
+            if max_parallel:
+                params["array_parallelism"] = max_parallel
+            executor.update_parameters(**params)
         else:
-            executor = submitit.LocalExecutor(folder=folder, python=shlex.quote(cluster_cfg.interpreter))
-            executor.update_parameters(**local_parameters(cluster_cfg))
-        job = executor.submit(task)
+            executor = submitit.LocalExecutor(folder=prep.folder, python=shlex.quote(cluster.interpreter))
+            executor.update_parameters(**local_parameters(cluster))
+        if len(tasks) == 1:
+            jobs = [executor.submit(tasks[0])]
+        else:
+            with executor.batch():
+                delayed = [executor.submit(task) for task in tasks]
+            jobs = list(delayed)
     except (OSError, RuntimeError, ValueError) as e:
         # sbatch's refusal arrives as submitit's FailedJobError/CalledProcessError text: keep its last lines
         text = str(e).strip().splitlines()
         raise LaunchError(f"submission with the {kind} executor failed: {' | '.join(text[-3:])}") from e
-    handle = JobHandle(job, executor=kind, folder=folder, num_tasks=cluster_cfg.world_size)
-    log.info("submitted job %s (%s, %s): logs in %s", handle.job_id, kind, why, folder)
-    return handle
+    handles = [JobHandle(job, executor=kind, folder=prep.folder, num_tasks=cluster.world_size, snapshot=code)
+               for job in jobs]  # fmt: skip
+    from hpcdist.launch.records import record_job
+
+    for h in handles:
+        record_job(prep.run_dir, {"job_id": h.job_id, "executor": kind, "folder": str(prep.folder),
+                                  "num_tasks": h.num_tasks, "snapshot": code})  # fmt: skip
+    log.info("submitted job %s (%s, %s): logs in %s", handles[0].job_id, kind, why, prep.folder)
+    return handles
+
+
+def submit(
+    config: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    *,
+    cluster: str | os.PathLike[str] | ClusterConfig = "a100_ib",
+    dry_run: bool = False,
+    force: bool = False,
+    after: str | None = None,
+    snapshot: bool = True,
+    **params: Any,
+) -> JobHandle | str:
+    """Validate ``config`` + ``overrides`` for the cluster and submit one training job.
+
+    ``cluster`` is a shipped profile name (``cluster_names()``), a YAML path, or a ClusterConfig; ``params``
+    override its fields (``nodes=4, partition="gpu", extra_sbatch=["--mail-type=END"]``). Everything is validated
+    before anything is submitted (ConfigError lists every problem). ``dry_run=True`` returns the sbatch script
+    text instead (a description of the local run for executor ``local``). Returns a :class:`JobHandle`.
+
+    A layout the planner predicts not to fit the cluster's GPUs (its hardware: block) is refused, naming the
+    nearest layouts that fit; ``force=True`` submits it anyway. ``after="123"`` (or ``"123:afterok"``) starts the
+    job only after job 123 ends (sbatch --dependency). ``snapshot``: run the job from a copy of the code made now
+    (hpcdist.launch.snapshot), so edits after submission change neither the job nor its requeued attempts.
+    """
+    return submit_chain(config, overrides, 1, cluster=cluster, dry_run=dry_run, force=force, after=after,
+                        snapshot=snapshot, **params)[0]  # fmt: skip
+
+
+def submit_chain(
+    config: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    n: int = 2,
+    *,
+    cluster: str | os.PathLike[str] | ClusterConfig = "a100_ib",
+    dry_run: bool = False,
+    force: bool = False,
+    after: str | None = None,
+    snapshot: bool = True,
+    **params: Any,
+) -> list[Any]:
+    """``n`` jobs of the same run, each starting when the previous one ends (afterany), for clusters that cap the
+    wall time and do not requeue: each job resumes from the checkpoint the previous one saved on the time-limit
+    signal. With n > 1 the jobs run with fault.requeue=false (the next job continues instead). Returns the
+    handles (a dry run: [the first job's script])."""
+    if n < 1:
+        raise ValueError(f"--chain: must be >= 1, got {n}")
+    try:
+        dep = dependency(after)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    overrides = [*overrides, "fault.requeue=false"] if n > 1 else list(overrides)
+    prep, warnings = prepare(config, overrides, cluster, params, dry_run=dry_run, force=force)
+    for problem in warnings:
+        print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
+    if dry_run:
+        print(f"hpcdist: {describe_executor(prep.cluster)}", file=sys.stderr, flush=True)
+        if n > 1:
+            print(f"hpcdist: --chain {n}: this script, then {n - 1} more job(s) of it, each with "
+                  "--dependency=afterany:<the previous job>", file=sys.stderr, flush=True)  # fmt: skip
+        if prep.cluster.executor == "local":
+            return [_render_local(prep.cluster, prep.folder)]
+        code = snapshot_placeholder(prep.run_dir) if snapshot else None
+        return [render_sbatch(prep.cluster, job_name=prep.job_name, folder=prep.folder, run_dir=prep.run_dir,
+                              dependency=dep, snapshot=code)]  # fmt: skip
+    task = TrainTask(str(config), tuple(overrides))
+    handles: list[JobHandle] = []
+    code: bool | str = snapshot
+    for _ in range(n):
+        (handle,) = launch(prep, [task], after=dep, snapshot=code)
+        handles.append(handle)
+        dep = f"afterany:{handle.job_id}"
+        code = handle.snapshot or code  # the chain's jobs share the first one's snapshot
+        task = handle.job.submission().function if handle.snapshot and handle.executor == "slurm" else task
+    return handles
+
+
+def snapshot_placeholder(run_dir: str) -> str:
+    """What a dry run shows for the snapshot that submit would create (its name has the submission time)."""
+    from hpcdist.rundir import RunDir
+
+    return str(RunDir(run_dir).code_snapshot("<time>-<pid>"))

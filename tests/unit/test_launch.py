@@ -18,8 +18,10 @@ import json
 import logging
 import os
 import pickle
+import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,6 +45,7 @@ from hpcdist.launch.task import TrainTask, local_rank_environ
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo.yaml")
 GOLDEN = REPO / "tests" / "data" / "submit_dryrun.golden"
+SLEEP = shutil.which("sleep")
 NASTY_NAME = "it's $(rm -rf /) `id` job"  # a space, a single quote, command substitutions
 # A model small enough to train a few steps in a second or two (see tests/conftest.py SMALL).
 TINY = [
@@ -98,6 +101,15 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     )
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
     return bindir
+
+
+def snapshot_free(script: str) -> str:
+    """A script with its code snapshot's name (submission time and pid; the dry run shows <time>-<pid>) replaced."""
+
+    def fix(m: re.Match[str]) -> str:
+        return re.sub(r"/code/[^/$]+\$", "/code/SNAPSHOT$", m.group(0).replace("'", ""))
+
+    return re.sub(r"^export PYTHONPATH=.*$", fix, script, flags=re.MULTILINE)
 
 
 def normalize(text: str, tmp_path: Path) -> str:
@@ -421,29 +433,73 @@ def test_no_sbatch_means_local(tmp_path: Path) -> None:
     ok, why = slurm_reachable({"PATH": str(tmp_path)})
     assert not ok and why == "sbatch is not on PATH"
     assert choose_executor(load_cluster("sandbox"), {"PATH": str(tmp_path)}) == (
-        "local", "SLURM is not reachable (sbatch is not on PATH)",
+        "local", "auto: no SLURM client installed: sbatch is not on PATH",
     )  # fmt: skip
 
 
-def test_sbatch_without_a_controller_means_local(tmp_path: Path) -> None:
-    # what FACTS.md saw: sbatch installed, no configuration source; submitit's AutoExecutor would pick slurm
+def test_sbatch_without_a_controller_is_an_error(tmp_path: Path) -> None:
+    # sbatch installed but no configuration source (FACTS.md): a SLURM client is installed, so this is a broken
+    # login node, not a laptop: never fall back to running the job here
     for tool in ("sbatch", "srun", "scontrol", "sinfo"):
         write_exe(tmp_path / tool, f"echo '{tool}: fatal: Could not establish a configuration source' >&2; exit 1")
-    kind, why = choose_executor(load_cluster("sandbox"), {"PATH": str(tmp_path)})
-    assert kind == "local" and "Could not establish a configuration source" in why
-    with pytest.raises(LaunchError, match="needs SLURM"):
-        choose_executor(load_cluster("sandbox", executor="slurm"), {"PATH": str(tmp_path)})
+    for executor in ("auto", "slurm"):
+        with pytest.raises(LaunchError, match=r"Could not establish a configuration source.*nothing was started"):
+            choose_executor(load_cluster("sandbox", executor=executor), {"PATH": str(tmp_path)})
+    assert choose_executor(load_cluster("local"), {"PATH": str(tmp_path)})[0] == "local"  # asked for: fine
+
+
+def test_no_sbatch_and_two_nodes_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="local fallback runs one node"):
         choose_executor(load_cluster("sandbox", nodes=2), {"PATH": str(tmp_path)})
 
 
-def test_a_hanging_controller_means_local(tmp_path: Path) -> None:
-    write_exe(tmp_path / "sbatch", "exit 0")
-    sleep = shutil.which("sleep")
-    write_exe(tmp_path / "scontrol", f"exec {sleep} 30")
-    write_exe(tmp_path / "sinfo", f"exec {sleep} 30")
-    ok, why = slurm_reachable({"PATH": str(tmp_path)}, timeout=0.5)
+def hanging_controller(bindir: Path) -> Path:
+    """A login node whose controller does not answer: real sbatch/srun stand-ins, scontrol and sinfo that hang."""
+    bindir.mkdir(exist_ok=True)
+    write_exe(bindir / "sbatch", "echo 'must not be called' >&2; exit 99")
+    write_exe(bindir / "srun", "exit 0")
+    write_exe(bindir / "scontrol", f"exec {SLEEP} 30")
+    write_exe(bindir / "sinfo", f"exec {SLEEP} 30")
+    return bindir
+
+
+def test_a_hanging_controller_is_not_reachable(tmp_path: Path) -> None:
+    ok, why = slurm_reachable({"PATH": str(hanging_controller(tmp_path))}, timeout=0.2)
     assert not ok and "did not answer" in why
+
+
+def test_slow_controller_refuses_to_submit_and_starts_nothing_locally(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The found bug: `executor: auto` ran the job as local processes (on the login node) when the controller took
+    longer than the ping timeout. Now: an error naming the reason, exit 2, no executor made, no run dir written."""
+    bindir = hanging_controller(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HPCDIST_SLURM_PING_TIMEOUT", "0.3")
+    monkeypatch.setattr(submitit, "LocalExecutor", RecordingExecutor)
+    monkeypatch.setattr(submitit, "SlurmExecutor", RecordingExecutor)
+    RecordingExecutor.made.clear()
+    run = tmp_path / "run"
+    rc = cli.main(["submit", DEMO, "--cluster", "sandbox", f"run.dir={run}", "train.global_batch_size=32"])
+    err = capsys.readouterr().err
+    assert rc == 2, err  # the CLI's code for a refused submission
+    assert "did not answer within 0.3 s" in err and "nothing was started" in err and "executor: local" in err
+    assert RecordingExecutor.made == [] and not run.exists()
+
+
+def test_dry_run_says_which_executor_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    overrides = [f"run.dir={tmp_path / 'run'}", "train.global_batch_size=32"]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no SLURM client at all
+    assert cli.main(["submit", DEMO, "--cluster", "sandbox", "--dry-run", *overrides]) == 0
+    assert "executor: local (auto: no SLURM client installed: sbatch is not on PATH)" in capsys.readouterr().err
+    bindir = hanging_controller(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HPCDIST_SLURM_PING_TIMEOUT", "0.3")
+    assert cli.main(["submit", DEMO, "--cluster", "sandbox", "--dry-run", *overrides]) == 0
+    err = capsys.readouterr().err
+    assert "executor: none: submit would refuse" in err and "did not answer within" in err
 
 
 def test_answering_controller_means_slurm(fake_slurm: Path) -> None:
@@ -493,11 +549,15 @@ def test_submit_through_slurm_sends_the_dry_run_script(fake_slurm: Path, tmp_pat
     handle = submit(DEMO, overrides, **args)
     assert isinstance(handle, JobHandle)
     assert (handle.job_id, handle.executor, handle.num_tasks) == ("4242", "slurm", 8)
-    assert (fake_slurm / "submitted.sh").read_text() == submit(DEMO, overrides, dry_run=True, **args)
+    submitted = (fake_slurm / "submitted.sh").read_text()
+    assert snapshot_free(submitted) == snapshot_free(submit(DEMO, overrides, dry_run=True, **args))
+    assert f"export PYTHONPATH={shlex.quote(handle.snapshot)}$" in submitted
+    assert Path(handle.snapshot, "hpcdist", "cli.py").is_file()
     folder = tmp_path / "my runs" / "slurm"
     assert handle.paths[5].stdout == folder / "4242_5_log.out"
     task = handle.job.submission().function  # what the nodes will unpickle
-    assert task == TrainTask(DEMO, tuple(overrides))
+    # the config inside the checkout is read from the snapshot, like the code
+    assert task == TrainTask(str(Path(handle.snapshot) / "configs" / "demo.yaml"), tuple(overrides))
     assert handle.state == "RUNNING"
     handle.cancel()
     assert (fake_slurm / "scancel.args").read_text().strip() == "4242"
@@ -667,7 +727,9 @@ def test_cluster_config_defaults_are_valid() -> None:
 
 
 @pytest.mark.slow
-def test_local_executor_trains_two_ranks(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
+def test_local_executor_trains_two_ranks(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """hpcdist.submit with the LocalExecutor: two real ranks (started like spawn: ~10 s) train to the end."""
     import hpcdist
 
@@ -678,3 +740,222 @@ def test_local_executor_trains_two_ranks(tmp_path: Path, clean_env: pytest.Monke
     assert len(results) == 2 and results[0] == results[1] and results[0]["step"] == 4
     log = handle.paths[0].stdout.read_text()
     assert "ddp on 2 rank(s)" in log and "done: step 4" in log
+    # status and logs of a local job come from the run dir's record (SLURM knows nothing of it)
+    capsys.readouterr()
+    assert cli.main(["status", handle.job_id, "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"job {handle.job_id} (local executor" in out and ": COMPLETED" in out and "step 4, loss" in out
+    assert cli.main(["logs", handle.job_id, "--rank", "1", "--run-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == handle.paths[1].stdout.read_text()
+
+
+# --------------------------------------------------------------------------------------------- memory check
+
+
+def test_submit_refuses_a_layout_predicted_not_to_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """configs/train_13b.yaml (zero3, micro batch 2, no checkpointing) on the default 1 node of a100_ib: the planner
+    predicts 91.2 GiB/GPU of 78 usable; submit refuses and names the layouts that fit; --force renders it."""
+    base = ["submit", str(REPO / "configs" / "train_13b.yaml"), "--cluster", "a100_ib", "--dry-run",
+            f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    assert cli.main(base) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "91.2 GiB per GPU, 78 GiB usable" in err
+    assert "zero3 dp=8, micro batch 1, activation checkpointing off, 61.4 GiB/GPU" in err  # the planner's best row
+    assert "(overrides: train.micro_batch_size=1)" in err and "--nodes 2 fits this layout" in err
+    assert cli.main([*base, "train.micro_batch_size=1"]) == 0  # the named fix passes the check
+    assert cli.main([*base, "--nodes", "2"]) == 0
+    capsys.readouterr()
+    assert cli.main([*base, "--force"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("#!/bin/bash") and "warning: --force: memory check:" in err
+    # a profile without GPU memory numbers (the CPU sandbox) has nothing to check
+    assert cli.main([*base[:2], "--cluster", "sandbox", "--dry-run", f"run.dir={tmp_path / 'run'}",
+                     "--gpus-per-node", "8"]) == 0  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------- sweeps, dependencies
+
+
+def test_sweep_grid_is_one_array_with_a_run_dir_per_task(
+    fake_slurm: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = tmp_path / "sw"
+    argv = ["submit", DEMO, "--cluster", "sandbox", f"run.dir={base}", "--sweep", "optim.lr=1e-4,3e-4,1e-3",
+            "--sweep", "train.global_batch_size=32,64", "--max-parallel", "2"]  # fmt: skip
+    assert cli.main([*argv, "--dry-run"]) == 0
+    script, err = capsys.readouterr()
+    assert "#SBATCH --array=0-5%2" in script and f"#SBATCH --output={base}/slurm/%A_%a_0_log.out" in script
+    names = [f"optim.lr={lr}_train.global_batch_size={b}" for lr in ("1e-4", "3e-4", "1e-3") for b in (32, 64)]
+    assert f"hpcdist_run_dirs=({' '.join(str(base / n) for n in names)})" in script
+    assert '--run-dir "${hpcdist_run_dirs[$SLURM_ARRAY_TASK_ID]}"' in script
+    assert [line.rsplit(": ", 1)[1] for line in err.splitlines() if "sweep task" in line] == [
+        str(base / n) for n in names
+    ]
+    # submitted for real (sbatch stand-in): the very script, one handle per task, the record status reads
+    assert cli.main(argv) == 0
+    assert "submitted sweep as job array 4242 (6 tasks, 4 ranks each)" in capsys.readouterr().out
+    submitted = (fake_slurm / "submitted.sh").read_text()
+    assert snapshot_free(submitted) == snapshot_free(script.removesuffix("\n"))  # the CLI printed a newline
+    record = json.loads((base / "sweep.json").read_text())
+    assert [t["job_id"] for t in record["tasks"]] == [f"4242_{i}" for i in range(6)]
+    assert record["tasks"][5]["overrides"] == ["optim.lr=1e-3", "train.global_batch_size=64"]
+    pickled = [pickle.loads((base / "slurm" / f"4242_{i}_submitted.pkl").read_bytes()).function for i in (0, 5)]
+    assert pickled[1].overrides[-3:] == ("optim.lr=1e-3", "train.global_batch_size=64", f"run.dir={base / names[5]}")
+    (base / names[5]).mkdir()
+    (base / names[5] / "metrics.jsonl").write_text('{"step": 7, "loss": 2.5}\n{"step": 8, "loss": 2.25}\n')
+    assert cli.main(["status", "4242", "--run-dir", str(base)]) == 0
+    table = capsys.readouterr().out
+    assert "sweep job 4242: 6 task(s)" in table
+    assert re.search(r"4242_5 RUNNING\s+\S+\s+8\s+2\.2500  " + re.escape(str(base / names[5])), table), table
+
+
+def test_a_bad_sweep_value_refuses_the_whole_sweep(
+    fake_slurm: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sweep_file = tmp_path / "points.yaml"
+    sweep_file.write_text("- {optim.lr: 1.0e-3}\n- {optim.lr: 3.0e-3, train.global_batch_size: 30}\n")
+    argv = ["submit", DEMO, "--cluster", "sandbox", f"run.dir={tmp_path / 'sw'}", "--sweep-file", str(sweep_file)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "sweep task optim.lr=0.003_train.global_batch_size=30: train.global_batch_size" in err
+    assert not (fake_slurm / "submitted.sh").exists() and not (tmp_path / "sw").exists()
+    assert cli.main([*argv[:-2], "--sweep", "optim.lr"]) == 2
+    assert "--sweep 'optim.lr': write key=value1,value2" in capsys.readouterr().err
+
+
+def test_after_and_chain_render_dependencies(fake_slurm: Path, tmp_path: Path, capsys: Any) -> None:
+    argv = ["submit", DEMO, "--cluster", "sandbox", f"run.dir={tmp_path / 'r'}", "train.global_batch_size=32"]
+    assert cli.main([*argv, "--after", "123:afterok", "--dry-run"]) == 0
+    assert "#SBATCH --dependency=afterok:123" in capsys.readouterr().out
+    assert cli.main([*argv, "--after", "12;rm", "--dry-run"]) == 2
+    assert "--after 12;rm" in capsys.readouterr().err
+    assert cli.main([*argv, "--chain", "2"]) == 0
+    assert "submitted job 4242 (slurm, 4 ranks); then 4242 (chained, afterany)" in capsys.readouterr().out
+    # the second job depends on the first; both run with fault.requeue=false
+    assert "#SBATCH --dependency=afterany:4242" in (fake_slurm / "submitted.sh").read_text()
+    task = pickle.loads((tmp_path / "r" / "slurm" / "4242_submitted.pkl").read_bytes()).function
+    assert task.overrides[-1] == "fault.requeue=false"
+
+
+# --------------------------------------------------------------------------------------------- setup, containers
+
+SETUP = ["module load cuda/12.4 nccl", "source /shared/venvs/train/bin/activate", "export HF_HOME='/shared/hf cache'"]
+CONTAINERS = {
+    "pyxis": {"runtime": "pyxis", "image": "nvcr.io#nvidia/pytorch:24.05-py3", "mounts": ["/shared:/shared",
+              "/scratch/$USER:/scratch:rw"], "workdir": "/shared/code"},
+    "apptainer": {"runtime": "apptainer", "image": "/shared/images/train it.sif", "mounts": ["/shared",
+                  "/scratch:/scratch"], "workdir": "/shared/code"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("runtime", sorted(CONTAINERS))
+def test_container_and_setup_rendering_matches_golden_file(
+    runtime: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / f"{runtime}.yaml"
+    data = yaml.safe_load(resources.path("cluster", "sandbox").read_text())
+    profile.write_text(yaml.safe_dump({**data, "setup": SETUP, "container": CONTAINERS[runtime]}))
+    rc = cli.main(["submit", DEMO, "--cluster", str(profile), f"run.dir={tmp_path / 'run'}",
+                   "train.global_batch_size=32", "--dry-run"])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    text = normalize(out.out, tmp_path)
+    golden = REPO / "tests" / "data" / f"submit_{runtime}.golden"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), "rendered script changed; see this file's docstring to regenerate"
+    setup_at = text.index("# setup\n") + len("# setup\n")
+    assert text[setup_at:].startswith("\n".join(SETUP) + "\n")  # the site's lines first, as written
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    if runtime == "pyxis":
+        assert "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3'" in srun
+        assert "'--container-mounts=/shared:/shared,/scratch/$USER:/scratch:rw'" in srun  # quoted: no expansion
+        assert "--container-workdir=/shared/code PYTHON -m hpcdist.fault.supervise" in srun
+    else:
+        prefix = (
+            "apptainer exec --bind /shared --bind /scratch:/scratch --pwd /shared/code '/shared/images/train it.sif'"
+        )
+        wrapped = f"{prefix} PYTHON -m hpcdist.fault.supervise -- PYTHON -u -m submitit"
+        assert wrapped in srun and "after-step" in text.split(wrapped.split(" PYTHON")[0])[-1]
+    assert text.count("hpcdist.fault.supervise") == 1  # the supervisor inside, signals forwarded as without
+
+
+@pytest.mark.parametrize(
+    ("container", "fragment"),
+    [
+        ({"runtime": "docker", "image": "x"}, "cluster.container.runtime: 'docker' is not one of"),
+        ({"runtime": "apptainer"}, "cluster.container.image: required for runtime apptainer"),
+        ({"runtime": "command"}, "cluster.container.wrapper: required for runtime command"),
+        ({"image": "x", "mounts": ["/a,/b"]}, "cluster.container.mounts[0]: one SRC[:DST[:FLAGS]] without commas"),
+        ({"image": "x", "imgae": "y"}, "cluster.container.imgae: unknown key"),
+        ({"image": "x\nrm -rf /"}, "cluster.container.image: must be one line"),
+    ],
+)
+def test_container_validation(container: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_cluster("sandbox", container=container)
+    assert fragment in str(e.value)
+
+
+def test_setup_lines_are_one_line_each() -> None:
+    with pytest.raises(ConfigError, match=r"cluster.setup\[1\]: must be one line"):
+        load_cluster("sandbox", setup=["module load x", "echo a\nrm -rf /"])
+    with pytest.raises(ConfigError, match=r"cluster\.setup: must be a list of shell lines"):
+        load_cluster("sandbox", setup=[1])
+
+
+def test_code_snapshot_copies_the_tracked_files_and_records_the_commit(tmp_path: Path) -> None:
+    from hpcdist.launch.snapshot import create_snapshot
+
+    snap = create_snapshot(tmp_path / "run")
+    git = ["git", "-C", str(REPO)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                            check=True).stdout  # fmt: skip
+    record = json.loads((snap.path / "snapshot.json").read_text())
+    assert (record["git_commit"], record["dirty"], record["source"]) == (head, bool(status.strip()), str(REPO))
+    assert snap.path.parent == tmp_path / "run" / "code"
+    tracked = subprocess.run([*git, "ls-files", "--cached", "--others", "--exclude-standard"], capture_output=True,
+                             text=True, check=True).stdout.split()  # fmt: skip
+    assert record["files"] == len({f for f in tracked if (REPO / f).is_file()})
+    assert not (snap.path / ".venv").exists()  # ignored by git: not copied
+    assert (snap.path / "hpcdist" / "launch" / "submit.py").read_bytes() == Path(__file__).parents[2].joinpath(
+        "hpcdist", "launch", "submit.py").read_bytes()  # fmt: skip
+    assert snap.map(DEMO) == str(snap.path / "configs" / "demo.yaml") and snap.map("/etc/x.yaml") == "/etc/x.yaml"
+
+
+def test_status_and_cancel_of_a_local_job_from_its_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hpcdist.launch.records import record_job
+
+    controller = subprocess.Popen([SLEEP, "30"])  # stands in for the LocalExecutor's controller process
+    try:
+        record_job(tmp_path, {"job_id": str(controller.pid), "executor": "local", "folder": str(tmp_path / "slurm"),
+                              "num_tasks": 2, "snapshot": None})  # fmt: skip
+        argv = [str(controller.pid), "--run-dir", str(tmp_path)]
+        assert cli.main(["status", *argv]) == 0
+        assert ": RUNNING" in capsys.readouterr().out
+        assert cli.main(["cancel", *argv]) == 0
+        assert controller.wait(timeout=10) == -signal.SIGINT
+        assert cli.main(["status", *argv]) == 0
+        assert ": CANCELLED" in capsys.readouterr().out
+        assert cli.main(["cancel", *argv]) == 2
+        assert "has already ended" in capsys.readouterr().err
+    finally:
+        controller.kill()
+        controller.wait()
+
+
+def test_status_of_a_job_slurm_forgot_reads_the_run_dir(
+    fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plain `sbatch sbatch/train.sh` job that SLURM no longer remembers (no accounting): progress and attempts
+    from the run dir."""
+    monkeypatch.setenv("FAKE_STATE", "GONE")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 9, "loss": 3.5}\n{"split": "val", "step": 9, "loss": 3.0}\n')
+    (tmp_path / "restarts.json").write_text(json.dumps({"job_id": "77", "attempts": {"0": {}, "1": {}},
+                                                        "stopped": None}))  # fmt: skip
+    assert cli.main(["status", "77"]) == 2  # without the run dir: one line, the tool's error
+    assert cli.main(["status", "77", "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "job 77: SLURM does not know it now" in out and "step 9, loss 3.5000" in out
+    assert "restart ledger of job 77: 2 attempt(s)" in out

@@ -1,0 +1,120 @@
+"""What ``hpcdist status|logs|cancel`` read when SLURM cannot answer: the run directory's own records.
+
+``submit`` appends one line per job to ``<run.dir>/jobs.jsonl`` (id, executor, log folder, ranks, host, snapshot);
+a local-executor job's id is its controller's pid on that host. For any job (plain ``sbatch`` included) the run's
+metrics and restart ledger give its progress. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from hpcdist.rundir import RunDir
+
+__all__ = ["cancel_local", "find_job", "last_step", "local_state", "record_job", "run_summary"]
+
+
+def record_job(run_dir: str | os.PathLike[str], entry: dict[str, Any]) -> None:
+    """Append one submitted job (or an event such as a cancel) to the run's jobs.jsonl."""
+    path = RunDir(run_dir).jobs
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({**entry, "time": time.time(), "host": socket.gethostname()}) + "\n"
+    with open(path, "a", encoding="utf-8") as f:  # one short line per write: appends do not interleave
+        f.write(line)
+
+
+def find_job(job_id: str, run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The newest record of ``job_id`` in the run dir (later lines, e.g. a cancel, update earlier ones)."""
+    try:
+        lines = RunDir(run_dir).jobs.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    found: dict[str, Any] | None = None
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if str(entry.get("job_id")) == str(job_id):
+            found = {**(found or {}), **entry}
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def local_state(entry: dict[str, Any]) -> str:
+    """A local-executor job's state: RUNNING while its controller lives (on this host), else from the ranks'
+    result pickles: COMPLETED when every rank left a success, CANCELLED after ``hpcdist cancel``, else FAILED."""
+    if entry.get("host") != socket.gethostname():
+        return f"UNKNOWN (it runs on {entry.get('host')}; ask there)"
+    if _alive(int(entry["job_id"])):
+        return "RUNNING"
+    from submitit.core.utils import JobPaths, pickle_load  # each rank's result file, as JobHandle reads it
+
+    outcomes = []
+    for rank in range(int(entry["num_tasks"])):
+        path = JobPaths(Path(entry["folder"]), job_id=str(entry["job_id"]), task_id=rank).result_pickle
+        outcomes.append(pickle_load(path) if path.exists() else None)
+    if all(o is not None and o[0] == "success" for o in outcomes):
+        return "COMPLETED"
+    return "CANCELLED" if entry.get("cancelled") else "FAILED"
+
+
+def cancel_local(entry: dict[str, Any], run_dir: str | os.PathLike[str]) -> None:
+    """Interrupt a local job's controller (what submitit's LocalJob.cancel sends); OSError when it is not ours."""
+    if entry.get("host") != socket.gethostname():
+        raise OSError(f"job {entry['job_id']} runs on {entry.get('host')}; cancel it there")
+    pid = int(entry["job_id"])
+    if not _alive(pid):
+        raise OSError(f"job {pid} has already ended")
+    os.kill(pid, signal.SIGINT)
+    record_job(run_dir, {"job_id": entry["job_id"], "cancelled": True})
+
+
+def last_step(run_dir: str | os.PathLike[str]) -> tuple[int | None, float | None]:
+    """(step, loss) of the last training line in the run's metrics.jsonl."""
+    step = loss = None
+    try:
+        lines = RunDir(run_dir).metrics.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if "split" not in m and "loss" in m:
+            step, loss = m.get("step"), m.get("loss")
+    return step, loss
+
+
+def run_summary(run_dir: str | os.PathLike[str], job_id: str | None = None) -> str:
+    """Progress of the run (any job that trained in it, plain sbatch included): last step and loss, and the
+    restart ledger's attempts of ``job_id``."""
+    rd = RunDir(run_dir)
+    step, loss = last_step(run_dir)
+    lines = [f"run dir {rd.root}: " + (f"step {step}, loss {loss:.4f}" if step is not None and loss is not None
+                                       else "no training step logged yet")]  # fmt: skip
+    try:
+        ledger = json.loads(rd.restarts.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        ledger = None
+    if isinstance(ledger, dict) and (job_id is None or str(ledger.get("job_id")) == str(job_id)):
+        attempts, stopped = ledger.get("attempts") or {}, ledger.get("stopped")
+        lines.append(f"restart ledger of job {ledger.get('job_id')}: {len(attempts)} attempt(s)"
+                     + (f", stopped: {stopped}" if stopped else ""))  # fmt: skip
+    return "\n".join(lines)
