@@ -141,7 +141,7 @@ class Trainer:
             PrefetchLoader(loader, depth=cfg.data.prefetch, pin_memory=env.device == "cuda")
             if cfg.data.prefetch else loader
         )  # fmt: skip
-        self._data_wait = [0.0, 0.0]  # data-wait and step seconds since the last log line
+        self._data_wait = [0.0, 0.0, 0]  # data-wait seconds, step seconds and steps since the last log line
 
         args = cfg.model_args()
         model = build_model(args, device="meta")
@@ -221,6 +221,8 @@ class Trainer:
             load_dcp_state=self.strategy.load_dcp_state,
             trainer_state=self.trainer_state,
             load_trainer_state=self.load_trainer_state,
+            rank_state=self.strategy.rank_state,
+            load_rank_state=self.strategy.load_rank_state,
         )
 
     def trainer_state(self) -> dict[str, Any]:
@@ -351,6 +353,7 @@ class Trainer:
             step_s = time.perf_counter() - t0
             self._data_wait[0] += data_s
             self._data_wait[1] += step_s
+            self._data_wait[2] += 1
             self.throughput.update(self.tokens_per_step, step_s)
             self.watchdog.step_time(step_s)
             if self.metrics.due(self.step, last=end):
@@ -401,12 +404,18 @@ class Trainer:
             "data_wait_share": self._data_wait[0] / self._data_wait[1] if self._data_wait[1] else 0.0,
             **memory_stats(self.env.torch_device()),
         }
+        comm = self.strategy.comm_stats()
+        if comm is not None and self._data_wait[2]:
+            # rank 0's gradient traffic, measured by the DDP comm hook: bytes handed to all-reduce per step, and the
+            # share of step time a gradient bucket was in flight (overlapped with backward or not)
+            m["comm_bytes_per_step"] = comm[0] / self._data_wait[2]
+            m["comm_share"] = comm[1] / self._data_wait[1] if self._data_wait[1] else 0.0
         if self.cfg.train.nonfinite == "skip":
             m["nonfinite_skips"] = float(self.nonfinite.skipped_total)
         every = self.cfg.logging.replica_check_every_steps
         if every and self.step % every == 0 and self.strategy.has_replicas():
             m["replica_divergence"] = self._check_replicas()
-        self._data_wait = [0.0, 0.0]
+        self._data_wait = [0.0, 0.0, 0]
         self.metrics.log(self.step, m)
         log.info(format_line(self.step, self.cfg.train.steps, m))
         return m["loss"]
