@@ -48,6 +48,7 @@ from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.parallel.dims import parallel_dims
 from hpcdist.parallel.parallelize import build_strategy, describe_layout
+from hpcdist.profiling import StepProfiler
 from hpcdist.rundir import RunDir
 
 log = get_logger(__name__)
@@ -194,6 +195,11 @@ class Trainer:
         )  # fmt: skip
         self.saved_step = self.step if self.resumed_from else -1
         self._last_save = time.perf_counter()  # checkpoint.every_minutes (train() restarts the clock)
+        prof = cfg.logging.profile
+        self.profiler = StepProfiler(
+            self.run_dir, rank=env.rank, device=env.torch_device(), start_step=prof.start_step, steps=prof.steps,
+            memory=prof.memory,
+        )  # fmt: skip
         # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
         self.metrics = MetricsLogger(
             self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
@@ -326,6 +332,7 @@ class Trainer:
             self.stop_flag.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
             self.run_lock.release()
             raise
+        self.profiler.close()  # stopped inside its window: the steps recorded so far are written
         self.loader.close()  # prefetched batches are dropped: the saved sampler state never counted them
         with self.watchdog.phase(self.step, "stop agreement (last MAX all-reduce)"):
             self.stop_flag.close()
@@ -339,6 +346,7 @@ class Trainer:
     def _loop(self, end: int, result: TrainResult) -> None:
         cfg, phase = self.cfg, self.watchdog.phase  # a phase names the collective it waits in, for a hang report
         while self.step < end:
+            self.profiler.before_step(self.step + 1)
             t0 = time.perf_counter()
             with phase(self.step, "data + forward/backward (gradient all-reduce)"):
                 batch = self.loader.next_batch()
@@ -347,6 +355,7 @@ class Trainer:
             with phase(self.step, "optimizer step (grad-norm all-reduce)"):
                 grad_norm = self.strategy.optimizer_step(skip_nonfinite=cfg.train.nonfinite == "skip")
             self.step += 1
+            self.profiler.after_step(self.step)
             self.nonfinite.after_step(self.step, grad_norm, skipped=self.strategy.last_step_skipped)
             self.tokens_seen += self.tokens_per_step
 

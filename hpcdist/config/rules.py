@@ -106,6 +106,8 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "logging.replica_check_every_steps": (_BIG, ""),
     "logging.straggler_every_steps": (_BIG, ""),
     "logging.straggler_factor": (1e6, ""),
+    "logging.profile.steps": (10_000, "a trace grows with every profiled step"),
+    "logging.profile.start_step": (_BIG, ""),
 }
 # The shortest watchdog allowance accepted: 0.001 s fired during an ordinary checkpoint save, and 1 s during the
 # demo's second step on a busy 2-core machine (the allowance grows to 4x the slowest step only once steps are
@@ -291,6 +293,10 @@ def check(cfg: JobConfig) -> list[str]:
         p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {cfg.parallel.fsdp.replicate}")
     p += _check_zero(cfg)
     p += _check_comm_hook(cfg)
+    if cfg.logging.profile.steps < 0:
+        p.append(f"logging.profile.steps: must be >= 0 (0 = off), got {cfg.logging.profile.steps}")
+    if cfg.logging.profile.start_step < 1:
+        p.append(f"logging.profile.start_step: must be >= 1 (steps count from 1), got {cfg.logging.profile.start_step}")
     if cfg.parallel.strategy == "3d":
         p += _layout_problems(cfg, world_size=None)
     elif cfg.parallel.strategy in ("ddp", "fsdp", "zero"):

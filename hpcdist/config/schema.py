@@ -340,6 +340,19 @@ class FaultConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler over a few steps (``logging.profile:``); docs/PROFILING.md says how to open the files."""
+
+    steps: int = 0
+    """Steps to profile; 0 disables profiling."""
+    start_step: int = 5
+    """The first profiled step (1-based; after the first, slow steps). A run resumed past it profiles nothing."""
+    memory: bool = False
+    """Also record tensor memory in the trace and, on CUDA, dump an allocator snapshot (memory-rank-<r>.pickle,
+    for https://pytorch.org/memory_viz)."""
+
+
+@dataclass
 class LoggingConfig:
     """Metrics, MFU and the health checks that run with logging (``logging:``)."""
 
@@ -358,6 +371,8 @@ class LoggingConfig:
     check writes the `straggler` metrics. 0 disables."""
     straggler_factor: float = 1.5
     """How many times the lower median a rank's time must be to count as a straggler (> 1)."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """torch.profiler traces of steps start_step .. start_step + steps - 1, one per rank, in <run.dir>/profile/."""
 
 
 @dataclass

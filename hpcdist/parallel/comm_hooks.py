@@ -100,6 +100,42 @@ def timed(hook: Hook, meter: CommMeter) -> Hook:
     return wrapper
 
 
+def serialized(hook: Hook) -> Hook:
+    """The hook, each bucket started only once the previous bucket's future is done.
+
+    PowerSGD issues its second and third all-reduce (P, then Q) from callbacks on the first one's future. With
+    several buckets in flight those callbacks race, and two ranks can issue the same group's collectives in
+    different orders: gloo pairs them by issue order, so the job hangs (seen: 125m preset, 2 ranks, first compressed
+    step). Chaining the buckets makes the order the same on every rank; the price is no overlap between buckets'
+    compression (each still overlaps the rest of backward)."""
+    last: list[torch.futures.Future[torch.Tensor] | None] = [None]
+
+    def wrapper(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        prev = last[0]
+        if prev is None or prev.done():
+            fut = hook(state, bucket)
+        else:
+            fut = torch.futures.Future()
+
+            def relay(f: torch.futures.Future[torch.Tensor]) -> None:
+                try:
+                    fut.set_result(f.value())
+                except BaseException as e:  # the collective failed: DDP's wait raises it
+                    fut.set_exception(e)
+
+            def start(_: torch.futures.Future[torch.Tensor]) -> None:
+                try:
+                    hook(state, bucket).add_done_callback(relay)
+                except BaseException as e:
+                    fut.set_exception(e)
+
+            prev.add_done_callback(start)
+        last[0] = fut
+        return fut
+
+    return wrapper
+
+
 class CommHook:
     """One DDP model's registered hook: its meter and (PowerSGD) its state. ``warmup`` makes the bypass hook."""
 
@@ -126,7 +162,7 @@ class CommHook:
                     warm_start=p.get("warm_start", True),
                 )  # fmt: skip
                 batched = p.get("batched", False)
-                hook = powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook
+                hook = serialized(powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook)
                 state = self.powersgd
             case _:
                 raise ValueError(f"parallel.ddp.comm_hook: unknown hook {name!r}")

@@ -25,7 +25,10 @@ STEPS = 24
 # smallest weight matrices 128 x 64 (GQA's wk/wv), so rank 2 compresses each >= 10x (128*64 / (2*(128+64)) = 21)
 OVER = (f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4", "model.dim=128",
         "model.ffn_dim=256", "optim.warmup_steps=4", "checkpoint.save_final=false")  # fmt: skip
-POWERSGD = ("parallel.ddp.comm_hook=powersgd", "parallel.ddp.powersgd.rank=2", "parallel.ddp.powersgd.start_iter=2")
+# bucket_cap_mb=1 splits the ~1.3 MB of gradients into 2 buckets: PowerSGD's collectives of two buckets in flight
+# must reach gloo in the same order on every rank (comm_hooks.serialized)
+POWERSGD = ("parallel.ddp.comm_hook=powersgd", "parallel.ddp.powersgd.rank=2", "parallel.ddp.powersgd.start_iter=2",
+            "parallel.bucket_cap_mb=1")  # fmt: skip
 
 
 def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
@@ -95,7 +98,7 @@ def test_powersgd_exact_resume(small_cfg, hook_runs, tmp_path: Path) -> None:
     ((step, path),) = list_checkpoints(cfg.checkpoint_dir)[0]
     assert step == 5
     own = [torch.load(path / RANK_DIR / f"rank-{r:05d}.pt", weights_only=True)["comm_hook"] for r in (0, 1)]
-    assert own[0]["iter"] == own[1]["iter"] == 5 and own[0]["error"]
+    assert own[0]["iter"] == own[1]["iter"] == 5 and len(own[0]["error"]) == len(own[0]["q"]) == 2  # two buckets
     assert any(not torch.equal(own[0]["error"][k], own[1]["error"][k]) for k in own[0]["error"])
     second = run_ranks(2, _train, cfg)[0]
     assert second["resumed"] and second["step"] == STEPS
