@@ -618,7 +618,10 @@ class CheckpointManager:
         # absent when resuming on more ranks than saved: those ranks keep their seeded RNG
         rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
         own_file = path / RANK_DIR / f"rank-{self.rank:05d}.pt"
-        own = torch.load(own_file, weights_only=True) if own_file.is_file() else {}
+        # a rank's own state (PowerSGD's error feedback) belongs to that rank of that world: on another world size
+        # every rank starts it fresh
+        same_world = trainer_state.get("world_size") == self.world_size
+        own = torch.load(own_file, weights_only=True) if same_world and own_file.is_file() else {}
         dest = state.dcp_state()
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
         saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}

@@ -7,7 +7,6 @@ docs/PROFILING.md explains them, and the NCCL flight-recorder dumps the hang wat
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -52,9 +51,7 @@ class StepProfiler:
         prof.stop()
         self.dir.mkdir(parents=True, exist_ok=True)
         trace = self.dir / f"trace-rank-{self.rank:05d}.json"
-        tmp = trace.with_suffix(f".json.tmp{os.getpid()}")
-        prof.export_chrome_trace(str(tmp))
-        os.replace(tmp, trace)  # a reader never sees half a trace
+        prof.export_chrome_trace(str(trace))  # written once, read by people only: no atomic replace needed
         if self._cuda_memory:
             torch.cuda.memory._dump_snapshot(str(self.dir / f"memory-rank-{self.rank:05d}.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)

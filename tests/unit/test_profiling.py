@@ -18,7 +18,7 @@ def test_three_step_profile_writes_a_trace_that_loads(small_cfg, tmp_path) -> No
                     "checkpoint.save_final=false", run_dir=tmp_path / "run")  # fmt: skip
     assert single(_train, cfg) == 5
     files = sorted(p.name for p in RunDir(tmp_path / "run").profile.iterdir())
-    assert files == ["trace-rank-00000.json"]  # no temporary left behind; no memory snapshot without CUDA
+    assert files == ["trace-rank-00000.json"]  # no memory snapshot without CUDA
     trace = json.loads((RunDir(tmp_path / "run").profile / files[0]).read_text())
     events = trace["traceEvents"]
     names = {e.get("name", "") for e in events}
