@@ -85,6 +85,8 @@ def _rank(env: DistEnv, cfg: JobConfig, warmup: int) -> dict[str, Any]:
 
 
 def measure(cfg_path: str, overrides: list[str], a: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
     from tests.dist.harness import run_ranks, single
 
     overrides = overrides if a.real_data else [*overrides, "data.source=synthetic"]
@@ -94,6 +96,7 @@ def measure(cfg_path: str, overrides: list[str], a: argparse.Namespace) -> list[
         with tempfile.TemporaryDirectory() as tmp:
             cfg = bench_config(cfg_path, overrides, world, per_rank, a.warmup + a.steps, tmp, a.comm_hook)
             load0 = os.getloadavg()[0]
+            torch.set_num_threads(1)  # as every forked rank (tests.dist.harness): 1 rank must not get all cores
             outs = run_ranks(world, _rank, cfg, a.warmup) if world > 1 else [single(_rank, cfg, a.warmup)]
         tokens = per_rank * cfg.data.seq_len
         medians = [statistics.median(o["step_s"]) for o in outs]
