@@ -5,6 +5,8 @@ Layout of one checkpoint, ``<dir>/step-00001234/``:
     *.distcp, .metadata     model + optimizer shards, written by every rank through DCP
     trainer_state.json      step, tokens seen, data sampler, LR scheduler (rank 0)
     rng/rank-00003.pt       each rank's RNG states (plain tensors: loadable with weights_only=True)
+    rank/rank-00003.pt      each rank's own state no other rank holds, when it has some (PowerSGD's error
+                            feedback and P/Q memories); plain tensors too
     MANIFEST.json           size and sha256 of every file above, each hashed by the rank that wrote it (while the
                             pages are in its node's cache), written by rank 0; "hashed_by": bytes per rank.
                             Sync save: the parts are gathered by a collective; async save: each rank leaves its
@@ -63,6 +65,7 @@ PARTS_DIR = ".manifest"  # async save: each rank's part of the manifest, merged 
 ASYNC_PARTS_TIMEOUT_S = 3600.0
 KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_kill_point
 STATE_FILE = "trainer_state.json"
+RANK_DIR = "rank"  # rank/rank-<r>.pt: each rank's own state (Checkpointable.rank_state)
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 log = get_logger(__name__)
 
@@ -156,6 +159,10 @@ class Checkpointable:
     save_planner: Any = None
     """A DCP SavePlanner for ``dcp_state`` (None: DCP's default). ``hpcdist import`` passes one that reads each
     tensor from the Hugging Face files only when it is written (hpcdist.hf.import_.HFSavePlanner)."""
+    rank_state: Callable[[], dict[str, Any]] = dict
+    """This rank's own state (differs per rank, e.g. PowerSGD error feedback): rank/rank-<r>.pt when not empty."""
+    load_rank_state: Callable[[dict[str, Any]], None] = lambda _: None
+    """Called with the saved dict, or an empty one when this rank has none (more ranks than saved)."""
 
 
 class CheckpointManager:
@@ -245,6 +252,10 @@ class CheckpointManager:
 
     def _write_local(self, path: Path, state: Checkpointable) -> None:
         torch.save(_rng_state(), path / "rng" / f"rank-{self.rank:05d}.pt")
+        own = state.rank_state()
+        if own:  # inside the step directory: it counts only once COMPLETE is written after every rank's files
+            (path / RANK_DIR).mkdir(exist_ok=True)
+            torch.save(own, path / RANK_DIR / f"rank-{self.rank:05d}.pt")
         if self.rank == 0:
             atomic_write(path / STATE_FILE, json.dumps(state.trainer_state(), indent=1))
 
@@ -614,6 +625,11 @@ class CheckpointManager:
         rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
         # absent when resuming on more ranks than saved: those ranks keep their seeded RNG
         rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
+        own_file = path / RANK_DIR / f"rank-{self.rank:05d}.pt"
+        # a rank's own state (PowerSGD's error feedback) belongs to that rank of that world: on another world size
+        # every rank starts it fresh
+        same_world = trainer_state.get("world_size") == self.world_size
+        own = torch.load(own_file, weights_only=True) if same_world and own_file.is_file() else {}
         dest = state.dcp_state()
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
         saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
@@ -625,6 +641,7 @@ class CheckpointManager:
             dcp.load(dest, checkpoint_id=str(path))
         state.load_dcp_state(dest)
         state.load_trainer_state(trainer_state)
+        state.load_rank_state(own)
         if rng is not None:
             _set_rng_state(rng)
         return trainer_state

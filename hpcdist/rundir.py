@@ -105,6 +105,12 @@ class RunDir:
         """One heartbeat file per rank for the hang watchdog (fault/hang.py)."""
         return self.root / "heartbeats"
 
+    @property
+    def profile(self) -> Path:
+        """logging.profile: a torch.profiler Chrome trace per rank (trace-rank-<r>.json) and, on CUDA with
+        logging.profile.memory, a memory snapshot per rank (memory-rank-<r>.pickle)."""
+        return self.root / "profile"
+
     def error_log(self, when: str, pid: int) -> Path:
         """Where the CLI's last-resort handler keeps an unexpected error's traceback (``when``: a timestamp)."""
         return self.root / f"hpcdist-error-{when}-{pid}.log"

@@ -50,6 +50,7 @@ from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.models.hf_config import is_hf_dir
 from hpcdist.parallel.dims import parallel_dims
 from hpcdist.parallel.parallelize import build_strategy, describe_layout
+from hpcdist.profiling import StepProfiler
 from hpcdist.prometheus_metrics import PrometheusExporter
 from hpcdist.run_summary import format_summary, previous_best_eval, write_summary
 from hpcdist.rundir import RunDir
@@ -146,7 +147,7 @@ class Trainer:
             PrefetchLoader(loader, depth=cfg.data.prefetch, pin_memory=env.device == "cuda")
             if cfg.data.prefetch else loader
         )  # fmt: skip
-        self._data_wait = [0.0, 0.0]  # data-wait and step seconds since the last log line
+        self._data_wait = [0.0, 0.0, 0]  # data-wait seconds, step seconds and steps since the last log line
 
         args = cfg.model_args()
         model = build_model(args, device="meta")
@@ -205,6 +206,11 @@ class Trainer:
         )  # fmt: skip
         self.saved_step = self.step if self.resumed_from else -1
         self._last_save = time.perf_counter()  # checkpoint.every_minutes (train() restarts the clock)
+        prof = cfg.logging.profile
+        self.profiler = StepProfiler(
+            self.run_dir, rank=env.rank, device=env.torch_device(), start_step=prof.start_step, steps=prof.steps,
+            memory=prof.memory,
+        )  # fmt: skip
         # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
         self.metrics = MetricsLogger(
             self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
@@ -233,6 +239,8 @@ class Trainer:
             load_dcp_state=self.strategy.load_dcp_state,
             trainer_state=self.trainer_state,
             load_trainer_state=self.load_trainer_state,
+            rank_state=self.strategy.rank_state,
+            load_rank_state=self.strategy.load_rank_state,
         )
 
     def trainer_state(self) -> dict[str, Any]:
@@ -344,6 +352,7 @@ class Trainer:
             self.stop_flag.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
             self.run_lock.release()
             raise
+        self.profiler.close()  # stopped inside its window: the steps recorded so far are written
         self.loader.close()  # prefetched batches are dropped: the saved sampler state never counted them
         with self.watchdog.phase(self.step, "stop agreement (last MAX all-reduce)"):
             self.stop_flag.close()
@@ -358,6 +367,7 @@ class Trainer:
     def _loop(self, end: int, result: TrainResult) -> None:
         cfg, phase = self.cfg, self.watchdog.phase  # a phase names the collective it waits in, for a hang report
         while self.step < end:
+            self.profiler.before_step(self.step + 1)
             t0 = time.perf_counter()
             with phase(self.step, "data + forward/backward (gradient all-reduce)"):
                 batch = self.loader.next_batch()
@@ -366,12 +376,14 @@ class Trainer:
             with phase(self.step, "optimizer step (grad-norm all-reduce)"):
                 grad_norm = self.strategy.optimizer_step(skip_nonfinite=cfg.train.nonfinite == "skip")
             self.step += 1
+            self.profiler.after_step(self.step)
             self.nonfinite.after_step(self.step, grad_norm, skipped=self.strategy.last_step_skipped)
             self.tokens_seen += self.tokens_per_step
 
             step_s = time.perf_counter() - t0
             self._data_wait[0] += data_s
             self._data_wait[1] += step_s
+            self._data_wait[2] += 1
             self.throughput.update(self.tokens_per_step, step_s)
             self.prom.step(step_s, samples=cfg.train.global_batch_size, tokens=self.tokens_per_step)
             self.watchdog.step_time(step_s)
@@ -423,12 +435,18 @@ class Trainer:
             "data_wait_share": self._data_wait[0] / self._data_wait[1] if self._data_wait[1] else 0.0,
             **memory_stats(self.env.torch_device()),
         }
+        comm = self.strategy.comm_stats()
+        if comm is not None and self._data_wait[2]:
+            # rank 0's gradient traffic, measured by the DDP comm hook: bytes handed to all-reduce per step, and the
+            # share of step time a gradient bucket was in flight (overlapped with backward or not)
+            m["comm_bytes_per_step"] = comm[0] / self._data_wait[2]
+            m["comm_share"] = comm[1] / self._data_wait[1] if self._data_wait[1] else 0.0
         if self.cfg.train.nonfinite == "skip":
             m["nonfinite_skips"] = float(self.nonfinite.skipped_total)
         every = self.cfg.logging.replica_check_every_steps
         if every and self.step % every == 0 and self.strategy.has_replicas():
             m["replica_divergence"] = self._check_replicas()
-        self._data_wait = [0.0, 0.0]
+        self._data_wait = [0.0, 0.0, 0]
         self.metrics.log(self.step, m)
         own = m.get("mem_reserved_gib", m.get("mem_rss_gib"))
         self.prom.log(m, samples_per_token=1 / self.cfg.data.seq_len,

@@ -82,6 +82,8 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "train.eval_batches": (2**20, ""),
     "train.max_nonfinite_skips": (2**20, ""),
     "parallel.bucket_cap_mb": (2**20, ""),
+    "parallel.ddp.powersgd.rank": (2**16, ""),
+    "parallel.ddp.powersgd.start_iter": (_BIG, ""),
     "parallel.fsdp.replicate": (2**20, "ranks"),
     "parallel.zero.reduce_bucket_size": (2**40, ""),
     "parallel.zero.allgather_bucket_size": (2**40, ""),
@@ -107,6 +109,8 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "logging.straggler_every_steps": (_BIG, ""),
     "logging.straggler_factor": (1e6, ""),
     "logging.prometheus.port": (65535, ""),
+    "logging.profile.steps": (10_000, "a trace grows with every profiled step"),
+    "logging.profile.start_step": (_BIG, ""),
 }
 # The shortest watchdog allowance accepted: 0.001 s fired during an ordinary checkpoint save, and 1 s during the
 # demo's second step on a busy 2-core machine (the allowance grows to 4x the slowest step only once steps are
@@ -309,6 +313,11 @@ def check(cfg: JobConfig) -> list[str]:
     if cfg.parallel.fsdp.replicate < 1:
         p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {cfg.parallel.fsdp.replicate}")
     p += _check_zero(cfg)
+    p += _check_comm_hook(cfg)
+    if cfg.logging.profile.steps < 0:
+        p.append(f"logging.profile.steps: must be >= 0 (0 = off), got {cfg.logging.profile.steps}")
+    if cfg.logging.profile.start_step < 1:
+        p.append(f"logging.profile.start_step: must be >= 1 (steps count from 1), got {cfg.logging.profile.start_step}")
     if cfg.parallel.strategy == "3d":
         p += _layout_problems(cfg, world_size=None)
     elif cfg.parallel.strategy in ("ddp", "fsdp", "zero"):
@@ -425,6 +434,34 @@ def _named_checkpoint(key: str, value: str, alternatives: str) -> list[str]:
                 "directory, an interrupted save or a damaged one); name a step-XXXXXXXX directory that holds "
                 f"{CHECKPOINT_MARKER}"]  # fmt: skip
     return []
+
+
+COMM_HOOKS = ("none", "allreduce", "bf16", "fp16", "powersgd")
+# why a DDP comm hook cannot apply under the other strategies, and the lever each has instead
+_NO_COMM_HOOK = {
+    "zero": "DeepSpeed reduces gradients itself (its compressed optimizers, 1-bit Adam / 0/1 Adam, need the NCCL "
+    "or MPI backend)",
+    "fsdp": "FSDP reduce-scatters gradients itself; its lever is parallel.fsdp.reduce_dtype=bf16",
+    "3d": "FSDP reduce-scatters gradients on dp; its lever is parallel.fsdp.reduce_dtype=bf16",
+    "auto": "the planner may pick a sharded layout; set parallel.strategy=ddp",
+}
+
+
+def _check_comm_hook(cfg: JobConfig) -> list[str]:
+    d = cfg.parallel.ddp
+    p = _choice("parallel.ddp.comm_hook", d.comm_hook, COMM_HOOKS)
+    if d.comm_hook != "none" and cfg.parallel.strategy in _NO_COMM_HOOK:
+        why = _NO_COMM_HOOK[cfg.parallel.strategy]
+        p.append(f"parallel.ddp.comm_hook={d.comm_hook}: applies to parallel.strategy=ddp only ({why})")
+    s = d.powersgd
+    if s.rank < 1:
+        p.append(f"parallel.ddp.powersgd.rank: must be >= 1, got {s.rank}")
+    if (s.use_error_feedback or s.warm_start) and s.start_iter < 2:
+        p.append(f"parallel.ddp.powersgd.start_iter: must be >= 2 with use_error_feedback or warm_start (DDP "
+                 f"rebuilds its buckets after the first step), got {s.start_iter}")  # fmt: skip
+    elif s.start_iter < 0:
+        p.append(f"parallel.ddp.powersgd.start_iter: must be >= 0, got {s.start_iter}")
+    return p
 
 
 def _check_zero(cfg: JobConfig) -> list[str]:

@@ -192,6 +192,38 @@ class ZeroConfig:
 
 
 @dataclass
+class PowerSGDConfig:
+    """PowerSGD gradient compression (parallel.ddp.comm_hook=powersgd; torch's ``PowerSGDState``)."""
+
+    rank: int = 4
+    """Rank of the low-rank approximation of each gradient matrix: traffic per n x m matrix falls from n*m to
+    rank*(n+m) elements. 1-4 is typical; higher converges closer to uncompressed."""
+    start_iter: int = 10
+    """Optimizer steps of plain all-reduce before compression starts (warm-up: early gradients change fast).
+    At least 2 with error feedback or warm start (torch's rule: DDP rebuilds its buckets after the first step)."""
+    use_error_feedback: bool = True
+    """Add the previous step's compression error to this step's gradient (keeps convergence near uncompressed)."""
+    warm_start: bool = True
+    """Reuse last step's Q matrices as the starting point of the power iteration (one iteration then suffices)."""
+    batched: bool = False
+    """Compress each bucket as one flattened square matrix (torch's batched_powerSGD_hook): fewer, larger
+    collectives, a coarser approximation."""
+
+
+@dataclass
+class DDPConfig:
+    """DDP settings (parallel.strategy=ddp)."""
+
+    comm_hook: str = "none"
+    """Gradient communication hook: none (DDP's built-in fp32 all-reduce, not measured), allreduce (the same
+    fp32 all-reduce through torch's hook, so its bytes and time are measured), bf16 / fp16 (gradients sent in half
+    precision: half the bytes), powersgd (low-rank compression, parallel.ddp.powersgd). Every hook but none logs
+    ``comm_bytes_per_step`` and ``comm_share``."""
+    powersgd: PowerSGDConfig = field(default_factory=PowerSGDConfig)
+    """PowerSGD settings (comm_hook=powersgd)."""
+
+
+@dataclass
 class ParallelConfig:
     """How the job is spread over its ranks (``parallel:``)."""
 
@@ -204,6 +236,8 @@ class ParallelConfig:
     planner assumes."""
     bucket_cap_mb: int = 25
     """DDP gradient bucket size."""
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    """DDP settings: gradient compression hooks (parallel.strategy=ddp)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 / HSDP settings (parallel.strategy=fsdp)."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
@@ -346,6 +380,19 @@ class PrometheusConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler over a few steps (``logging.profile:``); docs/PROFILING.md says how to open the files."""
+
+    steps: int = 0
+    """Steps to profile; 0 disables profiling."""
+    start_step: int = 5
+    """The first profiled step (1-based; after the first, slow steps). A run resumed past it profiles nothing."""
+    memory: bool = False
+    """Also record tensor memory in the trace and, on CUDA, dump an allocator snapshot (memory-rank-<r>.pickle,
+    for https://pytorch.org/memory_viz)."""
+
+
+@dataclass
 class LoggingConfig:
     """Metrics, MFU and the health checks that run with logging (``logging:``)."""
 
@@ -371,6 +418,8 @@ class LoggingConfig:
     """MLflow run (rank 0), same contents and resume as wandb."""
     prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
     """Prometheus metrics of every node (its local rank 0): throughput, step time, loss, memory, restarts."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """torch.profiler traces of steps start_step .. start_step + steps - 1, one per rank, in <run.dir>/profile/."""
 
 
 @dataclass

@@ -195,7 +195,21 @@ class Strategy:
             out[category] = total
         return out
 
+    # ------------------------------------------------------------------------------------------ communication
+    def comm_stats(self) -> tuple[int, float] | None:
+        """(bytes sent, seconds in flight) by the gradient communication hook since the last call; None without
+        one (only DDP with parallel.ddp.comm_hook has one)."""
+        return None
+
     # ------------------------------------------------------------------------------------------ checkpoint
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's own state that no other rank holds (PowerSGD's error feedback): plain tensors and numbers,
+        saved in a per-rank file of the checkpoint. Empty: nothing to save."""
+        return {}
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``rank_state`` returned on this rank (an empty dict: none was saved for it)."""
+
     def dcp_state(self) -> dict[str, Any]:
         """Model + optimizer state keyed by the unwrapped model's FQNs (DDP/AC/compile prefixes stripped), so a
         checkpoint loads into any strategy and world size."""

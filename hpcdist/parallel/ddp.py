@@ -11,13 +11,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpcdist.parallel.base import Strategy
+from hpcdist.parallel.comm_hooks import CommHook, register
 
 
-def apply_ddp(model: nn.Module, *, device: torch.device, bucket_cap_mb: int) -> nn.Module:
-    """Wrap a materialized model in DDP (no-op without a multi-rank process group)."""
+def apply_ddp(
+    model: nn.Module, *, device: torch.device, bucket_cap_mb: int, comm_hook: CommHook | None = None,
+    warmup_input: torch.Tensor | None = None,
+) -> nn.Module:  # fmt: skip
+    """Wrap a materialized model in DDP (no-op without a multi-rank process group); ``comm_hook``: a gradient
+    communication hook (``warmup_input``: one batch of token ids for PowerSGD's bucket-layout warm-up)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return model
-    return DDP(
+    ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
@@ -25,13 +30,37 @@ def apply_ddp(model: nn.Module, *, device: torch.device, bucket_cap_mb: int) -> 
         find_unused_parameters=False,
         gradient_as_bucket_view=True,
     )
+    if comm_hook is not None:
+        assert warmup_input is not None
+        register(ddp, comm_hook, warmup_input.to(device))
+    return ddp
 
 
 class DDPStrategy(Strategy):
-    def __init__(self, model: nn.Module, *, bucket_cap_mb: int, **kwargs: Any):
+    def __init__(
+        self, model: nn.Module, *, bucket_cap_mb: int, comm_hook: str = "none",
+        powersgd: dict[str, Any] | None = None, seq_len: int = 8, **kwargs: Any,
+    ):  # fmt: skip
+        """``comm_hook``: parallel.ddp.comm_hook; ``powersgd``: its settings; ``seq_len``: tokens per sample (the
+        PowerSGD warm-up batch)."""
         super().__init__(**kwargs)
         self.module = model
-        self.model = apply_ddp(model, device=self.device, bucket_cap_mb=bucket_cap_mb)
+        replicas = dist.is_initialized() and dist.get_world_size() > 1
+        self.comm_hook = CommHook(comm_hook, powersgd=powersgd) if replicas and comm_hook != "none" else None
+        self.model = apply_ddp(
+            model, device=self.device, bucket_cap_mb=bucket_cap_mb, comm_hook=self.comm_hook,
+            warmup_input=torch.zeros(1, seq_len, dtype=torch.long),
+        )  # fmt: skip
+
+    def comm_stats(self) -> tuple[int, float] | None:
+        return self.comm_hook.meter.take() if self.comm_hook is not None else None
+
+    def rank_state(self) -> dict[str, Any]:
+        return {"comm_hook": self.comm_hook.state_dict()} if self.comm_hook is not None else {}
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        if self.comm_hook is not None:
+            self.comm_hook.load_state_dict(state.get("comm_hook", {}), self.device)
 
     def _sync_context(self, is_last: bool) -> contextlib.AbstractContextManager[Any]:
         # gradient accumulation: all-reduce only on the last micro-batch of the step

@@ -10,6 +10,7 @@ meta tensors, so no rank ever holds the whole model. ZeRO hands the materialized
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +114,11 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer) -> Strategy
     }
     strategy: Strategy
     if not dims.needs_mesh:  # pure replication (or one rank): one whole model, DDP when there are replicas
-        strategy = DDPStrategy(stages.parts[0], bucket_cap_mb=cfg.parallel.bucket_cap_mb, **common)
+        ddp = cfg.parallel.ddp
+        strategy = DDPStrategy(
+            stages.parts[0], bucket_cap_mb=cfg.parallel.bucket_cap_mb, comm_hook=ddp.comm_hook,
+            powersgd=dataclasses.asdict(ddp.powersgd), seq_len=cfg.data.seq_len, **common,
+        )  # fmt: skip
     else:
         strategy = MeshStrategy(
             stages.parts, dims=dims, meshes=meshes, stage_ids=stages.ids, num_stages=stages.num_stages,

@@ -1,0 +1,106 @@
+"""One GPU: bf16 training under each strategy that fits one device, DCP with CUDA tensors (sync and async),
+the CUDA paths of the metrics, and nccl_check's device health and NCCL version lookup."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hpcdist.config import JobConfig
+from hpcdist.env import destroy_process_group, from_environ, init_process_group
+from hpcdist.rundir import RunDir
+from hpcdist.trainer import Trainer
+from tests.dist.harness import free_port
+
+GPU_SMALL = ("train.dtype=bf16", "logging.peak_flops=null", "logging.every_steps=1", "train.global_batch_size=8",
+             "train.micro_batch_size=4", "checkpoint.save_final=false")  # fmt: skip
+
+
+def _one_gpu(fn, *args):
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TORCHELASTIC_RUN_ID="gpu")  # fmt: skip
+    env = from_environ(cuda_available=True)
+    assert env.device.startswith("cuda")
+    init_process_group(env, timeout_s=300)
+    try:
+        return fn(env, *args)
+    finally:
+        destroy_process_group()
+
+
+def _train(env, cfg: JobConfig, until: int | None = None) -> dict:
+    trainer = Trainer(cfg, env)
+    result = trainer.train(until=until)
+    return {"losses": result.losses, "step": result.step}
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero"])
+def test_bf16_training_on_one_gpu(small_cfg, tmp_path: Path, strategy: str) -> None:
+    """Each strategy trains in bf16 on one GPU: the loss falls, memory and MFU (vs the bf16 peak) are reported."""
+    cfg = small_cfg(*GPU_SMALL, "train.steps=20", f"parallel.strategy={strategy}", run_dir=tmp_path)
+    out = _one_gpu(_train, cfg)
+    losses = [out["losses"][s] for s in sorted(out["losses"])]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    last = _metrics(tmp_path)[-1]
+    assert last["mem_alloc_gib"] > 0 and 0 < last["mem_pct"] <= 100
+    assert 0 < last["mfu"] < 1  # against the device's bf16 peak (hpcdist.metrics.GPU_PEAK_FLOPS)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_exact_resume_with_cuda_checkpoints(small_cfg, tmp_path: Path, async_save: bool) -> None:
+    """DCP writes the CUDA tensors (sync and async) and reads them back: the resumed run's losses match an
+    uninterrupted one (to bf16 round-off: GPU kernels may reorder reductions between runs)."""
+    over = (*GPU_SMALL, "train.steps=6", "checkpoint.every_steps=3", f"checkpoint.async_save={str(async_save).lower()}")
+    straight = _one_gpu(_train, small_cfg(*over, run_dir=tmp_path / "a"))
+    cfg = small_cfg(*over, run_dir=tmp_path / "b")
+    _one_gpu(_train, cfg, 3)
+    resumed = _one_gpu(_train, cfg)
+    ref = [straight["losses"][s] for s in (4, 5, 6)]
+    torch.testing.assert_close([resumed["losses"][s] for s in (4, 5, 6)], ref, rtol=2e-2, atol=0)
+
+
+def test_dcp_round_trip_of_cuda_tensors(tmp_path: Path) -> None:
+    state = {"w": torch.randn(64, 32, device="cuda"), "b": torch.arange(7, device="cuda", dtype=torch.bfloat16)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "sync"))
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(dest, checkpoint_id=str(tmp_path / "sync"))
+    assert all(dest[k].is_cuda and torch.equal(dest[k], state[k]) for k in state)
+    dcp.async_save(state, checkpoint_id=str(tmp_path / "async")).result()
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(dest, checkpoint_id=str(tmp_path / "async"))
+    assert all(torch.equal(dest[k], state[k]) for k in state)
+
+
+def test_cuda_metrics() -> None:
+    from hpcdist.metrics import gpu_peak_flops, memory_stats, peak_flops
+
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    stats = memory_stats("cuda")
+    assert stats["mem_alloc_gib"] >= 64 / 1024 and stats["mem_reserved_gib"] >= stats["mem_alloc_gib"]
+    del x
+    name = torch.cuda.get_device_name(0)
+    table = gpu_peak_flops(name)
+    peak = peak_flops(torch.device("cuda"))
+    assert peak > 1e12  # the table's bf16 peak, or measured when the device is not in it
+    if table is not None:
+        assert peak == table
+
+
+def test_nccl_check_device_health_and_nccl_version() -> None:
+    from hpcdist.diagnostics.audit import _nccl_version
+    from hpcdist.diagnostics.health import device_health
+
+    health = device_health("cuda:0")
+    assert health["ok"], health
+    assert health["name"] == torch.cuda.get_device_name(0) and health["max_rel_err"] < 1e-2
+    version = _nccl_version()
+    assert version is not None and version[0].isdigit(), version
