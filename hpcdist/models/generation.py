@@ -120,5 +120,6 @@ def generate(
             return GenerationResult(out, "eos")
         out.append(int(token))
         step_input = token[:, None]  # (1, 1)
-        seq = torch.cat([seq, step_input], dim=1)
+        if cache is None:
+            seq = torch.cat([seq, step_input], dim=1)
     return GenerationResult(out, "max_new_tokens" if budget == max_new_tokens else "max_seq_len")
