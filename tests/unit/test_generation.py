@@ -53,12 +53,12 @@ def test_greedy_generation_with_cache_equals_without() -> None:
 def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy() -> None:
     model = _model(init_std=0.02)  # near-uniform logits: sampling spreads over many tokens
     hot = SamplingConfig(temperature=1.0)
-    a = generate(model, [1, 2], max_new_tokens=30, sampling=hot, seed=7)
-    b = generate(model, [1, 2], max_new_tokens=30, sampling=hot, seed=7, use_cache=False)
-    c = generate(model, [1, 2], max_new_tokens=30, sampling=hot, seed=8)
+    a = generate(model, [1, 2], max_new_tokens=20, sampling=hot, seed=7)
+    b = generate(model, [1, 2], max_new_tokens=20, sampling=hot, seed=7, use_cache=False)
+    c = generate(model, [1, 2], max_new_tokens=20, sampling=hot, seed=8)
     assert a.tokens == b.tokens and a.tokens != c.tokens
-    top1 = generate(model, [1, 2], max_new_tokens=30, sampling=SamplingConfig(temperature=1.0, top_k=1), seed=7)
-    assert top1.tokens == generate(model, [1, 2], max_new_tokens=30).tokens
+    top1 = generate(model, [1, 2], max_new_tokens=20, sampling=SamplingConfig(temperature=1.0, top_k=1), seed=7)
+    assert top1.tokens == generate(model, [1, 2], max_new_tokens=20).tokens
 
 
 def test_top_k_samples_only_the_k_most_likely() -> None:
