@@ -35,6 +35,8 @@ EPILOG = """examples:
   hpcdist status 1234; hpcdist logs 1234 --rank 3 --err; hpcdist cancel 1234
   hpcdist export runs/demo --out hf/demo             # newest checkpoint -> Hugging Face Llama directory
   hpcdist import hf/llama --out ckpt/llama           # Hugging Face Llama -> step-0 checkpoint
+  hpcdist generate runs/demo --prompt "def main(" --max-new-tokens 64   # text from the newest checkpoint
+  hpcdist eval runs/demo --data data/heldout --json eval.json          # loss and perplexity on held-out data
 """
 
 
@@ -180,6 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     _add_report_parser(sub)
     _add_hf_parsers(sub)
+    _add_model_parsers(sub)
     return p
 
 
@@ -388,6 +391,62 @@ def _add_hf_parsers(sub: argparse._SubParsersAction) -> None:
     )
     im.add_argument("hf_dir", metavar="HF_DIR")
     im.add_argument("--out", type=Path, required=True, help="new checkpoints directory")
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
+    where = ("CHECKPOINT: a run directory (its newest complete checkpoint), its checkpoints/ directory, or one "
+             "step-N checkpoint of any strategy and world size; the model's shape and tokenizer come from the run's "
+             "config.yaml and prepared data")  # fmt: skip
+    g = sub.add_parser(
+        "generate",
+        help="generate text from a trained checkpoint (one process, KV cache)",
+        description=f"Continue --prompt with the trained model and print the text. {where}.",
+    )
+    g.add_argument("checkpoint", type=Path, metavar="CHECKPOINT")
+    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64, help="at most this many new tokens (64)")
+    g.add_argument("--temperature", type=_nonnegative_float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-k", type=_nonnegative_int, default=0, help="sample among the k most likely (0 = all)")
+    g.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass (1 = all)")
+    g.add_argument("--seed", type=_nonnegative_int, default=0, help="sampling seed: the same seed, the same text")
+    g.add_argument("--no-cache", action="store_true", help="re-run the whole sequence per token (slow; a reference)")
+    g.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stop reason, timing)")
+
+    e = sub.add_parser(
+        "eval",
+        help="loss and perplexity of a trained checkpoint on a held-out prepared dataset",
+        description=f"Mean next-token cross-entropy and perplexity on the first --batches batches of --data, read in "
+        f"order (a directory made by `hpcdist prepare` with the run's tokenizer). {where}.",
+    )
+    e.add_argument("checkpoint", type=Path, metavar="CHECKPOINT")
+    e.add_argument("--data", type=Path, required=True, help="prepared dataset (hpcdist prepare --out DIR)")
+    e.add_argument("--batches", type=_positive_int, help="batches to evaluate (default: the run's train.eval_batches)")
+    e.add_argument("--seq-len", type=_positive_int, help="tokens per sample (default: the run's data.seq_len)")
+    e.add_argument("--batch-size", type=_positive_int,
+                   help="samples per batch (default: the run's train.global_batch_size)")  # fmt: skip
+    e.add_argument("--device", default="cpu", help="cpu (default), cuda, ...")
+    e.add_argument("--json", type=Path, metavar="FILE", help="also write the result as JSON to FILE")
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -844,6 +903,66 @@ def cmd_import(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         return _fail(f"import: {e}")
     print(f"imported {args.hf_dir} as {path} (weights only: the optimizer starts fresh)")
+def cmd_generate(args: argparse.Namespace) -> int:
+    import json
+
+    from hpcdist.checkpoint import CheckpointMismatch
+    from hpcdist.inference import load_for_inference
+    from hpcdist.models.generation import PromptTooLong, SamplingConfig, generate
+
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p)
+    try:
+        model, tok, _ = load_for_inference(args.checkpoint, device=args.device)
+        prompt = [int(i) for i in tok.encode_batch([args.prompt])[0]]
+        if tok.add_bos and tok.bos_id is not None:  # documents were prepared framed by BOS: prompts are too
+            prompt = [tok.bos_id, *prompt]
+        t0 = time.perf_counter()
+        res = generate(
+            model, prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, eos_id=tok.eos_id,
+            vocab_limit=tok.vocab_size, seed=args.seed, use_cache=not args.no_cache,
+        )  # fmt: skip
+        seconds = time.perf_counter() - t0
+    except (PromptTooLong, CheckpointMismatch) as e:
+        return _fail(f"generate: {e}")
+    text = tok.decode(res.tokens)
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "text": text, "prompt_ids": prompt, "new_ids": res.tokens,
+                          "stop": res.stop, "seconds": seconds}))  # fmt: skip
+    else:
+        print(args.prompt + text, flush=True)
+        rate = len(res.tokens) / seconds if seconds > 0 else 0.0
+        print(f"hpcdist: {len(res.tokens)} new tokens in {seconds:.2f}s ({rate:.1f} tokens/s), stopped at {res.stop}",
+              file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from hpcdist.atomic import atomic_write
+    from hpcdist.checkpoint import CheckpointMismatch
+    from hpcdist.data import TokenDataset
+    from hpcdist.inference import check_eval_data, dataset_loss, load_for_inference
+
+    try:
+        model, _, loaded = load_for_inference(args.checkpoint, device=args.device)
+        cfg = loaded.config
+        check_eval_data(cfg, args.data)  # before any batch: the same ids must mean the same text
+        seq_len = args.seq_len or cfg.data.seq_len
+        if seq_len > model.args.max_seq_len:
+            return _fail(f"eval: --seq-len {seq_len} exceeds the model's max_seq_len={model.args.max_seq_len}")
+        dataset = TokenDataset(args.data, seq_len)
+        res = dataset_loss(
+            model, dataset, batches=args.batches or cfg.train.eval_batches,
+            batch_size=args.batch_size or cfg.train.global_batch_size,
+        )  # fmt: skip
+    except CheckpointMismatch as e:
+        return _fail(f"eval: {e}")
+    out = {"checkpoint": str(loaded.checkpoint), "data": str(args.data), "seq_len": seq_len, **res.to_dict()}
+    print(f"eval {loaded.checkpoint} on {args.data}: loss {res.loss:.4f}, perplexity {res.perplexity:.2f} "
+          f"({res.batches} batches, {res.tokens:,} tokens)")  # fmt: skip
+    if args.json:
+        atomic_write(args.json, json.dumps(out, indent=2) + "\n")
     return 0
 
 
@@ -860,6 +979,8 @@ COMMANDS = {
     "report": cmd_report,
     "export": cmd_export,
     "import": cmd_import,
+    "generate": cmd_generate,
+    "eval": cmd_eval,
 }
 
 

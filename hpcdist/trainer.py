@@ -78,7 +78,17 @@ def _barrier() -> None:
 
 
 def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
-    """(train, val) datasets. Rank 0 prepares shards of the embedded corpus once; the others wait for it."""
+    """(train, val) datasets. Rank 0 prepares shards of the embedded corpus once; the others wait for it. With
+    train.eval_data, val is that held-out dataset (all of it) instead of the val split."""
+    train, val = _build_datasets(cfg, env)
+    if cfg.train.eval_data:
+        config_mod.check_data(cfg)  # a prepared dataset made with the training data's tokenizer
+        val = TokenDataset(Path(cfg.train.eval_data), cfg.data.seq_len)
+        log.info("data: evaluating on %s (%d samples)", cfg.train.eval_data, len(val))
+    return train, val
+
+
+def _build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
     d = cfg.data
     if d.source == "synthetic":
         n_val = max(1, int(d.synthetic_samples * d.val_fraction)) if d.val_fraction else 0

@@ -185,6 +185,20 @@ CHECKS: dict[str, Check] = {
         expect=("trained a byte-level BPE of 512 tokens", "tokenizer hf, vocab 512", DONE),
         reason="tiny overrides appended to the train step (the last command of the chain)",
     ),
+    "hpcdist train configs/demo.yaml && hpcdist prepare my_texts/ --out data/heldout && hpcdist "
+    'generate runs/demo --prompt "def main(" --max-new-tokens 64 --temperature 0.8 --top-k 40 --seed 1 && hpcdist eval '
+    "runs/demo --data data/heldout --json runs/demo/eval.json": Check(
+        "local",
+        replace=(("configs/demo.yaml && ", f"configs/demo.yaml {' '.join(TINY)} && "),),
+        expect=(DONE, "def main(", "new tokens in", "step-00000002 on data/heldout: loss"),
+        reason="tiny overrides inserted into the train step (the first command of the chain)",
+    ),
+    "lm_eval --model hf --model_args pretrained=runs/demo/hf,dtype=float32 --tasks hellaswag,arc_easy --batch_size 8 "
+    "--device cpu": Check(
+        "none",
+        reason="lm-eval-harness is an optional tool, not a dependency (not installed in CI), and its tasks need their "
+        "datasets, which cannot be downloaded here; the directory it reads comes from `hpcdist export`",
+    ),
     # ---------------------------------------------------------------------------------------------- config
     "hpcdist train configs/demo.yaml train.stepz=3 optim.lr=fast": Check("cli", returncode=2),
     # ------------------------------------------------------------------------------------ communication check

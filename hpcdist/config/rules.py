@@ -196,6 +196,7 @@ def _paths(cfg: JobConfig) -> tuple[list[str], set[str]]:
     c = cfg.checkpoint
     keys = {"run.dir": cfg.run.dir, "data.path": cfg.data.path, "checkpoint.dir": c.dir,
             "checkpoint.init_from": c.init_from, "fault.exclude_nodes_file": cfg.fault.exclude_nodes_file,
+            "train.eval_data": cfg.train.eval_data,
             "checkpoint.resume": None if c.resume in ("auto", "none") else c.resume}  # fmt: skip
     out, bad = [], set()
     for key, value in keys.items():
@@ -373,8 +374,10 @@ def check(cfg: JobConfig) -> list[str]:
             p.append(f"optim.{beta}: must be < 1, got {getattr(cfg.optim, beta)}")
     if cfg.optim.min_lr_ratio > 1:
         p.append(f"optim.min_lr_ratio: must be <= 1, got {cfg.optim.min_lr_ratio}")
-    if cfg.train.eval_every_steps and cfg.data.val_fraction == 0 and cfg.data.source != "synthetic":
-        p.append("train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01)")
+    if (cfg.train.eval_every_steps and cfg.data.val_fraction == 0 and cfg.data.source != "synthetic"
+            and not cfg.train.eval_data):  # fmt: skip
+        p.append("train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01) or "
+                 "train.eval_data to a prepared held-out dataset")  # fmt: skip
 
     m = cfg.model
     # an unresolved model.vocab_size (auto without data, a typo) is already reported by config.vocab.resolve_vocab

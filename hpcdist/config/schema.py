@@ -144,6 +144,9 @@ class TrainConfig:
     """0 disables periodic evaluation."""
     eval_batches: int = 4
     """Batches per evaluation."""
+    eval_data: str | None = None
+    """A held-out prepared dataset (made by ``hpcdist prepare`` with the run's tokenizer) to evaluate on every
+    eval_every_steps instead of the val split of the training data; its windows are read in order from the start."""
     nonfinite: str = "stop"
     """A NaN/Inf gradient norm: stop (exit 1 naming the first bad step; that state is never checkpointed) or skip
     (the update is dropped, the LR schedule not advanced; one device sync per step; not with parallel.strategy=zero)."""

@@ -20,7 +20,17 @@ from hpcdist.config.loader import ConfigError
 from hpcdist.config.rules import BYTE_VOCAB
 from hpcdist.config.schema import JobConfig
 
-__all__ = ["META_NAME", "VOCAB_MULTIPLE", "DataError", "check_data", "data_vocab", "dataset_paths", "resolve_vocab"]
+__all__ = [
+    "META_NAME",
+    "VOCAB_MULTIPLE",
+    "DataError",
+    "check_data",
+    "check_same_tokenizer",
+    "data_vocab",
+    "dataset_paths",
+    "resolve_vocab",
+    "run_tokenizer",
+]
 
 VOCAB_MULTIPLE = 64
 META_NAME = "meta.json"  # hpcdist.data.shards.META_NAME
@@ -44,6 +54,54 @@ def _dataset_meta(path: str) -> dict | None:
     except (OSError, ValueError):  # missing, unreadable or torn: not a (complete) dataset
         return None
     return meta if isinstance(meta, dict) and isinstance(meta.get("vocab_size"), int) else None
+
+
+def _tokenizer_key(meta: dict) -> dict:
+    """What identifies a dataset's tokenizer: kind, vocabulary and each file's sha256 (the byte tokenizer has none;
+    datasets from before tokenizers were recorded are byte-level)."""
+    tok = meta.get("tokenizer") or {"kind": "byte", "vocab_size": meta["vocab_size"]}
+    return {"kind": tok.get("kind"), "vocab_size": tok.get("vocab_size"), "files": tok.get("files") or {}}
+
+
+def _describe_tokenizer(key: dict, where: str) -> str:
+    files = ", ".join(f"{name} sha256 {digest[:12]}" for name, digest in sorted(key["files"].items()))
+    return f"the {key['kind']} tokenizer (vocab {key['vocab_size']}{'; ' + files if files else ''}) of {where}"
+
+
+_BYTE_KEY = {"kind": "byte", "vocab_size": BYTE_VOCAB, "files": {}}
+
+
+def run_tokenizer(cfg: JobConfig) -> tuple[dict | None, str]:
+    """(identity of the tokenizer the run's training data was made with, its description); identity None when the
+    data has none (data.source=synthetic) or its dataset is missing."""
+    d = cfg.data
+    if d.source == "stdlib":
+        return _BYTE_KEY, _describe_tokenizer(_BYTE_KEY, "data.source=stdlib")
+    paths = dataset_paths(cfg)
+    if not paths:
+        return None, f"data.source={d.source} (random token ids, no tokenizer)"
+    key, path = paths[0]
+    meta = _dataset_meta(path)
+    if meta is None:
+        return None, f"{key}={path} (no prepared dataset there)"
+    return _tokenizer_key(meta), _describe_tokenizer(_tokenizer_key(meta), f"{key}={path}")
+
+
+def check_same_tokenizer(cfg: JobConfig, key: str, path: str) -> list[str]:
+    """``path`` is a prepared dataset made with the run's tokenizer and its ids fit the model: else one problem,
+    naming both tokenizers (the same ids would mean different text)."""
+    meta = _dataset_meta(path)
+    if meta is None:
+        return [f"{key}: {path}: no prepared dataset there (no complete {META_NAME}); {_prepare_hint(path)}"]
+    theirs = _tokenizer_key(meta)
+    mine, where = run_tokenizer(cfg)
+    if mine is not None and theirs != mine:
+        return [f"{key}: {path} was prepared with {_describe_tokenizer(theirs, key)}, but the run trains on {where}: "
+                "prepare it again with the run's tokenizer (prepare --tokenizer <the run's data dir>)"]  # fmt: skip
+    vocab = int(meta["vocab_size"])
+    if isinstance(cfg.model.vocab_size, int) and vocab > cfg.model.vocab_size:
+        return [f"{key}: {path} holds ids up to {vocab - 1}, past model.vocab_size={cfg.model.vocab_size}"]
+    return []
 
 
 def dataset_paths(cfg: JobConfig) -> list[tuple[str, str]]:
@@ -125,6 +183,8 @@ def check_data(cfg: JobConfig, *, strict: bool = True) -> list[str]:
             f"model.vocab_size={m.vocab_size} is smaller than the {vocab} tokens of {where}: ids up to {vocab - 1} "
             f"would index past the embedding table; set model.vocab_size: auto ({round_up(vocab)}) or >= {vocab}"
         )
+    if cfg.train.eval_data:  # in-training validation on a held-out dataset: the same tokenizer as the training data
+        problems += check_same_tokenizer(cfg, "train.eval_data", cfg.train.eval_data)
     if problems and strict:
         raise DataError(problems)
     return problems

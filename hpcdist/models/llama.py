@@ -14,6 +14,10 @@ forward time (``view(B, S, -1, Hd)``) and never from ``ModelArgs``; TP needs no 
 
 Pipeline stages keep FQNs: ``layers`` is a ModuleDict keyed "0".."n-1", and ``tok_embeddings``, ``norm``
 and ``output`` may be set to None; forward skips whatever is missing.
+
+Inference: ``forward(tokens, cache=KVCache(...), start_pos=p)`` runs tokens at positions p.. against the keys and
+values cached for positions < p (and appends theirs). Training never passes a cache and runs the same code as
+before it existed (plain causal SDPA over the whole sequence).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from hpcdist.models.args import ModelArgs, flops_per_token, load_preset, num_par
 __all__ = [
     "Attention",
     "FeedForward",
+    "KVCache",
     "ModelArgs",
     "RMSNorm",
     "Transformer",
@@ -119,24 +124,38 @@ class Attention(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std, a=-3 * init_std, b=3 * init_std)
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std, a=-3 * out_std, b=3 * out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        # x: (B, S, D); rope: (S, Hd/2, 2)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, cache: LayerKV | None = None, start_pos: int = 0
+    ) -> torch.Tensor:
+        # x: (B, S, D); rope: (S, Hd/2, 2) for positions start_pos .. start_pos + S - 1
         bsz, seqlen, _ = x.shape
         # -1 = local head count, read off the (possibly TP-sharded) projection outputs.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, H, Hd)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, K, Hd)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, K, Hd)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        mask: torch.Tensor | None = None
+        causal = True
+        if cache is not None:
+            # cached keys/values are stored before repeat_kv (K heads, not H: GQA's memory saving is kept)
+            k, v = cache.update(start_pos, k, v)  # (B, T, K, Hd), T = start_pos + S
+            if start_pos > 0:
+                # SDPA's is_causal aligns the mask top-left, i.e. for S == T only: query i (position start_pos + i)
+                # sees keys 0 .. start_pos + i. One new token (S == 1) sees every cached key: no mask at all.
+                causal = False
+                if seqlen > 1:
+                    mask = torch.ones(seqlen, k.shape[1], dtype=torch.bool, device=x.device).tril(start_pos)
 
         n_rep = q.shape[2] // k.shape[2]  # H / K is the same before and after TP sharding
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, S, H, Hd)
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, T, H, Hd)
 
         # SDPA wants heads before sequence.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),  # (B, H, S, Hd)
-            k.transpose(1, 2),
+            k.transpose(1, 2),  # (B, H, T, Hd)
             v.transpose(1, 2),
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=causal,
         )  # (B, H, S, Hd)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, S, H*Hd)
         return self.wo(out)  # (B, S, D)
@@ -177,9 +196,14 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(init_std, out_std)
         self.feed_forward.init_weights(init_std, out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, cache: LayerKV | None = None, start_pos: int = 0
+    ) -> torch.Tensor:
         # x: (B, S, D) -> (B, S, D)
-        h = x + self.attention(self.attention_norm(x), rope)
+        if cache is None:  # training: exactly the positional call the TP plan's PrepareModuleInput expects
+            h = x + self.attention(self.attention_norm(x), rope)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -255,23 +279,66 @@ class Transformer(nn.Module):
         if self.output is not None and not tied:  # a tied head keeps the embedding init
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
         # tokens: (B, S) int64, or hidden states (B, S, D) when this pipeline stage has no tok_embeddings.
+        # cache/start_pos (inference only): tokens sit at positions start_pos.., earlier ones are in the cache.
         seqlen = tokens.shape[1]
-        if seqlen > self.rope_cache.shape[0]:
+        end = start_pos + seqlen
+        if end > self.rope_cache.shape[0]:
             raise ValueError(
-                f"sequence length {seqlen} exceeds model.max_seq_len={self.rope_cache.shape[0]}: "
+                f"sequence length {end} exceeds model.max_seq_len={self.rope_cache.shape[0]}: "
                 "raise model.max_seq_len or shorten the sequences"
             )
+        if cache is not None and end > cache.max_seq_len:
+            raise ValueError(f"positions up to {end} do not fit a KV cache of {cache.max_seq_len}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, D)
-        rope = self.rope_cache[:seqlen]  # (S, Hd/2, 2)
-        for layer in self.layers.values():
-            h = layer(h, rope)  # (B, S, D)
+        rope = self.rope_cache[start_pos:end]  # (S, Hd/2, 2)
+        for name, layer in self.layers.items():
+            # (B, S, D); training calls the block exactly as before the cache existed
+            h = layer(h, rope) if cache is None else layer(h, rope, cache.layers[name], start_pos)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
             return h  # hidden states for the next pipeline stage
         return self.output(h).float()  # (B, S, V); float32 so the loss is accurate under bf16 compute
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Inference: key/value cache
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class LayerKV:
+    """One layer's cached keys and values, preallocated: k, v of shape (B, S_max, K, Hd), rotary already applied."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+
+    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, S, K, Hd) at positions start_pos.. and return every position so far, (B, T, K, Hd) each."""
+        end = start_pos + k.shape[1]
+        self.k[:, start_pos:end] = k
+        self.v[:, start_pos:end] = v
+        return self.k[:, :end], self.v[:, :end]
+
+
+class KVCache:
+    """Keys and values of every layer for ``batch_size`` sequences of up to ``max_seq_len`` tokens (default: the
+    model's). Memory: 2 * n_layers * B * S_max * K * Hd elements (K kv heads: GQA shrinks it by H / K)."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        batch_size: int,
+        *,
+        max_seq_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.max_seq_len = min(max_seq_len or args.max_seq_len, args.max_seq_len)
+        shape = (batch_size, self.max_seq_len, args.kv_heads, args.head_dim)
+        zeros = lambda: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        self.layers = {str(i): LayerKV(zeros(), zeros()) for i in range(args.n_layers)}
 
 
 def build_model(args: ModelArgs, device: str | torch.device = "meta") -> Transformer:

@@ -11,6 +11,7 @@ import torch
 from hpcdist.checkpoint import list_checkpoints
 from hpcdist.config import ConfigError, JobConfig, check_world
 from hpcdist.env import DistEnv
+from hpcdist.inference import load_for_inference
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks, single
 
@@ -108,6 +109,10 @@ def test_checkpoint_reshards(small_cfg, tmp_path: Path, save_world: int, resume_
     cfg = small_cfg(*over, run_dir=tmp_path / "split")
     first = run_ranks(save_world, _train, cfg, n)[0]
     assert first["step"] == n and [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [n]
+    # one process without a process group reads the sharded checkpoint for inference (hpcdist generate / eval)
+    model, _, _ = load_for_inference(cfg.run.dir)
+    for name, p in first["params"].items():
+        assert torch.equal(model.state_dict()[name], p), name
     loaded = run_ranks(resume_world, _train, cfg, n)[0]  # resumes at step n and trains nothing
     assert loaded["resumed"] and loaded["step"] == n and loaded["losses"] == {}
     for name, p in first["params"].items():
