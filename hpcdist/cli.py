@@ -431,6 +431,8 @@ def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=_nonnegative_int, default=0, help="sampling seed: the same seed, the same text")
     g.add_argument("--no-cache", action="store_true", help="re-run the whole sequence per token (slow; a reference)")
     g.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer spec (default: the run's, or the Hugging Face directory's own)")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stop reason, timing)")
 
     e = sub.add_parser(
@@ -903,6 +905,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         return _fail(f"import: {e}")
     print(f"imported {args.hf_dir} as {path} (weights only: the optimizer starts fresh)")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import json
 
@@ -912,7 +917,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p)
     try:
-        model, tok, _ = load_for_inference(args.checkpoint, device=args.device)
+        model, tok, _ = load_for_inference(args.checkpoint, device=args.device, tokenizer=args.tokenizer)
+        if tok is None:
+            return _fail(
+                f"generate: {args.checkpoint} records no tokenizer (synthetic data, or an imported "
+                "checkpoint): pass --tokenizer SPEC (byte, a tokenizer.json or its directory, prepared data)"
+            )
         prompt = [int(i) for i in tok.encode_batch([args.prompt])[0]]
         if tok.add_bos and tok.bos_id is not None:  # documents were prepared framed by BOS: prompts are too
             prompt = [tok.bos_id, *prompt]
@@ -922,7 +932,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             vocab_limit=tok.vocab_size, seed=args.seed, use_cache=not args.no_cache,
         )  # fmt: skip
         seconds = time.perf_counter() - t0
-    except (PromptTooLong, CheckpointMismatch) as e:
+    except (PromptTooLong, CheckpointMismatch, ValueError, OSError) as e:  # bad input of any kind: one line
         return _fail(f"generate: {e}")
     text = tok.decode(res.tokens)
     if args.json:
@@ -947,6 +957,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         model, _, loaded = load_for_inference(args.checkpoint, device=args.device)
         cfg = loaded.config
+        if cfg is None:  # its tokenizer, seq_len and batch sizes come from the run: a HF directory has none
+            return _fail(f"eval: {args.checkpoint} is a Hugging Face directory; give the hpcdist checkpoint it was "
+                         "exported from (or run lm-eval-harness on it: README)")  # fmt: skip
         check_eval_data(cfg, args.data)  # before any batch: the same ids must mean the same text
         seq_len = args.seq_len or cfg.data.seq_len
         if seq_len > model.args.max_seq_len:
@@ -956,7 +969,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             model, dataset, batches=args.batches or cfg.train.eval_batches,
             batch_size=args.batch_size or cfg.train.global_batch_size,
         )  # fmt: skip
-    except CheckpointMismatch as e:
+    except (CheckpointMismatch, ValueError, OSError) as e:  # bad input of any kind: one line
         return _fail(f"eval: {e}")
     out = {"checkpoint": str(loaded.checkpoint), "data": str(args.data), "seq_len": seq_len, **res.to_dict()}
     print(f"eval {loaded.checkpoint} on {args.data}: loss {res.loss:.4f}, perplexity {res.perplexity:.2f} "

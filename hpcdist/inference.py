@@ -1,45 +1,44 @@
-"""A trained model back in one process: :func:`load_for_inference` (weights + tokenizer from a run's checkpoint) and
-:func:`dataset_loss` (loss / perplexity on a prepared dataset), behind ``hpcdist generate`` and ``hpcdist eval``.
+"""A trained model back in one process: :func:`load_for_inference` (weights + tokenizer from a run's checkpoint or a
+Hugging Face directory) and :func:`dataset_loss` (loss / perplexity on a prepared dataset), behind ``hpcdist generate``
+and ``hpcdist eval``.
 
 A checkpoint of any strategy and world size (ddp, fsdp, zero 1-3, 3d) stores the model's weights in DCP keyed by
-FQN with global shapes, so one process without a process group reads them straight into a plain model. The model's
-shape and the tokenizer come from the run's resolved ``config.yaml`` (run.dir, beside ``checkpoints/``): the tokenizer
-is the one the run's prepared data records (``meta.json``), or the byte tokenizer of the stdlib / synthetic demo.
+FQN with global shapes, so one process without a process group reads them straight into a plain model (the readers
+are :mod:`hpcdist.hf.source`'s, shared with ``hpcdist export``). The model's shape and the tokenizer come from the
+config recorded in the checkpoint itself: the tokenizer is the one the run's prepared data records (``meta.json``), or
+the byte tokenizer of the stdlib demo.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from hpcdist.checkpoint import MARKER, CheckpointManager, CheckpointMismatch, latest
+from hpcdist.checkpoint import STATE_FILE, CheckpointMismatch
 from hpcdist.config import ConfigError, JobConfig
 from hpcdist.config import loader as config_loader
-from hpcdist.config.vocab import DataError, check_same_tokenizer, dataset_paths
-from hpcdist.data import BatchLoader, ByteTokenizer, ResumableSampler, TokenDataset, Tokenizer, load_tokenizer
+from hpcdist.config.vocab import DataError, check_same_tokenizer
+from hpcdist.data import BatchLoader, ResumableSampler, TokenDataset, Tokenizer, load_tokenizer
 from hpcdist.data.tokenizers import TokenizerError
-from hpcdist.models import Transformer, build_model
-from hpcdist.rundir import RunDir
+from hpcdist.hf.import_ import HFWeights
+from hpcdist.hf.source import find_checkpoint, load_fqn, run_config, run_tokenizer, saved_shapes
+from hpcdist.models.args import ModelArgs
+from hpcdist.models.hf_config import is_hf_dir
+from hpcdist.models.llama import Transformer, precompute_rope
 
 __all__ = [
     "EvalResult",
     "Loaded",
     "check_eval_data",
+    "checkpoint_config",
     "dataset_loss",
     "load_for_inference",
     "load_weights",
-    "read_run_config",
-    "resolve_checkpoint",
-    "run_tokenizer",
 ]
 
 
@@ -48,114 +47,88 @@ class Loaded:
     """What :func:`load_for_inference` found, for messages and for ``hpcdist eval``'s defaults."""
 
     checkpoint: Path
-    config: JobConfig
+    config: JobConfig | None
+    """The config that trained the checkpoint; None for a Hugging Face directory (it carries no training config)."""
 
 
-def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(the step-N checkpoint to read, the run's config.yaml) for a run directory (its newest complete checkpoint),
-    a checkpoints directory (its newest), or one step-N directory. ConfigError (one line) when neither is found."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise ConfigError([f"{path}: no such directory; give a run directory, its checkpoints/ or a step-N checkpoint"])
-    if (path / MARKER).is_file() or path.name.startswith("step-"):
-        step, config = path, path.parent.parent / "config.yaml"  # run.dir/checkpoints/step-N
-    elif RunDir(path).config.is_file():
-        cfg = read_run_config(RunDir(path).config)
-        found = latest(cfg.checkpoint_dir, warn=False)
-        if found is None:
-            raise ConfigError([f"{path}: the run has no complete checkpoint in {cfg.checkpoint_dir}"])
-        step, config = found, RunDir(path).config
-    else:
-        found = latest(path, warn=False)
-        if found is None:
-            raise ConfigError([f"{path}: neither a run directory (no config.yaml) nor a checkpoints directory "
-                               "(no complete step-N inside)"])  # fmt: skip
-        step, config = found, path.parent / "config.yaml"
-    if not config.is_file():
-        raise ConfigError([f"{step}: the run's config.yaml is not at {config} (it names the model's shape and data); "
-                           "give the checkpoint inside its run directory (run.dir/checkpoints/step-N)"])  # fmt: skip
-    return step, config
-
-
-def read_run_config(path: Path) -> JobConfig:
-    """The run's saved config, resolved as the run wrote it. Only parsed and typed: the rules that check the run's
-    surroundings (its data, other checkpoints) are the training start-up's business, not a reader's."""
-    data, problems = config_loader.load_tree(path)
-    cfg = config_loader.build(JobConfig, data, "", problems)
+def checkpoint_config(step: Path, saved: dict[str, Any]) -> JobConfig:
+    """The config that saved checkpoint ``step`` (``saved``: its trainer_state.json record), typed. Only parsed: the
+    rules that check the run's surroundings (its data, other checkpoints) are the training start-up's business."""
+    problems: list[str] = []
+    cfg = config_loader.build(JobConfig, saved, "", problems)
     if problems:
-        raise ConfigError([f"{path}: {p}" for p in problems])
-    if not isinstance(cfg.model.vocab_size, int):
-        raise ConfigError([f"{path}: model.vocab_size={cfg.model.vocab_size!r} is not resolved (not a run's config)"])
+        raise ConfigError([f"{step / STATE_FILE}: {p}" for p in problems])
     return cfg
-
-
-def run_tokenizer(cfg: JobConfig) -> Tokenizer:
-    """The tokenizer the run's data was made with: the prepared dataset's recorded one, or bytes for the demo."""
-    if cfg.data.source in ("stdlib", "synthetic"):
-        return ByteTokenizer()
-    paths = dataset_paths(cfg)
-    if not paths:
-        raise ConfigError(["the run's config names no data.path: its tokenizer is unknown"])
-    key, path = paths[0]
-    try:
-        return load_tokenizer(path)
-    except TokenizerError as e:
-        raise ConfigError([f"the run's tokenizer: {key}={path}: {e}"]) from None
-
-
-@contextlib.contextmanager
-def _no_process_group_warning() -> Iterator[None]:
-    # reading DCP in one process without a process group is intended here; DCP warns about it on every call
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*process group.*")
-        warnings.filterwarnings("ignore", message=".*torch.distributed is .*")
-        yield
 
 
 def load_weights(model: Transformer, step: Path) -> None:
     """Read the model weights of checkpoint ``step`` into ``model`` (in place) by FQN; CheckpointMismatch naming
     the parameters when the checkpoint holds another model."""
-    metadata = dcp.FileSystemReader(str(step)).read_metadata()
-    saved = {
-        key[len("model.") :]: tuple(meta.size)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and hasattr(meta, "size")
-    }
+    saved = {k: shape for k, (shape, _) in saved_shapes(step).items()}
     dest = model.state_dict()  # shares storage with the parameters: DCP loads in place
-    tied = (
-        model.output is not None
-        and model.tok_embeddings is not None
-        and (model.output.weight is model.tok_embeddings.weight)
-    )
+    tied = model.args.tie_embeddings
     problems = [f"{k}: not in the checkpoint" for k in dest if k not in saved and not (tied and k == "output.weight")]
     problems += [f"{k}: in the checkpoint, not in this model" for k in saved if k not in dest]
     problems += [f"{k}: checkpoint {list(saved[k])}, model {list(v.shape)}" for k, v in dest.items()
                  if k in saved and saved[k] != tuple(v.shape)]  # fmt: skip
     if problems:
         shown = "; ".join(problems[:3]) + (f"; ... ({len(problems)} in all)" if len(problems) > 3 else "")
-        raise CheckpointMismatch(f"{step} holds a different model than its run's config.yaml describes ({shown})", step)
-    with _no_process_group_warning():
-        dcp.load({"model": {k: v for k, v in dest.items() if k in saved}}, checkpoint_id=str(step))
+        raise CheckpointMismatch(f"{step} holds a different model than its trainer state describes ({shown})", step)
+    load_fqn(step, {k: v for k, v in dest.items() if k in saved})
+
+
+def _empty_model(args: ModelArgs) -> Transformer:
+    # meta build + to_empty: no time spent initializing weights that are overwritten next
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.rope_cache = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta, device=torch.device("cpu"))
+    return model
 
 
 def load_for_inference(
-    path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[Transformer, Tokenizer, Loaded]:
-    """(model in eval mode, tokenizer, where they came from) for a hpcdist run / checkpoint directory.
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tokenizer: str | None = None,
+) -> tuple[Transformer, Tokenizer | None, Loaded]:
+    """(model in eval mode, tokenizer or None when the run records none, where they came from): the one entry point
+    of ``hpcdist generate`` and ``hpcdist eval`` (and of anything else that wants a trained model in one process).
+    ``path`` is
 
-    The one entry point of ``hpcdist generate`` and ``hpcdist eval``: other sources of weights (a Hugging Face
-    directory) plug in here, by what ``path`` holds."""
-    step, config = resolve_checkpoint(path)
-    cfg = read_run_config(config)
-    # trust (who could have written the files: DCP's .metadata is unpickled), COMPLETE marker, manifest
-    step = CheckpointManager(
-        step.parent, rank=0, world_size=1, verify=cfg.checkpoint.verify, trusted_owners=cfg.checkpoint.trusted_owners
-    ).resolve(str(step))  # type: ignore[assignment]
-    tokenizer = run_tokenizer(cfg)
-    model = build_model(cfg.model_args(), device="cpu")
-    load_weights(model, step)
-    model = model.to(device=device, dtype=dtype).eval()
-    return model, tokenizer, Loaded(step, cfg)
+    * a hpcdist checkpoint of any strategy and world size: a step-XXXXXXXX directory, a checkpoints directory or a
+      run directory (the newest complete step), checked like ``checkpoint.resume`` (trusted owner, COMPLETE, sizes).
+      The model's shape and data come from the config that saved it (its trainer_state.json, not a config.yaml
+      edited since); the tokenizer is the run's (the prepared data's, bytes for the stdlib demo; None for
+      synthetic data and imported checkpoints, which record none);
+    * a Hugging Face Llama directory (config.json + safetensors) and its tokenizer files.
+
+    ``tokenizer`` (a ``load_tokenizer`` spec) overrides either. Bad input raises a one-line ValueError
+    (ConversionError, HFConfigError, TokenizerError, ConfigError) or CheckpointMismatch."""
+    path = Path(path).expanduser()
+    if is_hf_dir(path):
+        weights = HFWeights(path)
+        model = _empty_model(weights.args)
+        with torch.no_grad():
+            for fqn, p in model.state_dict().items():
+                p.copy_(weights.tensor(fqn))
+        tok, loaded = load_tokenizer(tokenizer or path), Loaded(path, None)
+    else:
+        step = find_checkpoint(path)
+        saved = run_config(step)
+        cfg = checkpoint_config(step, saved)
+        model = _empty_model(cfg.model_args())
+        load_weights(model, step)
+        loaded = Loaded(step, cfg)
+        try:
+            tok = run_tokenizer(saved, tokenizer)
+        except TokenizerError:
+            if tokenizer is not None:
+                raise
+            tok = None  # synthetic data or an imported checkpoint: the weights load; text needs --tokenizer
+    return model.to(device=device, dtype=dtype).eval(), tok, loaded
 
 
 @dataclass

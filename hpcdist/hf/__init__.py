@@ -3,8 +3,8 @@
 * :mod:`hpcdist.hf.convert`: names and the q/k row permutation (``to_hf_state_dict`` / ``from_hf_state_dict``).
 * :mod:`hpcdist.hf.export`: ``hpcdist export`` (streamed from DCP by FQN, any strategy and world size).
 * :mod:`hpcdist.hf.import_`: ``hpcdist import`` (a step-0 checkpoint) and ``checkpoint.init_from: HF_DIR``.
-* :mod:`hpcdist.hf.load`: ``load_model_from_dir(path) -> (Transformer, ModelArgs, Tokenizer | None)`` for a
-  checkpoint or a Hugging Face directory.
+* :mod:`hpcdist.hf.source`: reading a checkpoint by FQN, its recorded config and tokenizer (also what
+  :func:`hpcdist.inference.load_for_inference` reads a checkpoint or a Hugging Face directory with).
 * :mod:`hpcdist.hf.tokenizer`: the run's tokenizer as Hugging Face files (the byte tokenizer included).
 
 The torch-free ``config.json`` <-> ModelArgs mapping is :mod:`hpcdist.models.hf_config` (the config checks use it).

@@ -20,7 +20,7 @@ from hpcdist import cli
 from hpcdist import config as config_mod
 from hpcdist.data import load_tokenizer
 from hpcdist.hf.convert import from_hf_state_dict, permute_from_hf, permute_to_hf
-from hpcdist.hf.load import load_model_from_dir
+from hpcdist.inference import load_for_inference
 from hpcdist.models.llama import build_model
 from hpcdist.trainer import Trainer
 from tests.conftest import SMALL
@@ -120,6 +120,25 @@ def test_greedy_generation_equals_an_argmax_loop(run: dict[str, Any]) -> None:
     assert got.tolist() == tokens.tolist()
 
 
+def test_hpcdist_generate_on_the_export_equals_transformers_generate(
+    run: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hpcdist generate HF_DIR` (greedy, KV cache, the exported tokenizer) continues a text prompt with the tokens
+    transformers' greedy generate picks from the same prompt ids, token for token (the ids past the tokenizer's
+    vocabulary, padding rows of vocab_size auto, are suppressed on both sides)."""
+    new = 12
+    assert cli.main(["generate", str(run["hf"]), "--prompt", "def main(", "--max-new-tokens", str(new), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    hf = transformers.LlamaForCausalLM.from_pretrained(run["hf"], dtype=torch.float32).eval()
+    vocab = transformers.AutoTokenizer.from_pretrained(run["hf"])
+    padding = list(range(len(vocab), run["cfg"].model.vocab_size))
+    with torch.no_grad():
+        got = hf.generate(torch.tensor([out["prompt_ids"]]), max_new_tokens=new, do_sample=False, pad_token_id=0,
+                          suppress_tokens=padding or None)  # fmt: skip
+    theirs = got[0, len(out["prompt_ids"]) :].tolist()
+    assert len(out["new_ids"]) >= 1 and theirs == out["new_ids"], (theirs, out)
+
+
 @pytest.mark.parametrize("run", ["byte-gqa", "bpe-gqa-tied"], indirect=True)
 def test_import_round_trip_and_resume(run: dict[str, Any], tmp_path: Path) -> None:
     """hpcdist import of the export is a step-0 checkpoint holding the trained weights bit for bit; resuming from it
@@ -127,7 +146,9 @@ def test_import_round_trip_and_resume(run: dict[str, Any], tmp_path: Path) -> No
     weights (checkpoint.init_from)."""
     ckpt = tmp_path / "imported"
     assert cli.main(["import", str(run["hf"]), "--out", str(ckpt)]) == 0
-    model, args, _ = load_model_from_dir(ckpt)
+    model, tok, _ = load_for_inference(ckpt)
+    args = model.args
+    assert tok is None  # an imported checkpoint records no data, so no tokenizer (generate asks for --tokenizer)
     for name, want in run["state"].items():
         assert torch.equal(model.state_dict()[name], want), name
     assert args.vocab_size == run["cfg"].model.vocab_size and args.tie_embeddings == run["cfg"].model.tie_embeddings
@@ -162,7 +183,7 @@ def test_bf16_and_sharded_export(run: dict[str, Any], tmp_path: Path) -> None:
         assert t.dtype == torch.bfloat16 and torch.equal(t, run["state"][name].to(torch.bfloat16)), name
     # imported back (through the index of shards): float32 of those bf16 values
     assert cli.main(["import", str(out), "--out", str(tmp_path / "imported")]) == 0
-    model, _, _ = load_model_from_dir(tmp_path / "imported")
+    model, _, _ = load_for_inference(tmp_path / "imported")
     for name, want in run["state"].items():
         assert torch.equal(model.state_dict()[name], want.to(torch.bfloat16).float()), name
 

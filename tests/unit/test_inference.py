@@ -16,7 +16,8 @@ from hpcdist import cli
 from hpcdist import config as config_mod
 from hpcdist.config import ConfigError
 from hpcdist.data import TokenDataset, load_tokenizer, prepare_corpus, stdlib_corpus
-from hpcdist.inference import load_for_inference, resolve_checkpoint
+from hpcdist.hf.source import ConversionError, find_checkpoint
+from hpcdist.inference import load_for_inference
 from hpcdist.models import build_model
 from hpcdist.trainer import Trainer
 from tests.conftest import SMALL
@@ -55,9 +56,9 @@ def main(*argv: object) -> int:
 def test_resolves_a_run_its_checkpoints_or_a_step(run: dict, tmp_path: Path) -> None:
     step = run["dir"] / "checkpoints" / f"step-{STEPS:08d}"
     for given in (run["dir"], run["dir"] / "checkpoints", step):
-        assert resolve_checkpoint(given) == (step, run["dir"] / "config.yaml")
-    with pytest.raises(ConfigError, match="neither a run directory"):
-        resolve_checkpoint(tmp_path)
+        assert find_checkpoint(given) == step
+    with pytest.raises(ConversionError, match="holds no complete hpcdist checkpoint"):
+        find_checkpoint(tmp_path)
 
 
 def test_generate_prints_text(run: dict, capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,9 +161,13 @@ def test_train_eval_data_is_checked_at_start_up(run: dict, corpus_dir: Path, tmp
         config_mod.load(None, no_split)
 
 
-def test_load_for_inference_refuses_another_model(run: dict, tmp_path: Path) -> None:
-    """A config.yaml that does not describe the checkpoint's model: one message naming the parameters."""
+def test_load_for_inference_reads_the_model_the_checkpoint_records(run: dict, tmp_path: Path) -> None:
+    """The model's shape comes from the config recorded in the checkpoint, not from a config.yaml edited since (here
+    one describing 3 layers beside a 2-layer checkpoint); a checkpoint holding another model than its record says is
+    refused naming the parameters."""
     from hpcdist.checkpoint import CheckpointMismatch
+    from hpcdist.inference import load_weights
+    from hpcdist.models import build_model as build
 
     fake = tmp_path / "run"
     (fake / "checkpoints").mkdir(parents=True)
@@ -172,8 +177,8 @@ def test_load_for_inference_refuses_another_model(run: dict, tmp_path: Path) -> 
     cfg2 = config_mod.load(None, [*SMALL, f"run.dir={fake}", "data.source=files", f"data.path={run['data']}",
                                   "model.vocab_size=auto", "model.n_layers=3"])  # fmt: skip
     config_mod.save(cfg2, fake / "config.yaml")
+    model, tok, loaded = load_for_inference(fake)
+    assert loaded.config is not None and loaded.config.model.n_layers == cfg.model.n_layers == len(model.layers)
+    assert tok is not None and tok.kind == "hf" and not model.training
     with pytest.raises(CheckpointMismatch, match=r"layers\.2\..*not in the checkpoint"):
-        load_for_inference(fake)
-    model, tok, loaded = load_for_inference(run["dir"])
-    assert loaded.config.model.n_layers == cfg.model.n_layers and tok.kind == "hf"
-    assert not model.training
+        load_weights(build(cfg2.model_args(), device="cpu"), step)
