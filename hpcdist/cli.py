@@ -403,16 +403,6 @@ def _nonnegative_float(text: str) -> float:
     return value
 
 
-def _probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
 def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
     where = ("CHECKPOINT: a run directory (its newest complete checkpoint), its checkpoints/ directory, or one "
              "step-N checkpoint of any strategy and world size; the model's shape and tokenizer come from the run's "
@@ -427,7 +417,7 @@ def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-new-tokens", type=_positive_int, default=64, help="at most this many new tokens (64)")
     g.add_argument("--temperature", type=_nonnegative_float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-k", type=_nonnegative_int, default=0, help="sample among the k most likely (0 = all)")
-    g.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass (1 = all)")
+    g.add_argument("--top-p", type=_fraction, default=1.0, help="nucleus sampling mass (1 = all)")
     g.add_argument("--seed", type=_nonnegative_int, default=0, help="sampling seed: the same seed, the same text")
     g.add_argument("--no-cache", action="store_true", help="re-run the whole sequence per token (slow; a reference)")
     g.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")

@@ -400,6 +400,10 @@ def _cluster_path(name: str | os.PathLike[str], problems: list[str]) -> Path | N
     return None
 
 
+# keys holding one string or a list of them, and what each string is (for the error message)
+_STRING_LISTS = {"extra_sbatch": "strings like --mail-type=END", "setup": "shell lines like 'module load cuda/12.4'"}
+
+
 def _build(data: Mapping[str, Any], problems: list[str]) -> ClusterConfig:
     hints = typing.get_type_hints(ClusterConfig)
     names = [f.name for f in dataclasses.fields(ClusterConfig)]
@@ -409,16 +413,10 @@ def _build(data: Mapping[str, Any], problems: list[str]) -> ClusterConfig:
         if name not in names:
             problems.append(loader.unknown_key(key, str(name), names))
             continue
-        if name == "extra_sbatch":
+        if name in _STRING_LISTS:  # one string or a list of them
             items = [value] if isinstance(value, str) else value
             if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
-                problems.append(f"{key}: must be a list of strings like --mail-type=END, got {value!r}")
-            else:
-                kwargs[name] = list(items)
-        elif name == "setup":
-            items = [value] if isinstance(value, str) else value
-            if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
-                problems.append(f"{key}: must be a list of shell lines like 'module load cuda/12.4', got {value!r}")
+                problems.append(f"{key}: must be a list of {_STRING_LISTS[name]}, got {value!r}")
             else:
                 kwargs[name] = list(items)
         elif name == "container":
