@@ -21,14 +21,13 @@ from tests.dist.harness import run_ranks
 pytestmark = pytest.mark.dist
 
 STEPS = 24
-# every hook run: 2 ranks, global batch 8, the same data; PowerSGD compresses from step 5 on (start_iter =
-# optim.warmup_steps, the rule docs/PROFILING.md gives). dim 128 makes the smallest weight matrices 128 x 64
-# (GQA's wk/wv), so rank 2 compresses each >= 10x (128*64 / (2*(128+64)) = 21)
+# every hook run: 2 ranks, global batch 8, the same data; PowerSGD compresses from step 3 on. dim 128 makes the
+# smallest weight matrices 128 x 64 (GQA's wk/wv), so rank 2 compresses each >= 10x (128*64 / (2*(128+64)) = 21)
 OVER = (f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4", "model.dim=128",
         "model.ffn_dim=256", "optim.warmup_steps=4", "checkpoint.save_final=false")  # fmt: skip
 # bucket_cap_mb=1 splits the ~1.3 MB of gradients into 2 buckets: PowerSGD's collectives of two buckets in flight
 # must reach gloo in the same order on every rank (comm_hooks.serialized)
-POWERSGD = ("parallel.ddp.comm_hook=powersgd", "parallel.ddp.powersgd.rank=2", "parallel.ddp.powersgd.start_iter=4",
+POWERSGD = ("parallel.ddp.comm_hook=powersgd", "parallel.ddp.powersgd.rank=2", "parallel.ddp.powersgd.start_iter=2",
             "parallel.bucket_cap_mb=1")  # fmt: skip
 
 
@@ -61,7 +60,7 @@ def hook_runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dic
 
 def test_measured_bytes_per_step(hook_runs) -> None:
     """Bytes handed to all-reduce, counted at runtime: the fp32 hook sends every gradient element (4 bytes each),
-    bf16 exactly half, PowerSGD (rank 2, after its 4 warm-up steps of plain all-reduce) >= 10x less."""
+    bf16 exactly half, PowerSGD (rank 2, after its 2 warm-up steps of plain all-reduce) >= 10x less."""
     by = {name: [m for m in metrics if "comm_bytes_per_step" in m] for name, (_, metrics) in hook_runs.items()}
     assert not by["none"]  # DDP's built-in all-reduce is not measured
     cfg = config_mod.load(None, [*SMALL, *OVER])
@@ -70,7 +69,7 @@ def test_measured_bytes_per_step(hook_runs) -> None:
     assert fp32 == 4 * n_params
     assert all(m["comm_bytes_per_step"] == fp32 for m in by["allreduce"])
     assert by["bf16"][-1]["comm_bytes_per_step"] == fp32 / 2
-    warmup = by["powersgd"][0]["comm_bytes_per_step"]  # step 1: start_iter=4, still plain all-reduce
+    warmup = by["powersgd"][0]["comm_bytes_per_step"]  # step 1: start_iter=2, still plain all-reduce
     compressed = by["powersgd"][-1]["comm_bytes_per_step"]
     assert warmup == fp32
     assert fp32 / compressed >= 10, (fp32, compressed)
@@ -79,14 +78,15 @@ def test_measured_bytes_per_step(hook_runs) -> None:
 
 
 def test_compressed_training_converges(hook_runs) -> None:
-    """Same data, same steps: the hooks' final losses stay within 3% of DDP's built-in all-reduce, and PowerSGD
-    really changed the training (its losses are not the uncompressed ones)."""
+    """Same data, same steps: the hooks' final losses stay within 1% of DDP's built-in all-reduce (the issue's goal
+    is 3%; measured here: bf16 +0.001%, PowerSGD rank 2 +0.15%), and PowerSGD really changed the training (its
+    losses are not the uncompressed ones)."""
     ref = _losses(hook_runs["none"][0])
     assert ref[-1] < 0.8 * ref[0]  # it learns
     torch.testing.assert_close(_losses(hook_runs["allreduce"][0]), ref, rtol=1e-5, atol=0)
     for name in ("bf16", "powersgd"):
         final = _losses(hook_runs[name][0])[-1]
-        assert abs(final - ref[-1]) / ref[-1] < 0.03, (name, final, ref[-1])
+        assert abs(final - ref[-1]) / ref[-1] < 0.01, (name, final, ref[-1])
     assert _losses(hook_runs["powersgd"][0])[3:] != ref[3:]
 
 

@@ -2,18 +2,22 @@
 
 Part 1, convergence and communication share: the demo (configs/demo.yaml: tiny preset, this interpreter's standard
 library as data, 200 steps by default) on ``--world`` (4) ranks, once with ``parallel.ddp.comm_hook=allreduce`` (fp32,
-the same math as DDP's built-in all-reduce, measured through the hook) and once with ``powersgd`` (``--rank``,
-start_iter 10, error feedback, warm start). Same data, same seed. Reported: the final evaluation loss (the demo's
-held-out batches at the last step) and the mean training loss of the last 5 log steps, their relative gap (goal: within
-3%), and the mean ``comm_bytes_per_step`` / ``comm_share`` the trainer logged after PowerSGD's warm-up.
+the same math as DDP's built-in all-reduce, measured through the hook) and once per PowerSGD setting: every pair of
+``--rank`` x ``--start-iter`` (comma-separated lists; error feedback, warm start). Same data, same seed, one fp32 run
+shared by all settings (or taken from an earlier ``--json`` with ``--baseline``). Reported per setting: the final
+evaluation loss (the demo's held-out batches at the last step) and the mean training loss of the last 5 log steps,
+their relative gaps to fp32 (goal: within 3%), the mean ``comm_bytes_per_step`` / ``comm_share`` the trainer logged
+after PowerSGD's warm-up, and the 1-minute load when the run started. ``--seed-noise N`` adds an fp32 run with
+``run.seed=N``: the gap a different seed alone makes, the yardstick for the others.
 
 Part 2, bytes on the wire for the 125m preset: 2 ranks, ``--big-steps`` steps at a tiny sequence length (bytes per
-step depend on the parameter shapes only), fp32 all-reduce vs PowerSGD at ``--rank``: the bytes each rank handed to
-all_reduce in the last step (counted at runtime by wrapping ``dist.all_reduce`` on the hook's own process group; a
+step depend on the parameter shapes only), fp32 all-reduce vs PowerSGD at each ``--rank``: the bytes each rank handed
+to all_reduce in the last step (counted at runtime by wrapping ``dist.all_reduce`` on the hook's own process group; a
 ring all-reduce moves 2(n-1)/n times that per link). Goal: >= 10x less at rank 4.
 
     python tools/bench/compression.py                       # ~10 min on an idle 2-core CPU
     python tools/bench/compression.py --steps 60 --skip-big
+    python tools/bench/compression.py --rank 8,12 --start-iter 50,100 --skip-big
 
 Prints two tables and writes ``--json`` (default runs/bench/compression.json).
 """
