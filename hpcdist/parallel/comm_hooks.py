@@ -158,7 +158,7 @@ class CommHook:
                 p = powersgd or {}
                 self.powersgd = powerSGD_hook.PowerSGDState(
                     process_group=self.group, matrix_approximation_rank=p.get("rank", 4),
-                    start_powerSGD_iter=p.get("start_iter", 10), use_error_feedback=p.get("use_error_feedback", True),
+                    start_powerSGD_iter=p.get("start_iter", 100), use_error_feedback=p.get("use_error_feedback", True),
                     warm_start=p.get("warm_start", True),
                 )  # fmt: skip
                 batched = p.get("batched", False)

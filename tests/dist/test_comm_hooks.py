@@ -78,14 +78,15 @@ def test_measured_bytes_per_step(hook_runs) -> None:
 
 
 def test_compressed_training_converges(hook_runs) -> None:
-    """Same data, same steps: the hooks' final losses stay within 3% of DDP's built-in all-reduce, and PowerSGD
-    really changed the training (its losses are not the uncompressed ones)."""
+    """Same data, same steps: the hooks' final losses stay within 1% of DDP's built-in all-reduce (the issue's goal
+    is 3%; measured here: bf16 +0.001%, PowerSGD rank 2 +0.15%), and PowerSGD really changed the training (its
+    losses are not the uncompressed ones)."""
     ref = _losses(hook_runs["none"][0])
     assert ref[-1] < 0.8 * ref[0]  # it learns
     torch.testing.assert_close(_losses(hook_runs["allreduce"][0]), ref, rtol=1e-5, atol=0)
     for name in ("bf16", "powersgd"):
         final = _losses(hook_runs[name][0])[-1]
-        assert abs(final - ref[-1]) / ref[-1] < 0.03, (name, final, ref[-1])
+        assert abs(final - ref[-1]) / ref[-1] < 0.01, (name, final, ref[-1])
     assert _losses(hook_runs["powersgd"][0])[3:] != ref[3:]
 
 

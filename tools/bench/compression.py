@@ -2,18 +2,22 @@
 
 Part 1, convergence and communication share: the demo (configs/demo.yaml: tiny preset, this interpreter's standard
 library as data, 200 steps by default) on ``--world`` (4) ranks, once with ``parallel.ddp.comm_hook=allreduce`` (fp32,
-the same math as DDP's built-in all-reduce, measured through the hook) and once with ``powersgd`` (``--rank``,
-start_iter 10, error feedback, warm start). Same data, same seed. Reported: the final evaluation loss (the demo's
-held-out batches at the last step) and the mean training loss of the last 5 log steps, their relative gap (goal: within
-3%), and the mean ``comm_bytes_per_step`` / ``comm_share`` the trainer logged after PowerSGD's warm-up.
+the same math as DDP's built-in all-reduce, measured through the hook) and once per PowerSGD setting: every pair of
+``--rank`` x ``--start-iter`` (comma-separated lists; error feedback, warm start). Same data, same seed, one fp32 run
+shared by all settings (or taken from an earlier ``--json`` with ``--baseline``). Reported per setting: the final
+evaluation loss (the demo's held-out batches at the last step) and the mean training loss of the last 5 log steps,
+their relative gaps to fp32 (goal: within 3%), the mean ``comm_bytes_per_step`` / ``comm_share`` the trainer logged
+after PowerSGD's warm-up, and the 1-minute load when the run started. ``--seed-noise N`` adds an fp32 run with
+``run.seed=N``: the gap a different seed alone makes, the yardstick for the others.
 
 Part 2, bytes on the wire for the 125m preset: 2 ranks, ``--big-steps`` steps at a tiny sequence length (bytes per
-step depend on the parameter shapes only), fp32 all-reduce vs PowerSGD at ``--rank``: the bytes each rank handed to
-all_reduce in the last step (counted at runtime by wrapping ``dist.all_reduce`` on the hook's own process group; a
+step depend on the parameter shapes only), fp32 all-reduce vs PowerSGD at each ``--rank``: the bytes each rank handed
+to all_reduce in the last step (counted at runtime by wrapping ``dist.all_reduce`` on the hook's own process group; a
 ring all-reduce moves 2(n-1)/n times that per link). Goal: >= 10x less at rank 4.
 
     python tools/bench/compression.py                       # ~10 min on an idle 2-core CPU
     python tools/bench/compression.py --steps 60 --skip-big
+    python tools/bench/compression.py --rank 8,12 --start-iter 50,100 --skip-big
 
 Prints two tables and writes ``--json`` (default runs/bench/compression.json).
 """
@@ -54,92 +58,148 @@ def run(world: int, cfg: JobConfig) -> tuple[dict[int, float], list[dict[str, An
     return evals, metrics
 
 
-def hook_overrides(hook: str, rank: int) -> list[str]:
+def hook_overrides(hook: str, rank: int = 4, start_iter: int = 10) -> list[str]:
     if hook != "powersgd":
         return [f"parallel.ddp.comm_hook={hook}"]
     return ["parallel.ddp.comm_hook=powersgd", f"parallel.ddp.powersgd.rank={rank}",
-            "parallel.ddp.powersgd.start_iter=10"]  # fmt: skip
+            f"parallel.ddp.powersgd.start_iter={start_iter}"]  # fmt: skip
+
+
+def settings(a: argparse.Namespace) -> list[tuple[int, int]]:
+    """(rank, start_iter) for every PowerSGD run: the cross product of --rank and --start-iter."""
+    return [(r, s) for r in a.rank for s in a.start_iter]
+
+
+def demo_run(a: argparse.Namespace, tmp: Path, name: str, overrides: list[str], start: int) -> dict[str, Any]:
+    cfg = config_mod.load(str(REPO / "configs" / "demo.yaml"), [
+        f"run.dir={tmp / name}", f"data.path={tmp / 'data'}", f"train.steps={a.steps}",
+        f"train.eval_every_steps={a.steps}", "checkpoint.every_steps=0", "checkpoint.save_final=false",
+        "logging.tensorboard=false", "logging.straggler_every_steps=0", *overrides,
+    ])  # fmt: skip
+    load = os.getloadavg()[0]
+    print(f"  {name}: {a.steps} steps on {a.world} ranks (1-min load {load:.2f}) ...", flush=True)
+    evals, metrics = run(a.world, cfg)
+    logged = [m for m in metrics if "loss" in m and "lr" in m]
+    after = [m for m in logged if m["step"] > start and "comm_share" in m]  # after PowerSGD's warm-up
+    return {
+        "eval_loss": evals[max(evals)], "last5_train_loss": statistics.mean(m["loss"] for m in logged[-5:]),
+        "comm_bytes_per_step": statistics.mean(m["comm_bytes_per_step"] for m in after),
+        "comm_share": statistics.mean(m["comm_share"] for m in after),
+        "step_time_s": statistics.median(m["step_time_s"] for m in after),
+        "losses": {m["step"]: m["loss"] for m in logged}, "load": load,
+    }  # fmt: skip
+
+
+def baseline(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The fp32 all-reduce run, or the one saved by an earlier invocation (--baseline JSON) with the same world
+    size and steps: the demo's data and seed are fixed, so it is the same run (gloo's fp32 sums are deterministic)."""
+    if a.baseline is None:
+        return demo_run(a, tmp, "allreduce", hook_overrides("allreduce"), max(s for _, s in settings(a)))
+    saved = json.loads(a.baseline.read_text())
+    for key in ("world", "steps"):
+        if saved["args"][key] != getattr(a, key):
+            sys.exit(f"--baseline {a.baseline}: it ran with {key}={saved['args'][key]}, this run asks for "
+                     f"{getattr(a, key)}; drop --baseline or match --{key}")  # fmt: skip
+    print(f"  allreduce: reused from {a.baseline}", flush=True)
+    return saved["convergence"]["allreduce"]
 
 
 def convergence(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for hook in ("allreduce", "powersgd"):
-        cfg = config_mod.load(str(REPO / "configs" / "demo.yaml"), [
-            f"run.dir={tmp / hook}", f"data.path={tmp / 'data'}", f"train.steps={a.steps}",
-            f"train.eval_every_steps={a.steps}", "checkpoint.every_steps=0", "checkpoint.save_final=false",
-            "logging.tensorboard=false", "logging.straggler_every_steps=0", *hook_overrides(hook, a.rank),
-        ])  # fmt: skip
-        print(f"  {hook}: {a.steps} steps on {a.world} ranks ...", flush=True)
-        evals, metrics = run(a.world, cfg)
-        logged = [m for m in metrics if "loss" in m and "lr" in m]
-        after = [m for m in logged if m["step"] > 10 and "comm_share" in m]  # after PowerSGD's warm-up
-        out[hook] = {
-            "eval_loss": evals[max(evals)], "last5_train_loss": statistics.mean(m["loss"] for m in logged[-5:]),
-            "comm_bytes_per_step": statistics.mean(m["comm_bytes_per_step"] for m in after),
-            "comm_share": statistics.mean(m["comm_share"] for m in after),
-            "step_time_s": statistics.median(m["step_time_s"] for m in after),
-            "losses": {m["step"]: m["loss"] for m in logged},
-        }  # fmt: skip
-    ref, comp = out["allreduce"], out["powersgd"]
-    out["eval_gap"] = (comp["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
-    out["train_gap"] = (comp["last5_train_loss"] - ref["last5_train_loss"]) / ref["last5_train_loss"]
-    out["ratio"] = ref["comm_bytes_per_step"] / comp["comm_bytes_per_step"]
-    return out
+    # with --baseline the saved fp32 run is read after the PowerSGD runs: an invocation running beside the one
+    # that writes it can start at once
+    ref = baseline(a, tmp) if a.baseline is None else None
+    runs = {f"r{r}-s{s}": demo_run(a, tmp, f"powersgd-r{r}-s{s}", hook_overrides("powersgd", r, s), s) | {
+        "rank": r, "start_iter": s} for r, s in settings(a)}  # fmt: skip
+    if a.seed_noise is not None:  # the yardstick: how far an uncompressed run with another seed lands
+        name = f"allreduce-seed{a.seed_noise}"
+        over = [*hook_overrides("allreduce"), f"run.seed={a.seed_noise}"]
+        runs[name] = demo_run(a, tmp, name, over, 10) | {"rank": None, "start_iter": None, "seed": a.seed_noise}
+    ref = ref or baseline(a, tmp)
+    for comp in runs.values():
+        comp["eval_gap"] = (comp["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"]
+        comp["train_gap"] = (comp["last5_train_loss"] - ref["last5_train_loss"]) / ref["last5_train_loss"]
+        comp["ratio"] = ref["comm_bytes_per_step"] / comp["comm_bytes_per_step"]
+    return {"allreduce": ref, "powersgd": runs}
 
 
 def big(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for hook in ("allreduce", "powersgd"):
+    runs = [("allreduce", 0)] + [("powersgd", r) for r in a.rank]
+    for hook, rank in runs:
+        name = hook if hook == "allreduce" else f"powersgd-r{rank}"
         cfg = config_mod.load(None, [
             "model.preset=125m", "data.source=synthetic", "data.synthetic_samples=64", "data.seq_len=16",
-            f"run.dir={tmp / ('big-' + hook)}", f"train.steps={a.big_steps}", "train.global_batch_size=2",
+            f"run.dir={tmp / ('big-' + name)}", f"train.steps={a.big_steps}", "train.global_batch_size=2",
             "train.micro_batch_size=1", "checkpoint.every_steps=0", "checkpoint.save_final=false",
             "logging.every_steps=1", "logging.tensorboard=false", "logging.straggler_every_steps=0",
             "train.eval_every_steps=0", "data.val_fraction=0", "optim.warmup_steps=1",
-            *hook_overrides(hook, a.rank), "parallel.ddp.powersgd.start_iter=2",
+            *hook_overrides(hook, rank, 2),
         ])  # fmt: skip
-        print(f"  125m {hook}: {a.big_steps} steps on 2 ranks ...", flush=True)
+        print(f"  125m {name}: {a.big_steps} steps on 2 ranks ...", flush=True)
         _, metrics = run(2, cfg)
-        per_step = [m["comm_bytes_per_step"] for m in metrics if "comm_bytes_per_step" in m]
-        out[hook] = {"bytes_per_step": per_step}
-    out["ratio"] = out["allreduce"]["bytes_per_step"][-1] / out["powersgd"]["bytes_per_step"][-1]
+        out[name] = {"bytes_per_step": [m["comm_bytes_per_step"] for m in metrics if "comm_bytes_per_step" in m]}
+    for rank in a.rank:
+        out[f"powersgd-r{rank}"]["ratio"] = out["allreduce"]["bytes_per_step"][-1] / out[f"powersgd-r{rank}"][
+            "bytes_per_step"][-1]  # fmt: skip
     return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--rank", type=int, default=4, help="parallel.ddp.powersgd.rank")
+    p.add_argument("--rank", type=_ints, default=[4], help="parallel.ddp.powersgd.rank, comma-separated: 4,8,16")
+    p.add_argument("--start-iter", type=_ints, default=[10], help="parallel.ddp.powersgd.start_iter, comma-separated")
+    p.add_argument("--baseline", type=Path, help="reuse the fp32 run of an earlier --json (same --world, --steps)")
+    p.add_argument("--seed-noise", type=int, help="also run fp32 with this run.seed: the gap seeds alone make")
     p.add_argument("--big-steps", type=int, default=3, help="125m steps (PowerSGD compresses from step 3)")
     p.add_argument("--skip-big", action="store_true")
     p.add_argument("--skip-convergence", action="store_true")
     p.add_argument("--json", type=Path, default=Path("runs/bench/compression.json"))
     a = p.parse_args(argv)
     print(f"{os.cpu_count()} CPU core(s), 1-min load {os.getloadavg()[0]:.2f} at the start", flush=True)
-    result: dict[str, Any] = {"load_start": os.getloadavg()[0], "args": vars(a) | {"json": str(a.json)}}
+    result: dict[str, Any] = {"load_start": os.getloadavg()[0],
+                              "args": vars(a) | {"json": str(a.json), "baseline": str(a.baseline)}}  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if not a.skip_convergence:
             c = result["convergence"] = convergence(a, tmp)
-            rows = [["", "eval loss", "train loss (last 5 logs)", "comm MB/step", "comm share", "step s"]]
-            for hook in ("allreduce", "powersgd"):
-                h = c[hook]
-                rows.append([hook, f"{h['eval_loss']:.4f}", f"{h['last5_train_loss']:.4f}",
-                             f"{h['comm_bytes_per_step'] / 1e6:.3f}", f"{100 * h['comm_share']:.1f}%",
-                             f"{h['step_time_s']:.3f}"])  # fmt: skip
-            print(f"\ndemo, {a.world} ranks, {a.steps} steps, PowerSGD rank {a.rank}:")
+            ref = c["allreduce"]
+            rows = [["", "comm MB/step", "bytes ratio", "eval loss", "eval gap", "train loss (last 5 logs)",
+                     "train gap", "comm share", "step s", "load"],
+                    ["fp32 all-reduce", f"{ref['comm_bytes_per_step'] / 1e6:.3f}", "1x", f"{ref['eval_loss']:.4f}",
+                     "", f"{ref['last5_train_loss']:.4f}", "", f"{100 * ref['comm_share']:.1f}%",
+                     f"{ref['step_time_s']:.3f}", f"{ref.get('load', float('nan')):.1f}"]]  # fmt: skip
+            for h in c["powersgd"].values():
+                ok = max(abs(h["eval_gap"]), abs(h["train_gap"])) <= 0.03 and h["ratio"] >= 10
+                verdict = "PASS" if ok else "MISS"
+                label = f"PowerSGD rank {h['rank']} start_iter {h['start_iter']}"
+                if h["rank"] is None:
+                    label, verdict = f"fp32 all-reduce, run.seed={h['seed']}", "(seed noise)"
+                rows.append([label,
+                             f"{h['comm_bytes_per_step'] / 1e6:.3f}", f"{h['ratio']:.1f}x", f"{h['eval_loss']:.4f}",
+                             f"{100 * h['eval_gap']:+.2f}%", f"{h['last5_train_loss']:.4f}",
+                             f"{100 * h['train_gap']:+.2f}% {verdict}", f"{100 * h['comm_share']:.1f}%",
+                             f"{h['step_time_s']:.3f}", f"{h['load']:.1f}"])  # fmt: skip
+            print(f"\ndemo, {a.world} ranks, {a.steps} steps (goal: both gaps within 3% at >= 10x fewer bytes):")
             print(_table(rows))
-            verdict = "PASS" if abs(c["eval_gap"]) <= 0.03 else "MISS"
-            print(f"eval-loss gap {100 * c['eval_gap']:+.2f}% (goal within 3%: {verdict}), train-loss gap "
-                  f"{100 * c['train_gap']:+.2f}%, bytes ratio {c['ratio']:.1f}x")  # fmt: skip
         if not a.skip_big:
             b = result["big"] = big(a, tmp)
-            fp32, comp = b["allreduce"]["bytes_per_step"][-1], b["powersgd"]["bytes_per_step"][-1]
-            print("\n125m, 2 ranks, bytes handed to all_reduce per step per rank (last step):")
-            print(_table([["fp32 all-reduce", "PowerSGD rank " + str(a.rank), "ratio"],
-                          [f"{fp32 / 1e6:.2f} MB", f"{comp / 1e6:.3f} MB", f"{b['ratio']:.1f}x"]]))  # fmt: skip
-            print(f"goal >= 10x: {'PASS' if b['ratio'] >= 10 else 'MISS'}")
+            fp32 = b["allreduce"]["bytes_per_step"][-1]
+            rows = [
+                ["125m, 2 ranks", "bytes/step/rank (last step)", "ratio"],
+                ["fp32 all-reduce", f"{fp32 / 1e6:.2f} MB", "1x"],
+            ]
+            for rank in a.rank:
+                h = b[f"powersgd-r{rank}"]
+                rows.append([f"PowerSGD rank {rank}", f"{h['bytes_per_step'][-1] / 1e6:.3f} MB",
+                             f"{h['ratio']:.1f}x {'PASS' if h['ratio'] >= 10 else 'MISS'}"])  # fmt: skip
+            print("\n125m, 2 ranks, bytes handed to all_reduce per step per rank (goal >= 10x):")
+            print(_table(rows))
     result["load_end"] = os.getloadavg()[0]
     print(f"1-min load {result['load_end']:.2f} at the end")
     a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -49,10 +49,14 @@ TARGETS = {8: 0.90, 32: 0.80}  # the guides' weak-scaling targets: > 90% up to 8
 
 
 def bench_config(cfg_path: str, overrides: list[str], world: int, per_rank: int, steps: int, run_dir: str,
-                 comm_hook: str) -> JobConfig:  # fmt: skip
-    """The config at ``world`` ranks: same per-rank micro-batch, global batch = per_rank x world, no checkpoints."""
+                 comm_hook: str, warmup: int = 2) -> JobConfig:  # fmt: skip
+    """The config at ``world`` ranks: same per-rank micro-batch, global batch = per_rank x world, no checkpoints.
+    PowerSGD compresses from the first timed step (its default start_iter, 100, outlasts a bench run); an override
+    of parallel.ddp.powersgd.start_iter still wins."""
+    compress = [f"parallel.ddp.powersgd.start_iter={max(2, warmup)}"] if comm_hook == "powersgd" else []
     return config_mod.load(cfg_path, [
-        *overrides, f"run.dir={run_dir}", f"train.steps={steps}", f"train.global_batch_size={per_rank * world}",
+        *compress, *overrides, f"run.dir={run_dir}", f"train.steps={steps}",
+        f"train.global_batch_size={per_rank * world}",
         f"train.micro_batch_size={per_rank}", "checkpoint.every_steps=0", "checkpoint.save_final=false",
         "train.eval_every_steps=0", f"logging.every_steps={steps}", "logging.tensorboard=false",
         "logging.straggler_every_steps=0", f"parallel.ddp.comm_hook={comm_hook if world > 1 else 'none'}",
@@ -94,7 +98,7 @@ def measure(cfg_path: str, overrides: list[str], a: argparse.Namespace) -> list[
     rows = []
     for world in a.ranks:
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = bench_config(cfg_path, overrides, world, per_rank, a.warmup + a.steps, tmp, a.comm_hook)
+            cfg = bench_config(cfg_path, overrides, world, per_rank, a.warmup + a.steps, tmp, a.comm_hook, a.warmup)
             load0 = os.getloadavg()[0]
             torch.set_num_threads(1)  # as every forked rank (tests.dist.harness): 1 rank must not get all cores
             outs = run_ranks(world, _rank, cfg, a.warmup) if world > 1 else [single(_rank, cfg, a.warmup)]
