@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from hpcdist.config.loader import ConfigError
-from hpcdist.config.rules import BYTE_VOCAB
+from hpcdist.config.rules import BYTE_VOCAB, MAXIMA
 from hpcdist.config.schema import JobConfig
 
 __all__ = [
@@ -143,6 +143,9 @@ def resolve_vocab(cfg: JobConfig) -> list[str]:
     Called by config loading, so every later user (dry run, planner, trainer) sees an integer."""
     v = cfg.model.vocab_size
     if isinstance(v, str) and v.strip().isdigit():  # an override's text: model.vocab_size=32000
+        most = MAXIMA["model.vocab_size"][0]
+        if len(v.strip()) > len(str(most)):  # before int(): it refuses texts of thousands of digits with a ValueError
+            return [f"model.vocab_size={v.strip()[:12]}... ({len(v.strip())} digits): must be at most {most}"]
         cfg.model.vocab_size = int(v)
         return []
     if v != "auto":

@@ -76,7 +76,7 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     steps = 30
     one_rank = dict(cluster="sandbox", nodes=1, gpus_per_node=1)
     base = tiny_overrides(
-        tmp_path / "sweep", corpus_dir, steps, "train.global_batch_size=4", "train.micro_batch_size=2"
+        tmp_path / "sweep", corpus_dir, steps, "train.global_batch_size=4", "train.micro_batch_size=1"
     )
     # tasks 0 and 1 train the same model (checkpoint.keep_last changes no number): task 0 is task 1's reference
     points = tmp_path / "points.yaml"
@@ -111,12 +111,6 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     standin.chmod(0o755)
     container = {"runtime": "apptainer", "image": "/images/train.sif", "mounts": [f"{tmp_path}:{tmp_path}"],
                  "executable": str(standin)}  # fmt: skip
-    chain_run = tmp_path / "chain"
-    chain = hpcdist.submit_chain(
-        "configs/demo.yaml",
-        tiny_overrides(chain_run, corpus_dir, steps, "train.global_batch_size=4", "train.micro_batch_size=2"),
-        2, container=container, setup=["echo \"site setup ran: $(hostname)\""], **one_rank,
-    )  # fmt: skip
     array = record["job_id"]
     assert [t.job_id for t in tasks] == [f"{array}_{i}" for i in range(3)]
     runs = [Path(info["run_dir"]) for info in record["tasks"]]
@@ -127,6 +121,13 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     # USR2 (the time-limit warning) to task 1 alone: it saves, requeues itself (<array>_1), resumes
     wait_for_step(runs[1], 5)
     run_cmd(login_env, "scancel", "--signal=USR2", tasks[1].job_id)
+    # the chain is submitted only now, with 8 micro-batches a step: submitted beside the sweep, its first job once
+    # finished all its steps on an idle machine before the USR2 below reached it (no "fault.requeue is off")
+    chain_run = tmp_path / "chain"
+    chain = hpcdist.submit_chain(
+        "configs/demo.yaml", tiny_overrides(chain_run, corpus_dir, steps), 2, container=container,
+        setup=["echo \"site setup ran: $(hostname)\""], **one_rank,
+    )  # fmt: skip
     # and to the first job of the chain: it saves and ends (fault.requeue=false); the second job continues
     wait_for_step(chain_run, 5)
     run_cmd(login_env, "scancel", "--signal=USR2", chain[0].job_id)

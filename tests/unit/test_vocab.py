@@ -109,3 +109,10 @@ def test_flagship_config_names_prepared_data_and_refuses_to_start_without_it(tmp
         "hpcdist: data.path data/llama2-corpus: no prepared dataset there (no complete meta.json); make it with "
         "`hpcdist prepare INPUT... --tokenizer SPEC --out data/llama2-corpus`"
     ]
+
+
+def test_a_vocab_size_of_thousands_of_digits_is_one_config_error() -> None:
+    """model.vocab_size given as text with more digits than int() converts (4300 by default) is a ConfigError naming
+    the key and its maximum, not a ValueError from int() (hypothesis found it in test_hostile_input)."""
+    with pytest.raises(config_mod.ConfigError, match=r"model\.vocab_size.*at most 2147483647"):
+        config_mod.load(None, ["model.vocab_size=" + "9" * 4301])
