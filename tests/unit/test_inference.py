@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -62,10 +63,15 @@ def test_resolves_a_run_its_checkpoints_or_a_step(run: dict, tmp_path: Path) -> 
 
 
 def test_generate_prints_text(run: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """stdout: the prompt, then the continuation; stderr: how many new tokens and why it stopped. (Whitespace-only or
+    EOS-first continuations are valid for a model trained 8 steps: on another torch build the greedy text was all
+    newlines, so the count is checked, not the stripped text's length.)"""
     assert main("generate", run["dir"], "--prompt", "def main(", "--max-new-tokens", "24") == 0
     out, err = capsys.readouterr()
-    assert out.startswith("def main(") and len(out.strip()) > len("def main(")
-    assert "new tokens in" in err
+    m = re.search(r"(\d+) new tokens in .*stopped at (\w+)", err)
+    assert m is not None and out.startswith("def main("), (out, err)
+    n, stop = int(m.group(1)), m.group(2)
+    assert (stop == "max_new_tokens" and n == 24) or (stop == "eos" and n < 24), (n, stop)
 
 
 def _json_generate(run: dict, capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
