@@ -320,13 +320,14 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _gib_at_least_zero(text: str) -> float:
+def _at_least_zero(text: str) -> float:
+    """A number >= 0 (GiB of margin, a sampling temperature)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 GiB, got {text}")
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -349,7 +350,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--gpus-per-node", type=_positive_int, help="default: the cluster profile's")
     pl.add_argument("--gpu-mem", type=_gpu_mem, help="memory of one GPU, e.g. 80GB (default: the cluster profile's)")
     pl.add_argument(
-        "--mem-margin", type=_gib_at_least_zero, help="GiB kept free per GPU when deciding what fits (default 2)"
+        "--mem-margin", type=_at_least_zero, help="GiB kept free per GPU when deciding what fits (default 2)"
     )
     pl.add_argument("--efficiency", type=_fraction, help="fraction of bf16 peak the compute sustains (default 0.6)")
     pl.add_argument("--tokens", type=_tokens, help="tokens to train, e.g. 1T (default: steps x global batch x seq_len)")
@@ -393,16 +394,6 @@ def _add_hf_parsers(sub: argparse._SubParsersAction) -> None:
     im.add_argument("--out", type=Path, required=True, help="new checkpoints directory")
 
 
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
     where = ("CHECKPOINT: a run directory (its newest complete checkpoint), its checkpoints/ directory, or one "
              "step-N checkpoint of any strategy and world size; the model's shape and tokenizer come from the run's "
@@ -415,7 +406,7 @@ def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("checkpoint", type=Path, metavar="CHECKPOINT")
     g.add_argument("--prompt", required=True, help="text to continue")
     g.add_argument("--max-new-tokens", type=_positive_int, default=64, help="at most this many new tokens (64)")
-    g.add_argument("--temperature", type=_nonnegative_float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--temperature", type=_at_least_zero, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-k", type=_nonnegative_int, default=0, help="sample among the k most likely (0 = all)")
     g.add_argument("--top-p", type=_fraction, default=1.0, help="nucleus sampling mass (1 = all)")
     g.add_argument("--seed", type=_nonnegative_int, default=0, help="sampling seed: the same seed, the same text")
