@@ -17,6 +17,7 @@ from hpcdist.fault.hang import (
     configure_collectives,
     read_heartbeats,
 )
+from tests.conftest import SMALL
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -177,3 +178,24 @@ def test_a_single_rank_hang_report_blames_no_network_and_names_the_measured_allo
     assert "allowed 2 s, 4x step 1 (0.4 s)) at step 1" in report, report
     (rec,) = read_failures(tmp_path)
     assert "network" not in rec["detail"] and rec["blame"] == []
+
+
+def test_a_real_run_whose_steps_are_all_slower_than_the_timeout_is_not_killed(tmp_path: Path, corpus_dir: Path) -> None:
+    """Issue 25.13 end to end (the trainer's loop feeds the watchdog): every step takes 5.5 s (a busy machine) against
+    fault.watchdog_timeout_s=5. The old rule gave step 2 the bare 5 s, since the first step's time did not count,
+    and ended the healthy run with 124; now step 2 gets 4x step 1. ~20 s: the only check through the real loop."""
+    slow_data = (
+        "import time\n"
+        "from hpcdist.data.loader import BatchLoader\n"
+        "_next = BatchLoader.next_batch\n"
+        "def next_batch(self):\n"
+        "    time.sleep(5.5)\n"
+        "    return _next(self)\n"
+        "BatchLoader.next_batch = next_batch\n"
+    )
+    args = ["train", "configs/demo.yaml", *SMALL, "train.steps=2", "data.prefetch=0", "data.source=files",
+            f"data.path={corpus_dir}", f"run.dir={tmp_path / 'run'}", "fault.watchdog_timeout_s=5",
+            "fault.watchdog_slow_phase_s=60"]  # fmt: skip
+    p = _run(f"{slow_data}import sys\nfrom hpcdist.cli import main\nsys.exit(main({args!r}))")
+    assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
+    assert "hang watchdog" not in p.stderr and "done: step 2" in p.stdout, p.stdout[-2000:]
