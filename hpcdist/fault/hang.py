@@ -78,7 +78,10 @@ def step_allowance(timeout_s: float, first_step_s: float | None, slowest_step_s:
     """(seconds a step may take before it counts as a hang, why): ``timeout_s`` (fault.watchdog_timeout_s) or
     STEP_FACTOR x the measured step time if that is longer. The measured time is the slowest step after the first
     (``slowest_step_s``) once there is one, else the first step's (``first_step_s``, warm-up included), else none."""
-    measured, which = (slowest_step_s, "the slowest step so far") if slowest_step_s else (first_step_s, "step 1")
+    if slowest_step_s:
+        measured, which = slowest_step_s, "the slowest step so far"
+    else:
+        measured, which = first_step_s, "the first step"
     if measured and STEP_FACTOR * measured > timeout_s:
         return STEP_FACTOR * measured, f"{STEP_FACTOR:g}x {which} ({measured:.3g} s)"
     return timeout_s, f"fault.watchdog_timeout_s={timeout_s:g}"

@@ -175,7 +175,7 @@ def test_a_single_rank_hang_report_blames_no_network_and_names_the_measured_allo
     report = p.stderr.split("Python stacks")[0]
     assert "network" not in report and "NCCL" not in report and "collective itself" not in report, report
     assert "the only rank" in report, report
-    assert "allowed 2 s, 4x step 1 (0.4 s)) at step 1" in report, report
+    assert "allowed 2 s, 4x the first step (0.4 s)) at step 1" in report, report
     (rec,) = read_failures(tmp_path)
     assert "network" not in rec["detail"] and rec["blame"] == []
 
