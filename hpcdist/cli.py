@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpcdist import signals
+
 DEFAULT_GLOB = "*.txt,*.jsonl,*.jsonl.gz,*.parquet"  # prepare / tokenizer train: files inside directories
 
 EPILOG = """examples:
@@ -979,6 +981,20 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # first, before torch and numpy are imported: a stop signal during the imports and checks is remembered (the
+    # trainer's stop flag acts on it) instead of killing the rank or breaking an import half-way (hpcdist.signals)
+    signals.hold()
+    try:
+        try:
+            return _main(argv)
+        finally:  # a train that never reached its stop flag (a refusal, a config error), any other command
+            signals.release()  # signals that arrived meanwhile get their normal action now
+    except KeyboardInterrupt:  # the user's abort, not a bug: one line, the shell's status for Ctrl-C
+        print("\nhpcdist: interrupted", file=sys.stderr, flush=True)
+        return signals.ABORT_EXIT_CODE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     # overrides may follow options (`config X --world-size 2 train.steps=7`): argparse's nargs="*" positional
     # is consumed before the option, so collect the leftovers and accept those that look like key=value
@@ -988,6 +1004,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    if args.command != "train" or args.dry_run:
+        # only a training run has a stop flag to take the held signals over: every other command (some run for
+        # hours) gets Ctrl-C's KeyboardInterrupt (-> main's one line) and the other signals' normal action back now
+        signals.release()
     from hpcdist.config import ConfigError
 
     try:

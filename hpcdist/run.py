@@ -80,7 +80,8 @@ def train(
             # the checkpoint is complete (train() waited for it): requeueing or exiting now loses no step
             if job is not None:
                 result.exit_code = job.after_stop(cfg, env, result.stop_reason)
-            else:
+            else:  # no scheduler to continue the run: 128 + the signal, never 0 (a wrapper would take it for done)
+                result.exit_code = result.stop_reason.exit_code(cfg.fault.requeue_signal)
                 log.info("stopped (%s) after a complete checkpoint; rerun with checkpoint.resume=auto to continue",
                          result.stop_reason.name)  # fmt: skip
         return result

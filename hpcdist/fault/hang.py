@@ -5,12 +5,16 @@ where nothing in Python notices, and NCCL's own timeout, when it fires at all, k
 where it was or who was missing. So:
 
 - the loop calls ``beat(step, phase)`` at each stage (a few attribute stores);
-- the allowance: ``timeout_s`` for the steps (raised to STEP_FACTOR x the slowest step seen, so a model whose
-  steps are long is never killed for being slow), ``slow_phase_s`` for the phases that are legitimately long once
-  in a while, the first time each runs in this process: the first step of an attempt (NCCL communicators,
-  torch.compile, allocator warm-up), checkpoint saves and their completion, evaluation (``beat(..., slow=True)``);
-  after that a long phase gets STEP_FACTOR x its longest duration so far (at least the step allowance), so a hang
-  in the tenth save is caught as fast as one in a step;
+- the allowance (:func:`step_allowance`): ``timeout_s`` for the steps, raised to STEP_FACTOR x the measured step
+  time, so a model whose steps are long, or a machine that is busy, is never killed for being slow. The measured
+  time is the first step's until a later one is measured (the first step is a step too: on a loaded 2-core machine
+  the demo's first step took 181 s and the second more than 90, which the old rule, ignoring the first step,
+  killed), then the slowest later step (a one-off compile in the first step must not stretch hang detection for
+  the whole run). ``slow_phase_s`` is for the phases that are legitimately long once in a while, the first time
+  each runs in this process: the first step of an attempt (NCCL communicators, torch.compile, allocator warm-up),
+  checkpoint saves and their completion, evaluation (``beat(..., slow=True)``); after that a long phase gets
+  STEP_FACTOR x its longest duration so far (at least the step allowance), so a hang in the tenth save is caught as
+  fast as one in a step;
 - a daemon thread checks once a second; after the allowance without a beat it writes a report to stderr (the job
   log): rank, host, step and phase (the last collective the loop entered), the peers that look responsible (from
   the heartbeat files, below) and every thread's Python stack (faulthandler); the lowest responsive rank records
@@ -51,7 +55,15 @@ from hpcdist.fault import failures
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
 
-__all__ = ["WATCHDOG_EXIT_CODE", "HangWatchdog", "collective_timeout_s", "configure_collectives", "read_heartbeats"]
+__all__ = [
+    "WATCHDOG_EXIT_CODE",
+    "HangWatchdog",
+    "collective_timeout_s",
+    "configure_collectives",
+    "read_heartbeats",
+    "step_allowance",
+    "suspects_text",
+]
 
 log = get_logger(__name__)
 
@@ -60,6 +72,34 @@ COLLECTIVE_MARGIN_S = 60.0
 BACKSTOP_GRACE_S = 30.0
 STEP_FACTOR = 4.0  # a step may take this many times the slowest step seen so far before it counts as a hang
 DEFAULT_PG_TIMEOUT_S = 1800.0
+
+
+def step_allowance(timeout_s: float, first_step_s: float | None, slowest_step_s: float | None) -> tuple[float, str]:
+    """(seconds a step may take before it counts as a hang, why): ``timeout_s`` (fault.watchdog_timeout_s) or
+    STEP_FACTOR x the measured step time if that is longer. The measured time is the slowest step after the first
+    (``slowest_step_s``) once there is one, else the first step's (``first_step_s``, warm-up included), else none."""
+    if slowest_step_s:
+        measured, which = slowest_step_s, "the slowest step so far"
+    else:
+        measured, which = first_step_s, "the first step"
+    if measured and STEP_FACTOR * measured > timeout_s:
+        return STEP_FACTOR * measured, f"{STEP_FACTOR:g}x {which} ({measured:.3g} s)"
+    return timeout_s, f"fault.watchdog_timeout_s={timeout_s:g}"
+
+
+def suspects_text(blamed: list[dict[str, Any]], world_size: int) -> str:
+    """The report's "suspects" part: the blamed ranks, or why nobody is. One rank has no peer and no collective to
+    wait for: blaming the network there sent users after a network that was never involved."""
+    if blamed:
+        return "; ".join(f"rank {b['rank']} on {b['host']}: {b['why']}" for b in blamed)
+    if world_size <= 1:
+        load = ""
+        with contextlib.suppress(OSError, AttributeError):
+            load = f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count() or '?'} CPUs)"
+        return (f"none: this is the only rank, with no peer to wait for; its own work is slow or stuck (the stacks "
+                f"below say where: data, compute, I/O){load}; if the machine is merely busy, raise "
+                "fault.watchdog_timeout_s")  # fmt: skip
+    return "every rank is alive and at the same step: the collective itself is stuck (network, a GPU, NCCL)"
 
 
 def collective_timeout_s(watchdog_timeout_s: float, slow_phase_s: float = 0.0) -> float:
@@ -130,9 +170,11 @@ class HangWatchdog:
         self.run_dir = Path(run_dir)
         self.timeout_s = float(timeout_s)
         self.slow_phase_s = max(float(slow_phase_s), self.timeout_s)
-        self._slowest_step = 0.0
+        self._slowest_step: float | None = None  # the slowest step after the attempt's first one
+        self._first_step_s: float | None = None  # the attempt's first step (warm-up included)
         self._first_step: int | None = None  # the step train() started from: its first step is a slow phase
-        self._allow, self._slow = self.timeout_s, False
+        self._allow = self.timeout_s
+        self._why = f"fault.watchdog_timeout_s={self.timeout_s:g}"  # what set the allowance, for the report
         self._slow_phase: str | None = None  # the long phase the last beat began, if it was one
         self._seen: dict[str, float] = {}  # longest duration of each long phase so far, by phase name
         # often enough that a frozen rank's file is clearly stale when a waiting rank's watchdog fires
@@ -156,13 +198,16 @@ class HangWatchdog:
         if self._slow_phase is not None:  # the previous beat began a long phase: it lasted until now
             self._seen[self._slow_phase] = max(self._seen.get(self._slow_phase, 0.0), now - self._last)
         self._slow_phase = phase if slow else None
-        step_allow = max(self.timeout_s, STEP_FACTOR * self._slowest_step)
+        step_allow, step_why = step_allowance(self.timeout_s, self._first_step_s, self._slowest_step)
         if slow and phase in self._seen:  # a save again: as long as the longest one so far allows, not 15 minutes
-            self._slow, self._allow = False, max(step_allow, STEP_FACTOR * self._seen[phase])
+            longest = STEP_FACTOR * self._seen[phase]
+            self._allow = max(step_allow, longest)
+            self._why = step_why if step_allow >= longest else f"{STEP_FACTOR:g}x its longest run so far"
         elif slow or step == self._first_step:  # its first time in this process: nothing to go by
-            self._slow, self._allow = True, self.slow_phase_s
+            self._allow = self.slow_phase_s
+            self._why = f"fault.watchdog_slow_phase_s={self.slow_phase_s:g}"
         else:
-            self._slow, self._allow = False, step_allow
+            self._allow, self._why = step_allow, step_why
         self.step, self.current_phase, self._last = step, phase, now
 
     @contextlib.contextmanager
@@ -176,10 +221,12 @@ class HangWatchdog:
             self._slow_phase = None
 
     def step_time(self, seconds: float) -> None:
-        """A completed step's compute time: the step allowance grows with the slowest one (the attempt's first step,
-        with its one-off warm-up, does not count)."""
-        if self.step != self._first_step:
-            self._slowest_step = max(self._slowest_step, seconds)
+        """A completed step's time: the step allowance follows it (:func:`step_allowance`). The attempt's first step,
+        with its one-off warm-up, sets it until a later step is measured."""
+        if self.step == self._first_step:
+            self._first_step_s = max(self._first_step_s or 0.0, seconds)
+        else:
+            self._slowest_step = max(self._slowest_step or 0.0, seconds)
 
     def start(self, step: int | None = None) -> HangWatchdog:
         """Start watching; ``step``: where train() starts (its first step gets the slow-phase allowance)."""
@@ -188,7 +235,8 @@ class HangWatchdog:
         if not self.enabled or self._thread is not None:
             return self
         self._stop.clear()  # train() may run again after a stop()
-        self._first_step, self._allow, self._slow = self.step, self.slow_phase_s, True
+        self._first_step, self._allow = self.step, self.slow_phase_s
+        self._why = f"fault.watchdog_slow_phase_s={self.slow_phase_s:g}"
         self._last = time.monotonic()
         self._write_heartbeat()  # at once: tests and tools find this rank's pid here
         self._thread = threading.Thread(target=self._run, name="hpcdist-watchdog", daemon=True)
@@ -270,15 +318,12 @@ class HangWatchdog:
         err = sys.stderr
         try:
             blamed, reporter = self.culprits()
-            who = "; ".join(f"rank {b['rank']} on {b['host']}: {b['why']}" for b in blamed) or (
-                "every rank is alive and at the same step: the collective itself is stuck (network, a GPU, NCCL)"
-            )
-            setting = (f"fault.watchdog_slow_phase_s={self.slow_phase_s:g}" if self._slow
-                       else f"fault.watchdog_timeout_s={self.timeout_s:g}")  # fmt: skip
-            cause = (f"hang watchdog: no progress for {idle:.0f} s (allowed {self._allow:.0f} s, {setting}) at step "
-                     f"{self.step} in {self.current_phase}")  # fmt: skip
-            print(f"\n[hpcdist watchdog] rank {self.rank} on {self.host} (pid {os.getpid()}): {cause}; last "
-                  f"collective: {self.current_phase}; suspects: {who}", file=err, flush=True)  # fmt: skip
+            who = suspects_text(blamed, self.world_size)
+            cause = (f"hang watchdog: no progress for {idle:.0f} s (allowed {self._allow:.0f} s, {self._why}) at "
+                     f"step {self.step} in {self.current_phase}")  # fmt: skip
+            where = "last collective" if self.world_size > 1 else "last phase"
+            print(f"\n[hpcdist watchdog] rank {self.rank} on {self.host} (pid {os.getpid()}): {cause}; {where}: "
+                  f"{self.current_phase}; suspects: {who}", file=err, flush=True)  # fmt: skip
             print(f"[hpcdist watchdog] Python stacks of rank {self.rank} (all threads):", file=err, flush=True)
             faulthandler.dump_traceback(file=err, all_threads=True)
             self._dump_nccl_trace()

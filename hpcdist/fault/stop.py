@@ -7,10 +7,13 @@ Signals (both configurable through ``fault``):
 - SIGTERM: SLURM is ending the job now (scancel, preemption with GraceTime, or the time limit itself) ->
   StopReason.TERMINATE (checkpoint and exit without requeueing; a preempting SLURM requeues the job itself when
   configured to);
-- SIGINT (Ctrl-C): StopReason.INTERRUPT, like SIGTERM; a second Ctrl-C aborts at once, without a checkpoint.
+- SIGINT (Ctrl-C): StopReason.INTERRUPT, like SIGTERM; a second Ctrl-C aborts at once: one line, exit 130, no
+  checkpoint (hpcdist.signals.abort; a save it cuts short has no COMPLETE marker, so nothing resumes from it).
 
-The handlers are installed by hpcdist.run before the long start-up (data, model, resume), so a signal that arrives
-then is remembered and acted on after the first steps instead of killing the rank (USR2's default action).
+The handlers are installed by hpcdist.run before the long start-up (data, model, resume), and take over the
+signals that the entry point held from its first line (hpcdist.signals.hold: imports, config, data checks), so a
+signal that arrives at any time is remembered and acted on after the first step instead of killing the rank (USR2's
+default action).
 
 A handler only sets a flag: doing work inside a signal handler could interrupt a collective half-way on one
 rank. Agreement uses one MAX all-reduce of two integers per step (the stop reason, and a checkpoint request
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from hpcdist.env import SlurmJob
 from hpcdist.logging_utils import get_logger
-from hpcdist.signals import parse_signal
+from hpcdist.signals import abort, parse_signal, previous_handler, release, stop_exit_code
 
 log = get_logger(__name__)
 
@@ -49,6 +52,15 @@ class StopReason(enum.IntEnum):
     @property
     def signal_name(self) -> str:
         return {StopReason.INTERRUPT: "SIGINT", StopReason.TERMINATE: "SIGTERM"}.get(self, "the requeue signal")
+
+    def exit_code(self, requeue_signal: str = "USR2") -> int:
+        """Exit code of a run this stopped early with no scheduler to continue it (outside SLURM, or no requeue by
+        design): 128 + the signal (130 / 143 / 140 for USR2), as the shell reports a process that signal ended;
+        never 0, which a wrapper would take for a finished run. 0 for NONE."""
+        if self == StopReason.NONE:
+            return 0
+        sig = {StopReason.INTERRUPT: signal.SIGINT, StopReason.TERMINATE: signal.SIGTERM}.get(self)
+        return stop_exit_code(sig if sig is not None else signal_number(requeue_signal))
 
 
 def signal_number(name: str) -> signal.Signals:
@@ -74,6 +86,7 @@ class StopFlag:
         self.requeue_signal = signal_number(requeue_signal)
         self.job = job if job is not None else SlurmJob.from_environ()  # only named in the start-up line
         self._local = StopReason.NONE
+        self._interrupted = False  # a Ctrl-C arrived: the next one aborts
         self._previous: dict[int, object] = {}
         self._group: dist.ProcessGroup | None = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
@@ -84,8 +97,11 @@ class StopFlag:
         """Take over the signals (replacing submitit's own rank-0 checkpoint handler: ours saves on all ranks)."""
         if self._previous:  # installed already (hpcdist.run does it before the start-up; the loop again)
             return self
-        for sig in (self.requeue_signal, signal.SIGTERM, signal.SIGINT, *extra):
-            self._previous[sig] = signal.signal(sig, self._on_signal)
+        ours = (self.requeue_signal, signal.SIGTERM, signal.SIGINT, *extra)
+        for sig in ours:
+            self._previous[sig] = previous_handler(sig, signal.signal(sig, self._on_signal))
+        for sig in release(ours):  # arrived during the imports and checks (hpcdist.signals.hold): act on them now
+            self._on_signal(sig, None)
         if self.job.job_id:
             log.info("SLURM job %s, restart %d; %s -> checkpoint + requeue, SIGTERM -> checkpoint + exit",
                      self.job.job_id, self.job.restart_count, self.requeue_signal.name)  # fmt: skip
@@ -98,9 +114,13 @@ class StopFlag:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT:
+            if self._interrupted:
+                # the user's way out (a save or a step that takes too long): one line and exit 130 now. Not
+                # KeyboardInterrupt: raised inside a save it became "unexpected error: CheckpointSaveError",
+                # inside a step a raw traceback
+                abort(self.rank)
+            self._interrupted = True
             reason = StopReason.INTERRUPT
-            # the next Ctrl-C gets the previous handler (KeyboardInterrupt): a way out if the checkpoint hangs
-            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))  # type: ignore[arg-type]
             if self.rank == 0:  # os.write: logging is not safe inside a signal handler
                 os.write(2, b"\nhpcdist: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: abort)\n")
         else:

@@ -227,16 +227,17 @@ def after_stop(
     ``run_dir`` holds the restart ledger (time-limit requeues are counted there, apart from preemptions and
     failures); ``max_restarts`` is fault.max_restarts."""
     job = job if job is not None else SlurmJob.from_environ()
+    if not job.job_id:
+        # nothing will continue the run: the shell's convention for a process ended by that signal (130 / 143 /
+        # 140 for USR2), never 0, which a wrapper would take for a finished run
+        if reason == StopReason.TIME_LIMIT:
+            log.info("stopped by %s outside SLURM (exit %d); rerun with checkpoint.resume=auto to continue",
+                     signal_number(requeue_signal).name, reason.exit_code(requeue_signal))  # fmt: skip
+        return reason.exit_code(requeue_signal)
     if reason != StopReason.TIME_LIMIT:
-        if not job.job_id:  # the shell's convention for a process ended by that signal: 130 / 143
-            return 128 + (signal.SIGINT if reason == StopReason.INTERRUPT else signal.SIGTERM)
         # under SLURM the job is being cancelled or preempted: a non-zero status would make the batch script's
         # failure policy (after-step) treat it as a failure and requeue it
         log.info("stopping on %s after a complete checkpoint; not requeueing", reason.signal_name)
-        return 0
-    if not job.job_id:
-        log.info("stopped by %s outside SLURM; rerun with checkpoint.resume=auto to continue",
-                 signal_number(requeue_signal).name)  # fmt: skip
         return 0
     if not requeue_enabled:
         log.info("fault.requeue is off: job %s ends here; resubmit to continue", job.job_id)

@@ -84,7 +84,9 @@ class TrainTask:
             # (or a resubmission) continues it; on the LocalExecutor this exit code makes the controller
             # restart the tasks, the local stand-in for a requeue.
             local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
-            requeue = local and result.stop_reason == StopReason.TIME_LIMIT and result.exit_code == 0
+            # outside SLURM after_stop ends a time-limit stop with 128 + the signal (never 0: nothing continues a
+            # plain run); a refusal or failure has another code and is not restarted
+            requeue = local and result.stop_reason == StopReason.TIME_LIMIT and result.exit_code > 128
             raise SystemExit(LOCAL_REQUEUE_EXIT_CODE if requeue else result.exit_code)
         if result.exit_code:
             raise SystemExit(result.exit_code)

@@ -58,7 +58,11 @@ def test_no_requeue_on_terminate_limit_or_disabled(tmp_path: Path, monkeypatch: 
     assert _after(SlurmJob("9", 0), StopReason.TERMINATE) == 0
     assert _after(SlurmJob("9", 0), StopReason.TIME_LIMIT, requeue_enabled=False) == 0
     assert _after(SlurmJob("9", 3), StopReason.TIME_LIMIT, max_restarts=3) == 3
-    assert _after(SlurmJob(None, 0), StopReason.TIME_LIMIT) == 0  # not a SLURM job
+    # not a SLURM job: nothing continues the partial run, so never 0 (issue 25.10) but 128 + the signal
+    assert _after(SlurmJob(None, 0), StopReason.TIME_LIMIT) == 128 + signal.SIGUSR2
+    assert _after(SlurmJob(None, 0), StopReason.TIME_LIMIT, requeue_signal="USR1") == 128 + signal.SIGUSR1
+    assert _after(SlurmJob(None, 0), StopReason.INTERRUPT) == 130
+    assert _after(SlurmJob(None, 0), StopReason.TERMINATE) == 143
     assert _after(SlurmJob("9", 0), StopReason.TIME_LIMIT, rank=1) == 0  # only rank 0 talks to SLURM
     assert not calls.exists()
 
@@ -78,3 +82,29 @@ def test_slurm_job_from_environ() -> None:
     assert SlurmJob.from_environ(env) == SlurmJob("7_3", 0)
     assert SlurmJob.from_environ({}) == SlurmJob(None, 0)
     assert signal_number("usr1") == signal.SIGUSR1 and signal_number("SIGTERM") == signal.SIGTERM
+
+
+def test_a_held_signal_is_taken_over_by_the_stop_flag_or_given_back() -> None:
+    """Issue 25.10, in one process with real signals: while the entry point holds them (hpcdist.signals.hold), a stop
+    signal neither kills nor raises; the stop flag acts on it once installed; a command without a stop flag gets
+    Ctrl-C's KeyboardInterrupt back at release."""
+    from hpcdist import signals
+
+    before = signal.getsignal(signal.SIGINT)
+    signals.hold()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)  # the default action would end this process
+        os.kill(os.getpid(), signal.SIGTERM)
+        h = StopFlag(rank=0, device=torch.device("cpu"), job=SlurmJob(None, 0)).install()
+        assert h.agreed() == StopReason.TERMINATE  # acted on, the strongest of the two
+        h.uninstall()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the original, not the hold
+        assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        signals.release()
+    signals.hold()
+    os.kill(os.getpid(), signal.SIGINT)  # held: no KeyboardInterrupt in the middle of an import
+    with pytest.raises(KeyboardInterrupt):
+        signals.release()
+    assert signal.getsignal(signal.SIGINT) is before
+    assert StopReason.TIME_LIMIT.exit_code("USR2") == 140 and StopReason.NONE.exit_code() == 0
