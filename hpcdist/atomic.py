@@ -1,19 +1,26 @@
-"""One atomic file write for every file hpcdist replaces in place (config, manifests, markers, records, heartbeats).
+"""One atomic file write for every file hpcdist replaces in place (config, manifests, markers, records, heartbeats),
+and one append for every file it only appends to (metrics.jsonl, failures.jsonl, jobs.jsonl).
 
 Readers (other ranks, a resumed job, a login-node watcher) see the old file or the whole new one, never a part.
 The temporary file sits in the target's directory (``os.replace`` is atomic only within one file system), has an
 unpredictable name and is created with ``O_EXCL | O_NOFOLLOW``: a name another user planted in a shared run
 directory (a symlink pointing elsewhere) makes the write fail instead of writing through it. It is created with
 mode 0666 minus the umask, like ``open(path, "w")``, so results follow the user's umask.
+
+An append-only file cannot be replaced, so it is opened in place: never through a link (``O_NOFOLLOW``), never a
+FIFO or device (``O_NONBLOCK`` for the open, then it must be a regular file), and only a file of this user's (a file
+another user made in the run dir is theirs: appending would mix our records into it, or theirs into ours).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
+import stat
 from pathlib import Path
 
-__all__ = ["atomic_write"]
+__all__ = ["append_line", "atomic_write", "open_append"]
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes | memoryview, *, durable: bool = True) -> Path:
@@ -38,3 +45,53 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes | memoryview, *
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def open_append(path: str | os.PathLike[str]) -> int:
+    """A descriptor for appending to ``path`` (created with mode 0666 minus the umask if missing, its parent too).
+
+    Raises OSError naming the file and the fix when it is a link, not a regular file, or another user's.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # the last component is a link (dangling or not)
+            raise OSError(errno.ELOOP, f"{path} is a link: hpcdist appends to its own files only, never through a "
+                          "link (remove the link)", str(path)) from None  # fmt: skip
+        if e.errno == errno.ENXIO:  # a FIFO nobody reads: O_NONBLOCK refused it instead of blocking forever
+            raise _not_regular(path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path)
+        if st.st_uid != os.geteuid():
+            from hpcdist.config.dirs import user_name  # lazy: the config package is not needed to write a line
+
+            raise OSError(errno.EPERM, f"{path} belongs to {user_name(st.st_uid)}, not to you "
+                          f"({user_name(os.geteuid())}): it is not this run's file (remove it or choose another "
+                          "run.dir)", str(path))  # fmt: skip
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _not_regular(path: Path) -> OSError:
+    return OSError(errno.EINVAL, f"{path} is not a regular file (a FIFO, device or directory): hpcdist appends "
+                   "only to its own regular files (remove it)", str(path))  # fmt: skip
+
+
+def append_line(path: str | os.PathLike[str], line: str | bytes) -> None:
+    """Append one line to ``path`` (checked as :func:`open_append` does) in one ``write`` on an O_APPEND
+    descriptor: lines of concurrent writers (ranks, the supervisor, after-step) do not interleave."""
+    data = line.encode() if isinstance(line, str) else line
+    fd = open_append(path)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.schema import JobConfig
+from hpcdist.rundir import RunDir
 
 __all__ = ["check_run_dir", "tree_trust_problems", "trusted_uids", "user_name"]
 
@@ -39,6 +40,9 @@ def check_run_dir(cfg: JobConfig) -> None:
 
 
 def _dir_problems(key: str, path: Path) -> list[str]:
+    link = _foreign_link(path)
+    if link is not None:  # checked before anything follows it (the owner check below looks at the target)
+        return [f"{key}: {str(path)!r}: {link}; give the real directory or a path of your own"]
     if path.exists() and not path.is_dir():
         return [f"{key}: {str(path)!r} exists and is not a directory; choose another {key}"]
     if path.is_dir() and path.stat().st_uid != os.getuid():
@@ -47,6 +51,10 @@ def _dir_problems(key: str, path: Path) -> list[str]:
             f"{key}: {str(path)!r} belongs to {owner}, not to you ({user_name(os.getuid())}): it is another user's "
             f"run; choose your own {key}"
         ]
+    if key == "run.dir" and path.is_dir():
+        problems = [f"{key}: {why}" for why in map(_append_only_problem, RunDir(path).append_only()) if why]
+        if problems:
+            return problems
     existing = next(p for p in (path, *path.parents) if p.exists())
     try:  # os.access says yes to root on a read-only mount: only a real write tells
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".hpcdist-write-check-")
@@ -55,6 +63,39 @@ def _dir_problems(key: str, path: Path) -> list[str]:
     except OSError as e:
         return [f"{key}: cannot write in {str(existing)!r} ({e.strerror}); make it writable or choose another {key}"]
     return []
+
+
+def _foreign_link(path: Path) -> str | None:
+    """Why ``path`` cannot be trusted to lead where it says: it, or a directory above it, is a symbolic link made by
+    another user (who can point it anywhere, at any time: at a directory of yours, so that the owner check of
+    the target passes); None when every link on the way is yours or root's."""
+    for p in (path, *path.parents):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue  # not there (yet): nothing to follow
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.getuid(), 0):
+            return (
+                f"{str(p)!r} is a link made by {user_name(st.st_uid)}, not by you (it leads to {os.path.realpath(p)!r})"
+            )
+    return None
+
+
+def _append_only_problem(path: Path) -> str | None:
+    """Why hpcdist could not append to ``path`` (metrics.jsonl, failures.jsonl, jobs.jsonl), said before any
+    process starts; hpcdist.atomic.open_append refuses the same at the write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None  # created at the first write
+    if stat.S_ISLNK(st.st_mode):
+        return (f"{str(path)!r} is a link (to {os.path.realpath(path)!r}): hpcdist appends to its run dir's own "
+                "files only, never through a link; remove the link")  # fmt: skip
+    if not stat.S_ISREG(st.st_mode):
+        return f"{str(path)!r} is not a regular file (a FIFO, device or directory); remove it"
+    if st.st_uid != os.getuid():
+        return f"{str(path)!r} belongs to {user_name(st.st_uid)}, not to you; remove it or choose another run.dir"
+    return None
 
 
 def user_name(uid: int) -> str:

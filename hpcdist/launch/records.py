@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcdist.atomic import append_line
 from hpcdist.rundir import RunDir
 
 __all__ = ["cancel_local", "find_job", "last_step", "local_state", "record_job", "run_summary"]
@@ -22,11 +23,8 @@ __all__ = ["cancel_local", "find_job", "last_step", "local_state", "record_job",
 
 def record_job(run_dir: str | os.PathLike[str], entry: dict[str, Any]) -> None:
     """Append one submitted job (or an event such as a cancel) to the run's jobs.jsonl."""
-    path = RunDir(run_dir).jobs
-    path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps({**entry, "time": time.time(), "host": socket.gethostname()}) + "\n"
-    with open(path, "a", encoding="utf-8") as f:  # one short line per write: appends do not interleave
-        f.write(line)
+    append_line(RunDir(run_dir).jobs, line)  # one short line per write: appends do not interleave
 
 
 def find_job(job_id: str, run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
