@@ -10,6 +10,8 @@ mode 0666 minus the umask, like ``open(path, "w")``, so results follow the user'
 An append-only file cannot be replaced, so it is opened in place: never through a link (``O_NOFOLLOW``), never a
 FIFO or device (``O_NONBLOCK`` for the open, then it must be a regular file), and only a file of this user's (a file
 another user made in the run dir is theirs: appending would mix our records into it, or theirs into ours).
+A small record read back (jobs.jsonl, a task's result) is read the same way and only when nobody else could have
+written it (:func:`read_trusted`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import secrets
 import stat
 from pathlib import Path
 
-__all__ = ["append_line", "atomic_write", "open_append"]
+__all__ = ["UntrustedFile", "append_line", "atomic_write", "open_append", "read_trusted"]
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes | memoryview, *, durable: bool = True) -> Path:
@@ -93,5 +95,48 @@ def append_line(path: str | os.PathLike[str], line: str | bytes) -> None:
     fd = open_append(path)
     try:
         os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+class UntrustedFile(OSError):
+    """A file hpcdist will not read: a link, not a regular file, too large, or writable by someone untrusted."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+def read_trusted(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
+    """The contents of ``path`` (None when it does not exist), read only if nobody but this user or root could
+    have written it: the rule checkpoints are loaded by (hpcdist.config.dirs, without checkpoint.trusted_owners),
+    checked on the open descriptor, so the file cannot be swapped between check and read. A link, a FIFO (no
+    hang: O_NONBLOCK), another user's file, one writable by others, or one over ``max_bytes`` raises
+    UntrustedFile naming it."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UntrustedFile(errno.ELOOP, f"{path} is a link: not read (hpcdist reads its records only "
+                                "directly)", str(path)) from None  # fmt: skip
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UntrustedFile(errno.EINVAL, f"{path} is not a regular file: not read", str(path))
+        from hpcdist.config.dirs import file_trust_problem  # lazy: the config package only when reading one
+
+        why = file_trust_problem(st, {os.getuid(), 0})
+        if why:
+            raise UntrustedFile(errno.EPERM, f"{path} {why}: another user could have written it, so it is not "
+                                "read", str(path))  # fmt: skip
+        if st.st_size > max_bytes:
+            raise UntrustedFile(errno.EFBIG, f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} such a "
+                                "record can be: not read", str(path))  # fmt: skip
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(max_bytes + 1)[:max_bytes]  # a file growing meanwhile is cut, never read without end
     finally:
         os.close(fd)

@@ -20,7 +20,7 @@ from hpcdist.config.loader import ConfigError
 from hpcdist.config.schema import JobConfig
 from hpcdist.rundir import RunDir
 
-__all__ = ["check_run_dir", "tree_trust_problems", "trusted_uids", "user_name"]
+__all__ = ["check_run_dir", "file_trust_problem", "tree_trust_problems", "trusted_uids", "user_name"]
 
 
 def check_run_dir(cfg: JobConfig) -> None:
@@ -135,6 +135,12 @@ def tree_trust_problems(top: Path, trusted: set[int]) -> list[tuple[str, str]]:
         if why:
             problems.append((path, why))
     return problems
+
+
+def file_trust_problem(st: os.stat_result, trusted: set[int]) -> str | None:
+    """Why a regular file (``st``: fstat of its open descriptor) could have been written by someone outside
+    ``trusted``, by the same rule as :func:`tree_trust_problems`; None when nobody else could have."""
+    return _entry_problem("", st, trusted, "")
 
 
 def _walk(top: Path, problems: list[tuple[str, str]]) -> Iterator[tuple[str, os.stat_result]]:

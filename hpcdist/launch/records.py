@@ -12,13 +12,14 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import append_line
+from hpcdist.atomic import UntrustedFile, append_line, read_trusted
 from hpcdist.rundir import RunDir
 
-__all__ = ["cancel_local", "find_job", "last_step", "local_state", "record_job", "run_summary"]
+__all__ = ["UntrustedFile", "cancel_local", "find_job", "last_step", "local_state", "record_job", "run_summary"]
+
+_JOBS_MAX_BYTES = 64 << 20  # one short line per submission: hundreds of thousands of jobs
 
 
 def record_job(run_dir: str | os.PathLike[str], entry: dict[str, Any]) -> None:
@@ -28,18 +29,24 @@ def record_job(run_dir: str | os.PathLike[str], entry: dict[str, Any]) -> None:
 
 
 def find_job(job_id: str, run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The newest record of ``job_id`` in the run dir (later lines, e.g. a cancel, update earlier ones)."""
+    """The newest record of ``job_id`` in the run dir (later lines, e.g. a cancel, update earlier ones).
+
+    A record decides which pid ``cancel`` signals and which folder ``status`` reads: UntrustedFile when someone
+    else could have written jobs.jsonl (another user's run dir, a link, a file others can write)."""
     try:
-        lines = RunDir(run_dir).jobs.read_text(encoding="utf-8").splitlines()
+        data = read_trusted(RunDir(run_dir).jobs, _JOBS_MAX_BYTES)
+    except UntrustedFile:
+        raise
     except OSError:
         return None
+    lines = (data or b"").decode("utf-8", errors="replace").splitlines()
     found: dict[str, Any] | None = None
     for line in lines:
         try:
             entry = json.loads(line)
         except ValueError:
             continue
-        if str(entry.get("job_id")) == str(job_id):
+        if isinstance(entry, dict) and str(entry.get("job_id")) == str(job_id):
             found = {**(found or {}), **entry}
     return found
 
@@ -56,17 +63,14 @@ def _alive(pid: int) -> bool:
 
 def local_state(entry: dict[str, Any]) -> str:
     """A local-executor job's state: RUNNING while its controller lives (on this host), else from the ranks'
-    result pickles: COMPLETED when every rank left a success, CANCELLED after ``hpcdist cancel``, else FAILED."""
+    result records: COMPLETED when every rank left a success, CANCELLED after ``hpcdist cancel``, else FAILED."""
     if entry.get("host") != socket.gethostname():
         return f"UNKNOWN (it runs on {entry.get('host')}; ask there)"
     if _alive(int(entry["job_id"])):
         return "RUNNING"
-    from submitit.core.utils import JobPaths, pickle_load  # each rank's result file, as JobHandle reads it
+    from hpcdist.launch.task import read_result  # each rank's result record, as JobHandle reads it (no pickle)
 
-    outcomes = []
-    for rank in range(int(entry["num_tasks"])):
-        path = JobPaths(Path(entry["folder"]), job_id=str(entry["job_id"]), task_id=rank).result_pickle
-        outcomes.append(pickle_load(path) if path.exists() else None)
+    outcomes = [read_result(entry["folder"], str(entry["job_id"]), rank) for rank in range(int(entry["num_tasks"]))]
     if all(o is not None and o[0] == "success" for o in outcomes):
         return "COMPLETED"
     return "CANCELLED" if entry.get("cancelled") else "FAILED"

@@ -150,7 +150,7 @@ def test_failures_record_is_not_appended_through_a_link(tmp_path: Path) -> None:
     run.mkdir()
     victim = _victim(tmp_path)
     (run / "failures.jsonl").symlink_to(victim)
-    with pytest.raises(OSError, match="failures.jsonl.* a link"):
+    with pytest.raises(OSError, match=r"failures\.jsonl.* a link"):
         record(run, kind="exception", cause="boom", rank=0)
     assert victim.read_text() == "precious\n"
 
@@ -158,7 +158,7 @@ def test_failures_record_is_not_appended_through_a_link(tmp_path: Path) -> None:
 def test_jobs_record_is_not_appended_through_a_link(tmp_path: Path) -> None:
     victim = _victim(tmp_path)
     (tmp_path / "jobs.jsonl").symlink_to(victim)
-    with pytest.raises(OSError, match="jobs.jsonl.* a link"):
+    with pytest.raises(OSError, match=r"jobs\.jsonl.* a link"):
         record_job(tmp_path, {"job_id": "1", "executor": "local"})
     assert victim.read_text() == "precious\n"
 
@@ -168,12 +168,12 @@ def test_metrics_are_not_appended_through_a_link_nor_into_a_fifo(tmp_path: Path)
 
     victim = _victim(tmp_path)
     (tmp_path / "metrics.jsonl").symlink_to(victim)
-    with pytest.raises(OSError, match="metrics.jsonl.* a link"):
+    with pytest.raises(OSError, match=r"metrics\.jsonl.* a link"):
         MetricsLogger(tmp_path, enabled=True, tensorboard=False)
     assert victim.read_text() == "precious\n"
     (tmp_path / "metrics.jsonl").unlink()
     os.mkfifo(tmp_path / "metrics.jsonl")  # no reader: a plain open for writing would block forever
-    with pytest.raises(OSError, match="metrics.jsonl.* not a regular file"):
+    with pytest.raises(OSError, match=r"metrics\.jsonl.* not a regular file"):
         MetricsLogger(tmp_path, enabled=True, tensorboard=False)
 
 
