@@ -22,7 +22,7 @@ import secrets
 import stat
 from pathlib import Path
 
-__all__ = ["UntrustedFile", "append_line", "atomic_write", "open_append", "read_trusted"]
+__all__ = ["UntrustedFile", "append_line", "atomic_write", "open_append", "read_tail", "read_trusted"]
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes | memoryview, *, durable: bool = True) -> Path:
@@ -106,6 +106,25 @@ class UntrustedFile(OSError):
         return self.strerror or super().__str__()
 
 
+def _open_regular(path: Path) -> int:
+    """A read descriptor of the regular file ``path``: never through a link, never blocking on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UntrustedFile(errno.ELOOP, f"{path} is a link: not read (hpcdist reads its records only "
+                                "directly)", str(path)) from None  # fmt: skip
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UntrustedFile(errno.EINVAL, f"{path} is not a regular file: not read", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_trusted(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
     """The contents of ``path`` (None when it does not exist), read only if nobody but this user or root could
     have written it: the rule checkpoints are loaded by (hpcdist.config.dirs, without checkpoint.trusted_owners),
@@ -114,18 +133,11 @@ def read_trusted(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
     UntrustedFile naming it."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = _open_regular(path)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UntrustedFile(errno.ELOOP, f"{path} is a link: not read (hpcdist reads its records only "
-                                "directly)", str(path)) from None  # fmt: skip
-        raise
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UntrustedFile(errno.EINVAL, f"{path} is not a regular file: not read", str(path))
         from hpcdist.config.dirs import file_trust_problem  # lazy: the config package only when reading one
 
         why = file_trust_problem(st, {os.getuid(), 0})
@@ -135,8 +147,26 @@ def read_trusted(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
         if st.st_size > max_bytes:
             raise UntrustedFile(errno.EFBIG, f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} such a "
                                 "record can be: not read", str(path))  # fmt: skip
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(max_bytes + 1)[:max_bytes]  # a file growing meanwhile is cut, never read without end
+        return _read_at_most(fd, max_bytes)
     finally:
         os.close(fd)
+
+
+def read_tail(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """The last ``max_bytes`` of the regular file ``path``, whoever wrote it (plain data such as metrics.jsonl of
+    a run dir given on the command line): never through a link, never a FIFO (which would block), never more
+    than ``max_bytes`` however large the file is. OSError as ``open`` raises it; UntrustedFile for a link or a
+    file that is not regular."""
+    fd = _open_regular(Path(path))
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            os.lseek(fd, size - max_bytes, os.SEEK_SET)
+        return _read_at_most(fd, max_bytes)
+    finally:
+        os.close(fd)
+
+
+def _read_at_most(fd: int, max_bytes: int) -> bytes:
+    with os.fdopen(fd, "rb", closefd=False) as f:
+        return f.read(max_bytes)  # a file growing meanwhile is cut, never read without end

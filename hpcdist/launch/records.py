@@ -14,12 +14,13 @@ import socket
 import time
 from typing import Any
 
-from hpcdist.atomic import UntrustedFile, append_line, read_trusted
+from hpcdist.atomic import UntrustedFile, append_line, read_tail, read_trusted
 from hpcdist.rundir import RunDir
 
 __all__ = ["UntrustedFile", "cancel_local", "find_job", "last_step", "local_state", "record_job", "run_summary"]
 
 _JOBS_MAX_BYTES = 64 << 20  # one short line per submission: hundreds of thousands of jobs
+_TAIL_BYTES = 16 << 20  # the newest lines of metrics.jsonl: thousands of steps
 
 
 def record_job(run_dir: str | os.PathLike[str], entry: dict[str, Any]) -> None:
@@ -90,8 +91,8 @@ def cancel_local(entry: dict[str, Any], run_dir: str | os.PathLike[str]) -> None
 def last_step(run_dir: str | os.PathLike[str]) -> tuple[int | None, float | None]:
     """(step, loss) of the last training line in the run's metrics.jsonl."""
     step = loss = None
-    try:
-        lines = RunDir(run_dir).metrics.read_text(encoding="utf-8").splitlines()
+    try:  # the run dir may be anyone's: no FIFO (a hang), no reading a huge file whole
+        lines = read_tail(RunDir(run_dir).metrics, _TAIL_BYTES).decode("utf-8", errors="replace").splitlines()
     except OSError:
         return None, None
     for line in lines:
@@ -112,8 +113,8 @@ def run_summary(run_dir: str | os.PathLike[str], job_id: str | None = None) -> s
     lines = [f"run dir {rd.root}: " + (f"step {step}, loss {loss:.4f}" if step is not None and loss is not None
                                        else "no training step logged yet")]  # fmt: skip
     try:
-        ledger = json.loads(rd.restarts.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        ledger = json.loads(read_tail(rd.restarts, _TAIL_BYTES))
+    except (OSError, ValueError):  # a ledger cut at _TAIL_BYTES is no ledger (it is a few KiB)
         ledger = None
     if isinstance(ledger, dict) and (job_id is None or str(ledger.get("job_id")) == str(job_id)):
         attempts, stopped = ledger.get("attempts") or {}, ledger.get("stopped")

@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -107,6 +108,20 @@ def test_job_handle_reads_no_pickle_from_a_shared_log_dir(tmp_path: Path) -> Non
     if os.getuid() == 0:  # a record planted by another user is theirs, not the job's
         os.lchown(tmp_path / "55_0_result.json", OTHER_UID, OTHER_UID)
         assert handle._from_results(none="UNKNOWN") == "UNKNOWN"
+
+
+def test_status_of_a_run_dir_with_fifos_does_not_hang(tmp_path: Path) -> None:
+    """`hpcdist status JOB --run-dir DIR` reads DIR's metrics.jsonl and restarts.json: FIFOs there (nobody writes)
+    must not block it (before: it waited forever at the first read)."""
+    for name in ("metrics.jsonl", "restarts.json", "jobs.jsonl"):
+        os.mkfifo(tmp_path / name)
+    code = ("import sys; from hpcdist.launch.records import find_job, run_summary\n"
+            "print(run_summary(sys.argv[1], '77'))\n"
+            "try:\n    find_job('77', sys.argv[1])\nexcept OSError as e:\n    print(e)\n")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "no training step logged yet" in p.stdout and "jobs.jsonl is not a regular file" in p.stdout, p.stdout
 
 
 # --------------------------------------------------------------------------------------------- item 11: Prometheus
