@@ -22,6 +22,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from hpcdist.owners import user_name, writer_problem
+
 __all__ = ["UntrustedFile", "append_line", "atomic_write", "open_append", "read_tail", "read_trusted"]
 
 
@@ -71,8 +73,6 @@ def open_append(path: str | os.PathLike[str]) -> int:
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path)
         if st.st_uid != os.geteuid():
-            from hpcdist.config.dirs import user_name  # lazy: the config package is not needed to write a line
-
             raise OSError(errno.EPERM, f"{path} belongs to {user_name(st.st_uid)}, not to you "
                           f"({user_name(os.geteuid())}): it is not this run's file (remove it or choose another "
                           "run.dir)", str(path))  # fmt: skip
@@ -127,7 +127,7 @@ def _open_regular(path: Path) -> int:
 
 def read_trusted(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
     """The contents of ``path`` (None when it does not exist), read only if nobody but this user or root could
-    have written it: the rule checkpoints are loaded by (hpcdist.config.dirs, without checkpoint.trusted_owners),
+    have written it: the rule checkpoints are loaded by (hpcdist.owners, without checkpoint.trusted_owners),
     checked on the open descriptor, so the file cannot be swapped between check and read. A link, a FIFO (no
     hang: O_NONBLOCK), another user's file, one writable by others, or one over ``max_bytes`` raises
     UntrustedFile naming it."""
@@ -138,9 +138,7 @@ def read_trusted(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
         return None
     try:
         st = os.fstat(fd)
-        from hpcdist.config.dirs import file_trust_problem  # lazy: the config package only when reading one
-
-        why = file_trust_problem(st, {os.getuid(), 0})
+        why = writer_problem(st, {os.getuid(), 0})
         if why:
             raise UntrustedFile(errno.EPERM, f"{path} {why}: another user could have written it, so it is not "
                                 "read", str(path))  # fmt: skip

@@ -7,8 +7,6 @@ own node) rather than on the config alone.
 
 from __future__ import annotations
 
-import functools
-import grp
 import os
 import pwd
 import stat
@@ -18,9 +16,10 @@ from pathlib import Path
 
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.schema import JobConfig
+from hpcdist.owners import user_name, writer_problem  # user_name: also this module's API
 from hpcdist.rundir import RunDir
 
-__all__ = ["check_run_dir", "file_trust_problem", "tree_trust_problems", "trusted_uids", "user_name"]
+__all__ = ["check_run_dir", "tree_trust_problems", "trusted_uids", "user_name"]
 
 
 def check_run_dir(cfg: JobConfig) -> None:
@@ -98,14 +97,6 @@ def _append_only_problem(path: Path) -> str | None:
     return None
 
 
-def user_name(uid: int) -> str:
-    """ "alice (uid 1001)", or "uid 4242" for a uid without a name on this host."""
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
 # ------------------------------------------------------------------------------------------ checkpoint owners
 
 
@@ -137,12 +128,6 @@ def tree_trust_problems(top: Path, trusted: set[int]) -> list[tuple[str, str]]:
     return problems
 
 
-def file_trust_problem(st: os.stat_result, trusted: set[int]) -> str | None:
-    """Why a regular file (``st``: fstat of its open descriptor) could have been written by someone outside
-    ``trusted``, by the same rule as :func:`tree_trust_problems`; None when nobody else could have."""
-    return _entry_problem("", st, trusted, "")
-
-
 def _walk(top: Path, problems: list[tuple[str, str]]) -> Iterator[tuple[str, os.stat_result]]:
     """(path, lstat) of ``top`` and everything below it; links are reported, never followed."""
     yield str(top), os.lstat(top)
@@ -161,33 +146,8 @@ def _walk(top: Path, problems: list[tuple[str, str]]) -> Iterator[tuple[str, os.
 
 
 def _entry_problem(path: str, st: os.stat_result, trusted: set[int], real_top: str) -> str | None:
-    mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISLNK(st.st_mode):  # a link's own mode means nothing; where it leads does
         target = os.path.realpath(path)
         inside = target == real_top or target.startswith(real_top + os.sep)
         return None if inside else f"is a link leading out of the checkpoint (to {target})"
-    if st.st_uid not in trusted:
-        return f"belongs to {user_name(st.st_uid)}, not to you ({user_name(os.getuid())})"
-    if mode & stat.S_IWOTH:
-        return f"is writable by others (mode {mode:04o})"
-    if mode & stat.S_IWGRP and not _private_group(st.st_gid, st.st_uid):
-        return f"is writable by group {_group_name(st.st_gid)} (mode {mode:04o})"
-    return None
-
-
-@functools.lru_cache(maxsize=256)
-def _private_group(gid: int, uid: int) -> bool:
-    """A user private group (umask 002 sites): named like its owner, whose primary group it is, with no other
-    member listed; group-writable files in it are writable by the owner alone."""
-    try:
-        group, owner = grp.getgrgid(gid), pwd.getpwuid(uid)
-    except KeyError:
-        return False
-    return group.gr_name == owner.pw_name and owner.pw_gid == gid and set(group.gr_mem) <= {owner.pw_name}
-
-
-def _group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return f"gid {gid}"
+    return writer_problem(st, trusted)
