@@ -693,12 +693,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(records.run_summary(args.run_dir, args.job))
     except slurm_cli.SlurmError as e:
         return _fail(f"status: {e}")
+    except records.UntrustedFile as e:  # another user's jobs.jsonl: its records name pids and folders
+        return _fail(f"status: {e}")
     return 0
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
     import shutil
 
+    from hpcdist.atomic import UntrustedFile
     from hpcdist.launch import slurm_cli
 
     try:
@@ -712,6 +715,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
         with path.open(encoding="utf-8", errors="replace") as f:
             shutil.copyfileobj(f, sys.stdout)
     except slurm_cli.SlurmError as e:
+        return _fail(f"logs: {e}")
+    except UntrustedFile as e:
         return _fail(f"logs: {e}")
     except OSError as e:
         return _fail(f"logs: cannot read {e.filename}: {e.strerror}")
@@ -754,7 +759,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             records.cancel_local(local, args.run_dir)
         else:
             slurm_cli.cancel(args.job)
-    except slurm_cli.SlurmError as e:
+    except (slurm_cli.SlurmError, records.UntrustedFile) as e:
         return _fail(f"cancel: {e}")
     except OSError as e:
         return _fail(f"cancel: {e}")

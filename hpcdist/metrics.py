@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -21,6 +22,7 @@ from typing import IO, Any
 
 import torch
 
+from hpcdist.atomic import open_append
 from hpcdist.rundir import RunDir
 
 __all__ = [
@@ -298,8 +300,8 @@ class MetricsLogger:
         self._tb: Any = None  # torch.utils.tensorboard.SummaryWriter, imported lazily (~1.5 s, rank 0 only)
         if not enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives until close()
+        # never through a link, never into a FIFO or another user's file (hpcdist.atomic.open_append)
+        self._file = os.fdopen(open_append(self.path), "a", encoding="utf-8")  # lives until close()
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

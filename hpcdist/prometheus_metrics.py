@@ -1,7 +1,8 @@
 """Prometheus metrics of a training job (``logging.prometheus``), from each node's local rank 0.
 
 Site monitoring scrapes nodes, not jobs: so every node's local rank 0 exports, with ``node`` and ``job`` labels,
-either over HTTP (``port``: prometheus_client's server thread, /metrics) or into a file for node_exporter's textfile
+either over HTTP (``port``: prometheus_client's server thread, /metrics, on ``addr``: 127.0.0.1 unless opened to
+other hosts, since the server has no authentication) or into a file for node_exporter's textfile
 collector (``textfile``, rewritten atomically at every log step). Names follow the Prometheus conventions: counters
 end in ``_total``, units are in the name (``_seconds``, ``_bytes``), rates are left to PromQL
 (``rate(hpcdist_tokens_total[5m])``) with the trainer's own windowed rates as gauges beside them.
@@ -79,12 +80,16 @@ class PrometheusExporter:
             from prometheus_client import start_http_server
 
             try:  # a daemon thread: it ends with the process
-                start_http_server(p.port, registry=r)
+                # logging.prometheus.addr: 127.0.0.1 unless the user opens it to other hosts (no authentication)
+                start_http_server(p.port, addr=p.addr, registry=r)
             except OSError as e:  # the port is taken (another job on this node): monitoring must not stop training
-                log.warning("Prometheus: cannot serve on port %d (%s); no metrics from node %d", p.port, e, node)
+                log.warning("Prometheus: cannot serve on %s port %d (%s); no metrics from node %d", p.addr, p.port, e,
+                            node)  # fmt: skip
                 self.active = False
                 return
-            log.info("Prometheus metrics on port %d (/metrics) from node %d", p.port, node)
+            everyone = p.addr in ("0.0.0.0", "::")
+            log.info("Prometheus metrics on %s port %d (/metrics) from node %d%s", p.addr, p.port, node,
+                     ": readable by anyone who reaches this node" if everyone else "")  # fmt: skip
         self.flush()
 
     def step(self, seconds: float, *, samples: int, tokens: int) -> None:

@@ -136,6 +136,11 @@ class RunDir:
         the tasks' runs are <run.dir>/<their overrides>/."""
         return self.root / "sweep.json"
 
+    def append_only(self) -> tuple[Path, ...]:
+        """The files several writers append lines to (never replaced): opened only through
+        hpcdist.atomic.open_append, and checked before a run starts (hpcdist.config.dirs)."""
+        return (self.metrics, self.failures, self.jobs)
+
     @property
     def slurm_logs(self) -> Path:
         """Batch jobs' stdout/stderr unless the cluster profile sets log_dir."""

@@ -7,8 +7,6 @@ own node) rather than on the config alone.
 
 from __future__ import annotations
 
-import functools
-import grp
 import os
 import pwd
 import stat
@@ -18,6 +16,8 @@ from pathlib import Path
 
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.schema import JobConfig
+from hpcdist.owners import user_name, writer_problem  # user_name: also this module's API
+from hpcdist.rundir import RunDir
 
 __all__ = ["check_run_dir", "tree_trust_problems", "trusted_uids", "user_name"]
 
@@ -39,6 +39,9 @@ def check_run_dir(cfg: JobConfig) -> None:
 
 
 def _dir_problems(key: str, path: Path) -> list[str]:
+    link = _foreign_link(path)
+    if link is not None:  # checked before anything follows it (the owner check below looks at the target)
+        return [f"{key}: {str(path)!r}: {link}; give the real directory or a path of your own"]
     if path.exists() and not path.is_dir():
         return [f"{key}: {str(path)!r} exists and is not a directory; choose another {key}"]
     if path.is_dir() and path.stat().st_uid != os.getuid():
@@ -47,6 +50,10 @@ def _dir_problems(key: str, path: Path) -> list[str]:
             f"{key}: {str(path)!r} belongs to {owner}, not to you ({user_name(os.getuid())}): it is another user's "
             f"run; choose your own {key}"
         ]
+    if key == "run.dir" and path.is_dir():
+        problems = [f"{key}: {why}" for why in map(_append_only_problem, RunDir(path).append_only()) if why]
+        if problems:
+            return problems
     existing = next(p for p in (path, *path.parents) if p.exists())
     try:  # os.access says yes to root on a read-only mount: only a real write tells
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".hpcdist-write-check-")
@@ -57,12 +64,37 @@ def _dir_problems(key: str, path: Path) -> list[str]:
     return []
 
 
-def user_name(uid: int) -> str:
-    """ "alice (uid 1001)", or "uid 4242" for a uid without a name on this host."""
+def _foreign_link(path: Path) -> str | None:
+    """Why ``path`` cannot be trusted to lead where it says: it, or a directory above it, is a symbolic link made by
+    another user (who can point it anywhere, at any time: at a directory of yours, so that the owner check of
+    the target passes); None when every link on the way is yours or root's."""
+    for p in (path, *path.parents):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue  # not there (yet): nothing to follow
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.getuid(), 0):
+            return (
+                f"{str(p)!r} is a link made by {user_name(st.st_uid)}, not by you (it leads to {os.path.realpath(p)!r})"
+            )
+    return None
+
+
+def _append_only_problem(path: Path) -> str | None:
+    """Why hpcdist could not append to ``path`` (metrics.jsonl, failures.jsonl, jobs.jsonl), said before any
+    process starts; hpcdist.atomic.open_append refuses the same at the write."""
     try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
+        st = os.lstat(path)
+    except OSError:
+        return None  # created at the first write
+    if stat.S_ISLNK(st.st_mode):
+        return (f"{str(path)!r} is a link (to {os.path.realpath(path)!r}): hpcdist appends to its run dir's own "
+                "files only, never through a link; remove the link")  # fmt: skip
+    if not stat.S_ISREG(st.st_mode):
+        return f"{str(path)!r} is not a regular file (a FIFO, device or directory); remove it"
+    if st.st_uid != os.getuid():
+        return f"{str(path)!r} belongs to {user_name(st.st_uid)}, not to you; remove it or choose another run.dir"
+    return None
 
 
 # ------------------------------------------------------------------------------------------ checkpoint owners
@@ -114,33 +146,8 @@ def _walk(top: Path, problems: list[tuple[str, str]]) -> Iterator[tuple[str, os.
 
 
 def _entry_problem(path: str, st: os.stat_result, trusted: set[int], real_top: str) -> str | None:
-    mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISLNK(st.st_mode):  # a link's own mode means nothing; where it leads does
         target = os.path.realpath(path)
         inside = target == real_top or target.startswith(real_top + os.sep)
         return None if inside else f"is a link leading out of the checkpoint (to {target})"
-    if st.st_uid not in trusted:
-        return f"belongs to {user_name(st.st_uid)}, not to you ({user_name(os.getuid())})"
-    if mode & stat.S_IWOTH:
-        return f"is writable by others (mode {mode:04o})"
-    if mode & stat.S_IWGRP and not _private_group(st.st_gid, st.st_uid):
-        return f"is writable by group {_group_name(st.st_gid)} (mode {mode:04o})"
-    return None
-
-
-@functools.lru_cache(maxsize=256)
-def _private_group(gid: int, uid: int) -> bool:
-    """A user private group (umask 002 sites): named like its owner, whose primary group it is, with no other
-    member listed; group-writable files in it are writable by the owner alone."""
-    try:
-        group, owner = grp.getgrgid(gid), pwd.getpwuid(uid)
-    except KeyError:
-        return False
-    return group.gr_name == owner.pw_name and owner.pw_gid == gid and set(group.gr_mem) <= {owner.pw_name}
-
-
-def _group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return f"gid {gid}"
+    return writer_problem(st, trusted)

@@ -275,6 +275,19 @@ def _check_sources(cfg: JobConfig) -> list[str]:
     return out
 
 
+def _ip_address(value: object) -> bool:
+    """An IPv4 / IPv6 address literal, or localhost (what an HTTP server can listen on without a name lookup)."""
+    import ipaddress
+
+    if value == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(value)  # type: ignore[arg-type]
+    except ValueError:
+        return False
+    return True
+
+
 def _trackers(cfg: JobConfig) -> list[str]:
     """logging.wandb / mlflow / prometheus: the values, and the optional package of each one that is switched on."""
     lg, p = cfg.logging, []
@@ -283,6 +296,11 @@ def _trackers(cfg: JobConfig) -> list[str]:
         p.append(f"logging.prometheus.port: must be >= 0 (0 = no HTTP server), got {lg.prometheus.port}")
     if lg.prometheus.port and lg.prometheus.textfile:
         p.append("logging.prometheus: set port or textfile, not both")
+    if not _ip_address(lg.prometheus.addr):
+        p.append(
+            f"logging.prometheus.addr: {str(lg.prometheus.addr)[:80]!r} is not an IP address; 127.0.0.1 (this "
+            "node only, the default) or 0.0.0.0 (every interface: anyone who reaches the node reads them)"
+        )
     wanted = [("logging.wandb.project", lg.wandb.project and lg.wandb.mode != "disabled", "wandb", "wandb"),
               ("logging.mlflow.tracking_uri", lg.mlflow.tracking_uri, "mlflow", "mlflow"),
               ("logging.prometheus", lg.prometheus.port or lg.prometheus.textfile, "prometheus_client",

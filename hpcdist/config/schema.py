@@ -380,6 +380,10 @@ class PrometheusConfig:
 
     port: int = 0
     """Serve /metrics over HTTP on this port (each node's local rank 0); 0 = no server."""
+    addr: str = "127.0.0.1"
+    """The address the HTTP server listens on: this node only by default (the server has no authentication, and
+    the metrics name the job and its loss); ``0.0.0.0`` (or one interface's address) lets a scraper on another
+    host read them: anyone who reaches the node then can (docs/SECURITY.md)."""
     textfile: str | None = None
     """Or write the metrics to this file for node_exporter's textfile collector (a directory ending in .prom files:
     give the .prom file's path; ``{node}`` is replaced by the node index)."""

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import atomic_write
+from hpcdist.atomic import append_line, atomic_write
 from hpcdist.env import SlurmJob
 from hpcdist.fault.supervise import TASK_INFO_ENV  # the supervisor names a file there; the rank says who it is in it
 from hpcdist.logging_utils import get_logger
@@ -90,8 +90,8 @@ def record(
 ) -> dict[str, Any]:
     """Append one event to <run_dir>/failures.jsonl and return it.
 
-    One ``os.write`` of one line on an O_APPEND descriptor: ranks appending at the same moment do not interleave
-    their lines on a local or Lustre/GPFS file system.
+    One ``os.write`` of one line on an O_APPEND descriptor (hpcdist.atomic.append_line): ranks appending at the
+    same moment do not interleave their lines on a local or Lustre/GPFS file system.
     """
     job = job if job is not None else SlurmJob.from_environ()
     rec: dict[str, Any] = {
@@ -110,14 +110,7 @@ def record(
     }
     if detail:
         rec["detail"] = detail[-_DETAIL_CHARS:]
-    path = _failures_path(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = (json.dumps(rec, default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    append_line(_failures_path(run_dir), json.dumps(rec, default=str) + "\n")  # never through a link
     return rec
 
 

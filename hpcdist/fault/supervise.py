@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from hpcdist.atomic import append_line  # standard library only, like this module
+
 TASK_INFO_ENV = "HPCDIST_TASK_INFO"  # imported by hpcdist.fault.failures (one name for both sides)
 # Signals SLURM (or a user) sends to a step: the rank must see them even when only its supervisor is signalled.
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -66,14 +68,8 @@ def record_death(info_path: Path, pid: int, signum: int) -> str | None:
         "signature": f"killed: {name}",
     }  # fmt: skip
     line = json.dumps(rec) + "\n"
-    path = Path(info["failures"])
-    path.parent.mkdir(parents=True, exist_ok=True)
     # never through a link: the record goes to the run's own failures.jsonl or nowhere
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        os.write(fd, line.encode())  # one write on O_APPEND: lines of concurrent writers do not interleave
-    finally:
-        os.close(fd)
+    append_line(Path(info["failures"]), line)
     return line
 
 
@@ -99,7 +95,11 @@ def supervise(cmd: Sequence[str]) -> int:
     rc = child.wait()
     try:
         if rc < 0 and -rc not in STOP_REQUESTS:
-            line = record_death(info_path, child.pid, -rc)
+            try:
+                line = record_death(info_path, child.pid, -rc)
+            except OSError as e:  # a link or another user's file at failures.jsonl: say so, still die like the rank
+                print(f"hpcdist.supervise: not recorded: {e.strerror}", file=sys.stderr, flush=True)
+                line = None
             print(f"hpcdist.supervise: {line.strip() if line else f'pid {child.pid} killed by signal {-rc}'}",
                   file=sys.stderr, flush=True)  # fmt: skip
     finally:

@@ -12,36 +12,42 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
+from hpcdist.atomic import UntrustedFile, append_line, read_tail, read_trusted
 from hpcdist.rundir import RunDir
 
-__all__ = ["cancel_local", "find_job", "last_step", "local_state", "record_job", "run_summary"]
+__all__ = ["UntrustedFile", "cancel_local", "find_job", "last_step", "local_state", "record_job", "run_summary"]
+
+_JOBS_MAX_BYTES = 64 << 20  # one short line per submission: hundreds of thousands of jobs
+_TAIL_BYTES = 16 << 20  # the newest lines of metrics.jsonl: thousands of steps
 
 
 def record_job(run_dir: str | os.PathLike[str], entry: dict[str, Any]) -> None:
     """Append one submitted job (or an event such as a cancel) to the run's jobs.jsonl."""
-    path = RunDir(run_dir).jobs
-    path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps({**entry, "time": time.time(), "host": socket.gethostname()}) + "\n"
-    with open(path, "a", encoding="utf-8") as f:  # one short line per write: appends do not interleave
-        f.write(line)
+    append_line(RunDir(run_dir).jobs, line)  # one short line per write: appends do not interleave
 
 
 def find_job(job_id: str, run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The newest record of ``job_id`` in the run dir (later lines, e.g. a cancel, update earlier ones)."""
+    """The newest record of ``job_id`` in the run dir (later lines, e.g. a cancel, update earlier ones).
+
+    A record decides which pid ``cancel`` signals and which folder ``status`` reads: UntrustedFile when someone
+    else could have written jobs.jsonl (another user's run dir, a link, a file others can write)."""
     try:
-        lines = RunDir(run_dir).jobs.read_text(encoding="utf-8").splitlines()
+        data = read_trusted(RunDir(run_dir).jobs, _JOBS_MAX_BYTES)
+    except UntrustedFile:
+        raise
     except OSError:
         return None
+    lines = (data or b"").decode("utf-8", errors="replace").splitlines()
     found: dict[str, Any] | None = None
     for line in lines:
         try:
             entry = json.loads(line)
         except ValueError:
             continue
-        if str(entry.get("job_id")) == str(job_id):
+        if isinstance(entry, dict) and str(entry.get("job_id")) == str(job_id):
             found = {**(found or {}), **entry}
     return found
 
@@ -58,17 +64,14 @@ def _alive(pid: int) -> bool:
 
 def local_state(entry: dict[str, Any]) -> str:
     """A local-executor job's state: RUNNING while its controller lives (on this host), else from the ranks'
-    result pickles: COMPLETED when every rank left a success, CANCELLED after ``hpcdist cancel``, else FAILED."""
+    result records: COMPLETED when every rank left a success, CANCELLED after ``hpcdist cancel``, else FAILED."""
     if entry.get("host") != socket.gethostname():
         return f"UNKNOWN (it runs on {entry.get('host')}; ask there)"
     if _alive(int(entry["job_id"])):
         return "RUNNING"
-    from submitit.core.utils import JobPaths, pickle_load  # each rank's result file, as JobHandle reads it
+    from hpcdist.launch.task import read_result  # each rank's result record, as JobHandle reads it (no pickle)
 
-    outcomes = []
-    for rank in range(int(entry["num_tasks"])):
-        path = JobPaths(Path(entry["folder"]), job_id=str(entry["job_id"]), task_id=rank).result_pickle
-        outcomes.append(pickle_load(path) if path.exists() else None)
+    outcomes = [read_result(entry["folder"], str(entry["job_id"]), rank) for rank in range(int(entry["num_tasks"]))]
     if all(o is not None and o[0] == "success" for o in outcomes):
         return "COMPLETED"
     return "CANCELLED" if entry.get("cancelled") else "FAILED"
@@ -88,8 +91,8 @@ def cancel_local(entry: dict[str, Any], run_dir: str | os.PathLike[str]) -> None
 def last_step(run_dir: str | os.PathLike[str]) -> tuple[int | None, float | None]:
     """(step, loss) of the last training line in the run's metrics.jsonl."""
     step = loss = None
-    try:
-        lines = RunDir(run_dir).metrics.read_text(encoding="utf-8").splitlines()
+    try:  # the run dir may be anyone's: no FIFO (a hang), no reading a huge file whole
+        lines = read_tail(RunDir(run_dir).metrics, _TAIL_BYTES).decode("utf-8", errors="replace").splitlines()
     except OSError:
         return None, None
     for line in lines:
@@ -110,8 +113,8 @@ def run_summary(run_dir: str | os.PathLike[str], job_id: str | None = None) -> s
     lines = [f"run dir {rd.root}: " + (f"step {step}, loss {loss:.4f}" if step is not None and loss is not None
                                        else "no training step logged yet")]  # fmt: skip
     try:
-        ledger = json.loads(rd.restarts.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        ledger = json.loads(read_tail(rd.restarts, _TAIL_BYTES))
+    except (OSError, ValueError):  # a ledger cut at _TAIL_BYTES is no ledger (it is a few KiB)
         ledger = None
     if isinstance(ledger, dict) and (job_id is None or str(ledger.get("job_id")) == str(job_id)):
         attempts, stopped = ledger.get("attempts") or {}, ledger.get("stopped")

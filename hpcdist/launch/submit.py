@@ -319,13 +319,25 @@ class JobHandle:
     a requeued job goes back to PENDING and is not finished.
     """
 
-    def __init__(self, job: Any, *, executor: str, folder: Path, num_tasks: int, snapshot: str | None = None) -> None:
+    def __init__(
+        self,
+        job: Any,
+        *,
+        executor: str,
+        folder: Path,
+        num_tasks: int,
+        snapshot: str | None = None,
+        task: TrainTask | None = None,
+    ) -> None:
         self.job = job  # the submitit Job, for anything not wrapped here
         self.executor = executor
         self.folder = folder
         self.num_tasks = num_tasks
         self.snapshot = snapshot
         """The code snapshot the job runs from (None: the installed code)."""
+        self.task = task
+        """What the job runs (its config path inside the snapshot, if any): kept here, never read back from
+        submitit's submitted pickle (loading a pickle in a log folder runs whatever is there now)."""
 
     @property
     def job_id(self) -> str:
@@ -342,11 +354,11 @@ class JobHandle:
         return [LogPaths(p.stdout, p.stderr) for p in map(self._paths, range(self.num_tasks))]
 
     def _outcome(self, rank: int) -> tuple[str, Any] | None:
-        """("success", value) / ("error", traceback) from a rank's result pickle; None if it wrote none."""
-        from submitit.core.utils import pickle_load
+        """("success", value) / ("error", traceback) from a rank's result record; None if it wrote none. Never
+        submitit's result pickle: the log folder may be shared, and loading a pickle runs its writer's code."""
+        from hpcdist.launch.task import read_result
 
-        path = self._paths(rank).result_pickle
-        return pickle_load(path) if path.exists() else None
+        return read_result(self.folder, self.job_id, rank)
 
     def _from_results(self, *, none: str) -> str:
         """COMPLETED when every rank succeeded, ``none`` when no rank left a result, else FAILED."""
@@ -597,8 +609,8 @@ def launch(
         # sbatch's refusal arrives as submitit's FailedJobError/CalledProcessError text: keep its last lines
         text = str(e).strip().splitlines()
         raise LaunchError(f"submission with the {kind} executor failed: {' | '.join(text[-3:])}") from e
-    handles = [JobHandle(job, executor=kind, folder=prep.folder, num_tasks=cluster.world_size, snapshot=code)
-               for job in jobs]  # fmt: skip
+    handles = [JobHandle(job, executor=kind, folder=prep.folder, num_tasks=cluster.world_size, snapshot=code,
+                         task=task) for job, task in zip(jobs, tasks, strict=True)]  # fmt: skip
     from hpcdist.launch.records import record_job
 
     for h in handles:
@@ -679,7 +691,7 @@ def submit_chain(
         handles.append(handle)
         dep = f"afterany:{handle.job_id}"
         code = handle.snapshot or code  # the chain's jobs share the first one's snapshot
-        task = handle.job.submission().function if handle.snapshot and handle.executor == "slurm" else task
+        task = handle.task or task  # the config path inside the snapshot
     return handles
 
 

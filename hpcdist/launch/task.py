@@ -1,14 +1,26 @@
-"""What submitit pickles and runs in every task of a submitted job: :class:`TrainTask`."""
+"""What submitit pickles and runs in every task of a submitted job: :class:`TrainTask`, and each task's result
+record, ``<folder>/<job>_<rank>_result.json``.
+
+submitit also leaves each task's outcome as a pickle (``<job>_<rank>_result.pkl``), but hpcdist never loads it:
+a log folder may be shared (cluster ``log_dir``), and a record in jobs.jsonl names any folder, so a pickle there
+may be another user's, and unpickling it runs their code as whoever typed ``hpcdist status`` (issue 25.1). The
+task writes its outcome as JSON too; :func:`read_result` reads that, and only when nobody else could have written it.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import traceback
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TrainTask", "local_rank_environ"]
+__all__ = ["TrainTask", "local_rank_environ", "read_result", "result_path", "write_result"]
+
+_RESULT_MAX_BYTES = 1 << 20  # a step count, a loss and a traceback tail fit many times over
+_TRACEBACK_CHARS = 8000
 
 # submitit's LocalExecutor exits a task with this code to have its controller restart all tasks (its
 # stand-in for a SLURM requeue; submitit.local.local.LOCAL_REQUEUE_RETURN_CODE).
@@ -42,6 +54,57 @@ def local_rank_environ(environ: MutableMapping[str, str]) -> None:
     )
 
 
+# ------------------------------------------------------------------------------------------------ result records
+
+
+def result_path(folder: str | os.PathLike[str], job_id: str, rank: int) -> Path:
+    """Where task ``rank`` of job ``job_id`` records its outcome: beside submitit's result pickle, named alike."""
+    from submitit.core.utils import JobPaths  # the job id formatting submitit uses (array jobs: 123_4)
+
+    return JobPaths(Path(folder), job_id=str(job_id), task_id=rank).result_pickle.with_suffix(".json")
+
+
+def write_result(folder: str | os.PathLike[str], job_id: str, rank: int, outcome: tuple[str, Any]) -> None:
+    """Record ``("success", value)`` or ``("error", traceback text)`` for task ``rank`` (atomically)."""
+    from hpcdist.atomic import atomic_write
+
+    kind, value = outcome
+    atomic_write(result_path(folder, job_id, rank), json.dumps({"outcome": kind, "value": value}, default=str))
+
+
+def read_result(folder: str | os.PathLike[str], job_id: str, rank: int) -> tuple[str, Any] | None:
+    """``("success", value)`` / ``("error", traceback)`` from task ``rank``'s record; None when it wrote none, or
+    when the file is not one the task wrote (another user's, a link, unreadable, not such a record)."""
+    from hpcdist.atomic import read_trusted
+
+    path = result_path(folder, job_id, rank)
+    try:
+        data = read_trusted(path, _RESULT_MAX_BYTES)
+        record = json.loads(data) if data is not None else None
+    except (OSError, ValueError) as e:  # not ours, or garbled: no result (the job's state says the rest)
+        import logging
+
+        logging.getLogger(__name__).warning("ignoring %s: %s", path, e)
+        return None
+    if not (isinstance(record, dict) and record.get("outcome") in ("success", "error")):
+        return None
+    return record["outcome"], record.get("value")
+
+
+def _record_outcome(outcome: tuple[str, Any]) -> None:
+    """In a submitit task: write this task's result record (nothing when called outside submitit)."""
+    folder = os.environ.get("SUBMITIT_FOLDER")
+    if not folder:
+        return
+    import submitit
+
+    env = submitit.JobEnvironment()
+    try:
+        write_result(folder, env.job_id, env.global_rank, outcome)
+    except OSError as e:  # the job's own result is not lost with it: its log and state still say what happened
+        print(f"hpcdist: could not write the result record: {e}", flush=True)
+
+
 @dataclass(frozen=True)
 class TrainTask:
     """Runs exactly what ``hpcdist train CONFIG OVERRIDES`` runs, in one task (rank) of a submitted job.
@@ -71,6 +134,17 @@ class TrainTask:
         object.__setattr__(self, "overrides", tuple(self.overrides))
 
     def __call__(self) -> dict[str, Any]:
+        # the outcome as submitit records it (success or an exception), in a record hpcdist can read without
+        # unpickling; a SystemExit (stop, requeue, exit code) leaves none, as it leaves submitit's none
+        try:
+            value = self._run()
+        except Exception:
+            _record_outcome(("error", traceback.format_exc()[-_TRACEBACK_CHARS:]))
+            raise
+        _record_outcome(("success", value))
+        return value
+
+    def _run(self) -> dict[str, Any]:
         local_rank_environ(os.environ)
         # imported here, in the task: submitting needs neither the training stack nor the restart policy (and
         # hpcdist.launch, which imports this module, stays free of them)

@@ -32,7 +32,6 @@ from typing import Any, ClassVar
 import pytest
 import submitit
 import yaml
-from submitit.core.utils import cloudpickle_dump
 
 from hpcdist import cli, resources
 from hpcdist.config import ConfigError
@@ -40,7 +39,7 @@ from hpcdist.config.cluster import cluster_names, parse_time
 from hpcdist.launch import ClusterConfig, JobHandle, load_cluster, submit
 from hpcdist.launch.slurm_cli import slurm_reachable
 from hpcdist.launch.submit import LaunchError, _signal_name, choose_executor, slurm_parameters
-from hpcdist.launch.task import TrainTask, local_rank_environ
+from hpcdist.launch.task import TrainTask, local_rank_environ, write_result
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -575,7 +574,7 @@ def test_sbatch_refusal_is_a_launch_error(fake_slurm: Path, tmp_path: Path) -> N
 def handle_with_results(tmp_path: Path, outcomes: list[tuple[str, Any] | None]) -> JobHandle:
     for rank, outcome in enumerate(outcomes):
         if outcome is not None:
-            cloudpickle_dump(outcome, tmp_path / f"55_{rank}_result.pkl")
+            write_result(tmp_path, "55", rank, outcome)  # what each task writes (never read: submitit's pickle)
     return JobHandle(SimpleNamespace(job_id="55"), executor="slurm", folder=tmp_path, num_tasks=len(outcomes))
 
 
