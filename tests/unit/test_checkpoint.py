@@ -350,3 +350,94 @@ def test_resuming_an_older_step_sets_the_newer_line_aside(small_cfg, capsys: pyt
     _, after = single(_train, small_cfg("train.steps=4", *over))  # auto: the new line, not the abandoned step 6
     assert after.resumed_from.endswith("step-00000003") and after.step == 4
     assert len(list(root.glob("step-*.abandoned-*"))) == 2  # never pruned, never deleted
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_resume_none_over_an_earlier_run_sets_it_aside_and_never_mixes_the_two(
+    small_cfg, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 25.2: checkpoint.resume=none in a run dir holding checkpoints 2, 4, 6 used to rmtree the old step 2 at
+    the new run's first save, prune the new run's own step 2 (the old 4 and 6 counted as newer), and the next auto
+    resume took the OLD step 6. Now the old line is set aside (step-N.abandoned-<time>, byte for byte), the new run's
+    checkpoints are the only resume candidates, and nothing is deleted."""
+    over = ("checkpoint.every_steps=2", "checkpoint.keep_last=3", "train.micro_batch_size=4", "checkpoint.save_final=true")
+    single(_train, small_cfg("train.steps=6", *over))
+    root = small_cfg().checkpoint_dir
+    old = {s: _tree(d) for s, d in list_checkpoints(root)[0]}
+    assert sorted(old) == [2, 4, 6]
+    capsys.readouterr()
+
+    _, fresh = single(_train, small_cfg("train.steps=3", "checkpoint.resume=none", *over))
+    out = capsys.readouterr().out
+    assert fresh.resumed_from is None and fresh.step == 3
+    assert "no complete checkpoint" not in out
+    assert "checkpoint.resume=none" in out and "set aside as step-00000006.abandoned-" in out
+    assert [s for s, _ in list_checkpoints(root)[0]] == [2, 3]  # the new line only, the new step 2 kept
+    for step, files in old.items():  # the old line, whole and untouched
+        (aside,) = root.glob(f"step-{step:08d}.abandoned-*")
+        assert _tree(aside) == files
+
+    _, after = single(_train, small_cfg("train.steps=4", *over))  # auto: continues the new run, not the old step 6
+    assert after.resumed_from.endswith("step-00000003") and after.step == 4
+
+
+@pytest.mark.parametrize(("change", "key"), [("data.seq_len=16", "data.seq_len=32 (now 16)"),
+                                              ("data.val_fraction=0.2", "data.val_fraction=0.01 (now 0.2)"),
+                                              ("run.seed=7", "run.seed=")])  # fmt: skip
+def test_a_changed_data_config_is_a_refusal_and_every_checkpoint_stays_complete(
+    small_cfg, capsys: pytest.CaptureFixture[str], change: str, key: str
+) -> None:
+    """Issue 25.3: resuming with data.seq_len (or val_fraction, max_tokens, re-prepared data) changed made the
+    sampler raise ValueError, which restore() took for damage: every intact checkpoint was renamed DAMAGED in turn
+    and the log called them interrupted saves. Now it is one refusal naming the changed key and the options; every
+    checkpoint keeps its COMPLETE marker."""
+    over = ("train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=4")
+    cfg = small_cfg(*over)
+    single(_train, cfg)
+    capsys.readouterr()
+    with pytest.raises(checkpoint.CheckpointMismatch) as err:
+        single(_train, small_cfg(*over, "train.steps=6", change))
+    text, out = str(err.value), capsys.readouterr().out
+    assert key in text, text
+    assert "run.dir" in text and "checkpoint.resume=none" in text and "checkpoint.init_from=" in text, text
+    assert "damaged" not in out and "interrupted save" not in out, out[-2000:]
+    for step in (2, 4):
+        d = cfg.checkpoint_dir / f"step-{step:08d}"
+        assert (d / MARKER).is_file() and not (d / checkpoint.DAMAGED).exists()
+
+
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), MemoryError()], ids=["EIO", "MemoryError"])
+@pytest.mark.parametrize("failures", [2, 100], ids=["then-reads", "persists"])
+def test_a_transient_read_error_is_retried_then_refused_never_recorded_as_damage(
+    small_cfg, monkeypatch: pytest.MonkeyPatch, error: BaseException, failures: int
+) -> None:
+    """Issue 25.3: an EIO on NFS or a MemoryError while loading used to demote every checkpoint in turn
+    (COMPLETE -> DAMAGED, permanently). Now it is retried a bounded number of times; if it persists the run is
+    refused (CheckpointUnavailable, exit 74 at the CLI) and every checkpoint keeps its COMPLETE marker."""
+    cfg, newest = _two_checkpoints(small_cfg)
+    monkeypatch.setattr(checkpoint, "READ_RETRY_DELAYS_S", (0.0, 0.0, 0.0))
+    real = torch.distributed.checkpoint.FileSystemReader.read_metadata
+    calls = []
+
+    def flaky(self):  # the storage fails the first `failures` reads, as a flaky mount would
+        calls.append(1)
+        if len(calls) <= failures:
+            raise error
+        return real(self)
+
+    monkeypatch.setattr(torch.distributed.checkpoint.FileSystemReader, "read_metadata", flaky)
+    over = ("train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=4")
+    if failures == 2:
+        resumed = single(_build, small_cfg(*over))
+        assert resumed.resumed_from == str(newest) and resumed.step == 4
+        assert len(calls) == 2 + 2  # two failed reads, then ours and DCP's read of the same metadata
+    else:
+        with pytest.raises(checkpoint.CheckpointUnavailable, match=f"{type(error).__name__}.*not marked damaged"):
+            single(_build, small_cfg(*over))
+        assert len(calls) == 4  # one read and three retries, then the refusal; the older step 2 is not tried
+    for step in (2, 4):
+        d = cfg.checkpoint_dir / f"step-{step:08d}"
+        assert (d / MARKER).is_file() and not (d / checkpoint.DAMAGED).exists()
