@@ -75,6 +75,10 @@ KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_k
 STATE_FILE = "trainer_state.json"
 RANK_DIR = "rank"  # rank/rank-<r>.pt: each rank's own state (Checkpointable.rank_state)
 _STEP_RE = re.compile(r"^step-(\d{8})$")
+# exit status of a run stopped by checkpoint storage: a read that kept failing (CheckpointUnavailable) or a final /
+# stop save that failed (hpcdist.run); sysexits' EX_IOERR. The batch script's failure policy requeues it like any
+# failure, blaming no node, and a full disk that stays full ends as a failure loop
+EXIT_IO = 74
 READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)  # a transient read error is tried again after each of these, then refused
 # a file of the checkpoint is not there (or not a file): the checkpoint is damaged; any other OSError (EIO, ESTALE,
 # EACCES, ETIMEDOUT, ENOMEM) says nothing about its contents
@@ -138,7 +142,7 @@ class CheckpointUnavailable(RuntimeError):
     start from an older step or from 0, and nothing is renamed (a storage hiccup must not condemn a checkpoint).
     The CLI exits with ``EXIT_CODE``."""
 
-    EXIT_CODE = 74  # sysexits' EX_IOERR; also a failed final / stop save (hpcdist.run)
+    EXIT_CODE = 74  # EXIT_IO
 
     def __init__(self, message: str, path: Path | None = None):
         super().__init__(message)

@@ -221,6 +221,7 @@ class Trainer:
             last_checkpoint=self.resumed_from,
         )  # fmt: skip
         self.saved_step = self.step if self.resumed_from else -1
+        self._saved_ok = True  # the last save (at saved_step) succeeded, as far as the save itself knows
         self._last_save = time.perf_counter()  # checkpoint.every_minutes (train() restarts the clock)
         prof = cfg.logging.profile
         self.profiler = StepProfiler(
@@ -358,7 +359,7 @@ class Trainer:
         with self.watchdog.phase(self.step, "checkpoint save", slow=True):
             path = self.ckpt.save(self.step, self.checkpointable())
         self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
-        self.saved_step = self.step
+        self.saved_step, self._saved_ok = self.step, path is not None
         self.goodput.add("checkpoint_save", time.perf_counter() - t0)
         self.goodput.flush()
         return path is not None
@@ -439,12 +440,13 @@ class Trainer:
                 break
 
         interrupted = self.step < cfg.train.steps
-        final = (cfg.checkpoint.save_final or interrupted) and self.saved_step != self.step
-        saved = self.save() if final else True
+        final = cfg.checkpoint.save_final or interrupted  # this step's checkpoint is the run's result / resume point
+        if final and self.saved_step != self.step:
+            self.save()
         self.nonfinite.check()  # also when no final save follows
         with phase(self.step, "checkpoint completion", slow=True):
             # the checkpoint is complete before train() returns: the caller may requeue at once
-            saved = self.ckpt.wait() and saved
+            saved = self.ckpt.wait() and self._saved_ok
         if final and not saved:  # the last save (or the stop save before a requeue) failed: not a success
             resume = latest(self.ckpt.root, warn=False)
             result.save_failed, result.resume_point = self.step, str(resume) if resume else None

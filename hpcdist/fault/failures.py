@@ -7,6 +7,8 @@ file system, like the checkpoints), one JSON object per event, appended by whoev
                 to the ranks whose heartbeat stopped, or that were behind the others.
     killed      a rank's process died from a signal (the OOM killer's SIGKILL, SIGSEGV, SIGABRT): recorded by its
                 supervisor (``python -m hpcdist.fault.supervise``), which outlives it.
+    checkpoint  the final checkpoint, or the stop checkpoint before a requeue, failed (disk full) on every rank
+                alike: the run exits 74 from an older resume point (hpcdist.run); attributed to nobody (storage).
     exit        the step failed and no rank said why (recorded by after-step, hpcdist.launch.restarts).
     straggler   a warning, not a failure (hpcdist.fault.stragglers).
   Fields: time, job_id, restart (SLURM_RESTART_COUNT), rank, host, pid, kind, cause (one line), blame (the

@@ -363,7 +363,12 @@ def test_resume_none_over_an_earlier_run_sets_it_aside_and_never_mixes_the_two(
     the new run's first save, prune the new run's own step 2 (the old 4 and 6 counted as newer), and the next auto
     resume took the OLD step 6. Now the old line is set aside (step-N.abandoned-<time>, byte for byte), the new run's
     checkpoints are the only resume candidates, and nothing is deleted."""
-    over = ("checkpoint.every_steps=2", "checkpoint.keep_last=3", "train.micro_batch_size=4", "checkpoint.save_final=true")
+    over = (
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=3",
+        "train.micro_batch_size=4",
+        "checkpoint.save_final=true",
+    )
     single(_train, small_cfg("train.steps=6", *over))
     root = small_cfg().checkpoint_dir
     old = {s: _tree(d) for s, d in list_checkpoints(root)[0]}
