@@ -446,3 +446,37 @@ def test_a_transient_read_error_is_retried_then_refused_never_recorded_as_damage
     for step in (2, 4):
         d = cfg.checkpoint_dir / f"step-{step:08d}"
         assert (d / MARKER).is_file() and not (d / checkpoint.DAMAGED).exists()
+
+
+def test_a_dcp_checkpoint_exception_from_init_from_is_one_line_and_recorded(
+    small_cfg, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 25.8: DCP's CheckpointException derives from BaseException, so checkpoint.init_from=HF_DIR with one
+    wrongly shaped tensor passed every `except Exception`: a 60-line traceback, exit 1 and no failures.jsonl
+    record. Now it is one line naming init_from, exit 2, and a record for the restart policy."""
+    from safetensors.torch import load_file, save_file
+
+    from hpcdist import cli
+    from hpcdist import config as config_mod
+
+    over = ("train.steps=2", "train.micro_batch_size=4")
+    single(_train, small_cfg(*over, "checkpoint.save_final=true", run_dir=tmp_path / "src"))
+    hf = tmp_path / "hf"
+    assert cli.main(["export", str(tmp_path / "src"), "--out", str(hf), "--dtype", "fp32"]) == 0
+    (weights,) = hf.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(k for k in sorted(tensors) if k.endswith("mlp.down_proj.weight"))
+    tensors[name] = torch.zeros(tensors[name].shape[0], tensors[name].shape[1] + 1)  # one wrongly shaped tensor
+    save_file(tensors, weights, metadata={"format": "pt"})
+    run_dir = tmp_path / "new"
+    yaml = tmp_path / "cfg.yaml"
+    config_mod.save(small_cfg(*over, f"checkpoint.init_from={hf}", run_dir=run_dir), yaml)
+    capsys.readouterr()
+
+    code = cli.main(["train", str(yaml)])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "checkpoint.init_from" in lines[0] and "Traceback" not in err, err[-3000:]
+    records = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["exception"] and "checkpoint.init_from" in records[0]["cause"]
