@@ -129,11 +129,12 @@ class CheckpointSaveError(RuntimeError):
 
 class CheckpointMismatch(ValueError):
     """An intact checkpoint that does not fit this job (another model): resume stops with this
-    message and the checkpoint is kept as it is (never demoted like a damaged one). ``path``: that checkpoint."""
+    message and the checkpoint is kept as it is (never demoted like a damaged one). ``path``: that checkpoint;
+    ``what``: what differs, ``model`` or ``data`` (the sample order: the data.* settings or the prepared data)."""
 
-    def __init__(self, message: str, path: Path | None = None):
+    def __init__(self, message: str, path: Path | None = None, *, what: str = "model"):
         super().__init__(message)
-        self.path = path
+        self.path, self.what = path, what
 
 
 class CheckpointUnavailable(RuntimeError):
@@ -693,8 +694,9 @@ class CheckpointManager:
                 kind = self._agree(_read_kind(err) if err is not None else _OK)
             why = describe_error(err) if err is not None else f"{phase} failed on another rank: see its log"
             if kind == _MISMATCH:
+                if isinstance(err, CheckpointMismatch) and err.path is None:  # the trainer's state knows no path
+                    raise CheckpointMismatch(f"{path}: {err}", path=path, what=err.what) from None
                 if isinstance(err, CheckpointMismatch):
-                    err.path = err.path or path  # raised by the trainer's state, which knows no path
                     raise err
                 raise CheckpointMismatch(f"{path} does not fit this run (another rank: see its log)", path=path)
             if kind != _TRANSIENT:

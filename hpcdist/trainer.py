@@ -278,10 +278,11 @@ class Trainer:
                 self.loader.load_state_dict(state["sampler"])
             except SamplerMismatch as e:  # an intact checkpoint of other data: a refusal, never damage
                 raise CheckpointMismatch(
-                    f"the checkpoint was made for other data ({e}): the data.* settings or the prepared data must "
-                    "match the run that saved it. Restore the old value (below), or start this data from step 0 in "
-                    "a new run.dir (or checkpoint.resume=none here: the checkpoints are set aside, kept), or set "
-                    "checkpoint.init_from=<the checkpoint> in a new run.dir to start from its weights"
+                    f"made for other data ({e}): the data.* settings, run.seed and the prepared data must match the "
+                    "run that saved it. Restore the old values, or start this data from step 0 in a new run.dir (or "
+                    "checkpoint.resume=none here: the checkpoints are set aside, kept), or set "
+                    "checkpoint.init_from=<this checkpoint> in a new run.dir to start from its weights",
+                    what="data",
                 ) from None
         if "scheduler" in state:
             self.strategy.load_scheduler_state(state["scheduler"])
@@ -328,7 +329,11 @@ class Trainer:
         try:
             path = self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
         except CheckpointMismatch as e:
-            raise CheckpointMismatch(f"{e}{_config_changes(e.path, self.cfg)}", path=e.path) from None
+            changes = _config_changes(e.path, self.cfg)
+            if not changes and e.what == "data":
+                changes = (f"; no data.* setting changed, so the prepared data in {self.cfg.data.path} did (prepared "
+                           "again?)")  # fmt: skip
+            raise CheckpointMismatch(f"{e}{changes}", path=e.path, what=e.what) from None
         if self.cfg.checkpoint.resume == "none":
             log.info("starting fresh (checkpoint.resume=none)")
         if path is None:
