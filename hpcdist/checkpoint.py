@@ -137,13 +137,14 @@ class CheckpointMismatch(ValueError):
         self.path, self.what = path, what
 
 
-class CheckpointUnavailable(RuntimeError):
+class CheckpointUnavailable(OSError):
     """A checkpoint that could not be read for a reason that says nothing about its contents (EIO or ESTALE on a
     network file system, a MemoryError), still failing after ``READ_RETRY_DELAYS_S``: the run stops rather than
     start from an older step or from 0, and nothing is renamed (a storage hiccup must not condemn a checkpoint).
     The CLI exits with ``EXIT_CODE``."""
 
     EXIT_CODE = 74  # EXIT_IO
+    failure_kind = "checkpoint"  # failures.jsonl: storage, blamed on no node (a requeue may well find it healthy)
 
     def __init__(self, message: str, path: Path | None = None):
         super().__init__(message)
@@ -413,8 +414,7 @@ class CheckpointManager:
         previous = latest(self.root, warn=False)
         free = shutil.disk_usage(self.root).free if self.root.exists() else 0
         log.error(
-            "checkpoint at step %d failed (see the error above; %.1f MB free in %s): training continues, the resume "
-            "point stays %s",
+            "checkpoint at step %d failed (see the error above; %.1f MB free in %s): the resume point stays %s",
             step,
             free / 1e6,
             self.root,

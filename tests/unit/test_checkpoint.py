@@ -417,7 +417,7 @@ def test_a_changed_data_config_is_a_refusal_and_every_checkpoint_stays_complete(
 @pytest.mark.parametrize("error", [OSError(5, "Input/output error"), MemoryError()], ids=["EIO", "MemoryError"])
 @pytest.mark.parametrize("failures", [2, 100], ids=["then-reads", "persists"])
 def test_a_transient_read_error_is_retried_then_refused_never_recorded_as_damage(
-    small_cfg, monkeypatch: pytest.MonkeyPatch, error: BaseException, failures: int
+    small_cfg, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: BaseException, failures: int
 ) -> None:
     """Issue 25.3: an EIO on NFS or a MemoryError while loading used to demote every checkpoint in turn
     (COMPLETE -> DAMAGED, permanently). Now it is retried a bounded number of times; if it persists the run is
@@ -443,6 +443,18 @@ def test_a_transient_read_error_is_retried_then_refused_never_recorded_as_damage
         with pytest.raises(checkpoint.CheckpointUnavailable, match=f"{type(error).__name__}.*not marked damaged"):
             single(_build, small_cfg(*over))
         assert len(calls) == 4  # one read and three retries, then the refusal; the older step 2 is not tried
+        if isinstance(error, OSError):  # through the CLI: one line, exit 74, a record that blames no node
+            from hpcdist import cli
+            from hpcdist import config as config_mod
+
+            yaml = Path(cfg.run.dir).parent / "again.yaml"
+            config_mod.save(small_cfg(*over), yaml)
+            capsys.readouterr()
+            assert cli.main(["train", str(yaml)]) == 74
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and "not marked damaged" in err, err
+            records = [json.loads(x) for x in (Path(cfg.run.dir) / "failures.jsonl").read_text().splitlines()]
+            assert [(r["kind"], r["blame"]) for r in records] == [("checkpoint", [])], records
     for step in (2, 4):
         d = cfg.checkpoint_dir / f"step-{step:08d}"
         assert (d / MARKER).is_file() and not (d / checkpoint.DAMAGED).exists()
