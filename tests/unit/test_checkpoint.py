@@ -492,3 +492,15 @@ def test_a_dcp_checkpoint_exception_from_init_from_is_one_line_and_recorded(
     assert len(lines) == 1 and "checkpoint.init_from" in lines[0] and "Traceback" not in err, err[-3000:]
     records = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in records] == ["exception"] and "checkpoint.init_from" in records[0]["cause"]
+
+
+def test_a_save_never_deletes_a_complete_checkpoint_of_its_step(tmp_path: Path) -> None:
+    """Issue 25.2: a save used to rmtree whatever held its step's name, a complete checkpoint included. Now only a
+    crashed save's leftover is removed; a complete one is moved aside (step-N.abandoned-<time>), byte for byte."""
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+    first = mgr.save(5, _linear_state(torch.nn.Linear(8, 8), step=5))
+    files = _tree(first)
+    second = mgr.save(5, _linear_state(torch.nn.Linear(8, 8), step=5))
+    assert second == first and (second / MARKER).is_file()
+    (aside,) = tmp_path.glob("step-00000005.abandoned-*")
+    assert _tree(aside) == files
