@@ -224,6 +224,7 @@ class CheckpointManager:
         self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
         self.write_threads = max(1, write_threads)
         self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
+        self._pending_path: Path | None = None  # that save's directory
         self._not_io = False  # the last agreement saw an error that is not I/O (save() raises)
         self._pg = self._async_pg = None
         if dist.is_initialized():
@@ -314,7 +315,7 @@ class CheckpointManager:
                 finally:
                     done.set_result(ok)
 
-            self._pending = done
+            self._pending, self._pending_path = done, path
             _take_thread_error()  # a stale one from an earlier save is not this save's
             _install_thread_hook()  # the writer threads run after this returns: their errors are collected globally
             dcp.async_save(
@@ -425,20 +426,23 @@ class CheckpointManager:
         _barrier(self._pg)
 
     def wait(self) -> bool:
-        """Block until an async save in flight is complete (manifest and marker on disk) or has failed (logged; it
-        stays incomplete). Call before exit, before a requeue and before the next save. False if it failed on this
-        rank (rank 0 also writes the marker); after the barrier every rank sees rank 0's marker."""
-        ok = True
+        """Block until an async save in flight is complete (manifest and marker on disk) or has failed (logged; its
+        directory is removed, as a failed sync save's is: it never had a marker, and a full disk needs the space).
+        Call before exit, before a requeue and before the next save. Collective: False on every rank if it failed on
+        any; after it every rank sees rank 0's marker."""
+        ok, path = True, None
         if self._pending is not None:
-            ok = self._pending.result()
+            ok, path = self._pending.result(), self._pending_path
             self._pending = None
-        if self._pg is None:
+        if self._pg is not None:  # agreed, so every rank reports the same outcome (a failed final save's exit status)
+            flag = torch.tensor([0 if ok else 1])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+            ok = int(flag) == 0
+        else:
             _barrier()
-            return ok
-        # agreed, so every rank reports the same outcome (a failed final save is the job's exit status)
-        flag = torch.tensor([0 if ok else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
-        return int(flag) == 0
+        if not ok and path is not None and self.rank == 0 and not (path / MARKER).exists():
+            shutil.rmtree(path, ignore_errors=True)
+        return ok
 
     def _prune(self) -> None:
         complete, incomplete = list_checkpoints(self.root)

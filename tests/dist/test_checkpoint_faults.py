@@ -190,16 +190,17 @@ def test_a_step_dir_of_another_user_stops_every_rank_alike(small_cfg, tmp_path) 
     assert (ckpt / MARKER).is_file() and not (ckpt / DAMAGED).exists()
 
 
-def test_a_failed_final_save_exits_74_naming_the_resume_point(small_cfg, tmp_path) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_final_save_exits_74_naming_the_resume_point(small_cfg, tmp_path, async_save: bool) -> None:
     """Issue 25.4: on a full disk the final save failed, yet the run printed "done", exited 0 and its
     run_summary.json named step 4; DCP's writer threads then printed their tracebacks. Now the exit status is 74,
     the last line names the resume point (step 2), run_summary.json and failures.jsonl say so, and no traceback is
-    printed."""
+    printed. An async save's failed directory is removed too (the summary and the record need the space)."""
     with _small_tmpfs(tmp_path / "small", "2m") as small:
         run_dir = small / "run"
         cfg = small_cfg("train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
                         "train.micro_batch_size=4", "checkpoint.save_final=true", "checkpoint.write_threads=2",
-                        run_dir=run_dir)  # fmt: skip
+                        f"checkpoint.async_save={str(async_save).lower()}", run_dir=run_dir)  # fmt: skip
         yaml = tmp_path / "cfg.yaml"
         config_mod.save(cfg, yaml)
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
