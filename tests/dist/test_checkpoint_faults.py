@@ -140,7 +140,8 @@ def test_every_minutes_saves_on_rank_0s_clock_on_every_rank_alike(small_cfg, tmp
     step later, both ranks save the same step (a save is collective: a lone rank would hang). An interval already
     due at every step saves from step 2 on; one of an hour never does."""
     cfg = small_cfg("train.steps=5", "checkpoint.every_steps=0", "checkpoint.save_final=false",
-                    "checkpoint.keep_last=10", f"checkpoint.every_minutes={minutes}", run_dir=tmp_path / "run")  # fmt: skip
+                    "checkpoint.keep_last=10", f"checkpoint.every_minutes={minutes}",
+                    run_dir=tmp_path / "run")  # fmt: skip
     run_ranks(2, _train, cfg)
     complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
     assert [s for s, _ in complete] == saved and incomplete == []
@@ -185,7 +186,7 @@ def test_a_step_dir_of_another_user_stops_every_rank_alike(small_cfg, tmp_path) 
     ckpt = cfg.checkpoint_dir / "step-00000002"
     os.chown(ckpt / "rng", 4242, 4242)  # a directory of theirs inside my step dir
     messages = run_ranks(2, _refusal, cfg, timeout=120)
-    assert messages[0] == messages[1] and f"belongs to uid 4242, not to you" in messages[0], messages
+    assert messages[0] == messages[1] and "belongs to uid 4242, not to you" in messages[0], messages
     assert f": {ckpt / 'rng'}." in messages[0], messages  # that directory alone: the files in it are mine
     assert (ckpt / MARKER).is_file() and not (ckpt / DAMAGED).exists()
 
