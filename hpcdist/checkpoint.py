@@ -20,9 +20,15 @@ renamed ``DAMAGED``) with a warning naming the file, and the previous one is use
 deleted: pruning skips them, a new save of the same step moves the old one aside (``step-N.damaged-<time>``), and
 when every checkpoint is damaged resume refuses to start from step 0 unless ``checkpoint.resume=none`` says so.
 Resuming an explicitly named step sets the run's newer checkpoints aside (``step-N.abandoned-<time>``, kept), so a
-later ``auto`` continues from the step the user chose rather than the line they turned back from.
+later ``auto`` continues from the step the user chose rather than the line they turned back from; ``resume=none``
+(start from step 0) sets every complete checkpoint aside the same way: two lines of training never share the
+``step-N`` names, so a save never replaces and pruning never counts a checkpoint of the other line.
+Only verified damage demotes: a manifest size or hash mismatch, a missing, unparsable or unloadable file. A
+checkpoint that does not fit the config (another model, other data: :class:`CheckpointMismatch`) is refused and
+kept as it is; a read error that says nothing about the file (EIO, ESTALE, a MemoryError) is retried
+(``READ_RETRY_DELAYS_S``) and then refused (:class:`CheckpointUnavailable`), nothing renamed.
 A save that fails (disk full) on any rank is abandoned by all ranks together: its directory is removed and
-training continues.
+training continues. DCP's writer threads' errors are collected (not printed as thread tracebacks) and fail the save.
 
 Loading unpickles parts of a checkpoint (DCP's ``.metadata``), which runs
 any code their writer put there, and the manifest vouches for nothing (whoever plants the files writes it too).
@@ -34,12 +40,14 @@ that fails is refused with one message (:class:`UntrustedCheckpoint`), never dem
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -67,6 +75,15 @@ KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_k
 STATE_FILE = "trainer_state.json"
 RANK_DIR = "rank"  # rank/rank-<r>.pt: each rank's own state (Checkpointable.rank_state)
 _STEP_RE = re.compile(r"^step-(\d{8})$")
+# exit status of a run stopped by checkpoint storage: a read that kept failing (CheckpointUnavailable) or a final /
+# stop save that failed (hpcdist.run); sysexits' EX_IOERR. The batch script's failure policy requeues it like any
+# failure, blaming no node, and a full disk that stays full ends as a failure loop
+EXIT_IO = 74
+READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)  # a transient read error is tried again after each of these, then refused
+# a file of the checkpoint is not there (or not a file): the checkpoint is damaged; any other OSError (EIO, ESTALE,
+# EACCES, ETIMEDOUT, ENOMEM) says nothing about its contents
+_DAMAGE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
+_OK, _DAMAGE, _TRANSIENT, _MISMATCH = 0, 1, 2, 3  # what reading a checkpoint found; the ranks agree on the MAX
 log = get_logger(__name__)
 
 
@@ -97,7 +114,12 @@ def latest(root: Path, *, warn: bool = True) -> Path | None:
     if warn:
         for d in incomplete:
             if int(d.name.split("-")[1]) > newest:
-                log.warning("ignoring %s: no %s marker (an interrupted save); it will not be resumed from", d, MARKER)
+                if (d / DAMAGED).is_file():  # demoted by an earlier resume: say so, it was no interrupted save
+                    log.warning("ignoring %s: demoted as damaged earlier (%s marker); it will not be resumed from", d,
+                                DAMAGED)  # fmt: skip
+                else:
+                    log.warning("ignoring %s: no %s marker (an interrupted save); it will not be resumed from", d,
+                                MARKER)  # fmt: skip
     return complete[-1][1] if complete else None
 
 
@@ -107,7 +129,22 @@ class CheckpointSaveError(RuntimeError):
 
 class CheckpointMismatch(ValueError):
     """An intact checkpoint that does not fit this job (another model): resume stops with this
-    message and the checkpoint is kept as it is (never demoted like a damaged one). ``path``: that checkpoint."""
+    message and the checkpoint is kept as it is (never demoted like a damaged one). ``path``: that checkpoint;
+    ``what``: what differs, ``model`` or ``data`` (the sample order: the data.* settings or the prepared data)."""
+
+    def __init__(self, message: str, path: Path | None = None, *, what: str = "model"):
+        super().__init__(message)
+        self.path, self.what = path, what
+
+
+class CheckpointUnavailable(OSError):
+    """A checkpoint that could not be read for a reason that says nothing about its contents (EIO or ESTALE on a
+    network file system, a MemoryError), still failing after ``READ_RETRY_DELAYS_S``: the run stops rather than
+    start from an older step or from 0, and nothing is renamed (a storage hiccup must not condemn a checkpoint).
+    The CLI exits with ``EXIT_CODE``."""
+
+    EXIT_CODE = 74  # EXIT_IO
+    failure_kind = "checkpoint"  # failures.jsonl: storage, blamed on no node (a requeue may well find it healthy)
 
     def __init__(self, message: str, path: Path | None = None):
         super().__init__(message)
@@ -187,6 +224,7 @@ class CheckpointManager:
         self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
         self.write_threads = max(1, write_threads)
         self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
+        self._pending_path: Path | None = None  # that save's directory
         self._not_io = False  # the last agreement saw an error that is not I/O (save() raises)
         self._pg = self._async_pg = None
         if dist.is_initialized():
@@ -232,7 +270,7 @@ class CheckpointManager:
             if self._not_io:
                 raise CheckpointSaveError(
                     f"checkpoint at step {step} failed with an error that is not I/O ("
-                    + (f"{type(errors[0]).__name__}: {errors[0]}" if errors else "on another rank: see its log")
+                    + (describe_error(errors[0]) if errors else "on another rank: see its log")
                     + "): stopping rather than training on without checkpoints"
                 ) from (errors[0] if errors else None)
             return None
@@ -244,6 +282,10 @@ class CheckpointManager:
                 aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
                 path.rename(aside)
                 log.warning("kept the damaged %s as %s (saving step %s again)", path.name, aside.name, path.name[5:])
+            elif (path / MARKER).is_file():  # a complete checkpoint is never deleted to make room for a save
+                aside = path.with_name(f"{path.name}.abandoned-{time.strftime('%Y%m%d-%H%M%S')}")
+                path.rename(aside)
+                log.warning("kept the complete %s as %s (saving step %s again)", path.name, aside.name, path.name[5:])
             elif path.exists():  # leftover of a crashed save at the same step: never mix old and new shards
                 shutil.rmtree(path)
             (path / "rng").mkdir(parents=True)
@@ -273,13 +315,17 @@ class CheckpointManager:
                 finally:
                     done.set_result(ok)
 
-            self._pending = done
+            self._pending, self._pending_path = done, path
+            _take_thread_error()  # a stale one from an earlier save is not this save's
+            _install_thread_hook()  # the writer threads run after this returns: their errors are collected globally
             dcp.async_save(
                 state.dcp_state(), storage_writer=self._writer(path), process_group=self._async_pg
             ).add_done_callback(shards_written)
             return
-        with _single_process_ok():
+        with _single_process_ok(), _writer_thread_errors() as thread_errors:
             dcp.save(state.dcp_state(), storage_writer=self._writer(path), planner=state.save_planner)
+        if thread_errors:  # DCP drops a writer thread's failure: its files are missing from the checkpoint
+            raise thread_errors[0]
         _test_kill_point(step)
 
     def _own_digests(self, path: Path) -> dict[str, dict[str, Any]]:
@@ -349,18 +395,19 @@ class CheckpointManager:
         # runs in DCP's background thread on every rank once its shards are written (rank 0: and .metadata): each
         # rank hashes its own files and leaves its part in .manifest/ (no collectives off the main thread); rank 0
         # merges the parts into MANIFEST.json and writes the marker
-        err = fut.exception()
+        err = fut.exception() or _take_thread_error()
         if err is None:
             err = _attempt(lambda: self._write_part(path))
         if err is not None:
-            log.error("async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank, err)
+            log.error("async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank,
+                      describe_error(err))  # fmt: skip
             with contextlib.suppress(OSError):
                 self._write_part(path, failed=err)  # rank 0 stops waiting for this rank's part
             return False
         if self.rank == 0:
             err = _attempt(lambda: (self._write_manifest(path, distributed=False), self._complete(path, step, t0)))
             if err is not None:
-                log.error("async checkpoint %s failed: %s; it stays incomplete", path, err)
+                log.error("async checkpoint %s failed: %s; it stays incomplete", path, describe_error(err))
                 return False
         return True
 
@@ -368,8 +415,7 @@ class CheckpointManager:
         previous = latest(self.root, warn=False)
         free = shutil.disk_usage(self.root).free if self.root.exists() else 0
         log.error(
-            "checkpoint at step %d failed (see the error above; %.1f MB free in %s): training continues, the resume "
-            "point stays %s",
+            "checkpoint at step %d failed (see the error above; %.1f MB free in %s): the resume point stays %s",
             step,
             free / 1e6,
             self.root,
@@ -380,14 +426,22 @@ class CheckpointManager:
         _barrier(self._pg)
 
     def wait(self) -> bool:
-        """Block until an async save in flight is complete (manifest and marker on disk) or has failed (logged; it
-        stays incomplete). Call before exit, before a requeue and before the next save. False if it failed on this
-        rank (rank 0 also writes the marker); after the barrier every rank sees rank 0's marker."""
-        ok = True
+        """Block until an async save in flight is complete (manifest and marker on disk) or has failed (logged; its
+        directory is removed, as a failed sync save's is: it never had a marker, and a full disk needs the space).
+        Call before exit, before a requeue and before the next save. Collective: False on every rank if it failed on
+        any; after it every rank sees rank 0's marker."""
+        ok, path = True, None
         if self._pending is not None:
-            ok = self._pending.result()
+            ok, path = self._pending.result(), self._pending_path
             self._pending = None
-        _barrier()
+        if self._pg is not None:  # agreed, so every rank reports the same outcome (a failed final save's exit status)
+            flag = torch.tensor([0 if ok else 1])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+            ok = int(flag) == 0
+        else:
+            _barrier()
+        if not ok and path is not None and self.rank == 0 and not (path / MARKER).exists():
+            shutil.rmtree(path, ignore_errors=True)
         return ok
 
     def _prune(self) -> None:
@@ -404,7 +458,7 @@ class CheckpointManager:
         """Collective: True iff no rank failed; each failure is logged by the rank that had it (unless the caller
         reports it itself)."""
         if err is not None and log_error:
-            log.error("rank %d: checkpoint I/O failed: %s: %s", self.rank, type(err).__name__, err)
+            log.error("rank %d: checkpoint I/O failed: %s", self.rank, describe_error(err))
         level = 0 if err is None else 1 if _is_io_error(err) or self._disk_nearly_full() else 2
         if self._pg is not None:
             flag = torch.tensor([level])
@@ -440,16 +494,35 @@ class CheckpointManager:
             return []
         if not (path / MANIFEST).is_file():  # every save writes one before the marker: it was removed
             return [f"{MANIFEST}: missing, so nothing in it can be verified (set checkpoint.verify=none to trust it)"]
+        # a read error that says nothing about the file (EIO, MemoryError) is raised as CheckpointUnavailable, after
+        # this rank has taken its part in the collective below (the caller's agreement then stops every rank alike)
+        transient: list[str] = []
         try:
             manifest = _read_manifest(path / MANIFEST, checksum=mode == "checksum")
-        except (OSError, ValueError) as e:
-            return [f"{MANIFEST}: unreadable ({e})"]
+        except ValueError as e:
+            return [f"{MANIFEST}: unparsable ({e})"]
+        except (OSError, MemoryError) as e:
+            if _read_kind(e) == _DAMAGE:
+                return [f"{MANIFEST}: unreadable ({e})"]
+            manifest, transient = {}, [f"{MANIFEST}: {describe_error(e)}"]
+
+        def digest(rel: str) -> dict[str, Any]:
+            try:
+                return _digest(path / rel, mode == "checksum")
+            except (OSError, MemoryError) as e:
+                return {"missing": True} if _read_kind(e) == _DAMAGE else {"transient": describe_error(e)}
+
         present = set(_files(path))
         problems = [f"{rel}: missing" for rel in sorted(set(manifest) - present)]
-        found = self._spread(sorted(set(manifest) & present), lambda rel: _digest(path / rel, mode == "checksum"))
+        found = self._spread(sorted(set(manifest) & present), digest)
+        transient += [f"{rel}: {got['transient']}" for rel, got in sorted(found.items()) if "transient" in got]
+        if transient:
+            raise CheckpointUnavailable(f"reading {path} failed: {'; '.join(transient[:3])}", path=path)
         for rel, got in sorted(found.items()):
             want = manifest[rel]
-            if got["size"] != want["size"]:
+            if "missing" in got:
+                problems.append(f"{rel}: missing")
+            elif got["size"] != want["size"]:
                 problems.append(f"{rel}: {got['size']} bytes, the manifest says {want['size']} (truncated or altered)")
             elif mode == "checksum" and got["sha256"] != want["sha256"]:
                 problems.append(f"{rel}: sha256 differs from the manifest (altered)")
@@ -569,25 +642,89 @@ class CheckpointManager:
         return diff
 
     def restore(self, resume: str, state: Checkpointable) -> Path | None:
-        """``resolve`` + ``load``: the checkpoint restored into ``state``, or None (start fresh). With ``auto``, a
-        checkpoint that verifies but cannot be loaded (any error, on any rank) is demoted like a damaged one and
-        the previous one is tried; an explicitly named one that cannot be loaded raises ValueError."""
+        """Collective: the checkpoint ``resume`` names (``auto``: the newest that verifies and loads) restored into
+        ``state``, or None (start fresh). Only verified damage (manifest mismatch, a missing, unparsable or
+        unloadable file) demotes a checkpoint under ``auto`` and the previous one is tried; an explicitly named one
+        that is damaged raises ConfigError. A mismatch with the config raises CheckpointMismatch, a read error that
+        persists through the retries CheckpointUnavailable: both leave every checkpoint as it is. ``none`` sets the
+        run's complete checkpoints aside (kept) and starts fresh."""
+        if resume == "none":
+            self._set_aside_newer(-1, "none")  # step 0: every complete checkpoint is of another line of training
+            return None
         saved: dict[str, Any] = {}  # the trainer state of the checkpoint loaded
-        while (path := self.resolve(resume)) is not None:
-            err = _attempt(lambda: saved.update(self.load(path, state)))
-            if self._all_ok(err, log_error=False):
-                if resume != "auto":
-                    self._set_aside_newer(int(saved["step"]), path)
+        if resume != "auto":
+            path = self._trusted(Path(resume), "checkpoint.resume")
+            if not (path / MARKER).is_file():
+                raise ConfigError([f"checkpoint.resume: {path} has no {MARKER} marker: it is not a checkpoint, or an "
+                                   "incomplete one that cannot be trusted; name a step-XXXXXXXX directory holding "
+                                   f"{MARKER}"])  # fmt: skip
+            kind, problems = self._read(path, state, saved)
+            if kind == _DAMAGE:
+                raise ConfigError([f"checkpoint.resume: {path} "
+                                   + ("is damaged: " if problems[0] != "load" else "cannot be loaded: ")
+                                   + "; ".join(problems[1:])])  # fmt: skip
+            self._set_aside_newer(int(saved["step"]), path)
+            return path
+        latest(self.root)  # warns about interrupted saves
+        for _, found in reversed(list_checkpoints(self.root)[0]):
+            path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
+            kind, problems = self._read(path, state, saved)
+            if kind == _OK:
                 return path
-            if isinstance(err, CheckpointMismatch):  # intact, just not this job's: never demoted
-                raise err
-            why = f"{type(err).__name__}: {err}" if err is not None else "loading failed on another rank"
-            if resume != "auto":
-                raise ConfigError([f"checkpoint.resume: {path} cannot be loaded: {why}"])
-            self._demote(path, [f"loading failed: {why}"])
+            self._demote(path, problems[1:] if problems[0] == "verify" else [f"loading failed: {problems[1]}"])
+        damaged = [d for d in list_checkpoints(self.root)[1] if (d / DAMAGED).is_file()]
+        if damaged:  # starting from step 0 would silently drop the progress they hold
+            raise ConfigError([
+                f"checkpoint.resume=auto: no intact checkpoint in {self.root}, only damaged ones ("
+                f"{', '.join(d.name for d in damaged)}; the warnings above say which file); nothing was deleted. "
+                "Set checkpoint.resume=none to start from step 0 anyway (they are kept), or repair one, rename "
+                f"its {DAMAGED} file back to {MARKER} and set checkpoint.resume=<its path>"
+            ])  # fmt: skip
         return None
 
-    def _set_aside_newer(self, step: int, resumed: Path) -> None:
+    def _read(self, path: Path, state: Checkpointable, saved: dict[str, Any]) -> tuple[int, list[str]]:
+        """Collective: verify ``path`` and load it into ``state`` (its trainer state into ``saved``). Returns (_OK,
+        []) or (_DAMAGE, [phase ("verify" / "load"), what is wrong...]), agreed by every rank; raises the mismatch
+        (every rank alike) and, once a transient error outlasted the retries, CheckpointUnavailable."""
+        problems: list[str] = []
+        for delay in (*READ_RETRY_DELAYS_S, None):
+            problems.clear()
+            err = _attempt(lambda: problems.extend(self.verify(path)))
+            phase = "verify"
+            kind = self._agree(_read_kind(err) if err is not None else _DAMAGE if problems else _OK)
+            if kind == _OK:
+                phase = "load"
+                err = _attempt(lambda: saved.update(self.load(path, state)))
+                kind = self._agree(_read_kind(err) if err is not None else _OK)
+            why = describe_error(err) if err is not None else f"{phase} failed on another rank: see its log"
+            if kind == _MISMATCH:
+                if isinstance(err, CheckpointMismatch) and err.path is None:  # the trainer's state knows no path
+                    raise CheckpointMismatch(f"{path}: {err}", path=path, what=err.what) from None
+                if isinstance(err, CheckpointMismatch):
+                    raise err
+                raise CheckpointMismatch(f"{path} does not fit this run (another rank: see its log)", path=path)
+            if kind != _TRANSIENT:
+                return kind, ([phase, *problems] if problems else [phase, why]) if kind == _DAMAGE else []
+            if delay is None:
+                raise CheckpointUnavailable(
+                    f"checkpoint {path} could not be read ({why}) after {len(READ_RETRY_DELAYS_S)} retries: a storage "
+                    "or memory problem, not a damaged checkpoint, so it is not marked damaged and nothing was "
+                    "changed; run again once the file system (or the node's memory) is healthy",
+                    path=path,
+                )
+            log.warning("reading checkpoint %s failed (%s): trying again in %.1f s", path, why, delay)
+            time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _agree(self, kind: int) -> int:
+        """Collective: the worst of every rank's read outcome (_OK < _DAMAGE < _TRANSIENT < _MISMATCH)."""
+        if self._pg is None:
+            return kind
+        flag = torch.tensor([kind])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+        return int(flag)
+
+    def _set_aside_newer(self, step: int, resumed: Path | str) -> None:
         """Collective. Resuming an explicitly named step turns back from every newer checkpoint of this run: left as
         they are, the next ``checkpoint.resume=auto`` (a requeue, a rerun) would jump back to that abandoned line.
         They are renamed ``step-N.abandoned-<time>``: kept, never resumed or pruned, and said."""
@@ -598,9 +735,10 @@ class CheckpointManager:
                 if newer_step > step:
                     aside = d.with_name(f"{d.name}.abandoned-{stamp}")
                     d.rename(aside)
-                    log.warning("checkpoint.resume=%s turned back from step %d: the newer %s is set aside as %s "
-                                "(kept; rename it back to resume that line)", resumed, newer_step, d.name,
-                                aside.name)  # fmt: skip
+                    what = "starts from step 0" if step < 0 else f"turned back from step {newer_step}"
+                    log.warning("checkpoint.resume=%s %s: the %s %s is set aside as %s (kept, never resumed or "
+                                "pruned; rename it back to resume that line)", resumed, what,
+                                "earlier run's" if step < 0 else "newer", d.name, aside.name)  # fmt: skip
 
         _barrier(self._pg)  # every rank has finished reading before rank 0 renames
         err = _attempt(move) if self.rank == 0 else None
@@ -681,6 +819,86 @@ def _attempt(fn: Callable[[], Any]) -> BaseException | None:
     except (Exception, CheckpointException) as e:  # OSError (ENOSPC, EIO, EDQUOT); DCP's wrapper of rank errors
         return e  # (CheckpointException is a BaseException: a bare `except Exception` would let it through)
     return None
+
+
+def _read_kind(err: BaseException) -> int:
+    """What a failure to read a checkpoint says about it: _MISMATCH (intact, not this run's), _TRANSIENT (nothing
+    about the file: retry, never demote) or _DAMAGE (a file missing, unparsable or unloadable)."""
+    if isinstance(err, CheckpointMismatch):
+        return _MISMATCH
+    if isinstance(err, (CheckpointUnavailable, MemoryError)):
+        return _TRANSIENT
+    if isinstance(err, OSError):
+        return _DAMAGE if err.errno in _DAMAGE_ERRNOS else _TRANSIENT
+    if isinstance(err, CheckpointException):  # DCP's wrapper of every rank's failure: the worst of them
+        return max((_read_kind(exc) for exc, _ in err.failures.values()), default=_DAMAGE)
+    cause = err.__cause__ or err.__context__  # torch / DCP wrap an OSError in a RuntimeError
+    return _TRANSIENT if cause is not None and _read_kind(cause) == _TRANSIENT else _DAMAGE
+
+
+def describe_error(err: BaseException) -> str:
+    """One line for an error: DCP's CheckpointException carries every rank's whole traceback in its text, so it is
+    reduced to each failing rank's innermost error."""
+    if isinstance(err, CheckpointException) and err.failures:
+        parts = []
+        for rank, (exc, _) in sorted(err.failures.items()):
+            inner: BaseException = exc
+            while isinstance(inner, CheckpointException) and inner.failures:
+                inner = next(iter(inner.failures.values()))[0]
+            parts.append(f"rank {rank}: {describe_error(inner)}")
+        return "; ".join(parts[:4]) + (f"; ... ({len(parts)} ranks)" if len(parts) > 4 else "")
+    text = " ".join(str(err).split())
+    cause = err.__cause__ or err.__context__
+    if isinstance(cause, OSError) and not isinstance(err, OSError):  # the storage error under torch's wrapper
+        text += f" (caused by {type(cause).__name__}: {cause})"
+    return f"{type(err).__name__}: {text[:500]}" if text else type(err).__name__
+
+
+_DCP_WRITER = "_write_files_from_queue"  # the target of DCP's extra writer threads (FileSystemWriter.thread_count)
+_thread_errors: list[BaseException] = []
+_thread_lock = threading.Lock()
+_hook_installed = False
+
+
+def _install_thread_hook() -> None:
+    """Collect the errors of DCP's writer threads instead of printing their tracebacks: DCP neither joins their
+    failures nor reports them (a thread that died of ENOSPC leaves its files short), so the save checks them."""
+    global _hook_installed
+    with _thread_lock:
+        if _hook_installed:
+            return
+        previous = threading.excepthook
+
+        def hook(args: threading.ExceptHookArgs) -> None:
+            if args.thread is not None and _DCP_WRITER in args.thread.name and args.exc_value is not None:
+                with _thread_lock:
+                    _thread_errors.append(args.exc_value)
+                return
+            previous(args)
+
+        threading.excepthook = hook
+        _hook_installed = True
+
+
+def _take_thread_error() -> BaseException | None:
+    """The first DCP writer-thread error since the last call (and forget the others)."""
+    with _thread_lock:
+        first = _thread_errors[0] if _thread_errors else None
+        _thread_errors.clear()
+    return first
+
+
+@contextlib.contextmanager
+def _writer_thread_errors() -> Iterator[list[BaseException]]:
+    """The DCP writer-thread errors raised while the block ran (a sync save: its threads are joined inside)."""
+    _install_thread_hook()
+    _take_thread_error()
+    errors: list[BaseException] = []
+    try:
+        yield errors
+    finally:
+        if (err := _take_thread_error()) is not None:
+            errors.append(err)
 
 
 def _read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:

@@ -448,16 +448,19 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"train: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --dry-run "
             "(a real run takes its ranks from torchrun or srun)"
         )
-    from hpcdist.checkpoint import CheckpointMismatch
+    from hpcdist.checkpoint import CheckpointMismatch, CheckpointUnavailable
     from hpcdist.config import ConfigError
     from hpcdist.fault.nonfinite import NonFiniteError
+    from hpcdist.hf.source import ConversionError
     from hpcdist.launch.job import SlurmEnvironment
     from hpcdist.run import main as run_main
 
     try:
         return run_main(args.config, args.overrides, job=SlurmEnvironment()).exit_code
-    except (ConfigError, CheckpointMismatch) as e:  # one readable message, no traceback, once per job
+    except (ConfigError, CheckpointMismatch, ConversionError) as e:  # one readable message, once per job
         return _config_error_once(e)
+    except CheckpointUnavailable as e:  # storage, not input: recorded in failures.jsonl, retried by the policy
+        return _config_error_once(e, code=e.EXIT_CODE)
     except NonFiniteError as e:  # every rank stops at the same step (the norm is global): say it once
         return _config_error_once(e, code=1)
 
@@ -1023,11 +1026,14 @@ def _main(argv: Sequence[str] | None) -> int:
         # point stdout at /dev/null so the interpreter's final flush does not raise the same error again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except Exception as e:  # the last resort: a bug, or an input no rule foresaw (each known one has its message)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # the last resort: a bug, or an input no rule foresaw (each known one has its message);
+        # BaseException: some libraries' errors are not Exceptions (DCP's CheckpointException)
         return _unexpected(e, args)
 
 
-def _unexpected(e: Exception, args: argparse.Namespace) -> int:
+def _unexpected(e: BaseException, args: argparse.Namespace) -> int:
     """One line naming the error and where its traceback went: a file in run.dir when that directory exists (it
     stays with the run), else a new private temp file. Exit 1."""
     text = "".join(traceback.format_exception(e))

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import MARKER, step_dir
+from hpcdist.checkpoint import EXIT_IO, MARKER, step_dir
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
 from hpcdist.fault import failures
@@ -76,7 +77,12 @@ def train(
     try:
         trainer = Trainer(cfg, env, stop_flag=stop_flag)
         result = trainer.train()
-        if result.stop_reason != StopReason.NONE:
+        if result.save_failed is not None:
+            # the last checkpoint (or the stop checkpoint a requeue relies on) is not there: never a success, never
+            # a time-limit requeue that would resume from a step the log does not expect; the batch script's
+            # failure policy decides, blaming no node (a full disk is no node's fault)
+            _save_failed(cfg, env, result)
+        elif result.stop_reason != StopReason.NONE:
             # the checkpoint is complete (train() waited for it): requeueing or exiting now loses no step
             if job is not None:
                 result.exit_code = job.after_stop(cfg, env, result.stop_reason)
@@ -85,7 +91,7 @@ def train(
                 log.info("stopped (%s) after a complete checkpoint; rerun with checkpoint.resume=auto to continue",
                          result.stop_reason.name)  # fmt: skip
         return result
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         if stop_flag is not None:
             stop_flag.uninstall()
         if not isinstance(e, RunDirInUse):  # that run.dir is another run's: its failure log is not ours to write
@@ -94,6 +100,23 @@ def train(
         if trainer is not None:
             trainer.goodput.flush()
         raise
+
+
+def _save_failed(cfg: JobConfig, env: DistEnv, result: TrainResult) -> None:
+    """Every rank: the final or stop checkpoint failed (every rank knows: the save's agreement). Exit EXIT_IO;
+    rank 0 says where the next run resumes and records it for the restart policy."""
+    result.exit_code = EXIT_IO
+    if not env.is_main:
+        return
+    resume = result.resume_point or "none: the next run starts from step 0"
+    cause = (f"the checkpoint at step {result.save_failed} failed (see the errors above; disk full?): the resume point "
+             f"is {resume}")  # fmt: skip
+    log.error("%s; free space in %s and run again to continue from there", cause, cfg.checkpoint_dir)
+    try:
+        failures.record(cfg.run.dir, kind="checkpoint", cause=cause, rank=env.rank, host=env.hostname,
+                        step=result.save_failed)  # fmt: skip
+    except OSError as e:  # the same full disk, most likely
+        log.error("could not record the failure in %s: %s", cfg.run.dir, e)
 
 
 def main(
@@ -139,7 +162,12 @@ def main(
             destroy_process_group()
     finally:
         stop_flag.uninstall()
-    if env.is_main and result.stop_reason != StopReason.NONE and result.step < cfg.train.steps:
+    if env.is_main and result.save_failed is not None:
+        print(f"hpcdist: step {result.step} of {cfg.train.steps} trained, but its checkpoint FAILED (see the errors "
+              f"above): the resume point is {result.resume_point or 'none (step 0)'}; free space in "
+              f"{cfg.checkpoint_dir} and run the same command again (exit {EXIT_IO})", file=sys.stderr,
+              flush=True)  # fmt: skip
+    elif env.is_main and result.stop_reason != StopReason.NONE and result.step < cfg.train.steps:
         ckpt = step_dir(cfg.checkpoint_dir, result.step)
         saved = "complete" if (ckpt / MARKER).is_file() else "NOT saved (see the errors above)"
         print(f"stopped early by {result.stop_reason.signal_name}: step {result.step} of {cfg.train.steps}, "

@@ -53,7 +53,9 @@ def format_summary(s: Mapping[str, Any]) -> str:
         f"throughput   tps {s['tokens_per_s']:,.0f}" if s.get("tokens_per_s") else "throughput   -",
         f"last loss    {s['last_loss']:.4f}" if isinstance(s.get("last_loss"), float) else "last loss    -",
         f"best eval    {best:.4f}" if isinstance(best, float) else "best eval    - (no evaluation)",
-        f"checkpoint   {s.get('checkpoint') or '- (none saved)'}",
+        f"checkpoint   {s.get('checkpoint') or '- (none saved)'}" + (
+            f" (the save at step {s['save_failed']} FAILED: this is the resume point)" if s.get("save_failed") else ""
+        ),
         f"report       hpcdist report {s['run_dir']}  (writes {s['report']})",
         f"summary      {s['summary_file']}",
     ]  # fmt: skip

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import STATE_FILE, Checkpointable, CheckpointManager, CheckpointMismatch
+from hpcdist.checkpoint import STATE_FILE, Checkpointable, CheckpointManager, CheckpointMismatch, latest
 from hpcdist.config import JobConfig
 from hpcdist.data import (
     BatchLoader,
@@ -35,6 +35,7 @@ from hpcdist.data import (
     prepare_shards,
     stdlib_corpus,
 )
+from hpcdist.data.sampler import SamplerMismatch
 from hpcdist.env import DistEnv, SlurmJob
 from hpcdist.evaluate import Evaluator
 from hpcdist.fault import failures
@@ -70,6 +71,11 @@ class TrainResult:
     """Why training stopped before train.steps (a signal), NONE when it finished."""
     exit_code: int = 0
     """The process's exit status: set by hpcdist.run's after-stop decision (the trainer leaves it 0)."""
+    save_failed: int | None = None
+    """The step whose final or stop checkpoint failed (disk full, every rank alike); None when it is complete or
+    none was due. hpcdist.run then exits non-zero instead of reporting success or requeueing."""
+    resume_point: str | None = None
+    """The newest complete checkpoint when ``save_failed``: where the next run resumes (None: from step 0)."""
 
 
 def _barrier() -> None:
@@ -215,6 +221,7 @@ class Trainer:
             last_checkpoint=self.resumed_from,
         )  # fmt: skip
         self.saved_step = self.step if self.resumed_from else -1
+        self._saved_ok = True  # the last save (at saved_step) succeeded, as far as the save itself knows
         self._last_save = time.perf_counter()  # checkpoint.every_minutes (train() restarts the clock)
         prof = cfg.logging.profile
         self.profiler = StepProfiler(
@@ -267,7 +274,16 @@ class Trainer:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         # a checkpoint made by `hpcdist import` holds weights only: its data position and schedule start fresh
         if "sampler" in state:
-            self.loader.load_state_dict(state["sampler"])
+            try:
+                self.loader.load_state_dict(state["sampler"])
+            except SamplerMismatch as e:  # an intact checkpoint of other data: a refusal, never damage
+                raise CheckpointMismatch(
+                    f"made for other data ({e}): the data.* settings, run.seed and the prepared data must match the "
+                    "run that saved it. Restore the old values, or start this data from step 0 in a new run.dir (or "
+                    "checkpoint.resume=none here: the checkpoints are set aside, kept), or set "
+                    "checkpoint.init_from=<this checkpoint> in a new run.dir to start from its weights",
+                    what="data",
+                ) from None
         if "scheduler" in state:
             self.strategy.load_scheduler_state(state["scheduler"])
         self._apply_optim_config(state.get("config"))
@@ -313,7 +329,13 @@ class Trainer:
         try:
             path = self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
         except CheckpointMismatch as e:
-            raise CheckpointMismatch(f"{e}{_config_changes(e.path, self.cfg)}", path=e.path) from None
+            changes = _config_changes(e.path, self.cfg)
+            if not changes and e.what == "data":
+                changes = (f"; no data.* setting changed, so the prepared data in {self.cfg.data.path} did (prepared "
+                           "again?)")  # fmt: skip
+            raise CheckpointMismatch(f"{e}{changes}", path=e.path, what=e.what) from None
+        if self.cfg.checkpoint.resume == "none":
+            log.info("starting fresh (checkpoint.resume=none)")
         if path is None:
             init = self.cfg.checkpoint.init_from
             if init and is_hf_dir(init):  # a Hugging Face Llama directory (config.json + safetensors)
@@ -324,7 +346,7 @@ class Trainer:
             elif init:  # only while the run has no checkpoint of its own: a requeue resumes its own progress
                 diff = self.ckpt.init_weights(Path(init), self.checkpointable())
                 log.info("starting fresh from the weights of %s (%s)", init, _describe_diff(diff))
-            else:
+            elif self.cfg.checkpoint.resume != "none":
                 log.info("starting fresh (no complete checkpoint in %s)", self.cfg.checkpoint_dir)
             return None
         seconds = time.perf_counter() - t0
@@ -332,7 +354,9 @@ class Trainer:
         log.info("resumed from %s at step %d (%.2fs)", path, self.step, seconds)
         return str(path)
 
-    def save(self) -> None:
+    def save(self) -> bool:
+        """Save a checkpoint of this step; False when it failed with a storage error (every rank alike; training may
+        go on, the previous checkpoint stays the resume point). An async save's failure shows at ``ckpt.wait()``."""
         # a NaN model is never saved, so pruning never trades a finite checkpoint for it
         self.nonfinite.check()
         self.nonfinite.check_params(self.step, self.strategy.params_finite())
@@ -340,9 +364,10 @@ class Trainer:
         with self.watchdog.phase(self.step, "checkpoint save", slow=True):
             path = self.ckpt.save(self.step, self.checkpointable())
         self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
-        self.saved_step = self.step
+        self.saved_step, self._saved_ok = self.step, path is not None
         self.goodput.add("checkpoint_save", time.perf_counter() - t0)
         self.goodput.flush()
+        return path is not None
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self, *, until: int | None = None) -> TrainResult:
@@ -420,11 +445,17 @@ class Trainer:
                 break
 
         interrupted = self.step < cfg.train.steps
-        if (cfg.checkpoint.save_final or interrupted) and self.saved_step != self.step:
+        final = cfg.checkpoint.save_final or interrupted  # this step's checkpoint is the run's result / resume point
+        if final and self.saved_step != self.step:
             self.save()
         self.nonfinite.check()  # also when no final save follows
         with phase(self.step, "checkpoint completion", slow=True):
-            self.ckpt.wait()  # the checkpoint is complete before train() returns: the caller may requeue at once
+            # the checkpoint is complete before train() returns: the caller may requeue at once
+            saved = self.ckpt.wait() and self._saved_ok
+        if final and not saved:  # the last save (or the stop save before a requeue) failed: not a success
+            resume = latest(self.ckpt.root, warn=False)
+            result.save_failed, result.resume_point = self.step, str(resume) if resume else None
+            self.nonfinite.last_checkpoint = result.resume_point
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> float:
         # .item() synchronizes with the device: done only on log steps
@@ -509,6 +540,7 @@ class Trainer:
             "goodput": g["goodput"], "tokens_per_s": self.throughput.tokens_per_s,
             "last_loss": result.losses[max(result.losses)] if result.losses else None,
             "best_eval_loss": min(best) if best else None, "checkpoint": self.nonfinite.last_checkpoint,
+            "save_failed": result.save_failed,
             "run_dir": str(self.run_dir), "report": str(rd.report), "summary_file": str(rd.summary),
         }  # fmt: skip
         try:
@@ -561,8 +593,11 @@ def _config_changes(path: Path | None, cfg: JobConfig) -> str:
     if not isinstance(saved, dict):
         return ""
     now = dataclasses.asdict(cfg)
-    changed = [f"{section}.{k}={v!r} (now {now[section].get(k)!r})" for section in ("model", "parallel")
-               for k, v in sorted(saved.get(section, {}).items()) if now[section].get(k) != v]  # fmt: skip
+    keys = [(section, k) for section in ("model", "parallel", "data") for k in sorted(saved.get(section) or {})]
+    keys.append(("run", "seed"))  # the sample order's seed
+    changed = [f"{section}.{k}={saved[section][k]!r} (now {now[section].get(k)!r})" for section, k in keys
+               if isinstance(saved.get(section), dict) and k in saved[section]
+               and now[section].get(k) != saved[section][k]]  # fmt: skip
     return f"; it was saved with {', '.join(changed)}" if changed else ""
 
 

@@ -282,7 +282,9 @@ class CheckpointConfig:
     keep_last: int = 3
     """Complete checkpoints to keep; older ones are deleted only after a newer one is complete."""
     resume: str = "auto"
-    """auto = newest complete checkpoint if any, else fresh; none = always fresh; or a step-XXXXXXXX path."""
+    """auto = newest complete checkpoint if any, else fresh; none = fresh from step 0, the run.dir's complete
+    checkpoints set aside as step-N.abandoned-<time> (kept, never resumed: give it for one run on the command line,
+    not in a config a requeue reruns); or a step-XXXXXXXX path (newer checkpoints are set aside the same way)."""
     init_from: str | None = None
     """A step-XXXXXXXX checkpoint (any run, any strategy but ZeRO-3) whose model weights start this run when it
     has no checkpoint of its own yet: weights that match by name and shape are loaded, the others keep their

@@ -6,7 +6,17 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["ResumableSampler"]
+__all__ = ["ResumableSampler", "SamplerMismatch"]
+
+
+class SamplerMismatch(ValueError):
+    """A saved sampler state that is intact but was made for other data (another number of samples or seed): the
+    config or the prepared data changed since the checkpoint. A refusal for the caller to explain, never damage.
+    ``field``: what differs (``num_samples`` or ``seed``); ``saved`` / ``now``: its two values."""
+
+    def __init__(self, message: str, *, field: str, saved: int, now: int):
+        super().__init__(message)
+        self.field, self.saved, self.now = field, saved, now
 
 
 class ResumableSampler:
@@ -62,12 +72,14 @@ class ResumableSampler:
         if missing:
             raise ValueError(f"sampler state lacks {sorted(missing)}")
         if int(state["num_samples"]) != self.num_samples:
-            raise ValueError(
+            raise SamplerMismatch(
                 f"sampler state is for {state['num_samples']} samples but the dataset has {self.num_samples}: "
-                "the data (or seq_len / val_fraction) changed since the checkpoint"
-            )
+                "the data (or seq_len / val_fraction) changed since the checkpoint",
+                field="num_samples", saved=int(state["num_samples"]), now=self.num_samples,
+            )  # fmt: skip
         if int(state["seed"]) != self.seed:
-            raise ValueError(f"sampler state has seed {state['seed']} but this run uses seed {self.seed}")
+            raise SamplerMismatch(f"sampler state has seed {state['seed']} but this run uses seed {self.seed}",
+                                  field="seed", saved=int(state["seed"]), now=self.seed)  # fmt: skip
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= self.num_samples:
             raise ValueError(f"bad sampler state: epoch={epoch}, position={position}, num_samples={self.num_samples}")

@@ -7,6 +7,9 @@ file system, like the checkpoints), one JSON object per event, appended by whoev
                 to the ranks whose heartbeat stopped, or that were behind the others.
     killed      a rank's process died from a signal (the OOM killer's SIGKILL, SIGSEGV, SIGABRT): recorded by its
                 supervisor (``python -m hpcdist.fault.supervise``), which outlives it.
+    checkpoint  the final checkpoint, or the stop checkpoint before a requeue, failed (disk full) on every rank
+                alike (hpcdist.run), or a checkpoint could not be read through the retries (CheckpointUnavailable):
+                exit 74; attributed to nobody (storage).
     exit        the step failed and no rank said why (recorded by after-step, hpcdist.launch.restarts).
     straggler   a warning, not a failure (hpcdist.fault.stragglers).
   Fields: time, job_id, restart (SLURM_RESTART_COUNT), rank, host, pid, kind, cause (one line), blame (the
@@ -147,7 +150,7 @@ def record_exception(
 ) -> dict[str, Any] | None:
     """The trainer's exception path: record what this rank raised. Never raises itself (it runs while failing)."""
     try:
-        kind = classify_exception(exc)
+        kind = getattr(exc, "failure_kind", None) or classify_exception(exc)  # e.g. storage: "checkpoint"
         problems = getattr(exc, "problems", None)  # a ConfigError's first line is only its headline
         text = "; ".join(problems) if problems else str(exc).strip() or "(no message)"
         cause = f"{type(exc).__name__}: {text}"

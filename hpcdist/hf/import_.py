@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from hpcdist.checkpoint import Checkpointable, CheckpointManager
+from hpcdist.checkpoint import Checkpointable, CheckpointManager, describe_error
 from hpcdist.data.tokenizers import TokenizerError, load_tokenizer
 from hpcdist.hf.convert import fqn_names, fqn_to_hf, from_hf_tensor
 from hpcdist.hf.source import ConversionError, return_freed_memory
@@ -182,7 +183,11 @@ def load_into(path: str | Path, state: Checkpointable, args: ModelArgs) -> None:
     if problem:
         raise ConversionError(f"checkpoint.init_from: {problem}")
     model = state.dcp_state()["model"]
-    dcp.load({"model": model}, storage_reader=HFStorageReader(weights))
+    try:
+        dcp.load({"model": model}, storage_reader=HFStorageReader(weights))
+    except CheckpointException as e:  # a BaseException: it would pass every `except Exception` up to the CLI
+        raise ConversionError(f"checkpoint.init_from: {path}: its weights cannot be loaded into this model: "
+                              f"{describe_error(e)}") from None  # fmt: skip
     state.load_dcp_state({"model": model})
 
 

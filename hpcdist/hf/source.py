@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from hpcdist.checkpoint import MARKER, STATE_FILE, CheckpointManager, latest
+from hpcdist.checkpoint import MARKER, STATE_FILE, CheckpointManager, describe_error, latest
 from hpcdist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, recorded_tokenizer
 from hpcdist.models.args import ModelArgs
 from hpcdist.rundir import RunDir
@@ -114,7 +115,10 @@ def load_fqn(step: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Fill the preallocated ``tensors`` (FQN -> tensor of the saved shape) from the checkpoint ``step``: DCP reads
     just their bytes, whatever strategy and world size wrote them (ZeRO partitions, FSDP / TP shards)."""
     with _no_dist_warning():
-        dcp.load({"model": tensors}, checkpoint_id=str(step))
+        try:
+            dcp.load({"model": tensors}, checkpoint_id=str(step))
+        except CheckpointException as e:  # a BaseException: it would pass every `except Exception` up to the CLI
+            raise ConversionError(f"{step}: its weights cannot be read: {describe_error(e)}") from None
 
 
 def saved_shapes(step: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

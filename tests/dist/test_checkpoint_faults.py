@@ -15,11 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hpcdist import config as config_mod
+from hpcdist import run
 from hpcdist.checkpoint import DAMAGED, KILL_ENV, MANIFEST, MARKER, list_checkpoints
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
+from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.trainer import Trainer
 from tests.dist.harness import free_port, run_ranks
 
@@ -137,7 +140,8 @@ def test_every_minutes_saves_on_rank_0s_clock_on_every_rank_alike(small_cfg, tmp
     step later, both ranks save the same step (a save is collective: a lone rank would hang). An interval already
     due at every step saves from step 2 on; one of an hour never does."""
     cfg = small_cfg("train.steps=5", "checkpoint.every_steps=0", "checkpoint.save_final=false",
-                    "checkpoint.keep_last=10", f"checkpoint.every_minutes={minutes}", run_dir=tmp_path / "run")  # fmt: skip
+                    "checkpoint.keep_last=10", f"checkpoint.every_minutes={minutes}",
+                    run_dir=tmp_path / "run")  # fmt: skip
     run_ranks(2, _train, cfg)
     complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
     assert [s for s, _ in complete] == saved and incomplete == []
@@ -182,6 +186,65 @@ def test_a_step_dir_of_another_user_stops_every_rank_alike(small_cfg, tmp_path) 
     ckpt = cfg.checkpoint_dir / "step-00000002"
     os.chown(ckpt / "rng", 4242, 4242)  # a directory of theirs inside my step dir
     messages = run_ranks(2, _refusal, cfg, timeout=120)
-    assert messages[0] == messages[1] and f"belongs to uid 4242, not to you" in messages[0], messages
+    assert messages[0] == messages[1] and "belongs to uid 4242, not to you" in messages[0], messages
     assert f": {ckpt / 'rng'}." in messages[0], messages  # that directory alone: the files in it are mine
     assert (ckpt / MARKER).is_file() and not (ckpt / DAMAGED).exists()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_final_save_exits_74_naming_the_resume_point(small_cfg, tmp_path, async_save: bool) -> None:
+    """Issue 25.4: on a full disk the final save failed, yet the run printed "done", exited 0 and its
+    run_summary.json named step 4; DCP's writer threads then printed their tracebacks. Now the exit status is 74,
+    the last line names the resume point (step 2), run_summary.json and failures.jsonl say so, and no traceback is
+    printed. An async save's failed directory is removed too (the summary and the record need the space)."""
+    with _small_tmpfs(tmp_path / "small", "2m") as small:
+        run_dir = small / "run"
+        cfg = small_cfg("train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
+                        "train.micro_batch_size=4", "checkpoint.save_final=true", "checkpoint.write_threads=2",
+                        f"checkpoint.async_save={str(async_save).lower()}", run_dir=run_dir)  # fmt: skip
+        yaml = tmp_path / "cfg.yaml"
+        config_mod.save(cfg, yaml)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID"):
+            env.pop(var, None)
+        p = subprocess.run([sys.executable, "-m", "hpcdist", "train", str(yaml)], capture_output=True, text=True,
+                           timeout=300, env=env)  # fmt: skip
+        out = p.stdout + p.stderr
+        assert p.returncode == 74, out[-3000:]
+        assert "done:" not in out and "Traceback" not in out and "Exception in thread" not in out, out[-3000:]
+        last = p.stderr.strip().splitlines()[-1]
+        assert "step 4 of 4 trained, but its checkpoint FAILED" in last and "step-00000002" in last, last
+        summary = json.loads((run_dir / "run_summary.json").read_text())
+        assert summary["save_failed"] == 4 and summary["checkpoint"].endswith("step-00000002")
+        (rec,) = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
+        assert rec["kind"] == "checkpoint" and rec["blame"] == [] and "step-00000002" in rec["cause"]
+        assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [2]
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class _Scheduler:
+    """The scheduler's side of a rank: a requeue after the stop checkpoint would return 0."""
+
+    def before_start(self, cfg: JobConfig, env: DistEnv) -> None:
+        return None
+
+    def after_stop(self, cfg: JobConfig, env: DistEnv, reason: StopReason) -> int:
+        return 0
+
+
+def _stopped_for_a_requeue(env: DistEnv, cfg: JobConfig) -> dict:
+    flag = StopFlag(rank=env.rank, device=torch.device("cpu"))
+    flag.request(StopReason.TIME_LIMIT)  # as if USR2 came at step 1: agreed after step 2, save, requeue
+    r = run.train(cfg, env, job=_Scheduler(), stop_flag=flag)
+    return {"exit": r.exit_code, "failed": r.save_failed, "resume": r.resume_point, "stop": r.stop_reason.name}
+
+
+def test_a_failed_stop_save_is_no_requeue_and_no_success(small_cfg, tmp_path) -> None:
+    """Issue 25.4: the stop checkpoint before a requeue failing (disk full) must not report success: every rank
+    exits 74 (the batch script's failure policy decides, blaming no node) instead of the scheduler's requeue."""
+    with _small_tmpfs(tmp_path / "small", "2m") as small:
+        (small / "filler").write_bytes(b"\0" * (1700 << 10))  # ~300 KB left: less than one checkpoint
+        cfg = small_cfg(*OVER, run_dir=small / "run")
+        outs = run_ranks(2, _stopped_for_a_requeue, cfg)
+        assert outs == [{"exit": 74, "failed": 2, "resume": None, "stop": "TIME_LIMIT"}] * 2, outs
+        shutil.rmtree(small / "run", ignore_errors=True)

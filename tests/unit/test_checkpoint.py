@@ -350,3 +350,157 @@ def test_resuming_an_older_step_sets_the_newer_line_aside(small_cfg, capsys: pyt
     _, after = single(_train, small_cfg("train.steps=4", *over))  # auto: the new line, not the abandoned step 6
     assert after.resumed_from.endswith("step-00000003") and after.step == 4
     assert len(list(root.glob("step-*.abandoned-*"))) == 2  # never pruned, never deleted
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_resume_none_over_an_earlier_run_sets_it_aside_and_never_mixes_the_two(
+    small_cfg, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 25.2: checkpoint.resume=none in a run dir holding checkpoints 2, 4, 6 used to rmtree the old step 2 at
+    the new run's first save, prune the new run's own step 2 (the old 4 and 6 counted as newer), and the next auto
+    resume took the OLD step 6. Now the old line is set aside (step-N.abandoned-<time>, byte for byte), the new run's
+    checkpoints are the only resume candidates, and nothing is deleted."""
+    over = (
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=3",
+        "train.micro_batch_size=4",
+        "checkpoint.save_final=true",
+    )
+    single(_train, small_cfg("train.steps=6", *over))
+    root = small_cfg().checkpoint_dir
+    old = {s: _tree(d) for s, d in list_checkpoints(root)[0]}
+    assert sorted(old) == [2, 4, 6]
+    capsys.readouterr()
+
+    _, fresh = single(_train, small_cfg("train.steps=3", "checkpoint.resume=none", *over))
+    out = capsys.readouterr().out
+    assert fresh.resumed_from is None and fresh.step == 3
+    assert "no complete checkpoint" not in out
+    assert "checkpoint.resume=none" in out and "set aside as step-00000006.abandoned-" in out
+    assert [s for s, _ in list_checkpoints(root)[0]] == [2, 3]  # the new line only, the new step 2 kept
+    for step, files in old.items():  # the old line, whole and untouched
+        (aside,) = root.glob(f"step-{step:08d}.abandoned-*")
+        assert _tree(aside) == files
+
+    _, after = single(_train, small_cfg("train.steps=4", *over))  # auto: continues the new run, not the old step 6
+    assert after.resumed_from.endswith("step-00000003") and after.step == 4
+
+
+@pytest.mark.parametrize(("change", "key"), [("data.seq_len=16", "data.seq_len=32 (now 16)"),
+                                              ("data.val_fraction=0.2", "data.val_fraction=0.01 (now 0.2)"),
+                                              ("run.seed=7", "run.seed=")])  # fmt: skip
+def test_a_changed_data_config_is_a_refusal_and_every_checkpoint_stays_complete(
+    small_cfg, capsys: pytest.CaptureFixture[str], change: str, key: str
+) -> None:
+    """Issue 25.3: resuming with data.seq_len (or val_fraction, max_tokens, re-prepared data) changed made the
+    sampler raise ValueError, which restore() took for damage: every intact checkpoint was renamed DAMAGED in turn
+    and the log called them interrupted saves. Now it is one refusal naming the changed key and the options; every
+    checkpoint keeps its COMPLETE marker."""
+    over = ("train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=4")
+    cfg = small_cfg(*over)
+    single(_train, cfg)
+    capsys.readouterr()
+    with pytest.raises(checkpoint.CheckpointMismatch) as err:
+        single(_train, small_cfg(*over, "train.steps=6", change))
+    text, out = str(err.value), capsys.readouterr().out
+    assert key in text, text
+    assert "run.dir" in text and "checkpoint.resume=none" in text and "checkpoint.init_from=" in text, text
+    assert "damaged" not in out and "interrupted save" not in out, out[-2000:]
+    for step in (2, 4):
+        d = cfg.checkpoint_dir / f"step-{step:08d}"
+        assert (d / MARKER).is_file() and not (d / checkpoint.DAMAGED).exists()
+
+
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), MemoryError()], ids=["EIO", "MemoryError"])
+@pytest.mark.parametrize("failures", [2, 100], ids=["then-reads", "persists"])
+def test_a_transient_read_error_is_retried_then_refused_never_recorded_as_damage(
+    small_cfg, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: BaseException, failures: int
+) -> None:
+    """Issue 25.3: an EIO on NFS or a MemoryError while loading used to demote every checkpoint in turn
+    (COMPLETE -> DAMAGED, permanently). Now it is retried a bounded number of times; if it persists the run is
+    refused (CheckpointUnavailable, exit 74 at the CLI) and every checkpoint keeps its COMPLETE marker."""
+    cfg, newest = _two_checkpoints(small_cfg)
+    monkeypatch.setattr(checkpoint, "READ_RETRY_DELAYS_S", (0.0, 0.0, 0.0))
+    real = torch.distributed.checkpoint.FileSystemReader.read_metadata
+    calls = []
+
+    def flaky(self):  # the storage fails the first `failures` reads, as a flaky mount would
+        calls.append(1)
+        if len(calls) <= failures:
+            raise error
+        return real(self)
+
+    monkeypatch.setattr(torch.distributed.checkpoint.FileSystemReader, "read_metadata", flaky)
+    over = ("train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=4")
+    if failures == 2:
+        resumed = single(_build, small_cfg(*over))
+        assert resumed.resumed_from == str(newest) and resumed.step == 4
+        assert len(calls) == 2 + 2  # two failed reads, then ours and DCP's read of the same metadata
+    else:
+        with pytest.raises(checkpoint.CheckpointUnavailable, match=f"{type(error).__name__}.*not marked damaged"):
+            single(_build, small_cfg(*over))
+        assert len(calls) == 4  # one read and three retries, then the refusal; the older step 2 is not tried
+        if isinstance(error, OSError):  # through the CLI: one line, exit 74, a record that blames no node
+            from hpcdist import cli
+            from hpcdist import config as config_mod
+
+            yaml = Path(cfg.run.dir).parent / "again.yaml"
+            config_mod.save(small_cfg(*over), yaml)
+            capsys.readouterr()
+            assert cli.main(["train", str(yaml)]) == 74
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and "not marked damaged" in err, err
+            records = [json.loads(x) for x in (Path(cfg.run.dir) / "failures.jsonl").read_text().splitlines()]
+            assert [(r["kind"], r["blame"]) for r in records] == [("checkpoint", [])], records
+    for step in (2, 4):
+        d = cfg.checkpoint_dir / f"step-{step:08d}"
+        assert (d / MARKER).is_file() and not (d / checkpoint.DAMAGED).exists()
+
+
+def test_a_dcp_checkpoint_exception_from_init_from_is_one_line_and_recorded(
+    small_cfg, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 25.8: DCP's CheckpointException derives from BaseException, so checkpoint.init_from=HF_DIR with one
+    wrongly shaped tensor passed every `except Exception`: a 60-line traceback, exit 1 and no failures.jsonl
+    record. Now it is one line naming init_from, exit 2, and a record for the restart policy."""
+    from safetensors.torch import load_file, save_file
+
+    from hpcdist import cli
+    from hpcdist import config as config_mod
+
+    over = ("train.steps=2", "train.micro_batch_size=4")
+    single(_train, small_cfg(*over, "checkpoint.save_final=true", run_dir=tmp_path / "src"))
+    hf = tmp_path / "hf"
+    assert cli.main(["export", str(tmp_path / "src"), "--out", str(hf), "--dtype", "fp32"]) == 0
+    (weights,) = hf.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(k for k in sorted(tensors) if k.endswith("mlp.down_proj.weight"))
+    tensors[name] = torch.zeros(tensors[name].shape[0], tensors[name].shape[1] + 1)  # one wrongly shaped tensor
+    save_file(tensors, weights, metadata={"format": "pt"})
+    run_dir = tmp_path / "new"
+    yaml = tmp_path / "cfg.yaml"
+    config_mod.save(small_cfg(*over, f"checkpoint.init_from={hf}", run_dir=run_dir), yaml)
+    capsys.readouterr()
+
+    code = cli.main(["train", str(yaml)])
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "checkpoint.init_from" in lines[0] and "Traceback" not in err, err[-3000:]
+    records = [json.loads(line) for line in (run_dir / "failures.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["exception"] and "checkpoint.init_from" in records[0]["cause"]
+
+
+def test_a_save_never_deletes_a_complete_checkpoint_of_its_step(tmp_path: Path) -> None:
+    """Issue 25.2: a save used to rmtree whatever held its step's name, a complete checkpoint included. Now only a
+    crashed save's leftover is removed; a complete one is moved aside (step-N.abandoned-<time>), byte for byte."""
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+    first = mgr.save(5, _linear_state(torch.nn.Linear(8, 8), step=5))
+    files = _tree(first)
+    second = mgr.save(5, _linear_state(torch.nn.Linear(8, 8), step=5))
+    assert second == first and (second / MARKER).is_file()
+    (aside,) = tmp_path.glob("step-00000005.abandoned-*")
+    assert _tree(aside) == files
