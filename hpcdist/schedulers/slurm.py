@@ -1,8 +1,8 @@
 """SLURM: its variables, its node-list grammar, and its row of the scheduler table (:data:`SCHEDULER`).
 
 With ``hpcdist.launch`` (submitting, requeueing, node exclusion), the only code that knows SLURM's variables:
-:func:`job_facts` turns them into the scheduler-neutral :class:`~hpcdist.schedulers.base.JobFacts`, and
-:func:`step_layout` reads a task's place in an ``srun`` job step for ``hpcdist.env``. Standard library only.
+:func:`read_job_facts` turns them into the scheduler-neutral :class:`~hpcdist.schedulers.base.JobFacts`, and
+:func:`read_step_layout` reads a task's place in an ``srun`` job step for ``hpcdist.env``. Standard library only.
 
 A bare ``sbatch`` batch script also has ``SLURM_PROCID=0`` and ``SLURM_NTASKS=N``; treating it as rank 0 of N would
 wait forever for N-1 peers, so a step needs step variables too (:func:`in_step`).
@@ -21,7 +21,7 @@ from typing import Any
 
 from hpcdist.schedulers.base import EnvReader, JobFacts, Scheduler
 
-__all__ = ["SCHEDULER", "expand_nodelist", "hostnames", "in_step", "job_facts", "step_layout"]
+__all__ = ["SCHEDULER", "expand_nodelist", "hostnames", "in_step", "read_job_facts", "read_step_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ _SEPARATORS = (",", " ", "\t")
 # versions print them signed (-5), some unsigned. Real srun steps count up from 0.
 _FIRST_SPECIAL_STEP_ID = 0xFFFFFFF0
 
-# What step_layout reads, echoed in errors so a bad value is easy to trace to its variable.
+# What read_step_layout reads, echoed in errors so a bad value is easy to trace to its variable.
 READS = (
     "SLURM_PROCID",
     "SLURM_LOCALID",
@@ -62,7 +62,7 @@ _TASKS_PER_NODE_ITEM = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
 # ----------------------------------------------------------------------------------------------- job
 
 
-def job_facts(environ: Mapping[str, str]) -> JobFacts | None:
+def read_job_facts(environ: Mapping[str, str]) -> JobFacts | None:
     """The SLURM job of this process (batch script, srun task, torchrun worker inside an allocation); None outside
     SLURM. A garbled count raises ValueError naming the variable."""
     v = EnvReader(environ)
@@ -120,7 +120,7 @@ def _tasks_per_node(value: str) -> list[int]:
     return counts
 
 
-def step_layout(v: EnvReader) -> dict[str, Any] | None:
+def read_step_layout(v: EnvReader) -> dict[str, Any] | None:
     """This task's place in its ``srun`` job step (see :class:`~hpcdist.schedulers.base.Scheduler`); None when srun
     did not start it. The rendezvous port is hpcdist.env's (MASTER_PORT, else derived from the job)."""
     if not in_step(v):
@@ -328,4 +328,4 @@ def hostnames(nodelist: str) -> list[str]:
     return expand_nodelist(nodelist)
 
 
-SCHEDULER = Scheduler(name="slurm", job_facts=job_facts, step_layout=step_layout, reads=READS)
+SCHEDULER = Scheduler(name="slurm", job_facts=read_job_facts, step_layout=read_step_layout, reads=READS)
