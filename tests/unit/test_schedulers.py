@@ -4,6 +4,8 @@ scheduler-neutral JobFacts that DistEnv.job carries to the trainer and hpcdist.f
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from hpcdist.env import from_environ, port_from_job_id
 from hpcdist.fault.failures import read_failures, record
 from hpcdist.schedulers import JobFacts, Scheduler, job_facts
 from hpcdist.schedulers.slurm import expand_nodelist
+from tests.conftest import REPO
 
 ARRAY_TASK = {  # task 3 of array job 7, itself job 8, requeued twice, in a batch script (no srun step)
     "SLURM_JOB_ID": "8",
@@ -112,3 +115,10 @@ def test_a_new_scheduler_is_one_row_and_nothing_in_fault(monkeypatch: pytest.Mon
     record(tmp_path, kind="exception", cause="boom", rank=0)  # no job passed: read through the table
     record(tmp_path, kind="exception", cause="boom", rank=0, job=env.job)
     assert [r["job_id"] for r in read_failures(tmp_path)] == ["77.server", "77.server"]
+
+
+def test_the_scheduler_table_loads_no_torch() -> None:
+    """The batch script's after-step and the per-rank supervisor side read job facts before (or without) torch."""
+    code = "import sys, hpcdist.schedulers; assert 'torch' not in sys.modules, 'torch'"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
