@@ -55,7 +55,7 @@ EXPORTED_VAR = "HPCDIST_EXPORTED"
 
 # What each launcher reads, echoed in errors so a bad value is easy to trace to its variable (a scheduler's step
 # launcher: its row's ``reads``).
-_READS = {
+_READS: dict[str, tuple[str, ...]] = {
     "torchrun": (
         "RANK",
         "LOCAL_RANK",
@@ -66,7 +66,6 @@ _READS = {
         "MASTER_ADDR",
         "MASTER_PORT",
     ),
-    **{s.name: s.reads for s in schedulers.SCHEDULERS},
     "single": ("MASTER_PORT",),
 }
 
@@ -184,11 +183,13 @@ def from_environ(environ: Mapping[str, str] | None = None, *, cuda_available: bo
         device_count = torch.cuda.device_count() if cuda_available else None
 
     fields: dict[str, Any]
+    reads = _READS["single"]
     if v.has("TORCHELASTIC_RUN_ID") or all(v.has(n) for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        launcher = "torchrun"
+        launcher, reads = "torchrun", _READS["torchrun"]
         fields = _torchrun_fields(v)
     elif (step := schedulers.step_layout(v)) is not None:
-        launcher, fields = step[0].name, step[1]
+        scheduler, fields = step
+        launcher, reads = scheduler.name, scheduler.reads
         # every task of the step computes the same port from the job, unless the job script chose one
         fields["master_port"] = v.integer("MASTER_PORT", default=port_from_job_id(job.instance_id), minimum=1)
     else:
@@ -217,7 +218,7 @@ def from_environ(environ: Mapping[str, str] | None = None, *, cuda_available: bo
             hostname=socket.gethostname(), job=job,
         )  # fmt: skip
     except ValueError as err:
-        seen = ", ".join(f"{name}={env_map[name]}" for name in _READS[launcher] if v.has(name))
+        seen = ", ".join(f"{name}={env_map[name]}" for name in reads if v.has(name))
         raise ValueError(f"inconsistent {launcher} environment ({seen or 'no variables set'}): {err}") from None
 
 
