@@ -145,12 +145,14 @@ def main(
         print(f"hpcdist: {refused}", file=sys.stderr, flush=True)
         return TrainResult(step=0, exit_code=3)
     # tell this rank's supervisor who it is; make a failed NCCL collective end the process (fault.*)
-    failures.announce_task(cfg.run.dir, rank=env.rank, host=env.hostname)
+    failures.announce_task(cfg.run.dir, rank=env.rank, host=env.hostname, job=env.job)
     for warning in configure_collectives(os.environ, cfg.run.dir):
         log.warning("%s", warning)
     # from here on a signal is remembered, not fatal: start-up (process group, data, model, resume) can take
     # minutes, and USR2's default action would kill the rank and have the node blamed for it
-    stop_flag = StopFlag(rank=env.rank, device=env.torch_device(), requeue_signal=cfg.fault.requeue_signal).install()
+    stop_flag = StopFlag(
+        rank=env.rank, device=env.torch_device(), requeue_signal=cfg.fault.requeue_signal, job=env.job
+    ).install()
     try:
         # collectives time out a minute after the hang watchdog, which reports first (with stacks and suspects)
         init_process_group(

@@ -36,7 +36,7 @@ from hpcdist.data import (
     stdlib_corpus,
 )
 from hpcdist.data.sampler import SamplerMismatch
-from hpcdist.env import DistEnv, SlurmJob
+from hpcdist.env import DistEnv
 from hpcdist.evaluate import Evaluator
 from hpcdist.fault import failures
 from hpcdist.fault.goodput import Goodput
@@ -147,7 +147,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_lock = RunDirLock(self.run_dir)
+        self.run_lock = RunDirLock(self.run_dir, job_id=env.job.job_id)
         self._lock_run_dir()  # before anything is written there: a second run is refused, not interleaved
         self._record_layout()
         self.step, self.tokens_seen = 0, 0
@@ -201,7 +201,7 @@ class Trainer:
             config_mod.save(cfg, RunDir(self.run_dir).config)
         f = cfg.fault
         self.stop_flag = stop_flag or StopFlag(
-            rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal
+            rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal, job=env.job
         )
         self.watchdog = HangWatchdog(
             rank=env.rank, world_size=env.world_size, host=env.hostname, run_dir=self.run_dir,
@@ -210,7 +210,7 @@ class Trainer:
         # each node's local rank 0 exports Prometheus metrics (logging.prometheus); a no-op otherwise
         self.prom = PrometheusExporter(
             cfg, enabled=env.local_rank == 0, node=env.node_rank, job=env.job_id or cfg.run.name,
-            restarts=SlurmJob.from_environ().restart_count,
+            restarts=env.job.restart_count,
         )  # fmt: skip
         self._node_memory: list[float] = []  # GiB per local rank, from the last straggler check
         self.stragglers = StragglerMonitor(

@@ -8,7 +8,8 @@
 - ``supervise``: the per-rank supervisor that records a death by signal (standard library only).
 
 Nothing here knows the scheduler: requeueing, the restart ledger and node exclusion are ``hpcdist.launch``'s, which
-may import this package (never the other way round). SLURM job facts come from ``hpcdist.env``.
+may import this package (never the other way round). The job's facts (id, restarts) come as ``DistEnv.job``, read by
+the scheduler table (``hpcdist.schedulers``).
 
 Deliberately empty: ``python -m hpcdist.fault.supervise`` starts once per rank and must import only the standard
 library, so this package imports none of its modules.

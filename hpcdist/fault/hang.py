@@ -50,10 +50,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hpcdist.atomic import atomic_write
-from hpcdist.env import SlurmJob
 from hpcdist.fault import failures
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
+from hpcdist.schedulers import job_facts
 
 __all__ = [
     "WATCHDOG_EXIT_CODE",
@@ -253,7 +253,7 @@ class HangWatchdog:
 
     # ------------------------------------------------------------------------------------------ thread
     def _write_heartbeat(self) -> None:
-        job = SlurmJob.from_environ()
+        job = job_facts()
         beat = {
             "rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step, "phase": self.current_phase,
             "time": time.time(), "idle_s": round(time.monotonic() - self._last, 3), "job_id": job.job_id,

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.config.loader import ConfigError
-from hpcdist.env import SlurmJob
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
+from hpcdist.schedulers import job_facts
 
 __all__ = ["RunDirInUse", "RunDirLock"]
 
@@ -45,7 +45,7 @@ class RunDirInUse(ConfigError):
 class RunDirLock:
     def __init__(self, run_dir: str | os.PathLike[str], *, job_id: str | None = None):
         self.path = RunDir(Path(run_dir).absolute()).lock
-        self.job_id = job_id if job_id is not None else SlurmJob.from_environ().job_id
+        self.job_id = job_id if job_id is not None else job_facts().job_id
 
     @property
     def held(self) -> bool:

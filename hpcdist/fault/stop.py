@@ -34,8 +34,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from hpcdist.env import SlurmJob
 from hpcdist.logging_utils import get_logger
+from hpcdist.schedulers import JobFacts, job_facts
 from hpcdist.signals import abort, parse_signal, previous_handler, release, stop_exit_code
 
 log = get_logger(__name__)
@@ -80,11 +80,11 @@ class StopFlag:
         rank: int,
         device: torch.device,
         requeue_signal: str = "USR2",
-        job: SlurmJob | None = None,
+        job: JobFacts | None = None,
     ):
         self.rank, self.device = rank, device
         self.requeue_signal = signal_number(requeue_signal)
-        self.job = job if job is not None else SlurmJob.from_environ()  # only named in the start-up line
+        self.job = job if job is not None else job_facts()  # only named in the start-up line
         self._local = StopReason.NONE
         self._interrupted = False  # a Ctrl-C arrived: the next one aborts
         self._previous: dict[int, object] = {}
@@ -103,8 +103,9 @@ class StopFlag:
         for sig in release(ours):  # arrived during the imports and checks (hpcdist.signals.hold): act on them now
             self._on_signal(sig, None)
         if self.job.job_id:
-            log.info("SLURM job %s, restart %d; %s -> checkpoint + requeue, SIGTERM -> checkpoint + exit",
-                     self.job.job_id, self.job.restart_count, self.requeue_signal.name)  # fmt: skip
+            log.info("%s job %s, restart %d; %s -> checkpoint + requeue, SIGTERM -> checkpoint + exit",
+                     (self.job.scheduler or "batch").upper(), self.job.job_id, self.job.restart_count,
+                     self.requeue_signal.name)  # fmt: skip
         return self
 
     def uninstall(self) -> None:

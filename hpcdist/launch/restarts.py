@@ -34,13 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.atomic import atomic_write
-from hpcdist.env import SlurmJob, expand_nodelist
 from hpcdist.fault.failures import primary_failure, read_failures, record
 from hpcdist.fault.goodput import mark_attempt_end
 from hpcdist.fault.stop import StopReason, signal_number
 from hpcdist.launch.requeue import requeue
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
+from hpcdist.schedulers import JobFacts, job_facts
+from hpcdist.schedulers.slurm import expand_nodelist
 
 __all__ = [
     "RestartPolicy",
@@ -132,7 +133,7 @@ def failure_streak(data: Mapping[str, Any], restart: int, sig: str) -> int:
     return n
 
 
-def begin_attempt(run_dir: str | os.PathLike[str], policy: RestartPolicy, job: SlurmJob, *, write: bool) -> str | None:
+def begin_attempt(run_dir: str | os.PathLike[str], policy: RestartPolicy, job: JobFacts, *, write: bool) -> str | None:
     """At the start of an attempt (every rank, before the process group): a reason to stop, or None to train.
 
     ``write`` (rank 0) registers the attempt and the policy in the ledger. The preemption count reads only earlier
@@ -159,7 +160,7 @@ def begin_attempt(run_dir: str | os.PathLike[str], policy: RestartPolicy, job: S
     return reason
 
 
-def time_limit_decision(run_dir: str | os.PathLike[str] | None, max_time_limit: int, job: SlurmJob) -> str | None:
+def time_limit_decision(run_dir: str | os.PathLike[str] | None, max_time_limit: int, job: JobFacts) -> str | None:
     """Before a time-limit requeue (every rank, same answer): a reason not to requeue, or None.
 
     Counted in the ledger (time-limit requeues only; earlier attempts only, so ranks reading before or after rank 0
@@ -174,7 +175,7 @@ def time_limit_decision(run_dir: str | os.PathLike[str] | None, max_time_limit: 
     return None
 
 
-def mark_time_limit(run_dir: str | os.PathLike[str], job: SlurmJob, *, reason: str | None) -> list[str]:
+def mark_time_limit(run_dir: str | os.PathLike[str], job: JobFacts, *, reason: str | None) -> list[str]:
     """Rank 0, before the time-limit requeue (``reason`` None) or instead of it: record how this attempt ended.
     Returns the nodes the requeued job must avoid (earlier exclusions plus fault.exclude_nodes_file)."""
     data = load_ledger(run_dir, job.job_id)
@@ -190,7 +191,7 @@ def mark_time_limit(run_dir: str | os.PathLike[str], job: SlurmJob, *, reason: s
 
 
 def _exclusions(
-    data: dict[str, Any], policy: RestartPolicy, job: SlurmJob, *, blamed_hosts: Sequence[str]
+    data: dict[str, Any], policy: RestartPolicy, job: JobFacts, *, blamed_hosts: Sequence[str]
 ) -> list[str]:
     """The job's excluded nodes after adding ``blamed_hosts`` and fault.exclude_nodes_file, within the limits;
     stored in the ledger (``data``, saved by the caller)."""
@@ -220,13 +221,13 @@ def after_stop(
     requeue_enabled: bool = True,
     max_restarts: int = 10,
     run_dir: str | os.PathLike[str] | None = None,
-    job: SlurmJob | None = None,
+    job: JobFacts | None = None,
 ) -> int:
     """Every rank, once the stop checkpoint is complete: requeue (rank 0) or exit. Returns the exit code.
 
     ``run_dir`` holds the restart ledger (time-limit requeues are counted there, apart from preemptions and
     failures); ``max_restarts`` is fault.max_restarts."""
-    job = job if job is not None else SlurmJob.from_environ()
+    job = job if job is not None else job_facts()
     if not job.job_id:
         # nothing will continue the run: the shell's convention for a process ended by that signal (130 / 143 /
         # 140 for USR2), never 0, which a wrapper would take for a finished run
@@ -334,7 +335,7 @@ def _say(msg: str) -> None:
     print(f"[hpcdist after-step {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartPolicy | None, job: SlurmJob) -> int:
+def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartPolicy | None, job: JobFacts) -> int:
     """Decide, after the training step failed, whether the job is requeued. Returns the batch script's exit code:
     0 after a requeue (SLURM is ending this run anyway), else ``exit_code`` so the job ends FAILED."""
     if exit_code == 0:
@@ -427,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.exit_code == 0:
         return 0
-    job = SlurmJob.from_environ()
+    job = job_facts()
     if args.run_dir:
         run_dir, policy = Path(args.run_dir), None
     elif args.config:

@@ -4,7 +4,7 @@ The sweep is a grid of ``--sweep key=v1,v2,...`` (or an explicit list of overrid
 Each point becomes one array task running ``hpcdist train CONFIG OVERRIDES POINT run.dir=<run.dir>/<name>``, its
 name made of the point's overrides. Every task is validated (config, cluster, memory) before anything is
 submitted; the array is one sbatch call (submitit's batch), ``--array=0-N%M`` with ``--max-parallel M``. Each task
-requeues itself alone (SlurmJob.from_environ: <array job>_<task>). ``<run.dir>/sweep.json`` records the tasks, for
+requeues itself alone (JobFacts.job_id: <array job>_<task>). ``<run.dir>/sweep.json`` records the tasks, for
 ``hpcdist status JOB``.
 """
 

@@ -1,5 +1,6 @@
 """The house rules of docs/ARCHITECTURE.md, checked on the source: no import cycles, the trainer knows no scheduler
-and no planner, and only hpcdist.env and hpcdist.launch read SLURM_* variables.
+and no planner, only the SLURM module (hpcdist.schedulers.slurm) and hpcdist.launch name SLURM_* variables or
+SlurmJob, and a scheduler's module is reached through the scheduler table only.
 
 Imports are read from the AST of every hpcdist module, function-level ones included: a cycle hidden by an import
 inside a function is still a cycle (it only moves the failure to run time). ``if TYPE_CHECKING:`` blocks never run
@@ -246,16 +247,77 @@ def _code_strings(tree: ast.AST) -> Iterator[tuple[int, str]]:
             yield node.lineno, node.value
 
 
-def test_only_env_and_launch_read_slurm_variables() -> None:
-    allowed = lambda m: m == "hpcdist.env" or m == "hpcdist.launch" or m.startswith("hpcdist.launch.")  # noqa: E731
+# The modules that may know SLURM: its row of the scheduler table, and the launch package (submit, requeue, ledger).
+SLURM_MODULES = {"hpcdist.schedulers.slurm"}
+# Modules that know one scheduler (each row of the scheduler table); everything else reaches them through the table.
+SCHEDULER_MODULES = {m for m in MODULES if m.startswith("hpcdist.schedulers.") and m != "hpcdist.schedulers.base"}
+
+
+def _launch(module: str) -> bool:
+    return module == "hpcdist.launch" or module.startswith("hpcdist.launch.")
+
+
+def _slurm_mentions(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Code that names SLURM: strings naming a ``SLURM_`` variable, and any identifier (import, name, attribute,
+    definition, argument) naming ``SlurmJob``; documentation (docstrings, comments) is left out."""
+    for line, text in _code_strings(tree):
+        if "SLURM_" in text:
+            yield line, text
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [node.name]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.alias):
+            names = [node.name, node.asname or ""]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        for name in names:
+            if "SlurmJob" in name:
+                yield getattr(node, "lineno", 0), name
+
+
+def test_only_the_slurm_module_and_launch_name_slurm() -> None:
+    """Issue 26.1: the job's facts reach the trainer and hpcdist.fault as DistEnv.job (scheduler-neutral JobFacts);
+    SLURM's variables are read in hpcdist.schedulers.slurm, and launch/ submits and requeues."""
     offenders = [
         f"{path.relative_to(REPO)}:{line}: {text[:80]!r}"
         for module, path in MODULES.items()
-        if not allowed(module)
-        for line, text in _code_strings(ast.parse(path.read_text()))
-        if "SLURM_" in text
+        if module not in SLURM_MODULES and not _launch(module)
+        for line, text in _slurm_mentions(ast.parse(path.read_text()))
     ]
-    assert not offenders, "SLURM_* read outside hpcdist.env / hpcdist.launch:\n" + "\n".join(offenders)
+    assert not offenders, (
+        "SLURM_* or SlurmJob outside hpcdist.schedulers.slurm / hpcdist.launch (read the job's facts from DistEnv.job, "
+        "or hpcdist.schedulers.job_facts where no DistEnv is at hand):\n" + "\n".join(offenders)
+    )
+
+
+def test_a_scheduler_module_is_reached_through_the_table_only() -> None:
+    """A new scheduler (PBS, Kubernetes) is a module in hpcdist.schedulers plus its row in the table (and its launch
+    code): nothing in env, the trainer, fault, parallel or data imports a scheduler's module by name."""
+    assert SCHEDULER_MODULES >= SLURM_MODULES
+    graph, _ = _edges()
+    offenders = {
+        module: sorted(graph[module] & SCHEDULER_MODULES)
+        for module in MODULES
+        if graph[module] & SCHEDULER_MODULES and not module.startswith("hpcdist.schedulers") and not _launch(module)
+    }
+    assert not offenders, f"scheduler modules imported outside hpcdist.schedulers / hpcdist.launch: {offenders}"
+
+
+def test_the_slurm_check_sees_code_not_documentation() -> None:
+    tree = ast.parse(
+        '"""SLURM_JOB_ID and SlurmJob in a docstring."""\n'
+        "from hpcdist.env import SlurmJob as J  # SLURM_X in a comment\n"
+        'x = os.environ["SLURM_RESTART_COUNT"]\n'
+        "def f(job: J) -> None:\n    return SlurmJob.from_environ()\n"
+    )
+    assert sorted(_slurm_mentions(tree)) == [(2, "SlurmJob"), (3, "SLURM_RESTART_COUNT"), (5, "SlurmJob")]
 
 
 def test_the_checks_see_hidden_cycles_and_lazy_imports(tmp_path: Path) -> None:

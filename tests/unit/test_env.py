@@ -1,4 +1,5 @@
-"""hpcdist.env: nodelist expansion, rendezvous port, DistEnv detection, process-group setup."""
+"""hpcdist.env and the SLURM module it reads through (hpcdist.schedulers.slurm): nodelist expansion, rendezvous port,
+DistEnv detection, process-group setup."""
 
 import dataclasses
 import datetime
@@ -20,13 +21,13 @@ from hpcdist.env import (
     EXPORTED_VAR,
     DistEnv,
     destroy_process_group,
-    expand_nodelist,
     export_environ,
     from_environ,
-    hostnames,
     init_process_group,
     port_from_job_id,
 )
+from hpcdist.schedulers import slurm
+from hpcdist.schedulers.slurm import expand_nodelist, hostnames
 
 # ------------------------------------------------------------------------------------------------ helpers
 
@@ -241,7 +242,7 @@ def test_hostnames_falls_back_when_scontrol_fails(no_scontrol: Path, body: str) 
 
 def test_hostnames_survives_hanging_scontrol(no_scontrol: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_scontrol(no_scontrol, "exec sleep 30")  # exec: the timeout kill reaches the sleeping process
-    monkeypatch.setattr(envmod, "SCONTROL_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(slurm, "SCONTROL_TIMEOUT_S", 0.2)
     assert hostnames("n[1-2]") == ["n1", "n2"]
 
 
