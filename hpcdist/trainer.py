@@ -48,8 +48,8 @@ from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats, mfu, peak_flops
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.models.hf_config import is_hf_dir
-from hpcdist.parallel.dims import parallel_dims
-from hpcdist.parallel.parallelize import build_strategy, describe_layout
+from hpcdist.parallel.dims import describe_layout, parallel_dims
+from hpcdist.parallel.parallelize import build_strategy
 from hpcdist.profiling import StepProfiler
 from hpcdist.prometheus_metrics import PrometheusExporter
 from hpcdist.run_summary import format_summary, previous_best_eval, write_summary
@@ -129,7 +129,7 @@ class Trainer:
         """``stop_flag``: one already installed by the caller (hpcdist.run installs it before the start-up, so a
         signal during data preparation, model build or resume is remembered); else one is made here."""
         setup_logging(env.rank, level=cfg.run.log_level)
-        if cfg.parallel.strategy == "auto":
+        if config_mod.needs_planner(cfg.parallel.strategy):
             # the planner runs once, before the process group, in hpcdist.run.resolve_auto (the trainer imports no
             # planner): a Trainer builds exactly the layout it is given
             raise ValueError("parallel.strategy=auto must be resolved before building a Trainer (hpcdist.run)")

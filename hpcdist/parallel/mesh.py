@@ -99,7 +99,7 @@ class MeshStrategy(Strategy):
         pipeline = (
             f", {schedule} over {num_stages} stages, {self.grad_accum} micro-batches/step" if dims.pp_enabled else ""
         )
-        log.info("3d: %s%s (rank 0 holds %s)", dims.describe(), pipeline, stages)
+        log.info("mesh: %s%s (rank 0 holds %s)", dims.describe(), pipeline, stages)
         if dims.pp_enabled:
             assert self.pp_group is not None
             world = meshes["world"]

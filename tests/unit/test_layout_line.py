@@ -1,11 +1,11 @@
-"""The start-up log's ``layout:`` line (hpcdist.parallel.parallelize.describe_layout), one case per strategy."""
+"""The start-up log's ``layout:`` line (hpcdist.parallel.dims.describe_layout), one case per strategy."""
 
 from __future__ import annotations
 
 import pytest
 
 from hpcdist import config as config_mod
-from hpcdist.parallel.parallelize import describe_layout
+from hpcdist.parallel.dims import describe_layout
 
 
 @pytest.mark.parametrize(
