@@ -1,4 +1,4 @@
-"""ParallelDims: the single truth for the (pp, dp, tp) degrees of a job, their validation and their meshes.
+"""ParallelDims: the single truth for the (pp, dp, tp) degrees and ZeRO stage of a job, their validation and meshes.
 
 Rank layout: ranks are laid out row-major over ("pp", "dp", "tp"), so ``tp`` is the innermost (fastest varying)
 dimension. With 8 ranks per node, consecutive ranks share a node, so a tp group of <= 8 ranks maps to GPUs of
@@ -8,8 +8,10 @@ one node and its per-layer activation all-gathers / reduce-scatters run over NVL
 With HSDP, dp itself is split into ("dp_replicate", "dp_shard"), dp_shard inner.
 
 This module is import-light (no process group, no model): the trainer computes its data-parallel coordinate with
-``dp_rank`` arithmetic. The layout rules config validation runs before any process group exists
-(``layout_problems``, ``resolve_degrees``) live in :mod:`hpcdist.config.layout` and are re-exported here.
+``dp_rank`` arithmetic. The layout vocabulary (``LayoutKind``; the kind, ``*_enabled`` predicates and the one
+description of ``LayoutDegrees``, which ParallelDims and the planner's Layout share) and the layout rules config
+validation runs before any process group exists (``layout_problems``, ``resolve_degrees``) live in
+:mod:`hpcdist.config.layout` (torch-free, importable by config and planning) and are re-exported here.
 """
 
 from __future__ import annotations
