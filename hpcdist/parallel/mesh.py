@@ -109,6 +109,7 @@ class MeshStrategy(Strategy):
                 # a received DTensor activation is rebuilt on the sub-mesh of the same name (the tp mesh)
                 get_mesh=lambda names, layout: world[names],
             )  # fmt: skip
+        self._attach_optimizer(self.model)
 
     # ------------------------------------------------------------------------------------------ train
     def _loss_context(self) -> contextlib.AbstractContextManager[Any]:

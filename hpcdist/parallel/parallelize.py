@@ -22,7 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from hpcdist.config import JobConfig, grad_accum_steps
 from hpcdist.env import DistEnv, export_environ
 from hpcdist.models.llama import Transformer
-from hpcdist.optim import build_optimizer
+from hpcdist.optim import optimizer_builder
 from hpcdist.parallel.base import Strategy
 from hpcdist.parallel.ddp import DDPStrategy
 from hpcdist.parallel.dims import SCHEDULES, ParallelDims, parallel_dims
@@ -83,25 +83,18 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer) -> Strategy
         # FSDP's MixedPrecisionPolicy casts the gathered parameters; otherwise plain autocast
         "autocast_dtype": None if dims.fsdp_enabled else autocast_dtype(cfg.train.dtype, device),
         "dp_group": meshes["dp"].get_group() if meshes else None,
+        "build_optimizer": optimizer_builder(cfg.optim, cfg.train.steps),
     }
-    strategy: Strategy
     if not dims.needs_mesh:  # pure replication (or one rank): one whole model, DDP when there are replicas
         ddp = cfg.parallel.ddp
-        strategy = DDPStrategy(
+        return DDPStrategy(
             stages.parts[0], bucket_cap_mb=cfg.parallel.bucket_cap_mb, comm_hook=ddp.comm_hook,
             powersgd=dataclasses.asdict(ddp.powersgd), seq_len=cfg.data.seq_len, **common,
         )  # fmt: skip
-    else:
-        strategy = MeshStrategy(
-            stages.parts, dims=dims, meshes=meshes, stage_ids=stages.ids, num_stages=stages.num_stages,
-            schedule=cfg.parallel.pp_schedule, loss_parallel=True, **common,
-        )  # fmt: skip
-    o = cfg.optim
-    strategy.optimizer, strategy.scheduler = build_optimizer(
-        strategy.model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
-        warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
+    return MeshStrategy(
+        stages.parts, dims=dims, meshes=meshes, stage_ids=stages.ids, num_stages=stages.num_stages,
+        schedule=cfg.parallel.pp_schedule, loss_parallel=True, **common,
     )  # fmt: skip
-    return strategy
 
 
 def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy:
@@ -115,18 +108,13 @@ def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy
     if cfg.train.compile:
         apply_compile(model)
     materialize([model], reference=model, device=device, seed=cfg.run.seed)
-    o = cfg.optim
     return ZeroStrategy(
         model, stage=cfg.parallel.zero.stage, ds_config=zero_ds_config(cfg, dp_size=env.world_size, device=device),
         device=device, grad_accum=grad_accum_steps(cfg, env.world_size), micro_batch_size=cfg.train.micro_batch_size,
         grad_clip=cfg.optim.grad_clip,
         # DeepSpeed's bf16 mode (bf16 weights and grads, fp32 master) replaces autocast wherever it is on
         autocast_dtype=None, dp_group=None,
-        build_optimizer=lambda m: build_optimizer(
-            m, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
-            warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, schedule=o.schedule,
-            min_lr_ratio=o.min_lr_ratio,
-        ),
+        build_optimizer=optimizer_builder(cfg.optim, cfg.train.steps),
     )  # fmt: skip
 
 
