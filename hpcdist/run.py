@@ -53,7 +53,7 @@ def resolve_auto(cfg: JobConfig, env: DistEnv) -> JobConfig:
     """``parallel.strategy=auto`` -> the planner's layout for this world size; any other config unchanged.
 
     Every rank plans the same layout (the planner is deterministic), so no collective is needed to agree on it."""
-    if cfg.parallel.strategy != "auto":
+    if not config_mod.needs_planner(cfg.parallel.strategy):
         return cfg
     cfg, reason = planner.resolve_auto(cfg, env.world_size, cfg.parallel.auto_cluster)
     log.info("parallel.strategy=auto: %s", reason)

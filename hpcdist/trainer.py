@@ -13,7 +13,6 @@ import json
 import math
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +48,10 @@ from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats, mfu, peak_flops
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.models.hf_config import is_hf_dir
-from hpcdist.parallel.dims import parallel_dims
-from hpcdist.parallel.parallelize import build_strategy, describe_layout
+from hpcdist.optim import optim_hparams, set_optim_hparams
+from hpcdist.parallel.dims import describe_layout, parallel_dims
+from hpcdist.parallel.parallelize import build_strategy
+from hpcdist.parallel.replicas import check_replicas
 from hpcdist.profiling import StepProfiler
 from hpcdist.prometheus_metrics import PrometheusExporter
 from hpcdist.run_summary import format_summary, previous_best_eval, write_summary
@@ -135,7 +136,7 @@ class Trainer:
         """``stop_flag``: one already installed by the caller (hpcdist.run installs it before the start-up, so a
         signal during data preparation, model build or resume is remembered); else one is made here."""
         setup_logging(env.rank, level=cfg.run.log_level)
-        if cfg.parallel.strategy == "auto":
+        if config_mod.needs_planner(cfg.parallel.strategy):
             # the planner runs once, before the process group, in hpcdist.run.resolve_auto (the trainer imports no
             # planner): a Trainer builds exactly the layout it is given
             raise ValueError("parallel.strategy=auto must be resolved before building a Trainer (hpcdist.run)")
@@ -294,10 +295,11 @@ class Trainer:
         o = self.cfg.optim
         want = {"optim.lr": o.lr, "optim.beta1": o.beta1, "optim.beta2": o.beta2, "optim.eps": o.eps,
                 "optim.weight_decay": o.weight_decay}  # fmt: skip
-        have = self.strategy.optim_hparams()
+        have = optim_hparams(self.strategy.optimizer, self.strategy.scheduler)
         if all(have[k] == float(v) for k, v in want.items()):
             return
-        self.strategy.set_optim_hparams(lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay)
+        set_optim_hparams(self.strategy.optimizer, self.strategy.scheduler, lr=o.lr, beta1=o.beta1, beta2=o.beta2,
+                          eps=o.eps, weight_decay=o.weight_decay)  # fmt: skip
         old = {k: _dotted(saved, k) for k in want} if saved else have
         changed = [f"{k} {old[k]:g} -> {float(v):g}" for k, v in want.items() if old.get(k) != float(v)]
         log.warning("resumed with a changed optimizer: %s (the config's values apply from step %d; the checkpoint's "
@@ -486,7 +488,7 @@ class Trainer:
             m["nonfinite_skips"] = float(self.nonfinite.skipped_total)
         every = self.cfg.logging.replica_check_every_steps
         if every and self.step % every == 0 and self.strategy.has_replicas():
-            m["replica_divergence"] = self._check_replicas()
+            m["replica_divergence"] = check_replicas(self.strategy, step=self.step, rank=self.env.rank)
         self._data_wait = [0.0, 0.0, 0]
         self.metrics.log(self.step, m)
         own = m.get("mem_reserved_gib", m.get("mem_rss_gib"))
@@ -548,24 +550,6 @@ class Trainer:
         except OSError as e:  # a full disk must not turn a finished run into a failed one
             log.warning("could not write %s: %s", rd.summary, e)
         log.info("\n%s", format_summary(summary))
-
-    def _check_replicas(self) -> float:
-        """Data-parallel replicas must hold bitwise-identical parameters; report the ranks that do not (a silent
-        data corruption, a non-deterministic kernel, or a rank that skipped an update)."""
-        sums = self.strategy.replica_checksums()
-        ref = Counter(sums).most_common(1)[0][0]  # the majority value; a tie goes to the lowest rank's
-        bad = [rank for rank, c in zip(self.strategy.replica_ranks(), sums, strict=True) if c != ref]
-        divergence = max(abs(a - b) / max(abs(b), 1e-30) for c in sums for a, b in zip(c, ref, strict=True))
-        ranks = self.strategy.replica_ranks()
-        if bad and self.env.rank == ranks[0]:  # HSDP has one replica group per shard: each group's first rank
-            msg = "step %d: data-parallel replicas diverged: rank(s) %s differ from the majority (max rel. diff %.3g)"
-            log.warning(msg, self.step, bad, divergence)
-        if self.strategy.replica_group() is not None and dist.is_initialized():
-            # several replica groups (HSDP): the metric rank 0 writes is the worst over all of them
-            worst = torch.tensor(divergence, dtype=torch.float64, device=self.strategy.device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            divergence = float(worst)
-        return divergence
 
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches global batches of the validation split (same each time)."""

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.config import layout
+from hpcdist.config.layout import STRATEGIES, LayoutKind
 from hpcdist.config.loader import ConfigError, echo
-from hpcdist.config.schema import JobConfig
+from hpcdist.config.schema import JobConfig, ParallelConfig
 from hpcdist.models import hf_config
 from hpcdist.signals import parse_signal
 
@@ -36,10 +37,7 @@ __all__ = [
     "grad_accum_steps",
 ]
 
-# Strategies this version can run. Later strategies register here when they exist, so a config naming one
-# that is not built yet fails validation instead of failing deep inside the trainer.
 VERIFY_MODES: tuple[str, ...] = ("checksum", "size", "none")
-STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero", "3d", "auto")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -319,7 +317,8 @@ def check(cfg: JobConfig) -> list[str]:
     p += _choice("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
     p += _choice("data.source", cfg.data.source, DATA_SOURCES)
     p += _choice("train.nonfinite", cfg.train.nonfinite, ("stop", "skip"))
-    if cfg.train.nonfinite == "skip" and cfg.parallel.strategy == "zero":
+    kind = layout.requested_kind(cfg.parallel)  # None: auto, or a strategy _choice refused
+    if cfg.train.nonfinite == "skip" and kind is not None and kind.zero_stage:
         p.append("train.nonfinite=skip: DeepSpeed applies the update before the norm is known; use "
                  "train.nonfinite=stop with parallel.strategy=zero")  # fmt: skip
     if cfg.train.max_nonfinite_skips < 1:
@@ -337,9 +336,9 @@ def check(cfg: JobConfig) -> list[str]:
         p.append(f"logging.profile.steps: must be >= 0 (0 = off), got {cfg.logging.profile.steps}")
     if cfg.logging.profile.start_step < 1:
         p.append(f"logging.profile.start_step: must be >= 1 (steps count from 1), got {cfg.logging.profile.start_step}")
-    if cfg.parallel.strategy == "3d":
+    if kind is LayoutKind.THREE_D:
         p += _layout_problems(cfg, world_size=None)
-    elif cfg.parallel.strategy in ("ddp", "fsdp", "zero"):
+    elif kind is not None:
         par = cfg.parallel
         ignored = [
             f"parallel.{k}={getattr(par, k)}"
@@ -426,7 +425,7 @@ def check(cfg: JobConfig) -> list[str]:
     init = cfg.checkpoint.init_from
     if init is not None and "checkpoint.init_from" not in bad_paths:
         p += _hf_init(cfg, init) if hf_config.is_hf_dir(init) else _named_checkpoint("checkpoint.init_from", init, "")
-    if init is not None and cfg.parallel.strategy == "zero" and cfg.parallel.zero.stage == 3:
+    if init is not None and kind is LayoutKind.ZERO3:
         p.append("checkpoint.init_from: parallel.zero.stage=3 cannot load weights from another run; start with "
                  "parallel.zero.stage=1 or 2 (or fsdp), then resume that run's checkpoints with stage 3")  # fmt: skip
     return p
@@ -458,21 +457,29 @@ def _named_checkpoint(key: str, value: str, alternatives: str) -> list[str]:
 
 
 COMM_HOOKS = ("none", "allreduce", "bf16", "fp16", "powersgd")
-# why a DDP comm hook cannot apply under the other strategies, and the lever each has instead
-_NO_COMM_HOOK = {
-    "zero": "DeepSpeed reduces gradients itself (its compressed optimizers, 1-bit Adam / 0/1 Adam, need the NCCL "
-    "or MPI backend)",
-    "fsdp": "FSDP reduce-scatters gradients itself; its lever is parallel.fsdp.reduce_dtype=bf16",
-    "3d": "FSDP reduce-scatters gradients on dp; its lever is parallel.fsdp.reduce_dtype=bf16",
-    "auto": "the planner may pick a sharded layout; set parallel.strategy=ddp",
-}
+
+
+def _no_comm_hook(par: ParallelConfig) -> str | None:
+    """Why a DDP comm hook cannot apply to the layout parallel.strategy asks for, and the lever it has instead;
+    None where it applies (ddp) or the strategy is refused on its own."""
+    if layout.needs_planner(par.strategy):
+        return "the planner may pick a sharded layout; set parallel.strategy=ddp"
+    kind = layout.requested_kind(par)
+    if kind is None or kind is LayoutKind.DDP:
+        return None
+    if kind.zero_stage:
+        return ("DeepSpeed reduces gradients itself (its compressed optimizers, 1-bit Adam / 0/1 Adam, need the NCCL "
+                "or MPI backend)")  # fmt: skip
+    if kind is LayoutKind.THREE_D:
+        return "FSDP reduce-scatters gradients on dp; its lever is parallel.fsdp.reduce_dtype=bf16"
+    return "FSDP reduce-scatters gradients itself; its lever is parallel.fsdp.reduce_dtype=bf16"
 
 
 def _check_comm_hook(cfg: JobConfig) -> list[str]:
     d = cfg.parallel.ddp
     p = _choice("parallel.ddp.comm_hook", d.comm_hook, COMM_HOOKS)
-    if d.comm_hook != "none" and cfg.parallel.strategy in _NO_COMM_HOOK:
-        why = _NO_COMM_HOOK[cfg.parallel.strategy]
+    why = _no_comm_hook(cfg.parallel)
+    if d.comm_hook != "none" and why is not None:
         p.append(f"parallel.ddp.comm_hook={d.comm_hook}: applies to parallel.strategy=ddp only ({why})")
     s = d.powersgd
     if s.rank < 1:
@@ -504,20 +511,19 @@ def _layout_problems(cfg: JobConfig, *, world_size: int | None, ranks_per_node: 
     par, m, t = cfg.parallel, cfg.model, cfg.train
     if m.problems():  # reported on their own; the layout rules need a sane model
         return []
-    pp, dp, tp, replicate = layout.strategy_degrees(
-        par.strategy, pp=par.pp, dp=par.dp, tp=par.tp, replicate=par.fsdp.replicate, world_size=world_size or 1
-    )
-    if par.strategy != "3d" and world_size is None:
+    reads_degrees = layout.requested_kind(par) is LayoutKind.THREE_D  # the others: dp = the world size
+    if not reads_degrees and world_size is None:
         return []  # dp is the world size: nothing to check before the job has one
+    pp, dp, tp, replicate, _ = layout.strategy_degrees(par, world_size or 1)
     p = layout.layout_problems(
         pp=pp, dp=dp, tp=tp, world_size=world_size, dp_replicate=replicate,
         n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.kv_heads, dim=m.dim, ffn_dim=m.ffn_dim,
         seq_len=cfg.data.seq_len, tie_embeddings=m.tie_embeddings, schedule=par.pp_schedule,
         stages_per_rank=par.pp_stages_per_rank, global_batch_size=t.global_batch_size,
         micro_batch_size=t.micro_batch_size, ranks_per_node=ranks_per_node, tp_across_nodes=par.tp_across_nodes,
-        evaluates=t.eval_every_steps > 0, dp_name="parallel.dp" if par.strategy == "3d" else "the world size",
+        evaluates=t.eval_every_steps > 0, dp_name="parallel.dp" if reads_degrees else "the world size",
     )  # fmt: skip
-    if par.fsdp.cpu_offload and par.strategy == "3d":
+    if par.fsdp.cpu_offload and reads_degrees:
         p.append("parallel.fsdp.cpu_offload: not supported with parallel.strategy=3d; use parallel.strategy=fsdp")
     return p
 
@@ -528,13 +534,14 @@ def check_world(cfg: JobConfig, world_size: int, *, ranks_per_node: int | None =
     ``ranks_per_node`` (GPUs per node) adds the rule that a tensor-parallel group stays inside one node."""
     if world_size < 1:
         raise ConfigError([f"world size must be >= 1, got {world_size}"])
-    if cfg.parallel.strategy == "fsdp" and world_size == 1:
+    kind = layout.requested_kind(cfg.parallel)
+    if kind in (LayoutKind.FSDP, LayoutKind.HSDP) and world_size == 1:
         raise ConfigError(
             ["parallel.strategy=fsdp shards over ranks and needs more than one; use parallel.strategy=ddp for one"]
         )
     # 3d and fsdp: every layout problem and the batch split below are reported together
     problems: list[str] = []
-    if cfg.parallel.strategy in ("3d", "fsdp"):
+    if kind is not None and kind.fsdp_options_apply:
         problems = _layout_problems(cfg, world_size=world_size, ranks_per_node=ranks_per_node)
     t = cfg.train
     dp = _data_parallel_size(cfg, world_size)  # 0: an impossible layout, already in problems
@@ -553,10 +560,9 @@ def _data_parallel_size(cfg: JobConfig, world_size: int) -> int:
     """The data-parallel degree ``parallel.strategy`` stands for; 0 when its degrees cannot be resolved.
 
     The same arithmetic as :func:`hpcdist.parallel.dims.parallel_dims` (which this package must not import)."""
-    par = cfg.parallel
-    pp, dp, tp, replicate = layout.strategy_degrees(
-        par.strategy, pp=par.pp, dp=par.dp, tp=par.tp, replicate=par.fsdp.replicate, world_size=world_size
-    )
+    if layout.requested_kind(cfg.parallel) is None:
+        return 0  # auto (resolved before this runs) or a refused strategy
+    pp, dp, tp, replicate, _ = layout.strategy_degrees(cfg.parallel, world_size)
     (_, dp, _), problems = layout.resolve_degrees(pp, dp, tp, world_size)
     return 0 if problems or replicate < 1 or dp % replicate else dp
 

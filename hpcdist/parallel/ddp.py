@@ -51,6 +51,7 @@ class DDPStrategy(Strategy):
             model, device=self.device, bucket_cap_mb=bucket_cap_mb, comm_hook=self.comm_hook,
             warmup_input=torch.zeros(1, seq_len, dtype=torch.long),
         )  # fmt: skip
+        self._attach_optimizer(self.model)
 
     def comm_stats(self) -> tuple[int, float] | None:
         return self.comm_hook.meter.take() if self.comm_hook is not None else None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +109,6 @@ class ZeroStrategy(Strategy):
         *,
         stage: int,
         ds_config: dict[str, Any],
-        build_optimizer: Callable[[nn.Module], tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]],
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -120,7 +119,7 @@ class ZeroStrategy(Strategy):
         self.module = model
         # built before initialize, on the materialized model: DeepSpeed wraps this torch optimizer and steps
         # this scheduler at each accumulation boundary
-        self.optimizer, self.scheduler = build_optimizer(model)
+        self._attach_optimizer(model)
         # each param group's FQNs, taken before DeepSpeed swaps the groups' parameters for its flat partitions:
         # checkpoints list groups by FQN, as the torch strategies' optimizer state dicts do
         names = {id(p): n for n, p in model.named_parameters()}

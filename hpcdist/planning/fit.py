@@ -59,7 +59,7 @@ class FitCheck:
 
 def _need(cfg: JobConfig, layout: planner.Layout, gpus_per_node: int) -> float:
     t, p = cfg.train, cfg.parallel
-    zero = p.strategy == "zero"
+    zero = layout.zero_enabled
     est = planner.layout_memory(
         cfg.model_args(), layout, seq_len=cfg.data.seq_len, gpus_per_node=gpus_per_node,
         microbatches=max(1, t.global_batch_size // (t.micro_batch_size * layout.dp)),

@@ -331,3 +331,76 @@ def test_the_checks_see_hidden_cycles_and_lazy_imports(tmp_path: Path) -> None:
         "hpcdist.launch"
     ]
     assert "hpcdist.launch" in MODULES and "hpcdist.run" in MODULES
+
+
+# ----------------------------------------------------------------------------------------- layout vocabulary
+
+# parallel.strategy values and layout kind names. Only hpcdist.config.layout (the alias functions: requested_kind,
+# strategy_degrees, strategy_of, needs_planner, LayoutKind.named) compares them; everyone else asks the degrees,
+# the ZeRO stage or a LayoutKind member (docs/ARCHITECTURE.md, "one layout vocabulary").
+LAYOUT_OWNER = "hpcdist.config.layout"
+_KIND_NAMES = {"ddp", "zero", "zero1", "zero2", "zero3", "fsdp", "hsdp", "3d"}
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def _vocab(node: ast.AST, *, about_strategy: bool) -> list[str]:
+    """The layout words a comparison operand (a string, or a tuple / list / set of them) holds. "auto" is a word
+    of many settings (dtypes, resume, executors), so it counts only beside a name that says strategy."""
+    words = _KIND_NAMES | ({"auto"} if about_strategy else set())
+    elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value in words]
+
+
+def strategy_switches(source: str) -> list[tuple[int, str]]:
+    """(line, what) for every comparison, ``match`` case or ``startswith`` against a layout word in ``source``."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            about = any("strategy" in n.lower() for op in operands for n in _names(op))
+            words = [w for op in operands for w in _vocab(op, about_strategy=about)]
+            if words:
+                found.append((node.lineno, f"compares with {words}"))
+        elif isinstance(node, ast.Match):
+            about = any("strategy" in n.lower() for n in _names(node.subject))
+            for case in node.cases:
+                values = [p.value for p in ast.walk(case.pattern) if isinstance(p, ast.MatchValue)]
+                words = [w for v in values for w in _vocab(v, about_strategy=about)]
+                if words:
+                    found.append((case.pattern.lineno, f"match case {words}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith":
+            words = [w for a in node.args for w in _vocab(a, about_strategy=False)]
+            if words:
+                found.append((node.lineno, f"startswith {words}"))
+    return sorted(found)
+
+
+def test_only_the_layout_module_compares_strategy_strings() -> None:
+    """parallel.strategy is user input turned into degrees once (hpcdist.config.layout); a new ``strategy ==
+    "zero"`` elsewhere is a second owner of the layout vocabulary. Ask ``ParallelDims`` / ``LayoutKind`` instead."""
+    offenders = [
+        f"{path.relative_to(REPO)}:{line}: {what}"
+        for module, path in MODULES.items()
+        if module != LAYOUT_OWNER
+        for line, what in strategy_switches(path.read_text())
+    ]
+    assert not offenders, "layout strings compared outside hpcdist.config.layout:\n" + "\n".join(offenders)
+
+
+def test_the_strategy_scan_sees_every_form() -> None:
+    """The scanner itself: each way of switching on a strategy string is found; other uses of the words are not."""
+    source = (
+        'if cfg.parallel.strategy == "zero": pass\n'
+        'if strategy in ("ddp", "fsdp"): pass\n'
+        'if cfg.parallel.strategy != "auto": pass\n'
+        'match par.strategy:\n    case "3d": pass\n    case "hsdp" | "zero1": pass\n'
+        'ok = name.startswith("zero")\n'
+        # not switches: another setting's "auto", a mesh key, a LayoutKind member
+        'if dtype == "auto": pass\nmesh = meshes["fsdp"]\nif kind is LayoutKind.DDP: pass\n'
+    )
+    assert [line for line, _ in strategy_switches(source)] == [1, 2, 3, 5, 6, 7]

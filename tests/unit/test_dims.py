@@ -89,16 +89,17 @@ def test_hsdp_splits_dp() -> None:
         (("parallel.strategy=fsdp", "parallel.fsdp.replicate=2"), (1, 8, 1, 2), "hsdp"),
         (("parallel.dp=-1",), (1, 8, 1, 1), "fsdp"),  # 3d with pp = tp = 1 is fsdp: the same degrees
         (("parallel.pp=2", "parallel.dp=-1", "parallel.tp=2", "parallel.fsdp.replicate=2"), (2, 2, 2, 2), "hsdp"),
-        (("parallel.strategy=zero",), (1, 8, 1, 1), "fsdp"),
+        (("parallel.strategy=zero",), (1, 8, 1, 1), "zero"),  # DeepSpeed partitions; no FSDP, no mesh
     ],
 )
 def test_every_strategy_is_degrees_of_one_parallel_dims(over: tuple[str, ...], degrees: tuple, kind: str) -> None:
     """parallel.strategy is an alias for degrees (one function); what runs follows from the degrees alone."""
     dims = parallel_dims(_cfg(*over), 8)
     assert (dims.pp, dims.dp, dims.tp, dims.dp_replicate) == degrees
-    flags = {"ddp": dims.ddp_enabled, "fsdp": dims.fsdp_enabled and not dims.hsdp_enabled, "hsdp": dims.hsdp_enabled}
+    flags = {"ddp": dims.ddp_enabled, "fsdp": dims.fsdp_enabled and not dims.hsdp_enabled, "hsdp": dims.hsdp_enabled,
+             "zero": dims.zero_enabled}  # fmt: skip
     assert [k for k, on in flags.items() if on] == [kind]
-    assert dims.needs_mesh == (kind != "ddp")
+    assert dims.needs_mesh == (kind not in ("ddp", "zero"))
 
 
 @pytest.mark.parametrize("over", [("parallel.strategy=fsdp",), ("parallel.dp=-1",)])

@@ -45,7 +45,7 @@ def test_hsdp_each_replica_holds_the_model_once():
     total = report.total_params
     assert [r.coords for r in report.counts] == [f"replicate {i // 2}, shard {i % 2}" for i in range(4)]
     assert sum(r.params for r in report.counts[:2]) == sum(r.params for r in report.counts[2:]) == total
-    assert "hsdp: 2 replicas x 2-way" in report.text()
+    assert "layout: hsdp 2 x 2;" in report.text()  # the one describer (config.layout.LayoutDegrees)
 
 
 def test_ddp_and_zero_counts():
@@ -73,7 +73,7 @@ def test_3d_counts_differ_by_stage_and_cover_the_model():
     # over tp (sequence parallel), so they count tp = 2 times
     norms = (2 * args.n_layers + 1) * args.dim
     assert sum(r.params for r in report.counts) == num_params(args) + norms
-    assert "3d: pp=2 x dp=2 x tp=2 = 8 ranks, schedule 1F1B" in report.text()
+    assert "layout: 3d pp2 x dp2 x tp2, 1F1B, 2 stages;" in report.text()
     default = dry_run(c, 8)  # first, middle, last and the first rank of every stage
     assert [r.rank for r in default.counts] == [0, 4, 7]
 

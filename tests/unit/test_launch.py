@@ -759,7 +759,7 @@ def test_submit_refuses_a_layout_predicted_not_to_fit(tmp_path: Path, capsys: py
     assert cli.main(base) == 2
     out, err = capsys.readouterr()
     assert out == "" and "91.2 GiB per GPU, 78 GiB usable" in err
-    assert "zero3 dp=8, micro batch 1, activation checkpointing off, 61.4 GiB/GPU" in err  # the planner's best row
+    assert "zero3 x 8 ranks, micro batch 1, activation checkpointing off, 61.4 GiB/GPU" in err  # the planner's best row
     assert "(overrides: train.micro_batch_size=1)" in err and "--nodes 2 fits this layout" in err
     assert cli.main([*base, "train.micro_batch_size=1"]) == 0  # the named fix passes the check
     assert cli.main([*base, "--nodes", "2"]) == 0
