@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-
-import torch
+from typing import TYPE_CHECKING
 
 from hpcdist.models.args import ModelArgs
+
+if TYPE_CHECKING:  # torch-free at run time: the names and shapes are what the config checks need
+    import torch
 
 __all__ = [
     "from_hf_state_dict",
     "from_hf_tensor",
     "hf_names",
+    "hf_shape",
     "hf_to_fqn",
     "permute_from_hf",
     "permute_to_hf",
@@ -75,6 +78,19 @@ def hf_to_fqn(name: str) -> str:
     if m is None or m.group(2) not in _LAYER_BACK:
         raise KeyError(f"{name}: not a weight of a Hugging Face Llama")
     return f"layers.{m.group(1)}.{_LAYER_BACK[m.group(2)]}"
+
+
+def hf_shape(fqn: str, args: ModelArgs) -> tuple[int, ...]:
+    """The shape hpcdist's ``fqn`` has, and so the Hugging Face tensor of that name must have, for ``args``."""
+    d, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    if fqn in ("tok_embeddings.weight", "output.weight"):
+        return (args.vocab_size, d)
+    if fqn == "norm.weight" or fqn.endswith("_norm.weight"):
+        return (d,)
+    name = fqn.split(".", 2)[2]
+    return {"attention.wq.weight": (q, d), "attention.wk.weight": (kv, d), "attention.wv.weight": (kv, d),
+            "attention.wo.weight": (d, q), "feed_forward.w1.weight": (args.ffn_dim, d),
+            "feed_forward.w3.weight": (args.ffn_dim, d), "feed_forward.w2.weight": (d, args.ffn_dim)}[name]  # fmt: skip
 
 
 def hf_names(args: ModelArgs) -> list[str]:
