@@ -19,9 +19,9 @@ from typing import Any
 from hpcdist.config import layout
 from hpcdist.config.loader import ConfigError, echo
 from hpcdist.config.schema import JobConfig
-from hpcdist.hf.directory import open_hf_dir
 from hpcdist.models import hf_config
 from hpcdist.models.args import MODEL_MAXIMA
+from hpcdist.models.hf_directory import open_hf_dir
 from hpcdist.signals import parse_signal
 
 __all__ = [
@@ -411,7 +411,7 @@ def _hf_init(cfg: JobConfig, path: str) -> list[str]:
     """checkpoint.init_from naming a Hugging Face Llama directory: the model section must be the model config.json
     describes (its shape is read from there, presets are not changed), named key by key."""
     try:  # the whole directory, weights' headers included: a hostile one is refused before any process starts
-        theirs = open_hf_dir(path, purpose="init_from").args
+        theirs = open_hf_dir(path, purpose=None).args  # memory: checked on the node that loads it
     except hf_config.HFConfigError as e:
         return [f"checkpoint.init_from: {e}"]
     if cfg.model.problems():

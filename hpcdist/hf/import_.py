@@ -10,7 +10,8 @@ shards) and returns it in hpcdist's FQN, layout (:mod:`hpcdist.hf.convert`) and 
   needs, so ``checkpoint.init_from: HF_DIR`` needs no conversion step and no rank holds more than one tensor.
 
 safetensors files are plain data (no pickle), so a Hugging Face directory needs no ownership check; it is hostile
-input all the same: :mod:`hpcdist.hf.directory` checks it whole before anything is allocated, and reads every byte.
+input all the same: :mod:`hpcdist.models.hf_directory` checks it whole before anything is allocated, and reads its
+bytes.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from hpcdist.checkpoint import Checkpointable, CheckpointManager
 from hpcdist.config import ConfigError
 from hpcdist.data.tokenizers import TokenizerError, load_tokenizer
 from hpcdist.hf.convert import fqn_names, fqn_to_hf, from_hf_tensor
-from hpcdist.hf.directory import Purpose, open_hf_dir
 from hpcdist.hf.source import ConversionError, return_freed_memory
 from hpcdist.models.args import ModelArgs
 from hpcdist.models.hf_config import HFConfigError, shape_mismatch
+from hpcdist.models.hf_directory import Purpose, open_hf_dir
 
 __all__ = ["HFSavePlanner", "HFStorageReader", "HFWeights", "import_checkpoint", "load_into"]
 
@@ -50,7 +51,7 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "
 
 class HFWeights:
     """The weights of a Hugging Face Llama directory by hpcdist FQN, read one tensor at a time. The directory is
-    checked first, whole (:func:`hpcdist.hf.directory.open_hf_dir`: files, config.json, every header against it,
+    checked first, whole (:func:`hpcdist.models.hf_directory.open_hf_dir`: files, config.json, every header against it,
     memory for ``purpose``): HFConfigError, one line, before any tensor is allocated."""
 
     def __init__(self, path: str | Path, *, purpose: Purpose = "import") -> None:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from hpcdist.models.args import MODEL_MAXIMA, ModelArgs
 
-__all__ = ["CONFIG_NAME", "HFConfigError", "hf_config", "is_hf_dir", "model_args_from_hf", "shape_mismatch"]
+__all__ = ["CONFIG_NAME", "HFConfigError", "fqn_names", "fqn_to_hf", "hf_config", "hf_names", "hf_shape", "hf_to_fqn",
+           "is_hf_dir", "model_args_from_hf", "shape_mismatch"]  # fmt: skip
 
 CONFIG_NAME = "config.json"
 # ModelArgs field -> LlamaConfig key, for every field that fixes the weights' shapes or the forward's numbers
@@ -32,14 +35,85 @@ FIELD_TO_HF = {
 }
 
 
+# ---------------------------------------------------------------------------------------------- weight names
+# The names and shapes of the weights, torch-free (the directory checks at config load need them); the tensors'
+# layouts are hpcdist.hf.convert's.
+# hpcdist layer-relative name -> Hugging Face layer-relative name
+_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_LAYER_BACK = {v: k for k, v in _LAYER.items()}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}  # fmt: skip
+_TOP_BACK = {v: k for k, v in _TOP.items()}
+_OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
+_THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def fqn_names(args: ModelArgs) -> Iterator[str]:
+    """hpcdist's parameter FQNs in Hugging Face's file order (embeddings, layers by index, norm, head); a tied
+    model has no separate head."""
+    yield "tok_embeddings.weight"
+    for i in range(args.n_layers):
+        for name in _LAYER:
+            yield f"layers.{i}.{name}"
+    yield "norm.weight"
+    if not args.tie_embeddings:
+        yield "output.weight"
+
+
+def fqn_to_hf(fqn: str) -> str:
+    if fqn in _TOP:
+        return _TOP[fqn]
+    m = _OURS.match(fqn)
+    if m is None or m.group(2) not in _LAYER:
+        raise KeyError(f"{fqn}: not a weight of hpcdist's Llama")
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+
+
+def hf_to_fqn(name: str) -> str:
+    if name in _TOP_BACK:
+        return _TOP_BACK[name]
+    m = _THEIRS.match(name)
+    if m is None or m.group(2) not in _LAYER_BACK:
+        raise KeyError(f"{name}: not a weight of a Hugging Face Llama")
+    return f"layers.{m.group(1)}.{_LAYER_BACK[m.group(2)]}"
+
+
+def hf_shape(fqn: str, args: ModelArgs) -> tuple[int, ...]:
+    """The shape hpcdist's ``fqn`` has, and so the Hugging Face tensor of that name must have, for ``args``."""
+    d, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    if fqn in ("tok_embeddings.weight", "output.weight"):
+        return (args.vocab_size, d)
+    if fqn == "norm.weight" or fqn.endswith("_norm.weight"):
+        return (d,)
+    name = fqn.split(".", 2)[2]
+    return {"attention.wq.weight": (q, d), "attention.wk.weight": (kv, d), "attention.wv.weight": (kv, d),
+            "attention.wo.weight": (d, q), "feed_forward.w1.weight": (args.ffn_dim, d),
+            "feed_forward.w3.weight": (args.ffn_dim, d), "feed_forward.w2.weight": (d, args.ffn_dim)}[name]  # fmt: skip
+
+
+def hf_names(args: ModelArgs) -> list[str]:
+    """The Hugging Face tensor names of a model of ``args``, in file order."""
+    return [fqn_to_hf(f) for f in fqn_names(args)]
+
+
 class HFConfigError(ValueError):
     """A directory that is not a Hugging Face Llama this model can be (one line: what is wrong and the fix)."""
 
 
 def is_hf_dir(path: str | Path) -> bool:
     """A Hugging Face model directory (it holds an entry named config.json), as opposed to a hpcdist step-XXXXXXXX
-    checkpoint. Any entry counts (a FIFO, a link, a directory): :func:`hpcdist.hf.directory.open_hf_dir` then says
-    what is wrong with it, instead of a checkpoint's error about a directory that is plainly not one."""
+    checkpoint. Any entry counts (a FIFO, a link, a directory): :func:`hpcdist.models.hf_directory.open_hf_dir` then
+    says what is wrong with it, instead of a checkpoint's error about a directory that is plainly not one."""
     return os.path.lexists(Path(path) / CONFIG_NAME)
 
 

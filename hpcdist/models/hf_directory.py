@@ -20,7 +20,9 @@ input (docs/SECURITY.md). :func:`open_hf_dir` checks, in this order and before a
 
 Each problem is one HFConfigError (a ValueError: the CLI prints one line, exit 2) naming the file and the key.
 Torch-free: the config checks run it when ``checkpoint.init_from`` names a Hugging Face directory, before any process
-starts. :class:`hpcdist.hf.import_.HFWeights` turns the bytes :meth:`HFDirectory.read` returns into tensors.
+starts. :class:`hpcdist.hf.import_.HFWeights` turns the bytes :meth:`HFDirectory.read` returns into tensors. It
+lives beside :mod:`hpcdist.models.hf_config` for the same reason: the config layer may import neither torch nor
+``hpcdist.hf`` (which imports the checkpoint code, which imports the config layer).
 """
 
 from __future__ import annotations
@@ -33,9 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from hpcdist.hf.convert import fqn_names, fqn_to_hf, hf_shape
 from hpcdist.models.args import ModelArgs, num_params
-from hpcdist.models.hf_config import CONFIG_NAME, HFConfigError, model_args_from_hf
+from hpcdist.models.hf_config import CONFIG_NAME, HFConfigError, fqn_names, fqn_to_hf, hf_shape, model_args_from_hf
 
 __all__ = ["FLOAT_DTYPES", "HFDirectory", "Purpose", "TensorEntry", "available_memory", "open_hf_dir"]
 
@@ -89,10 +90,12 @@ class HFDirectory:
             os.close(fd)
 
 
-def open_hf_dir(path: str | Path, *, purpose: Purpose) -> HFDirectory:
+def open_hf_dir(path: str | Path, *, purpose: Purpose | None) -> HFDirectory:
     """Check the Hugging Face Llama directory ``path`` for ``purpose`` (what the memory check counts: ``generate``
-    holds the whole model in float32, ``import`` and ``init_from`` one tensor at a time) and say where its tensors
-    are. Nothing is allocated from the files' word before it is checked. HFConfigError, one line."""
+    holds the whole model in float32, ``import`` and ``init_from`` one tensor at a time; None: no memory check, for
+    the config check of ``checkpoint.init_from``, which may run on a login node while the memory that counts is the
+    compute node's, checked again there) and say where its tensors are. Nothing is allocated from the files' word
+    before it is checked. HFConfigError, one line."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise HFConfigError(f"{path}: not a directory")
@@ -100,7 +103,8 @@ def open_hf_dir(path: str | Path, *, purpose: Purpose) -> HFDirectory:
     if not os.path.lexists(path / CONFIG_NAME):
         raise HFConfigError(f"{path}: no {CONFIG_NAME}: not a Hugging Face model directory")
     args = model_args_from_hf(_read_json(path, CONFIG_NAME, CONFIG_CAP), where=where)
-    _check_memory(path, args, purpose)
+    if purpose is not None:
+        _check_memory(path, args, purpose)
     for name in TOKENIZER_FILES:  # read later by the tokenizers library by name: only regular, bounded files
         if os.path.lexists(path / name):
             os.close(_open_regular(path, name, what="tokenizer", cap=TOKENIZER_CAP)[0])
