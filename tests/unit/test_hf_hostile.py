@@ -5,9 +5,13 @@ sharded copy with an index) and more than 50 variants derived from it, each an e
 or a link where a file should be, an index naming files outside the directory, config.json values of the wrong type,
 out of range, non-finite or huge, safetensors headers that lie or disagree with config.json. Each goes through
 ``hpcdist import``, ``hpcdist generate``, ``hpcdist eval``, ``checkpoint.init_from`` at config load (``hpcdist
-config``) and the trainer's own ``load_into``, in this process and each under a time bound. Every one must be refused:
-exit 2 with a readable message (no traceback, no "unexpected error"), and no checkpoint may be written. The valid
-directory itself passes every command (the same harness can accept).
+config``) and the trainer's own ``load_into``, in a child forked from this process (torch stays imported) under a
+time bound. Every one must be refused: exit 2 with a readable message (no traceback, no "unexpected error"; the
+trainer's loader raises ConfigError, which ``hpcdist train`` prints that way), and no checkpoint may be written. The
+valid directories themselves pass every command (the same harness can accept).
+
+Before the fix (HEAD 4b773a7), 92 directories x 5 commands: 314 failures: 12 hangs (killed), 102 "unexpected error"
+lines, 24 directories imported with exit 0 into checkpoints, 12 generated text with exit 0.
 """
 
 from __future__ import annotations
