@@ -427,15 +427,19 @@ def _bounded(commands: dict[str, Callable[[], str | None]]) -> dict[str, str | N
     return verdicts
 
 
-def _cli(argv: list[str]) -> str | None:
-    """None when the command refused the directory as it should (exit 2, a readable message); else what went wrong.
-    Runs in the child (:func:`_bounded`): stderr is a StringIO there."""
+def _cli(argv: list[str], directory: Path, lines: int = 1) -> str | None:
+    """None when the command refused the directory as it should: exit 2 and ``lines`` lines naming the directory (a
+    config problem comes as the loader's header plus one line); else what went wrong. Runs in the child
+    (:func:`_bounded`): stderr is a StringIO there."""
     code = cli.main(argv)
     err = sys.stderr.getvalue()  # type: ignore[attr-defined]
+    shown = " ".join(err.split())[:300]
     if "Traceback" in err or "unexpected error" in err:
-        return f"exit {code}: {' '.join(err.split())[:300]}"
+        return f"exit {code}: {shown}"
     if code != 2:
-        return f"exit {code} (accepted)" if code == 0 else f"exit {code}: {' '.join(err.split())[:300]}"
+        return f"exit {code} (accepted)" if code == 0 else f"exit {code}: {shown}"
+    if err.count("\n") != lines or str(directory) not in err:
+        return f"not {lines} line(s) naming {directory}: {shown}"
     return None
 
 
@@ -455,8 +459,8 @@ def _load_into(directory: Path) -> str | None:
     _, state = _model_state()
     try:
         load_into(directory, state, ARGS)
-    except ConfigError:
-        return None
+    except ConfigError as e:
+        return None if str(directory) in str(e) else f"a ConfigError not naming {directory}: {e}"
     return "accepted"
 
 
@@ -466,10 +470,10 @@ def _commands(directory: Path, work: Path) -> dict[str, Callable[[], str | None]
     config = [str(yaml), *MODEL_KEYS, "data.source=synthetic", "data.seq_len=32", f"run.dir={work / 'run'}",
               f"checkpoint.init_from={directory}"]  # fmt: skip
     return {
-        "import": lambda: _cli(["import", str(directory), "--out", str(work / "imported")]),
-        "generate": lambda: _cli(["generate", str(directory), "--prompt", "hi", "--max-new-tokens", "2"]),
-        "eval": lambda: _cli(["eval", str(directory), "--data", str(work / "no-data")]),
-        "init_from (config)": lambda: _cli(["config", *config]),
+        "import": lambda: _cli(["import", str(directory), "--out", str(work / "imported")], directory),
+        "generate": lambda: _cli(["generate", str(directory), "--prompt", "hi", "--max-new-tokens", "2"], directory),
+        "eval": lambda: _cli(["eval", str(directory), "--data", str(work / "no-data")], directory),
+        "init_from (config)": lambda: _cli(["config", *config], directory, lines=2),
         "init_from (load_into)": lambda: _load_into(directory),
     }
 
