@@ -944,13 +944,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from hpcdist.checkpoint import CheckpointMismatch
     from hpcdist.data import TokenDataset
     from hpcdist.inference import check_eval_data, dataset_loss, load_for_inference
+    from hpcdist.models.hf_config import is_hf_dir
 
+    if is_hf_dir(args.checkpoint):  # its tokenizer, seq_len and batch sizes come from the run: a HF directory has none
+        return _fail(f"eval: {args.checkpoint} is a Hugging Face directory; give the hpcdist checkpoint it was "
+                     "exported from (or run lm-eval-harness on it: README)")  # fmt: skip
     try:
         model, _, loaded = load_for_inference(args.checkpoint, device=args.device)
         cfg = loaded.config
-        if cfg is None:  # its tokenizer, seq_len and batch sizes come from the run: a HF directory has none
-            return _fail(f"eval: {args.checkpoint} is a Hugging Face directory; give the hpcdist checkpoint it was "
-                         "exported from (or run lm-eval-harness on it: README)")  # fmt: skip
+        assert cfg is not None  # a hpcdist checkpoint records the config that trained it
         check_eval_data(cfg, args.data)  # before any batch: the same ids must mean the same text
         seq_len = args.seq_len or cfg.data.seq_len
         if seq_len > model.args.max_seq_len:

@@ -109,7 +109,7 @@ def load_for_inference(
     (ConversionError, HFConfigError, TokenizerError, ConfigError) or CheckpointMismatch."""
     path = Path(path).expanduser()
     if is_hf_dir(path):
-        weights = HFWeights(path)
+        weights = HFWeights(path, purpose="generate")  # the whole directory checked, memory included
         model = _empty_model(weights.args)
         with torch.no_grad():
             for fqn, p in model.state_dict().items():

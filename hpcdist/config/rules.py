@@ -21,6 +21,8 @@ from hpcdist.config.layout import STRATEGIES, LayoutKind
 from hpcdist.config.loader import ConfigError, echo
 from hpcdist.config.schema import JobConfig, ParallelConfig
 from hpcdist.models import hf_config
+from hpcdist.models.args import MODEL_MAXIMA
+from hpcdist.models.hf_directory import open_hf_dir
 from hpcdist.signals import parse_signal
 
 __all__ = [
@@ -55,16 +57,7 @@ BOUNDED_BY_RULES = frozenset(
 _BIG = 10**12  # steps, samples, tokens: more than any run takes
 MAXIMA: dict[str, tuple[float, str]] = {
     "run.seed": (2**63 - 1, "torch and numpy seeds are 64-bit"),
-    "model.vocab_size": (2**31 - 1, "token ids are int32 in the shards' uint32"),
-    "model.dim": (2**17, ""),
-    "model.n_layers": (2**14, ""),
-    "model.n_heads": (2**14, ""),
-    "model.n_kv_heads": (2**14, ""),
-    "model.ffn_dim": (2**20, ""),
-    "model.max_seq_len": (2**24, ""),
-    "model.norm_eps": (1.0, ""),
-    "model.rope_theta": (1e12, ""),
-    "model.init_std": (10.0, ""),
+    **{f"model.{k}": v for k, v in MODEL_MAXIMA.items()},
     "data.seq_len": (2**20, ""),
     "data.prefetch": (64, "batches queued ahead; each holds a global batch share in host memory"),
     "data.max_tokens": (_BIG * 1000, ""),
@@ -434,8 +427,8 @@ def check(cfg: JobConfig) -> list[str]:
 def _hf_init(cfg: JobConfig, path: str) -> list[str]:
     """checkpoint.init_from naming a Hugging Face Llama directory: the model section must be the model config.json
     describes (its shape is read from there, presets are not changed), named key by key."""
-    try:
-        theirs = hf_config.model_args_from_hf(hf_config.read_hf_config(path), where=f"{path}/config.json")
+    try:  # the whole directory, weights' headers included: a hostile one is refused before any process starts
+        theirs = open_hf_dir(path, purpose=None).args  # memory: checked on the node that loads it
     except hf_config.HFConfigError as e:
         return [f"checkpoint.init_from: {e}"]
     if cfg.model.problems():

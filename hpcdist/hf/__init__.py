@@ -7,6 +7,9 @@
   :func:`hpcdist.inference.load_for_inference` reads a checkpoint or a Hugging Face directory with).
 * :mod:`hpcdist.hf.tokenizer`: the run's tokenizer as Hugging Face files (the byte tokenizer included).
 
-The torch-free ``config.json`` <-> ModelArgs mapping is :mod:`hpcdist.models.hf_config` (the config checks use it).
+The torch-free ``config.json`` <-> ModelArgs mapping and the weights' names and shapes are
+:mod:`hpcdist.models.hf_config`; the check of a whole Hugging Face directory before anything of it is used (files,
+bounded reads, config.json, headers against it, memory) is :mod:`hpcdist.models.hf_directory`. Both are torch-free
+and live under ``models`` because the config checks use them.
 Nothing is imported here: ``import hpcdist.hf.export`` loads only what the export needs.
 """

@@ -5,81 +5,31 @@ rotates interleaved pairs (rows 2i, 2i+1 of a head; Meta's original layout, :fun
 while transformers' ``rotate_half`` pairs row i with row i + head_dim/2. So to Hugging Face each head's even rows come
 first, then its odd rows; back, the halves interleave again. ``wk`` has ``kv_heads`` heads (GQA).
 A tied model (``tie_embeddings``) has no ``lm_head`` in Hugging Face's files (``tie_word_embeddings``).
+The names and shapes themselves are :mod:`hpcdist.models.hf_config`'s (torch-free: the config checks need them).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 
 from hpcdist.models.args import ModelArgs
+from hpcdist.models.hf_config import fqn_names, fqn_to_hf, hf_names, hf_shape, hf_to_fqn  # torch-free, re-exported
 
 __all__ = [
+    "fqn_names",
+    "fqn_to_hf",
     "from_hf_state_dict",
     "from_hf_tensor",
     "hf_names",
+    "hf_shape",
     "hf_to_fqn",
     "permute_from_hf",
     "permute_to_hf",
     "to_hf_state_dict",
     "to_hf_tensor",
 ]  # fmt: skip
-
-# hpcdist layer-relative name -> Hugging Face layer-relative name
-_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_LAYER_BACK = {v: k for k, v in _LAYER.items()}
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}  # fmt: skip
-_TOP_BACK = {v: k for k, v in _TOP.items()}
-_OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
-_THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-def fqn_names(args: ModelArgs) -> Iterator[str]:
-    """hpcdist's parameter FQNs in Hugging Face's file order (embeddings, layers by index, norm, head); a tied
-    model has no separate head."""
-    yield "tok_embeddings.weight"
-    for i in range(args.n_layers):
-        for name in _LAYER:
-            yield f"layers.{i}.{name}"
-    yield "norm.weight"
-    if not args.tie_embeddings:
-        yield "output.weight"
-
-
-def fqn_to_hf(fqn: str) -> str:
-    if fqn in _TOP:
-        return _TOP[fqn]
-    m = _OURS.match(fqn)
-    if m is None or m.group(2) not in _LAYER:
-        raise KeyError(f"{fqn}: not a weight of hpcdist's Llama")
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
-
-
-def hf_to_fqn(name: str) -> str:
-    if name in _TOP_BACK:
-        return _TOP_BACK[name]
-    m = _THEIRS.match(name)
-    if m is None or m.group(2) not in _LAYER_BACK:
-        raise KeyError(f"{name}: not a weight of a Hugging Face Llama")
-    return f"layers.{m.group(1)}.{_LAYER_BACK[m.group(2)]}"
-
-
-def hf_names(args: ModelArgs) -> list[str]:
-    """The Hugging Face tensor names of a model of ``args``, in file order."""
-    return [fqn_to_hf(f) for f in fqn_names(args)]
 
 
 def permute_to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:

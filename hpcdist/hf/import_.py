@@ -9,13 +9,14 @@ shards) and returns it in hpcdist's FQN, layout (:mod:`hpcdist.hf.convert`) and 
   strategy's sharded state (FSDP / TP DTensors, ZeRO partitions, pipeline stages) reads just the boxes each rank
   needs, so ``checkpoint.init_from: HF_DIR`` needs no conversion step and no rank holds more than one tensor.
 
-safetensors files are plain data (no pickle), so a Hugging Face directory needs no ownership check.
+safetensors files are plain data (no pickle), so a Hugging Face directory needs no ownership check; it is hostile
+input all the same: :mod:`hpcdist.models.hf_directory` checks it whole before anything is allocated, and reads its
+bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -23,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -37,60 +37,46 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
 from hpcdist.checkpoint import Checkpointable, CheckpointManager, describe_error
+from hpcdist.config import ConfigError
 from hpcdist.data.tokenizers import TokenizerError, load_tokenizer
 from hpcdist.hf.convert import fqn_names, fqn_to_hf, from_hf_tensor
 from hpcdist.hf.source import ConversionError, return_freed_memory
 from hpcdist.models.args import ModelArgs
-from hpcdist.models.hf_config import model_args_from_hf, read_hf_config
+from hpcdist.models.hf_config import HFConfigError, shape_mismatch
+from hpcdist.models.hf_directory import Purpose, open_hf_dir
 
 __all__ = ["HFSavePlanner", "HFStorageReader", "HFWeights", "import_checkpoint", "load_into"]
 
-_SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 class HFWeights:
-    """The weights of a Hugging Face Llama directory by hpcdist FQN, read one tensor at a time."""
+    """The weights of a Hugging Face Llama directory by hpcdist FQN, read one tensor at a time. The directory is
+    checked first, whole (:func:`hpcdist.models.hf_directory.open_hf_dir`: files, config.json, every header against it,
+    memory for ``purpose``): HFConfigError, one line, before any tensor is allocated."""
 
-    def __init__(self, path: str | Path, args: ModelArgs | None = None) -> None:
-        self.path = Path(path)
-        self.args = args if args is not None else model_args_from_hf(read_hf_config(self.path),
-                                                                     where=f"{self.path}/config.json")  # fmt: skip
-        if (self.path / _INDEX).is_file():
-            try:
-                files: dict[str, str] = json.loads((self.path / _INDEX).read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ConversionError(f"{self.path / _INDEX}: not a safetensors index ({e})") from None
-        elif (self.path / _SINGLE).is_file():
-            with safe_open(str(self.path / _SINGLE), framework="pt") as f:
-                files = dict.fromkeys(f.keys(), _SINGLE)
-        else:
-            raise ConversionError(f"{self.path}: no {_SINGLE} or {_INDEX} (only safetensors weights are read)")
-        self.files = files
-        missing = [fqn_to_hf(f) for f in fqn_names(self.args) if fqn_to_hf(f) not in files]
-        if missing:
-            raise ConversionError(f"{self.path}: the weights lack {', '.join(missing[:3])}"
-                                  f"{' ...' if len(missing) > 3 else ''} that config.json implies")  # fmt: skip
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        for fqn in fqn_names(self.args):
-            name = fqn_to_hf(fqn)
-            with safe_open(str(self.path / files[name]), framework="pt") as f:  # reads the header only
-                self._shapes[fqn] = tuple(f.get_slice(name).get_shape())
+    def __init__(self, path: str | Path, *, purpose: Purpose = "import") -> None:
+        self.dir = open_hf_dir(path, purpose=purpose)
+        self.path = self.dir.path
+        self.args = self.dir.args
 
     def fqns(self) -> list[str]:
         """The FQNs a hpcdist model of these args has (a tied model's output.weight is the embedding's)."""
         return [*fqn_names(self.args), *(["output.weight"] if self.args.tie_embeddings else [])]
 
+    def _source(self, fqn: str) -> str:
+        return "tok_embeddings.weight" if fqn == "output.weight" and self.args.tie_embeddings else fqn
+
     def shape(self, fqn: str) -> tuple[int, ...]:
-        return self._shapes["tok_embeddings.weight" if fqn == "output.weight" and self.args.tie_embeddings else fqn]
+        return self.dir.tensors[fqn_to_hf(self._source(fqn))].shape
 
     def tensor(self, fqn: str) -> torch.Tensor:
         """hpcdist's ``fqn`` in float32 and hpcdist's layout (a tied output.weight reads the embedding)."""
-        src = "tok_embeddings.weight" if fqn == "output.weight" and self.args.tie_embeddings else fqn
+        src = self._source(fqn)
         name = fqn_to_hf(src)
-        with safe_open(str(self.path / self.files[name]), framework="pt") as f:
-            t = f.get_tensor(name)
-        return from_hf_tensor(src, t.to(torch.float32), self.args).contiguous()
+        entry = self.dir.tensors[name]
+        raw = torch.frombuffer(self.dir.read(name), dtype=_DTYPES[entry.dtype]).reshape(entry.shape)
+        return from_hf_tensor(src, raw.to(torch.float32), self.args).contiguous()
 
     def metadata(self) -> Metadata:
         """DCP metadata of these weights under ``model.<fqn>``: one float32 chunk per tensor."""
@@ -175,13 +161,15 @@ class HFStorageReader(StorageReader):
 
 def load_into(path: str | Path, state: Checkpointable, args: ModelArgs) -> None:
     """Collective: ``checkpoint.init_from: HF_DIR``. The Hugging Face weights at ``path`` into this run's model state
-    (any strategy); the model section must equal config.json's (checked at config load, again here)."""
-    from hpcdist.models.hf_config import shape_mismatch
-
-    weights = HFWeights(path)
+    (any strategy); the model section must equal config.json's (checked at config load, again here: the directory
+    may have changed since). A refusal is a ConfigError, which ``hpcdist train`` prints once, exit 2."""
+    try:
+        weights = HFWeights(path, purpose="init_from")
+    except HFConfigError as e:
+        raise ConfigError([f"checkpoint.init_from: {e}"]) from None
     problem = shape_mismatch(args, weights.args, where=f"{path}/config.json")
     if problem:
-        raise ConversionError(f"checkpoint.init_from: {problem}")
+        raise ConfigError([f"checkpoint.init_from: {problem}"])
     model = state.dcp_state()["model"]
     try:
         dcp.load({"model": model}, storage_reader=HFStorageReader(weights))
@@ -197,7 +185,7 @@ def import_checkpoint(path: str | Path, out: str | Path, *, vocab_size: int | No
     section in trainer_state.json. Every strategy resumes from it (``checkpoint.resume``) or starts from it
     (``checkpoint.init_from``)."""
     return_freed_memory()
-    weights = HFWeights(path)
+    weights = HFWeights(path, purpose="import")
     args = weights.args
     if vocab_size is not None and vocab_size != args.vocab_size:
         raise ConversionError(f"model.vocab_size={vocab_size} but {path}/config.json has vocab_size={args.vocab_size}")

@@ -13,7 +13,23 @@ from typing import Any
 
 from hpcdist import resources, safe_yaml
 
-__all__ = ["ModelArgs", "flops_per_token", "load_preset", "num_params", "preset_names"]
+__all__ = ["MODEL_MAXIMA", "ModelArgs", "flops_per_token", "load_preset", "num_params", "preset_names"]
+
+
+# The largest value of each numeric field (and why), for a YAML model section (config.rules.MAXIMA spreads these as
+# model.*) and for a Hugging Face config.json alike (models.hf_config): one table, so both refuse the same values.
+MODEL_MAXIMA: dict[str, tuple[float, str]] = {
+    "vocab_size": (2**31 - 1, "token ids are int32 in the shards' uint32"),
+    "dim": (2**17, ""),
+    "n_layers": (2**14, ""),
+    "n_heads": (2**14, ""),
+    "n_kv_heads": (2**14, ""),
+    "ffn_dim": (2**20, ""),
+    "max_seq_len": (2**24, ""),
+    "norm_eps": (1.0, ""),
+    "rope_theta": (1e12, ""),
+    "init_std": (10.0, ""),
+}
 
 
 @dataclass

@@ -461,30 +461,32 @@ def test_a_transient_read_error_is_retried_then_refused_never_recorded_as_damage
 
 
 def test_a_dcp_checkpoint_exception_from_init_from_is_one_line_and_recorded(
-    small_cfg, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    small_cfg, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 25.8: DCP's CheckpointException derives from BaseException, so checkpoint.init_from=HF_DIR with one
-    wrongly shaped tensor passed every `except Exception`: a 60-line traceback, exit 1 and no failures.jsonl
-    record. Now it is one line naming init_from, exit 2, and a record for the restart policy."""
-    from safetensors.torch import load_file, save_file
+    """Issue 25.8: DCP's CheckpointException derives from BaseException, so an error inside ``dcp.load`` of
+    checkpoint.init_from=HF_DIR passed every `except Exception`: a 60-line traceback, exit 1 and no failures.jsonl
+    record. Now it is one line naming init_from, exit 2, and a record for the restart policy. (A wrongly shaped
+    tensor no longer gets that far: the Hugging Face directory check refuses it at config load, issue 25.7; here the
+    read itself fails inside DCP, as an I/O error on a network file system would.)"""
+    import errno
 
     from hpcdist import cli
     from hpcdist import config as config_mod
+    from hpcdist.hf.import_ import HFWeights
 
     over = ("train.steps=2", "train.micro_batch_size=4")
     single(_train, small_cfg(*over, "checkpoint.save_final=true", run_dir=tmp_path / "src"))
     hf = tmp_path / "hf"
     assert cli.main(["export", str(tmp_path / "src"), "--out", str(hf), "--dtype", "fp32"]) == 0
-    (weights,) = hf.glob("*.safetensors")
-    tensors = load_file(weights)
-    name = next(k for k in sorted(tensors) if k.endswith("mlp.down_proj.weight"))
-    tensors[name] = torch.zeros(tensors[name].shape[0], tensors[name].shape[1] + 1)  # one wrongly shaped tensor
-    save_file(tensors, weights, metadata={"format": "pt"})
     run_dir = tmp_path / "new"
     yaml = tmp_path / "cfg.yaml"
     config_mod.save(small_cfg(*over, f"checkpoint.init_from={hf}", run_dir=run_dir), yaml)
     capsys.readouterr()
 
+    def eio(self: HFWeights, fqn: str) -> torch.Tensor:
+        raise OSError(errno.EIO, "Input/output error", str(hf / "model.safetensors"))
+
+    monkeypatch.setattr(HFWeights, "tensor", eio)  # inside dcp.load: DCP wraps it in its CheckpointException
     code = cli.main(["train", str(yaml)])
     err = capsys.readouterr().err
     assert code == 2, err[-3000:]

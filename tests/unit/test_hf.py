@@ -239,13 +239,15 @@ def test_bad_input_is_one_line(run: dict[str, Any], tmp_path: Path, capsys: pyte
     _one_line_error(capsys, ["export", str(tmp_path), "--out", str(tmp_path / "o1")], "no complete hpcdist checkpoint")
     assert not (tmp_path / "c1").exists() and not (tmp_path / "o1").exists()
     # a tokenizer larger than the model's vocabulary (the import checks the HF directory's own tokenizer too)
+    # (its own tokenizer.json replaced by one a token larger than config.json's vocab_size: the weights still agree
+    # with config.json, which the import checks first)
+    vocab = run["cfg"].model.vocab_size
     big = tmp_path / "big-tok"
     shutil.copytree(run["hf"], big)
-    small_vocab = json.loads((big / "config.json").read_text())["vocab_size"] - 1
-    (big / "config.json").write_text(json.dumps({**json.loads((big / "config.json").read_text()),
-                                                 "vocab_size": small_vocab}))  # fmt: skip
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (big / name).unlink(missing_ok=True)
+    shutil.copy(_big_tokenizer(tmp_path / "tok-big", vocab + 1) / "tokenizer.json", big / "tokenizer.json")
     _one_line_error(capsys, ["import", str(big), "--out", str(tmp_path / "c3")], "the embedding table cannot cover")
-    vocab = run["cfg"].model.vocab_size
     tok = str(_big_tokenizer(tmp_path / "tok", vocab + 1))
     _one_line_error(capsys, ["export", str(run["step"]), "--out", str(tmp_path / "o2"), "--tokenizer", tok],
                     f"{vocab + 1} tokens", f"model.vocab_size={vocab}")  # fmt: skip
