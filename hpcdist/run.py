@@ -1,8 +1,8 @@
 """The one per-rank main: ``hpcdist train`` and every task of ``hpcdist submit`` run :func:`main`.
 
-    config -> DistEnv -> resolve parallel.strategy=auto (once) -> checks -> the job environment's start (NCCL
-    profile, restart ledger) -> process group -> Trainer(cfg, env).train() -> after-stop decision (requeue or exit)
-    -> close
+    config -> DistEnv -> the rank's facts, once (checks, parallel.strategy=auto planned, ParallelDims: plan_rank)
+    -> the job environment's start (NCCL profile, restart ledger) -> process group -> Trainer(cfg, env, facts=...)
+    .train() -> after-stop decision (requeue or exit) -> close
 
 The trainer returns why it stopped and never requeues. What a stop means for the job is the scheduler's, and it is
 passed in as a :class:`JobEnvironment` (hpcdist.launch.task.SlurmEnvironment for ``hpcdist train`` and submitted
@@ -30,9 +30,10 @@ from hpcdist.fault.rundir_lock import RunDirInUse
 from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.planning import layouts as planner
+from hpcdist.rankfacts import RankFacts, rank_facts
 from hpcdist.trainer import Trainer, TrainResult
 
-__all__ = ["JobEnvironment", "main", "resolve_auto", "train"]
+__all__ = ["JobEnvironment", "main", "plan_rank", "train"]
 
 log = get_logger(__name__)
 
@@ -49,33 +50,47 @@ class JobEnvironment(Protocol):
         ...
 
 
-def resolve_auto(cfg: JobConfig, env: DistEnv) -> JobConfig:
-    """``parallel.strategy=auto`` -> the planner's layout for this world size; any other config unchanged.
+def _plan_layout(cfg: JobConfig, env: DistEnv) -> JobConfig:
+    """``parallel.strategy=auto`` -> the planner's top layout for this world size (rank_facts' ``plan_layout``).
 
     Every rank plans the same layout (the planner is deterministic), so no collective is needed to agree on it."""
-    if not config_mod.needs_planner(cfg.parallel.strategy):
-        return cfg
     cfg, reason = planner.resolve_auto(cfg, env.world_size, cfg.parallel.auto_cluster)
     log.info("parallel.strategy=auto: %s", reason)
     return cfg
 
 
+def plan_rank(cfg: JobConfig, env: DistEnv) -> RankFacts:
+    """This rank's facts, checked and built once (auto resolved by the planner): what main() hands down, and what
+    :func:`train` builds when called without them."""
+    return rank_facts(cfg, env, plan_layout=_plan_layout)
+
+
 def train(
-    cfg: JobConfig, env: DistEnv, *, job: JobEnvironment | None = None, stop_flag: StopFlag | None = None
+    cfg: JobConfig,
+    env: DistEnv,
+    *,
+    job: JobEnvironment | None = None,
+    stop_flag: StopFlag | None = None,
+    facts: RankFacts | None = None,
 ) -> TrainResult:
     """One rank's training once the process group exists (or there is one rank): Trainer -> train -> after-stop.
 
+    ``facts``: :func:`plan_rank` of ``cfg`` and ``env``, when the caller (main) built them already; else built here.
     ``job`` decides what a stop means (requeue or exit); without one the run simply ends after its checkpoint. An
     exception is recorded in <run.dir>/failures.jsonl (who failed, where, why: the batch script's failure policy,
     hpcdist.launch.restarts, reads it) and raised again."""
     setup_logging(env.rank, level=cfg.run.log_level)
-    cfg = resolve_auto(cfg, env)  # a no-op when main() resolved it already
+    if facts is None:
+        facts = plan_rank(cfg, env)
+    elif facts.env is not env:
+        raise ValueError("train(cfg, env, facts=...): the facts were built for another DistEnv")
+    cfg = facts.cfg  # auto resolved
     if env.device == "cpu" and env.local_world_size > 1:
         # several CPU ranks on one node would each start one thread per core and thrash
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     trainer = None
     try:
-        trainer = Trainer(cfg, env, stop_flag=stop_flag)
+        trainer = Trainer(cfg, env, stop_flag=stop_flag, facts=facts)
         result = trainer.train()
         if result.save_failed is not None:
             # the last checkpoint (or the stop checkpoint a requeue relies on) is not there: never a success, never
@@ -128,11 +143,9 @@ def main(
     cfg = config_mod.load(config_path, overrides)
     env = from_environ()
     setup_logging(env.rank, level=cfg.run.log_level)
-    # the batch split as configured first: its message names the user's own values, and a bad one fails fast
-    config_mod.check_world(cfg, env.world_size)
-    # the prepared data exists and its ids fit the embedding table: one line now, not an IndexError mid-run
-    config_mod.check_data(cfg)
-    cfg = resolve_auto(cfg, env)
+    # the job's size, the prepared data and auto, checked and resolved once, before any process group; handed down
+    facts = plan_rank(cfg, env)
+    cfg = facts.cfg
     try:
         config_mod.check_run_dir(cfg)  # every rank: one failing alone would leave the others at the rendezvous
     except config_mod.ConfigError as e:
@@ -159,7 +172,7 @@ def main(
             env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s, cfg.fault.watchdog_slow_phase_s)
         )
         try:
-            result = train(cfg, env, job=job, stop_flag=stop_flag)
+            result = train(cfg, env, job=job, stop_flag=stop_flag, facts=facts)
         finally:
             destroy_process_group()
     finally:

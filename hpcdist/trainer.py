@@ -49,11 +49,12 @@ from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.models.hf_config import is_hf_dir
 from hpcdist.optim import optim_hparams, set_optim_hparams
-from hpcdist.parallel.dims import describe_layout, parallel_dims
+from hpcdist.parallel.dims import describe_layout
 from hpcdist.parallel.parallelize import build_strategy
 from hpcdist.parallel.replicas import check_replicas
 from hpcdist.profiling import StepProfiler
 from hpcdist.prometheus_metrics import PrometheusExporter
+from hpcdist.rankfacts import RankFacts, rank_facts
 from hpcdist.run_summary import format_summary, previous_best_eval, write_summary
 from hpcdist.rundir import RunDir
 from hpcdist.trackers import Trackers
@@ -88,8 +89,7 @@ def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
     """(train, val) datasets. Rank 0 prepares shards of the embedded corpus once; the others wait for it. With
     train.eval_data, val is that held-out dataset (all of it) instead of the val split."""
     train, val = _build_datasets(cfg, env)
-    if cfg.train.eval_data:
-        config_mod.check_data(cfg)  # a prepared dataset made with the training data's tokenizer
+    if cfg.train.eval_data:  # made with the training data's tokenizer: RankFacts checked it (check_data)
         val = TokenDataset(Path(cfg.train.eval_data), cfg.data.seq_len)
         log.info("data: evaluating on %s (%d samples)", cfg.train.eval_data, len(val))
     return train, val
@@ -121,9 +121,7 @@ def _build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
         return train, (blend("val", cfg.run.seed + 1, False) if d.val_fraction else None)
     else:
         path = Path(str(d.path))
-    # the one vocabulary rule (hpcdist.run checks it before the process group; a Trainer built directly, the Python
-    # API, gets it here): a token id past the embedding table is an IndexError mid-run, a device assert on GPU
-    config_mod.check_data(cfg)
+    # the ids fit the embedding table: checked once, with this rank's other facts (hpcdist.rankfacts.rank_facts)
     train = TokenDataset(path, d.seq_len, split="train", val_fraction=d.val_fraction)
     val = TokenDataset(path, d.seq_len, split="val", val_fraction=d.val_fraction) if d.val_fraction else None
     log.info("data: %s: %d train samples, %s tokenizer (vocab %d)", path, len(train), train.tokenizer_kind,
@@ -132,18 +130,24 @@ def _build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, env: DistEnv, *, stop_flag: StopFlag | None = None):
+    def __init__(
+        self, cfg: JobConfig, env: DistEnv, *, stop_flag: StopFlag | None = None, facts: RankFacts | None = None
+    ):
         """``stop_flag``: one already installed by the caller (hpcdist.run installs it before the start-up, so a
-        signal during data preparation, model build or resume is remembered); else one is made here."""
+        signal during data preparation, model build or resume is remembered); else one is made here.
+
+        ``facts``: this rank's checked config and layout, built once by the caller (hpcdist.run, before the process
+        group) from this ``cfg`` and ``env``; a Trainer built directly (the Python API) builds them here with the
+        same function, :func:`hpcdist.rankfacts.rank_facts`, which refuses ``parallel.strategy=auto`` (the planner
+        runs in hpcdist.run; the trainer imports none): a Trainer builds exactly the layout it is given."""
         setup_logging(env.rank, level=cfg.run.log_level)
-        if config_mod.needs_planner(cfg.parallel.strategy):
-            # the planner runs once, before the process group, in hpcdist.run.resolve_auto (the trainer imports no
-            # planner): a Trainer builds exactly the layout it is given
-            raise ValueError("parallel.strategy=auto must be resolved before building a Trainer (hpcdist.run)")
+        if facts is None:
+            facts = rank_facts(cfg, env)
+        elif facts.cfg is not cfg or facts.env is not env:
+            raise ValueError("Trainer(cfg, env, facts=...): the facts were built from another config or DistEnv")
         self.cfg, self.env = cfg, env
-        config_mod.check_world(cfg, env.world_size, ranks_per_node=env.local_world_size)
-        # tp and pp peers of one data-parallel replica must read the same slice of each global batch
-        self.dims = parallel_dims(cfg, env.world_size)
+        # the rank's one ParallelDims: the data loader's coordinate, the strategy, the layout line
+        self.dims = facts.dims
         self.dp_rank = self.dims.dp_rank(env.rank)
         self.run_dir = Path(cfg.run.dir)
         if env.is_main:
@@ -168,7 +172,7 @@ class Trainer:
 
         args = cfg.model_args()
         model = build_model(args, device="meta")
-        self.strategy = build_strategy(cfg, env, model)
+        self.strategy = build_strategy(cfg, env, model, self.dims)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(args, cfg.data.seq_len)
         self.peak = peak_flops(env.torch_device(), configured=cfg.logging.peak_flops)
@@ -190,7 +194,7 @@ class Trainer:
             f"{num_params(args):,}", num_params(args) / 1e6, cfg.parallel.strategy, env.world_size,
             self.strategy.grad_accum, self.flops_per_token,
         )  # fmt: skip
-        log.info("layout: %s", describe_layout(cfg, env.world_size))
+        log.info("layout: %s", describe_layout(cfg, self.dims))
         # rank 0 accounts the run's wall time (training, checkpoints, restarts) across attempts in goodput.json
         self.goodput = Goodput(self.run_dir, enabled=env.is_main)
         try:

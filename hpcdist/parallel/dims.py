@@ -146,9 +146,8 @@ def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
                         zero_stage=d.zero_stage)  # fmt: skip
 
 
-def describe_layout(cfg: JobConfig, world_size: int) -> str:
+def describe_layout(cfg: JobConfig, dims: ParallelDims) -> str:
     """The layout ``build_strategy`` builds, for the start-up log and the dry run: :meth:`LayoutDegrees.describe`
     of the job's degrees plus the config's notes (``zero3 x 4 ranks, offload optimizer``, ``3d pp2 x dp2 x tp2,
-    Interleaved1F1B, 4 stages``). Pure: the config (strategy already resolved from auto) and the world size."""
-    dims = parallel_dims(cfg, world_size)
+    Interleaved1F1B, 4 stages``). Pure: the config (strategy already resolved from auto) and its ``parallel_dims``."""
     return dims.describe(*layout_notes(cfg.parallel, dims))

@@ -25,7 +25,7 @@ from hpcdist.models.llama import Transformer
 from hpcdist.optim import optimizer_builder
 from hpcdist.parallel.base import Strategy
 from hpcdist.parallel.ddp import DDPStrategy
-from hpcdist.parallel.dims import SCHEDULES, ParallelDims, parallel_dims
+from hpcdist.parallel.dims import SCHEDULES, ParallelDims
 from hpcdist.parallel.fsdp import apply_fsdp
 from hpcdist.parallel.materialize import materialize
 from hpcdist.parallel.mesh import MeshStrategy
@@ -66,9 +66,9 @@ def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dic
     )  # fmt: skip
 
 
-def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer) -> Strategy:
+def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: ParallelDims) -> Strategy:
+    """``dims``: the rank's one ParallelDims (hpcdist.rankfacts), the same object the trainer's data loader reads."""
     device = env.torch_device()
-    dims = parallel_dims(cfg, env.world_size)
     if dims.zero_enabled:
         return build_zero(cfg, env, model)
     meshes = dims.build_meshes(device.type) if dims.needs_mesh else {}

@@ -330,13 +330,14 @@ def dry_run(
         # each rank in a forked child: the fake group, DTensor's caches and meshes never leak into this process
         # (a later real run in the same process, e.g. a test session, would otherwise reuse them)
         counts.append(_in_child(_count_rank, cfg, rank, rank // gpus_per_node, world_size))
-    if parallel_dims(cfg, world_size).zero_enabled:
+    dims = parallel_dims(cfg, world_size)
+    if dims.zero_enabled:
         notes.append("ZeRO counts follow DeepSpeed's partitioning rule; its engine cannot be built on meta tensors")
     return DryRunReport(
         cfg=cfg,
         world_size=world_size,
         gpus_per_node=gpus_per_node,
-        layout=describe_layout(cfg, world_size),
+        layout=describe_layout(cfg, dims),
         total_params=total,
         counts=counts,
         memory=_memory(cfg, world_size, min(gpus_per_node, world_size)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpcdist import config as config_mod
-from hpcdist.parallel.dims import describe_layout
+from hpcdist.parallel.dims import describe_layout, parallel_dims
 
 
 @pytest.mark.parametrize(
@@ -36,13 +36,12 @@ from hpcdist.parallel.dims import describe_layout
 )  # fmt: skip
 def test_describe_layout(world: int, overrides: list[str], expected: str) -> None:
     cfg = config_mod.load(None, ["model.preset=tiny", *overrides])
-    assert describe_layout(cfg, world) == expected
+    assert describe_layout(cfg, parallel_dims(cfg, world)) == expected
 
 
 def test_planner_row_dry_run_and_log_describe_a_layout_alike() -> None:
     """One describer: for every layout the planner enumerates, its row, the trainer's ParallelDims for the config
     the planner writes, and the start-up log line name the same kind and degrees (they were four describers)."""
-    from hpcdist.parallel.dims import parallel_dims
     from hpcdist.planning.layouts import apply_layout, enumerate_layouts
 
     cfg = config_mod.load(None, ["model.preset=tiny", "train.global_batch_size=32"])
@@ -54,4 +53,4 @@ def test_planner_row_dry_run_and_log_describe_a_layout_alike() -> None:
         dims = parallel_dims(new, 16)
         assert not missing and dims.kind is lay.kind
         assert lay.describe().startswith(dims.describe() + ", micro batch 1")
-        assert describe_layout(new, 16).startswith(dims.describe())
+        assert describe_layout(new, dims).startswith(dims.describe())
