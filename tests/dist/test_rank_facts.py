@@ -42,9 +42,12 @@ def test_the_trainer_and_its_strategy_share_one_parallel_dims(
 
         monkeypatch.setattr(owner, name, counted)
     cfg = small_cfg(
-        "parallel.strategy=fsdp", "train.global_batch_size=4", "train.micro_batch_size=2", "data.prefetch=0",
+        "parallel.strategy=fsdp",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "data.prefetch=0",
         run_dir=tmp_path / "r",
-    )  # fmt: skip
+    )
     for out in run_ranks(2, _build, cfg):
         assert out["same"] and out["dp"] == 2
         assert out["counts"] == {"check_world": 1, "check_data": 1, "__post_init__": 1}, out["counts"]
