@@ -13,8 +13,11 @@ import pytest
 
 from hpcdist import config as config_mod
 from hpcdist import run
+from hpcdist.env import from_environ
 from hpcdist.parallel.dims import ParallelDims
 from hpcdist.planning import layouts as planner
+from hpcdist.rankfacts import rank_facts
+from hpcdist.trainer import Trainer
 from tests.conftest import SMALL
 
 
@@ -67,3 +70,14 @@ def test_auto_is_planned_once_per_rank(
     result = run.main(None, _overrides(corpus_dir, tmp_path / "run", "parallel.strategy=auto"))
     assert result.step == 1 and result.exit_code == 0
     assert counts == {"resolve_auto": 1, "check_data": 1}, counts
+
+
+def test_a_trainer_refuses_facts_built_from_another_config(small_cfg, tmp_path: Path) -> None:
+    """Facts handed down must be the ones of the config being trained: otherwise the loader and the strategy would
+    read a layout the config does not name."""
+    env = from_environ({}, cuda_available=False)
+    cfg = small_cfg("parallel.strategy=ddp", run_dir=tmp_path / "r")
+    other = rank_facts(small_cfg("parallel.strategy=ddp", run_dir=tmp_path / "r"), env)
+    with pytest.raises(ValueError, match="built from another config"):
+        Trainer(cfg, env, facts=other)
+    assert not (tmp_path / "r").exists()  # refused before anything was written
