@@ -126,6 +126,9 @@ def read_meta_json(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, "no meta.json"
     except OSError as e:
         return None, f"{META_NAME} {e.strerror or e}"
+    if os.fstat(fd).st_size > MAX_META_BYTES:  # before reading a byte of it
+        os.close(fd)
+        return None, f"{META_NAME} is larger than {MAX_META_BYTES >> 20} MiB"
     try:
         with os.fdopen(fd, "rb") as fh:
             data = fh.read(MAX_META_BYTES + 1)
@@ -262,5 +265,6 @@ def check_shard_files(meta: DatasetMeta, *, key: str = "data.path") -> None:
         if st.st_size != want:
             raise DataError([
                 f"{key} {file} holds {st.st_size:,} bytes, but meta.json says {s.tokens:,} {meta.dtype} tokens "
-                f"({want:,} bytes): the shard was truncated, grown or replaced; prepare the dataset again"
+                f"({want:,} bytes): the shard was truncated, grown or replaced; prepare the dataset again "
+                f"(hpcdist prepare ... --out {meta.path})"
             ])  # fmt: skip

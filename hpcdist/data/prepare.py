@@ -40,8 +40,12 @@ from hpcdist.data.tokenizers import ByteTokenizer, Tokenizer, copy_files, descri
 __all__ = ["PrepareRefused", "PrepareResult", "prepare_corpus", "prepare_shards"]
 
 
-class PrepareRefused(ValueError):
-    """The output directory holds something prepare would have to delete: the message names it and the options."""
+class PrepareRefused(DataError):
+    """The output directory holds something prepare would have to delete: one line naming it and the options (a
+    ConfigError, so ``hpcdist train`` preparing data.source=stdlib into a user's data.path prints it as one)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__([message])
 
 
 PROGRESS_NAME = "progress.jsonl"
@@ -221,6 +225,7 @@ def prepare_corpus(
     (out_dir / META_NAME).unlink(missing_ok=True)
     np_dtype = DTYPES[dtype]
     shards, resume_at, good_bytes = _resumable_shards(out_dir, fingerprint, dtype)
+    kept = len(shards)
     keep = {s["name"] for s in shards} | ({PROGRESS_NAME} if shards else set())
     for stale in own_files(out_dir):
         if stale.name not in keep:
@@ -339,7 +344,7 @@ def prepare_corpus(
     atomic_write(out_dir / META_NAME, (json.dumps(meta, indent=2) + "\n").encode())
     (out_dir / PROGRESS_NAME).unlink(missing_ok=True)
     return PrepareResult(out_dir, len(inputs), num_docs, total, bytes_read=bytes_read,
-                         seconds=time.perf_counter() - t0, kept_shards=len(keep))  # fmt: skip
+                         seconds=time.perf_counter() - t0, kept_shards=kept)  # fmt: skip
 
 
 def _shutdown(pool: Any, pending: deque[tuple[int, Any]]) -> None:
