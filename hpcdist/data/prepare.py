@@ -255,8 +255,6 @@ def prepare_corpus(
         name = SHARD_PATTERN.format(len(shards))
         data = memoryview(buf[:fill]).cast("B")
         top = int(chunk.max()) if len(chunk) else 0
-        if top >= tok.vocab_size:  # a tokenizer that breaks its own contract: never write an id past the table
-            raise ValueError(f"the {tok.kind} tokenizer produced token id {top}, past its vocab_size={tok.vocab_size}")
         atomic_write(out_dir / name, data, durable=durable)
         entry = {"name": name, "tokens": fill, "sha256": hashlib.sha256(data).hexdigest(), "max_id": top}
         shards.append(entry)
@@ -299,6 +297,10 @@ def prepare_corpus(
         with contextlib.closing(results()) as stream_of_batches:  # closed at once on --max-tokens' early stop
             for b, stream, lengths in stream_of_batches:
                 start = resume_at[1] if b == resume_at[0] else 0  # these tokens of the batch are in kept shards
+                top = int(stream.max()) if len(stream) else 0
+                if top >= tok.vocab_size:  # a tokenizer breaking its contract: never write (or wrap) an id past it
+                    raise ValueError(f"the {tok.kind} tokenizer produced token id {top}, past its vocab_size="
+                                     f"{tok.vocab_size}")  # fmt: skip
                 if max_tokens is not None and len(stream) - start > max_tokens - total:
                     cut = start + max_tokens - total
                     stream = stream[:cut]

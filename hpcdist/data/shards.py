@@ -10,7 +10,6 @@ import hashlib
 import logging
 import mmap
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,15 +52,6 @@ _VERIFIED: set[tuple[Any, ...]] = set()
 def read_meta(path: Path) -> dict[str, Any] | None:
     """The parsed meta.json of ``path``, or None (missing, not a regular file, too large, not a JSON object)."""
     return read_meta_json(Path(path))[0]
-
-
-def is_complete(path: Path, meta: Mapping[str, Any] | None = None) -> bool:
-    """A valid meta.json whose shards are all present with their recorded sizes (nothing read)."""
-    try:
-        check_shard_files(load_meta(path))
-    except DataError:
-        return False
-    return True
 
 
 def verify_shard(meta: DatasetMeta, k: int, *, key: str = "data.path") -> None:

@@ -323,6 +323,20 @@ def test_prepare_records_each_shards_sha256_and_largest_id(base: Path) -> None:
         assert s["max_id"] == int(ids.max()) < meta["vocab_size"]
 
 
+def test_a_tokenizer_producing_ids_past_its_vocabulary_writes_no_shard(tmp_path: Path) -> None:
+    """An id past the vocabulary is refused where it is made too (a uint16 shard would wrap it silently)."""
+    from hpcdist.data import ByteTokenizer
+
+    class Liar(ByteTokenizer):
+        def encode(self, text, *, bos=False, eos=True):  # type: ignore[no-untyped-def]
+            return super().encode(text, bos=bos, eos=eos).astype(np.int64) + 65_536
+
+    (tmp_path / "t.txt").write_text("hello")  # the largest id: "o" (111) + 65,536
+    with pytest.raises(ValueError, match="produced token id 65647, past its vocab_size=258"):
+        prepare_shards([tmp_path / "t.txt"], tmp_path / "ds", tokenizer=Liar())
+    assert not list((tmp_path / "ds").glob("shard-*"))
+
+
 def test_a_bad_id_in_a_window_never_drawn_is_named_before_step_1(
     base: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
