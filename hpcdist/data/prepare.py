@@ -35,7 +35,7 @@ from hpcdist.atomic import atomic_write
 from hpcdist.config.dataset_meta import DataError, check_shard_files, load_meta, open_regular
 from hpcdist.data import corpora
 from hpcdist.data.shards import DTYPES, FORMAT_VERSION, META_NAME, SHARD_PATTERN, read_meta, verify_shard
-from hpcdist.data.tokenizers import ByteTokenizer, Tokenizer, copy_files, describe
+from hpcdist.data.tokenizers import TOKENIZER_DIR, ByteTokenizer, Tokenizer, copy_files, describe
 
 __all__ = ["PrepareRefused", "PrepareResult", "prepare_corpus", "prepare_shards"]
 
@@ -404,7 +404,9 @@ def claim_output(out_dir: Path, fingerprint: str, overwrite: bool) -> bool:
         return True
     if _progress_fingerprint(out_dir) == fingerprint or overwrite:
         return False
-    entries = sorted(p.name for p in out_dir.iterdir())
+    # what a preparation leaves before its first progress line (the copied tokenizer, a temporary file) is no one's
+    leftover = {TOKENIZER_DIR} | {p.name for p in own_files(out_dir) if p.name.endswith(".tmp")}
+    entries = sorted(p.name for p in out_dir.iterdir() if p.name not in leftover)
     if not entries:
         return False
     if meta is not None:

@@ -279,6 +279,9 @@ def test_prepare_refuses_to_replace_another_dataset(tmp_path: Path, capfd: pytes
     (tmp_path / "mine" / "notes.txt").write_text("precious")
     rc, text, _ = _cli(capfd, "prepare", tmp_path / "a.txt", "--out", tmp_path / "mine", "--workers", "1")
     assert rc == 2 and "notes.txt" in text, text
+    (tmp_path / "left").mkdir()
+    (tmp_path / "left" / "tokenizer").mkdir()  # what an earlier prepare leaves before its first shard: no one's
+    assert _cli(capfd, "prepare", tmp_path / "a.txt", "--out", tmp_path / "left", "--workers", "1")[0] == 0
     rc, text, _ = _cli(capfd, "prepare", tmp_path / "b.txt", "--out", out, "--workers", "1", "--overwrite")
     assert rc == 0, text
     assert _meta(out)["num_tokens"] == 15001
