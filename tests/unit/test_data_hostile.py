@@ -401,6 +401,24 @@ def test_a_shard_changed_after_the_check_never_reaches_the_model(base: Path, tmp
         ds[0]
 
 
+def test_a_large_dataset_checks_each_shard_when_first_mapped(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over EAGER_VERIFY_BYTES the start-up check reads nothing (sizes and meta.json only); each shard is read and
+    checked the first time it is mapped, before any of its windows is returned."""
+    from hpcdist.config import DataError
+    from hpcdist.data import shards
+
+    monkeypatch.setattr(shards, "EAGER_VERIFY_BYTES", 0)
+    d = _copy(base, tmp_path / "ds")
+    _set_token(d, 2, SHARD - 1, 60000)  # in no window, but shard 2 is bad
+    ds = TokenDataset(d, 32)  # no content read yet
+    per_shard = SHARD // 33
+    assert ds[0].max() < 258 and ds[per_shard].max() < 258  # shards 0 and 1 check out
+    with pytest.raises(DataError, match=r"shard-00002\.bin: holds token id 60000"):
+        ds[2 * per_shard]
+
+
 def test_verification_cost(tmp_path: Path) -> None:
     """What the start-up check costs: every shard read once (sha256 + max), reported in MB/s."""
     from hpcdist.data import shards
