@@ -162,6 +162,11 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--shard-tokens", type=_positive_int, default=2**24, help="tokens per shard file")
     pr.add_argument("--max-tokens", type=_positive_int, default=None, help="stop after this many tokens")
     pr.add_argument(
+        "--overwrite", action="store_true",
+        help="replace the dataset (or unfinished preparation) in a non-empty --out made from other inputs or options; "
+        "without it prepare only continues its own preparation there",
+    )  # fmt: skip
+    pr.add_argument(
         "--megatron", metavar="PREFIX", type=Path,
         help="import a Megatron-LM indexed dataset (PREFIX.bin + PREFIX.idx) instead of tokenizing inputs; "
         "--tokenizer names the tokenizer that made it",
@@ -556,6 +561,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         res = prepare_corpus(
             files, args.out, tokenizer=tok, text_field=args.text_field, shard_tokens=args.shard_tokens,
             dtype=args.dtype, max_tokens=args.max_tokens, workers=args.workers, progress=sys.stderr,
+            overwrite=args.overwrite,
         )  # fmt: skip
     except (ValueError, OSError) as e:  # TokenizerError and CorpusError are ValueErrors
         return _fail(f"prepare: {e}")
@@ -577,7 +583,8 @@ def _import_megatron(args: argparse.Namespace) -> int:
         return _fail("prepare: --megatron imports PREFIX.bin/.idx; give no other inputs")
     try:
         tok = load_tokenizer(args.tokenizer)
-        res = import_megatron(args.megatron, args.out, tokenizer=tok, shard_tokens=args.shard_tokens, dtype=args.dtype)
+        res = import_megatron(args.megatron, args.out, tokenizer=tok, shard_tokens=args.shard_tokens, dtype=args.dtype,
+                              overwrite=args.overwrite)  # fmt: skip
     except (ValueError, OSError) as e:
         return _fail(f"prepare: {e}")
     print(f"imported Megatron dataset {args.megatron} into {res.path}: {res.num_documents:,} documents, "
@@ -957,7 +964,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         seq_len = args.seq_len or cfg.data.seq_len
         if seq_len > model.args.max_seq_len:
             return _fail(f"eval: --seq-len {seq_len} exceeds the model's max_seq_len={model.args.max_seq_len}")
-        dataset = TokenDataset(args.data, seq_len)
+        dataset = TokenDataset(args.data, seq_len, key="--data")  # every shard checked before the first batch
         res = dataset_loss(
             model, dataset, batches=args.batches or cfg.train.eval_batches,
             batch_size=args.batch_size or cfg.train.global_batch_size,

@@ -106,7 +106,9 @@ def _build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
         path = Path(d.path) if d.path else RunDir(cfg.run.dir).data
         if env.is_main:
             t0 = time.perf_counter()
-            prepare_shards(stdlib_corpus(), path, dtype=d.dtype, max_tokens=d.max_tokens, tokenizer=ByteTokenizer())
+            # the run dir's own copy is replaced when data.dtype / max_tokens change; a user's data.path never is
+            prepare_shards(stdlib_corpus(), path, dtype=d.dtype, max_tokens=d.max_tokens, tokenizer=ByteTokenizer(),
+                           overwrite=not d.path)  # fmt: skip
             log.info("data: stdlib corpus ready in %s (%.1fs)", path, time.perf_counter() - t0)
         _barrier()
     elif d.sources:  # a blend: each source split alike, mixed by the same weights

@@ -14,9 +14,8 @@ Torch-free: meta.json is read as plain JSON (hpcdist.data imports torch; tests c
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from hpcdist.config.loader import ConfigError
+from hpcdist.config.dataset_meta import META_NAME, DataError, DatasetMeta, check_shard_files, load_meta
 from hpcdist.config.rules import BYTE_VOCAB, MAXIMA
 from hpcdist.config.schema import JobConfig
 
@@ -33,27 +32,23 @@ __all__ = [
 ]
 
 VOCAB_MULTIPLE = 64
-META_NAME = "meta.json"  # hpcdist.data.shards.META_NAME
-
-
-class DataError(ConfigError):
-    """The data a config names is missing or does not fit the model: one line, printed once per job."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__(problems)
-        self.args = ("; ".join(problems),)
 
 
 def _prepare_hint(path: str) -> str:
     return f"make it with `hpcdist prepare INPUT... --tokenizer SPEC --out {path}`"
 
 
-def _dataset_meta(path: str) -> dict | None:
+def _meta(path: str, key: str) -> tuple[DatasetMeta | None, str]:
+    """(the validated meta.json of ``path``, "") or (None, the one-line problem naming ``key``)."""
     try:
-        meta = json.loads((Path(path).expanduser() / META_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # missing, unreadable or torn: not a (complete) dataset
-        return None
-    return meta if isinstance(meta, dict) and isinstance(meta.get("vocab_size"), int) else None
+        return load_meta(path, key=key), ""
+    except DataError as e:
+        return None, e.problems[0]
+
+
+def _dataset_meta(path: str) -> dict | None:
+    meta, _ = _meta(path, "data.path")
+    return None if meta is None else meta.raw
 
 
 def _tokenizer_key(meta: dict) -> dict:
@@ -90,9 +85,10 @@ def run_tokenizer(cfg: JobConfig) -> tuple[dict | None, str]:
 def check_same_tokenizer(cfg: JobConfig, key: str, path: str) -> list[str]:
     """``path`` is a prepared dataset made with the run's tokenizer and its ids fit the model: else one problem,
     naming both tokenizers (the same ids would mean different text)."""
-    meta = _dataset_meta(path)
-    if meta is None:
-        return [f"{key}: {path}: no prepared dataset there (no complete {META_NAME}); {_prepare_hint(path)}"]
+    found, problem = _meta(path, f"{key}:")
+    if found is None:
+        return [problem]
+    meta = found.raw
     theirs = _tokenizer_key(meta)
     mine, where = run_tokenizer(cfg)
     if mine is not None and theirs != mine:
@@ -170,11 +166,16 @@ def check_data(cfg: JobConfig, *, strict: bool = True) -> list[str]:
     m = cfg.model
     tokenizers = {}
     for key, path in dataset_paths(cfg):
-        meta = _dataset_meta(path)
-        if meta is None:
-            problems.append(f"{key} {path}: no prepared dataset there (no complete {META_NAME}); "
-                            f"{_prepare_hint(path)}")  # fmt: skip
+        found, problem = _meta(path, key)
+        if found is None:
+            problems.append(problem)
+            continue
+        try:  # the files themselves, without reading them (start-up on every rank, and submit on the login node)
+            check_shard_files(found, key=key)
+        except DataError as e:
+            problems.append(e.problems[0])
         else:
+            meta = found.raw
             tok = meta.get("tokenizer") or {"kind": "byte", "vocab_size": meta["vocab_size"]}
             tokenizers[path] = json.dumps({k: tok.get(k) for k in ("kind", "vocab_size", "files")}, sort_keys=True)
     if len(set(tokenizers.values())) > 1:

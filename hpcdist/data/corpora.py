@@ -9,13 +9,20 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import sysconfig
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["CorpusError", "expand_inputs", "input_files", "input_kind", "iter_documents", "stdlib_corpus"]
 
 EXTRA = "pip install 'hpcdist[data]'"
+# One JSON line (one document) is read whole: a bound keeps a file without newlines from filling the memory.
+MAX_LINE_BYTES = 256 * 2**20
+# A lone UTF-16 surrogate ("\ud800" in JSON) is valid JSON but not text: no tokenizer can encode it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class CorpusError(ValueError):
@@ -64,16 +71,28 @@ def input_kind(path: Path) -> str:
     return "text"
 
 
+def check_glob(glob: str) -> None:
+    """A --glob pattern must match names below the directory searched: no absolute path, no ``..``."""
+    parts = Path(glob).parts
+    if not glob or Path(glob).is_absolute() or ".." in parts or glob.startswith("~"):
+        raise CorpusError(f"--glob {glob!r}: give patterns relative to the input directories (like *.txt or "
+                          "sub/*.jsonl), not a path: name other files as inputs")  # fmt: skip
+
+
 def expand_inputs(inputs: Sequence[Path], glob: str) -> list[Path]:
     """Files and dataset directories to read, in a stable order: a directory is searched recursively with `glob`,
-    except a ``datasets`` directory, which is one input. Raises CorpusError for a missing path."""
+    except a ``datasets`` directory, which is one input. Raises CorpusError for a missing path or a bad pattern."""
+    check_glob(glob)
     out: list[Path] = []
     for item in inputs:
         item = Path(item)
         if is_hf_dataset_dir(item):
             out.append(item)
         elif item.is_dir():
-            out += sorted(f for f in item.rglob(glob) if f.is_file())
+            try:
+                out += sorted(f for f in item.rglob(glob) if f.is_file())
+            except (ValueError, NotImplementedError) as e:  # a pattern pathlib refuses
+                raise CorpusError(f"--glob {glob!r}: {e}") from None
         elif item.is_file():
             out.append(item)
         else:
@@ -88,6 +107,23 @@ def input_files(path: Path) -> list[Path]:
     return [path]
 
 
+def without_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate (valid in JSON and in Python, not in UTF-8) as U+FFFD, the way invalid UTF-8
+    bytes become U+FFFD: a tokenizer given one raises (TypeError in Hugging Face's, UnicodeEncodeError in ours)."""
+    return _SURROGATE.sub("\ufffd", text) if not text.isascii() and _SURROGATE.search(text) else text
+
+
+def _lines(path: Path, fh: Any) -> Iterator[bytes]:
+    """The lines of a binary file, each read with a bound (MAX_LINE_BYTES)."""
+    lineno = 0
+    while line := fh.readline(MAX_LINE_BYTES + 1):
+        lineno += 1
+        if len(line) > MAX_LINE_BYTES:
+            raise CorpusError(f"{path}:{lineno}: a line longer than {MAX_LINE_BYTES >> 20} MiB (one document per "
+                              "line): split the document, or is this not a JSON-lines file?")  # fmt: skip
+        yield line
+
+
 def _json_lines(path: Path, lines: Iterator[bytes], field: str) -> Iterator[tuple[str, int]]:
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
@@ -96,13 +132,15 @@ def _json_lines(path: Path, lines: Iterator[bytes], field: str) -> Iterator[tupl
             record = json.loads(line)
         except ValueError as e:
             raise CorpusError(f"{path}:{lineno}: not a JSON line ({e})") from e
+        except RecursionError:  # [[[[... nested deeper than the parser goes
+            raise CorpusError(f"{path}:{lineno}: a JSON value nested too deeply to parse") from None
         if not isinstance(record, dict) or field not in record:
-            keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+            keys = ", ".join(map(str, list(record)[:20])) if isinstance(record, dict) else type(record).__name__
             raise CorpusError(f"{path}:{lineno}: no field {field!r} (has: {keys}); choose one with --text-field")
         text = record[field]
         if not isinstance(text, str):
             raise CorpusError(f"{path}:{lineno}: field {field!r} is {type(text).__name__}, not text")
-        yield text, len(line)
+        yield without_surrogates(text), len(line)
 
 
 def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
@@ -127,7 +165,11 @@ def _hf_dataset(path: Path, field: str) -> Iterator[tuple[str, int]]:
         import datasets
     except ImportError as e:
         raise CorpusError(f"{path}: reading a Hugging Face datasets directory needs datasets: {EXTRA}") from e
-    ds = datasets.load_from_disk(str(path))
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # the library reports a directory that only looks like one in many ways (KeyError, ...)
+        raise CorpusError(f"{path}: not a readable datasets directory (save_to_disk) ({type(e).__name__}: "
+                          f"{str(e)[:200]})") from None  # fmt: skip
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise CorpusError(f"{path}: a DatasetDict without a 'train' split (has: {', '.join(ds)}); save one split")
@@ -150,10 +192,13 @@ def iter_documents(path: Path, *, text_field: str = "text") -> Iterator[tuple[st
         yield data, len(data)
     elif kind == "jsonl":
         with open(path, "rb") as fh:
-            yield from _json_lines(path, iter(fh), text_field)
+            yield from _json_lines(path, _lines(path, fh), text_field)
     elif kind == "jsonl.gz":
-        with gzip.open(path, "rb") as fh:
-            yield from _json_lines(path, iter(fh), text_field)
+        try:
+            with gzip.open(path, "rb") as fh:
+                yield from _json_lines(path, _lines(path, fh), text_field)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # truncated or not gzip at all
+            raise CorpusError(f"{path}: a damaged or truncated gzip file ({e}); compress it again") from None
     elif kind == "parquet":
         yield from _parquet(path, text_field)
     else:

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from hpcdist.atomic import atomic_write
-from hpcdist.data.prepare import PrepareResult
-from hpcdist.data.shards import DTYPES, FORMAT_VERSION, META_NAME, SHARD_PATTERN, is_complete, read_meta
+from hpcdist.data.prepare import PrepareResult, claim_output, is_intact, own_files
+from hpcdist.data.shards import DTYPES, FORMAT_VERSION, META_NAME, SHARD_PATTERN, read_meta
 from hpcdist.data.tokenizers import Tokenizer, copy_files, describe
 
 __all__ = ["import_megatron", "read_index"]
@@ -46,10 +46,17 @@ def read_index(idx: Path) -> tuple[np.dtype, np.ndarray, np.ndarray]:
 
 
 def import_megatron(
-    prefix: Path, out_dir: Path, *, tokenizer: Tokenizer, shard_tokens: int = 2**24, dtype: str = "auto"
+    prefix: Path,
+    out_dir: Path,
+    *,
+    tokenizer: Tokenizer,
+    shard_tokens: int = 2**24,
+    dtype: str = "auto",
+    overwrite: bool = False,
 ) -> PrepareResult:
     """``PREFIX.bin`` / ``PREFIX.idx`` -> ``out_dir`` shards + meta.json recording `tokenizer` (the one that made the
-    ids: it is checked that every id is below its vocabulary). Idempotent like :func:`prepare_corpus`."""
+    ids: it is checked that every id is below its vocabulary). Idempotent like :func:`prepare_corpus`, and like it
+    refuses a non-empty out_dir holding anything else unless `overwrite`."""
     prefix, out_dir = Path(prefix), Path(out_dir)
     bin_path, idx_path = prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")
     for p in (bin_path, idx_path):
@@ -70,8 +77,8 @@ def import_megatron(
         st = os.stat(p)
         h.update(f"\0{os.fspath(p)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     fingerprint = h.hexdigest()
-    meta = read_meta(out_dir)
-    if meta is not None and meta.get("fingerprint") == fingerprint and is_complete(out_dir, meta):
+    if claim_output(out_dir, fingerprint, overwrite) and is_intact(out_dir):
+        meta = read_meta(out_dir) or {}
         return PrepareResult(out_dir, 1, int(meta["num_documents"]), int(meta["num_tokens"]), up_to_date=True)
 
     tokens = np.memmap(bin_path, dtype=src, mode="r")
@@ -79,8 +86,8 @@ def import_megatron(
         raise ValueError(f"{bin_path}: {len(tokens)} tokens, but {idx_path} counts {int(sizes.sum())}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / META_NAME).unlink(missing_ok=True)  # not complete until the new meta.json
-    for stale in out_dir.glob("shard-*.bin*"):
-        stale.unlink()
+    for stale in own_files(out_dir):
+        stale.unlink(missing_ok=True)
     copy_files(tokenizer, out_dir)
     t0 = time.perf_counter()
     shards = []
@@ -92,8 +99,9 @@ def import_megatron(
             raise ValueError(f"{bin_path}: token id {bad} is outside the {tokenizer.kind} tokenizer's vocabulary "
                              f"[0, {tokenizer.vocab_size}): is it the tokenizer that made this dataset?")  # fmt: skip
         name = SHARD_PATTERN.format(len(shards))
-        atomic_write(out_dir / name, chunk.astype(DTYPES[dtype]).tobytes())
-        shards.append({"name": name, "tokens": len(chunk)})
+        data = chunk.astype(DTYPES[dtype]).tobytes()
+        atomic_write(out_dir / name, data)
+        shards.append({"name": name, "tokens": len(chunk), "sha256": hashlib.sha256(data).hexdigest(), "max_id": high})
     meta = {
         "format": FORMAT_VERSION, "dtype": dtype, "vocab_size": int(tokenizer.vocab_size), "bos_id": tokenizer.bos_id,
         "eos_id": int(tokenizer.eos_id), "shard_tokens": shard_tokens, "max_tokens": None, "num_tokens": len(tokens),

@@ -4,16 +4,20 @@
 
     inputs --corpora.iter_documents--> documents --batches of ~1 MB--> worker processes: encode_batch,
     [BOS] doc EOS per document --in batch order--> the main process fills shard-00000.bin, shard-00001.bin ...
-    (each written whole through atomic_write) and, after each, progress.json; meta.json is written last.
+    (each written whole through atomic_write) and, after each, a line of progress.jsonl; meta.json is written last,
+    recording each shard's token count, sha256 and largest id (what readers check before training).
 
 The token stream does not depend on the number of workers (batches are cut from the documents alone and written in
-order). A killed run continues: progress.json names the complete shards and the (batch, token) position after
-them; a rerun with the same fingerprint keeps those shards, re-reads the inputs before that position without
-re-tokenizing them, and goes on. A changed input or option starts over. Single writer per directory.
+order). A killed run continues: progress.jsonl names the complete shards (with their sha256) and the (batch, token)
+position after them; a rerun with the same fingerprint keeps the shards that still match, re-reads the inputs before
+that position without re-tokenizing them, and goes on. An output directory holding anything else (another dataset,
+another unfinished preparation, other files) is refused unless ``overwrite``: prepare never deletes a dataset the
+user did not name. Single writer per directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -28,13 +32,30 @@ from typing import Any, TextIO
 import numpy as np
 
 from hpcdist.atomic import atomic_write
+from hpcdist.config.dataset_meta import DataError, check_shard_files, load_meta, open_regular
 from hpcdist.data import corpora
-from hpcdist.data.shards import DTYPES, FORMAT_VERSION, META_NAME, SHARD_PATTERN, is_complete, read_meta
-from hpcdist.data.tokenizers import ByteTokenizer, Tokenizer, copy_files, describe
+from hpcdist.data.shards import DTYPES, FORMAT_VERSION, META_NAME, SHARD_PATTERN, read_meta, verify_shard
+from hpcdist.data.tokenizers import TOKENIZER_DIR, ByteTokenizer, Tokenizer, copy_files, describe
 
-__all__ = ["PrepareResult", "prepare_corpus", "prepare_shards"]
+__all__ = ["PrepareRefused", "PrepareResult", "prepare_corpus", "prepare_shards"]
 
-PROGRESS_NAME = "progress.json"
+
+class PrepareRefused(DataError):
+    """The output directory holds something prepare would have to delete: one line naming it and the options (a
+    ConfigError, so ``hpcdist train`` preparing data.source=stdlib into a user's data.path prints it as one)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__([message])
+
+
+PROGRESS_NAME = "progress.jsonl"
+LEGACY_PROGRESS = "progress.json"  # before issue 25: rewritten whole after every shard (quadratic in the shard count)
+# Shards smaller than this are written without an fsync each (thousands of tiny shards would spend minutes in
+# fsync): the sha256 recorded for every shard tells a torn one apart, on resume and in every reader.
+DURABLE_SHARD_BYTES = 1 << 20
+# How long an early stop waits for the worker tasks still in flight before it gives up on them (a worker killed by the
+# OOM killer never returns its task).
+DRAIN_TIMEOUT_S = 300.0
 BATCH_BYTES = 1 << 20  # documents per task: large enough to amortize the pipe, small enough to keep workers busy
 BATCH_DOCS = 4096
 
@@ -85,14 +106,22 @@ def _init_worker(tok: Tokenizer) -> None:
 
 
 def _encode(tok: Tokenizer, docs: list[str | bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """([BOS] ids EOS of every document, concatenated; each document's length in that stream)."""
-    encoded = tok.encode_batch(docs)
-    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
-    lengths = np.array([len(e) + len(bos) + 1 for e in encoded], dtype=np.int64)
-    parts: list[Any] = []
-    for e in encoded:
-        parts += [bos, e, [tok.eos_id]]
-    stream = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if parts else np.empty(0, np.int64)
+    """([BOS] ids EOS of every document, concatenated, as uint32 (half the memory and pipe traffic of int64); each
+    document's length in that stream)."""
+    if isinstance(tok, ByteTokenizer):  # uint16 bytes straight from the buffer: no int64 copy of a 100 MB document
+        encoded: list[np.ndarray] = [tok.encode(d, eos=False) for d in docs]
+    else:
+        encoded = tok.encode_batch(docs)
+    nb = 1 if tok.add_bos and tok.bos_id is not None else 0
+    lengths = np.fromiter((len(e) + nb + 1 for e in encoded), dtype=np.int64, count=len(encoded))
+    stream = np.empty(int(lengths.sum()), dtype=np.uint32)
+    pos = 0
+    for e, n in zip(encoded, lengths.tolist(), strict=True):
+        if nb:
+            stream[pos] = tok.bos_id
+        stream[pos + nb : pos + n - 1] = e
+        stream[pos + n - 1] = tok.eos_id
+        pos += n
     return stream, lengths
 
 
@@ -151,13 +180,16 @@ def prepare_corpus(
     max_tokens: int | None = None,
     workers: int = 1,
     progress: TextIO | None = None,
+    overwrite: bool = False,
 ) -> PrepareResult:
     """Tokenize every document of `inputs` (files or ``datasets`` directories, see :mod:`hpcdist.data.corpora`)
     into ``out_dir``: shards of `shard_tokens` tokens, [BOS] doc EOS per document, plus meta.json (last).
 
     ``dtype="auto"`` picks uint16 when the vocabulary fits, else uint32. `max_tokens` caps the total (the last
     document is cut). `workers` > 1 tokenizes in that many forked processes; the output is the same. Idempotent
-    (returns at once when out_dir holds a complete dataset with the same fingerprint) and resumable (see module)."""
+    (returns at once when out_dir holds a complete, intact dataset with the same fingerprint) and resumable (see
+    module). A non-empty out_dir holding anything else raises :class:`PrepareRefused` unless `overwrite` (which
+    replaces prepare's own files there: shards, meta.json, progress, and nothing else)."""
     tok: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     inputs = [Path(f) for f in inputs]
     out_dir = Path(out_dir)
@@ -183,8 +215,8 @@ def prepare_corpus(
     header = {"dtype": dtype, "max_tokens": max_tokens, "shard_tokens": shard_tokens, "text_field": text_field,
               "tokenizer": tok_info}  # fmt: skip
     fingerprint = _fingerprint(inputs, header)
-    meta = read_meta(out_dir)
-    if meta is not None and meta.get("fingerprint") == fingerprint and is_complete(out_dir, meta):
+    if claim_output(out_dir, fingerprint, overwrite) and is_intact(out_dir):
+        meta = read_meta(out_dir) or {}
         return PrepareResult(out_dir, len(inputs), int(meta["num_documents"]), int(meta["num_tokens"]),
                              up_to_date=True)  # fmt: skip
 
@@ -192,14 +224,22 @@ def prepare_corpus(
     # Remove the old meta.json FIRST: from here on the directory must not look complete until we finish.
     (out_dir / META_NAME).unlink(missing_ok=True)
     np_dtype = DTYPES[dtype]
-    shards, resume_at = _resumable_shards(out_dir, fingerprint, np_dtype.itemsize)
-    keep = {s["name"] for s in shards}
-    for stale in {*out_dir.glob("shard-*.bin*"), *out_dir.glob("*.tmp.*")}:
+    shards, resume_at, good_bytes = _resumable_shards(out_dir, fingerprint, dtype)
+    kept = len(shards)
+    keep = {s["name"] for s in shards} | ({PROGRESS_NAME} if shards else set())
+    for stale in own_files(out_dir):
         if stale.name not in keep:
             stale.unlink(missing_ok=True)
-    if not shards:
-        (out_dir / PROGRESS_NAME).unlink(missing_ok=True)
     copy_files(tok, out_dir)
+    durable = shard_tokens * np_dtype.itemsize >= DURABLE_SHARD_BYTES
+    # Append-only: one line per shard (rewriting the whole list after every shard was quadratic in the shard count).
+    log_fd = os.open(out_dir / PROGRESS_NAME, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    os.ftruncate(log_fd, good_bytes)  # a resume continues after the last good line (a torn one is dropped)
+    os.lseek(log_fd, good_bytes, os.SEEK_SET)
+    progress_log = os.fdopen(log_fd, "w", encoding="utf-8")
+    if not shards:
+        progress_log.write(json.dumps({"fingerprint": fingerprint}) + "\n")
+        progress_log.flush()
 
     t0 = time.perf_counter()
     bar = _Progress(progress, len(inputs))
@@ -210,14 +250,17 @@ def prepare_corpus(
     bytes_read = 0
     position = [0, 0]  # (batch, tokens of that batch) up to which the token stream is in complete shards
 
-    def flush() -> None:
+    def flush(chunk: np.ndarray) -> None:
         nonlocal fill
         name = SHARD_PATTERN.format(len(shards))
-        atomic_write(out_dir / name, memoryview(buf[:fill]).cast("B"))
-        shards.append({"name": name, "tokens": fill})
+        data = memoryview(buf[:fill]).cast("B")
+        top = int(chunk.max()) if len(chunk) else 0
+        atomic_write(out_dir / name, data, durable=durable)
+        entry = {"name": name, "tokens": fill, "sha256": hashlib.sha256(data).hexdigest(), "max_id": top}
+        shards.append(entry)
         fill = 0
-        state = {"fingerprint": fingerprint, "shards": shards, "batch": position[0], "offset": position[1]}
-        atomic_write(out_dir / PROGRESS_NAME, json.dumps(state) + "\n")
+        progress_log.write(json.dumps({**entry, "batch": position[0], "offset": position[1]}) + "\n")
+        progress_log.flush()
 
     def results() -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """(batch index, stream, lengths) in order; batches wholly inside kept shards are counted, not encoded."""
@@ -232,8 +275,9 @@ def prepare_corpus(
                 yield (b, *_encode(tok, docs))
             return
         # a bounded window of batches in flight: Pool.imap would read the whole corpus ahead into memory
-        with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(tok,)) as pool:
-            pending: deque[tuple[int, Any]] = deque()
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(tok,))
+        pending: deque[tuple[int, Any]] = deque()
+        try:
             for b, docs, n in todo:
                 if b < resume_at[0]:
                     num_docs += len(docs)
@@ -246,31 +290,41 @@ def prepare_corpus(
             while pending:
                 b0, res = pending.popleft()
                 yield (b0, *res.get())
+        finally:
+            _shutdown(pool, pending)
 
-    for b, stream, lengths in results():
-        start = resume_at[1] if b == resume_at[0] else 0  # these tokens of the batch are in kept shards
-        if max_tokens is not None and len(stream) - start > max_tokens - total:
-            cut = start + max_tokens - total
-            stream = stream[:cut]
-            # the documents that start before the cut contribute (the last one is cut short)
-            num_docs += int(np.searchsorted(np.cumsum(lengths), cut, side="left")) + 1
-        else:
-            num_docs += len(lengths)
-        pos = start
-        while pos < len(stream):
-            take = min(len(stream) - pos, shard_tokens - fill)
-            buf[fill : fill + take] = stream[pos : pos + take]
-            fill += take
-            pos += take
-            total += take
-            if fill == shard_tokens:
-                position[:] = [b, pos] if pos < len(stream) else [b + 1, 0]
-                flush()
-        bar.update(tokens=total, nbytes=bytes_read, shards=len(shards))
-        if max_tokens is not None and total >= max_tokens:
-            break
-    if fill:
-        flush()
+    try:
+        with contextlib.closing(results()) as stream_of_batches:  # closed at once on --max-tokens' early stop
+            for b, stream, lengths in stream_of_batches:
+                start = resume_at[1] if b == resume_at[0] else 0  # these tokens of the batch are in kept shards
+                top = int(stream.max()) if len(stream) else 0
+                if top >= tok.vocab_size:  # a tokenizer breaking its contract: never write (or wrap) an id past it
+                    raise ValueError(f"the {tok.kind} tokenizer produced token id {top}, past its vocab_size="
+                                     f"{tok.vocab_size}")  # fmt: skip
+                if max_tokens is not None and len(stream) - start > max_tokens - total:
+                    cut = start + max_tokens - total
+                    stream = stream[:cut]
+                    # the documents that start before the cut contribute (the last one is cut short)
+                    num_docs += int(np.searchsorted(np.cumsum(lengths), cut, side="left")) + 1
+                else:
+                    num_docs += len(lengths)
+                pos = start
+                while pos < len(stream):
+                    take = min(len(stream) - pos, shard_tokens - fill)
+                    buf[fill : fill + take] = stream[pos : pos + take]
+                    fill += take
+                    pos += take
+                    total += take
+                    if fill == shard_tokens:
+                        position[:] = [b, pos] if pos < len(stream) else [b + 1, 0]
+                        flush(buf[:fill])
+                bar.update(tokens=total, nbytes=bytes_read, shards=len(shards))
+                if max_tokens is not None and total >= max_tokens:
+                    break
+        if fill:
+            flush(buf[:fill])
+    finally:
+        progress_log.close()
     bar.update(tokens=total, nbytes=bytes_read, shards=len(shards), final=True)
 
     meta = {
@@ -283,6 +337,7 @@ def prepare_corpus(
         "max_tokens": max_tokens,
         "num_tokens": total,
         "num_documents": num_docs,
+        "max_id": max((int(s["max_id"]) for s in shards), default=0),
         "shards": shards,
         "tokenizer": tok_info,
         "text_field": text_field,
@@ -291,21 +346,138 @@ def prepare_corpus(
     atomic_write(out_dir / META_NAME, (json.dumps(meta, indent=2) + "\n").encode())
     (out_dir / PROGRESS_NAME).unlink(missing_ok=True)
     return PrepareResult(out_dir, len(inputs), num_docs, total, bytes_read=bytes_read,
-                         seconds=time.perf_counter() - t0, kept_shards=len(keep))  # fmt: skip
+                         seconds=time.perf_counter() - t0, kept_shards=kept)  # fmt: skip
 
 
-def _resumable_shards(out_dir: Path, fingerprint: str, itemsize: int) -> tuple[list[dict[str, Any]], tuple[int, int]]:
-    """The complete shards of an interrupted run with this fingerprint, and the (batch, offset) after them."""
+def _shutdown(pool: Any, pending: deque[tuple[int, Any]]) -> None:
+    """Stop the worker pool without Pool.terminate() while tasks are in flight: terminate's _help_stuff_finish takes
+    the task queue's read lock and drains the pipe while the task handler may still be writing a batch (~1 MB, more
+    than the pipe holds) into it, and then waits for that thread forever (issue 25.9: 1 run in 6 hung after
+    --max-tokens stopped the reading early). So the few tasks in flight (at most 2 per worker) finish, and the
+    workers leave on close()'s sentinels."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    for _, res in pending:
+        res.wait(max(0.0, deadline - time.monotonic()))
+    if all(res.ready() for _, res in pending):
+        pool.close()
+        pool.join()
+    else:  # a worker died with its task (the OOM killer): nothing is in flight any more, terminate is the only way
+        pool.terminate()
+
+
+def own_files(out_dir: Path) -> list[Path]:
+    """The files prepare writes in a dataset directory (shards, meta.json, progress, atomic_write's temporary files):
+    the only ones it ever deletes."""
+    names = [META_NAME, PROGRESS_NAME, LEGACY_PROGRESS]
+    found = [out_dir / n for n in names if (out_dir / n).is_file() or (out_dir / n).is_symlink()]
+    found += [p for p in out_dir.glob("shard-*.bin") if len(p.name) == len(SHARD_PATTERN.format(0))]
+    found += [*out_dir.glob(".shard-*.bin.*.tmp"), *out_dir.glob(f".{META_NAME}.*.tmp")]
+    return found
+
+
+def _progress_fingerprint(out_dir: Path) -> str | None:
+    """The fingerprint of an unfinished preparation in out_dir (progress.jsonl's first line, or an older
+    progress.json), or None."""
+    for name in (PROGRESS_NAME, LEGACY_PROGRESS):
+        try:
+            fd = open_regular(out_dir / name)
+            with os.fdopen(fd, "rb") as fh:
+                first = fh.readline(1 << 16)
+            state = json.loads(first)
+        except (OSError, ValueError, RecursionError):
+            continue
+        if isinstance(state, dict) and isinstance(state.get("fingerprint"), str):
+            return state["fingerprint"]
+    return None
+
+
+def claim_output(out_dir: Path, fingerprint: str, overwrite: bool) -> bool:
+    """May this preparation write into out_dir? True when out_dir holds a dataset with this very fingerprint
+    (possibly up to date). PrepareRefused when out_dir holds anything that is not this preparation's, unless
+    `overwrite` (issue 25.5: a different input used to delete the dataset there, silently)."""
+    if not out_dir.exists():
+        return False
+    if not out_dir.is_dir():
+        raise PrepareRefused(f"--out {out_dir} is not a directory")
+    meta = read_meta(out_dir)
+    if meta is not None and meta.get("fingerprint") == fingerprint:
+        return True
+    if _progress_fingerprint(out_dir) == fingerprint or overwrite:
+        return False
+    # what a preparation leaves before its first progress line (the copied tokenizer, a temporary file) is no one's
+    leftover = {TOKENIZER_DIR} | {p.name for p in own_files(out_dir) if p.name.endswith(".tmp")}
+    entries = sorted(p.name for p in out_dir.iterdir() if p.name not in leftover)
+    if not entries:
+        return False
+    if meta is not None:
+        what = (f"a prepared dataset ({meta.get('num_tokens', '?')} tokens) made from other inputs, options or "
+                "tokenizer")  # fmt: skip
+    elif _progress_fingerprint(out_dir) is not None:
+        what = "an unfinished preparation of other inputs, options or tokenizer"
+    else:
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        what = f"files prepare did not write ({shown})"
+    raise PrepareRefused(f"--out {out_dir} is not empty: it holds {what}; prepare would replace it. Give a new "
+                         "--out, or add --overwrite to replace the dataset there (only prepare's own files: "
+                         "shards, meta.json, progress)")  # fmt: skip
+
+
+def is_intact(out_dir: Path) -> bool:
+    """out_dir's dataset is complete and every shard matches its recorded sha256 and ids (one read: still far less
+    than tokenizing again); a dataset without checksums is prepared again to record them."""
     try:
-        state = json.loads((out_dir / PROGRESS_NAME).read_text(encoding="utf-8"))
-        if state.get("fingerprint") != fingerprint:
-            return [], (0, 0)
-        shards = [{"name": str(s["name"]), "tokens": int(s["tokens"])} for s in state["shards"]]
-        if not all(os.path.getsize(out_dir / s["name"]) == s["tokens"] * itemsize for s in shards):
-            return [], (0, 0)
-        return shards, (int(state["batch"]), int(state["offset"]))
-    except (OSError, ValueError, KeyError, TypeError):  # none, torn or foreign: start over
-        return [], (0, 0)
+        meta = load_meta(out_dir)
+        check_shard_files(meta)
+        if not meta.checksummed:
+            return False
+        for k in range(len(meta.shards)):
+            verify_shard(meta, k)
+    except DataError:
+        return False
+    return True
+
+
+def _resumable_shards(out_dir: Path, fingerprint: str, dtype: str) -> tuple[list[dict[str, Any]], tuple[int, int], int]:
+    """The complete, intact shards of an interrupted run with this fingerprint, the (batch, offset) after them, and
+    the bytes of progress.jsonl that describe them. A torn line or a shard that no longer matches its sha256 (a crash
+    before it reached the disk) ends the list there."""
+    try:
+        fd = open_regular(out_dir / PROGRESS_NAME)
+        with os.fdopen(fd, "rb") as fh:
+            lines = fh.read().split(b"\n")
+    except OSError:
+        return [], (0, 0), 0
+    try:
+        if len(lines) < 2 or json.loads(lines[0]).get("fingerprint") != fingerprint:
+            return [], (0, 0), 0
+    except (ValueError, RecursionError, AttributeError):
+        return [], (0, 0), 0
+    itemsize = DTYPES[dtype].itemsize
+    shards: list[dict[str, Any]] = []
+    at, good = (0, 0), len(lines[0]) + 1
+    for line in lines[1:-1]:  # the part after the last newline is torn (or empty)
+        try:
+            rec = json.loads(line)
+            entry = {"name": str(rec["name"]), "tokens": int(rec["tokens"]), "sha256": str(rec["sha256"]),
+                     "max_id": int(rec["max_id"])}  # fmt: skip
+            step = (int(rec["batch"]), int(rec["offset"]))
+        except (ValueError, KeyError, TypeError, RecursionError):
+            break
+        if entry["name"] != SHARD_PATTERN.format(len(shards)) or not _shard_matches(out_dir, entry, itemsize):
+            break
+        shards.append(entry)
+        at, good = step, good + len(line) + 1
+    return (shards, at, good) if shards else ([], (0, 0), 0)
+
+
+def _shard_matches(out_dir: Path, entry: dict[str, Any], itemsize: int) -> bool:
+    try:
+        fd = open_regular(out_dir / entry["name"])
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(entry["tokens"] * itemsize + 1)
+    return len(data) == entry["tokens"] * itemsize and hashlib.sha256(data).hexdigest() == entry["sha256"]
 
 
 def prepare_shards(
@@ -316,9 +488,10 @@ def prepare_shards(
     dtype: str = "uint16",
     max_tokens: int | None = None,
     tokenizer: Tokenizer | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Tokenize `files` (one document each, EOS after each; byte-level by default) into shards + meta.json.
 
     The embedded corpus's entry point: :func:`prepare_corpus` in one process, returning the directory."""
     return prepare_corpus(files, out_dir, tokenizer=tokenizer, shard_tokens=shard_tokens, dtype=dtype,
-                   max_tokens=max_tokens).path  # fmt: skip
+                          max_tokens=max_tokens, overwrite=overwrite).path  # fmt: skip

@@ -6,40 +6,101 @@ naming each shard and its token count, the dtype, the vocabulary and the tokeniz
 
 from __future__ import annotations
 
-import json
+import hashlib
+import logging
+import mmap
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from hpcdist.config.dataset_meta import (  # FORMAT_VERSION, META_NAME: re-exported for prepare and megatron
+    FORMAT_VERSION,
+    META_NAME,
+    DataError,
+    DatasetMeta,
+    check_shard_files,
+    load_meta,
+    open_regular,
+    read_meta_json,
+)
 from hpcdist.config.loader import ConfigError
 
-__all__ = ["META_NAME", "SampleDataset", "SyntheticDataset", "TokenDataset", "read_meta"]
+__all__ = [
+    "FORMAT_VERSION",
+    "META_NAME",
+    "SampleDataset",
+    "SyntheticDataset",
+    "TokenDataset",
+    "read_meta",
+    "verify_shard",
+]
 
-META_NAME = "meta.json"
+log = logging.getLogger("hpcdist")
+
 SHARD_PATTERN = "shard-{:05d}.bin"
-# Bumped whenever the on-disk layout changes, so an old directory is re-prepared rather than misread.
-FORMAT_VERSION = 1
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+# Up to this many shard bytes, a dataset's every shard is read and checked (sha256, largest id) when it is opened,
+# before the first step: about 1.2 s per GiB here (sha256 ~850 MB/s, the max ~10 GB/s). Larger datasets check each
+# shard the first time a process maps it (before any of its windows reaches the model).
+EAGER_VERIFY_BYTES = 2**30
+# Shards already checked by this process: (file identity, size, mtime, ctime): an edit changes ctime.
+_VERIFIED: set[tuple[Any, ...]] = set()
 
 
 def read_meta(path: Path) -> dict[str, Any] | None:
+    """The parsed meta.json of ``path``, or None (missing, not a regular file, too large, not a JSON object)."""
+    return read_meta_json(Path(path))[0]
+
+
+def verify_shard(meta: DatasetMeta, k: int, *, key: str = "data.path") -> None:
+    """Read shard ``k`` once: its sha256 must be the one prepare recorded, and every id below ``vocab_size`` (a
+    shard from before checksums were recorded gets the id check only). DataError naming the shard otherwise."""
+    s = meta.shards[k]
+    file = meta.path / s.name
     try:
-        with open(path / META_NAME, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError):  # missing, unreadable, or a torn/garbled file: not a dataset
+        fd = open_regular(file)
+    except OSError as e:
+        raise DataError([f"{key} {file}: {e.strerror or e}"]) from None
+    try:
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, meta.dtype, meta.vocab_size, s)
+        if ident in _VERIFIED:
+            return
+        if st.st_size != s.tokens * meta.itemsize:
+            raise DataError([f"{key} {file} holds {st.st_size:,} bytes, but meta.json says {s.tokens:,} "
+                             f"{meta.dtype} tokens: prepare the dataset again"])  # fmt: skip
+        with mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else _Empty() as mm:
+            ids = np.frombuffer(mm, dtype=DTYPES[meta.dtype])
+            top = int(ids.max()) if len(ids) else -1
+            where = int(ids.argmax()) if top >= meta.vocab_size else -1
+            digest = hashlib.sha256(mm).hexdigest() if s.sha256 is not None else None
+            del ids  # the mmap cannot close while a view of it lives
+    finally:
+        os.close(fd)
+    problems = []
+    if top >= meta.vocab_size:
+        problems.append(f"holds token id {top} (token {where:,}), past vocab_size={meta.vocab_size}: every id must be "
+                        "below it, or it indexes past the embedding table")  # fmt: skip
+    if digest is not None and digest != s.sha256:
+        problems.append("its sha256 is not the one prepare recorded in meta.json: the file was changed after prepare")
+    elif s.max_id is not None and top != s.max_id and not problems:
+        problems.append(f"its largest id is {top}, but meta.json records {s.max_id}: the dtype or the file changed")
+    if problems:
+        raise DataError([f"{key} {file}: {'; '.join(problems)}; prepare the dataset again (hpcdist prepare ... "
+                         f"--overwrite --out {meta.path}) or restore the file"])  # fmt: skip
+    _VERIFIED.add(ident)
+
+
+class _Empty:
+    """The buffer of an empty shard (mmap refuses length 0)."""
+
+    def __enter__(self) -> bytes:
+        return b""
+
+    def __exit__(self, *exc: object) -> None:
         return None
-
-
-def is_complete(path: Path, meta: Mapping[str, Any]) -> bool:
-    """meta.json is written last, but also check every shard it names is present with the right size."""
-    try:
-        itemsize = DTYPES[meta["dtype"]].itemsize
-        return all(os.path.getsize(path / s["name"]) == s["tokens"] * itemsize for s in meta["shards"])
-    except (KeyError, TypeError, OSError):
-        return False
 
 
 class SampleDataset(Protocol):
@@ -63,8 +124,11 @@ class TokenDataset:
     always one contiguous slice of one file. `split="val"` takes the last `val_fraction` of the samples.
     """
 
-    def __init__(self, path: Path, seq_len: int, *, split: str = "train", val_fraction: float = 0.0) -> None:
+    def __init__(
+        self, path: Path, seq_len: int, *, split: str = "train", val_fraction: float = 0.0, key: str = "data.path"
+    ) -> None:
         self.path = Path(path)
+        self._key = key  # how the user named the directory, for messages
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if split not in ("train", "val"):
@@ -73,20 +137,17 @@ class TokenDataset:
             raise ValueError(f"val_fraction must lie in [0, 1), got {val_fraction}")
         if split == "val" and val_fraction == 0.0:
             raise ValueError("split='val' needs val_fraction > 0")
-        meta = read_meta(self.path)
-        if meta is None or not is_complete(self.path, meta):  # the user's data.path (or a damaged preparation)
-            raise ConfigError([
-                f"data.path: no complete prepared dataset at {self.path} (missing or incomplete {META_NAME}); "
-                "run `hpcdist prepare` first"
-            ])  # fmt: skip
+        meta = load_meta(self.path, key=key)  # a missing or damaged preparation: one line naming the fix
+        check_shard_files(meta, key=key)
         self.seq_len = seq_len
-        self.vocab_size: int = int(meta["vocab_size"])
+        self.vocab_size: int = meta.vocab_size
         # what made the ids (meta.json's tokenizer; shards from before it was recorded are byte-level)
-        self.tokenizer_kind: str = (meta.get("tokenizer") or {}).get("kind", "byte")
-        self._dtype = DTYPES[meta["dtype"]]
+        self.tokenizer_kind: str = meta.tokenizer_kind
+        self._meta = meta
+        self._dtype = DTYPES[meta.dtype]
         window = seq_len + 1
-        self._shard_names = [s["name"] for s in meta["shards"]]
-        self._shard_tokens = [int(s["tokens"]) for s in meta["shards"]]
+        self._shard_names = [s.name for s in meta.shards]
+        self._shard_tokens = [s.tokens for s in meta.shards]
         # starts[k] = global index of shard k's first window; starts[-1] = total windows.
         self._starts = np.cumsum([0] + [t // window for t in self._shard_tokens])
         total = int(self._starts[-1])
@@ -94,10 +155,20 @@ class TokenDataset:
         n_train = total - n_val
         if n_train < 1:  # the user's data and data.seq_len / data.val_fraction do not fit together
             raise ConfigError([
-                f"{self.path} holds {meta['num_tokens']} tokens ({total} windows of seq_len + 1 = {window} within "
+                f"{self.path} holds {meta.num_tokens} tokens ({total} windows of seq_len + 1 = {window} within "
                 f"shards): too few for one train sample{' plus a val sample' if n_val else ''}; "
                 "prepare more tokens or lower data.seq_len"
             ])  # fmt: skip
+        if not meta.checksummed:
+            log.warning("data: %s was prepared before hpcdist recorded shard checksums: its token ids are checked "
+                        "against vocab_size, its contents cannot be verified; prepare it again to record them",
+                        self.path)  # fmt: skip
+        # Every shard is read once and checked before the first step (a bad id in a window the sampler has not drawn
+        # yet must not wait for it), unless that costs more than EAGER_VERIFY_BYTES: then each shard when first mapped.
+        self._eager = sum(self._shard_tokens) * self._dtype.itemsize <= EAGER_VERIFY_BYTES
+        if self._eager:
+            for k in range(len(meta.shards)):
+                verify_shard(meta, k, key=key)
         self.split = split
         self._offset, self._len = (0, n_train) if split == "train" else (n_train, n_val)
         self._maps: dict[int, np.memmap] = {}
@@ -108,16 +179,27 @@ class TokenDataset:
     def _shard(self, k: int) -> np.ndarray:
         # Opened lazily: a rank maps only the shards it touches, and pickling (spawned workers) stays cheap.
         if k not in self._maps:
-            self._maps[k] = np.memmap(
-                self.path / self._shard_names[k], dtype=self._dtype, mode="r", shape=(self._shard_tokens[k],)
-            )
+            verify_shard(self._meta, k, key=self._key)  # remembered when __init__ checked it, else the first read
+            fd = open_regular(self.path / self._shard_names[k])  # never through a link, never a FIFO
+            try:
+                n = self._shard_tokens[k]
+                buf = mmap.mmap(fd, n * self._dtype.itemsize, access=mmap.ACCESS_READ) if n else b""
+            finally:
+                os.close(fd)
+            self._maps[k] = np.frombuffer(buf, dtype=self._dtype, count=n)
         return self._maps[k]
 
     def __getitem__(self, i: int) -> np.ndarray:
         g = self._offset + _check_index(int(i), self._len)
         k = int(np.searchsorted(self._starts, g, side="right")) - 1
         start = (g - int(self._starts[k])) * (self.seq_len + 1)
-        return self._shard(k)[start : start + self.seq_len + 1].astype(np.int64)
+        window = self._shard(k)[start : start + self.seq_len + 1].astype(np.int64)
+        # the shard was checked, but a file can change under a mapping: an id past the table never reaches the model
+        if int(window.max()) >= self.vocab_size:
+            raise DataError([f"{self.path / self._shard_names[k]}: token id {int(window.max())} at token "
+                             f"{start + int(window.argmax()):,}, past vocab_size={self.vocab_size}: the shard changed "
+                             "after it was checked; prepare the dataset again"])  # fmt: skip
+        return window
 
     def __getstate__(self) -> dict[str, Any]:
         # np.memmap would pickle as a full in-memory copy; reopen in the receiving process instead.

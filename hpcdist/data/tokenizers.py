@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as HFCoreTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from hpcdist.atomic import atomic_write
+from hpcdist.config.dataset_meta import DataError, load_meta, read_meta_json
 from hpcdist.data import corpora
 
 __all__ = [
@@ -82,8 +83,9 @@ class Tokenizer(Protocol):
 
 
 def _text(t: str | bytes) -> str:
-    # Byte inputs (raw text files) meet a text tokenizer: invalid UTF-8 becomes U+FFFD rather than an error
-    return t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t
+    # Byte inputs (raw text files) meet a text tokenizer: invalid UTF-8 becomes U+FFFD rather than an error, and so
+    # does a lone surrogate in a str (a JSON "\ud800", an undecodable byte of a command line)
+    return t.decode("utf-8", errors="replace") if isinstance(t, bytes) else corpora.without_surrogates(t)
 
 
 def _ids_array(ids: Sequence[int]) -> np.ndarray:
@@ -103,7 +105,7 @@ class ByteTokenizer:
 
     def encode(self, text: str | bytes, *, bos: bool = False, eos: bool = True) -> np.ndarray:
         """Token ids (uint16) of the UTF-8 bytes of `text`, optionally framed by BOS / EOS."""
-        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        data = _text(text).encode("utf-8") if isinstance(text, str) else bytes(text)
         ids = np.empty(len(data) + int(bos) + int(eos), dtype=np.uint16)
         start = int(bos)
         ids[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
@@ -305,25 +307,39 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
 
 
 def recorded_tokenizer(dataset_dir: Path) -> Tokenizer | None:
-    """The tokenizer a prepared dataset records (meta.json ``tokenizer`` + its copied files), or None."""
-    try:
-        meta = json.loads((Path(dataset_dir) / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    """The tokenizer a prepared dataset records (meta.json ``tokenizer`` + its copied files), or None when the
+    directory holds no meta.json. A damaged meta.json, or recorded files that are missing, links, or not the ones
+    recorded (sha256), raise TokenizerError."""
+    doc, why = read_meta_json(Path(dataset_dir))
+    if doc is None and why == "no meta.json":
         return None
-    info = meta.get("tokenizer")
-    if not isinstance(info, dict):
+    try:
+        meta = load_meta(dataset_dir, key="tokenizer")
+    except DataError as e:
+        raise TokenizerError(str(e)) from None
+    if meta.tokenizer is None:
         # datasets from before tokenizers were recorded were all byte-level
-        return ByteTokenizer() if int(meta.get("vocab_size", -1)) == ByteTokenizer.vocab_size else None
-    kind, files = info.get("kind"), [Path(dataset_dir) / TOKENIZER_DIR / f for f in info.get("files", {})]
+        return ByteTokenizer() if meta.vocab_size == ByteTokenizer.vocab_size else None
+    kind = meta.tokenizer.get("kind", "byte")
     if kind == "byte":
         return ByteTokenizer()
-    if kind == "hf":
-        return HFTokenizer(files[0])
-    if kind == "sentencepiece":
-        return SentencePieceTokenizer(files[0])
-    if kind == "tiktoken":
-        return TiktokenTokenizer(files[0])
-    raise TokenizerError(f"{dataset_dir}: meta.json names an unknown tokenizer kind {kind!r}")
+    loaders: dict[str, Any] = {"hf": HFTokenizer, "sentencepiece": SentencePieceTokenizer,
+                               "tiktoken": TiktokenTokenizer}  # fmt: skip
+    if kind not in loaders:
+        raise TokenizerError(f"{dataset_dir}: meta.json names an unknown tokenizer kind {kind!r}")
+    files = []
+    for name, digest in meta.tokenizer.get("files", {}).items():
+        file = Path(dataset_dir) / TOKENIZER_DIR / name
+        if "/" in name or name in ("", ".", "..") or not file.is_file() or file.is_symlink():
+            raise TokenizerError(f"{dataset_dir}: meta.json's tokenizer file {name!r} is not a regular file in "
+                                 f"{TOKENIZER_DIR}/ (links are not followed); prepare the dataset again")  # fmt: skip
+        if _sha256(file) != digest:
+            raise TokenizerError(f"{file}: not the tokenizer file the dataset was prepared with (sha256 differs from "
+                                 "meta.json's); restore it or prepare the dataset again")  # fmt: skip
+        files.append(file)
+    if not files:
+        raise TokenizerError(f"{dataset_dir}: meta.json records a {kind} tokenizer but no tokenizer file")
+    return loaders[kind](files[0])
 
 
 def _sha256(path: Path) -> str:

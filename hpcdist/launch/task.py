@@ -145,6 +145,18 @@ class TrainTask:
         return value
 
     def _run(self) -> dict[str, Any]:
+        from hpcdist import signals  # standard library only
+
+        # as in `hpcdist train` (issue 25.10): a stop signal during the seconds of torch imports below is
+        # remembered, and the stop flag acts on it once installed, instead of submitit's handler (rank 0 only) or
+        # the default action (every other rank: killed, and blamed on the node)
+        signals.hold()
+        try:
+            return self._train()
+        finally:
+            signals.release()  # a no-op once the stop flag took the signals over
+
+    def _train(self) -> dict[str, Any]:
         local_rank_environ(os.environ)
         # imported here, in the task: submitting needs neither the training stack nor the restart policy (and
         # hpcdist.launch, which imports this module, stays free of them)

@@ -23,6 +23,7 @@ from hpcdist.data import (
     stdlib_corpus,
 )
 from hpcdist.data import prepare as prepare_mod
+from hpcdist.data.prepare import PrepareRefused
 
 TOK = ByteTokenizer()
 DOCS = [b"hello world\n", "caf\u00e9 \u2603 \U0001f680\n".encode(), b"", b"\xff\xfe not utf-8 \x80", b"x" * 23]
@@ -167,9 +168,12 @@ def test_prepare_shards_is_idempotent(tmp_path: Path) -> None:
     prepare_shards(files, out, shard_tokens=8)
     assert _mtimes(out) == before
 
-    # A changed input (different size) changes the fingerprint and forces a rebuild.
+    # A changed input (different size) changes the fingerprint: a rebuild, which replaces the dataset only when asked
     files[0].write_bytes(b"changed!")
-    prepare_shards(files, out, shard_tokens=8)
+    with pytest.raises(PrepareRefused, match="--overwrite"):
+        prepare_shards(files, out, shard_tokens=8)
+    assert _mtimes(out) == before
+    prepare_shards(files, out, shard_tokens=8, overwrite=True)
     assert _mtimes(out)["meta.json"] != before["meta.json"]
     _, shards = _read_shards(out)
     np.testing.assert_array_equal(np.concatenate(shards), _stream([b"changed!", *DOCS[1:]]))
@@ -179,7 +183,7 @@ def test_prepare_shards_options_change_fingerprint(tmp_path: Path) -> None:
     files = _write_docs(tmp_path / "src")
     out = prepare_shards(files, tmp_path / "ds", shard_tokens=8)
     fp = json.loads((out / "meta.json").read_text())["fingerprint"]
-    prepare_shards(files, out, shard_tokens=8, max_tokens=10)
+    prepare_shards(files, out, shard_tokens=8, max_tokens=10, overwrite=True)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["fingerprint"] != fp
     assert meta["num_tokens"] == 10
@@ -192,11 +196,13 @@ def test_leftover_temp_and_missing_meta_not_complete(tmp_path: Path) -> None:
     out.mkdir()
     # What a crashed run leaves: a finished shard, a half-written temp file, no meta.json.
     (out / "shard-00000.bin").write_bytes(np.arange(8, dtype="<u2").tobytes())
-    (out / "shard-00001.bin.tmp.4242").write_bytes(b"\x01\x00")
+    (out / ".shard-00001.bin.0123456789ab.tmp").write_bytes(b"\x01\x00")
     with pytest.raises(ConfigError, match="hpcdist prepare"):
         TokenDataset(out, seq_len=2)
-    prepare_shards(files, out, shard_tokens=8)
-    assert not list(out.glob("*.tmp.*"))
+    with pytest.raises(PrepareRefused, match="files prepare did not write"):  # no progress: not known to be ours
+        prepare_shards(files, out, shard_tokens=8)
+    prepare_shards(files, out, shard_tokens=8, overwrite=True)
+    assert not list(out.glob(".*.tmp"))
     _, shards = _read_shards(out)
     np.testing.assert_array_equal(np.concatenate(shards), _stream())
 
@@ -207,21 +213,21 @@ def test_crash_mid_prepare_leaves_incomplete_dir(tmp_path: Path, monkeypatch: py
     real_write = prepare_mod.atomic_write
     calls = []
 
-    def crash_on_second(path: Path, payload: bytes | memoryview) -> None:
+    def crash_on_second(path: Path, payload: bytes | memoryview, **kw: object) -> None:
         calls.append(path.name)
         if len(calls) == 2:
             raise OSError("simulated crash")
-        real_write(path, payload)
+        real_write(path, payload, **kw)
 
     monkeypatch.setattr(prepare_mod, "atomic_write", crash_on_second)
     with pytest.raises(OSError, match="simulated"):
-        prepare_shards(files, out, shard_tokens=4)  # new options -> rebuild, which dies after one shard
+        prepare_shards(files, out, shard_tokens=4, overwrite=True)  # new options -> rebuild, dies after one shard
     # The old meta.json must be gone: it would otherwise describe shards that were overwritten.
     assert not (out / "meta.json").exists()
     with pytest.raises(ConfigError):
         TokenDataset(out, seq_len=2)
     monkeypatch.setattr(prepare_mod, "atomic_write", real_write)
-    prepare_shards(files, out, shard_tokens=4)
+    prepare_shards(files, out, shard_tokens=4)  # its own unfinished preparation: continued without --overwrite
     meta, shards = _read_shards(out)
     assert meta["shard_tokens"] == 4
     np.testing.assert_array_equal(np.concatenate(shards), _stream())
