@@ -106,7 +106,7 @@ def _parse_typed(overrides: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
             problems.append(f"override {item!r}: expected section.key=value, e.g. train.steps=200")
             continue
         try:
-            parsed = safe_yaml.load(raw) if raw.strip() else ""
+            parsed = safe_yaml.load_text(raw) if raw.strip() else ""
         except safe_yaml.RefusedYAML as e:
             problems.append(f"override {key}: {e.problem}")
             continue

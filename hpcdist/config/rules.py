@@ -124,7 +124,7 @@ def _choice(key: str, value: str, options: Sequence[str]) -> list[str]:
     return [] if value in options else [f"{key}: {echo(value)} is not one of {', '.join(options)}"]
 
 
-def _positive(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) -> list[str]:
+def _positive_problems(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) -> list[str]:
     out = []
     for key in keys:
         section, name = key.split(".")
@@ -344,13 +344,13 @@ def check(cfg: JobConfig) -> list[str]:
                 "is pure data parallel over all ranks); set parallel.strategy=3d or drop them"
             )
     p += _choice("run.log_level", cfg.run.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))
-    p += _positive(
+    p += _positive_problems(
         cfg,
         ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches", "data.seq_len",
          "optim.lr", "logging.every_steps", "checkpoint.keep_last", "parallel.bucket_cap_mb", "data.max_tokens",
          "data.synthetic_samples", "logging.peak_flops", "optim.eps"],
     )  # fmt: skip
-    p += _positive(
+    p += _positive_problems(
         cfg,
         ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps",
          "checkpoint.every_minutes", "checkpoint.write_threads", "logging.replica_check_every_steps",

@@ -12,7 +12,6 @@ used) into a :class:`Tokenizer`; :func:`train_bpe` trains a byte-level BPE on lo
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFCoreTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from hpcdist.atomic import atomic_write
+from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.data import corpora
 
 __all__ = [
@@ -326,14 +325,6 @@ def recorded_tokenizer(dataset_dir: Path) -> Tokenizer | None:
     raise TokenizerError(f"{dataset_dir}: meta.json names an unknown tokenizer kind {kind!r}")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def describe(tok: Tokenizer) -> dict[str, Any]:
     """What meta.json records: kind, sizes, special ids, and each file's sha256 (its fingerprint)."""
     return {
@@ -343,7 +334,7 @@ def describe(tok: Tokenizer) -> dict[str, Any]:
         "eos_id": int(tok.eos_id),
         "pad_id": tok.pad_id,
         "add_bos": bool(tok.add_bos),
-        "files": {f.name: _sha256(f) for f in tok.files()},
+        "files": {f.name: file_sha256(f) for f in tok.files()},
     }
 
 
