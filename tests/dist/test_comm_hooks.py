@@ -32,9 +32,11 @@ POWERSGD = ("parallel.ddp.comm_hook=powersgd", "parallel.ddp.powersgd.rank=2", "
 
 
 def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
+    all_reduce = torch.distributed.all_reduce
     trainer = Trainer(cfg, env)
     result = trainer.train(until=until)
-    return {"losses": result.losses, "step": result.step, "resumed": result.resumed_from}
+    return {"losses": result.losses, "step": result.step, "resumed": result.resumed_from,
+            "all_reduce_is_torch_own": torch.distributed.all_reduce is all_reduce}  # fmt: skip
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -75,6 +77,11 @@ def test_measured_bytes_per_step(hook_runs) -> None:
     assert fp32 / compressed >= 10, (fp32, compressed)
     for m in by["allreduce"] + by["powersgd"]:
         assert 0 < m["comm_share"] < 1
+
+
+def test_the_byte_counter_is_undone_after_training(hook_runs) -> None:
+    """The meter's wrapper of torch.distributed.all_reduce lives only inside each metered backward."""
+    assert all(out["all_reduce_is_torch_own"] for out, _ in hook_runs.values())
 
 
 def test_compressed_training_converges(hook_runs) -> None:
