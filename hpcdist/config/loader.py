@@ -229,7 +229,8 @@ def build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[str]) 
     for name, value in data.items():
         key = f"{prefix}{name}"
         if name not in names:
-            problems.append(unknown_key(key, str(name), names))
+            moved = getattr(cls, "MOVED_KEYS", {}).get(name)  # a section's ClassVar: its keys that moved elsewhere
+            problems.append(f"{key}: moved to {moved}; set that instead" if moved else unknown_key(key, name, names))
             continue
         tp = hints[name]
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None

@@ -72,7 +72,7 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "train.eval_every_steps": (_BIG, ""),
     "train.eval_batches": (2**20, ""),
     "train.max_nonfinite_skips": (2**20, ""),
-    "parallel.bucket_cap_mb": (2**20, ""),
+    "parallel.ddp.bucket_cap_mb": (2**20, ""),
     "parallel.ddp.powersgd.rank": (2**16, ""),
     "parallel.ddp.powersgd.start_iter": (_BIG, ""),
     "parallel.fsdp.replicate": (2**20, "ranks"),
@@ -127,8 +127,9 @@ def _choice(key: str, value: str, options: Sequence[str]) -> list[str]:
 def _positive_problems(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) -> list[str]:
     out = []
     for key in keys:
-        section, name = key.split(".")
-        v = getattr(getattr(cfg, section), name)
+        v: Any = cfg
+        for part in key.split("."):  # section.key or section.sub.key
+            v = getattr(v, part)
         # `not finite` first: NaN compares False with everything and would slip through `v <= 0` (floats only:
         # math.isfinite of a 400-digit int raises OverflowError)
         if isinstance(v, float) and not math.isfinite(v):
@@ -347,7 +348,7 @@ def check(cfg: JobConfig) -> list[str]:
     p += _positive_problems(
         cfg,
         ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches", "data.seq_len",
-         "optim.lr", "logging.every_steps", "checkpoint.keep_last", "parallel.bucket_cap_mb", "data.max_tokens",
+         "optim.lr", "logging.every_steps", "checkpoint.keep_last", "parallel.ddp.bucket_cap_mb", "data.max_tokens",
          "data.synthetic_samples", "logging.peak_flops", "optim.eps"],
     )  # fmt: skip
     p += _positive_problems(

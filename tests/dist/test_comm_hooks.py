@@ -28,7 +28,7 @@ OVER = (f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_
 # bucket_cap_mb=1 splits the ~1.3 MB of gradients into 2 buckets: PowerSGD's collectives of two buckets in flight
 # must reach gloo in the same order on every rank (comm_hooks.serialized)
 POWERSGD = ("parallel.ddp.comm_hook=powersgd", "parallel.ddp.powersgd.rank=2", "parallel.ddp.powersgd.start_iter=2",
-            "parallel.bucket_cap_mb=1")  # fmt: skip
+            "parallel.ddp.bucket_cap_mb=1")  # fmt: skip
 
 
 def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
