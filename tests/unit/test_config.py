@@ -26,7 +26,7 @@ from hpcdist.config import (
     parse_overrides,
     save,
 )
-from hpcdist.models.llama import ModelArgs, load_preset, preset_names
+from hpcdist.models.args import ModelArgs, load_preset, preset_names
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"  # user-facing example jobs only; presets and profiles ship in hpcdist/resources/

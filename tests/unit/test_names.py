@@ -95,3 +95,18 @@ def test_a_package_docstring_that_lists_its_modules_lists_them_all() -> None:
         if modules - named:
             unlisted[str(init.relative_to(ROOT.parent))] = sorted(modules - named)
     assert not unlisted, f"modules missing from their package's list: {unlisted}"
+
+
+def test_models_exports_each_name_from_its_own_module_and_the_package_only() -> None:
+    """``hpcdist.models`` is the one facade; ``models.llama`` exports what it defines, not args' names again (one
+    import path per name besides the package's, so a caller cannot pull torch in for a torch-free name)."""
+    import hpcdist.models as models
+    from hpcdist.models import args, llama
+
+    for module in (args, llama):
+        tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+        targets = [t for n in tree.body if isinstance(n, ast.Assign) for t in n.targets]
+        targets += [n.target for n in tree.body if isinstance(n, ast.AnnAssign)]
+        own = set(defined(ast.unparse(tree))) | {t.id for t in targets if isinstance(t, ast.Name)}
+        assert set(module.__all__) <= own, f"{module.__name__} re-exports {sorted(set(module.__all__) - own)}"
+    assert set(models.__all__) <= set(args.__all__) | set(llama.__all__)
