@@ -17,6 +17,7 @@ written it (:func:`read_trusted`).
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import secrets
 import stat
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from hpcdist.owners import user_name, writer_problem
 
-__all__ = ["UntrustedFile", "append_line", "atomic_write", "open_append", "read_tail", "read_trusted"]
+__all__ = ["UntrustedFile", "append_line", "atomic_write", "file_sha256", "open_append", "read_tail", "read_trusted"]
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes | memoryview, *, durable: bool = True) -> Path:
@@ -168,3 +169,18 @@ def read_tail(path: str | os.PathLike[str], max_bytes: int) -> bytes:
 def _read_at_most(fd: int, max_bytes: int) -> bytes:
     with os.fdopen(fd, "rb", closefd=False) as f:
         return f.read(max_bytes)  # a file growing meanwhile is cut, never read without end
+
+
+_HASH_CHUNK = 1 << 20  # bytes read per step when hashing a file
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file (a checkpoint's file, a tokenizer's), read in chunks into one reused buffer
+    (hashlib.file_digest is 3.11+; we support 3.10)."""
+    h = hashlib.sha256()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
@@ -61,7 +60,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hpcdist.atomic import atomic_write
+from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.config.dirs import tree_trust_problems, trusted_uids
 from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
@@ -251,7 +250,7 @@ class CheckpointManager:
         errors: list[BaseException] = []
 
         def phase(fn: Callable[[], Any]) -> bool:
-            err = _attempt(fn)
+            err = _error_of(fn)
             if err is not None:
                 errors.append(err)
             return self._all_ok(err)
@@ -397,7 +396,7 @@ class CheckpointManager:
         # merges the parts into MANIFEST.json and writes the marker
         err = fut.exception() or _take_thread_error()
         if err is None:
-            err = _attempt(lambda: self._write_part(path))
+            err = _error_of(lambda: self._write_part(path))
         if err is not None:
             log.error("async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank,
                       describe_error(err))  # fmt: skip
@@ -405,7 +404,7 @@ class CheckpointManager:
                 self._write_part(path, failed=err)  # rank 0 stops waiting for this rank's part
             return False
         if self.rank == 0:
-            err = _attempt(lambda: (self._write_manifest(path, distributed=False), self._complete(path, step, t0)))
+            err = _error_of(lambda: (self._write_manifest(path, distributed=False), self._complete(path, step, t0)))
             if err is not None:
                 log.error("async checkpoint %s failed: %s; it stays incomplete", path, describe_error(err))
                 return False
@@ -689,12 +688,12 @@ class CheckpointManager:
         problems: list[str] = []
         for delay in (*READ_RETRY_DELAYS_S, None):
             problems.clear()
-            err = _attempt(lambda: problems.extend(self.verify(path)))
+            err = _error_of(lambda: problems.extend(self.verify(path)))
             phase = "verify"
             kind = self._agree(_read_kind(err) if err is not None else _DAMAGE if problems else _OK)
             if kind == _OK:
                 phase = "load"
-                err = _attempt(lambda: saved.update(self.load(path, state)))
+                err = _error_of(lambda: saved.update(self.load(path, state)))
                 kind = self._agree(_read_kind(err) if err is not None else _OK)
             why = describe_error(err) if err is not None else f"{phase} failed on another rank: see its log"
             if kind == _MISMATCH:
@@ -741,7 +740,7 @@ class CheckpointManager:
                                 "earlier run's" if step < 0 else "newer", d.name, aside.name)  # fmt: skip
 
         _barrier(self._pg)  # every rank has finished reading before rank 0 renames
-        err = _attempt(move) if self.rank == 0 else None
+        err = _error_of(move) if self.rank == 0 else None
         if not self._all_ok(err):
             raise RuntimeError(f"could not set aside the checkpoints newer than step {step} in {self.root}")
 
@@ -812,7 +811,7 @@ def _is_io_error(err: BaseException) -> bool:
     return cause is not None and _is_io_error(cause)
 
 
-def _attempt(fn: Callable[[], Any]) -> BaseException | None:
+def _error_of(fn: Callable[[], Any]) -> BaseException | None:
     """Run one local phase of a save; return its error instead of raising (the ranks agree on it next)."""
     try:
         fn()
@@ -937,24 +936,10 @@ def _owner(rel: str, world_size: int) -> int:
     return rank if rank < world_size else 0
 
 
-_HASH_CHUNK = 1 << 20  # bytes read per step when hashing a checkpoint file
-
-
-def _sha256(file: Path) -> str:
-    """Hex sha256 of a file, read in chunks into one reused buffer (hashlib.file_digest is 3.11+; we support 3.10)."""
-    h = hashlib.sha256()
-    buf = bytearray(_HASH_CHUNK)
-    view = memoryview(buf)
-    with open(file, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 def _digest(file: Path, checksum: bool) -> dict[str, Any]:
     entry: dict[str, Any] = {"size": file.stat().st_size}
     if checksum:
-        entry["sha256"] = _sha256(file)
+        entry["sha256"] = file_sha256(file)
     return entry
 
 

@@ -852,13 +852,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         flush=True,  # before the error line on stderr
     )  # fmt: skip
     if args.plot:
-        from hpcdist.planning.plot import write_plot
+        from hpcdist.planning.plot import write_memory_plot
         from hpcdist.report.plots import MissingMatplotlib
 
         fitting = [e for e in estimates if e.fits]  # the table's rows: the top fitting, with --all the top others
         shown = [*fitting[: args.top], *([e for e in estimates if not e.fits][: args.top] if args.all else [])]
         try:
-            print(f"plot: {write_plot(shown, args.plot, gpu_mem_gb=hw.gpu_mem_gb, margin_gib=hw.margin_gib)}")
+            print(f"plot: {write_memory_plot(shown, args.plot, gpu_mem_gb=hw.gpu_mem_gb, margin_gib=hw.margin_gib)}")
         except MissingMatplotlib as e:
             return _fail(f"plan --plot: {e}")
     if not any(e.fits for e in estimates):
@@ -881,10 +881,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hpcdist.hf.export import export, parse_size
+    from hpcdist.hf.export import export, parse_shard_size
 
     try:
-        max_shard = parse_size(args.max_shard_size) if args.max_shard_size else None
+        max_shard = parse_shard_size(args.max_shard_size) if args.max_shard_size else None
         res = export(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=max_shard,
                      tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer)  # fmt: skip
     except (ValueError, OSError) as e:  # ConversionError, HFConfigError, TokenizerError, ConfigError: one line

@@ -26,7 +26,7 @@ from hpcdist.config.vocab import DataError, check_same_tokenizer
 from hpcdist.data import BatchLoader, ResumableSampler, TokenDataset, Tokenizer, load_tokenizer
 from hpcdist.data.tokenizers import TokenizerError
 from hpcdist.hf.import_ import HFWeights
-from hpcdist.hf.source import find_checkpoint, load_fqn, run_config, run_tokenizer, saved_shapes
+from hpcdist.hf.source import find_checkpoint, load_fqn, load_run_tokenizer, run_config, saved_shapes
 from hpcdist.models.args import ModelArgs
 from hpcdist.models.hf_config import is_hf_dir
 from hpcdist.models.llama import Transformer, precompute_rope
@@ -123,7 +123,7 @@ def load_for_inference(
         load_weights(model, step)
         loaded = Loaded(step, cfg)
         try:
-            tok = run_tokenizer(saved, tokenizer)
+            tok = load_run_tokenizer(saved, tokenizer)
         except TokenizerError:
             if tokenizer is not None:
                 raise

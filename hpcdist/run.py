@@ -5,7 +5,7 @@
     .train() -> after-stop decision (requeue or exit) -> close
 
 The trainer returns why it stopped and never requeues. What a stop means for the job is the scheduler's, and it is
-passed in as a :class:`JobEnvironment` (hpcdist.launch.task.SlurmEnvironment for ``hpcdist train`` and submitted
+passed in as a :class:`JobEnvironment` (hpcdist.launch.job.SlurmEnvironment for ``hpcdist train`` and submitted
 tasks), the way submitit keeps requeueing in its job environment rather than in the user's function: this module
 imports nothing from hpcdist.launch, so launch's task may call it without an import cycle.
 """

@@ -66,7 +66,7 @@ DEFAULT_MARGIN_GIB = 2.0
 _MEASURED = ("gpu_mem_gb", "bf16_peak_tflops", "intra_node_busbw_gbps", "inter_node_busbw_gbps")
 
 
-def _number(value: Any) -> bool:
+def _is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -103,12 +103,12 @@ class HardwareConfig:
         out = []
         for name in _MEASURED:
             value = getattr(self, name)
-            if value is not None and not (_number(value) and value > 0):
+            if value is not None and not (_is_finite_number(value) and value > 0):
                 out.append(f"{name}: must be > 0, got {value!r}")
-        if not (_number(self.efficiency) and 0 < self.efficiency <= 1):
+        if not (_is_finite_number(self.efficiency) and 0 < self.efficiency <= 1):
             out.append(f"efficiency: must be in (0, 1], got {self.efficiency!r}")
-        mem = self.gpu_mem_gb if _number(self.gpu_mem_gb) and self.gpu_mem_gb > 0 else None
-        if not (_number(self.margin_gib) and self.margin_gib >= 0 and (mem is None or self.margin_gib < mem)):
+        mem = self.gpu_mem_gb if _is_finite_number(self.gpu_mem_gb) and self.gpu_mem_gb > 0 else None
+        if not (_is_finite_number(self.margin_gib) and self.margin_gib >= 0 and (mem is None or self.margin_gib < mem)):
             out.append(f"margin_gib: must be >= 0 and below gpu_mem_gb ({mem!r} GiB), got {self.margin_gib!r}")
         return out
 

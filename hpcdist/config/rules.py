@@ -72,7 +72,7 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "train.eval_every_steps": (_BIG, ""),
     "train.eval_batches": (2**20, ""),
     "train.max_nonfinite_skips": (2**20, ""),
-    "parallel.bucket_cap_mb": (2**20, ""),
+    "parallel.ddp.bucket_cap_mb": (2**20, ""),
     "parallel.ddp.powersgd.rank": (2**16, ""),
     "parallel.ddp.powersgd.start_iter": (_BIG, ""),
     "parallel.fsdp.replicate": (2**20, "ranks"),
@@ -124,11 +124,12 @@ def _choice(key: str, value: str, options: Sequence[str]) -> list[str]:
     return [] if value in options else [f"{key}: {echo(value)} is not one of {', '.join(options)}"]
 
 
-def _positive(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) -> list[str]:
+def _positive_problems(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) -> list[str]:
     out = []
     for key in keys:
-        section, name = key.split(".")
-        v = getattr(getattr(cfg, section), name)
+        v: Any = cfg
+        for part in key.split("."):  # section.key or section.sub.key
+            v = getattr(v, part)
         # `not finite` first: NaN compares False with everything and would slip through `v <= 0` (floats only:
         # math.isfinite of a 400-digit int raises OverflowError)
         if isinstance(v, float) and not math.isfinite(v):
@@ -303,36 +304,112 @@ def _trackers(cfg: JobConfig) -> list[str]:
 
 
 def check(cfg: JobConfig) -> list[str]:
-    """Semantic checks that need no world size. Returns problems (empty = valid)."""
-    p: list[str] = _maxima(cfg)
+    """Semantic checks that need no world size, one function per section. Returns problems (empty = valid)."""
     path_problems, bad_paths = _paths(cfg)
-    p += path_problems
-    p += _choice("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
-    p += _choice("data.source", cfg.data.source, DATA_SOURCES)
-    p += _choice("train.nonfinite", cfg.train.nonfinite, ("stop", "skip"))
     kind = layout.requested_kind(cfg.parallel)  # None: auto, or a strategy _choice refused
-    if cfg.train.nonfinite == "skip" and kind is not None and kind.zero_stage:
+    return [
+        *_maxima(cfg),
+        *path_problems,
+        *_check_run(cfg),
+        *_check_model(cfg),
+        *_check_data(cfg),
+        *_check_optim(cfg),
+        *_check_train(cfg, kind),
+        *_check_parallel(cfg, kind),
+        *_check_checkpoint(cfg, kind, bad_paths),
+        *_check_fault(cfg, bad_paths),
+        *_check_logging(cfg),
+    ]
+
+
+def _check_run(cfg: JobConfig) -> list[str]:
+    p = _choice("run.log_level", cfg.run.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))
+    if not cfg.run.dir.strip():
+        p.append("run.dir: must name a directory, e.g. run.dir=runs/my-run")
+    if cfg.run.seed < 0:
+        p.append(f"run.seed: must be >= 0, got {echo(cfg.run.seed)}")
+    return p
+
+
+def _check_model(cfg: JobConfig) -> list[str]:
+    m = cfg.model
+    # an unresolved model.vocab_size (auto without data, a typo) is already reported by config.vocab.resolve_vocab
+    return [q for q in m.problems() if not (isinstance(m.vocab_size, str) and q.startswith("model.vocab_size="))]
+
+
+def _check_data(cfg: JobConfig) -> list[str]:
+    d = cfg.data
+    p = _choice("data.source", d.source, DATA_SOURCES)
+    p += _choice("data.dtype", d.dtype, ("uint16", "uint32"))
+    p += _positive_problems(cfg, ["data.seq_len", "data.max_tokens", "data.synthetic_samples"])
+    if d.seq_len > cfg.model.max_seq_len > 0:
+        p.append(f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len}); lower one or raise "
+                 "the other")  # fmt: skip
+    if not 0.0 <= d.val_fraction < 1.0:
+        p.append(f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")
+    if d.prefetch < 0:
+        p.append(f"data.prefetch: must be >= 0 (0 = no background thread), got {d.prefetch}")
+    if d.source == "files" and not d.path and not d.sources:
+        p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
+    p += _data_volume(cfg)
+    p += _check_sources(cfg)
+    return p
+
+
+def _check_optim(cfg: JobConfig) -> list[str]:
+    o = cfg.optim
+    p = _choice("optim.schedule", o.schedule, LR_SCHEDULES)
+    p += _positive_problems(cfg, ["optim.lr", "optim.eps"])
+    p += _positive_problems(
+        cfg,
+        ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "optim.min_lr_ratio", "optim.beta1",
+         "optim.beta2"],
+        allow_zero=True,
+    )  # fmt: skip
+    for beta in ("beta1", "beta2"):
+        if not getattr(o, beta) < 1:
+            p.append(f"optim.{beta}: must be < 1, got {getattr(o, beta)}")
+    if o.min_lr_ratio > 1:
+        p.append(f"optim.min_lr_ratio: must be <= 1, got {o.min_lr_ratio}")
+    return p
+
+
+def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
+    t = cfg.train
+    p = _choice("train.nonfinite", t.nonfinite, ("stop", "skip"))
+    if t.nonfinite == "skip" and kind is not None and kind.zero_stage:
         p.append("train.nonfinite=skip: DeepSpeed applies the update before the norm is known; use "
                  "train.nonfinite=stop with parallel.strategy=zero")  # fmt: skip
-    if cfg.train.max_nonfinite_skips < 1:
-        p.append(f"train.max_nonfinite_skips: must be >= 1, got {cfg.train.max_nonfinite_skips}")
-    p += _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
-    p += _choice("train.dtype", cfg.train.dtype, DTYPES)
-    p += _choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)
-    p += _choice("parallel.fsdp.param_dtype", cfg.parallel.fsdp.param_dtype, DTYPES)
-    p += _choice("parallel.fsdp.reduce_dtype", cfg.parallel.fsdp.reduce_dtype, ("fp32", "bf16"))
-    if cfg.parallel.fsdp.replicate < 1:
-        p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {cfg.parallel.fsdp.replicate}")
+    if t.max_nonfinite_skips < 1:
+        p.append(f"train.max_nonfinite_skips: must be >= 1, got {t.max_nonfinite_skips}")
+    p += _choice("train.dtype", t.dtype, DTYPES)
+    p += _positive_problems(cfg, ["train.steps", "train.global_batch_size", "train.micro_batch_size",
+                                  "train.eval_batches"])  # fmt: skip
+    p += _positive_problems(cfg, ["train.eval_every_steps"], allow_zero=True)
+    if t.eval_every_steps and cfg.data.val_fraction == 0 and cfg.data.source != "synthetic" and not t.eval_data:
+        p.append("train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01) or "
+                 "train.eval_data to a prepared held-out dataset")  # fmt: skip
+    if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
+        p.append(
+            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
+            f"({t.micro_batch_size})"
+        )
+    return p
+
+
+def _check_parallel(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
+    par = cfg.parallel
+    p = _choice("parallel.strategy", par.strategy, STRATEGIES)
+    p += _choice("parallel.fsdp.param_dtype", par.fsdp.param_dtype, DTYPES)
+    p += _choice("parallel.fsdp.reduce_dtype", par.fsdp.reduce_dtype, ("fp32", "bf16"))
+    if par.fsdp.replicate < 1:
+        p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {par.fsdp.replicate}")
     p += _check_zero(cfg)
     p += _check_comm_hook(cfg)
-    if cfg.logging.profile.steps < 0:
-        p.append(f"logging.profile.steps: must be >= 0 (0 = off), got {cfg.logging.profile.steps}")
-    if cfg.logging.profile.start_step < 1:
-        p.append(f"logging.profile.start_step: must be >= 1 (steps count from 1), got {cfg.logging.profile.start_step}")
+    p += _positive_problems(cfg, ["parallel.ddp.bucket_cap_mb"])
     if kind is LayoutKind.THREE_D:
         p += _layout_problems(cfg, world_size=None)
     elif kind is not None:
-        par = cfg.parallel
         ignored = [
             f"parallel.{k}={getattr(par, k)}"
             for k, unset in (("pp", 1), ("dp", -1), ("tp", 1))
@@ -343,84 +420,56 @@ def check(cfg: JobConfig) -> list[str]:
                 f"{', '.join(ignored)}: only parallel.strategy=3d reads the degrees (parallel.strategy={par.strategy} "
                 "is pure data parallel over all ranks); set parallel.strategy=3d or drop them"
             )
-    p += _choice("run.log_level", cfg.run.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))
-    p += _positive(
-        cfg,
-        ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches", "data.seq_len",
-         "optim.lr", "logging.every_steps", "checkpoint.keep_last", "parallel.bucket_cap_mb", "data.max_tokens",
-         "data.synthetic_samples", "logging.peak_flops", "optim.eps"],
-    )  # fmt: skip
-    p += _positive(
-        cfg,
-        ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps",
-         "checkpoint.every_minutes", "checkpoint.write_threads", "logging.replica_check_every_steps",
-         "logging.straggler_every_steps",
-         "train.eval_every_steps", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"],
-        allow_zero=True,
-    )  # fmt: skip
-    p += _requeue_signal(cfg.fault.requeue_signal)
-    for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes"):
-        if getattr(cfg.fault, key) < 0:
-            p.append(f"fault.{key}: must be >= 0, got {getattr(cfg.fault, key)}")
-    if cfg.fault.max_same_failure == 0:
-        p.append("fault.max_same_failure: must be >= 1 (1 = never requeue the same failure twice)")
-    if cfg.fault.max_preemptions < -1:
-        p.append(f"fault.max_preemptions: must be >= 0, or -1 for unlimited, got {cfg.fault.max_preemptions}")
-    exclude = cfg.fault.exclude_nodes_file
-    if exclude is not None and "fault.exclude_nodes_file" not in bad_paths and not Path(exclude).is_file():
-        p.append(f"fault.exclude_nodes_file: {echo(exclude)} is not a file (one host per line)")
-    p += _watchdog(cfg.fault)
-    p += _trackers(cfg)
-    if not (math.isfinite(cfg.logging.straggler_factor) and cfg.logging.straggler_factor > 1):
-        p.append(f"logging.straggler_factor: must be > 1, got {cfg.logging.straggler_factor}")
-    if not cfg.run.dir.strip():
-        p.append("run.dir: must name a directory, e.g. run.dir=runs/my-run")
-    if cfg.run.seed < 0:
-        p.append(f"run.seed: must be >= 0, got {echo(cfg.run.seed)}")
-    if not 0.0 <= cfg.data.val_fraction < 1.0:
-        p.append(f"data.val_fraction: must be in [0, 1), got {cfg.data.val_fraction}")
-    for beta in ("beta1", "beta2"):
-        if not getattr(cfg.optim, beta) < 1:
-            p.append(f"optim.{beta}: must be < 1, got {getattr(cfg.optim, beta)}")
-    if cfg.optim.min_lr_ratio > 1:
-        p.append(f"optim.min_lr_ratio: must be <= 1, got {cfg.optim.min_lr_ratio}")
-    if (cfg.train.eval_every_steps and cfg.data.val_fraction == 0 and cfg.data.source != "synthetic"
-            and not cfg.train.eval_data):  # fmt: skip
-        p.append("train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01) or "
-                 "train.eval_data to a prepared held-out dataset")  # fmt: skip
+    return p
 
-    m = cfg.model
-    # an unresolved model.vocab_size (auto without data, a typo) is already reported by config.vocab.resolve_vocab
-    p += [q for q in m.problems() if not (isinstance(m.vocab_size, str) and q.startswith("model.vocab_size="))]
-    if cfg.data.seq_len > m.max_seq_len > 0:
-        p.append(
-            f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
-            "lower one or raise the other"
-        )
-    if cfg.data.prefetch < 0:
-        p.append(f"data.prefetch: must be >= 0 (0 = no background thread), got {cfg.data.prefetch}")
-    if cfg.data.source == "files" and not cfg.data.path and not cfg.data.sources:
-        p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
-    p += _data_volume(cfg)
-    p += _check_sources(cfg)
 
-    t = cfg.train
-    if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
-        p.append(
-            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
-            f"({t.micro_batch_size})"
-        )
-    if cfg.checkpoint.verify not in VERIFY_MODES:
-        p.append(f"checkpoint.verify: {cfg.checkpoint.verify!r} is not one of {', '.join(VERIFY_MODES)}")
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and "checkpoint.resume" not in bad_paths:
-        p += _named_checkpoint("checkpoint.resume", resume, "auto, none, or ")
-    init = cfg.checkpoint.init_from
+def _check_checkpoint(cfg: JobConfig, kind: LayoutKind | None, bad_paths: set[str]) -> list[str]:
+    c = cfg.checkpoint
+    p = _positive_problems(cfg, ["checkpoint.keep_last"])
+    p += _positive_problems(cfg, ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.write_threads"],
+                            allow_zero=True)  # fmt: skip
+    if c.verify not in VERIFY_MODES:
+        p.append(f"checkpoint.verify: {c.verify!r} is not one of {', '.join(VERIFY_MODES)}")
+    if c.resume not in ("auto", "none") and "checkpoint.resume" not in bad_paths:
+        p += _named_checkpoint("checkpoint.resume", c.resume, "auto, none, or ")
+    init = c.init_from
     if init is not None and "checkpoint.init_from" not in bad_paths:
         p += _hf_init(cfg, init) if hf_config.is_hf_dir(init) else _named_checkpoint("checkpoint.init_from", init, "")
     if init is not None and kind is LayoutKind.ZERO3:
         p.append("checkpoint.init_from: parallel.zero.stage=3 cannot load weights from another run; start with "
                  "parallel.zero.stage=1 or 2 (or fsdp), then resume that run's checkpoints with stage 3")  # fmt: skip
+    return p
+
+
+def _check_fault(cfg: JobConfig, bad_paths: set[str]) -> list[str]:
+    f = cfg.fault
+    p = _requeue_signal(f.requeue_signal)
+    for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes"):
+        if getattr(f, key) < 0:
+            p.append(f"fault.{key}: must be >= 0, got {getattr(f, key)}")
+    if f.max_same_failure == 0:
+        p.append("fault.max_same_failure: must be >= 1 (1 = never requeue the same failure twice)")
+    if f.max_preemptions < -1:
+        p.append(f"fault.max_preemptions: must be >= 0, or -1 for unlimited, got {f.max_preemptions}")
+    exclude = f.exclude_nodes_file
+    if exclude is not None and "fault.exclude_nodes_file" not in bad_paths and not Path(exclude).is_file():
+        p.append(f"fault.exclude_nodes_file: {echo(exclude)} is not a file (one host per line)")
+    p += _watchdog(f)
+    return p
+
+
+def _check_logging(cfg: JobConfig) -> list[str]:
+    log_ = cfg.logging
+    p = _positive_problems(cfg, ["logging.every_steps", "logging.peak_flops"])
+    p += _positive_problems(cfg, ["logging.replica_check_every_steps", "logging.straggler_every_steps"],
+                            allow_zero=True)  # fmt: skip
+    if not (math.isfinite(log_.straggler_factor) and log_.straggler_factor > 1):
+        p.append(f"logging.straggler_factor: must be > 1, got {log_.straggler_factor}")
+    if log_.profile.steps < 0:
+        p.append(f"logging.profile.steps: must be >= 0 (0 = off), got {log_.profile.steps}")
+    if log_.profile.start_step < 1:
+        p.append(f"logging.profile.start_step: must be >= 1 (steps count from 1), got {log_.profile.start_step}")
+    p += _trackers(cfg)
     return p
 
 

@@ -25,10 +25,10 @@ __all__ = [
     "DataError",
     "check_data",
     "check_same_tokenizer",
+    "data_tokenizer_identity",
     "data_vocab",
     "dataset_paths",
     "resolve_vocab",
-    "run_tokenizer",
 ]
 
 VOCAB_MULTIPLE = 64
@@ -66,7 +66,7 @@ def _describe_tokenizer(key: dict, where: str) -> str:
 _BYTE_KEY = {"kind": "byte", "vocab_size": BYTE_VOCAB, "files": {}}
 
 
-def run_tokenizer(cfg: JobConfig) -> tuple[dict | None, str]:
+def data_tokenizer_identity(cfg: JobConfig) -> tuple[dict | None, str]:
     """(identity of the tokenizer the run's training data was made with, its description); identity None when the
     data has none (data.source=synthetic) or its dataset is missing."""
     d = cfg.data
@@ -90,7 +90,7 @@ def check_same_tokenizer(cfg: JobConfig, key: str, path: str) -> list[str]:
         return [problem]
     meta = found.raw
     theirs = _tokenizer_key(meta)
-    mine, where = run_tokenizer(cfg)
+    mine, where = data_tokenizer_identity(cfg)
     if mine is not None and theirs != mine:
         return [f"{key}: {path} was prepared with {_describe_tokenizer(theirs, key)}, but the run trains on {where}: "
                 "prepare it again with the run's tokenizer (prepare --tokenizer <the run's data dir>)"]  # fmt: skip

@@ -12,7 +12,6 @@ used) into a :class:`Tokenizer`; :func:`train_bpe` trains a byte-level BPE on lo
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFCoreTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from hpcdist.atomic import atomic_write
+from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.config.dataset_meta import DataError, load_meta, read_meta_json
 from hpcdist.data import corpora
 
@@ -333,21 +332,13 @@ def recorded_tokenizer(dataset_dir: Path) -> Tokenizer | None:
         if "/" in name or name in ("", ".", "..") or not file.is_file() or file.is_symlink():
             raise TokenizerError(f"{dataset_dir}: meta.json's tokenizer file {name!r} is not a regular file in "
                                  f"{TOKENIZER_DIR}/ (links are not followed); prepare the dataset again")  # fmt: skip
-        if _sha256(file) != digest:
+        if file_sha256(file) != digest:
             raise TokenizerError(f"{file}: not the tokenizer file the dataset was prepared with (sha256 differs from "
                                  "meta.json's); restore it or prepare the dataset again")  # fmt: skip
         files.append(file)
     if not files:
         raise TokenizerError(f"{dataset_dir}: meta.json records a {kind} tokenizer but no tokenizer file")
     return loaders[kind](files[0])
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def describe(tok: Tokenizer) -> dict[str, Any]:
@@ -359,7 +350,7 @@ def describe(tok: Tokenizer) -> dict[str, Any]:
         "eos_id": int(tok.eos_id),
         "pad_id": tok.pad_id,
         "add_bos": bool(tok.add_bos),
-        "files": {f.name: _sha256(f) for f in tok.files()},
+        "files": {f.name: file_sha256(f) for f in tok.files()},
     }
 
 

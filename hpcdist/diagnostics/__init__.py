@@ -10,6 +10,7 @@ Modules, in the order a run uses them:
 - ``finder``      pairwise transfers ranking ranks and hosts by bandwidth; the --exclude list
 - ``verdict``     expected busbw of a cluster profile; PASS/FAIL with every reason
 - ``report``      human tables and the JSON document
+- ``plot``        the sweep's bandwidth curves and the finder's heat maps as one PNG (``--plot``)
 - ``runner``      one rank from start to verdict; ``cli`` the command line and local launcher
 - ``faults``      TEST-ONLY fault injection (HPCDIST_NCCL_CHECK_* variables)
 

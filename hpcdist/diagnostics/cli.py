@@ -26,13 +26,13 @@ from hpcdist.diagnostics.runner import DTYPES, Options, apply_profile, run_rank
 from hpcdist.diagnostics.verdict import load_expectation
 from hpcdist.env import from_environ
 
-__all__ = ["build_parser", "launch_local", "main", "parse_size"]
+__all__ = ["build_parser", "launch_local", "main", "parse_message_size"]
 
 _SIZE = re.compile(r"(\d+)\s*([KMGT]?)(?:I?B)?", re.IGNORECASE)
 _EXIT_GRACE_S = 3.0  # after rank 0 is done (or any rank failed), how long the others get before they are killed
 
 
-def parse_size(text: str) -> int:
+def parse_message_size(text: str) -> int:
     """'8' -> 8, '64K' / '64KB' / '64KiB' -> 65536, '1G' -> 2**30 (binary, like nccl-tests)."""
     match = _SIZE.fullmatch(text.strip())
     if not match:
@@ -40,7 +40,7 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) << (10 * " KMGT".index(match.group(2).upper() or " "))
 
 
-def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+def _positive_arg(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     def check(text: str) -> Any:
         try:
             value = kind(text)
@@ -72,30 +72,34 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="test-only fault injection (never on real jobs): HPCDIST_NCCL_CHECK_INJECT_WRONG_RANK, _DELAY_RANK, "
         "_DELAY_S, _HANG_RANK, _HANG_AT (join|sweep), _HANG_S; see hpcdist/diagnostics/faults.py",
     )
-    p.add_argument("--nproc", type=_positive(int), help="start N ranks on this machine (no launcher needed)")
+    p.add_argument("--nproc", type=_positive_arg(int), help="start N ranks on this machine (no launcher needed)")
     p.add_argument("--ops", type=_ops, default=OPS, help=f"comma-separated subset of {','.join(OPS)} (default: all)")
-    p.add_argument("-b", "--min-bytes", type=parse_size, default=8, help="smallest message (default 8)")
-    p.add_argument("-e", "--max-bytes", type=parse_size, help="largest message (default 1G on GPUs, 16M on CPU)")
-    p.add_argument("-f", "--step-factor", type=_positive(int), default=2, help="size multiplier (default 2)")
-    p.add_argument("-n", "--iters", type=_positive(int), default=20, help="timed iterations per size (default 20)")
+    p.add_argument("-b", "--min-bytes", type=parse_message_size, default=8, help="smallest message (default 8)")
+    p.add_argument(
+        "-e", "--max-bytes", type=parse_message_size, help="largest message (default 1G on GPUs, 16M on CPU)"
+    )
+    p.add_argument("-f", "--step-factor", type=_positive_arg(int), default=2, help="size multiplier (default 2)")
+    p.add_argument("-n", "--iters", type=_positive_arg(int), default=20, help="timed iterations per size (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=5, help="warm-up iterations per size (default 5)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--timeout", type=_positive(float), default=120.0,
+    p.add_argument("--timeout", type=_positive_arg(float), default=120.0,
                    help="seconds any one step may take before the run is declared hung (default 120)")  # fmt: skip
-    p.add_argument("--join-timeout", type=_positive(float), default=300.0,
+    p.add_argument("--join-timeout", type=_positive_arg(float), default=300.0,
                    help="seconds to wait for every rank to join (default 300)")  # fmt: skip
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the collective sweep")
     p.add_argument("--no-finder", dest="finder", action="store_false", help="skip the slow node / link finder")
-    p.add_argument("--finder-bytes", type=parse_size, help="bytes per finder transfer (default 64M GPU, 4M CPU)")
-    p.add_argument("--finder-iters", type=_positive(int), default=5, help="timed transfers per pair (default 5)")
-    p.add_argument("--slow-threshold", type=_positive(float),
+    p.add_argument(
+        "--finder-bytes", type=parse_message_size, help="bytes per finder transfer (default 64M GPU, 4M CPU)"
+    )
+    p.add_argument("--finder-iters", type=_positive_arg(int), default=5, help="timed transfers per pair (default 5)")
+    p.add_argument("--slow-threshold", type=_positive_arg(float),
                    help="a rank/host is slow below this fraction of the typical bandwidth (default 0.7 on GPUs; "
                    "0.3 on CPU, where ranks share cores with everything else and timings are noisier)")  # fmt: skip
     p.add_argument("--cluster", default="auto",
                    help="expected busbw from cluster profile NAME's hardware: (or a YAML path, or none); "
                    "auto = a100_ib with NCCL, none on CPU")  # fmt: skip
-    p.add_argument("--expect-intra", type=_positive(float), help="expected intra-node all_reduce busbw, GB/s")
-    p.add_argument("--expect-inter", type=_positive(float), help="expected inter-node all_reduce busbw, GB/s")
+    p.add_argument("--expect-intra", type=_positive_arg(float), help="expected intra-node all_reduce busbw, GB/s")
+    p.add_argument("--expect-inter", type=_positive_arg(float), help="expected inter-node all_reduce busbw, GB/s")
     p.add_argument("--tolerance", type=float, default=0.8, help="PASS at >= this x expected (default 0.8)")
     p.add_argument("--nccl-profile", default=os.environ.get("HPCDIST_NCCL_PROFILE"),
                    help="apply NCCL profile NAME (or a YAML path) in every task first, as training does (default: "

@@ -14,7 +14,7 @@ from typing import Any
 
 from hpcdist.diagnostics.report import _jsonable
 
-__all__ = ["write_plot"]
+__all__ = ["write_diagnostics_plot"]
 
 
 def _pairs(mapping: dict[str, float], names: list[str]) -> list[list[float]]:
@@ -28,7 +28,7 @@ def _pairs(mapping: dict[str, float], names: list[str]) -> list[list[float]]:
     return m
 
 
-def write_plot(doc: dict[str, Any], path: str | Path) -> Path:
+def write_diagnostics_plot(doc: dict[str, Any], path: str | Path) -> Path:
     from hpcdist.report.plots import import_pyplot, save_png
 
     plt = import_pyplot()

@@ -114,11 +114,11 @@ class _Run:
         if self.opts.json_path:
             report.write_json(self.doc, self.opts.json_path)
         if self.opts.plot_path:
-            from hpcdist.diagnostics.plot import write_plot
+            from hpcdist.diagnostics.plot import write_diagnostics_plot
             from hpcdist.report.plots import MissingMatplotlib
 
             try:
-                self.emit(f"# plot: {write_plot(self.doc, self.opts.plot_path)}")
+                self.emit(f"# plot: {write_diagnostics_plot(self.doc, self.opts.plot_path)}")
             except MissingMatplotlib as e:  # the check itself passed or failed on its own; only the picture is missing
                 self.emit(f"# plot: not written: {e}")
         return 0 if self.verdict.passed else 1

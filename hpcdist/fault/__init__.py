@@ -5,6 +5,9 @@
 - ``stop``: signal handlers that set a stop flag, and the all-reduce by which every rank agrees on it;
 - ``goodput``: the run's wall time split into training, checkpoints, restarts (<run.dir>/goodput.json);
 - ``stragglers``: slow-rank detection;
+- ``nonfinite``: the NaN/Inf gradient-norm guard (``train.nonfinite``: stop before any save of that state, or skip
+  the update);
+- ``rundir_lock``: one run per run directory (a flock on <run.dir>/run.lock held by rank 0);
 - ``supervise``: the per-rank supervisor that records a death by signal (standard library only).
 
 Nothing here knows the scheduler: requeueing, the restart ledger and node exclusion are ``hpcdist.launch``'s, which

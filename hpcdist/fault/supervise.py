@@ -98,9 +98,9 @@ def supervise(cmd: Sequence[str]) -> int:
             try:
                 line = record_death(info_path, child.pid, -rc)
             except OSError as e:  # a link or another user's file at failures.jsonl: say so, still die like the rank
-                print(f"hpcdist.supervise: not recorded: {e.strerror}", file=sys.stderr, flush=True)
+                print(f"hpcdist.fault.supervise: not recorded: {e.strerror}", file=sys.stderr, flush=True)
                 line = None
-            print(f"hpcdist.supervise: {line.strip() if line else f'pid {child.pid} killed by signal {-rc}'}",
+            print(f"hpcdist.fault.supervise: {line.strip() if line else f'pid {child.pid} killed by signal {-rc}'}",
                   file=sys.stderr, flush=True)  # fmt: skip
     finally:
         shutil.rmtree(private, ignore_errors=True)

@@ -26,17 +26,17 @@ from hpcdist.hf.source import (
     ConversionError,
     find_checkpoint,
     load_fqn,
+    load_run_tokenizer,
     return_freed_memory,
     run_config,
     run_model_args,
-    run_tokenizer,
     saved_shapes,
 )
 from hpcdist.hf.tokenizer import export_tokenizer
 from hpcdist.models.args import ModelArgs
 from hpcdist.models.hf_config import hf_config
 
-__all__ = ["DTYPES", "ExportResult", "export", "parse_size"]
+__all__ = ["DTYPES", "ExportResult", "export", "parse_shard_size"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _HF_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -54,7 +54,7 @@ class ExportResult:
     seconds: float = 0.0
 
 
-def parse_size(text: str) -> int:
+def parse_shard_size(text: str) -> int:
     """``5GB``, ``500MB``, ``2GiB``, ``1000000`` -> bytes (decimal units as Hugging Face's max_shard_size)."""
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
     t = text.strip().upper()
@@ -110,7 +110,7 @@ def export(
     step = find_checkpoint(checkpoint)
     config = run_config(step)
     args = run_model_args(config)
-    tok = run_tokenizer(config, tokenizer) if with_tokenizer else None
+    tok = load_run_tokenizer(config, tokenizer) if with_tokenizer else None
     if tok is not None and tok.vocab_size > args.vocab_size:
         raise ConversionError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary is model."
                               f"vocab_size={args.vocab_size}: pass the --tokenizer it was trained with")  # fmt: skip

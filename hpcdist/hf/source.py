@@ -25,8 +25,16 @@ from hpcdist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, r
 from hpcdist.models.args import ModelArgs
 from hpcdist.rundir import RunDir
 
-__all__ = ["ConversionError", "find_checkpoint", "load_fqn", "return_freed_memory", "run_config", "run_model_args",
-           "run_tokenizer", "saved_shapes"]  # fmt: skip
+__all__ = [
+    "ConversionError",
+    "find_checkpoint",
+    "load_fqn",
+    "load_run_tokenizer",
+    "return_freed_memory",
+    "run_config",
+    "run_model_args",
+    "saved_shapes",
+]  # fmt: skip
 
 
 class ConversionError(ValueError):
@@ -65,7 +73,7 @@ def run_model_args(config: dict[str, Any]) -> ModelArgs:
     return ModelArgs(**{k: v for k, v in config["model"].items() if k in fields})
 
 
-def run_tokenizer(config: dict[str, Any], spec: str | None = None) -> Tokenizer:
+def load_run_tokenizer(config: dict[str, Any], spec: str | None = None) -> Tokenizer:
     """``spec`` when given, else the tokenizer the run's data was prepared with (byte for data.source=stdlib)."""
     if spec is not None:
         return load_tokenizer(spec)

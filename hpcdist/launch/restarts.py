@@ -102,7 +102,7 @@ def save_ledger(run_dir: str | os.PathLike[str], data: Mapping[str, Any]) -> Non
     atomic_write(RunDir(run_dir).restarts, json.dumps(data, indent=1, sort_keys=True))
 
 
-def _attempt(data: dict[str, Any], restart: int) -> dict[str, Any]:
+def _attempt_record(data: dict[str, Any], restart: int) -> dict[str, Any]:
     return data["attempts"].setdefault(str(restart), {"restart": restart})
 
 
@@ -150,7 +150,7 @@ def begin_attempt(run_dir: str | os.PathLike[str], policy: RestartPolicy, job: J
             f"and fault.max_preemptions={policy.max_preemptions}: not training again; resubmit to continue"
         )
     if write:
-        entry = _attempt(data, job.restart_count)
+        entry = _attempt_record(data, job.restart_count)
         entry.update(start=time.time(), host=socket.gethostname(), preemptions=n)
         data["policy"] = asdict(policy)
         if reason:
@@ -179,7 +179,7 @@ def mark_time_limit(run_dir: str | os.PathLike[str], job: JobFacts, *, reason: s
     """Rank 0, before the time-limit requeue (``reason`` None) or instead of it: record how this attempt ended.
     Returns the nodes the requeued job must avoid (earlier exclusions plus fault.exclude_nodes_file)."""
     data = load_ledger(run_dir, job.job_id)
-    entry = _attempt(data, job.restart_count)
+    entry = _attempt_record(data, job.restart_count)
     entry.update(ended="time_limit", end=time.time(), requeued=None if reason else "time_limit")
     excluded = list(data.get("excluded", []))
     if reason:
@@ -361,7 +361,7 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
     who = ", ".join(f"rank {b.get('rank')} on {b['host']}" for b in blamed) or "no rank in particular"
     _say(f"step failed (exit {exit_code}): {primary['kind']}: {primary['cause']} [{who}]")
 
-    entry = _attempt(data, job.restart_count)
+    entry = _attempt_record(data, job.restart_count)
     entry.update(ended="failure", end=time.time(), signature=sig, cause=primary["cause"],
                  blame=blamed, requeued=None)  # fmt: skip
     streak = failure_streak(data, job.restart_count, sig)

@@ -470,7 +470,7 @@ def _check_job(cfg: config_mod.JobConfig, cluster: ClusterConfig, job_name: str,
     return problems
 
 
-def _check_memory(cfg: config_mod.JobConfig, cluster: ClusterConfig, *, force: bool) -> list[str]:
+def _check_fit(cfg: config_mod.JobConfig, cluster: ClusterConfig, *, force: bool) -> list[str]:
     """The planner's fit check for the requested nodes: a problem unless forced (then a warning)."""
     from hpcdist.planning.fit import check_fit
 
@@ -522,7 +522,7 @@ def prepare(
     run_dir = str(Path(cfg.run.dir).expanduser().absolute())  # the batch script's after-step reads it
     problems = _check_job(cfg, cluster_cfg, job_name, folder)
     if not problems:
-        problems = _check_memory(cfg, cluster_cfg, force=force)
+        problems = _check_fit(cfg, cluster_cfg, force=force)
     # the data must exist before a job waits in the queue for it; a dry run only warns
     data_problems = config_mod.check_data(cfg, strict=False)
     if problems or (data_problems and not dry_run):

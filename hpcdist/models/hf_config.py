@@ -172,7 +172,7 @@ def _integer(data: dict[str, Any], key: str, field: str, *, where: str, default:
     return value
 
 
-def _number(data: dict[str, Any], key: str, field: str, *, where: str, default: float) -> float:
+def _bounded_number(data: dict[str, Any], key: str, field: str, *, where: str, default: float) -> float:
     """config.json's ``key`` as a finite positive float no larger than ModelArgs' ``field`` allows."""
     value = data.get(key, default)
     if value is None:
@@ -258,11 +258,11 @@ def model_args_from_hf(data: Any, *, where: str = CONFIG_NAME) -> ModelArgs:
         n_heads=heads,
         n_kv_heads=None if kv == heads else kv,
         ffn_dim=ffn,
-        norm_eps=_number(data, "rms_norm_eps", "norm_eps", where=where, default=1e-6),
-        rope_theta=_number(theta_from, "rope_theta", "rope_theta", where=where, default=10000.0),
+        norm_eps=_bounded_number(data, "rms_norm_eps", "norm_eps", where=where, default=1e-6),
+        rope_theta=_bounded_number(theta_from, "rope_theta", "rope_theta", where=where, default=10000.0),
         max_seq_len=max_pos,
         tie_embeddings=_boolean(data, "tie_word_embeddings", where=where),
-        init_std=_number(data, "initializer_range", "init_std", where=where, default=0.02),
+        init_std=_bounded_number(data, "initializer_range", "init_std", where=where, default=0.02),
     )
     problems = args.problems()
     if problems:

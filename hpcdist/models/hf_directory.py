@@ -78,7 +78,7 @@ class HFDirectory:
         """The raw bytes of tensor ``name`` (little-endian, its header's dtype), opened and bounded as when checked:
         a file swapped since (for a FIFO, a link, a shorter file) is refused, never waited on or read past."""
         entry = self.tensors[name]
-        fd, size = _open_regular(self.path, entry.file, what="weights")
+        fd, size = _open_member(self.path, entry.file, what="weights")
         try:
             if entry.offset + entry.nbytes > size:
                 raise HFConfigError(
@@ -102,14 +102,14 @@ def open_hf_dir(path: str | Path, *, purpose: Purpose | None) -> HFDirectory:
     where = str(path / CONFIG_NAME)
     if not os.path.lexists(path / CONFIG_NAME):
         raise HFConfigError(f"{path}: no {CONFIG_NAME}: not a Hugging Face model directory")
-    args = model_args_from_hf(_read_json(path, CONFIG_NAME, CONFIG_CAP), where=where)
+    args = model_args_from_hf(_read_member_json(path, CONFIG_NAME, CONFIG_CAP), where=where)
     if purpose is not None:
-        _check_memory(path, args, purpose)
+        _check_host_memory(path, args, purpose)
     for name in TOKENIZER_FILES:  # read later by the tokenizers library by name: only regular, bounded files
         if os.path.lexists(path / name):
-            os.close(_open_regular(path, name, what="tokenizer", cap=TOKENIZER_CAP)[0])
+            os.close(_open_member(path, name, what="tokenizer", cap=TOKENIZER_CAP)[0])
     if os.path.lexists(path / INDEX):
-        index = _read_json(path, INDEX, INDEX_CAP)
+        index = _read_member_json(path, INDEX, INDEX_CAP)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise HFConfigError(f"{path / INDEX}: weight_map: expected a mapping of tensor names to file names")
@@ -167,7 +167,7 @@ def _check_entry_name(path: Path, name: Any, file: Any) -> None:
                             f"{path}; an index names the directory's own files only")  # fmt: skip
 
 
-def _open_regular(directory: Path, name: str, *, what: str, cap: int | None = None) -> tuple[int, int]:
+def _open_member(directory: Path, name: str, *, what: str, cap: int | None = None) -> tuple[int, int]:
     """(fd, size) of the regular file ``name`` of ``directory``; never blocks (a FIFO is refused, not waited on)."""
     path = directory / name
     try:
@@ -223,8 +223,8 @@ def _parse_json(raw: bytes | bytearray, where: Path, what: str) -> Any:
         raise HFConfigError(f"{where}: {what} is not readable JSON ({' '.join(str(e).split())[:200]})") from None
 
 
-def _read_json(directory: Path, name: str, cap: int) -> Any:
-    fd, size = _open_regular(directory, name, what=name, cap=cap)
+def _read_member_json(directory: Path, name: str, cap: int) -> Any:
+    fd, size = _open_member(directory, name, what=name, cap=cap)
     try:
         return _parse_json(_pread_exact(fd, 0, size, directory / name), directory / name, "the file")
     finally:
@@ -236,7 +236,7 @@ def _read_header(directory: Path, file: str) -> dict[str, TensorEntry]:
     regions contiguous from 0 to the end of the file) and each shape's size against its region. Only the header is
     read."""
     path = directory / file
-    fd, size = _open_regular(directory, file, what="weights")
+    fd, size = _open_member(directory, file, what="weights")
     try:
         if size < 8:
             raise HFConfigError(f"{path}: {size} bytes: not a safetensors file (no header)")
@@ -356,7 +356,7 @@ def memory_need(args: ModelArgs, purpose: Purpose) -> tuple[int, str]:
     return 3 * largest, "its largest tensor as read, in float32 and permuted"
 
 
-def _check_memory(path: Path, args: ModelArgs, purpose: Purpose) -> None:
+def _check_host_memory(path: Path, args: ModelArgs, purpose: Purpose) -> None:
     need, what = memory_need(args, purpose)
     have = available_memory()
     if have is not None and need > have:

@@ -53,6 +53,12 @@ class DDPStrategy(Strategy):
         )  # fmt: skip
         self._attach_optimizer(self.model)
 
+    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.comm_hook is None:
+            return super().forward_backward(batch)
+        with self.comm_hook.counting():  # the hook's bytes are counted during this backward, and only then
+            return super().forward_backward(batch)
+
     def comm_stats(self) -> tuple[int, float] | None:
         return self.comm_hook.meter.take() if self.comm_hook is not None else None
 

@@ -88,7 +88,7 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
     if not dims.needs_mesh:  # pure replication (or one rank): one whole model, DDP when there are replicas
         ddp = cfg.parallel.ddp
         return DDPStrategy(
-            stages.parts[0], bucket_cap_mb=cfg.parallel.bucket_cap_mb, comm_hook=ddp.comm_hook,
+            stages.parts[0], bucket_cap_mb=ddp.bucket_cap_mb, comm_hook=ddp.comm_hook,
             powersgd=dataclasses.asdict(ddp.powersgd), seq_len=cfg.data.seq_len, **common,
         )  # fmt: skip
     return MeshStrategy(

@@ -38,7 +38,8 @@ from torch import nn
 from hpcdist import config as config_mod
 from hpcdist.config import JobConfig
 from hpcdist.config.cluster import ClusterConfig, load_cluster
-from hpcdist.models.llama import build_model, num_params
+from hpcdist.models.args import num_params
+from hpcdist.models.llama import build_model
 from hpcdist.parallel.dims import describe_layout, parallel_dims
 from hpcdist.planning.layouts import DEFAULT_MARGIN_GIB, format_count
 from hpcdist.planning.memory import GIB, MemoryEstimate

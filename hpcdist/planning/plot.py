@@ -13,7 +13,7 @@ from pathlib import Path
 from hpcdist.planning.layouts import StepEstimate
 from hpcdist.planning.memory import GIB
 
-__all__ = ["CATEGORIES", "write_plot"]
+__all__ = ["CATEGORIES", "write_memory_plot"]
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
@@ -25,7 +25,9 @@ def _label(e: StepEstimate) -> str:
             f"AC {'on' if lay.activation_checkpointing else 'off'}")  # fmt: skip
 
 
-def write_plot(estimates: Sequence[StepEstimate], path: str | Path, *, gpu_mem_gb: float, margin_gib: float) -> Path:
+def write_memory_plot(
+    estimates: Sequence[StepEstimate], path: str | Path, *, gpu_mem_gb: float, margin_gib: float
+) -> Path:
     """Stacked GiB per category for ``estimates`` (in the table's order), with the GPU's and the usable memory."""
     from hpcdist.report.plots import import_pyplot, save_png
 

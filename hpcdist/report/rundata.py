@@ -38,7 +38,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _read_json(path: Path) -> Any:
+def _read_json_or_none(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -98,14 +98,14 @@ class RunData:
                    stragglers=_series(records, "straggler"), failures=read_jsonl(rd.failures))  # fmt: skip
         with contextlib.suppress(OSError):
             data.config_text = rd.config.read_text(encoding="utf-8", errors="replace")
-        ledger = _read_json(rd.restarts)
+        ledger = _read_json_or_none(rd.restarts)
         data.restarts = ledger if isinstance(ledger, dict) else {}
-        ranks = _read_json(rd.ranks)
+        ranks = _read_json_or_none(rd.ranks)
         if isinstance(ranks, dict) and isinstance(ranks.get("hosts"), list):
             data.hosts = [str(h) for h in ranks["hosts"]]
-        summary = _read_json(rd.summary)
+        summary = _read_json_or_none(rd.summary)
         data.summary = summary if isinstance(summary, dict) else {}
-        goodput = _read_json(rd.goodput)
+        goodput = _read_json_or_none(rd.goodput)
         entries = goodput.get("attempts") if isinstance(goodput, dict) else None
         entries = [e for e in entries or [] if isinstance(e, dict) and isinstance(e.get("start"), (int, float))]
         data.goodput = summarize(entries) if entries else {}

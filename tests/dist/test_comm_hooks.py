@@ -28,13 +28,15 @@ OVER = (f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_
 # bucket_cap_mb=1 splits the ~1.3 MB of gradients into 2 buckets: PowerSGD's collectives of two buckets in flight
 # must reach gloo in the same order on every rank (comm_hooks.serialized)
 POWERSGD = ("parallel.ddp.comm_hook=powersgd", "parallel.ddp.powersgd.rank=2", "parallel.ddp.powersgd.start_iter=2",
-            "parallel.bucket_cap_mb=1")  # fmt: skip
+            "parallel.ddp.bucket_cap_mb=1")  # fmt: skip
 
 
 def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
+    all_reduce = torch.distributed.all_reduce
     trainer = Trainer(cfg, env)
     result = trainer.train(until=until)
-    return {"losses": result.losses, "step": result.step, "resumed": result.resumed_from}
+    return {"losses": result.losses, "step": result.step, "resumed": result.resumed_from,
+            "all_reduce_is_torch_own": torch.distributed.all_reduce is all_reduce}  # fmt: skip
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -75,6 +77,11 @@ def test_measured_bytes_per_step(hook_runs) -> None:
     assert fp32 / compressed >= 10, (fp32, compressed)
     for m in by["allreduce"] + by["powersgd"]:
         assert 0 < m["comm_share"] < 1
+
+
+def test_the_byte_counter_is_undone_after_training(hook_runs) -> None:
+    """The meter's wrapper of torch.distributed.all_reduce lives only inside each metered backward."""
+    assert all(out["all_reduce_is_torch_own"] for out, _ in hook_runs.values())
 
 
 def test_compressed_training_converges(hook_runs) -> None:

@@ -14,7 +14,7 @@ import yaml
 
 from hpcdist import resources
 from hpcdist.diagnostics import collectives, finder, report, verdict
-from hpcdist.diagnostics.cli import _without_nproc, build_parser, parse_size
+from hpcdist.diagnostics.cli import _without_nproc, build_parser, parse_message_size
 from hpcdist.diagnostics.faults import Faults
 from hpcdist.diagnostics.watchdog import Hang
 
@@ -237,10 +237,11 @@ def test_fault_switches_are_parsed_in_one_place() -> None:
 
 
 def test_cli_parsing() -> None:
-    assert parse_size("8") == 8 and parse_size("64K") == 65536 and parse_size("16MiB") == 16 << 20
-    assert parse_size("1G") == 1 << 30 and parse_size("2kb") == 2048
+    assert parse_message_size("8") == 8 and parse_message_size("64K") == 65536
+    assert parse_message_size("16MiB") == 16 << 20
+    assert parse_message_size("1G") == 1 << 30 and parse_message_size("2kb") == 2048
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_size("lots")
+        parse_message_size("lots")
     args = build_parser().parse_args(["--ops", "all_reduce,sendrecv", "-e", "1M", "--nproc", "4"])
     assert args.ops == ("all_reduce", "sendrecv") and args.max_bytes == 1 << 20 and args.nproc == 4
     with pytest.raises(SystemExit):

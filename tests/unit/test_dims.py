@@ -13,7 +13,7 @@ from hpcdist import config as config_mod
 from hpcdist.config import ConfigError, check_world
 from hpcdist.data import BatchLoader, ResumableSampler
 from hpcdist.models import build_model
-from hpcdist.models.llama import ModelArgs
+from hpcdist.models.args import ModelArgs
 from hpcdist.parallel.dims import SCHEDULES, ParallelDims, layout_problems, parallel_dims, resolve_degrees
 from hpcdist.parallel.pp import part_costs, split_layers, split_model, stage_ids
 

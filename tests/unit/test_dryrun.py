@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from hpcdist import config as config_mod
 from hpcdist.cli import main
-from hpcdist.models.llama import build_model, num_params
+from hpcdist.models import build_model, num_params
 from hpcdist.planning.dryrun import dry_run, parse_ranks
 from tests.conftest import SMALL
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hpcdist.models.args import ModelArgs
 from hpcdist.models.generation import PromptTooLong, SamplingConfig, generate, sample_next
-from hpcdist.models.llama import KVCache, ModelArgs, Transformer, build_model
+from hpcdist.models.llama import KVCache, Transformer, build_model
 
 V = 97
 

@@ -17,7 +17,7 @@ import pytest
 from hpcdist import resources
 from hpcdist.config.cluster import cluster_names
 from hpcdist.config.nccl_profiles import profile_names
-from hpcdist.models.llama import preset_names
+from hpcdist.models.args import preset_names
 
 REPO = Path(__file__).resolve().parents[2]
 RESOURCES = Path(resources.__file__).resolve().parent

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpcdist.cli import main
-from hpcdist.models.llama import ModelArgs, build_model, load_preset, num_params
+from hpcdist.models import ModelArgs, build_model, load_preset, num_params
 from hpcdist.planning.memory import (
     GIB,
     TABLE_ROWS,

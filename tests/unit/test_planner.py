@@ -9,7 +9,7 @@ import pytest
 from hpcdist import config as config_mod
 from hpcdist.cli import main
 from hpcdist.launch import load_cluster
-from hpcdist.models.llama import ModelArgs, flops_per_token, load_preset, num_params
+from hpcdist.models.args import ModelArgs, flops_per_token, load_preset, num_params
 from hpcdist.parallel.dims import parallel_dims
 from hpcdist.planning.layouts import (
     HardwareConfig,

@@ -42,6 +42,7 @@ from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's 
 
 from hpcdist import checkpoint as ckpt_mod
 from hpcdist import config as config_mod
+from hpcdist.atomic import file_sha256
 from hpcdist.checkpoint import CheckpointManager, list_checkpoints
 from hpcdist.config import JobConfig
 from hpcdist.env import destroy_process_group, from_environ, init_process_group
@@ -78,7 +79,7 @@ def dd_write(directory: Path, nbytes: int) -> float:
 def hash_seconds(path: Path) -> float:
     t0 = time.perf_counter()
     for rel in ckpt_mod._files(path):
-        ckpt_mod._sha256(path / rel)
+        file_sha256(path / rel)
     return time.perf_counter() - t0
 
 

@@ -72,10 +72,10 @@ def phase_save(preset: str, out: Path) -> dict[str, Any]:
 
 
 def phase_export(ckpt: Path, out: Path, dtype: str, max_shard: str) -> dict[str, Any]:
-    from hpcdist.hf.export import export, parse_size
+    from hpcdist.hf.export import export, parse_shard_size
 
     base = _rss_now()
-    res = export(ckpt, out, dtype=dtype, max_shard_size=parse_size(max_shard))
+    res = export(ckpt, out, dtype=dtype, max_shard_size=parse_shard_size(max_shard))
     return {"seconds": res.seconds, "baseline": base, "peak": _peak(), "largest_shard": res.largest_shard_bytes,
             "total_bytes": res.total_bytes, "files": res.files}  # fmt: skip
 

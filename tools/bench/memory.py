@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hpcdist import config as config_mod
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
-from hpcdist.models.llama import num_params
+from hpcdist.models.args import num_params
 from hpcdist.planning.memory import estimate_memory
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks

@@ -47,7 +47,7 @@ import torch.distributed as dist
 # a script run from a checkout: the checkout's hpcdist, and tools.bench for the shared table/process helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hpcdist.diagnostics.cli import parse_size
+from hpcdist.diagnostics.cli import parse_message_size
 from hpcdist.diagnostics.collectives import busbw_factor, group_table, message_sizes, sweep_op
 from hpcdist.diagnostics.faults import Faults
 from hpcdist.diagnostics.rendezvous import join
@@ -162,8 +162,8 @@ def render(rows: list[dict[str, Any]], a: argparse.Namespace, others: float) -> 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=4, help="gloo ranks (default 4)")
-    p.add_argument("--min-bytes", type=parse_size, default=1024, help="smallest message (default 1K)")
-    p.add_argument("--max-bytes", type=parse_size, default=64 << 20, help="largest message (default 64M)")
+    p.add_argument("--min-bytes", type=parse_message_size, default=1024, help="smallest message (default 1K)")
+    p.add_argument("--max-bytes", type=parse_message_size, default=64 << 20, help="largest message (default 64M)")
     p.add_argument("--factor", type=int, default=4, help="size multiplier (default 4)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size, as nccl_check (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="warm-up iterations per size (default 5)")
