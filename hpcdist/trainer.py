@@ -46,16 +46,17 @@ from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
 from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.fault.stragglers import StragglerMonitor
 from hpcdist.logging_utils import get_logger, setup_logging
-from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats, mfu, peak_flops
+from hpcdist.metrics.logger import MetricsLogger, format_line
+from hpcdist.metrics.profiling import StepProfiler
+from hpcdist.metrics.prometheus import PrometheusExporter
+from hpcdist.metrics.summary import format_summary, previous_best_eval, write_summary
+from hpcdist.metrics.throughput import Throughput, memory_stats, mfu, peak_flops
+from hpcdist.metrics.trackers import Trackers
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.models.hf_config import is_hf_dir
 from hpcdist.parallel.dims import parallel_dims
 from hpcdist.parallel.parallelize import build_strategy, describe_layout
-from hpcdist.profiling import StepProfiler
-from hpcdist.prometheus_metrics import PrometheusExporter
-from hpcdist.run_summary import format_summary, previous_best_eval, write_summary
 from hpcdist.rundir import RunDir
-from hpcdist.trackers import Trackers
 
 log = get_logger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from hpcdist.checkpoint import CheckpointManager
 from hpcdist.evaluate import Evaluator
 from hpcdist.fault.hang import HangWatchdog
-from hpcdist.metrics import MetricsLogger
+from hpcdist.metrics.logger import MetricsLogger
 
 
 def test_metrics_checkpoints_and_evaluation_say_when_they_are_due(tmp_path: Path) -> None:
