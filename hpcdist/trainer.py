@@ -178,7 +178,8 @@ class Trainer:
             async_save=cfg.checkpoint.async_save, verify=cfg.checkpoint.verify,
             trusted_owners=cfg.checkpoint.trusted_owners,
             write_threads=cfg.checkpoint.write_threads or _auto_write_threads(env.local_world_size),
-            every_steps=cfg.checkpoint.every_steps,
+            every_steps=cfg.checkpoint.every_steps, every_minutes=cfg.checkpoint.every_minutes,
+            save_final=cfg.checkpoint.save_final, total_steps=cfg.train.steps,
         )  # fmt: skip
         self.evaluator = Evaluator(
             self.val_ds, every_steps=cfg.train.eval_every_steps, batches=cfg.train.eval_batches,
@@ -221,9 +222,6 @@ class Trainer:
             mode=cfg.train.nonfinite, max_skips=cfg.train.max_nonfinite_skips, device=env.torch_device(),
             last_checkpoint=self.resumed_from,
         )  # fmt: skip
-        self.saved_step = self.step if self.resumed_from else -1
-        self._saved_ok = True  # the last save (at saved_step) succeeded, as far as the save itself knows
-        self._last_save = time.perf_counter()  # checkpoint.every_minutes (train() restarts the clock)
         prof = cfg.logging.profile
         self.profiler = StepProfiler(
             self.run_dir, rank=env.rank, device=env.torch_device(), start_step=prof.start_step, steps=prof.steps,
@@ -304,14 +302,6 @@ class Trainer:
         log.warning("resumed with a changed optimizer: %s (the config's values apply from step %d; the checkpoint's "
                     "Adam moments are kept)", ", ".join(changed) or "hyper-parameters", self.step + 1)  # fmt: skip
 
-    def _maybe_request_timed_save(self) -> None:
-        """checkpoint.every_minutes: rank 0's clock asks once per interval; the stop agreement carries the request,
-        so every rank saves after the same step. Measured from the last save, or from the start of train()."""
-        minutes = self.cfg.checkpoint.every_minutes
-        if minutes and self.env.is_main and time.perf_counter() - self._last_save >= minutes * 60:
-            self.stop_flag.request_checkpoint()
-            self._last_save = time.perf_counter()  # asked: the save itself resets it again one step later
-
     def _lock_run_dir(self) -> None:
         """Rank 0 takes run.dir's lock; every rank raises the same RunDirInUse when another run holds it."""
         problems: list[list[str] | None] = [None]
@@ -361,11 +351,10 @@ class Trainer:
         # a NaN model is never saved, so pruning never trades a finite checkpoint for it
         self.nonfinite.check()
         self.nonfinite.check_params(self.step, self.strategy.params_finite())
-        t0 = self._last_save = time.perf_counter()
+        t0 = time.perf_counter()
         with self.watchdog.phase(self.step, "checkpoint save", slow=True):
             path = self.ckpt.save(self.step, self.checkpointable())
         self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
-        self.saved_step, self._saved_ok = self.step, path is not None
         self.goodput.add("checkpoint_save", time.perf_counter() - t0)
         self.goodput.flush()
         return path is not None
@@ -377,7 +366,7 @@ class Trainer:
         end = min(cfg.train.steps, until) if until is not None else cfg.train.steps
         self._lock_run_dir()  # held already unless an earlier train() returned
         self.stop_flag.install()  # if the caller has not; close() restores the previous handlers
-        self._last_save = time.perf_counter()  # checkpoint.every_minutes counts from here
+        self.ckpt.restart_clock()  # checkpoint.every_minutes counts from here
         self.goodput.begin(self.step if self.resumed_from else None)
         self.watchdog.start(self.step)
         try:
@@ -429,30 +418,30 @@ class Trainer:
                 self.nonfinite.check()  # the log line synchronized already: stop at once, not at the next save
             if self.evaluator.due(self.step):
                 result.eval_losses[self.step] = self.evaluate()
-            if self.ckpt.due(self.step):
-                self.save()
-            self._maybe_request_timed_save()
             if self.stragglers.due(self.step):
                 self._check_stragglers()
             with phase(self.step, "stop agreement (MAX all-reduce)"):
-                stop = self.stop_flag.agreed()  # async two-int all-reduce: every rank leaves after the same step
-            if self.stop_flag.checkpoint_due and not stop and self.saved_step != self.step:
-                self.save()  # checkpoint.every_minutes (a stop saves below anyway)
+                # async two-int all-reduce: every rank leaves after the same step, and saves after the same step
+                # when rank 0's clock asked one step ago (checkpoint.every_minutes)
+                stop = self.stop_flag.agreed(request_save=self.ckpt.timed_save_due(self.step))
+            if stop:
+                log.info("stop requested (%s) at step %d: saving a checkpoint", stop.name, self.step)
+            if self.ckpt.should_save(self.step, last_step=self.step >= end, stop_requested=bool(stop),
+                                     timed=self.stop_flag.save_requested):  # fmt: skip
+                self.save()
             self.stragglers.add(data_s=data_s, step_s=time.perf_counter() - t0)
             self.goodput.step(self.step, time.perf_counter() - t0)  # minus the save / evaluation inside it
             if stop:
-                log.info("stop requested (%s) at step %d: saving a checkpoint", stop.name, self.step)
                 result.stop_reason = stop
                 break
 
-        interrupted = self.step < cfg.train.steps
-        final = cfg.checkpoint.save_final or interrupted  # this step's checkpoint is the run's result / resume point
-        if final and self.saved_step != self.step:
+        if self.ckpt.should_save(self.step, last_step=True):  # the loop ran no step (resumed at its end)
             self.save()
         self.nonfinite.check()  # also when no final save follows
         with phase(self.step, "checkpoint completion", slow=True):
             # the checkpoint is complete before train() returns: the caller may requeue at once
-            saved = self.ckpt.wait() and self._saved_ok
+            saved = self.ckpt.wait() and self.ckpt.last_ok
+        final = self.ckpt.final_save_due(self.step)  # this step's checkpoint is the run's result / resume point
         if final and not saved:  # the last save (or the stop save before a requeue) failed: not a success
             resume = latest(self.ckpt.root, warn=False)
             result.save_failed, result.resume_point = self.step, str(resume) if resume else None
