@@ -63,3 +63,20 @@ def test_rank_0s_clock_asks_for_the_timed_save_once_per_interval(tmp_path: Path)
     assert not ckpt.timed_save_due(3)  # step 3 saves anyway: the clock starts again there
     hour = CheckpointManager(tmp_path / "h", rank=0, world_size=1, every_minutes=60)
     assert not any(hour.timed_save_due(s) for s in range(1, 5))
+
+
+def test_the_loop_asks_the_checkpoint_once_per_step() -> None:
+    """The loop's every save goes through one ``should_save`` decision (was: ``ckpt.due``, the trainer's timed-save
+    clock, ``stop_flag.checkpoint_due`` and the post-loop final-save rule, four places)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from hpcdist.trainer import Trainer
+
+    loop = ast.parse(textwrap.dedent(inspect.getsource(Trainer._loop)))
+    body = next(n for n in ast.walk(loop) if isinstance(n, ast.While))
+    calls = [n.func for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    asked = [f.attr for f in calls if isinstance(f.value, ast.Attribute) and f.value.attr == "ckpt"]
+    assert sorted(asked) == ["should_save", "timed_save_due"]
+    assert [f.attr for f in calls if isinstance(f.value, ast.Name) and f.value.id == "self"] == ["save"]
