@@ -215,10 +215,19 @@ class CheckpointManager:
         verify: str = "checksum",
         write_threads: int = 1,
         every_steps: int = 0,
+        every_minutes: float = 0.0,
+        save_final: bool = True,
+        total_steps: int | None = None,
         trusted_owners: Sequence[str] = (),
     ):
+        """The cadence (``should_save``): ``every_steps`` / ``every_minutes`` (0: never), ``save_final`` at
+        ``total_steps`` (train.steps; None: every last step is the run's end)."""
         self.root, self.rank, self.world_size = Path(root), rank, world_size
-        self.every_steps = every_steps
+        self.every_steps, self.every_minutes = every_steps, every_minutes
+        self.save_final, self.total_steps = save_final, total_steps
+        self.saved_step = -1  # the step of the last save (or failed save) or of the resumed checkpoint
+        self.last_ok = True  # the last save succeeded, as far as the save itself knows (an async one: see wait())
+        self._clock = time.perf_counter()  # every_minutes counts from the last save (or restart_clock())
         self.trusted = trusted_uids(trusted_owners)  # besides this user and root
         self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
         self.write_threads = max(1, write_threads)
@@ -234,16 +243,50 @@ class CheckpointManager:
                 self._async_pg = dist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------------------------------ save
-    def due(self, step: int) -> bool:
-        """checkpoint.every_steps (0: only the final / stop checkpoint; checkpoint.every_minutes is the trainer's,
-        agreed through the stop flag)."""
-        return self.every_steps > 0 and step % self.every_steps == 0
+    # the one cadence rule (torchtitan's CheckpointManager._should_save): the loop asks once per step
+    def should_save(self, step: int, *, last_step: bool, stop_requested: bool = False, timed: bool = False) -> bool:
+        """Save after ``step``? ``last_step``: the loop ends after it (train.steps or train(until=...));
+        ``stop_requested``: a stop every rank agreed on (a signal); ``timed``: the every-M-minutes request every rank
+        agreed on (rank 0 asks, ``timed_save_due``). The loop's last step saves when it is a resume point (stopped
+        or interrupted before train.steps) or checkpoint.save_final; a step is never saved twice. Every rank
+        answers alike from agreed inputs: a save is collective."""
+        if step == self.saved_step:
+            return False
+        if (last_step or stop_requested) and self.final_save_due(step):
+            return True
+        # a stop decides its step's save alone (at train.steps: checkpoint.save_final); every_steps always saves
+        return (self.every_steps > 0 and step % self.every_steps == 0) or (timed and not stop_requested)
+
+    def final_save_due(self, step: int) -> bool:
+        """The loop's last step is saved: a stop or interruption before train.steps (the resume point), or
+        checkpoint.save_final. A failure of this save is the run's failure (the trainer reports ``save_failed``)."""
+        return self.save_final or (self.total_steps is not None and step < self.total_steps)
+
+    def timed_save_due(self, step: int) -> bool:
+        """Rank 0's clock: checkpoint.every_minutes has passed since the last save (or ``restart_clock``). True once
+        per interval; the caller sends it through the per-step stop agreement, so every rank saves after the same
+        step (``should_save(timed=...)`` one step later). A step that saves by every_steps restarts the clock."""
+        if not (self.every_minutes and self.rank == 0):
+            return False
+        if self.every_steps > 0 and step % self.every_steps == 0:
+            self._clock = time.perf_counter()
+            return False
+        if time.perf_counter() - self._clock < self.every_minutes * 60:
+            return False
+        self._clock = time.perf_counter()  # asked: the save itself restarts it again one step later
+        return True
+
+    def restart_clock(self) -> None:
+        """checkpoint.every_minutes counts from now (the start of the training loop)."""
+        self._clock = time.perf_counter()
 
     def save(self, step: int, state: Checkpointable) -> Path | None:
         """Write step-N collectively; None when it failed with an I/O error (disk full, EIO, quota): then the partial
         directory is removed, every rank logs why, and the previous complete checkpoint stays the resume point.
         Any other error (a bug: training on would silently never checkpoint again) raises CheckpointSaveError on
         every rank, after the same clean-up."""
+        self._clock = time.perf_counter()  # checkpoint.every_minutes counts from the start of the last save
+        self.saved_step, self.last_ok = step, False  # a failed save is not retried at the same step
         self.wait()  # one save in flight at a time; also makes the previous checkpoint complete
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
@@ -261,6 +304,7 @@ class CheckpointManager:
         ok = ok and phase(lambda: self._write_local(path, state))
         ok = ok and phase(lambda: self._write_shards(path, state, step, t0))
         if self.async_save and ok:
+            self.last_ok = True  # so far: its failure shows at wait()
             return path  # the future's callback writes the manifest and the marker
         ok = ok and phase(lambda: self._write_manifest(path, distributed=True))
         ok = ok and phase(lambda: self._complete(path, step, t0))
@@ -273,6 +317,7 @@ class CheckpointManager:
                     + "): stopping rather than training on without checkpoints"
                 ) from (errors[0] if errors else None)
             return None
+        self.last_ok = True
         return path
 
     def _prepare(self, path: Path) -> None:
@@ -663,12 +708,14 @@ class CheckpointManager:
                                    + ("is damaged: " if problems[0] != "load" else "cannot be loaded: ")
                                    + "; ".join(problems[1:])])  # fmt: skip
             self._set_aside_newer(int(saved["step"]), path)
+            self.saved_step = int(saved["step"])
             return path
         latest(self.root)  # warns about interrupted saves
         for _, found in reversed(list_checkpoints(self.root)[0]):
             path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
             kind, problems = self._read(path, state, saved)
             if kind == _OK:
+                self.saved_step = int(saved["step"])
                 return path
             self._demote(path, problems[1:] if problems[0] == "verify" else [f"loading failed: {problems[1]}"])
         damaged = [d for d in list_checkpoints(self.root)[1] if (d / DAMAGED).is_file()]

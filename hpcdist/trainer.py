@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from hpcdist import config as config_mod
@@ -37,27 +35,20 @@ from hpcdist.data import (
 from hpcdist.data.sampler import SamplerMismatch
 from hpcdist.env import DistEnv
 from hpcdist.evaluate import Evaluator
-from hpcdist.fault import failures
 from hpcdist.fault.goodput import Goodput
 from hpcdist.fault.hang import HangWatchdog
 from hpcdist.fault.nonfinite import NonFiniteGuard
 from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
 from hpcdist.fault.stop import StopFlag, StopReason
-from hpcdist.fault.stragglers import StragglerMonitor
 from hpcdist.logging_utils import get_logger, setup_logging
-from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats, mfu, peak_flops
+from hpcdist.metrics.observer import Observer, StepRecord
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.models.hf_config import is_hf_dir
 from hpcdist.optim import optim_hparams, set_optim_hparams
 from hpcdist.parallel.dims import describe_layout
 from hpcdist.parallel.parallelize import build_strategy
-from hpcdist.parallel.replicas import check_replicas
-from hpcdist.profiling import StepProfiler
-from hpcdist.prometheus_metrics import PrometheusExporter
 from hpcdist.rankfacts import RankFacts, rank_facts
-from hpcdist.run_summary import format_summary, previous_best_eval, write_summary
 from hpcdist.rundir import RunDir
-from hpcdist.trackers import Trackers
 
 log = get_logger(__name__)
 
@@ -78,6 +69,13 @@ class TrainResult:
     none was due. hpcdist.run then exits non-zero instead of reporting success or requeueing."""
     resume_point: str | None = None
     """The newest complete checkpoint when ``save_failed``: where the next run resumes (None: from step 0)."""
+
+    def record(self, step: int, loss: float | None, eval_loss: float | None) -> None:
+        """A step's logged loss and evaluation loss, where it had them."""
+        if loss is not None:
+            self.losses[step] = loss
+        if eval_loss is not None:
+            self.eval_losses[step] = eval_loss
 
 
 def _barrier() -> None:
@@ -170,21 +168,19 @@ class Trainer:
             PrefetchLoader(loader, depth=cfg.data.prefetch, pin_memory=env.device == "cuda")
             if cfg.data.prefetch else loader
         )  # fmt: skip
-        self._data_wait = [0.0, 0.0, 0]  # data-wait seconds, step seconds and steps since the last log line
 
         args = cfg.model_args()
         model = build_model(args, device="meta")
         self.strategy = build_strategy(cfg, env, model, self.dims)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(args, cfg.data.seq_len)
-        self.peak = peak_flops(env.torch_device(), configured=cfg.logging.peak_flops)
-        self.throughput = Throughput(env.world_size)
         self.ckpt = CheckpointManager(
             cfg.checkpoint_dir, rank=env.rank, world_size=env.world_size, keep_last=cfg.checkpoint.keep_last,
             async_save=cfg.checkpoint.async_save, verify=cfg.checkpoint.verify,
             trusted_owners=cfg.checkpoint.trusted_owners,
             write_threads=cfg.checkpoint.write_threads or _auto_write_threads(env.local_world_size),
-            every_steps=cfg.checkpoint.every_steps,
+            every_steps=cfg.checkpoint.every_steps, every_minutes=cfg.checkpoint.every_minutes,
+            save_final=cfg.checkpoint.save_final, total_steps=cfg.train.steps,
         )  # fmt: skip
         self.evaluator = Evaluator(
             self.val_ds, every_steps=cfg.train.eval_every_steps, batches=cfg.train.eval_batches,
@@ -214,32 +210,16 @@ class Trainer:
             rank=env.rank, world_size=env.world_size, host=env.hostname, run_dir=self.run_dir,
             timeout_s=f.watchdog_timeout_s, slow_phase_s=f.watchdog_slow_phase_s, on_fire=self.goodput.flush,
         )  # fmt: skip
-        # each node's local rank 0 exports Prometheus metrics (logging.prometheus); a no-op otherwise
-        self.prom = PrometheusExporter(
-            cfg, enabled=env.local_rank == 0, node=env.node_rank, job=env.job_id or cfg.run.name,
-            restarts=env.job.restart_count,
-        )  # fmt: skip
-        self._node_memory: list[float] = []  # GiB per local rank, from the last straggler check
-        self.stragglers = StragglerMonitor(
-            every=cfg.logging.straggler_every_steps, factor=cfg.logging.straggler_factor, device=env.torch_device()
-        )
         self.nonfinite = NonFiniteGuard(
             mode=cfg.train.nonfinite, max_skips=cfg.train.max_nonfinite_skips, device=env.torch_device(),
             last_checkpoint=self.resumed_from,
         )  # fmt: skip
-        self.saved_step = self.step if self.resumed_from else -1
-        self._saved_ok = True  # the last save (at saved_step) succeeded, as far as the save itself knows
-        self._last_save = time.perf_counter()  # checkpoint.every_minutes (train() restarts the clock)
-        prof = cfg.logging.profile
-        self.profiler = StepProfiler(
-            self.run_dir, rank=env.rank, device=env.torch_device(), start_step=prof.start_step, steps=prof.steps,
-            memory=prof.memory,
-        )  # fmt: skip
-        # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
-        self.metrics = MetricsLogger(
-            self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
-            purge_step=self.step + 1 if self.resumed_from else None, every_steps=cfg.logging.every_steps,
-            trackers=Trackers(cfg, self.run_dir, enabled=env.is_main, config=cfg.to_dict()),
+        # the loop's one observability collaborator: log line, sinks, Prometheus, profiler, evaluation, stragglers,
+        # goodput and the run summary
+        self.observer = Observer(
+            cfg, env, strategy=self.strategy, evaluator=self.evaluator, goodput=self.goodput, watchdog=self.watchdog,
+            nonfinite=self.nonfinite, hosts=self.hosts, flops_per_token=self.flops_per_token,
+            resumed_step=self.step if self.resumed_from else None, restarts=env.job.restart_count,
         )  # fmt: skip
 
     def _record_layout(self) -> None:
@@ -311,14 +291,6 @@ class Trainer:
         log.warning("resumed with a changed optimizer: %s (the config's values apply from step %d; the checkpoint's "
                     "Adam moments are kept)", ", ".join(changed) or "hyper-parameters", self.step + 1)  # fmt: skip
 
-    def _maybe_request_timed_save(self) -> None:
-        """checkpoint.every_minutes: rank 0's clock asks once per interval; the stop agreement carries the request,
-        so every rank saves after the same step. Measured from the last save, or from the start of train()."""
-        minutes = self.cfg.checkpoint.every_minutes
-        if minutes and self.env.is_main and time.perf_counter() - self._last_save >= minutes * 60:
-            self.stop_flag.request_checkpoint()
-            self._last_save = time.perf_counter()  # asked: the save itself resets it again one step later
-
     def _lock_run_dir(self) -> None:
         """Rank 0 takes run.dir's lock; every rank raises the same RunDirInUse when another run holds it."""
         problems: list[list[str] | None] = [None]
@@ -368,11 +340,10 @@ class Trainer:
         # a NaN model is never saved, so pruning never trades a finite checkpoint for it
         self.nonfinite.check()
         self.nonfinite.check_params(self.step, self.strategy.params_finite())
-        t0 = self._last_save = time.perf_counter()
+        t0 = time.perf_counter()
         with self.watchdog.phase(self.step, "checkpoint save", slow=True):
             path = self.ckpt.save(self.step, self.checkpointable())
         self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
-        self.saved_step, self._saved_ok = self.step, path is not None
         self.goodput.add("checkpoint_save", time.perf_counter() - t0)
         self.goodput.flush()
         return path is not None
@@ -384,7 +355,7 @@ class Trainer:
         end = min(cfg.train.steps, until) if until is not None else cfg.train.steps
         self._lock_run_dir()  # held already unless an earlier train() returned
         self.stop_flag.install()  # if the caller has not; close() restores the previous handlers
-        self._last_save = time.perf_counter()  # checkpoint.every_minutes counts from here
+        self.ckpt.restart_clock()  # checkpoint.every_minutes counts from here
         self.goodput.begin(self.step if self.resumed_from else None)
         self.watchdog.start(self.step)
         try:
@@ -395,177 +366,59 @@ class Trainer:
             self.stop_flag.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
             self.run_lock.release()
             raise
-        self.profiler.close()  # stopped inside its window: the steps recorded so far are written
         self.loader.close()  # prefetched batches are dropped: the saved sampler state never counted them
         with self.watchdog.phase(self.step, "stop agreement (last MAX all-reduce)"):
             self.stop_flag.close()
         self.watchdog.stop()
-        self._report_goodput()
-        self._report_summary(result)
-        self.metrics.close()
+        self.observer.finish(
+            step=self.step, tokens_seen=self.tokens_seen, losses=result.losses, eval_losses=result.eval_losses,
+            stop_reason=result.stop_reason.name if result.stop_reason else None, save_failed=result.save_failed,
+        )  # fmt: skip
         self.run_lock.release()  # after the last checkpoint is complete (the loop waited for it)
         result.step = self.step
         return result
 
     def _loop(self, end: int, result: TrainResult) -> None:
-        cfg, phase = self.cfg, self.watchdog.phase  # a phase names the collective it waits in, for a hang report
+        cfg, obs, phase = self.cfg, self.observer, self.watchdog.phase  # a phase names the collective it waits in
         while self.step < end:
-            self.profiler.before_step(self.step + 1)
-            t0 = time.perf_counter()
+            t0 = obs.begin_step(self.step + 1)
             with phase(self.step, "data + forward/backward (gradient all-reduce)"):
                 batch = self.loader.next_batch()
-                data_s = time.perf_counter() - t0  # no collective: a rank's own speed, for straggler detection
+                data_s = time.perf_counter() - t0
                 loss = self.strategy.forward_backward(batch)
             with phase(self.step, "optimizer step (grad-norm all-reduce)"):
                 grad_norm = self.strategy.optimizer_step(skip_nonfinite=cfg.train.nonfinite == "skip")
             self.step += 1
-            self.profiler.after_step(self.step)
             self.nonfinite.after_step(self.step, grad_norm, skipped=self.strategy.last_step_skipped)
             self.tokens_seen += self.tokens_per_step
-
-            step_s = time.perf_counter() - t0
-            self._data_wait[0] += data_s
-            self._data_wait[1] += step_s
-            self._data_wait[2] += 1
-            self.throughput.update(self.tokens_per_step, step_s)
-            self.prom.step(step_s, samples=cfg.train.global_batch_size, tokens=self.tokens_per_step)
-            self.watchdog.step_time(step_s)
-            if self.metrics.due(self.step, last=end):
-                with phase(self.step, "logging (loss all-reduce)"):
-                    result.losses[self.step] = self._log(loss, grad_norm)
-                self.nonfinite.check()  # the log line synchronized already: stop at once, not at the next save
-            if self.evaluator.due(self.step):
-                result.eval_losses[self.step] = self.evaluate()
-            if self.ckpt.due(self.step):
-                self.save()
-            self._maybe_request_timed_save()
-            if self.stragglers.due(self.step):
-                self._check_stragglers()
+            seen = obs.step(StepRecord(step=self.step, last=end, loss=loss, grad_norm=grad_norm, data_s=data_s,
+                                       step_s=time.perf_counter() - t0, tokens_seen=self.tokens_seen))  # fmt: skip
+            result.record(self.step, seen.loss, seen.eval_loss)
             with phase(self.step, "stop agreement (MAX all-reduce)"):
-                stop = self.stop_flag.agreed()  # async two-int all-reduce: every rank leaves after the same step
-            if self.stop_flag.checkpoint_due and not stop and self.saved_step != self.step:
-                self.save()  # checkpoint.every_minutes (a stop saves below anyway)
-            self.stragglers.add(data_s=data_s, step_s=time.perf_counter() - t0)
-            self.goodput.step(self.step, time.perf_counter() - t0)  # minus the save / evaluation inside it
+                # async two-int all-reduce: every rank leaves after the same step, and saves after the same step
+                # when rank 0's clock asked one step ago (checkpoint.every_minutes)
+                stop = self.stop_flag.agreed(request_save=self.ckpt.timed_save_due(self.step))
             if stop:
                 log.info("stop requested (%s) at step %d: saving a checkpoint", stop.name, self.step)
+            if self.ckpt.should_save(self.step, last_step=self.step >= end, stop_requested=bool(stop),
+                                     timed=self.stop_flag.save_requested):  # fmt: skip
+                self.save()
+            obs.end_step(self.step)
+            if stop:
                 result.stop_reason = stop
                 break
 
-        interrupted = self.step < cfg.train.steps
-        final = cfg.checkpoint.save_final or interrupted  # this step's checkpoint is the run's result / resume point
-        if final and self.saved_step != self.step:
+        if self.ckpt.should_save(self.step, last_step=True):  # no step ran: train(until=0), resumed at the end
             self.save()
         self.nonfinite.check()  # also when no final save follows
         with phase(self.step, "checkpoint completion", slow=True):
             # the checkpoint is complete before train() returns: the caller may requeue at once
-            saved = self.ckpt.wait() and self._saved_ok
+            saved = self.ckpt.wait() and self.ckpt.last_ok
+        final = self.ckpt.final_save_due(self.step)  # this step's checkpoint is the run's result / resume point
         if final and not saved:  # the last save (or the stop save before a requeue) failed: not a success
             resume = latest(self.ckpt.root, warn=False)
             result.save_failed, result.resume_point = self.step, str(resume) if resume else None
             self.nonfinite.last_checkpoint = result.resume_point
-
-    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> float:
-        # .item() synchronizes with the device: done only on log steps
-        tps_dev = self.throughput.tokens_per_s_per_device
-        remaining = (self.cfg.train.steps - self.step) * self.throughput.step_time
-        m = {
-            "loss": self.strategy.global_mean(loss).item(),
-            "lr": self.strategy.lr,
-            "grad_norm": grad_norm.item(),
-            "tokens_per_s": self.throughput.tokens_per_s,
-            "tokens_per_s_per_device": tps_dev,
-            "mfu": mfu(tps_dev, self.flops_per_token, self.peak),
-            "step_time_s": self.throughput.step_time,
-            "tokens_seen": float(self.tokens_seen),
-            "eta_s": remaining,
-            # the share of step time this rank waited for its batch (since the last log line): ~0 with prefetching
-            # unless building batches is slower than computing on them
-            "data_wait_share": self._data_wait[0] / self._data_wait[1] if self._data_wait[1] else 0.0,
-            **memory_stats(self.env.torch_device()),
-        }
-        comm = self.strategy.comm_stats()
-        if comm is not None and self._data_wait[2]:
-            # rank 0's gradient traffic, measured by the DDP comm hook: bytes handed to all-reduce per step, and the
-            # share of step time a gradient bucket was in flight (overlapped with backward or not)
-            m["comm_bytes_per_step"] = comm[0] / self._data_wait[2]
-            m["comm_share"] = comm[1] / self._data_wait[1] if self._data_wait[1] else 0.0
-        if self.cfg.train.nonfinite == "skip":
-            m["nonfinite_skips"] = float(self.nonfinite.skipped_total)
-        every = self.cfg.logging.replica_check_every_steps
-        if every and self.step % every == 0 and self.strategy.has_replicas():
-            m["replica_divergence"] = check_replicas(self.strategy, step=self.step, rank=self.env.rank)
-        self._data_wait = [0.0, 0.0, 0]
-        self.metrics.log(self.step, m)
-        own = m.get("mem_reserved_gib", m.get("mem_rss_gib"))
-        self.prom.log(m, samples_per_token=1 / self.cfg.data.seq_len,
-                      local_memory=self._node_memory or ([own] if own is not None else []))  # fmt: skip
-        log.info(format_line(self.step, self.cfg.train.steps, m))
-        return m["loss"]
-
-    def _check_stragglers(self) -> None:
-        """All ranks: gather per-rank data-loading and compute-probe times; rank 0 reports the slow ranks."""
-        with self.watchdog.phase(self.step, "straggler check (all-gather)"):
-            report = self.stragglers.check(self.hosts)
-        # this node's ranks in local-rank order (ranks are numbered node by node) for the Prometheus memory gauges
-        self._node_memory = [row["mem_gib"] for rank, row in enumerate(report.table)
-                             if rank < len(self.hosts) and self.hosts[rank] == self.env.hostname]  # fmt: skip
-        if not self.env.is_main:
-            return
-        self.metrics.log(self.step, report.metrics(), prefix="straggler")
-        for s in report.stragglers:
-            log.warning("step %d: %s", self.step, s.describe())
-            failures.record(
-                self.run_dir, kind="straggler", cause=s.describe(), rank=s.rank, host=s.host,
-                blame=[{"rank": s.rank, "host": s.host}], step=self.step, measure=s.measure,
-                ratio=round(s.ratio, 3), per_rank=report.table,
-            )  # fmt: skip
-
-    def _report_goodput(self) -> None:
-        """End of this attempt (finished or stopped by a signal): the effective-training-time ratio of the run."""
-        self.goodput.flush(clean=True)
-        if not self.env.is_main:
-            return
-        g = self.goodput.summary()
-        parts = ", ".join(f"{k.replace('_', ' ')} {g[k]:.1f}s" for k in ("train", "checkpoint_save", "restore",
-                          "startup", "lost", "queue_wait", "other"))  # fmt: skip
-        log.info("goodput %.1f%% of %.1fs over %d attempt(s): %s", 100 * g["goodput"], g["total_s"], g["attempts"],
-                 parts)  # fmt: skip
-        self.metrics.log(self.step, g, prefix="goodput")
-
-    def _report_summary(self, result: TrainResult) -> None:
-        """Rank 0, end of this attempt: the summary block in the log and <run.dir>/run_summary.json."""
-        if not self.env.is_main:
-            return
-        g, rd = self.goodput.summary(), RunDir(self.run_dir)
-        evals = [v for v in result.eval_losses.values() if math.isfinite(v)]
-        best = [v for v in (previous_best_eval(self.run_dir), min(evals, default=None)) if v is not None]
-        attempt = self.goodput.attempt_seconds()
-        summary = {
-            "step": self.step, "total_steps": self.cfg.train.steps, "tokens_seen": self.tokens_seen,
-            "stop_reason": result.stop_reason.name if result.stop_reason else None,
-            "wall_time_s": g["total_s"] or attempt, "attempt_s": attempt, "attempts": int(g["attempts"]) or 1,
-            "goodput": g["goodput"], "tokens_per_s": self.throughput.tokens_per_s,
-            "last_loss": result.losses[max(result.losses)] if result.losses else None,
-            "best_eval_loss": min(best) if best else None, "checkpoint": self.nonfinite.last_checkpoint,
-            "save_failed": result.save_failed,
-            "run_dir": str(self.run_dir), "report": str(rd.report), "summary_file": str(rd.summary),
-        }  # fmt: skip
-        try:
-            write_summary(self.run_dir, summary)
-        except OSError as e:  # a full disk must not turn a finished run into a failed one
-            log.warning("could not write %s: %s", rd.summary, e)
-        log.info("\n%s", format_summary(summary))
-
-    def evaluate(self) -> float:
-        """Mean loss over the first eval_batches global batches of the validation split (same each time)."""
-        t0 = time.perf_counter()
-        with self.watchdog.phase(self.step, "evaluation", slow=True):
-            value = self.evaluator.loss(self.strategy)
-        self.goodput.add("eval", time.perf_counter() - t0)
-        self.metrics.log(self.step, {"loss": value}, prefix="eval")
-        log.info("eval step %d | loss %.4f", self.step, value)
-        return value
 
 
 def _dotted(tree: dict[str, Any], key: str) -> Any:

@@ -52,7 +52,7 @@ def test_bf16_training_on_one_gpu(small_cfg, tmp_path: Path, strategy: str) -> N
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     last = _metrics(tmp_path)[-1]
     assert last["mem_alloc_gib"] > 0 and 0 < last["mem_pct"] <= 100
-    assert 0 < last["mfu"] < 1  # against the device's bf16 peak (hpcdist.metrics.GPU_PEAK_FLOPS)
+    assert 0 < last["mfu"] < 1  # against the device's bf16 peak (hpcdist.metrics.throughput.GPU_PEAK_FLOPS)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -81,7 +81,7 @@ def test_dcp_round_trip_of_cuda_tensors(tmp_path: Path) -> None:
 
 
 def test_cuda_metrics() -> None:
-    from hpcdist.metrics import gpu_peak_flops, memory_stats, peak_flops
+    from hpcdist.metrics.throughput import gpu_peak_flops, memory_stats, peak_flops
 
     x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     stats = memory_stats("cuda")

@@ -404,3 +404,40 @@ def test_the_strategy_scan_sees_every_form() -> None:
         'if dtype == "auto": pass\nmesh = meshes["fsdp"]\nif kind is LayoutKind.DDP: pass\n'
     )
     assert [line for line, _ in strategy_switches(source)] == [1, 2, 3, 5, 6, 7]
+
+
+# what the training loop may touch besides its own plain fields (cfg, step, tokens_seen, ...): model/strategy step,
+# data, checkpoint, the observability entry point, stop and fault guards (issue 26.7; torchtitan's loop has ~5)
+LOOP_COLLABORATORS = {"strategy", "loader", "ckpt", "observer", "stop_flag", "watchdog", "nonfinite"}
+LOOP_OWN = {"cfg", "step", "tokens_seen", "tokens_per_step", "save"}
+
+
+def _loop_collaborators(source: str) -> set[str]:
+    """The ``self.<name>`` that ``Trainer._loop`` reaches, its own fields and methods left out."""
+    tree = ast.parse(source)
+    loop = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_loop")
+    names = {n.attr for n in ast.walk(loop) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+             and n.value.id == "self"}  # fmt: skip
+    return names - LOOP_OWN
+
+
+def test_the_training_loop_talks_to_one_observer_and_few_collaborators() -> None:
+    """Issue 26.7: the loop talked to 13 collaborators each step (profiler, throughput, Prometheus, metrics,
+    evaluator, stragglers, goodput, ...); observability now has one per-step entry point, ``Observer.step``."""
+    assert _loop_collaborators((PACKAGE / "trainer.py").read_text()) <= LOOP_COLLABORATORS
+    old = "def _loop(self):\n    self.profiler.before_step(1)\n    self.prom.step(1)\n    self.step += 1\n"
+    assert _loop_collaborators(old) == {"profiler", "prom"}  # the check sees what it should refuse
+
+
+def test_observability_is_one_package_whose_summary_loads_no_torch() -> None:
+    """metrics.py, trackers.py, prometheus_metrics.py, run_summary.py and profiling.py were five top-level rooms;
+    hpcdist/metrics/ holds them, and its __init__ imports nothing, so the summary (standard library) stays light."""
+    rooms = {"trackers", "prometheus_metrics", "run_summary", "profiling", "metrics"}
+    assert not [r for r in rooms if (PACKAGE / f"{r}.py").exists()]
+    assert {"observer", "throughput", "logger", "trackers", "prometheus", "summary", "profiling"} <= {
+        m.rpartition(".")[2] for m in MODULES if m.startswith("hpcdist.metrics.")
+    }
+    init = ast.parse((PACKAGE / "metrics" / "__init__.py").read_text())
+    assert not [n for n, _ in _walk(init)]
+    graph, _ = _edges()
+    assert graph["hpcdist.metrics.summary"] <= {"hpcdist.atomic", "hpcdist.rundir", "hpcdist.metrics"}

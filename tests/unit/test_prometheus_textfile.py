@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hpcdist import config as config_mod
-from hpcdist.prometheus_metrics import PrometheusExporter
+from hpcdist.metrics.prometheus import PrometheusExporter
 
 pytest.importorskip("prometheus_client", reason="pip install 'hpcdist[prometheus]'")
 

@@ -17,7 +17,7 @@ import pytest
 from hpcdist import cli
 from hpcdist.fault import failures
 from hpcdist.fault.goodput import Goodput
-from hpcdist.metrics import MetricsLogger
+from hpcdist.metrics.logger import MetricsLogger
 from hpcdist.report.rundata import RunData
 from hpcdist.rundir import RunDir
 

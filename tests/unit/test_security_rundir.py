@@ -130,7 +130,7 @@ def test_status_of_a_run_dir_with_fifos_does_not_hang(tmp_path: Path) -> None:
 def test_prometheus_listens_on_localhost_by_default(small_cfg, tmp_path: Path) -> None:
     """Default logging.prometheus.addr is 127.0.0.1: the metrics are not served to other hosts; addr chooses."""
     pytest.importorskip("prometheus_client")
-    from hpcdist.prometheus_metrics import PrometheusExporter
+    from hpcdist.metrics.prometheus import PrometheusExporter
     from tests.dist.harness import free_port
 
     port = free_port()
@@ -179,7 +179,7 @@ def test_jobs_record_is_not_appended_through_a_link(tmp_path: Path) -> None:
 
 
 def test_metrics_are_not_appended_through_a_link_nor_into_a_fifo(tmp_path: Path) -> None:
-    from hpcdist.metrics import MetricsLogger
+    from hpcdist.metrics.logger import MetricsLogger
 
     victim = _victim(tmp_path)
     (tmp_path / "metrics.jsonl").symlink_to(victim)

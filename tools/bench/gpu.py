@@ -3,7 +3,7 @@
 Each preset trains ``--steps`` steps (bf16 autocast, synthetic tokens, one process, DDP path at world 1) with its
 micro-batch from ``--micro`` (default 125m:8, 350m:4, 1.3b:2); the first ``--warmup`` steps (CUDA context, allocator,
 cuDNN/cuBLAS heuristics) are not counted. MFU = tokens/s x ``flops_per_token`` (6N + attention, the trainer's own
-count) / the bf16 dense peak of the device (``hpcdist.metrics.peak_flops``: the table for A100/H100/..., or
+count) / the bf16 dense peak of the device (``hpcdist.metrics.throughput.peak_flops``: the table for A100/H100/..., or
 ``--peak``). Prints a table and writes ``--json`` (default runs/bench/gpu.json). Exits 2 without a CUDA device.
 
     python tools/bench/gpu.py
@@ -27,7 +27,7 @@ import torch
 
 from hpcdist import config as config_mod
 from hpcdist.env import from_environ
-from hpcdist.metrics import peak_flops
+from hpcdist.metrics.throughput import peak_flops
 from hpcdist.models import flops_per_token
 
 MICRO = {"125m": 8, "350m": 4, "1.3b": 2}

@@ -20,8 +20,8 @@ What it measures (both parts in one invocation, so a noisy shared machine affect
 
 2. **MFU** -- one process, all cores (``torch.set_num_threads(os.cpu_count())``), the hpcdist trainer on a model
    big enough to be matmul-bound (``--mfu-preset``, default ``125m``, at ``--mfu-seq-len`` 256). The CPU peak is
-   ``hpcdist.metrics.measure_cpu_peak_flops()`` (best fp32 2048^3 matmul), measured in the same process before
-   the first step and again after every step, so each timed step has a peak taken next to it (the larger of the
+   ``hpcdist.metrics.throughput.measure_cpu_peak_flops()`` (best fp32 2048^3 matmul), measured in the same process
+   before the first step and again after every step, so each timed step has a peak taken next to it (the larger of the
    two around it). MFU of a step = its tokens x ``flops_per_token(args, seq_len)`` / its seconds / its peak; the
    table gives each timed step's MFU and their median (goal >= 50%), and as a lower bound the median step
    against the highest peak seen in the whole run.
@@ -81,7 +81,7 @@ from hpcdist import config as config_mod
 from hpcdist.config import JobConfig
 from hpcdist.data import SyntheticDataset
 from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
-from hpcdist.metrics import measure_cpu_peak_flops
+from hpcdist.metrics.throughput import measure_cpu_peak_flops
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.trainer import Trainer
 
