@@ -29,7 +29,7 @@ from hpcdist.config.dataset_meta import DataError, load_meta, read_meta_json
 from hpcdist.data import corpora
 
 __all__ = [
-    "KINDS",
+    "TOKENIZER_KINDS",
     "ByteTokenizer",
     "HFTokenizer",
     "SentencePieceTokenizer",
@@ -391,9 +391,10 @@ class TokenizerKind:
     has_files: bool = True
 
 
-# Tried in this order on a spec; a file no kind recognises is read as a tokenizer.json under another name (FALLBACK).
+# Tried in this order on a spec; a file no kind recognises is read as a tokenizer.json under another name
+# (FALLBACK_KIND).
 # A new format is one entry here (and its class, here or in a module of its own).
-_KINDS = (
+_TOKENIZER_KINDS = (
     TokenizerKind(
         "byte",
         recognise=lambda spec: [] if spec == "byte" else None,
@@ -415,21 +416,21 @@ _KINDS = (
         export_hf=_sentencepiece_hf,
     ),
 )
-KINDS: dict[str, TokenizerKind] = {k.name: k for k in _KINDS}
-FALLBACK = "hf"
+TOKENIZER_KINDS: dict[str, TokenizerKind] = {k.name: k for k in _TOKENIZER_KINDS}
+FALLBACK_KIND = "hf"
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
     """``byte``; a ``tokenizer.json`` or a directory with one; a SentencePiece ``.model`` (or a directory with
     ``tokenizer.model``); ``tiktoken:PATH`` or a ``*.tiktoken`` file; or a prepared dataset directory (the
-    tokenizer it was prepared with). The kinds are :data:`KINDS`."""
+    tokenizer it was prepared with). The kinds are :data:`TOKENIZER_KINDS`."""
     text = str(spec)
     path = Path(text)
     if path.is_dir():
         recorded = recorded_tokenizer(path)
         if recorded is not None:
             return recorded
-    for kind in KINDS.values():
+    for kind in TOKENIZER_KINDS.values():
         files = kind.recognise(text)
         if files is not None:
             return kind.load(files)
@@ -440,7 +441,7 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
             f"tokenizer {text!r}: no such file; give byte, a tokenizer.json (or its directory), a SentencePiece "
             ".model, tiktoken:PATH, or a prepared dataset directory"
         )
-    return KINDS[FALLBACK].load([path])
+    return TOKENIZER_KINDS[FALLBACK_KIND].load([path])
 
 
 def recorded_tokenizer(dataset_dir: Path) -> Tokenizer | None:
@@ -458,7 +459,7 @@ def recorded_tokenizer(dataset_dir: Path) -> Tokenizer | None:
         # datasets from before tokenizers were recorded were all byte-level
         return ByteTokenizer() if meta.vocab_size == ByteTokenizer.vocab_size else None
     name = meta.tokenizer_kind
-    if name not in KINDS:
+    if name not in TOKENIZER_KINDS:
         raise TokenizerError(f"{dataset_dir}: meta.json names an unknown tokenizer kind {name!r}")
     files = []
     for file_name, digest in meta.tokenizer.get("files", {}).items():
@@ -470,9 +471,9 @@ def recorded_tokenizer(dataset_dir: Path) -> Tokenizer | None:
             raise TokenizerError(f"{file}: not the tokenizer file the dataset was prepared with (sha256 differs from "
                                  "meta.json's); restore it or prepare the dataset again")  # fmt: skip
         files.append(file)
-    if not files and KINDS[name].has_files:
+    if not files and TOKENIZER_KINDS[name].has_files:
         raise TokenizerError(f"{dataset_dir}: meta.json records a {name} tokenizer but no tokenizer file")
-    return KINDS[name].load(files)
+    return TOKENIZER_KINDS[name].load(files)
 
 
 def _sha256(path: Path) -> str:

@@ -1,7 +1,8 @@
 """A run's tokenizer as Hugging Face tokenizer files, so ``AutoTokenizer.from_pretrained(dir)`` encodes and decodes
 like hpcdist did.
 
-Each tokenizer kind says how it is written (``export_hf`` of its entry in :data:`hpcdist.data.tokenizers.KINDS`):
+Each tokenizer kind says how it is written (``export_hf``, its entry in
+:data:`hpcdist.data.tokenizers.TOKENIZER_KINDS`):
 
 * ``byte`` (256 byte tokens, BOS 256, EOS 257) has no files: an equivalent ``tokenizer.json`` is built with the
   ``tokenizers`` library: a BPE without merges over the byte-level alphabet (byte b is token b), the special tokens
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.atomic import atomic_write
-from hpcdist.data.tokenizers import KINDS, Tokenizer, TokenizerError
+from hpcdist.data.tokenizers import TOKENIZER_KINDS, Tokenizer, TokenizerError
 
 __all__ = ["export_tokenizer"]
 
@@ -32,7 +33,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def export_tokenizer(tok: Tokenizer, out: Path, *, max_len: int) -> list[str]:
     """Write ``tok`` into the Hugging Face directory ``out``; the file names written."""
-    kind = KINDS.get(tok.kind)
+    kind = TOKENIZER_KINDS.get(tok.kind)
     if kind is None or kind.export_hf is None:
         raise TokenizerError(f"a {tok.kind} tokenizer has no Hugging Face form here: pass --tokenizer SPEC (byte, a "
                              "tokenizer.json or its directory) or --no-tokenizer")  # fmt: skip

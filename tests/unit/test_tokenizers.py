@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFCoreTokenizer
 
 from hpcdist.data import ByteTokenizer, TokenizerError, load_tokenizer, prepare_corpus, train_bpe
-from hpcdist.data.tokenizers import KINDS, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer
+from hpcdist.data.tokenizers import TOKENIZER_KINDS, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer
 from hpcdist.hf.tokenizer import export_tokenizer
 from tests.unit.test_cli import hpcdist
 
@@ -179,16 +179,16 @@ SPECS = {"byte": _spec_byte, "hf": _spec_hf, "sentencepiece": _spec_sentencepiec
 
 
 def test_every_registered_kind_has_a_round_trip_sample() -> None:
-    assert set(SPECS) == set(KINDS)  # a new kind in the registry needs a sample here
+    assert set(SPECS) == set(TOKENIZER_KINDS)  # a new kind in the registry needs a sample here
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_every_kind_round_trips_through_a_prepared_dataset_and_its_export(name: str, tmp_path: Path) -> None:
     """recognise -> load -> recorded by prepare -> loaded from the recorded copy -> exported where supported."""
     spec = SPECS[name](tmp_path)
-    kind = KINDS[name]
+    kind = TOKENIZER_KINDS[name]
     files = kind.recognise(spec)
-    assert files is not None and next(k for k in KINDS.values() if k.recognise(spec) is not None) is kind
+    assert files is not None and next(k for k in TOKENIZER_KINDS.values() if k.recognise(spec) is not None) is kind
     tok = load_tokenizer(spec)
     assert tok.kind == name
     text = tmp_path / "doc.txt"
