@@ -21,17 +21,8 @@ import torch.distributed as dist
 from hpcdist import config as config_mod
 from hpcdist.checkpoint import STATE_FILE, Checkpointable, CheckpointManager, CheckpointMismatch, latest
 from hpcdist.config import JobConfig
-from hpcdist.data import (
-    BatchLoader,
-    BlendedDataset,
-    ByteTokenizer,
-    PrefetchLoader,
-    SyntheticDataset,
-    TokenDataset,
-    make_sampler,
-    prepare_shards,
-    stdlib_corpus,
-)
+from hpcdist.data import BatchLoader, PrefetchLoader, make_sampler
+from hpcdist.data.build import build_datasets
 from hpcdist.data.sampler import SamplerMismatch
 from hpcdist.env import DistEnv
 from hpcdist.evaluate import Evaluator
@@ -78,57 +69,6 @@ class TrainResult:
             self.eval_losses[step] = eval_loss
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
-    """(train, val) datasets. Rank 0 prepares shards of the embedded corpus once; the others wait for it. With
-    train.eval_data, val is that held-out dataset (all of it) instead of the val split."""
-    train, val = _build_datasets(cfg, env)
-    if cfg.train.eval_data:  # made with the training data's tokenizer: RankFacts checked it (check_data)
-        val = TokenDataset(Path(cfg.train.eval_data), cfg.data.seq_len)
-        log.info("data: evaluating on %s (%d samples)", cfg.train.eval_data, len(val))
-    return train, val
-
-
-def _build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
-    d = cfg.data
-    if d.source == "synthetic":
-        n_val = max(1, int(d.synthetic_samples * d.val_fraction)) if d.val_fraction else 0
-        train = SyntheticDataset(d.synthetic_samples, d.seq_len, cfg.model.vocab_size, seed=cfg.run.seed)
-        val = SyntheticDataset(n_val, d.seq_len, cfg.model.vocab_size, seed=cfg.run.seed + 1) if n_val else None
-        return train, val
-    if d.source == "stdlib":
-        path = Path(d.path) if d.path else RunDir(cfg.run.dir).data
-        if env.is_main:
-            t0 = time.perf_counter()
-            # the run dir's own copy is replaced when data.dtype / max_tokens change; a user's data.path never is
-            prepare_shards(stdlib_corpus(), path, dtype=d.dtype, max_tokens=d.max_tokens, tokenizer=ByteTokenizer(),
-                           overwrite=not d.path)  # fmt: skip
-            log.info("data: stdlib corpus ready in %s (%.1fs)", path, time.perf_counter() - t0)
-        _barrier()
-    elif d.sources:  # a blend: each source split alike, mixed by the same weights
-        weights = [s.weight for s in d.sources]
-
-        def blend(split: str, seed: int, shuffle: bool) -> BlendedDataset:
-            parts = [TokenDataset(Path(s.path), d.seq_len, split=split, val_fraction=d.val_fraction) for s in d.sources]
-            return BlendedDataset(parts, weights, seed=seed, shuffle=shuffle)
-
-        train = blend("train", cfg.run.seed, d.shuffle)
-        log.info("data: blend of %d sources, %d train samples", len(d.sources), len(train))
-        return train, (blend("val", cfg.run.seed + 1, False) if d.val_fraction else None)
-    else:
-        path = Path(str(d.path))
-    # the ids fit the embedding table: checked once, with this rank's other facts (hpcdist.rankfacts.rank_facts)
-    train = TokenDataset(path, d.seq_len, split="train", val_fraction=d.val_fraction)
-    val = TokenDataset(path, d.seq_len, split="val", val_fraction=d.val_fraction) if d.val_fraction else None
-    log.info("data: %s: %d train samples, %s tokenizer (vocab %d)", path, len(train), train.tokenizer_kind,
-             train.vocab_size)  # fmt: skip
-    return train, val
-
-
 class Trainer:
     def __init__(
         self, cfg: JobConfig, env: DistEnv, *, stop_flag: StopFlag | None = None, facts: RankFacts | None = None
@@ -157,7 +97,7 @@ class Trainer:
         self._record_layout()
         self.step, self.tokens_seen = 0, 0
 
-        train_ds, self.val_ds = build_datasets(cfg, env)
+        train_ds, self.val_ds = build_datasets(cfg, is_main=env.is_main)
         self.sampler = make_sampler(train_ds, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         loader = BatchLoader(
             train_ds, self.sampler, global_batch_size=cfg.train.global_batch_size, dp_rank=self.dp_rank,

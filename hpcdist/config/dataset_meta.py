@@ -1,4 +1,5 @@
-"""The one reader of a prepared dataset's ``meta.json`` (docs/DATA.md): bounded, validated, links never followed.
+"""The one reader and writer of a prepared dataset's ``meta.json`` (docs/DATA.md): bounded, validated, links never
+followed.
 
 A prepared directory is input another user (or a careless edit) may have written, so every value is checked before
 anything is sized from it: ``dtype`` one of uint16/uint32 and able to hold ``vocab_size``; each shard a plain file
@@ -9,7 +10,9 @@ a FIFO or a directory) of exactly ``tokens * itemsize`` bytes. Reading the token
 :mod:`hpcdist.data.shards`' part; this module is torch- and numpy-free because config loading (``model.vocab_size:
 auto``, the start-up check) uses it.
 
-Every problem is one :class:`DataError` line naming the file, the key and the fix.
+Every problem is one :class:`DataError` line naming the file, the key and the fix. :func:`write_meta` (prepare and
+the Megatron import, as their last step) checks a document with the same rules before it writes it: a preparation
+never leaves a meta.json its own readers would refuse.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcdist.atomic import atomic_write
 from hpcdist.config.loader import ConfigError, echo
 
 __all__ = [
@@ -36,6 +40,8 @@ __all__ = [
     "load_meta",
     "open_regular",
     "read_meta_json",
+    "withdraw_meta",
+    "write_meta",
 ]
 
 META_NAME = "meta.json"
@@ -95,6 +101,14 @@ class DatasetMeta:
     def tokenizer_kind(self) -> str:
         """What made the ids; datasets from before tokenizers were recorded are byte-level."""
         return str((self.tokenizer or {}).get("kind", "byte"))
+
+    @property
+    def tokenizer_identity(self) -> dict[str, Any]:
+        """What identifies the tokenizer that made the ids: kind, vocabulary and each file's sha256 (two datasets
+        with the same identity mean the same text by the same id). Datasets from before tokenizers were recorded are
+        byte-level."""
+        tok = self.tokenizer or {"kind": "byte", "vocab_size": self.vocab_size}
+        return {"kind": tok.get("kind", "byte"), "vocab_size": tok.get("vocab_size"), "files": tok.get("files") or {}}
 
 
 def open_regular(path: Path) -> int:
@@ -268,3 +282,20 @@ def check_shard_files(meta: DatasetMeta, *, key: str = "data.path") -> None:
                 f"({want:,} bytes): the shard was truncated, grown or replaced; prepare the dataset again "
                 f"(hpcdist prepare ... --out {meta.path})"
             ])  # fmt: skip
+
+
+def withdraw_meta(out_dir: Path) -> None:
+    """Remove ``out_dir/meta.json`` before a preparation rewrites the directory: until :func:`write_meta` runs again,
+    no reader takes the directory for a complete dataset."""
+    (Path(out_dir) / META_NAME).unlink(missing_ok=True)
+
+
+def write_meta(out_dir: Path, fields: dict[str, Any]) -> DatasetMeta:
+    """Write ``out_dir/meta.json`` (whole, atomically: the last step of a preparation) holding ``fields`` and this
+    module's format version; the document is checked by the readers' rules first (ValueError: a writer's bug)."""
+    doc = {"format": FORMAT_VERSION, **fields}
+    meta, problems = _validate(Path(out_dir), doc)
+    if meta is None:
+        raise ValueError(f"refusing to write an invalid {META_NAME} in {out_dir}: {'; '.join(problems)}")
+    atomic_write(Path(out_dir) / META_NAME, (json.dumps(doc, indent=2) + "\n").encode())
+    return meta

@@ -8,19 +8,18 @@ data.source=files, written by ``hpcdist prepare``) is compared before any proces
 matmuls tile evenly on tensor cores, and a tp-sharded vocabulary splits evenly up to tp=64). The extra rows are
 padding: no prepared token id reaches them, so they are never a training target and never sampled from the data.
 
-Torch-free: meta.json is read as plain JSON (hpcdist.data imports torch; tests check the names agree).
+Torch-free: meta.json is read by :mod:`hpcdist.config.dataset_meta` (hpcdist.data imports torch).
 """
 
 from __future__ import annotations
 
 import json
 
-from hpcdist.config.dataset_meta import META_NAME, DataError, DatasetMeta, check_shard_files, load_meta
+from hpcdist.config.dataset_meta import DataError, DatasetMeta, check_shard_files, load_meta
 from hpcdist.config.rules import BYTE_VOCAB, MAXIMA
 from hpcdist.config.schema import JobConfig
 
 __all__ = [
-    "META_NAME",
     "VOCAB_MULTIPLE",
     "DataError",
     "check_data",
@@ -46,16 +45,8 @@ def _meta(path: str, key: str) -> tuple[DatasetMeta | None, str]:
         return None, e.problems[0]
 
 
-def _dataset_meta(path: str) -> dict | None:
-    meta, _ = _meta(path, "data.path")
-    return None if meta is None else meta.raw
-
-
-def _tokenizer_key(meta: dict) -> dict:
-    """What identifies a dataset's tokenizer: kind, vocabulary and each file's sha256 (the byte tokenizer has none;
-    datasets from before tokenizers were recorded are byte-level)."""
-    tok = meta.get("tokenizer") or {"kind": "byte", "vocab_size": meta["vocab_size"]}
-    return {"kind": tok.get("kind"), "vocab_size": tok.get("vocab_size"), "files": tok.get("files") or {}}
+def _dataset_meta(path: str) -> DatasetMeta | None:
+    return _meta(path, "data.path")[0]
 
 
 def _describe_tokenizer(key: dict, where: str) -> str:
@@ -79,7 +70,7 @@ def data_tokenizer_identity(cfg: JobConfig) -> tuple[dict | None, str]:
     meta = _dataset_meta(path)
     if meta is None:
         return None, f"{key}={path} (no prepared dataset there)"
-    return _tokenizer_key(meta), _describe_tokenizer(_tokenizer_key(meta), f"{key}={path}")
+    return meta.tokenizer_identity, _describe_tokenizer(meta.tokenizer_identity, f"{key}={path}")
 
 
 def check_same_tokenizer(cfg: JobConfig, key: str, path: str) -> list[str]:
@@ -88,13 +79,12 @@ def check_same_tokenizer(cfg: JobConfig, key: str, path: str) -> list[str]:
     found, problem = _meta(path, f"{key}:")
     if found is None:
         return [problem]
-    meta = found.raw
-    theirs = _tokenizer_key(meta)
+    theirs = found.tokenizer_identity
     mine, where = data_tokenizer_identity(cfg)
     if mine is not None and theirs != mine:
         return [f"{key}: {path} was prepared with {_describe_tokenizer(theirs, key)}, but the run trains on {where}: "
                 "prepare it again with the run's tokenizer (prepare --tokenizer <the run's data dir>)"]  # fmt: skip
-    vocab = int(meta["vocab_size"])
+    vocab = found.vocab_size
     if isinstance(cfg.model.vocab_size, int) and vocab > cfg.model.vocab_size:
         return [f"{key}: {path} holds ids up to {vocab - 1}, past model.vocab_size={cfg.model.vocab_size}"]
     return []
@@ -124,8 +114,7 @@ def data_vocab(cfg: JobConfig) -> tuple[int | None, str]:
         meta = _dataset_meta(path)
         if meta is None:
             return None, f"{key}={path}"
-        kind = (meta.get("tokenizer") or {}).get("kind", "byte")
-        found.append((int(meta["vocab_size"]), f"the {kind} tokenizer of {key}={path}"))
+        found.append((meta.vocab_size, f"the {meta.tokenizer_kind} tokenizer of {key}={path}"))
     return max(found)
 
 
@@ -175,9 +164,7 @@ def check_data(cfg: JobConfig, *, strict: bool = True) -> list[str]:
         except DataError as e:
             problems.append(e.problems[0])
         else:
-            meta = found.raw
-            tok = meta.get("tokenizer") or {"kind": "byte", "vocab_size": meta["vocab_size"]}
-            tokenizers[path] = json.dumps({k: tok.get(k) for k in ("kind", "vocab_size", "files")}, sort_keys=True)
+            tokenizers[path] = json.dumps(found.tokenizer_identity, sort_keys=True)
     if len(set(tokenizers.values())) > 1:
         problems.append(f"data.sources: prepared with different tokenizers ({', '.join(tokenizers)}): the same id "
                         "would mean different text; prepare every source with one tokenizer")  # fmt: skip

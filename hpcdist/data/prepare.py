@@ -32,9 +32,19 @@ from typing import Any, TextIO
 import numpy as np
 
 from hpcdist.atomic import atomic_write
-from hpcdist.config.dataset_meta import DataError, check_shard_files, load_meta, open_regular
+from hpcdist.config.dataset_meta import (
+    FORMAT_VERSION,
+    META_NAME,
+    DataError,
+    check_shard_files,
+    load_meta,
+    open_regular,
+    read_meta_json,
+    withdraw_meta,
+    write_meta,
+)
 from hpcdist.data import corpora
-from hpcdist.data.shards import DTYPES, FORMAT_VERSION, META_NAME, SHARD_PATTERN, read_meta, verify_shard
+from hpcdist.data.shards import DTYPES, SHARD_PATTERN, verify_shard
 from hpcdist.data.tokenizers import TOKENIZER_DIR, ByteTokenizer, Tokenizer, copy_files, describe
 
 __all__ = ["PrepareRefused", "PrepareResult", "prepare_corpus", "prepare_shards"]
@@ -216,13 +226,13 @@ def prepare_corpus(
               "tokenizer": tok_info}  # fmt: skip
     fingerprint = _fingerprint(inputs, header)
     if claim_output(out_dir, fingerprint, overwrite) and is_intact(out_dir):
-        meta = read_meta(out_dir) or {}
+        meta = read_meta_json(out_dir)[0] or {}
         return PrepareResult(out_dir, len(inputs), int(meta["num_documents"]), int(meta["num_tokens"]),
                              up_to_date=True)  # fmt: skip
 
     out_dir.mkdir(parents=True, exist_ok=True)
     # Remove the old meta.json FIRST: from here on the directory must not look complete until we finish.
-    (out_dir / META_NAME).unlink(missing_ok=True)
+    withdraw_meta(out_dir)
     np_dtype = DTYPES[dtype]
     shards, resume_at, good_bytes = _resumable_shards(out_dir, fingerprint, dtype)
     kept = len(shards)
@@ -328,7 +338,6 @@ def prepare_corpus(
     bar.update(tokens=total, nbytes=bytes_read, shards=len(shards), final=True)
 
     meta = {
-        "format": FORMAT_VERSION,
         "dtype": dtype,
         "vocab_size": int(tok.vocab_size),
         "bos_id": tok.bos_id,
@@ -343,7 +352,7 @@ def prepare_corpus(
         "text_field": text_field,
         "fingerprint": fingerprint,
     }
-    atomic_write(out_dir / META_NAME, (json.dumps(meta, indent=2) + "\n").encode())
+    write_meta(out_dir, meta)
     (out_dir / PROGRESS_NAME).unlink(missing_ok=True)
     return PrepareResult(out_dir, len(inputs), num_docs, total, bytes_read=bytes_read,
                          seconds=time.perf_counter() - t0, kept_shards=kept)  # fmt: skip
@@ -399,7 +408,7 @@ def claim_output(out_dir: Path, fingerprint: str, overwrite: bool) -> bool:
         return False
     if not out_dir.is_dir():
         raise PrepareRefused(f"--out {out_dir} is not a directory")
-    meta = read_meta(out_dir)
+    meta = read_meta_json(out_dir)[0]
     if meta is not None and meta.get("fingerprint") == fingerprint:
         return True
     if _progress_fingerprint(out_dir) == fingerprint or overwrite:

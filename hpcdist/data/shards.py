@@ -15,25 +15,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hpcdist.config.dataset_meta import (  # FORMAT_VERSION, META_NAME: re-exported for prepare and megatron
-    FORMAT_VERSION,
-    META_NAME,
-    DataError,
-    DatasetMeta,
-    check_shard_files,
-    load_meta,
-    open_regular,
-    read_meta_json,
-)
+from hpcdist.config.dataset_meta import DataError, DatasetMeta, check_shard_files, load_meta, open_regular
 from hpcdist.config.loader import ConfigError
 
 __all__ = [
-    "FORMAT_VERSION",
-    "META_NAME",
     "SampleDataset",
     "SyntheticDataset",
     "TokenDataset",
-    "read_meta",
     "verify_shard",
 ]
 
@@ -47,11 +35,6 @@ DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 EAGER_VERIFY_BYTES = 2**30
 # Shards already checked by this process: (file identity, size, mtime, ctime): an edit changes ctime.
 _VERIFIED: set[tuple[Any, ...]] = set()
-
-
-def read_meta(path: Path) -> dict[str, Any] | None:
-    """The parsed meta.json of ``path``, or None (missing, not a regular file, too large, not a JSON object)."""
-    return read_meta_json(Path(path))[0]
 
 
 def verify_shard(meta: DatasetMeta, k: int, *, key: str = "data.path") -> None:

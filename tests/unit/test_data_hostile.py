@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from hpcdist.cli import main
+from hpcdist.config.dataset_meta import load_meta, withdraw_meta, write_meta
 from hpcdist.data import TokenDataset, prepare_shards, stdlib_corpus
 from tests.conftest import SMALL
 
@@ -324,6 +325,21 @@ def test_prepare_records_each_shards_sha256_and_largest_id(base: Path) -> None:
         ids = np.fromfile(base / s["name"], dtype="<u2")
         assert s["sha256"] == hashlib.sha256(ids.tobytes()).hexdigest()
         assert s["max_id"] == int(ids.max()) < meta["vocab_size"]
+
+
+def test_meta_json_is_written_by_the_module_that_reads_it(base: Path, tmp_path: Path) -> None:
+    """Issue 26.5: one module owns meta.json: what a preparation writes is what the readers accept, and a document
+    they would refuse is never written (a writer's bug shows at once, not on every rank at the next run)."""
+    doc = _meta(base)
+    written = write_meta(tmp_path, {k: v for k, v in doc.items() if k != "format"})
+    assert _meta(tmp_path) == doc  # the same bytes' worth: format first, the fields as given
+    assert load_meta(tmp_path).shards == written.shards
+    bad = {**doc, "num_tokens": doc["num_tokens"] + 1}
+    bad.pop("format")
+    withdraw_meta(tmp_path)
+    with pytest.raises(ValueError, match=r"refusing to write an invalid meta\.json.*num_tokens"):
+        write_meta(tmp_path, bad)
+    assert not (tmp_path / "meta.json").exists()
 
 
 def test_a_tokenizer_producing_ids_past_its_vocabulary_writes_no_shard(tmp_path: Path) -> None:

@@ -15,8 +15,6 @@ ROOT = Path(__file__).resolve().parents[2] / "hpcdist"
 ALLOWED: dict[str, str] = {
     "main": "an entry point's protocol: the function `python -m MODULE` / a console script calls",
     "__getattr__": "PEP 562's module attribute hook (lazy imports), a protocol of the language",
-    "_barrier": "one meaning (a barrier when a process group is up); trainer.py's copy leaves with build_datasets "
-    "for data/ (issue 26 item 5), which can then share checkpoint.py's",
 }
 
 

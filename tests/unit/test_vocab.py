@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpcdist import config as config_mod
-from hpcdist.config import vocab
-from hpcdist.data import ByteTokenizer, shards
+from hpcdist.data import ByteTokenizer
 from tests.unit.test_cli import hpcdist
 
 
@@ -25,7 +24,6 @@ def _dataset(root: Path, vocab_size: int) -> Path:
 
 
 def test_the_torch_free_copies_agree_with_hpcdist_data() -> None:
-    assert vocab.META_NAME == shards.META_NAME
     assert ByteTokenizer.vocab_size == config_mod.BYTE_VOCAB
 
 
