@@ -1,6 +1,9 @@
-"""``hpcdist`` command line: argument parsing over the library (``train`` runs hpcdist.run, ``submit`` hpcdist.launch).
-Configuration errors print one message, no traceback; anything unforeseen prints one line naming the error and the
-file that holds its traceback (exit 1)."""
+"""``hpcdist`` command line: argparse and dispatch only (issue 26.6). Each command's body lives beside its library
+(COMMANDS names it as ``module:function``, imported only when that command runs: ``--help`` loads no torch) and
+returns the exit status; a refusal is a ``hpcdist.errors.CommandError``. ``main`` is the one error wrapper: a
+refusal or a configuration error prints one line, no traceback (exit 2 unless the command says otherwise); Ctrl-C
+prints one line (exit 130); anything unforeseen prints one line naming the error and the file that holds its
+traceback (exit 1)."""
 
 from __future__ import annotations
 
@@ -8,9 +11,6 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -526,17 +526,10 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _unexpected(e: BaseException, args: argparse.Namespace) -> int:
-    """One line naming the error and where its traceback went: a file in run.dir when that directory exists (it
-    stays with the run), else a new private temp file. Exit 1."""
-    text = "".join(traceback.format_exception(e))
-    try:
-        where = _write_traceback(text, _run_dir(args))
-    except OSError as err:  # even the temp directory refused: say so, still in one line
-        where = f"nowhere: writing it failed ({err.strerror})"
-    what = " ".join(f"{type(e).__name__}: {e}".split())
-    if len(what) > 300:
-        what = f"{what[:300]}..."
-    return _fail(f"unexpected error: {what} (the traceback is in {where}; please report it)", code=1)
+    """One line naming the error and where its traceback went (hpcdist.errors.keep_traceback), exit 1."""
+    from hpcdist.errors import keep_traceback
+
+    return _fail(f"unexpected error: {keep_traceback(e, _run_dir(args))}", code=1)
 
 
 def _run_dir(args: argparse.Namespace) -> str | None:
@@ -549,23 +542,6 @@ def _run_dir(args: argparse.Namespace) -> str | None:
         return config_mod.load(args.config, args.overrides).run.dir
     except Exception:  # no run.dir then: the traceback goes to a temp file
         return None
-
-
-def _write_traceback(text: str, run_dir: str | None) -> str:
-    from hpcdist.atomic import atomic_write
-    from hpcdist.rundir import RunDir
-
-    target = RunDir(run_dir or ".").error_log(time.strftime("%Y%m%d-%H%M%S"), os.getpid())
-    name = target.name
-    if run_dir and os.path.isdir(run_dir):
-        try:
-            return str(atomic_write(target, text))
-        except OSError:
-            pass  # a read-only or full run.dir: the temp file below
-    fd, path = tempfile.mkstemp(prefix=name.removesuffix(".log") + "-", suffix=".log")  # O_EXCL, mode 0600
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    return path
 
 
 if __name__ == "__main__":

@@ -6,10 +6,14 @@ own for them. Standard library only: every layer's command module may use it."""
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
+import time
+import traceback
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["CommandError", "refusing"]
+__all__ = ["CommandError", "keep_traceback", "refusing"]
 
 F = TypeVar("F", bound=Callable[..., int])
 
@@ -45,3 +49,35 @@ def refusing(
         return run  # type: ignore[return-value]
 
     return wrap
+
+
+def keep_traceback(e: BaseException, run_dir: str | None) -> str:
+    """An error no rule foresaw, in one line: its type and message (300 characters at most) and where its
+    traceback went, a file in ``run_dir`` when that directory exists (it stays with the run), else a new private
+    temp file."""
+    text = "".join(traceback.format_exception(e))
+    try:
+        where = _write_traceback(text, run_dir)
+    except OSError as err:  # even the temp directory refused: say so, still in one line
+        where = f"nowhere: writing it failed ({err.strerror})"
+    what = " ".join(f"{type(e).__name__}: {e}".split())
+    if len(what) > 300:
+        what = f"{what[:300]}..."
+    return f"{what} (the traceback is in {where}; please report it)"
+
+
+def _write_traceback(text: str, run_dir: str | None) -> str:
+    from hpcdist.atomic import atomic_write
+    from hpcdist.rundir import RunDir
+
+    target = RunDir(run_dir or ".").error_log(time.strftime("%Y%m%d-%H%M%S"), os.getpid())
+    name = target.name
+    if run_dir and os.path.isdir(run_dir):
+        try:
+            return str(atomic_write(target, text))
+        except OSError:
+            pass  # a read-only or full run.dir: the temp file below
+    fd, path = tempfile.mkstemp(prefix=name.removesuffix(".log") + "-", suffix=".log")  # O_EXCL, mode 0600
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
