@@ -221,6 +221,15 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+def test_nothing_imports_the_cli() -> None:
+    """Issue 26.6: hpcdist.cli is the top (argparse, dispatch, the one error wrapper); a command body or a library
+    that imports it would put a command back in the CLI. Refusals go through hpcdist.errors, a leaf."""
+    graph, _ = _edges()
+    importers = sorted(m for m, targets in graph.items() if "hpcdist.cli" in targets and m != "hpcdist.__main__")
+    assert not importers, f"modules importing hpcdist.cli: {importers}"
+    assert graph["hpcdist.errors"] <= {"hpcdist.atomic", "hpcdist.rundir"}, graph["hpcdist.errors"]
+
+
 @pytest.mark.parametrize("forbidden", ["hpcdist.launch", "hpcdist.planning"])
 def test_the_trainer_knows_no_scheduler_and_no_planner(forbidden: str) -> None:
     graph, _ = _edges()
