@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,38 @@ def small_cfg(tmp_path: Path, corpus_dir: Path):
         return config_mod.load(None, [*base, *overrides])
 
     return make
+
+
+class _ToCaplog(logging.Handler):
+    """Hands the ``hpcdist`` logger's records to caplog while that logger does not propagate to the root.
+
+    setup_logging sets ``propagate=False`` (its stdout handler prints each line once), and caplog listens on the
+    root logger. pytest >= 9.2 also attaches caplog to the loggers that are non-propagating when a test phase
+    starts, so a test whose own Trainer calls setup_logging mid-test saw its log lines only when an earlier test
+    had called it first: the test passed in the suite's order and failed alone. Forwarding here, unless caplog
+    is attached already (no duplicates), makes what caplog sees independent of order and of the pytest version.
+    """
+
+    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+        super().__init__(logging.NOTSET)
+        self.caplog = caplog
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger = logging.getLogger("hpcdist")
+        target = self.caplog.handler  # looked up each time: the handler of the current test phase
+        if not logger.propagate and target not in logger.handlers:
+            target.handle(record)
+
+
+@pytest.fixture(autouse=True)
+def _hpcdist_logs_reach_caplog(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    logger = logging.getLogger("hpcdist")
+    forward = _ToCaplog(caplog)
+    logger.addHandler(forward)
+    try:
+        yield
+    finally:
+        logger.removeHandler(forward)
 
 
 _SLURM_IDS = pytest.StashKey[set[str]]()
