@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# This process forks ranks and workers (tests/dist/harness.py, the dry run, nccl_check's --nproc, prepare's
+# workers), so it must stay single-threaded: forking a multi-threaded process is unsafe, and Python >= 3.12 warns
+# at every such fork. Set before anything here imports torch or tokenizes, unless the caller chose otherwise:
+# - with more than one OpenMP thread, importing torch alone starts a pool thread (one thread per process is also
+#   what concurrent ranks on a small machine need, see FACTS);
+# - Hugging Face tokenizers starts its rayon pool at the first BPE training or batch encoding (the session's
+#   corpus fixtures do both), and the threads stay.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from hpcdist import config as config_mod
 from hpcdist.data import load_tokenizer, prepare_corpus, prepare_shards, stdlib_corpus, train_bpe

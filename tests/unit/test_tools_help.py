@@ -8,12 +8,15 @@ in one fresh interpreter, and the modules it imported are checked after each.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TOOLS = [REPO / "tools" / "nccl_check", *sorted(p for p in (REPO / "tools" / "bench").glob("*.py"))]
+# the executables in tools/ and every bench script
+TOOLS = sorted(p for p in (REPO / "tools").iterdir() if p.is_file() and os.access(p, os.X_OK))
+TOOLS += sorted((REPO / "tools" / "bench").glob("*.py"))
 HEAVY = ("torch", "deepspeed")
 
 # Runs every tool's --help in this one interpreter; prints {tool: [heavy modules imported, exit code, help chars]}.
@@ -39,7 +42,7 @@ print(json.dumps(out))
 
 def test_every_tool_answers_help_without_importing_torch() -> None:
     names = [p.name for p in TOOLS]
-    assert "nccl_check" in names and "scaling.py" in names, names
+    assert {"nccl_check", "deepspeed_configs", "slurm_sandbox", "scaling.py"} <= set(names), names
     tools = [p for p in TOOLS if p.name != "pagecache.py"]  # a helper module of the benches, not a tool
     proc = subprocess.run(
         [sys.executable, "-c", _DRIVER, ",".join(HEAVY), *map(str, tools)],
