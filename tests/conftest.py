@@ -69,10 +69,15 @@ def small_cfg(tmp_path: Path, corpus_dir: Path):
     """Factory: a validated small JobConfig in a fresh run dir; extra overrides win."""
 
     def make(*overrides: str, run_dir: Path | None = None) -> config_mod.JobConfig:
-        base = [*SMALL, f"run.dir={run_dir or tmp_path / 'run'}", "data.source=files", f"data.path={corpus_dir}"]
-        return config_mod.load(None, [*base, *overrides])
+        return small_config(run_dir or tmp_path / "run", corpus_dir, *overrides)
 
     return make
+
+
+def small_config(run_dir: Path, corpus_dir: Path, *overrides: str) -> config_mod.JobConfig:
+    """What small_cfg makes, for fixtures wider than one test (a reference run trained once per module)."""
+    base = [*SMALL, f"run.dir={run_dir}", "data.source=files", f"data.path={corpus_dir}"]
+    return config_mod.load(None, [*base, *overrides])
 
 
 class _ToCaplog(logging.Handler):
