@@ -17,7 +17,24 @@ Modules, in the order a run uses them:
 Needs only ``hpcdist.env`` (and, when an NCCL profile is named, ``hpcdist.launch.nccl`` to apply it).
 """
 
-from hpcdist.diagnostics.collectives import OPS, bandwidths, busbw_factor
-from hpcdist.diagnostics.runner import Options, run_rank
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hpcdist.diagnostics.names import OPS
+
+if TYPE_CHECKING:
+    from hpcdist.diagnostics.collectives import bandwidths, busbw_factor
+    from hpcdist.diagnostics.runner import Options, run_rank
 
 __all__ = ["OPS", "Options", "bandwidths", "busbw_factor", "run_rank"]
+_LAZY = {"bandwidths": "collectives", "busbw_factor": "collectives", "Options": "runner", "run_rank": "runner"}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing the package (as `nccl_check --help` does for its parser) must not import torch.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"hpcdist.diagnostics.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

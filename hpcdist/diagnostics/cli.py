@@ -19,12 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from hpcdist.diagnostics.collectives import OPS
-from hpcdist.diagnostics.runner import DTYPES, Options, apply_profile, run_rank
-from hpcdist.diagnostics.verdict import load_expectation
-from hpcdist.env import from_environ
+from hpcdist.diagnostics.names import DTYPE_NAMES, OPS
 
 __all__ = ["build_parser", "launch_local", "main", "parse_message_size"]
 
@@ -81,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--step-factor", type=_positive_arg(int), default=2, help="size multiplier (default 2)")
     p.add_argument("-n", "--iters", type=_positive_arg(int), default=20, help="timed iterations per size (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=5, help="warm-up iterations per size (default 5)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="float32")
     p.add_argument("--timeout", type=_positive_arg(float), default=120.0,
                    help="seconds any one step may take before the run is declared hung (default 120)")  # fmt: skip
     p.add_argument("--join-timeout", type=_positive_arg(float), default=300.0,
@@ -118,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    # torch (and everything that runs a rank) only now: --help and a bad flag answer in a fraction of a second
+    import torch
+
+    from hpcdist.diagnostics.runner import Options, apply_profile, run_rank
+    from hpcdist.diagnostics.verdict import load_expectation
+    from hpcdist.env import from_environ
+
     env = from_environ()
     if args.nproc:
         if env.launcher != "single":
@@ -194,6 +196,8 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     }  # fmt: skip
     if not os.environ.get("OMP_NUM_THREADS"):
         base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    import torch  # already imported by main()
+
     fork = torch.version.cuda is None
     children: dict[int, int | subprocess.Popen] = {}
     for rank in range(nproc):

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdist.diagnostics.faults import Faults
+from hpcdist.diagnostics.names import OPS
 
 __all__ = [
     "OPS",
@@ -43,7 +44,6 @@ __all__ = [
     "sweep_op",
 ]
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 # torch has no out-of-place all_reduce or broadcast, and NCCL's in-place all_to_all / send-recv do not exist.
 PLACEMENTS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("in",),

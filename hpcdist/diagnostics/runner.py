@@ -20,6 +20,7 @@ from hpcdist.diagnostics import audit, finder, report
 from hpcdist.diagnostics.collectives import OPS, group_table, message_sizes, sweep_op
 from hpcdist.diagnostics.faults import Faults
 from hpcdist.diagnostics.health import device_health
+from hpcdist.diagnostics.names import DTYPE_NAMES
 from hpcdist.diagnostics.rendezvous import JoinError, JoinResult, join
 from hpcdist.diagnostics.verdict import Expectation, Verdict, bandwidth_checks
 from hpcdist.diagnostics.watchdog import Hang, Watchdog
@@ -27,7 +28,7 @@ from hpcdist.env import DistEnv
 
 __all__ = ["DTYPES", "Options", "apply_profile", "run_rank"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # Findings about one node's hardware: leaving the node out of the next job is the fix.
 _NODE_FAULTS = ("gpu_missing", "no_network")
 

@@ -12,6 +12,7 @@ from hpcdist.checkpoint import MARKER, list_checkpoints
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.trainer import Trainer
+from tests.conftest import small_config
 from tests.dist.harness import run_ranks, single
 
 pytestmark = pytest.mark.dist
@@ -33,10 +34,13 @@ def _losses(out: dict) -> list[float]:
     return [out["losses"][s] for s in sorted(out["losses"])]
 
 
-@pytest.fixture
-def reference(small_cfg) -> dict:
-    """One process, global batch 8 in one micro-batch: the ground truth."""
-    cfg = small_cfg(f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=8")
+@pytest.fixture(scope="module")
+def reference(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process, global batch 8 in one micro-batch: the ground truth (trained once per module, only read)."""
+    run_dir = tmp_path_factory.mktemp("ddp_ref") / "run"
+    cfg = small_config(
+        run_dir, corpus_dir, f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=8"
+    )
     return single(_train, cfg)
 
 

@@ -13,6 +13,7 @@ from hpcdist.config import ConfigError, JobConfig, check_world
 from hpcdist.env import DistEnv
 from hpcdist.inference import load_for_inference
 from hpcdist.trainer import Trainer
+from tests.conftest import small_config
 from tests.dist.harness import run_ranks, single
 
 pytestmark = pytest.mark.dist
@@ -45,10 +46,12 @@ def _losses(out: dict) -> list[float]:
     return [out["losses"][s] for s in sorted(out["losses"])]
 
 
-@pytest.fixture
-def reference(small_cfg) -> dict:
-    """One process with DDP's path, global batch 8 in one micro-batch: the ground truth."""
-    return single(_train, small_cfg(f"train.steps={STEPS}", *BATCH, "train.micro_batch_size=8"))
+@pytest.fixture(scope="module")
+def reference(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process with DDP's path, global batch 8 in one micro-batch: the ground truth (trained once per module;
+    tests only read it)."""
+    run_dir = tmp_path_factory.mktemp("fsdp_ref") / "run"
+    return single(_train, small_config(run_dir, corpus_dir, f"train.steps={STEPS}", *BATCH, "train.micro_batch_size=8"))
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])

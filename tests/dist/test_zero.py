@@ -14,6 +14,7 @@ from hpcdist.config import ConfigError, JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.parallel.zero import deepspeed_config
 from hpcdist.trainer import Trainer
+from tests.conftest import small_config
 from tests.dist.harness import run_ranks, single
 
 pytestmark = pytest.mark.dist
@@ -48,9 +49,14 @@ def _losses(out: dict) -> list[float]:
     return [out["losses"][s] for s in sorted(out["losses"])]
 
 
-@pytest.fixture
-def ref(small_cfg) -> dict:
-    cfg = small_cfg(f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=8")
+@pytest.fixture(scope="module")
+def ref(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The single-process reference, trained once per module: the 11 ZeRO variants compare with it, none changes it
+    (it was retrained for each)."""
+    run_dir = tmp_path_factory.mktemp("zero_ref") / "run"
+    cfg = small_config(
+        run_dir, corpus_dir, f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=8"
+    )
     return {**single(_train, cfg), "run_dir": Path(cfg.run.dir)}
 
 

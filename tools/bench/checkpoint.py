@@ -37,17 +37,35 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import torch
-from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)
 
-from hpcdist import checkpoint as ckpt_mod
-from hpcdist import config as config_mod
-from hpcdist.atomic import file_sha256
-from hpcdist.checkpoint import CheckpointManager, list_checkpoints
-from hpcdist.config import JobConfig
-from hpcdist.env import destroy_process_group, from_environ, init_process_group
-from hpcdist.models.args import ModelArgs, load_preset, num_params
-from hpcdist.trainer import Trainer
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="125m")
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a new temp dir)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-two-ranks", action="store_true")
+    ap.add_argument("--fs-gbps", type=float, default=5.0, help="parallel FS write GB/s per node, for the 13B line")
+    ap.add_argument("--json", default=None)
+    return ap
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+import torch  # noqa: E402
+from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)  # noqa: E402
+
+from hpcdist import checkpoint as ckpt_mod  # noqa: E402
+from hpcdist import config as config_mod  # noqa: E402
+from hpcdist.atomic import file_sha256  # noqa: E402
+from hpcdist.checkpoint import CheckpointManager, list_checkpoints  # noqa: E402
+from hpcdist.config import JobConfig  # noqa: E402
+from hpcdist.env import destroy_process_group, from_environ, init_process_group  # noqa: E402
+from hpcdist.models.args import ModelArgs, load_preset, num_params  # noqa: E402
+from hpcdist.trainer import Trainer  # noqa: E402
 
 GB = 1e9
 
@@ -206,14 +224,7 @@ def row(name: str, value: Any, note: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="125m")
-    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a new temp dir)")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--skip-two-ranks", action="store_true")
-    ap.add_argument("--fs-gbps", type=float, default=5.0, help="parallel FS write GB/s per node, for the 13B line")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     root = Path(tempfile.mkdtemp(prefix="hpcdist-bench-ckpt-", dir=args.dir))
     try:

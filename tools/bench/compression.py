@@ -35,10 +35,36 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: hpcdist, tests.dist.harness
 
-from hpcdist import config as config_mod
-from hpcdist.config import JobConfig
-from hpcdist.env import DistEnv
-from hpcdist.rundir import RunDir
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rank", type=_ints, default=[4], help="parallel.ddp.powersgd.rank, comma-separated: 4,8,16")
+    p.add_argument("--start-iter", type=_ints, default=[10], help="parallel.ddp.powersgd.start_iter, comma-separated")
+    p.add_argument("--baseline", type=Path, help="reuse the fp32 run of an earlier --json (same --world, --steps)")
+    p.add_argument("--seed-noise", type=int, help="also run fp32 with this run.seed: the gap seeds alone make")
+    p.add_argument("--big-steps", type=int, default=3, help="125m steps (PowerSGD compresses from step 3)")
+    p.add_argument("--skip-big", action="store_true")
+    p.add_argument("--skip-convergence", action="store_true")
+    p.add_argument("--json", type=Path, default=Path("runs/bench/compression.json"))
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+from hpcdist import config as config_mod  # noqa: E402
+from hpcdist.config import JobConfig  # noqa: E402
+from hpcdist.env import DistEnv  # noqa: E402
+from hpcdist.rundir import RunDir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,23 +170,8 @@ def big(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return out
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=4)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--rank", type=_ints, default=[4], help="parallel.ddp.powersgd.rank, comma-separated: 4,8,16")
-    p.add_argument("--start-iter", type=_ints, default=[10], help="parallel.ddp.powersgd.start_iter, comma-separated")
-    p.add_argument("--baseline", type=Path, help="reuse the fp32 run of an earlier --json (same --world, --steps)")
-    p.add_argument("--seed-noise", type=int, help="also run fp32 with this run.seed: the gap seeds alone make")
-    p.add_argument("--big-steps", type=int, default=3, help="125m steps (PowerSGD compresses from step 3)")
-    p.add_argument("--skip-big", action="store_true")
-    p.add_argument("--skip-convergence", action="store_true")
-    p.add_argument("--json", type=Path, default=Path("runs/bench/compression.json"))
-    a = p.parse_args(argv)
+    a = build_parser().parse_args(argv)
     print(f"{os.cpu_count()} CPU core(s), 1-min load {os.getloadavg()[0]:.2f} at the start", flush=True)
     result: dict[str, Any] = {"load_start": os.getloadavg()[0],
                               "args": vars(a) | {"json": str(a.json), "baseline": str(a.baseline)}}  # fmt: skip

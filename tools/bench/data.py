@@ -43,13 +43,44 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)
 
-from hpcdist import config as config_mod
-from hpcdist.data import load_tokenizer, prepare_corpus, stdlib_corpus, train_bpe
-from hpcdist.env import from_environ
-from hpcdist.trainer import Trainer
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--mb", type=float, default=24.0, help="corpus size in MB of text (default 24)")
+    p.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary (default 8192)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="prepare workers (default: cores)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per side, alternating (default 2)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=16, help="samples per step (default 16)")
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--steps", type=int, default=12, help="timed steps per loader run (default 12)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps per loader run (default 2)")
+    p.add_argument(
+        "--read-latency-ms",
+        type=float,
+        default=2.0,
+        help="simulated shared-filesystem latency per sample read, second loader scenario (default 2)",
+    )
+    p.add_argument("--skip-prepare", action="store_true")
+    p.add_argument("--skip-loader", action="store_true")
+    p.add_argument("--json", type=Path, default=Path("runs/bench/data.json"))
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+import torch  # noqa: E402
+from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)  # noqa: E402
+
+from hpcdist import config as config_mod  # noqa: E402
+from hpcdist.data import load_tokenizer, prepare_corpus, stdlib_corpus, train_bpe  # noqa: E402
+from hpcdist.env import from_environ  # noqa: E402
+from hpcdist.trainer import Trainer  # noqa: E402
 
 
 def write_corpus(path: Path, megabytes: float) -> tuple[list[str], int]:
@@ -197,27 +228,7 @@ def bench_loader(args: argparse.Namespace, root: Path, dataset: Path) -> dict[st
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--mb", type=float, default=24.0, help="corpus size in MB of text (default 24)")
-    p.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary (default 8192)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="prepare workers (default: cores)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per side, alternating (default 2)")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=16, help="samples per step (default 16)")
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--steps", type=int, default=12, help="timed steps per loader run (default 12)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed first steps per loader run (default 2)")
-    p.add_argument(
-        "--read-latency-ms",
-        type=float,
-        default=2.0,
-        help="simulated shared-filesystem latency per sample read, second loader scenario (default 2)",
-    )
-    p.add_argument("--skip-prepare", action="store_true")
-    p.add_argument("--skip-loader", action="store_true")
-    p.add_argument("--json", type=Path, default=Path("runs/bench/data.json"))
-    args = p.parse_args()
+    args = build_parser().parse_args()
     out: dict[str, Any] = {
         "python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count(),
         "stdlib": sysconfig.get_paths()["stdlib"], "args": {**vars(args), "json": str(args.json)},

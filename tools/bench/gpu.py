@@ -23,12 +23,32 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch
 
-from hpcdist import config as config_mod
-from hpcdist.env import from_environ
-from hpcdist.metrics.throughput import peak_flops
-from hpcdist.models import flops_per_token
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", default="125m,350m,1.3b")
+    p.add_argument("--micro", nargs="*", default=[], help="preset:micro_batch overrides, e.g. 1.3b:4")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ac", action="store_true", help="activation checkpointing (bigger micro-batches fit)")
+    p.add_argument("--peak", type=float, default=None, help="bf16 peak FLOP/s (default: hpcdist's table)")
+    p.add_argument("--json", type=Path, default=Path("runs/bench/gpu.json"))
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+import torch  # noqa: E402
+
+from hpcdist import config as config_mod  # noqa: E402
+from hpcdist.env import from_environ  # noqa: E402
+from hpcdist.metrics.throughput import peak_flops  # noqa: E402
+from hpcdist.models import flops_per_token  # noqa: E402
 
 MICRO = {"125m": 8, "350m": 4, "1.3b": 2}
 
@@ -68,16 +88,7 @@ def bench(preset: str, micro: int, a: argparse.Namespace, peak: float) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--presets", default="125m,350m,1.3b")
-    p.add_argument("--micro", nargs="*", default=[], help="preset:micro_batch overrides, e.g. 1.3b:4")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--ac", action="store_true", help="activation checkpointing (bigger micro-batches fit)")
-    p.add_argument("--peak", type=float, default=None, help="bf16 peak FLOP/s (default: hpcdist's table)")
-    p.add_argument("--json", type=Path, default=Path("runs/bench/gpu.json"))
-    a = p.parse_args(argv)
+    a = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("tools/bench/gpu.py needs a CUDA device: torch.cuda.is_available() is False", file=sys.stderr)
         return 2

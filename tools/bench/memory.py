@@ -29,19 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from hpcdist import config as config_mod
-from hpcdist.config import JobConfig
-from hpcdist.env import DistEnv
-from hpcdist.models.args import num_params
-from hpcdist.planning.memory import estimate_memory
-from hpcdist.trainer import Trainer
-from tests.dist.harness import run_ranks
-from tools.bench.overhead import table
-
 STRATEGIES: dict[str, tuple[str, ...]] = {
     "ddp": (),
     "zero1": ("parallel.strategy=zero", "parallel.zero.stage=1"),
@@ -51,6 +38,43 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
     "zero3": ("parallel.strategy=zero", "parallel.zero.stage=3", "parallel.zero.param_persistence_threshold=0"),
     "fsdp": ("parallel.strategy=fsdp",),
 }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--json", type=Path, default=None)
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from hpcdist import config as config_mod  # noqa: E402
+from hpcdist.config import JobConfig  # noqa: E402
+from hpcdist.env import DistEnv  # noqa: E402
+from hpcdist.models.args import num_params  # noqa: E402
+from hpcdist.planning.memory import estimate_memory  # noqa: E402
+from hpcdist.trainer import Trainer  # noqa: E402
+from tests.dist.harness import run_ranks  # noqa: E402
+from tools.bench.overhead import table  # noqa: E402
+
 MB = 1e6
 
 
@@ -87,19 +111,7 @@ def _config(args: argparse.Namespace, name: str, run_dir: Path) -> JobConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:

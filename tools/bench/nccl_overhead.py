@@ -41,20 +41,42 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 # a script run from a checkout: the checkout's hpcdist, and tools.bench for the shared table/process helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hpcdist.diagnostics.cli import parse_message_size
-from hpcdist.diagnostics.collectives import busbw_factor, group_table, message_sizes, sweep_op
-from hpcdist.diagnostics.faults import Faults
-from hpcdist.diagnostics.rendezvous import join
-from hpcdist.diagnostics.report import human_bytes
-from hpcdist.diagnostics.watchdog import Watchdog
-from hpcdist.env import from_environ
-from tools.bench.overhead import CpuShare, free_port, machine, run_processes, table
+from hpcdist.diagnostics.cli import parse_message_size  # torch-free: the parser needs it
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", type=int, default=4, help="gloo ranks (default 4)")
+    p.add_argument("--min-bytes", type=parse_message_size, default=1024, help="smallest message (default 1K)")
+    p.add_argument("--max-bytes", type=parse_message_size, default=64 << 20, help="largest message (default 64M)")
+    p.add_argument("--factor", type=int, default=4, help="size multiplier (default 4)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per size, as nccl_check (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up iterations per size (default 5)")
+    p.add_argument("--repeats", type=int, default=5, help="tool/raw pairs, alternating order (default 5)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before the run is declared hung")
+    p.add_argument("--json", default="runs/bench/nccl_overhead.json", help="where to write every number")
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from hpcdist.diagnostics.collectives import busbw_factor, group_table, message_sizes, sweep_op  # noqa: E402
+from hpcdist.diagnostics.faults import Faults  # noqa: E402
+from hpcdist.diagnostics.rendezvous import join  # noqa: E402
+from hpcdist.diagnostics.report import human_bytes  # noqa: E402
+from hpcdist.diagnostics.watchdog import Watchdog  # noqa: E402
+from hpcdist.env import from_environ  # noqa: E402
+from tools.bench.overhead import CpuShare, free_port, machine, run_processes, table  # noqa: E402
 
 GOAL = 0.95
 OP = "all_reduce"
@@ -160,16 +182,7 @@ def render(rows: list[dict[str, Any]], a: argparse.Namespace, others: float) -> 
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=4, help="gloo ranks (default 4)")
-    p.add_argument("--min-bytes", type=parse_message_size, default=1024, help="smallest message (default 1K)")
-    p.add_argument("--max-bytes", type=parse_message_size, default=64 << 20, help="largest message (default 64M)")
-    p.add_argument("--factor", type=int, default=4, help="size multiplier (default 4)")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per size, as nccl_check (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="warm-up iterations per size (default 5)")
-    p.add_argument("--repeats", type=int, default=5, help="tool/raw pairs, alternating order (default 5)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before the run is declared hung")
-    p.add_argument("--json", default="runs/bench/nccl_overhead.json", help="where to write every number")
+    p = build_parser()
     a = p.parse_args(argv)
     if a.world_size < 2 or a.iters < 1 or a.repeats < 1 or a.warmup < 0 or a.factor < 2:
         p.error("need --world-size >= 2, --iters >= 1, --repeats >= 1, --warmup >= 0, --factor >= 2")

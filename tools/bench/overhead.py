@@ -71,19 +71,52 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
-from hpcdist import config as config_mod
-from hpcdist.config import JobConfig
-from hpcdist.data import SyntheticDataset
-from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
-from hpcdist.metrics.throughput import measure_cpu_peak_flops
-from hpcdist.models import build_model, flops_per_token, num_params
-from hpcdist.trainer import Trainer
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    g = p.add_argument_group("overhead (part 1)")
+    g.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    g.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
+    g.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, all ranks (default 16)")
+    g.add_argument("--micro-batch", type=int, default=4, help="samples per forward pass per rank (default 4)")
+    g.add_argument("--world-size", type=int, default=2, help="DDP ranks, 1 thread each (default 2)")
+    g.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
+    g.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
+    g.add_argument("--repeats", type=int, default=7, help="A/B pairs, alternating (default 7)")
+    g.add_argument("--skip-overhead", action="store_true", help="skip part 1")
+    g = p.add_argument_group("MFU (part 2)")
+    g.add_argument("--mfu-preset", default="125m", help="model preset (default 125m)")
+    g.add_argument("--mfu-seq-len", type=int, default=256, help="tokens per sample (default 256)")
+    g.add_argument("--mfu-micro-batch", type=int, default=4, help="samples per step, no accumulation (default 4)")
+    g.add_argument("--mfu-steps", type=int, default=3, help="timed steps (default 3)")
+    g.add_argument("--mfu-warmup", type=int, default=2, help="untimed steps before them (default 2)")
+    g.add_argument("--mfu-threads", type=int, default=0, help="torch threads (default 0 = all cores)")
+    g.add_argument("--skip-mfu", action="store_true", help="skip part 2")
+    p.add_argument("--lr", type=float, default=1e-3, help="constant learning rate of every run (default 1e-3)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is declared hung")
+    p.add_argument("--json", default="runs/bench/overhead.json", help="where to write all numbers")
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from hpcdist import config as config_mod  # noqa: E402
+from hpcdist.config import JobConfig  # noqa: E402
+from hpcdist.data import SyntheticDataset  # noqa: E402
+from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group  # noqa: E402
+from hpcdist.metrics.throughput import measure_cpu_peak_flops  # noqa: E402
+from hpcdist.models import build_model, flops_per_token, num_params  # noqa: E402
+from hpcdist.trainer import Trainer  # noqa: E402
 
 # The overhead runs log only at their final step; MFU for them is irrelevant, so a fixed peak spares the ~1 s
 # CPU measurement the trainer would otherwise do at start-up (FACTS.md: ~63 GFLOP/s on 2 threads).
@@ -652,28 +685,7 @@ def machine() -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    g = p.add_argument_group("overhead (part 1)")
-    g.add_argument("--preset", default="tiny", help="model preset (default tiny)")
-    g.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
-    g.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, all ranks (default 16)")
-    g.add_argument("--micro-batch", type=int, default=4, help="samples per forward pass per rank (default 4)")
-    g.add_argument("--world-size", type=int, default=2, help="DDP ranks, 1 thread each (default 2)")
-    g.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
-    g.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
-    g.add_argument("--repeats", type=int, default=7, help="A/B pairs, alternating (default 7)")
-    g.add_argument("--skip-overhead", action="store_true", help="skip part 1")
-    g = p.add_argument_group("MFU (part 2)")
-    g.add_argument("--mfu-preset", default="125m", help="model preset (default 125m)")
-    g.add_argument("--mfu-seq-len", type=int, default=256, help="tokens per sample (default 256)")
-    g.add_argument("--mfu-micro-batch", type=int, default=4, help="samples per step, no accumulation (default 4)")
-    g.add_argument("--mfu-steps", type=int, default=3, help="timed steps (default 3)")
-    g.add_argument("--mfu-warmup", type=int, default=2, help="untimed steps before them (default 2)")
-    g.add_argument("--mfu-threads", type=int, default=0, help="torch threads (default 0 = all cores)")
-    g.add_argument("--skip-mfu", action="store_true", help="skip part 2")
-    p.add_argument("--lr", type=float, default=1e-3, help="constant learning rate of every run (default 1e-3)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is declared hung")
-    p.add_argument("--json", default="runs/bench/overhead.json", help="where to write all numbers")
+    p = build_parser()
     a = p.parse_args(argv)
     for name in ("seq_len", "global_batch", "micro_batch", "world_size", "steps", "repeats", "mfu_seq_len",
                  "mfu_micro_batch", "mfu_steps"):  # fmt: skip

@@ -83,10 +83,30 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # `python tools/bench/requeue.py` puts only tools/bench on sys.path
     sys.path.insert(0, str(REPO))
 
+# tests.slurm.conftest owns the lock path; importing it costs pytest, not torch
+from tests.slurm.conftest import LOCK_PATH as _LOCK_PATH  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--repeats", type=int, default=1, help="rounds of all four measurements (default 1)")
+    p.add_argument("--keep-sandbox", action="store_true", help="leave the sandbox running at the end")
+    p.add_argument("--dir", default="/tmp/hpcdist-bench-slurm", help="sandbox directory (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=240, help="seconds a requeue may take before it is an error")
+    p.add_argument("--lock-timeout", type=float, default=1800, help=f"seconds to wait for {_LOCK_PATH}")
+    p.add_argument("--json", default="runs/bench/requeue.json", help="where to write all numbers")
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
 from hpcdist.data import prepare_shards, stdlib_corpus  # noqa: E402
 from tests.slurm.conftest import (  # noqa: E402
     FINAL_STATES,
-    LOCK_PATH,
     SANDBOX,
     Cluster,
     _cluster_env,
@@ -451,13 +471,7 @@ def machine() -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--repeats", type=int, default=1, help="rounds of all four measurements (default 1)")
-    p.add_argument("--keep-sandbox", action="store_true", help="leave the sandbox running at the end")
-    p.add_argument("--dir", default="/tmp/hpcdist-bench-slurm", help="sandbox directory (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=240, help="seconds a requeue may take before it is an error")
-    p.add_argument("--lock-timeout", type=float, default=1800, help=f"seconds to wait for {LOCK_PATH}")
-    p.add_argument("--json", default="runs/bench/requeue.json", help="where to write all numbers")
+    p = build_parser()
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error("--repeats must be >= 1")
