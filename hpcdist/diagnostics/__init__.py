@@ -13,6 +13,7 @@ Modules, in the order a run uses them:
 - ``plot``        the sweep's bandwidth curves and the finder's heat maps as one PNG (``--plot``)
 - ``runner``      one rank from start to verdict; ``cli`` the command line and local launcher
 - ``faults``      TEST-ONLY fault injection (HPCDIST_NCCL_CHECK_* variables)
+- ``names``       the torch-free names the parser offers (collectives, dtypes), so ``--help`` imports no torch
 
 Needs only ``hpcdist.env`` (and, when an NCCL profile is named, ``hpcdist.launch.nccl`` to apply it).
 """
