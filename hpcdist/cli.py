@@ -143,34 +143,47 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("inputs", nargs="*", type=Path, help="files or directories (omit with --stdlib)")
     pr.add_argument("--out", type=Path, required=True, help="output directory")
     pr.add_argument(
-        "--glob", default=DEFAULT_GLOB,
+        "--glob",
+        default=DEFAULT_GLOB,
         help=f"comma-separated patterns for files inside directories (default: {DEFAULT_GLOB})",
-    )  # fmt: skip
+    )
     pr.add_argument(
         "--stdlib", action="store_true", help="use this Python's standard library sources (the default corpus)"
     )
     pr.add_argument(
-        "--tokenizer", default="byte",
+        "--tokenizer",
+        default="byte",
         help="byte (default), a tokenizer.json or its directory, a SentencePiece .model, tiktoken:BPE_FILE, or a "
         "prepared dataset directory (its tokenizer)",
-    )  # fmt: skip
+    )
     pr.add_argument("--text-field", default="text", help="jsonl key / parquet or datasets column (default: text)")
-    pr.add_argument("--workers", type=_positive_int, default=os.cpu_count() or 1,
-                    help="tokenizer processes (default: the CPU count)")  # fmt: skip
-    pr.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto",
-                    help="token dtype; auto = uint16 when the vocabulary fits")  # fmt: skip
+    pr.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=os.cpu_count() or 1,
+        help="tokenizer processes (default: the CPU count)",
+    )
+    pr.add_argument(
+        "--dtype",
+        choices=("auto", "uint16", "uint32"),
+        default="auto",
+        help="token dtype; auto = uint16 when the vocabulary fits",
+    )
     pr.add_argument("--shard-tokens", type=_positive_int, default=2**24, help="tokens per shard file")
     pr.add_argument("--max-tokens", type=_positive_int, default=None, help="stop after this many tokens")
     pr.add_argument(
-        "--overwrite", action="store_true",
+        "--overwrite",
+        action="store_true",
         help="replace the dataset (or unfinished preparation) in a non-empty --out made from other inputs or options; "
         "without it prepare only continues its own preparation there",
-    )  # fmt: skip
+    )
     pr.add_argument(
-        "--megatron", metavar="PREFIX", type=Path,
+        "--megatron",
+        metavar="PREFIX",
+        type=Path,
         help="import a Megatron-LM indexed dataset (PREFIX.bin + PREFIX.idx) instead of tokenizing inputs; "
         "--tokenizer names the tokenizer that made it",
-    )  # fmt: skip
+    )
 
     tk = sub.add_parser(
         "tokenizer",
@@ -241,37 +254,51 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
         "--wait", action="store_true", help="wait for the job to finish (through requeues); exit 0 if COMPLETED"
     )
     s.add_argument(
-        "--force", action="store_true",
+        "--force",
+        action="store_true",
         help="submit even when the planner predicts that the layout does not fit the GPUs' memory",
-    )  # fmt: skip
+    )
     s.add_argument(
-        "--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
         help="sweep KEY over the values (repeat for a grid): one SLURM job array, one run dir per task, "
         "<run.dir>/<its overrides>",
-    )  # fmt: skip
+    )
     s.add_argument(
-        "--snapshot", action=argparse.BooleanOptionalAction, default=True,
+        "--snapshot",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="run the job from a copy of the code made now, in <run.dir>/code/ (git-tracked files of the checkout, "
         "or the installed package), so later edits change neither it nor its requeued attempts (default: on)",
-    )  # fmt: skip
+    )
     s.add_argument("--sweep-file", type=Path, help="a YAML list of override mappings, one array task each")
     s.add_argument("--max-parallel", type=_positive_int, metavar="M", help="sweep tasks running at once (--array %%M)")
     s.add_argument(
-        "--after", metavar="JOB[:TYPE]",
+        "--after",
+        metavar="JOB[:TYPE]",
         help="start after job JOB ends: TYPE afterany (default), afterok or afternotok (sbatch --dependency)",
-    )  # fmt: skip
+    )
     s.add_argument(
-        "--chain", type=_positive_int, default=1, metavar="N",
+        "--chain",
+        type=_positive_int,
+        default=1,
+        metavar="N",
         help="N jobs of this run, each starting when the previous ends (afterany) and resuming from its checkpoint; "
         "for clusters that cap the wall time and do not requeue (sets fault.requeue=false)",
-    )  # fmt: skip
+    )
 
     st = sub.add_parser(
         "status", help="show a SLURM job (scontrol/sacct) or your queue (squeue)", description="Without JOB: squeue."
     )
     st.add_argument("job", nargs="?", help="job id (a sweep's array job id: every task's state, step and loss)")
-    st.add_argument("--run-dir", type=Path, help="the job's run.dir (a sweep's base run.dir): local-executor jobs, "
-                    "and jobs SLURM no longer knows, plain sbatch ones included")  # fmt: skip
+    st.add_argument(
+        "--run-dir",
+        type=Path,
+        help="the job's run.dir (a sweep's base run.dir): local-executor jobs, "
+        "and jobs SLURM no longer knows, plain sbatch ones included",
+    )
 
     lg = sub.add_parser(
         "logs",
@@ -384,10 +411,14 @@ def _add_hf_parsers(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     ex.add_argument("--out", type=Path, required=True, help="new output directory")
     ex.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default bf16)")
-    ex.add_argument("--max-shard-size", default=None,
-                    help="split the weights into files of at most this size, e.g. 2GB (default: one file)")  # fmt: skip
-    ex.add_argument("--tokenizer", default=None,
-                    help="tokenizer to write (default: the one the run's data was prepared with)")  # fmt: skip
+    ex.add_argument(
+        "--max-shard-size",
+        default=None,
+        help="split the weights into files of at most this size, e.g. 2GB (default: one file)",
+    )
+    ex.add_argument(
+        "--tokenizer", default=None, help="tokenizer to write (default: the one the run's data was prepared with)"
+    )
     ex.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     im = sub.add_parser(
         "import",
@@ -402,9 +433,11 @@ def _add_hf_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
-    where = ("CHECKPOINT: a run directory (its newest complete checkpoint), its checkpoints/ directory, or one "
-             "step-N checkpoint of any strategy and world size; the model's shape and tokenizer come from the run's "
-             "config.yaml and prepared data")  # fmt: skip
+    where = (
+        "CHECKPOINT: a run directory (its newest complete checkpoint), its checkpoints/ directory, or one "
+        "step-N checkpoint of any strategy and world size; the model's shape and tokenizer come from the run's "
+        "config.yaml and prepared data"
+    )
     g = sub.add_parser(
         "generate",
         help="generate text from a trained checkpoint (one process, KV cache)",
@@ -419,8 +452,9 @@ def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=_nonnegative_int, default=0, help="sampling seed: the same seed, the same text")
     g.add_argument("--no-cache", action="store_true", help="re-run the whole sequence per token (slow; a reference)")
     g.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
-    g.add_argument("--tokenizer", default=None,
-                   help="tokenizer spec (default: the run's, or the Hugging Face directory's own)")  # fmt: skip
+    g.add_argument(
+        "--tokenizer", default=None, help="tokenizer spec (default: the run's, or the Hugging Face directory's own)"
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stop reason, timing)")
 
     e = sub.add_parser(
@@ -433,8 +467,9 @@ def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--data", type=Path, required=True, help="prepared dataset (hpcdist prepare --out DIR)")
     e.add_argument("--batches", type=_positive_int, help="batches to evaluate (default: the run's train.eval_batches)")
     e.add_argument("--seq-len", type=_positive_int, help="tokens per sample (default: the run's data.seq_len)")
-    e.add_argument("--batch-size", type=_positive_int,
-                   help="samples per batch (default: the run's train.global_batch_size)")  # fmt: skip
+    e.add_argument(
+        "--batch-size", type=_positive_int, help="samples per batch (default: the run's train.global_batch_size)"
+    )
     e.add_argument("--device", default="cpu", help="cpu (default), cuda, ...")
     e.add_argument("--json", type=Path, metavar="FILE", help="also write the result as JSON to FILE")
 

@@ -214,9 +214,14 @@ def from_environ(environ: Mapping[str, str] | None = None, *, cuda_available: bo
     try:
         # under every launcher the job id is the scheduler's: torchrun's run id is a rendezvous name ("none" by default)
         return DistEnv(
-            **fields, job_id=job.instance_id, device=device, backend=backend, launcher=launcher,
-            hostname=socket.gethostname(), job=job,
-        )  # fmt: skip
+            **fields,
+            job_id=job.instance_id,
+            device=device,
+            backend=backend,
+            launcher=launcher,
+            hostname=socket.gethostname(),
+            job=job,
+        )
     except ValueError as err:
         seen = ", ".join(f"{name}={env_map[name]}" for name in reads if v.has(name))
         raise ValueError(f"inconsistent {launcher} environment ({seen or 'no variables set'}): {err}") from None
@@ -305,8 +310,12 @@ def export_environ(env: DistEnv, environ: MutableMapping[str, str] | None = None
         if current is not None and current.strip() and name not in own:
             log.warning(
                 "%s=%s in the environment differs from DistEnv's %s (%s launcher); using %s",
-                name, current, value, env.launcher, value,
-            )  # fmt: skip
+                name,
+                current,
+                value,
+                env.launcher,
+                value,
+            )
         target[name] = value
         record[name] = changed[name] = value
     if record:

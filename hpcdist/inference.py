@@ -74,8 +74,11 @@ def load_weights(model: Transformer, step: Path) -> None:
     tied = model.args.tie_embeddings
     problems = [f"{k}: not in the checkpoint" for k in dest if k not in saved and not (tied and k == "output.weight")]
     problems += [f"{k}: in the checkpoint, not in this model" for k in saved if k not in dest]
-    problems += [f"{k}: checkpoint {list(saved[k])}, model {list(v.shape)}" for k, v in dest.items()
-                 if k in saved and saved[k] != tuple(v.shape)]  # fmt: skip
+    problems += [
+        f"{k}: checkpoint {list(saved[k])}, model {list(v.shape)}"
+        for k, v in dest.items()
+        if k in saved and saved[k] != tuple(v.shape)
+    ]
     if problems:
         shown = "; ".join(problems[:3]) + (f"; ... ({len(problems)} in all)" if len(problems) > 3 else "")
         raise CheckpointMismatch(f"{step} holds a different model than its trainer state describes ({shown})", step)
@@ -164,8 +167,12 @@ def dataset_loss(model: Transformer, dataset: TokenDataset, *, batches: int, bat
     on one rank); fewer batches when the dataset is smaller (windows are never read twice)."""
     available = len(dataset) // batch_size
     if available < 1:
-        raise ConfigError([f"{dataset.path} holds {len(dataset)} windows of {dataset.seq_len + 1} tokens: fewer than "
-                           f"one batch of {batch_size}; lower --batch-size or --seq-len"])  # fmt: skip
+        raise ConfigError(
+            [
+                f"{dataset.path} holds {len(dataset)} windows of {dataset.seq_len + 1} tokens: fewer than "
+                f"one batch of {batch_size}; lower --batch-size or --seq-len"
+            ]
+        )
     batches = min(batches, available)
     loader = BatchLoader(
         dataset, ResumableSampler(len(dataset), shuffle=False), global_batch_size=batch_size, dp_rank=0, dp_size=1
@@ -200,19 +207,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = [tok.bos_id, *prompt]
     t0 = time.perf_counter()
     res = generate(
-        model, prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, eos_id=tok.eos_id,
-        vocab_limit=tok.vocab_size, seed=args.seed, use_cache=not args.no_cache,
-    )  # fmt: skip
+        model,
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        eos_id=tok.eos_id,
+        vocab_limit=tok.vocab_size,
+        seed=args.seed,
+        use_cache=not args.no_cache,
+    )
     seconds = time.perf_counter() - t0
     text = tok.decode(res.tokens)
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "text": text, "prompt_ids": prompt, "new_ids": res.tokens,
-                          "stop": res.stop, "seconds": seconds}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "prompt": args.prompt,
+                    "text": text,
+                    "prompt_ids": prompt,
+                    "new_ids": res.tokens,
+                    "stop": res.stop,
+                    "seconds": seconds,
+                }
+            )
+        )
     else:
         print(args.prompt + text, flush=True)
         rate = len(res.tokens) / seconds if seconds > 0 else 0.0
-        print(f"hpcdist: {len(res.tokens)} new tokens in {seconds:.2f}s ({rate:.1f} tokens/s), stopped at {res.stop}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"hpcdist: {len(res.tokens)} new tokens in {seconds:.2f}s ({rate:.1f} tokens/s), stopped at {res.stop}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -221,8 +246,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from hpcdist.atomic import atomic_write
 
     if is_hf_dir(args.checkpoint):  # its tokenizer, seq_len and batch sizes come from the run: a HF directory has none
-        raise CommandError(f"eval: {args.checkpoint} is a Hugging Face directory; give the hpcdist checkpoint it was "
-                           "exported from (or run lm-eval-harness on it: README)")  # fmt: skip
+        raise CommandError(
+            f"eval: {args.checkpoint} is a Hugging Face directory; give the hpcdist checkpoint it was "
+            "exported from (or run lm-eval-harness on it: README)"
+        )
     model, _, loaded = load_for_inference(args.checkpoint, device=args.device)
     cfg = loaded.config
     assert cfg is not None  # a hpcdist checkpoint records the config that trained it
@@ -232,12 +259,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise CommandError(f"eval: --seq-len {seq_len} exceeds the model's max_seq_len={model.args.max_seq_len}")
     dataset = TokenDataset(args.data, seq_len, key="--data")  # every shard checked before the first batch
     res = dataset_loss(
-        model, dataset, batches=args.batches or cfg.train.eval_batches,
+        model,
+        dataset,
+        batches=args.batches or cfg.train.eval_batches,
         batch_size=args.batch_size or cfg.train.global_batch_size,
-    )  # fmt: skip
+    )
     out = {"checkpoint": str(loaded.checkpoint), "data": str(args.data), "seq_len": seq_len, **res.to_dict()}
-    print(f"eval {loaded.checkpoint} on {args.data}: loss {res.loss:.4f}, perplexity {res.perplexity:.2f} "
-          f"({res.batches} batches, {res.tokens:,} tokens)")  # fmt: skip
+    print(
+        f"eval {loaded.checkpoint} on {args.data}: loss {res.loss:.4f}, perplexity {res.perplexity:.2f} "
+        f"({res.batches} batches, {res.tokens:,} tokens)"
+    )
     if args.json:
         atomic_write(args.json, json.dumps(out, indent=2) + "\n")
     return 0

@@ -69,23 +69,40 @@ def optimizer_builder(o: OptimConfig, total_steps: int) -> OptimizerBuilder:
     """The job's optimizer recipe (``o``: the config's ``optim`` section) as a builder a Strategy applies to its
     wrapped model."""
     return lambda model: build_optimizer(
-        model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
-        warmup_steps=o.warmup_steps, total_steps=total_steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
-    )  # fmt: skip
+        model,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        warmup_steps=o.warmup_steps,
+        total_steps=total_steps,
+        schedule=o.schedule,
+        min_lr_ratio=o.min_lr_ratio,
+    )
 
 
 def optim_hparams(optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, float]:
     """The hyper-parameters in force (after a resume: the checkpoint's), under their config names."""
     decay = optimizer.param_groups[0]  # param_groups: [decay, no_decay]
-    return {"optim.lr": float(scheduler.base_lrs[0]), "optim.beta1": float(decay["betas"][0]),
-            "optim.beta2": float(decay["betas"][1]), "optim.eps": float(decay["eps"]),
-            "optim.weight_decay": float(decay["weight_decay"])}  # fmt: skip
+    return {
+        "optim.lr": float(scheduler.base_lrs[0]),
+        "optim.beta1": float(decay["betas"][0]),
+        "optim.beta2": float(decay["betas"][1]),
+        "optim.eps": float(decay["eps"]),
+        "optim.weight_decay": float(decay["weight_decay"]),
+    }
 
 
 def set_optim_hparams(
-    optimizer: torch.optim.Optimizer, scheduler: Any, *, lr: float, beta1: float, beta2: float, eps: float,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
     weight_decay: float,
-) -> None:  # fmt: skip
+) -> None:
     """Replace the hyper-parameters a resumed optimizer took from its checkpoint (the moments are kept); the LR
     schedule continues at the same step with the new peak."""
     factor = scheduler.lr_lambdas[0](scheduler.last_epoch)

@@ -103,15 +103,18 @@ def train(
                 result.exit_code = job.after_stop(cfg, env, result.stop_reason)
             else:  # no scheduler to continue the run: 128 + the signal, never 0 (a wrapper would take it for done)
                 result.exit_code = result.stop_reason.exit_code(cfg.fault.requeue_signal)
-                log.info("stopped (%s) after a complete checkpoint; rerun with checkpoint.resume=auto to continue",
-                         result.stop_reason.name)  # fmt: skip
+                log.info(
+                    "stopped (%s) after a complete checkpoint; rerun with checkpoint.resume=auto to continue",
+                    result.stop_reason.name,
+                )
         return result
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         if stop_flag is not None:
             stop_flag.uninstall()
         if not isinstance(e, RunDirInUse):  # that run.dir is another run's: its failure log is not ours to write
-            failures.record_exception(cfg.run.dir, e, rank=env.rank, host=env.hostname,
-                                      step=trainer.step if trainer else None)  # fmt: skip
+            failures.record_exception(
+                cfg.run.dir, e, rank=env.rank, host=env.hostname, step=trainer.step if trainer else None
+            )
         if trainer is not None:
             trainer.goodput.flush()
         raise
@@ -124,12 +127,15 @@ def _save_failed(cfg: JobConfig, env: DistEnv, result: TrainResult) -> None:
     if not env.is_main:
         return
     resume = result.resume_point or "none: the next run starts from step 0"
-    cause = (f"the checkpoint at step {result.save_failed} failed (see the errors above; disk full?): the resume point "
-             f"is {resume}")  # fmt: skip
+    cause = (
+        f"the checkpoint at step {result.save_failed} failed (see the errors above; disk full?): the resume point "
+        f"is {resume}"
+    )
     log.error("%s; free space in %s and run again to continue from there", cause, cfg.checkpoint_dir)
     try:
-        failures.record(cfg.run.dir, kind="checkpoint", cause=cause, rank=env.rank, host=env.hostname,
-                        step=result.save_failed)  # fmt: skip
+        failures.record(
+            cfg.run.dir, kind="checkpoint", cause=cause, rank=env.rank, host=env.hostname, step=result.save_failed
+        )
     except OSError as e:  # the same full disk, most likely
         log.error("could not record the failure in %s: %s", cfg.run.dir, e)
 
@@ -178,17 +184,24 @@ def main(
     finally:
         stop_flag.uninstall()
     if env.is_main and result.save_failed is not None:
-        print(f"hpcdist: step {result.step} of {cfg.train.steps} trained, but its checkpoint FAILED (see the errors "
-              f"above): the resume point is {result.resume_point or 'none (step 0)'}; free space in "
-              f"{cfg.checkpoint_dir} and run the same command again (exit {EXIT_IO})", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"hpcdist: step {result.step} of {cfg.train.steps} trained, but its checkpoint FAILED (see the errors "
+            f"above): the resume point is {result.resume_point or 'none (step 0)'}; free space in "
+            f"{cfg.checkpoint_dir} and run the same command again (exit {EXIT_IO})",
+            file=sys.stderr,
+            flush=True,
+        )
     elif env.is_main and result.stop_reason != StopReason.NONE and result.step < cfg.train.steps:
         ckpt = step_dir(cfg.checkpoint_dir, result.step)
         saved = "complete" if (ckpt / MARKER).is_file() else "NOT saved (see the errors above)"
-        print(f"stopped early by {result.stop_reason.signal_name}: step {result.step} of {cfg.train.steps}, "
-              f"checkpoint {ckpt} {saved}; run the same command again to continue")  # fmt: skip
+        print(
+            f"stopped early by {result.stop_reason.signal_name}: step {result.step} of {cfg.train.steps}, "
+            f"checkpoint {ckpt} {saved}; run the same command again to continue"
+        )
     elif env.is_main and result.losses:
         first, last = min(result.losses), max(result.losses)
-        print(f"done: step {result.step}, loss {result.losses[first]:.4f} (step {first}) -> "
-              f"{result.losses[last]:.4f} (step {last}); run dir {cfg.run.dir}")  # fmt: skip
+        print(
+            f"done: step {result.step}, loss {result.losses[first]:.4f} (step {first}) -> "
+            f"{result.losses[last]:.4f} (step {last}); run dir {cfg.run.dir}"
+        )
     return result

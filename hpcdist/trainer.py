@@ -100,14 +100,18 @@ class Trainer:
         train_ds, self.val_ds = build_datasets(cfg, is_main=env.is_main)
         self.sampler = make_sampler(train_ds, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         loader = BatchLoader(
-            train_ds, self.sampler, global_batch_size=cfg.train.global_batch_size, dp_rank=self.dp_rank,
+            train_ds,
+            self.sampler,
+            global_batch_size=cfg.train.global_batch_size,
+            dp_rank=self.dp_rank,
             dp_size=self.dims.dp,
-        )  # fmt: skip
+        )
         # the next batches are built while this step computes; pinned on CUDA for the strategy's non-blocking copy
         self.loader: BatchLoader | PrefetchLoader = (
             PrefetchLoader(loader, depth=cfg.data.prefetch, pin_memory=env.device == "cuda")
-            if cfg.data.prefetch else loader
-        )  # fmt: skip
+            if cfg.data.prefetch
+            else loader
+        )
 
         args = cfg.model_args()
         model = build_model(args, device="meta")
@@ -115,23 +119,37 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(args, cfg.data.seq_len)
         self.ckpt = CheckpointManager(
-            cfg.checkpoint_dir, rank=env.rank, world_size=env.world_size, keep_last=cfg.checkpoint.keep_last,
-            async_save=cfg.checkpoint.async_save, verify=cfg.checkpoint.verify,
+            cfg.checkpoint_dir,
+            rank=env.rank,
+            world_size=env.world_size,
+            keep_last=cfg.checkpoint.keep_last,
+            async_save=cfg.checkpoint.async_save,
+            verify=cfg.checkpoint.verify,
             trusted_owners=cfg.checkpoint.trusted_owners,
             write_threads=cfg.checkpoint.write_threads or _auto_write_threads(env.local_world_size),
-            every_steps=cfg.checkpoint.every_steps, every_minutes=cfg.checkpoint.every_minutes,
-            save_final=cfg.checkpoint.save_final, total_steps=cfg.train.steps,
-        )  # fmt: skip
+            every_steps=cfg.checkpoint.every_steps,
+            every_minutes=cfg.checkpoint.every_minutes,
+            save_final=cfg.checkpoint.save_final,
+            total_steps=cfg.train.steps,
+        )
         self.evaluator = Evaluator(
-            self.val_ds, every_steps=cfg.train.eval_every_steps, batches=cfg.train.eval_batches,
-            global_batch_size=cfg.train.global_batch_size, seed=cfg.run.seed, dp_rank=self.dp_rank,
+            self.val_ds,
+            every_steps=cfg.train.eval_every_steps,
+            batches=cfg.train.eval_batches,
+            global_batch_size=cfg.train.global_batch_size,
+            seed=cfg.run.seed,
+            dp_rank=self.dp_rank,
             dp_size=self.dims.dp,
-        )  # fmt: skip
+        )
         log.info(
             "model %s params (%.1fM), %s on %d rank(s), grad accum %d, %.3g FLOPs/token",
-            f"{num_params(args):,}", num_params(args) / 1e6, cfg.parallel.strategy, env.world_size,
-            self.strategy.grad_accum, self.flops_per_token,
-        )  # fmt: skip
+            f"{num_params(args):,}",
+            num_params(args) / 1e6,
+            cfg.parallel.strategy,
+            env.world_size,
+            self.strategy.grad_accum,
+            self.flops_per_token,
+        )
         log.info("layout: %s", describe_layout(cfg, self.dims))
         # rank 0 accounts the run's wall time (training, checkpoints, restarts) across attempts in goodput.json
         self.goodput = Goodput(self.run_dir, enabled=env.is_main)
@@ -147,20 +165,35 @@ class Trainer:
             rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal, job=env.job
         )
         self.watchdog = HangWatchdog(
-            rank=env.rank, world_size=env.world_size, host=env.hostname, run_dir=self.run_dir,
-            timeout_s=f.watchdog_timeout_s, slow_phase_s=f.watchdog_slow_phase_s, on_fire=self.goodput.flush,
-        )  # fmt: skip
+            rank=env.rank,
+            world_size=env.world_size,
+            host=env.hostname,
+            run_dir=self.run_dir,
+            timeout_s=f.watchdog_timeout_s,
+            slow_phase_s=f.watchdog_slow_phase_s,
+            on_fire=self.goodput.flush,
+        )
         self.nonfinite = NonFiniteGuard(
-            mode=cfg.train.nonfinite, max_skips=cfg.train.max_nonfinite_skips, device=env.torch_device(),
+            mode=cfg.train.nonfinite,
+            max_skips=cfg.train.max_nonfinite_skips,
+            device=env.torch_device(),
             last_checkpoint=self.resumed_from,
-        )  # fmt: skip
+        )
         # the loop's one observability collaborator: log line, sinks, Prometheus, profiler, evaluation, stragglers,
         # goodput and the run summary
         self.observer = Observer(
-            cfg, env, strategy=self.strategy, evaluator=self.evaluator, goodput=self.goodput, watchdog=self.watchdog,
-            nonfinite=self.nonfinite, hosts=self.hosts, flops_per_token=self.flops_per_token,
-            resumed_step=self.step if self.resumed_from else None, restarts=env.job.restart_count,
-        )  # fmt: skip
+            cfg,
+            env,
+            strategy=self.strategy,
+            evaluator=self.evaluator,
+            goodput=self.goodput,
+            watchdog=self.watchdog,
+            nonfinite=self.nonfinite,
+            hosts=self.hosts,
+            flops_per_token=self.flops_per_token,
+            resumed_step=self.step if self.resumed_from else None,
+            restarts=env.job.restart_count,
+        )
 
     def _record_layout(self) -> None:
         """Which host runs which rank, logged once and kept in <run.dir>/ranks.json (debugging slow or dead nodes)."""
@@ -219,17 +252,33 @@ class Trainer:
         """The optimizer state loaded from a checkpoint carries the old run's lr, betas, eps and weight decay; the
         config's apply instead (a lower optim.lr after a loss spike is why people restart), said once."""
         o = self.cfg.optim
-        want = {"optim.lr": o.lr, "optim.beta1": o.beta1, "optim.beta2": o.beta2, "optim.eps": o.eps,
-                "optim.weight_decay": o.weight_decay}  # fmt: skip
+        want = {
+            "optim.lr": o.lr,
+            "optim.beta1": o.beta1,
+            "optim.beta2": o.beta2,
+            "optim.eps": o.eps,
+            "optim.weight_decay": o.weight_decay,
+        }
         have = optim_hparams(self.strategy.optimizer, self.strategy.scheduler)
         if all(have[k] == float(v) for k, v in want.items()):
             return
-        set_optim_hparams(self.strategy.optimizer, self.strategy.scheduler, lr=o.lr, beta1=o.beta1, beta2=o.beta2,
-                          eps=o.eps, weight_decay=o.weight_decay)  # fmt: skip
+        set_optim_hparams(
+            self.strategy.optimizer,
+            self.strategy.scheduler,
+            lr=o.lr,
+            beta1=o.beta1,
+            beta2=o.beta2,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
         old = {k: _dotted(saved, k) for k in want} if saved else have
         changed = [f"{k} {old[k]:g} -> {float(v):g}" for k, v in want.items() if old.get(k) != float(v)]
-        log.warning("resumed with a changed optimizer: %s (the config's values apply from step %d; the checkpoint's "
-                    "Adam moments are kept)", ", ".join(changed) or "hyper-parameters", self.step + 1)  # fmt: skip
+        log.warning(
+            "resumed with a changed optimizer: %s (the config's values apply from step %d; the checkpoint's "
+            "Adam moments are kept)",
+            ", ".join(changed) or "hyper-parameters",
+            self.step + 1,
+        )
 
     def _lock_run_dir(self) -> None:
         """Rank 0 takes run.dir's lock; every rank raises the same RunDirInUse when another run holds it."""
@@ -251,8 +300,9 @@ class Trainer:
         except CheckpointMismatch as e:
             changes = _config_changes(e.path, self.cfg)
             if not changes and e.what == "data":
-                changes = (f"; no data.* setting changed, so the prepared data in {self.cfg.data.path} did (prepared "
-                           "again?)")  # fmt: skip
+                changes = (
+                    f"; no data.* setting changed, so the prepared data in {self.cfg.data.path} did (prepared again?)"
+                )
             raise CheckpointMismatch(f"{e}{changes}", path=e.path, what=e.what) from None
         if self.cfg.checkpoint.resume == "none":
             log.info("starting fresh (checkpoint.resume=none)")
@@ -311,9 +361,13 @@ class Trainer:
             self.stop_flag.close()
         self.watchdog.stop()
         self.observer.finish(
-            step=self.step, tokens_seen=self.tokens_seen, losses=result.losses, eval_losses=result.eval_losses,
-            stop_reason=result.stop_reason.name if result.stop_reason else None, save_failed=result.save_failed,
-        )  # fmt: skip
+            step=self.step,
+            tokens_seen=self.tokens_seen,
+            losses=result.losses,
+            eval_losses=result.eval_losses,
+            stop_reason=result.stop_reason.name if result.stop_reason else None,
+            save_failed=result.save_failed,
+        )
         self.run_lock.release()  # after the last checkpoint is complete (the loop waited for it)
         result.step = self.step
         return result
@@ -331,8 +385,17 @@ class Trainer:
             self.step += 1
             self.nonfinite.after_step(self.step, grad_norm, skipped=self.strategy.last_step_skipped)
             self.tokens_seen += self.tokens_per_step
-            seen = obs.step(StepRecord(step=self.step, last=end, loss=loss, grad_norm=grad_norm, data_s=data_s,
-                                       step_s=time.perf_counter() - t0, tokens_seen=self.tokens_seen))  # fmt: skip
+            seen = obs.step(
+                StepRecord(
+                    step=self.step,
+                    last=end,
+                    loss=loss,
+                    grad_norm=grad_norm,
+                    data_s=data_s,
+                    step_s=time.perf_counter() - t0,
+                    tokens_seen=self.tokens_seen,
+                )
+            )
             result.record(self.step, seen.loss, seen.eval_loss)
             with phase(self.step, "stop agreement (MAX all-reduce)"):
                 # async two-int all-reduce: every rank leaves after the same step, and saves after the same step
@@ -340,8 +403,9 @@ class Trainer:
                 stop = self.stop_flag.agreed(request_save=self.ckpt.timed_save_due(self.step))
             if stop:
                 log.info("stop requested (%s) at step %d: saving a checkpoint", stop.name, self.step)
-            if self.ckpt.should_save(self.step, last_step=self.step >= end, stop_requested=bool(stop),
-                                     timed=self.stop_flag.save_requested):  # fmt: skip
+            if self.ckpt.should_save(
+                self.step, last_step=self.step >= end, stop_requested=bool(stop), timed=self.stop_flag.save_requested
+            ):
                 self.save()
             obs.end_step(self.step)
             if stop:
@@ -378,17 +442,25 @@ def _config_changes(path: Path | None, cfg: JobConfig) -> str:
     now = dataclasses.asdict(cfg)
     keys = [(section, k) for section in ("model", "parallel", "data") for k in sorted(saved.get(section) or {})]
     keys.append(("run", "seed"))  # the sample order's seed
-    changed = [f"{section}.{k}={saved[section][k]!r} (now {now[section].get(k)!r})" for section, k in keys
-               if isinstance(saved.get(section), dict) and k in saved[section]
-               and now[section].get(k) != saved[section][k]]  # fmt: skip
+    changed = [
+        f"{section}.{k}={saved[section][k]!r} (now {now[section].get(k)!r})"
+        for section, k in keys
+        if isinstance(saved.get(section), dict) and k in saved[section] and now[section].get(k) != saved[section][k]
+    ]
     return f"; it was saved with {', '.join(changed)}" if changed else ""
 
 
 def _describe_diff(diff: dict[str, list[str]]) -> str:
-    kinds = (("missing", "not in it, kept their initialization"), ("unexpected", "in it, not in this model, ignored"),
-             ("shape", "of another shape, kept their initialization"))  # fmt: skip
-    parts = [f"{len(diff[k])} {what}: {', '.join(diff[k][:4])}{' ...' if len(diff[k]) > 4 else ''}"
-             for k, what in kinds if diff[k]]  # fmt: skip
+    kinds = (
+        ("missing", "not in it, kept their initialization"),
+        ("unexpected", "in it, not in this model, ignored"),
+        ("shape", "of another shape, kept their initialization"),
+    )
+    parts = [
+        f"{len(diff[k])} {what}: {', '.join(diff[k][:4])}{' ...' if len(diff[k]) > 4 else ''}"
+        for k, what in kinds
+        if diff[k]
+    ]
     return "; ".join(parts) if parts else "every weight matched"
 
 

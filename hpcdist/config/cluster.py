@@ -44,13 +44,29 @@ log = logging.getLogger(__name__)
 EXECUTORS = ("auto", "slurm", "local")
 # sbatch flags a ClusterConfig field (or submitit itself) controls: --sbatch-arg must not set them twice.
 _FIELD_FLAGS = {
-    "nodes": "nodes", "ntasks-per-node": "gpus_per_node / tasks_per_node", "ntasks": "nodes x tasks_per_node",
-    "gpus-per-node": "gpus_per_node", "cpus-per-task": "cpus_per_task", "mem": "mem", "time": "time",
-    "partition": "partition", "account": "account", "qos": "qos", "constraint": "constraint",
-    "exclude": "exclude", "job-name": "job_name", "exclusive": "exclusive", "signal": "signal / signal_lead_s",
-    "requeue": "(always set)", "no-requeue": "(--requeue is always set)", "output": "log_dir", "error": "log_dir",
-    "open-mode": "(submitit sets append)", "array": "(one job per submit)", "wrap": "(submitit writes the script)",
-}  # fmt: skip
+    "nodes": "nodes",
+    "ntasks-per-node": "gpus_per_node / tasks_per_node",
+    "ntasks": "nodes x tasks_per_node",
+    "gpus-per-node": "gpus_per_node",
+    "cpus-per-task": "cpus_per_task",
+    "mem": "mem",
+    "time": "time",
+    "partition": "partition",
+    "account": "account",
+    "qos": "qos",
+    "constraint": "constraint",
+    "exclude": "exclude",
+    "job-name": "job_name",
+    "exclusive": "exclusive",
+    "signal": "signal / signal_lead_s",
+    "requeue": "(always set)",
+    "no-requeue": "(--requeue is always set)",
+    "output": "log_dir",
+    "error": "log_dir",
+    "open-mode": "(submitit sets append)",
+    "array": "(one job per submit)",
+    "wrap": "(submitit writes the script)",
+}
 _FLAG = re.compile(r"--([A-Za-z][A-Za-z0-9-]*)(?:=(.*))?", re.DOTALL)
 _MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
 _TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")

@@ -234,8 +234,9 @@ def _validate(path: Path, doc: dict[str, Any]) -> tuple[DatasetMeta | None, list
     per = doc.get("shard_tokens")  # prepare's shards all hold shard_tokens but the last (a count edit shows here)
     full = _int(per, 1, MAX_SHARD_TOKENS) and shards and all(s.tokens == per for s in shards[:-1])
     if _int(per, 1, MAX_SHARD_TOKENS) and shards and not (full and shards[-1].tokens <= per):
-        problems.append(f"the shards' token counts do not match shard_tokens={per} (every shard holds that many but "
-                        "the last)")  # fmt: skip
+        problems.append(
+            f"the shards' token counts do not match shard_tokens={per} (every shard holds that many but the last)"
+        )
     num = doc.get("num_tokens")
     total = sum(s.tokens for s in shards)
     if not problems and num != total:
@@ -251,12 +252,20 @@ def load_meta(path: str | os.PathLike[str], *, key: str = "data.path") -> Datase
     doc, why = read_meta_json(Path(path).expanduser())
     if doc is None:
         why = "no complete meta.json" if why == "no meta.json" else why
-        raise DataError([f"{key} {path}: no prepared dataset there ({why}); make it with `hpcdist prepare INPUT... "
-                         f"--tokenizer SPEC --out {path}`"])  # fmt: skip
+        raise DataError(
+            [
+                f"{key} {path}: no prepared dataset there ({why}); make it with `hpcdist prepare INPUT... "
+                f"--tokenizer SPEC --out {path}`"
+            ]
+        )
     meta, problems = _validate(Path(path).expanduser(), doc)
     if meta is None:
-        raise DataError([f"{key} {path}: {META_NAME}: {'; '.join(problems)}: the file was edited or damaged; prepare "
-                         f"the dataset again (hpcdist prepare ... --overwrite --out {path})"])  # fmt: skip
+        raise DataError(
+            [
+                f"{key} {path}: {META_NAME}: {'; '.join(problems)}: the file was edited or damaged; prepare "
+                f"the dataset again (hpcdist prepare ... --overwrite --out {path})"
+            ]
+        )
     return meta
 
 
@@ -268,20 +277,37 @@ def check_shard_files(meta: DatasetMeta, *, key: str = "data.path") -> None:
         try:
             st = os.lstat(file)
         except OSError as e:
-            raise DataError([f"{key} {file}: {e.strerror or e} (meta.json lists it); the dataset is incomplete: "
-                             f"prepare it again (hpcdist prepare ... --out {meta.path})"]) from None  # fmt: skip
+            raise DataError(
+                [
+                    f"{key} {file}: {e.strerror or e} (meta.json lists it); the dataset is incomplete: "
+                    f"prepare it again (hpcdist prepare ... --out {meta.path})"
+                ]
+            ) from None
         if not stat.S_ISREG(st.st_mode):
-            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) \
-                else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file"  # fmt: skip
-            raise DataError([f"{key} {file} is {kind}: a shard must be a regular file in the dataset directory "
-                             "(links are not followed)"])  # fmt: skip
+            kind = (
+                "a symbolic link"
+                if stat.S_ISLNK(st.st_mode)
+                else "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "not a regular file"
+            )
+            raise DataError(
+                [
+                    f"{key} {file} is {kind}: a shard must be a regular file in the dataset directory "
+                    "(links are not followed)"
+                ]
+            )
         want = s.tokens * meta.itemsize
         if st.st_size != want:
-            raise DataError([
-                f"{key} {file} holds {st.st_size:,} bytes, but meta.json says {s.tokens:,} {meta.dtype} tokens "
-                f"({want:,} bytes): the shard was truncated, grown or replaced; prepare the dataset again "
-                f"(hpcdist prepare ... --out {meta.path})"
-            ])  # fmt: skip
+            raise DataError(
+                [
+                    f"{key} {file} holds {st.st_size:,} bytes, but meta.json says {s.tokens:,} {meta.dtype} tokens "
+                    f"({want:,} bytes): the shard was truncated, grown or replaced; prepare the dataset again "
+                    f"(hpcdist prepare ... --out {meta.path})"
+                ]
+            )
 
 
 def withdraw_meta(out_dir: Path) -> None:

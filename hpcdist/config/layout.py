@@ -254,8 +254,9 @@ class LayoutDegrees:
 
     @property
     def kind(self) -> LayoutKind:
-        return LayoutKind.of(pp=self.pp, dp=self.dp, tp=self.tp, dp_replicate=self.dp_replicate,
-                             zero_stage=self.zero_stage)  # fmt: skip
+        return LayoutKind.of(
+            pp=self.pp, dp=self.dp, tp=self.tp, dp_replicate=self.dp_replicate, zero_stage=self.zero_stage
+        )
 
     def describe(self, *notes: str) -> str:
         """The one description of a layout: ``ddp x 4 ranks``, ``fsdp x 8 ranks``, ``hsdp 2 x 4`` (replicas x

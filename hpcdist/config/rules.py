@@ -178,24 +178,34 @@ def _path_problem(key: str, value: str) -> str | None:
     longest = max(raw.split(b"/"), key=len)
     if len(longest) > _NAME_MAX:
         name = echo(os.fsdecode(longest))
-        return (f"{key}: the name {name} is {len(longest)} bytes long; file systems allow {_NAME_MAX} per name: "
-                f"choose a shorter {key}")  # fmt: skip
+        return (
+            f"{key}: the name {name} is {len(longest)} bytes long; file systems allow {_NAME_MAX} per name: "
+            f"choose a shorter {key}"
+        )
     return None
 
 
 def _paths(cfg: JobConfig) -> tuple[list[str], set[str]]:
     """Problems of every path-valued key, and the keys that have one (the disk checks skip those)."""
     c = cfg.checkpoint
-    keys = {"run.dir": cfg.run.dir, "data.path": cfg.data.path, "checkpoint.dir": c.dir,
-            "checkpoint.init_from": c.init_from, "fault.exclude_nodes_file": cfg.fault.exclude_nodes_file,
-            "train.eval_data": cfg.train.eval_data,
-            "checkpoint.resume": None if c.resume in ("auto", "none") else c.resume}  # fmt: skip
+    keys = {
+        "run.dir": cfg.run.dir,
+        "data.path": cfg.data.path,
+        "checkpoint.dir": c.dir,
+        "checkpoint.init_from": c.init_from,
+        "fault.exclude_nodes_file": cfg.fault.exclude_nodes_file,
+        "train.eval_data": cfg.train.eval_data,
+        "checkpoint.resume": None if c.resume in ("auto", "none") else c.resume,
+    }
     out, bad = [], set()
     for key, value in keys.items():
         problem = _path_problem(key, value) if value is not None else None
         if problem is not None and not value.strip():  # say what the key takes
-            problem = {"run.dir": None, "checkpoint.resume": "checkpoint.resume: empty; use auto, none, or the path "
-                       "of a step-XXXXXXXX checkpoint"}.get(key, problem)  # fmt: skip
+            problem = {
+                "run.dir": None,
+                "checkpoint.resume": "checkpoint.resume: empty; use auto, none, or the path "
+                "of a step-XXXXXXXX checkpoint",
+            }.get(key, problem)
             bad.add(key)  # run.dir: its own rule below says it
         if problem:
             out.append(problem)
@@ -208,8 +218,10 @@ def _requeue_signal(text: str) -> list[str]:
     if sig is None:
         return [f"fault.requeue_signal: {echo(text)} is not a signal name; use e.g. USR2, USR1"]
     if sig in _NOT_REQUEUE_SIGNALS:
-        return [f"fault.requeue_signal: {sig.name} {_NOT_REQUEUE_SIGNALS[sig]}; use USR1 or USR2 (and sbatch "
-                f"--signal=USR2@<seconds>)"]  # fmt: skip
+        return [
+            f"fault.requeue_signal: {sig.name} {_NOT_REQUEUE_SIGNALS[sig]}; use USR1 or USR2 (and sbatch "
+            f"--signal=USR2@<seconds>)"
+        ]
     return []
 
 
@@ -220,9 +232,11 @@ def _watchdog(f: Any) -> list[str]:
         if not math.isfinite(v) or v < 0:
             out.append(f"fault.{key}: must be >= 0 (0 disables the watchdog), got {v}")
         elif 0 < v < MIN_WATCHDOG_S:
-            out.append(f"fault.{key}: must be 0 (off) or at least {MIN_WATCHDOG_S:g} s: a shorter allowance declares "
-                       f"a normal step or checkpoint save a hang; got {v:g} (the default is 90 s for the timeout, "
-                       "900 s for slow phases)")  # fmt: skip
+            out.append(
+                f"fault.{key}: must be 0 (off) or at least {MIN_WATCHDOG_S:g} s: a shorter allowance declares "
+                f"a normal step or checkpoint save a hang; got {v:g} (the default is 90 s for the timeout, "
+                "900 s for slow phases)"
+            )
     return out
 
 
@@ -246,9 +260,11 @@ def _data_volume(cfg: JobConfig) -> list[str]:
         return []
     need = next((w for w in range(1, 10_000) if left_to_train(w) >= 1), None)
     fix = f"set data.max_tokens >= {need * window}" if need else "lower data.val_fraction"
-    return [f"data.max_tokens ({d.max_tokens}) holds {d.max_tokens // window} samples of data.seq_len + 1 = {window} "
-            f"tokens: none left to train on after the validation split (data.val_fraction={d.val_fraction:g}); "
-            f"{fix} or lower data.seq_len"]  # fmt: skip
+    return [
+        f"data.max_tokens ({d.max_tokens}) holds {d.max_tokens // window} samples of data.seq_len + 1 = {window} "
+        f"tokens: none left to train on after the validation split (data.val_fraction={d.val_fraction:g}); "
+        f"{fix} or lower data.seq_len"
+    ]
 
 
 def _check_sources(cfg: JobConfig) -> list[str]:
@@ -293,10 +309,11 @@ def _trackers(cfg: JobConfig) -> list[str]:
             f"logging.prometheus.addr: {str(lg.prometheus.addr)[:80]!r} is not an IP address; 127.0.0.1 (this "
             "node only, the default) or 0.0.0.0 (every interface: anyone who reaches the node reads them)"
         )
-    wanted = [("logging.wandb.project", lg.wandb.project and lg.wandb.mode != "disabled", "wandb", "wandb"),
-              ("logging.mlflow.tracking_uri", lg.mlflow.tracking_uri, "mlflow", "mlflow"),
-              ("logging.prometheus", lg.prometheus.port or lg.prometheus.textfile, "prometheus_client",
-               "prometheus")]  # fmt: skip
+    wanted = [
+        ("logging.wandb.project", lg.wandb.project and lg.wandb.mode != "disabled", "wandb", "wandb"),
+        ("logging.mlflow.tracking_uri", lg.mlflow.tracking_uri, "mlflow", "mlflow"),
+        ("logging.prometheus", lg.prometheus.port or lg.prometheus.textfile, "prometheus_client", "prometheus"),
+    ]
     for key, on, module, extra in wanted:
         if on and importlib.util.find_spec(module) is None:
             p.append(f"{key}: needs the {module} package: pip install 'hpcdist[{extra}]' (or unset {key})")
@@ -343,8 +360,10 @@ def _check_data(cfg: JobConfig) -> list[str]:
     p += _choice("data.dtype", d.dtype, ("uint16", "uint32"))
     p += _positive_problems(cfg, ["data.seq_len", "data.max_tokens", "data.synthetic_samples"])
     if d.seq_len > cfg.model.max_seq_len > 0:
-        p.append(f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len}); lower one or raise "
-                 "the other")  # fmt: skip
+        p.append(
+            f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len}); lower one or raise "
+            "the other"
+        )
     if not 0.0 <= d.val_fraction < 1.0:
         p.append(f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")
     if d.prefetch < 0:
@@ -362,10 +381,16 @@ def _check_optim(cfg: JobConfig) -> list[str]:
     p += _positive_problems(cfg, ["optim.lr", "optim.eps"])
     p += _positive_problems(
         cfg,
-        ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "optim.min_lr_ratio", "optim.beta1",
-         "optim.beta2"],
+        [
+            "optim.warmup_steps",
+            "optim.weight_decay",
+            "optim.grad_clip",
+            "optim.min_lr_ratio",
+            "optim.beta1",
+            "optim.beta2",
+        ],
         allow_zero=True,
-    )  # fmt: skip
+    )
     for beta in ("beta1", "beta2"):
         if not getattr(o, beta) < 1:
             p.append(f"optim.{beta}: must be < 1, got {getattr(o, beta)}")
@@ -378,17 +403,22 @@ def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
     t = cfg.train
     p = _choice("train.nonfinite", t.nonfinite, ("stop", "skip"))
     if t.nonfinite == "skip" and kind is not None and kind.zero_stage:
-        p.append("train.nonfinite=skip: DeepSpeed applies the update before the norm is known; use "
-                 "train.nonfinite=stop with parallel.strategy=zero")  # fmt: skip
+        p.append(
+            "train.nonfinite=skip: DeepSpeed applies the update before the norm is known; use "
+            "train.nonfinite=stop with parallel.strategy=zero"
+        )
     if t.max_nonfinite_skips < 1:
         p.append(f"train.max_nonfinite_skips: must be >= 1, got {t.max_nonfinite_skips}")
     p += _choice("train.dtype", t.dtype, DTYPES)
-    p += _positive_problems(cfg, ["train.steps", "train.global_batch_size", "train.micro_batch_size",
-                                  "train.eval_batches"])  # fmt: skip
+    p += _positive_problems(
+        cfg, ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches"]
+    )
     p += _positive_problems(cfg, ["train.eval_every_steps"], allow_zero=True)
     if t.eval_every_steps and cfg.data.val_fraction == 0 and cfg.data.source != "synthetic" and not t.eval_data:
-        p.append("train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01) or "
-                 "train.eval_data to a prepared held-out dataset")  # fmt: skip
+        p.append(
+            "train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01) or "
+            "train.eval_data to a prepared held-out dataset"
+        )
     if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
         p.append(
             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
@@ -426,8 +456,9 @@ def _check_parallel(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
 def _check_checkpoint(cfg: JobConfig, kind: LayoutKind | None, bad_paths: set[str]) -> list[str]:
     c = cfg.checkpoint
     p = _positive_problems(cfg, ["checkpoint.keep_last"])
-    p += _positive_problems(cfg, ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.write_threads"],
-                            allow_zero=True)  # fmt: skip
+    p += _positive_problems(
+        cfg, ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.write_threads"], allow_zero=True
+    )
     if c.verify not in VERIFY_MODES:
         p.append(f"checkpoint.verify: {c.verify!r} is not one of {', '.join(VERIFY_MODES)}")
     if c.resume not in ("auto", "none") and "checkpoint.resume" not in bad_paths:
@@ -436,8 +467,10 @@ def _check_checkpoint(cfg: JobConfig, kind: LayoutKind | None, bad_paths: set[st
     if init is not None and "checkpoint.init_from" not in bad_paths:
         p += _hf_init(cfg, init) if hf_config.is_hf_dir(init) else _named_checkpoint("checkpoint.init_from", init, "")
     if init is not None and kind is LayoutKind.ZERO3:
-        p.append("checkpoint.init_from: parallel.zero.stage=3 cannot load weights from another run; start with "
-                 "parallel.zero.stage=1 or 2 (or fsdp), then resume that run's checkpoints with stage 3")  # fmt: skip
+        p.append(
+            "checkpoint.init_from: parallel.zero.stage=3 cannot load weights from another run; start with "
+            "parallel.zero.stage=1 or 2 (or fsdp), then resume that run's checkpoints with stage 3"
+        )
     return p
 
 
@@ -461,8 +494,9 @@ def _check_fault(cfg: JobConfig, bad_paths: set[str]) -> list[str]:
 def _check_logging(cfg: JobConfig) -> list[str]:
     log_ = cfg.logging
     p = _positive_problems(cfg, ["logging.every_steps", "logging.peak_flops"])
-    p += _positive_problems(cfg, ["logging.replica_check_every_steps", "logging.straggler_every_steps"],
-                            allow_zero=True)  # fmt: skip
+    p += _positive_problems(
+        cfg, ["logging.replica_check_every_steps", "logging.straggler_every_steps"], allow_zero=True
+    )
     if not (math.isfinite(log_.straggler_factor) and log_.straggler_factor > 1):
         p.append(f"logging.straggler_factor: must be > 1, got {log_.straggler_factor}")
     if log_.profile.steps < 0:
@@ -492,9 +526,11 @@ def _named_checkpoint(key: str, value: str, alternatives: str) -> list[str]:
     if not Path(value).is_dir():
         return [f"{key}: {echo(value)} is not {alternatives}an existing checkpoint directory (a step-XXXXXXXX)"]
     if not (Path(value) / CHECKPOINT_MARKER).is_file():
-        return [f"{key}: {echo(value)} is not a complete checkpoint (no {CHECKPOINT_MARKER} marker: another kind of "
-                "directory, an interrupted save or a damaged one); name a step-XXXXXXXX directory that holds "
-                f"{CHECKPOINT_MARKER}"]  # fmt: skip
+        return [
+            f"{key}: {echo(value)} is not a complete checkpoint (no {CHECKPOINT_MARKER} marker: another kind of "
+            "directory, an interrupted save or a damaged one); name a step-XXXXXXXX directory that holds "
+            f"{CHECKPOINT_MARKER}"
+        ]
     return []
 
 
@@ -510,8 +546,10 @@ def _no_comm_hook(par: ParallelConfig) -> str | None:
     if kind is None or kind is LayoutKind.DDP:
         return None
     if kind.zero_stage:
-        return ("DeepSpeed reduces gradients itself (its compressed optimizers, 1-bit Adam / 0/1 Adam, need the NCCL "
-                "or MPI backend)")  # fmt: skip
+        return (
+            "DeepSpeed reduces gradients itself (its compressed optimizers, 1-bit Adam / 0/1 Adam, need the NCCL "
+            "or MPI backend)"
+        )
     if kind is LayoutKind.THREE_D:
         return "FSDP reduce-scatters gradients on dp; its lever is parallel.fsdp.reduce_dtype=bf16"
     return "FSDP reduce-scatters gradients itself; its lever is parallel.fsdp.reduce_dtype=bf16"
@@ -527,8 +565,10 @@ def _check_comm_hook(cfg: JobConfig) -> list[str]:
     if s.rank < 1:
         p.append(f"parallel.ddp.powersgd.rank: must be >= 1, got {s.rank}")
     if (s.use_error_feedback or s.warm_start) and s.start_iter < 2:
-        p.append(f"parallel.ddp.powersgd.start_iter: must be >= 2 with use_error_feedback or warm_start (DDP "
-                 f"rebuilds its buckets after the first step), got {s.start_iter}")  # fmt: skip
+        p.append(
+            f"parallel.ddp.powersgd.start_iter: must be >= 2 with use_error_feedback or warm_start (DDP "
+            f"rebuilds its buckets after the first step), got {s.start_iter}"
+        )
     elif s.start_iter < 0:
         p.append(f"parallel.ddp.powersgd.start_iter: must be >= 0, got {s.start_iter}")
     return p
@@ -558,13 +598,27 @@ def _layout_problems(cfg: JobConfig, *, world_size: int | None, ranks_per_node: 
         return []  # dp is the world size: nothing to check before the job has one
     pp, dp, tp, replicate, _ = layout.strategy_degrees(par, world_size or 1)
     p = layout.layout_problems(
-        pp=pp, dp=dp, tp=tp, world_size=world_size, dp_replicate=replicate,
-        n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.kv_heads, dim=m.dim, ffn_dim=m.ffn_dim,
-        seq_len=cfg.data.seq_len, tie_embeddings=m.tie_embeddings, schedule=par.pp_schedule,
-        stages_per_rank=par.pp_stages_per_rank, global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size, ranks_per_node=ranks_per_node, tp_across_nodes=par.tp_across_nodes,
-        evaluates=t.eval_every_steps > 0, dp_name="parallel.dp" if reads_degrees else "the world size",
-    )  # fmt: skip
+        pp=pp,
+        dp=dp,
+        tp=tp,
+        world_size=world_size,
+        dp_replicate=replicate,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.kv_heads,
+        dim=m.dim,
+        ffn_dim=m.ffn_dim,
+        seq_len=cfg.data.seq_len,
+        tie_embeddings=m.tie_embeddings,
+        schedule=par.pp_schedule,
+        stages_per_rank=par.pp_stages_per_rank,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        ranks_per_node=ranks_per_node,
+        tp_across_nodes=par.tp_across_nodes,
+        evaluates=t.eval_every_steps > 0,
+        dp_name="parallel.dp" if reads_degrees else "the world size",
+    )
     if par.fsdp.cpu_offload and reads_degrees:
         p.append("parallel.fsdp.cpu_offload: not supported with parallel.strategy=3d; use parallel.strategy=fsdp")
     return p

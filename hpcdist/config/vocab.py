@@ -82,8 +82,10 @@ def check_same_tokenizer(cfg: JobConfig, key: str, path: str) -> list[str]:
     theirs = found.tokenizer_identity
     mine, where = data_tokenizer_identity(cfg)
     if mine is not None and theirs != mine:
-        return [f"{key}: {path} was prepared with {_describe_tokenizer(theirs, key)}, but the run trains on {where}: "
-                "prepare it again with the run's tokenizer (prepare --tokenizer <the run's data dir>)"]  # fmt: skip
+        return [
+            f"{key}: {path} was prepared with {_describe_tokenizer(theirs, key)}, but the run trains on {where}: "
+            "prepare it again with the run's tokenizer (prepare --tokenizer <the run's data dir>)"
+        ]
     vocab = found.vocab_size
     if isinstance(cfg.model.vocab_size, int) and vocab > cfg.model.vocab_size:
         return [f"{key}: {path} holds ids up to {vocab - 1}, past model.vocab_size={cfg.model.vocab_size}"]
@@ -141,8 +143,10 @@ def resolve_vocab(cfg: JobConfig) -> list[str]:
         return []
     if dataset_paths(cfg):
         path = where.split("=", 1)[1]
-        return [f"model.vocab_size: auto reads the vocabulary of the prepared data, but {where} holds no prepared "
-                f"dataset; {_prepare_hint(path)}, or give a number"]  # fmt: skip
+        return [
+            f"model.vocab_size: auto reads the vocabulary of the prepared data, but {where} holds no prepared "
+            f"dataset; {_prepare_hint(path)}, or give a number"
+        ]
     return [f"model.vocab_size: auto needs prepared data to read the vocabulary from ({where}); give a number"]
 
 
@@ -166,8 +170,10 @@ def check_data(cfg: JobConfig, *, strict: bool = True) -> list[str]:
         else:
             tokenizers[path] = json.dumps(found.tokenizer_identity, sort_keys=True)
     if len(set(tokenizers.values())) > 1:
-        problems.append(f"data.sources: prepared with different tokenizers ({', '.join(tokenizers)}): the same id "
-                        "would mean different text; prepare every source with one tokenizer")  # fmt: skip
+        problems.append(
+            f"data.sources: prepared with different tokenizers ({', '.join(tokenizers)}): the same id "
+            "would mean different text; prepare every source with one tokenizer"
+        )
     vocab, where = data_vocab(cfg)
     if vocab is not None and isinstance(m.vocab_size, int) and vocab > m.vocab_size:
         problems.append(

@@ -70,8 +70,9 @@ def _split_datasets(cfg: JobConfig, is_main: bool) -> tuple[Any, Any]:
     # the ids fit the embedding table: checked once, with this rank's other facts (hpcdist.rankfacts.rank_facts)
     train = TokenDataset(path, d.seq_len, split="train", val_fraction=d.val_fraction)
     val = TokenDataset(path, d.seq_len, split="val", val_fraction=d.val_fraction) if d.val_fraction else None
-    log.info("data: %s: %d train samples, %s tokenizer (vocab %d)", path, len(train), train.tokenizer_kind,
-             train.vocab_size)  # fmt: skip
+    log.info(
+        "data: %s: %d train samples, %s tokenizer (vocab %d)", path, len(train), train.tokenizer_kind, train.vocab_size
+    )
     return train, val
 
 
@@ -79,8 +80,9 @@ def _prepare_stdlib(cfg: JobConfig, path: Path) -> None:
     d = cfg.data
     t0 = time.perf_counter()
     # the run dir's own copy is replaced when data.dtype / max_tokens change; a user's data.path never is
-    prepare_shards(stdlib_corpus(), path, dtype=d.dtype, max_tokens=d.max_tokens, tokenizer=ByteTokenizer(),
-                   overwrite=not d.path)  # fmt: skip
+    prepare_shards(
+        stdlib_corpus(), path, dtype=d.dtype, max_tokens=d.max_tokens, tokenizer=ByteTokenizer(), overwrite=not d.path
+    )
     log.info("data: stdlib corpus ready in %s (%.1fs)", path, time.perf_counter() - t0)
 
 

@@ -36,17 +36,26 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         raise CommandError("prepare: no input files (give files/directories, check --glob, or pass --stdlib)")
     tok = load_tokenizer(args.tokenizer)
     res = prepare_corpus(
-        files, args.out, tokenizer=tok, text_field=args.text_field, shard_tokens=args.shard_tokens,
-        dtype=args.dtype, max_tokens=args.max_tokens, workers=args.workers, progress=sys.stderr,
+        files,
+        args.out,
+        tokenizer=tok,
+        text_field=args.text_field,
+        shard_tokens=args.shard_tokens,
+        dtype=args.dtype,
+        max_tokens=args.max_tokens,
+        workers=args.workers,
+        progress=sys.stderr,
         overwrite=args.overwrite,
-    )  # fmt: skip
+    )
     if res.up_to_date:
         print(f"prepared {len(files)} files into {res.path}: already up to date ({res.num_tokens:,} tokens)")
         return 0
     kept = f", {res.kept_shards} shards kept from an interrupted run" if res.kept_shards else ""
-    print(f"prepared {len(files)} files into {res.path}: {res.num_documents:,} documents, {res.num_tokens:,} tokens "
-          f"(tokenizer {tok.kind}, vocab {tok.vocab_size:,}){kept}; {res.mb_per_s:.2f} MB/s, "
-          f"{res.tokens_per_s:,.0f} tokens/s with {args.workers} workers")  # fmt: skip
+    print(
+        f"prepared {len(files)} files into {res.path}: {res.num_documents:,} documents, {res.num_tokens:,} tokens "
+        f"(tokenizer {tok.kind}, vocab {tok.vocab_size:,}){kept}; {res.mb_per_s:.2f} MB/s, "
+        f"{res.tokens_per_s:,.0f} tokens/s with {args.workers} workers"
+    )
     return 0
 
 
@@ -57,10 +66,18 @@ def _import_megatron(args: argparse.Namespace) -> int:
     if args.inputs or args.stdlib:
         raise CommandError("prepare: --megatron imports PREFIX.bin/.idx; give no other inputs")
     tok = load_tokenizer(args.tokenizer)
-    res = import_megatron(args.megatron, args.out, tokenizer=tok, shard_tokens=args.shard_tokens, dtype=args.dtype,
-                          overwrite=args.overwrite)  # fmt: skip
-    print(f"imported Megatron dataset {args.megatron} into {res.path}: {res.num_documents:,} documents, "
-          f"{res.num_tokens:,} tokens (tokenizer {tok.kind}, vocab {tok.vocab_size:,})")  # fmt: skip
+    res = import_megatron(
+        args.megatron,
+        args.out,
+        tokenizer=tok,
+        shard_tokens=args.shard_tokens,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+    )
+    print(
+        f"imported Megatron dataset {args.megatron} into {res.path}: {res.num_documents:,} documents, "
+        f"{res.num_tokens:,} tokens (tokenizer {tok.kind}, vocab {tok.vocab_size:,})"
+    )
     return 0
 
 
@@ -72,7 +89,9 @@ def cmd_tokenizer(args: argparse.Namespace) -> int:
     if not inputs:
         raise CommandError("tokenizer train: no input files (check --glob)")
     tok = train_bpe(inputs, vocab_size=args.vocab_size, out_dir=args.out, text_field=args.text_field)
-    print(f"trained a byte-level BPE of {tok.vocab_size:,} tokens on {len(inputs)} files into "
-          f"{args.out / 'tokenizer.json'} (EOS {tok.eos_id}); "
-          f"use it with: hpcdist prepare ... --tokenizer {args.out}")  # fmt: skip
+    print(
+        f"trained a byte-level BPE of {tok.vocab_size:,} tokens on {len(inputs)} files into "
+        f"{args.out / 'tokenizer.json'} (EOS {tok.eos_id}); "
+        f"use it with: hpcdist prepare ... --tokenizer {args.out}"
+    )
     return 0

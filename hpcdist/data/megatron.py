@@ -71,8 +71,13 @@ def import_megatron(
     if dtype not in DTYPES or tokenizer.vocab_size > np.iinfo(DTYPES[dtype]).max + 1:
         raise ValueError(f"dtype={dtype!r} cannot hold vocab_size={tokenizer.vocab_size}; use uint32")
     tok_info = describe(tokenizer)
-    header = {"format": FORMAT_VERSION, "megatron": True, "dtype": dtype, "shard_tokens": shard_tokens,
-              "tokenizer": tok_info}  # fmt: skip
+    header = {
+        "format": FORMAT_VERSION,
+        "megatron": True,
+        "dtype": dtype,
+        "shard_tokens": shard_tokens,
+        "tokenizer": tok_info,
+    }
     h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
     for p in (bin_path, idx_path):
         st = os.stat(p)
@@ -97,18 +102,34 @@ def import_megatron(
         low, high = int(chunk.min()), int(chunk.max())
         if low < 0 or high >= tokenizer.vocab_size:
             bad = high if high >= tokenizer.vocab_size else low
-            raise ValueError(f"{bin_path}: token id {bad} is outside the {tokenizer.kind} tokenizer's vocabulary "
-                             f"[0, {tokenizer.vocab_size}): is it the tokenizer that made this dataset?")  # fmt: skip
+            raise ValueError(
+                f"{bin_path}: token id {bad} is outside the {tokenizer.kind} tokenizer's vocabulary "
+                f"[0, {tokenizer.vocab_size}): is it the tokenizer that made this dataset?"
+            )
         name = SHARD_PATTERN.format(len(shards))
         data = chunk.astype(DTYPES[dtype]).tobytes()
         atomic_write(out_dir / name, data)
         shards.append({"name": name, "tokens": len(chunk), "sha256": hashlib.sha256(data).hexdigest(), "max_id": high})
     meta = {
-        "dtype": dtype, "vocab_size": int(tokenizer.vocab_size), "bos_id": tokenizer.bos_id,
-        "eos_id": int(tokenizer.eos_id), "shard_tokens": shard_tokens, "max_tokens": None, "num_tokens": len(tokens),
-        "num_documents": max(0, len(docs) - 1), "shards": shards, "tokenizer": tok_info,
-        "imported_from": {"megatron": os.fspath(prefix), "dtype": str(src)}, "fingerprint": fingerprint,
-    }  # fmt: skip
+        "dtype": dtype,
+        "vocab_size": int(tokenizer.vocab_size),
+        "bos_id": tokenizer.bos_id,
+        "eos_id": int(tokenizer.eos_id),
+        "shard_tokens": shard_tokens,
+        "max_tokens": None,
+        "num_tokens": len(tokens),
+        "num_documents": max(0, len(docs) - 1),
+        "shards": shards,
+        "tokenizer": tok_info,
+        "imported_from": {"megatron": os.fspath(prefix), "dtype": str(src)},
+        "fingerprint": fingerprint,
+    }
     write_meta(out_dir, meta)
-    return PrepareResult(out_dir, 1, meta["num_documents"], len(tokens), bytes_read=os.path.getsize(bin_path),
-                         seconds=time.perf_counter() - t0)  # fmt: skip
+    return PrepareResult(
+        out_dir,
+        1,
+        meta["num_documents"],
+        len(tokens),
+        bytes_read=os.path.getsize(bin_path),
+        seconds=time.perf_counter() - t0,
+    )

@@ -258,9 +258,11 @@ class TiktokenTokenizer:
             raise TokenizerError(f"{path}: not a tiktoken BPE file ({e})") from e
         self.eos_id = max(ranks.values()) + 1
         self._enc = tiktoken.Encoding(
-            name=self._file.stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+            name=self._file.stem,
+            pat_str=TIKTOKEN_PATTERN,
+            mergeable_ranks=ranks,
             special_tokens={"<|endoftext|>": self.eos_id},
-        )  # fmt: skip
+        )
         self.vocab_size = self.eos_id + 1
         self.bos_id = None
         self.pad_id = None
@@ -312,9 +314,16 @@ def byte_tokenizer_json() -> HFCoreTokenizer:
 def _fast_config(bos: str | None, eos: str | None, max_len: int, extra: dict[str, Any]) -> dict[str, Any]:
     # PreTrainedTokenizerFast follows tokenizer.json as it is: model_type llama would otherwise pick LlamaTokenizer,
     # which adds BOS and a prefix space that the data was never prepared with
-    return {**extra, "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-            "model_max_length": max_len}  # fmt: skip
+    return {
+        **extra,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+    }
 
 
 def _byte_hf(tok: Tokenizer, out: Path, max_len: int) -> HFForm:
@@ -344,8 +353,13 @@ def _hf_hf(tok: Tokenizer, out: Path, max_len: int) -> HFForm:
 def _sentencepiece_hf(tok: Tokenizer, out: Path, max_len: int) -> HFForm:
     # the .model copied as tokenizer.model: transformers' LlamaTokenizer loads it
     shutil.copyfile(tok.files()[0], out / "tokenizer.model")
-    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
-              "model_max_length": max_len, "legacy": False}  # fmt: skip
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": max_len,
+        "legacy": False,
+    }
     return config, {}
 
 
@@ -464,11 +478,15 @@ def recorded_tokenizer(dataset_dir: Path) -> Tokenizer | None:
     for file_name, digest in meta.tokenizer.get("files", {}).items():
         file = Path(dataset_dir) / TOKENIZER_DIR / file_name
         if "/" in file_name or file_name in ("", ".", "..") or not file.is_file() or file.is_symlink():
-            raise TokenizerError(f"{dataset_dir}: meta.json's tokenizer file {file_name!r} is not a regular file in "
-                                 f"{TOKENIZER_DIR}/ (links are not followed); prepare the dataset again")  # fmt: skip
+            raise TokenizerError(
+                f"{dataset_dir}: meta.json's tokenizer file {file_name!r} is not a regular file in "
+                f"{TOKENIZER_DIR}/ (links are not followed); prepare the dataset again"
+            )
         if file_sha256(file) != digest:
-            raise TokenizerError(f"{file}: not the tokenizer file the dataset was prepared with (sha256 differs from "
-                                 "meta.json's); restore it or prepare the dataset again")  # fmt: skip
+            raise TokenizerError(
+                f"{file}: not the tokenizer file the dataset was prepared with (sha256 differs from "
+                "meta.json's); restore it or prepare the dataset again"
+            )
         files.append(file)
     if not files and TOKENIZER_KINDS[name].has_files:
         raise TokenizerError(f"{dataset_dir}: meta.json records a {name} tokenizer but no tokenizer file")
@@ -513,9 +531,12 @@ def train_bpe(
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     docs = (_text(doc) for item in inputs for doc, _ in corpora.iter_documents(Path(item), text_field=text_field))
     tok.train_from_iterator(docs, trainer)
     out = Path(out_dir)

@@ -241,8 +241,10 @@ def verdict_text(verdict: Verdict) -> str:
 
 def _jsonable(obj: Any) -> Any:
     if isinstance(obj, dict):
-        return {(k if isinstance(k, str) else "->".join(map(str, k)) if isinstance(k, tuple) else str(k)): _jsonable(v)
-                for k, v in obj.items()}  # fmt: skip
+        return {
+            (k if isinstance(k, str) else "->".join(map(str, k)) if isinstance(k, tuple) else str(k)): _jsonable(v)
+            for k, v in obj.items()
+        }
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
     if hasattr(obj, "__dataclass_fields__"):

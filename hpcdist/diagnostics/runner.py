@@ -172,10 +172,14 @@ class _Run:
     def layout(self) -> dict[str, Any]:
         env = self.env
         return {
-            "world_size": env.world_size, "hosts": self.hosts, "backend": env.backend,
-            "device_kind": torch.device(env.device).type, "launcher": env.launcher, "job_id": env.job_id,
+            "world_size": env.world_size,
+            "hosts": self.hosts,
+            "backend": env.backend,
+            "device_kind": torch.device(env.device).type,
+            "launcher": env.launcher,
+            "job_id": env.job_id,
             "master": f"{env.master_addr}:{env.master_port}",
-        }  # fmt: skip
+        }
 
     def audit(self, joined: JoinResult) -> None:
         records = [r for r in joined.records if r]
@@ -277,8 +281,9 @@ class _Run:
             self.emit(report.health_text(results, self.hosts) + "\n#")
             for rank, r in enumerate(results):
                 if not r["ok"]:
-                    self.verdict.fail(f"device of rank {rank} ({self.hosts[rank]}) is broken: {r['error']}",
-                                      [self.hosts[rank]])  # fmt: skip
+                    self.verdict.fail(
+                        f"device of rank {rank} ({self.hosts[rank]}) is broken: {r['error']}", [self.hosts[rank]]
+                    )
 
     def scopes(self) -> list[tuple[str, dist.ProcessGroup, dict[str, list[int]]]]:
         members = self.members()
@@ -304,9 +309,17 @@ class _Run:
         for scope, group, groups in self.scopes():
             for op in opts.ops:
                 local = sweep_op(
-                    op, group, sizes, dtype=dtype, device=env.torch_device(), iters=opts.iters, warmup=opts.warmup,
-                    rank=env.rank, faults=self.faults, step=self.scoped(scope),
-                )  # fmt: skip
+                    op,
+                    group,
+                    sizes,
+                    dtype=dtype,
+                    device=env.torch_device(),
+                    iters=opts.iters,
+                    warmup=opts.warmup,
+                    rank=env.rank,
+                    faults=self.faults,
+                    step=self.scoped(scope),
+                )
                 per_rank = self.gather(f"{scope} {op}", local)
                 if self.main_rank:
                     self.table(op, scope, groups, per_rank, dtype)
@@ -321,10 +334,12 @@ class _Run:
         rows = next(iter(by_host.values())) if len(by_host) == 1 else _worst_rows(by_host)
         n = len(next(iter(groups.values())))
         describe = (
-            f"{n} ranks on {next(iter(groups))}" if len(groups) == 1 and scope == "intra-node"
-            else f"{len(groups)} nodes x {n} ranks, each node separately at once" if scope == "intra-node"
+            f"{n} ranks on {next(iter(groups))}"
+            if len(groups) == 1 and scope == "intra-node"
+            else f"{len(groups)} nodes x {n} ranks, each node separately at once"
+            if scope == "intra-node"
             else f"{self.env.world_size} ranks on {len(self.members())} hosts"
-        )  # fmt: skip
+        )
         table = {"op": op, "scope": scope, "describe": describe, "rows": rows, "by_host": by_host}
         self.doc["sweep"].append(table)
         self.emit(report.sweep_text(table) + "\n#")
@@ -345,9 +360,15 @@ class _Run:
         with self.step("finder setup"):
             dist.barrier(group=self.ctrl)
         local = finder.measure(
-            plan, rank=self.env.rank, nbytes=opts.finder_bytes, iters=opts.finder_iters, warmup=opts.finder_warmup,
-            device=self.env.torch_device(), faults=self.faults, step=self.step,
-        )  # fmt: skip
+            plan,
+            rank=self.env.rank,
+            nbytes=opts.finder_bytes,
+            iters=opts.finder_iters,
+            warmup=opts.finder_warmup,
+            device=self.env.torch_device(),
+            faults=self.faults,
+            step=self.step,
+        )
         per_rank = self.gather("finder", local)
         if not self.main_rank:
             return
@@ -358,12 +379,20 @@ class _Run:
         host_out, host_scores, ambiguous = finder.host_outliers(links, opts.slow_threshold)
         outliers = rank_out + host_out
         result = {
-            "bytes": nbytes, "iters": opts.finder_iters, "warmup": opts.finder_warmup,
-            "threshold": opts.slow_threshold, "hosts": self.hosts,
-            "rank_scores": {str(r): s for r, s in rank_scores.items()}, "rank_pairs": rank_pairs,
-            "host_scores": host_scores, "links": links, "outliers": outliers, "ambiguous": ambiguous,
-            "exclude": finder.exclude_flag([o.host for o in outliers]), "transfers": per_rank,
-        }  # fmt: skip
+            "bytes": nbytes,
+            "iters": opts.finder_iters,
+            "warmup": opts.finder_warmup,
+            "threshold": opts.slow_threshold,
+            "hosts": self.hosts,
+            "rank_scores": {str(r): s for r, s in rank_scores.items()},
+            "rank_pairs": rank_pairs,
+            "host_scores": host_scores,
+            "links": links,
+            "outliers": outliers,
+            "ambiguous": ambiguous,
+            "exclude": finder.exclude_flag([o.host for o in outliers]),
+            "transfers": per_rank,
+        }
         self.doc["finder"] = result
         self.emit(report.finder_text(result) + "\n#")
         for o in outliers:

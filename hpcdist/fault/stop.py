@@ -103,9 +103,13 @@ class StopFlag:
         for sig in release(ours):  # arrived during the imports and checks (hpcdist.signals.hold): act on them now
             self._on_signal(sig, None)
         if self.job.job_id:
-            log.info("%s job %s, restart %d; %s -> checkpoint + requeue, SIGTERM -> checkpoint + exit",
-                     (self.job.scheduler or "batch").upper(), self.job.job_id, self.job.restart_count,
-                     self.requeue_signal.name)  # fmt: skip
+            log.info(
+                "%s job %s, restart %d; %s -> checkpoint + requeue, SIGTERM -> checkpoint + exit",
+                (self.job.scheduler or "batch").upper(),
+                self.job.job_id,
+                self.job.restart_count,
+                self.requeue_signal.name,
+            )
         return self
 
     def uninstall(self) -> None:

@@ -14,11 +14,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     from hpcdist.hf.export import export, parse_shard_size
 
     max_shard = parse_shard_size(args.max_shard_size) if args.max_shard_size else None
-    res = export(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=max_shard,
-                 tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer)  # fmt: skip
+    res = export(
+        args.checkpoint,
+        args.out,
+        dtype=args.dtype,
+        max_shard_size=max_shard,
+        tokenizer=args.tokenizer,
+        with_tokenizer=not args.no_tokenizer,
+    )
     shards = sum(f.endswith(".safetensors") for f in res.files)
-    print(f"exported {res.checkpoint} to {res.out}: {res.total_bytes / 1e6:,.1f} MB of {args.dtype} weights in "
-          f"{shards} file(s), {', '.join(res.files)} ({res.seconds:.1f} s)")  # fmt: skip
+    print(
+        f"exported {res.checkpoint} to {res.out}: {res.total_bytes / 1e6:,.1f} MB of {args.dtype} weights in "
+        f"{shards} file(s), {', '.join(res.files)} ({res.seconds:.1f} s)"
+    )
     return 0
 
 

@@ -74,8 +74,10 @@ def _plan(args: ModelArgs, saved: dict, dtype: torch.dtype, max_shard: int | Non
     """FQNs of each output shard, in file order: a new shard starts when the next tensor would pass ``max_shard``."""
     missing = [f for f in fqn_names(args) if f not in saved]
     if missing:
-        raise ConversionError(f"the checkpoint lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: "
-                              "it does not hold the model its config describes")  # fmt: skip
+        raise ConversionError(
+            f"the checkpoint lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: "
+            "it does not hold the model its config describes"
+        )
     shards: list[list[str]] = [[]]
     size = 0
     elsize = torch.empty(0, dtype=dtype).element_size()
@@ -112,13 +114,18 @@ def export(
     args = run_model_args(config)
     tok = load_run_tokenizer(config, tokenizer) if with_tokenizer else None
     if tok is not None and tok.vocab_size > args.vocab_size:
-        raise ConversionError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary is model."
-                              f"vocab_size={args.vocab_size}: pass the --tokenizer it was trained with")  # fmt: skip
+        raise ConversionError(
+            f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary is model."
+            f"vocab_size={args.vocab_size}: pass the --tokenizer it was trained with"
+        )
     torch_dtype = DTYPES[dtype]
     saved = saved_shapes(step)
     shards = _plan(args, saved, torch_dtype, max_shard_size)
-    names = [SINGLE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                                               for i in range(1, len(shards) + 1)]  # fmt: skip
+    names = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

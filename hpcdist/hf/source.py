@@ -34,7 +34,7 @@ __all__ = [
     "run_config",
     "run_model_args",
     "saved_shapes",
-]  # fmt: skip
+]
 
 
 class ConversionError(ValueError):
@@ -51,8 +51,10 @@ def find_checkpoint(path: str | Path, *, key: str = "CHECKPOINT_DIR") -> Path:
     if not (path / MARKER).is_file():
         step = latest(path, warn=False) or latest(RunDir(path).checkpoints, warn=False)  # type: ignore[assignment]
         if step is None:
-            raise ConversionError(f"{key}: {path} holds no complete hpcdist checkpoint (a step-XXXXXXXX directory with "
-                                  f"{MARKER}, a checkpoints directory or a run directory)")  # fmt: skip
+            raise ConversionError(
+                f"{key}: {path} holds no complete hpcdist checkpoint (a step-XXXXXXXX directory with "
+                f"{MARKER}, a checkpoints directory or a run directory)"
+            )
     # sizes only: a sha256 pass would read the optimizer state too, several times the weights
     return CheckpointManager(step.parent, rank=0, world_size=1, verify="size").named(step, key)
 
@@ -78,19 +80,25 @@ def load_run_tokenizer(config: dict[str, Any], spec: str | None = None) -> Token
     if spec is not None:
         return load_tokenizer(spec)
     if "data" not in config:  # a checkpoint made by `hpcdist import`: the tokenizer stayed with the Hugging Face files
-        raise TokenizerError("the checkpoint records no data config, so no tokenizer: pass --tokenizer SPEC (byte, a "
-                             "tokenizer.json or its directory, the Hugging Face directory it came from)")  # fmt: skip
+        raise TokenizerError(
+            "the checkpoint records no data config, so no tokenizer: pass --tokenizer SPEC (byte, a "
+            "tokenizer.json or its directory, the Hugging Face directory it came from)"
+        )
     data = config["data"] or {}
     if data.get("source", "stdlib") == "stdlib":
         return load_tokenizer("byte")
     paths = [data.get("path")] if data.get("path") else [s.get("path") for s in data.get("sources") or []]
     if data.get("source") != "files" or not paths:
-        raise TokenizerError(f"the run's data (data.source={data.get('source')}) records no tokenizer: pass --"
-                             "tokenizer SPEC (byte, a tokenizer.json or its directory, prepared data)")  # fmt: skip
+        raise TokenizerError(
+            f"the run's data (data.source={data.get('source')}) records no tokenizer: pass --"
+            "tokenizer SPEC (byte, a tokenizer.json or its directory, prepared data)"
+        )
     found = recorded_tokenizer(Path(paths[0]))
     if found is None:
-        raise TokenizerError(f"the tokenizer of the run's data {paths[0]} is missing (no prepared dataset there any "
-                             "more): pass --tokenizer SPEC (byte, a tokenizer.json or its directory)")  # fmt: skip
+        raise TokenizerError(
+            f"the tokenizer of the run's data {paths[0]} is missing (no prepared dataset there any "
+            "more): pass --tokenizer SPEC (byte, a tokenizer.json or its directory)"
+        )
     return found
 
 
@@ -132,6 +140,8 @@ def load_fqn(step: Path, tensors: dict[str, torch.Tensor]) -> None:
 def saved_shapes(step: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """FQN -> (global shape, dtype) of every model tensor in the checkpoint, from its DCP metadata."""
     metadata = dcp.FileSystemReader(str(step)).read_metadata()
-    return {key[len("model.") :]: (tuple(meta.size), meta.properties.dtype)
-            for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and hasattr(meta, "size")}  # fmt: skip
+    return {
+        key[len("model.") :]: (tuple(meta.size), meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }

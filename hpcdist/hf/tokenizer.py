@@ -35,8 +35,10 @@ def export_tokenizer(tok: Tokenizer, out: Path, *, max_len: int) -> list[str]:
     """Write ``tok`` into the Hugging Face directory ``out``; the file names written."""
     kind = TOKENIZER_KINDS.get(tok.kind)
     if kind is None or kind.export_hf is None:
-        raise TokenizerError(f"a {tok.kind} tokenizer has no Hugging Face form here: pass --tokenizer SPEC (byte, a "
-                             "tokenizer.json or its directory) or --no-tokenizer")  # fmt: skip
+        raise TokenizerError(
+            f"a {tok.kind} tokenizer has no Hugging Face form here: pass --tokenizer SPEC (byte, a "
+            "tokenizer.json or its directory) or --no-tokenizer"
+        )
     config, special = kind.export_hf(tok, out, max_len)
     _write_json(out / "tokenizer_config.json", config)
     _write_json(out / "special_tokens_map.json", special)

@@ -74,16 +74,23 @@ def _submit(args: argparse.Namespace) -> int:
     params = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.sbatch_args:  # added to the cluster's own extra flags, not instead of them
         params["extra_sbatch"] = [*load_cluster(args.cluster).extra_sbatch, *args.sbatch_args]
-    common = dict(cluster=args.cluster, dry_run=args.dry_run, force=args.force, after=args.after,
-                  snapshot=args.snapshot, **params)  # fmt: skip
+    common = dict(
+        cluster=args.cluster, dry_run=args.dry_run, force=args.force, after=args.after, snapshot=args.snapshot, **params
+    )
     sweep = bool(args.sweep or args.sweep_file)
     if sweep and args.chain > 1:
         raise CommandError("submit: --chain and --sweep do not combine; chain each task's run separately")
     if sweep:
         from hpcdist.launch.sweep import submit_sweep
 
-        out: Any = submit_sweep(args.config, args.overrides, sweep=args.sweep, sweep_file=args.sweep_file,
-                                max_parallel=args.max_parallel, **common)  # fmt: skip
+        out: Any = submit_sweep(
+            args.config,
+            args.overrides,
+            sweep=args.sweep,
+            sweep_file=args.sweep_file,
+            max_parallel=args.max_parallel,
+            **common,
+        )
     else:
         out = submit_chain(args.config, args.overrides, args.chain, **common)
         out = out[0] if args.dry_run else out
@@ -94,16 +101,21 @@ def _submit(args: argparse.Namespace) -> int:
     logs = first.paths[0]
     if sweep:
         array = first.job_id.split("_")[0]
-        print(f"submitted sweep as job array {array} ({len(out)} tasks, {first.num_tasks} ranks each)\n"
-              f"  logs:   {first.folder}/{array}_<task>_<rank>_log.out|err\n"
-              f"  follow: hpcdist status {array}", flush=True)  # fmt: skip
+        print(
+            f"submitted sweep as job array {array} ({len(out)} tasks, {first.num_tasks} ranks each)\n"
+            f"  logs:   {first.folder}/{array}_<task>_<rank>_log.out|err\n"
+            f"  follow: hpcdist status {array}",
+            flush=True,
+        )
     else:
         chained = f"; then {', '.join(h.job_id for h in out[1:])} (chained, afterany)" if len(out) > 1 else ""
         code = f"\n  code:   {first.snapshot}" if first.snapshot else ""
-        print(f"submitted job {first.job_id} ({first.executor}, {first.num_tasks} ranks){chained}{code}\n"
-              f"  logs:   {logs.stdout}\n          {logs.stderr}\n"
-              f"  follow: hpcdist status {first.job_id}; hpcdist logs {first.job_id} --rank R",
-              flush=True)  # fmt: skip
+        print(
+            f"submitted job {first.job_id} ({first.executor}, {first.num_tasks} ranks){chained}{code}\n"
+            f"  logs:   {logs.stdout}\n          {logs.stderr}\n"
+            f"  follow: hpcdist status {first.job_id}; hpcdist logs {first.job_id} --rank R",
+            flush=True,
+        )
     if not args.wait:
         return 0
     if not sweep:
@@ -139,9 +151,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     local = _local_record(args.job, args.run_dir)
     if local is not None:
-        print(f"job {args.job} (local executor on {local.get('host')}, {local.get('num_tasks')} ranks): "
-              f"{records.local_state(local)}\n{records.run_summary(args.run_dir)}\n"
-              f"logs: {local.get('folder')}/{args.job}_<rank>_log.out|err")  # fmt: skip
+        print(
+            f"job {args.job} (local executor on {local.get('host')}, {local.get('num_tasks')} ranks): "
+            f"{records.local_state(local)}\n{records.run_summary(args.run_dir)}\n"
+            f"logs: {local.get('folder')}/{args.job}_<rank>_log.out|err"
+        )
         return 0
     try:
         print(slurm_cli.status_text(args.job))

@@ -36,6 +36,11 @@ class SlurmEnvironment:
         fault.max_restarts), or every rank exits. Returns the exit code."""
         f = cfg.fault
         return restarts.after_stop(
-            reason, rank=env.rank, requeue_signal=f.requeue_signal, requeue_enabled=f.requeue,
-            max_restarts=f.max_restarts, run_dir=cfg.run.dir, job=env.job,
-        )  # fmt: skip
+            reason,
+            rank=env.rank,
+            requeue_signal=f.requeue_signal,
+            requeue_enabled=f.requeue,
+            max_restarts=f.max_restarts,
+            run_dir=cfg.run.dir,
+            job=env.job,
+        )

@@ -73,11 +73,15 @@ class RestartPolicy:
     @classmethod
     def from_fault(cls, fault: Any) -> RestartPolicy:
         return cls(
-            requeue=fault.requeue, max_time_limit=fault.max_restarts, max_preemptions=fault.max_preemptions,
-            max_failures=fault.max_failures, max_same_failure=fault.max_same_failure,
-            exclude_failed_nodes=fault.exclude_failed_nodes, max_excluded_nodes=fault.max_excluded_nodes,
+            requeue=fault.requeue,
+            max_time_limit=fault.max_restarts,
+            max_preemptions=fault.max_preemptions,
+            max_failures=fault.max_failures,
+            max_same_failure=fault.max_same_failure,
+            exclude_failed_nodes=fault.exclude_failed_nodes,
+            max_excluded_nodes=fault.max_excluded_nodes,
             exclude_nodes_file=fault.exclude_nodes_file,
-        )  # fmt: skip
+        )
 
     @classmethod
     def defaults(cls) -> RestartPolicy:
@@ -108,8 +112,9 @@ def _attempt_record(data: dict[str, Any], restart: int) -> dict[str, Any]:
 
 def requeues(data: Mapping[str, Any], reason: str, *, before: int | None = None) -> int:
     """How many attempts (restarts < ``before``, if given) hpcdist requeued for ``reason`` (time_limit | failure)."""
-    return sum(1 for k, a in data["attempts"].items() if a.get("requeued") == reason and (before is None or
-               int(k) < before))  # fmt: skip
+    return sum(
+        1 for k, a in data["attempts"].items() if a.get("requeued") == reason and (before is None or int(k) < before)
+    )
 
 
 def preemptions(data: Mapping[str, Any], restart: int) -> int:
@@ -204,9 +209,12 @@ def _exclusions(
     excluded = list(data.get("excluded", []))
     if candidates:
         excluded, notes = plan_exclusion(
-            excluded, candidates, max_excluded=policy.max_excluded_nodes, job_nodes=job.num_nodes or 1,
+            excluded,
+            candidates,
+            max_excluded=policy.max_excluded_nodes,
+            job_nodes=job.num_nodes or 1,
             usable=usable_nodes(job.partition),
-        )  # fmt: skip
+        )
         for note in notes:
             _say(note)
     data["excluded"] = excluded
@@ -232,8 +240,11 @@ def after_stop(
         # nothing will continue the run: the shell's convention for a process ended by that signal (130 / 143 /
         # 140 for USR2), never 0, which a wrapper would take for a finished run
         if reason == StopReason.TIME_LIMIT:
-            log.info("stopped by %s outside SLURM (exit %d); rerun with checkpoint.resume=auto to continue",
-                     signal_number(requeue_signal).name, reason.exit_code(requeue_signal))  # fmt: skip
+            log.info(
+                "stopped by %s outside SLURM (exit %d); rerun with checkpoint.resume=auto to continue",
+                signal_number(requeue_signal).name,
+                reason.exit_code(requeue_signal),
+            )
         return reason.exit_code(requeue_signal)
     if reason != StopReason.TIME_LIMIT:
         # under SLURM the job is being cancelled or preempted: a non-zero status would make the batch script's
@@ -314,14 +325,17 @@ def plan_exclusion(
         if host in out:
             continue
         if len(out) + 1 > max_excluded:
-            notes.append(f"not excluding {host}: {len(out)} node(s) excluded already (fault.max_excluded_nodes="
-                         f"{max_excluded})")  # fmt: skip
+            notes.append(
+                f"not excluding {host}: {len(out)} node(s) excluded already (fault.max_excluded_nodes={max_excluded})"
+            )
             continue
         if usable is not None:
             left = [n for n in usable if n not in out and n != host]
             if len(left) < job_nodes:
-                notes.append(f"not excluding {host}: the partition would keep {len(left)} usable node(s) for a "
-                             f"{job_nodes}-node job")  # fmt: skip
+                notes.append(
+                    f"not excluding {host}: the partition would keep {len(left)} usable node(s) for a "
+                    f"{job_nodes}-node job"
+                )
                 continue
         out.append(host)
     return out, notes
@@ -354,16 +368,19 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
     records = read_failures(run_dir, job_id=job.job_id, restart=job.restart_count)
     primary = primary_failure(records)
     if primary is None:
-        primary = record(run_dir, kind="exit", cause=f"the training step exited with status {exit_code} and no rank "
-                         "recorded a cause (see the job log)", job=job)  # fmt: skip
+        primary = record(
+            run_dir,
+            kind="exit",
+            cause=f"the training step exited with status {exit_code} and no rank recorded a cause (see the job log)",
+            job=job,
+        )
     sig = primary["signature"]
     blamed = [b for b in primary.get("blame", []) if b.get("host")]
     who = ", ".join(f"rank {b.get('rank')} on {b['host']}" for b in blamed) or "no rank in particular"
     _say(f"step failed (exit {exit_code}): {primary['kind']}: {primary['cause']} [{who}]")
 
     entry = _attempt_record(data, job.restart_count)
-    entry.update(ended="failure", end=time.time(), signature=sig, cause=primary["cause"],
-                 blame=blamed, requeued=None)  # fmt: skip
+    entry.update(ended="failure", end=time.time(), signature=sig, cause=primary["cause"], blame=blamed, requeued=None)
     streak = failure_streak(data, job.restart_count, sig)
     done = requeues(data, "failure")
     reason = None
@@ -391,8 +408,10 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
     entry.update(requeued="failure", excluded=excluded)
     save_ledger(run_dir, data)  # before the requeue: SLURM may end this script right after it
     _mark_goodput_end(run_dir)
-    _say(f"requeueing job {job.job_id} (failure requeue {done + 1} of {policy.max_failures}, this failure "
-         f"{streak} time(s) in a row)" + (f", excluding {','.join(excluded)}" if excluded else ""))  # fmt: skip
+    _say(
+        f"requeueing job {job.job_id} (failure requeue {done + 1} of {policy.max_failures}, this failure "
+        f"{streak} time(s) in a row)" + (f", excluding {','.join(excluded)}" if excluded else "")
+    )
     rc = requeue(str(job.job_id), exclude=excluded)
     if rc != 0:
         entry.update(requeued=None)  # requeue() said why; a later failure may try again

@@ -131,15 +131,22 @@ class Observer:
         )
         prof = cfg.logging.profile
         self.profiler = StepProfiler(
-            self.run_dir, rank=env.rank, device=env.torch_device(), start_step=prof.start_step, steps=prof.steps,
+            self.run_dir,
+            rank=env.rank,
+            device=env.torch_device(),
+            start_step=prof.start_step,
+            steps=prof.steps,
             memory=prof.memory,
-        )  # fmt: skip
+        )
         # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
         self.metrics = MetricsLogger(
-            self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
-            purge_step=resumed_step + 1 if resumed_step is not None else None, every_steps=cfg.logging.every_steps,
+            self.run_dir,
+            enabled=env.is_main,
+            tensorboard=cfg.logging.tensorboard,
+            purge_step=resumed_step + 1 if resumed_step is not None else None,
+            every_steps=cfg.logging.every_steps,
             trackers=Trackers(cfg, self.run_dir, enabled=env.is_main, config=cfg.to_dict()),
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------------------------------ per step
     def begin_step(self, step: int) -> float:
@@ -217,8 +224,11 @@ class Observer:
         self._timing.window = _Window()
         self.metrics.log(r.step, m)
         own = m.get("mem_reserved_gib", m.get("mem_rss_gib"))
-        self.prom.log(m, samples_per_token=1 / cfg.data.seq_len,
-                      local_memory=self._node_memory or ([own] if own is not None else []))  # fmt: skip
+        self.prom.log(
+            m,
+            samples_per_token=1 / cfg.data.seq_len,
+            local_memory=self._node_memory or ([own] if own is not None else []),
+        )
         log.info(format_line(r.step, cfg.train.steps, m))
         return m["loss"]
 
@@ -227,18 +237,28 @@ class Observer:
         with self.watchdog.phase(step, "straggler check (all-gather)"):
             report = self.stragglers.check(self.hosts)
         # this node's ranks in local-rank order (ranks are numbered node by node) for the Prometheus memory gauges
-        self._node_memory = [row["mem_gib"] for rank, row in enumerate(report.table)
-                             if rank < len(self.hosts) and self.hosts[rank] == self.env.hostname]  # fmt: skip
+        self._node_memory = [
+            row["mem_gib"]
+            for rank, row in enumerate(report.table)
+            if rank < len(self.hosts) and self.hosts[rank] == self.env.hostname
+        ]
         if not self.env.is_main:
             return
         self.metrics.log(step, report.metrics(), prefix="straggler")
         for s in report.stragglers:
             log.warning("step %d: %s", step, s.describe())
             failures.record(
-                self.run_dir, kind="straggler", cause=s.describe(), rank=s.rank, host=s.host,
-                blame=[{"rank": s.rank, "host": s.host}], step=step, measure=s.measure,
-                ratio=round(s.ratio, 3), per_rank=report.table,
-            )  # fmt: skip
+                self.run_dir,
+                kind="straggler",
+                cause=s.describe(),
+                rank=s.rank,
+                host=s.host,
+                blame=[{"rank": s.rank, "host": s.host}],
+                step=step,
+                measure=s.measure,
+                ratio=round(s.ratio, 3),
+                per_rank=report.table,
+            )
 
     # ------------------------------------------------------------------------------------------ end of attempt
     def finish(
@@ -265,10 +285,13 @@ class Observer:
         if not self.env.is_main:
             return
         g = self.goodput.summary()
-        parts = ", ".join(f"{k.replace('_', ' ')} {g[k]:.1f}s" for k in ("train", "checkpoint_save", "restore",
-                          "startup", "lost", "queue_wait", "other"))  # fmt: skip
-        log.info("goodput %.1f%% of %.1fs over %d attempt(s): %s", 100 * g["goodput"], g["total_s"], g["attempts"],
-                 parts)  # fmt: skip
+        parts = ", ".join(
+            f"{k.replace('_', ' ')} {g[k]:.1f}s"
+            for k in ("train", "checkpoint_save", "restore", "startup", "lost", "queue_wait", "other")
+        )
+        log.info(
+            "goodput %.1f%% of %.1fs over %d attempt(s): %s", 100 * g["goodput"], g["total_s"], g["attempts"], parts
+        )
         self.metrics.log(step, g, prefix="goodput")
 
     def _report_summary(
@@ -286,15 +309,23 @@ class Observer:
         best = [v for v in (previous_best_eval(self.run_dir), min(evals, default=None)) if v is not None]
         attempt = self.goodput.attempt_seconds()
         summary: dict[str, Any] = {
-            "step": step, "total_steps": self.cfg.train.steps, "tokens_seen": tokens_seen,
+            "step": step,
+            "total_steps": self.cfg.train.steps,
+            "tokens_seen": tokens_seen,
             "stop_reason": stop_reason,
-            "wall_time_s": g["total_s"] or attempt, "attempt_s": attempt, "attempts": int(g["attempts"]) or 1,
-            "goodput": g["goodput"], "tokens_per_s": self.throughput.tokens_per_s,
+            "wall_time_s": g["total_s"] or attempt,
+            "attempt_s": attempt,
+            "attempts": int(g["attempts"]) or 1,
+            "goodput": g["goodput"],
+            "tokens_per_s": self.throughput.tokens_per_s,
             "last_loss": losses[max(losses)] if losses else None,
-            "best_eval_loss": min(best) if best else None, "checkpoint": self.nonfinite.last_checkpoint,
+            "best_eval_loss": min(best) if best else None,
+            "checkpoint": self.nonfinite.last_checkpoint,
             "save_failed": save_failed,
-            "run_dir": str(self.run_dir), "report": str(rd.report), "summary_file": str(rd.summary),
-        }  # fmt: skip
+            "run_dir": str(self.run_dir),
+            "report": str(rd.report),
+            "summary_file": str(rd.summary),
+        }
         try:
             write_summary(self.run_dir, summary)
         except OSError as e:  # a full disk must not turn a finished run into a failed one

@@ -178,10 +178,12 @@ class CommHook:
             case "powersgd":
                 p = powersgd or {}
                 self.powersgd = powerSGD_hook.PowerSGDState(
-                    process_group=self.group, matrix_approximation_rank=p.get("rank", 4),
-                    start_powerSGD_iter=p.get("start_iter", 100), use_error_feedback=p.get("use_error_feedback", True),
+                    process_group=self.group,
+                    matrix_approximation_rank=p.get("rank", 4),
+                    start_powerSGD_iter=p.get("start_iter", 100),
+                    use_error_feedback=p.get("use_error_feedback", True),
                     warm_start=p.get("warm_start", True),
-                )  # fmt: skip
+                )
                 batched = p.get("batched", False)
                 hook = serialized(powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook)
                 state = self.powersgd
@@ -236,8 +238,9 @@ class CommHook:
         if s is None or not state:
             return
         if state.get("hook") != self.name:
-            log.warning("the checkpoint's comm hook state is for %s, not %s: it starts fresh", state.get("hook"),
-                        self.name)  # fmt: skip
+            log.warning(
+                "the checkpoint's comm hook state is for %s, not %s: it starts fresh", state.get("hook"), self.name
+            )
             return
         s.iter = int(state["iter"])
         s.error_dict = {int(k): v.to(device) for k, v in state["error"].items()}

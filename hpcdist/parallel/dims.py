@@ -142,8 +142,9 @@ class ParallelDims(LayoutDegrees):
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
     """The job's layout: ``parallel.strategy`` turned into degrees (:func:`strategy_degrees`), resolved and checked."""
     d = strategy_degrees(cfg.parallel, world_size)
-    return ParallelDims(pp=d.pp, dp=d.dp, tp=d.tp, world_size=world_size, dp_replicate=d.dp_replicate,
-                        zero_stage=d.zero_stage)  # fmt: skip
+    return ParallelDims(
+        pp=d.pp, dp=d.dp, tp=d.tp, world_size=world_size, dp_replicate=d.dp_replicate, zero_stage=d.zero_stage
+    )
 
 
 def describe_layout(cfg: JobConfig, dims: ParallelDims) -> str:

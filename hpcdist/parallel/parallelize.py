@@ -57,13 +57,18 @@ def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dic
     and optim sections, so DeepSpeed's view of the step can never disagree with hpcdist's."""
     z = cfg.parallel.zero
     return deepspeed_config(
-        stage=z.stage, micro_batch_size=cfg.train.micro_batch_size, grad_accum=grad_accum_steps(cfg, dp_size),
-        dp_size=dp_size, grad_clip=cfg.optim.grad_clip,
-        bf16=autocast_dtype(cfg.train.dtype, device) is torch.bfloat16, offload_optimizer=z.offload_optimizer,
-        offload_params=z.offload_params, overlap_comm=z.overlap_comm,
+        stage=z.stage,
+        micro_batch_size=cfg.train.micro_batch_size,
+        grad_accum=grad_accum_steps(cfg, dp_size),
+        dp_size=dp_size,
+        grad_clip=cfg.optim.grad_clip,
+        bf16=autocast_dtype(cfg.train.dtype, device) is torch.bfloat16,
+        offload_optimizer=z.offload_optimizer,
+        offload_params=z.offload_params,
+        overlap_comm=z.overlap_comm,
         buckets=(z.reduce_bucket_size, z.allgather_bucket_size),
         param_persistence_threshold=z.param_persistence_threshold,
-    )  # fmt: skip
+    )
 
 
 def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: ParallelDims) -> Strategy:
@@ -72,8 +77,9 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
     if dims.zero_enabled:
         return build_zero(cfg, env, model)
     meshes = dims.build_meshes(device.type) if dims.needs_mesh else {}
-    stages = parallelize(cfg, model, dims, meshes, dims.coords(env.rank)["pp"], device=device,
-                         compile_blocks=cfg.train.compile)  # fmt: skip
+    stages = parallelize(
+        cfg, model, dims, meshes, dims.coords(env.rank)["pp"], device=device, compile_blocks=cfg.train.compile
+    )
     materialize(stages.parts, reference=model, device=device, seed=cfg.run.seed)
     common = {
         "device": device,
@@ -88,13 +94,23 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
     if not dims.needs_mesh:  # pure replication (or one rank): one whole model, DDP when there are replicas
         ddp = cfg.parallel.ddp
         return DDPStrategy(
-            stages.parts[0], bucket_cap_mb=ddp.bucket_cap_mb, comm_hook=ddp.comm_hook,
-            powersgd=dataclasses.asdict(ddp.powersgd), seq_len=cfg.data.seq_len, **common,
-        )  # fmt: skip
+            stages.parts[0],
+            bucket_cap_mb=ddp.bucket_cap_mb,
+            comm_hook=ddp.comm_hook,
+            powersgd=dataclasses.asdict(ddp.powersgd),
+            seq_len=cfg.data.seq_len,
+            **common,
+        )
     return MeshStrategy(
-        stages.parts, dims=dims, meshes=meshes, stage_ids=stages.ids, num_stages=stages.num_stages,
-        schedule=cfg.parallel.pp_schedule, loss_parallel=True, **common,
-    )  # fmt: skip
+        stages.parts,
+        dims=dims,
+        meshes=meshes,
+        stage_ids=stages.ids,
+        num_stages=stages.num_stages,
+        schedule=cfg.parallel.pp_schedule,
+        loss_parallel=True,
+        **common,
+    )
 
 
 def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy:
@@ -109,13 +125,18 @@ def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy
         apply_compile(model)
     materialize([model], reference=model, device=device, seed=cfg.run.seed)
     return ZeroStrategy(
-        model, stage=cfg.parallel.zero.stage, ds_config=zero_ds_config(cfg, dp_size=env.world_size, device=device),
-        device=device, grad_accum=grad_accum_steps(cfg, env.world_size), micro_batch_size=cfg.train.micro_batch_size,
+        model,
+        stage=cfg.parallel.zero.stage,
+        ds_config=zero_ds_config(cfg, dp_size=env.world_size, device=device),
+        device=device,
+        grad_accum=grad_accum_steps(cfg, env.world_size),
+        micro_batch_size=cfg.train.micro_batch_size,
         grad_clip=cfg.optim.grad_clip,
         # DeepSpeed's bf16 mode (bf16 weights and grads, fp32 master) replaces autocast wherever it is on
-        autocast_dtype=None, dp_group=None,
+        autocast_dtype=None,
+        dp_group=None,
         build_optimizer=optimizer_builder(cfg.optim, cfg.train.steps),
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -163,11 +184,13 @@ def parallelize(
             apply_compile(part)
         if dims.fsdp_enabled:
             apply_fsdp(
-                part, meshes["fsdp"], param_dtype=compute or torch.float32,
+                part,
+                meshes["fsdp"],
+                param_dtype=compute or torch.float32,
                 reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
                 # with pp every micro-batch would gather each block again after resharding: keep them gathered
                 # for the whole step (the schedule reshards after the last backward)
                 reshard_after_forward=f.reshard_after_forward and not dims.pp_enabled,
                 cpu_offload=f.cpu_offload,  # config rules allow it only without pp/tp
-            )  # fmt: skip
+            )
     return Stages(parts, ids, num_stages, layers)

@@ -78,12 +78,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tokens = args.tokens if args.tokens is not None else t.steps * t.global_batch_size * cfg.data.seq_len
     print(
         planner.layout_table(
-            estimates, args=args_model, gpus_per_node=cluster.gpus_per_node, seq_len=cfg.data.seq_len,
-            global_batch_size=t.global_batch_size, hw=hw, tokens=tokens, top=args.top, show_all=args.all,
+            estimates,
+            args=args_model,
+            gpus_per_node=cluster.gpus_per_node,
+            seq_len=cfg.data.seq_len,
+            global_batch_size=t.global_batch_size,
+            hw=hw,
+            tokens=tokens,
+            top=args.top,
+            show_all=args.all,
         ),
         end="",
         flush=True,  # before the error line on stderr
-    )  # fmt: skip
+    )
     if args.plot:
         from hpcdist.planning.plot import write_memory_plot
         from hpcdist.report.plots import MissingMatplotlib

@@ -264,11 +264,15 @@ def _memory(cfg: JobConfig, world_size: int, gpus_per_node: int) -> MemoryEstima
     layout = planner.layout_of(cfg, world_size)
     zero = layout.zero_enabled
     return planner.layout_memory(
-        cfg.model_args(), layout, seq_len=cfg.data.seq_len, gpus_per_node=gpus_per_node,
+        cfg.model_args(),
+        layout,
+        seq_len=cfg.data.seq_len,
+        gpus_per_node=gpus_per_node,
         microbatches=t.global_batch_size // (t.micro_batch_size * layout.dp),
-        reduce_bytes=planner.grad_reduce_bytes(cfg), offload_optimizer=zero and p.zero.offload_optimizer,
+        reduce_bytes=planner.grad_reduce_bytes(cfg),
+        offload_optimizer=zero and p.zero.offload_optimizer,
         offload_params=zero and p.zero.offload_params,
-    )  # fmt: skip
+    )
 
 
 def _prediction(cfg: JobConfig, world_size: int, cluster: ClusterConfig) -> str | None:

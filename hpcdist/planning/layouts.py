@@ -82,8 +82,14 @@ class Layout(LayoutDegrees):
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp, world_size=self.world_size,
-                            dp_replicate=self.dp_replicate, zero_stage=self.zero_stage)  # fmt: skip
+        return ParallelDims(
+            pp=self.pp,
+            dp=self.dp,
+            tp=self.tp,
+            world_size=self.world_size,
+            dp_replicate=self.dp_replicate,
+            zero_stage=self.zero_stage,
+        )
 
     @property
     def world_size(self) -> int:
@@ -199,13 +205,25 @@ def layout_memory(
     }
     if not layout.kind.fsdp_options_apply:  # ddp and ZeRO: the per-strategy estimator
         return estimate_memory(
-            args, strategy=layout.strategy, world_size=layout.dp, gpus_per_node=gpus_per_node,
-            offload_optimizer=offload_optimizer, offload_params=offload_params, **common,
-        )  # fmt: skip
+            args,
+            strategy=layout.strategy,
+            world_size=layout.dp,
+            gpus_per_node=gpus_per_node,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            **common,
+        )
     return estimate_3d_memory(
-        args, tp=layout.tp, pp=layout.pp, dp=layout.dp, dp_shard=layout.dp_shard, microbatches=microbatches,
-        reduce_bytes=reduce_bytes, strategy=layout.strategy, **common,
-    )  # fmt: skip
+        args,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        dp_shard=layout.dp_shard,
+        microbatches=microbatches,
+        reduce_bytes=reduce_bytes,
+        strategy=layout.strategy,
+        **common,
+    )
 
 
 def estimate_step(
@@ -454,11 +472,20 @@ def layout_table(
     for i, e in enumerate(shown, 1):
         lay = e.layout
         cells = (
-            str(i) if e.fits else "-", lay.strategy, str(lay.tp), str(lay.pp), lay.dp_label,
-            str(lay.micro_batch_size), "on" if lay.activation_checkpointing else "off", f"{e.memory.total / GIB:.1f}",
-            "yes" if e.fits else "no", f"{e.tokens_per_s_per_gpu:,.0f}", f"{100 * e.mfu:.1f}", _fixed(e.step_s, 2),
+            str(i) if e.fits else "-",
+            lay.strategy,
+            str(lay.tp),
+            str(lay.pp),
+            lay.dp_label,
+            str(lay.micro_batch_size),
+            "on" if lay.activation_checkpointing else "off",
+            f"{e.memory.total / GIB:.1f}",
+            "yes" if e.fits else "no",
+            f"{e.tokens_per_s_per_gpu:,.0f}",
+            f"{100 * e.mfu:.1f}",
+            _fixed(e.step_s, 2),
             _fixed(e.days(tokens), 1),
-        )  # fmt: skip
+        )
         lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     lines += [
         f"{len(estimates)} layouts considered, {len(fitting)} fit; showing "
@@ -527,9 +554,14 @@ def layout_of(cfg: JobConfig, world_size: int) -> Layout:
         raise ValueError(f"parallel.strategy={p.strategy!r} has no planner layout")
     dims = parallel_dims(cfg, world_size)  # resolves a -1 degree
     return Layout(
-        dims.pp, dims.dp, dims.tp, t.micro_batch_size, t.activation_checkpointing, dp_replicate=dims.dp_replicate,
+        dims.pp,
+        dims.dp,
+        dims.tp,
+        t.micro_batch_size,
+        t.activation_checkpointing,
+        dp_replicate=dims.dp_replicate,
         zero_stage=dims.zero_stage,
-    )  # fmt: skip
+    )
 
 
 def grad_reduce_bytes(cfg: JobConfig) -> int:
@@ -602,9 +634,11 @@ def resolve_auto(
     cl = cluster if isinstance(cluster, ClusterConfig) else load_cluster(cluster)
     if cl.gpus_per_node < 1:
         raise ConfigError(
-            [f"parallel.strategy=auto plans GPU layouts, but cluster {cl.name!r} has gpus_per_node: 0; "
-             "name a strategy (e.g. parallel.strategy=ddp) or a GPU cluster profile"]
-        )  # fmt: skip
+            [
+                f"parallel.strategy=auto plans GPU layouts, but cluster {cl.name!r} has gpus_per_node: 0; "
+                "name a strategy (e.g. parallel.strategy=ddp) or a GPU cluster profile"
+            ]
+        )
     try:
         hw = hardware or cluster_hardware(cl)
         estimates = rank_layouts(
@@ -620,8 +654,10 @@ def resolve_auto(
         raise ConfigError([f"parallel.strategy=auto: {e}"]) from None
     if not estimates:
         raise ConfigError(
-            [f"parallel.strategy=auto: no layout splits train.global_batch_size={cfg.train.global_batch_size} "
-             f"over {world_size} ranks; make it a multiple of {world_size}"]
-        )  # fmt: skip
+            [
+                f"parallel.strategy=auto: no layout splits train.global_batch_size={cfg.train.global_batch_size} "
+                f"over {world_size} ranks; make it a multiple of {world_size}"
+            ]
+        )
     new, _, reason = pick(cfg, estimates, world_size, cl.gpus_per_node)
     return new, f"parallel.strategy=auto on {world_size} GPUs ({cl.name}): {reason}"

@@ -21,8 +21,10 @@ _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
 
 def _label(e: StepEstimate) -> str:
     lay = e.layout
-    return (f"{lay.strategy} tp{lay.tp} pp{lay.pp} dp{lay.dp_label}\nmbs {lay.micro_batch_size} "
-            f"AC {'on' if lay.activation_checkpointing else 'off'}")  # fmt: skip
+    return (
+        f"{lay.strategy} tp{lay.tp} pp{lay.pp} dp{lay.dp_label}\nmbs {lay.micro_batch_size} "
+        f"AC {'on' if lay.activation_checkpointing else 'off'}"
+    )
 
 
 def write_memory_plot(
@@ -41,12 +43,18 @@ def write_memory_plot(
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     gpu_gib = gpu_mem_gb  # the planner reads the profile's gpu_mem_gb as GiB (HardwareConfig.usable_bytes)
     ax.axhline(gpu_gib, color="black", linewidth=1.2, label=f"GPU memory {gpu_gib:.1f} GiB")
-    ax.axhline(gpu_gib - margin_gib, color="black", linestyle="--", linewidth=1,
-               label=f"usable ({margin_gib:g} GiB margin)")  # fmt: skip
+    ax.axhline(
+        gpu_gib - margin_gib, color="black", linestyle="--", linewidth=1, label=f"usable ({margin_gib:g} GiB margin)"
+    )
     ax.set_xticks(x, [_label(e) for e in estimates], fontsize=7, rotation=45, ha="right")
     for i, e in enumerate(estimates):
-        ax.annotate(f"{e.tokens_per_s_per_gpu:,.0f} tok/s" if e.fits else "does not fit", (i, bottom[i]),
-                    ha="center", va="bottom", fontsize=6)  # fmt: skip
+        ax.annotate(
+            f"{e.tokens_per_s_per_gpu:,.0f} tok/s" if e.fits else "does not fit",
+            (i, bottom[i]),
+            ha="center",
+            va="bottom",
+            fontsize=6,
+        )
     ax.set(ylabel="GiB per GPU", title="per-GPU memory of the top layouts (ranked by predicted tokens/s/GPU)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return save_png(fig, Path(path))

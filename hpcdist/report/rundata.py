@@ -94,8 +94,13 @@ class RunData:
     def load(cls, root: str | os.PathLike[str]) -> RunData:
         rd = RunDir(root)
         records = read_jsonl(rd.metrics)
-        data = cls(root=Path(root), train=_series(records, "train"), eval=_series(records, "eval"),
-                   stragglers=_series(records, "straggler"), failures=read_jsonl(rd.failures))  # fmt: skip
+        data = cls(
+            root=Path(root),
+            train=_series(records, "train"),
+            eval=_series(records, "eval"),
+            stragglers=_series(records, "straggler"),
+            failures=read_jsonl(rd.failures),
+        )
         with contextlib.suppress(OSError):
             data.config_text = rd.config.read_text(encoding="utf-8", errors="replace")
         ledger = _read_json_or_none(rd.restarts)
@@ -111,11 +116,18 @@ class RunData:
         data.goodput = summarize(entries) if entries else {}
         for i, e in enumerate(entries, 1):
             keys = [k for k in CATEGORIES if k != "queue_wait"]
-            data.attempts.append(Attempt(
-                number=i, start=float(e["start"]), end=float(e.get("end") or e.get("last") or e["start"]),
-                first_step=int(e.get("first_step") or 0), last_step=e.get("last_step"), clean=bool(e.get("clean")),
-                ended=bool(e.get("end")), seconds={k: float(e.get(f"{k}_s", 0.0)) for k in keys},
-            ))  # fmt: skip
+            data.attempts.append(
+                Attempt(
+                    number=i,
+                    start=float(e["start"]),
+                    end=float(e.get("end") or e.get("last") or e["start"]),
+                    first_step=int(e.get("first_step") or 0),
+                    last_step=e.get("last_step"),
+                    clean=bool(e.get("clean")),
+                    ended=bool(e.get("end")),
+                    seconds={k: float(e.get(f"{k}_s", 0.0)) for k in keys},
+                )
+            )
         return data
 
     def ranks_by_host(self) -> dict[str, list[int]]:

@@ -81,10 +81,16 @@ def read_job_facts(environ: Mapping[str, str]) -> JobFacts | None:
     num_nodes = v.integer(nodes_name, minimum=1) if nodes_name else None
     v.check("SLURM job")
     return JobFacts(
-        job_id, restart_count, scheduler="slurm", instance_id=instance, array_job_id=array_job, array_task_id=task,
-        partition=v.get("SLURM_JOB_PARTITION"), num_nodes=num_nodes,
+        job_id,
+        restart_count,
+        scheduler="slurm",
+        instance_id=instance,
+        array_job_id=array_job,
+        array_task_id=task,
+        partition=v.get("SLURM_JOB_PARTITION"),
+        num_nodes=num_nodes,
         node_list=v.get("SLURM_JOB_NODELIST") or v.get("SLURM_NODELIST"),
-    )  # fmt: skip
+    )
 
 
 # --------------------------------------------------------------------------------------------- job step

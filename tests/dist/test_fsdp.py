@@ -76,7 +76,7 @@ def test_fsdp_matches_single_process(
     cfg = small_cfg(
         f"train.steps={STEPS}", *BATCH, f"train.micro_batch_size={micro}", FSDP,
         f"parallel.fsdp.replicate={replicate}", run_dir=tmp_path / "run",
-    )  # fmt: skip
+    )
     outs = run_ranks(world, _train, cfg)
     ref = _losses(reference)
     assert len(ref) == STEPS and ref[-1] < ref[0]
@@ -91,7 +91,7 @@ def test_fsdp_matches_single_process(
     "option",
     ["parallel.fsdp.cpu_offload=true", "parallel.fsdp.reshard_after_forward=false",
      "train.activation_checkpointing=true", "parallel.fsdp.param_dtype=bf16"],
-)  # fmt: skip
+)
 def test_fsdp_options(small_cfg, reference, tmp_path: Path, option: str) -> None:
     """Offload, no resharding and activation checkpointing recompute the same fp32 math; bf16 parameters (the
     MixedPrecisionPolicy) follow the fp32 run to bf16 precision."""
@@ -173,7 +173,7 @@ def test_hsdp_replica_check_names_the_diverged_rank(
     cfg = small_cfg(
         "train.steps=4", *BATCH, "train.micro_batch_size=2", FSDP, "parallel.fsdp.replicate=2",
         "logging.replica_check_every_steps=1", run_dir=tmp_path / "drift",
-    )  # fmt: skip
+    )
     divergence = run_ranks(4, _train_with_drift, cfg, 3, 2)[0]
     assert divergence[1] == 0.0 and divergence[2] > 0.0
     assert "rank(s) [3] differ from the majority" in capfd.readouterr().out

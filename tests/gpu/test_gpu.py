@@ -17,13 +17,27 @@ from hpcdist.rundir import RunDir
 from hpcdist.trainer import Trainer
 from tests.dist.harness import free_port
 
-GPU_SMALL = ("train.dtype=bf16", "logging.peak_flops=null", "logging.every_steps=1", "train.global_batch_size=8",
-             "train.micro_batch_size=4", "checkpoint.save_final=false")  # fmt: skip
+GPU_SMALL = (
+    "train.dtype=bf16",
+    "logging.peak_flops=null",
+    "logging.every_steps=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "checkpoint.save_final=false",
+)
 
 
 def _one_gpu(fn, *args):
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TORCHELASTIC_RUN_ID="gpu")  # fmt: skip
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        TORCHELASTIC_RUN_ID="gpu",
+    )
     env = from_environ(cuda_available=True)
     assert env.device.startswith("cuda")
     init_process_group(env, timeout_s=300)

@@ -425,8 +425,11 @@ def _loop_collaborators(source: str) -> set[str]:
     """The ``self.<name>`` that ``Trainer._loop`` reaches, its own fields and methods left out."""
     tree = ast.parse(source)
     loop = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_loop")
-    names = {n.attr for n in ast.walk(loop) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-             and n.value.id == "self"}  # fmt: skip
+    names = {
+        n.attr
+        for n in ast.walk(loop)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+    }
     return names - LOOP_OWN
 
 

@@ -566,8 +566,16 @@ def test_every_problem_is_reported_in_one_error(tmp_path: Path) -> None:
     ]
     problems = _problems(path, overrides)
     assert len(problems) == 8, problems  # the 7 overrides + the unknown YAML section
-    expected = ["bogus:", "train.stepz:", "optim.lr:", "optim.schedule:", "data.path:", "'trainsteps=3'",
-                "train.global_batch_size (20)", "model.dim=250"]  # fmt: skip
+    expected = [
+        "bogus:",
+        "train.stepz:",
+        "optim.lr:",
+        "optim.schedule:",
+        "data.path:",
+        "'trainsteps=3'",
+        "train.global_batch_size (20)",
+        "model.dim=250",
+    ]
     for frag in expected:
         assert sum(frag in p for p in problems) == 1, (frag, problems)
 
@@ -631,9 +639,16 @@ def test_save_round_trips_and_leaves_no_temp_file(tmp_path: Path) -> None:
     (resume / "COMPLETE").write_text("{}")
     cfg = load(
         CONFIGS / "demo.yaml",
-        [f"run.dir={tmp_path / 'run'}", f"checkpoint.resume={resume}", "data.max_tokens=null", "optim.eps=1e-9",
-         "model.n_kv_heads=null", "train.compile=true", "logging.peak_flops=1e11"],
-    )  # fmt: skip
+        [
+            f"run.dir={tmp_path / 'run'}",
+            f"checkpoint.resume={resume}",
+            "data.max_tokens=null",
+            "optim.eps=1e-9",
+            "model.n_kv_heads=null",
+            "train.compile=true",
+            "logging.peak_flops=1e11",
+        ],
+    )
     out = tmp_path / "run" / "nested" / "config.yaml"
     assert save(cfg, out) == out
     assert load(out) == cfg

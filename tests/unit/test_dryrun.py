@@ -54,8 +54,9 @@ def test_ddp_and_zero_counts():
     assert [r.rank for r in ddp.counts] == [0, 2, 3]  # default: first, middle, last
     assert all(r.params == r.optimizer_params == total for r in ddp.counts)
     sizes = [p.numel() for p in build_model(cfg().model_args()).parameters()]
-    z3 = dry_run(cfg("parallel.strategy=zero", "parallel.zero.stage=3", "parallel.zero.param_persistence_threshold=0"),
-                 4)  # fmt: skip
+    z3 = dry_run(
+        cfg("parallel.strategy=zero", "parallel.zero.stage=3", "parallel.zero.param_persistence_threshold=0"), 4
+    )
     assert all(r.params == r.optimizer_params == sum(math.ceil(n / 4) for n in sizes) for r in z3.counts)
     z1 = dry_run(cfg("parallel.strategy=zero", "parallel.zero.stage=1"), 4)
     assert all(r.params == total and r.optimizer_params == math.ceil(total / 4) for r in z1.counts)

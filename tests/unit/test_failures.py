@@ -51,8 +51,16 @@ GLOO_TIMEOUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Ti
 
 
 def _policy(**kw) -> RestartPolicy:
-    base = dict(requeue=True, max_time_limit=10, max_preemptions=-1, max_failures=5, max_same_failure=3,
-                exclude_failed_nodes=True, max_excluded_nodes=2, exclude_nodes_file=None)  # fmt: skip
+    base = dict(
+        requeue=True,
+        max_time_limit=10,
+        max_preemptions=-1,
+        max_failures=5,
+        max_same_failure=3,
+        exclude_failed_nodes=True,
+        max_excluded_nodes=2,
+        exclude_nodes_file=None,
+    )
     return RestartPolicy(**{**base, **kw})
 
 
@@ -130,8 +138,18 @@ def test_preemptions_are_restarts_hpcdist_did_not_ask_for(tmp_path: Path) -> Non
 
 def test_time_limit_requeues_have_their_own_budget(tmp_path: Path) -> None:
     job = JobFacts("5", 4)
-    data = {"job_id": "5", "attempts": {"0": {"requeued": "failure"}, "1": {"requeued": "time_limit"},
-            "2": {}, "3": {"requeued": "time_limit"}}, "excluded": [], "stopped": None, "policy": None}  # fmt: skip
+    data = {
+        "job_id": "5",
+        "attempts": {
+            "0": {"requeued": "failure"},
+            "1": {"requeued": "time_limit"},
+            "2": {},
+            "3": {"requeued": "time_limit"},
+        },
+        "excluded": [],
+        "stopped": None,
+        "policy": None,
+    }
     save_ledger(tmp_path, data)
     assert time_limit_decision(tmp_path, 3, job) is None  # 2 time-limit requeues; the failure and preemption apart
     assert "max_restarts=2" in (time_limit_decision(tmp_path, 2, job) or "")
@@ -155,8 +173,11 @@ def test_exclusion_never_makes_the_job_unschedulable() -> None:
 def test_the_finders_suggestion_is_read_as_a_host_list() -> None:
     flag = exclude_flag(["gpu007", "gpu012"])  # what tools/nccl_check's finder prints
     assert flag is not None and parse_hosts(f"# from nccl_check\nsuggested: {flag}\ngpu[020-021]\n") == [
-        "gpu007", "gpu012", "gpu020", "gpu021",
-    ]  # fmt: skip
+        "gpu007",
+        "gpu012",
+        "gpu020",
+        "gpu021",
+    ]
     assert parse_hosts("a,b\n\nb c\n") == ["a", "b", "c"]
 
 
@@ -168,8 +189,15 @@ def test_failure_loop_stops_requeueing_with_the_reason(tmp_path: Path, capsys: p
     data["attempts"]["0"] = {"restart": 0, "ended": "failure", "signature": sig, "requeued": "failure"}
     save_ledger(tmp_path, data)
     job = JobFacts("9", 1, partition="debug", num_nodes=1)
-    record(tmp_path, kind="killed", cause="rank 1 (pid 99) was killed by SIGKILL", rank=1, host="n2",
-           blame=[{"rank": 1, "host": "n2"}], job=job)  # fmt: skip
+    record(
+        tmp_path,
+        kind="killed",
+        cause="rank 1 (pid 99) was killed by SIGKILL",
+        rank=1,
+        host="n2",
+        blame=[{"rank": 1, "host": "n2"}],
+        job=job,
+    )
     assert after_step(tmp_path, 137, policy, job) == 137  # not requeued: the job ends FAILED
     out = capsys.readouterr().out
     assert "killed: rank 1 (pid 99) was killed by SIGKILL [rank 1 on n2]" in out
@@ -246,8 +274,12 @@ def test_supervisor_passes_exit_status_and_signals_through(tmp_path: Path) -> No
         "import os, sys\nfrom hpcdist.fault.failures import announce_task\n"
         f"announce_task({str(tmp_path)!r}, rank=0, host='h')\n" + code
     )
-    p = subprocess.Popen([sys.executable, "-m", "hpcdist.fault.supervise", "--", sys.executable, "-c", child], cwd=REPO,
-                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "-m", "hpcdist.fault.supervise", "--", sys.executable, "-c", child],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     time.sleep(0.2)
     os.kill(p.pid, signal.SIGUSR2)  # to the supervisor only: it forwards to the rank

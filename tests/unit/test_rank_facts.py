@@ -45,8 +45,17 @@ def _count(monkeypatch: pytest.MonkeyPatch, counts: Counter[str], owner: Any, na
 
 
 def _overrides(corpus_dir: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [*SMALL, "data.source=files", f"data.path={corpus_dir}", f"run.dir={run_dir}", "train.steps=1",
-            "train.global_batch_size=2", "train.micro_batch_size=1", "data.prefetch=0", *extra]  # fmt: skip
+    return [
+        *SMALL,
+        "data.source=files",
+        f"data.path={corpus_dir}",
+        f"run.dir={run_dir}",
+        "train.steps=1",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=1",
+        "data.prefetch=0",
+        *extra,
+    ]
 
 
 def test_one_rank_resolves_checks_and_builds_its_layout_once(

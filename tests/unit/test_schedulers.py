@@ -35,9 +35,16 @@ ARRAY_TASK = {  # task 3 of array job 7, itself job 8, requeued twice, in a batc
 def test_slurm_array_task_facts() -> None:
     job = job_facts(ARRAY_TASK)
     assert job == JobFacts(
-        "7_3", 2, scheduler="slurm", instance_id="8_3", array_job_id="7", array_task_id="3", partition="gpu",
-        num_nodes=3, node_list="gpu[008-009],login2",
-    )  # fmt: skip
+        "7_3",
+        2,
+        scheduler="slurm",
+        instance_id="8_3",
+        array_job_id="7",
+        array_task_id="3",
+        partition="gpu",
+        num_nodes=3,
+        node_list="gpu[008-009],login2",
+    )
     assert expand_nodelist(job.node_list or "") == ["gpu008", "gpu009", "login2"]
 
 
@@ -89,9 +96,15 @@ def test_distenv_carries_the_job_facts_under_every_launcher(launcher_vars: dict[
 
 def test_srun_step_port_comes_from_the_job_instance() -> None:
     step = {
-        **ARRAY_TASK, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2",
-        "SLURM_STEP_NUM_NODES": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "MASTER_ADDR": "gpu008",
-    }  # fmt: skip
+        **ARRAY_TASK,
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "MASTER_ADDR": "gpu008",
+    }
     env = from_environ(step, cuda_available=False)
     assert (env.launcher, env.world_size, env.master_port) == ("slurm", 2, port_from_job_id("8_3"))
     assert env.job.restart_count == 2

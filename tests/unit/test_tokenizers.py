@@ -95,8 +95,14 @@ def test_hf_tokenizer_special_tokens_without_config(bpe_dir: Path, tmp_path: Pat
 def test_sentencepiece_model(tmp_path: Path) -> None:
     spm = pytest.importorskip("sentencepiece")
     corpus = _corpus(tmp_path / "corpus.txt", n=400)
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=300,
-                                   byte_fallback=True, character_coverage=1.0, minloglevel=2)  # fmt: skip
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=300,
+        byte_fallback=True,
+        character_coverage=1.0,
+        minloglevel=2,
+    )
     tok = load_tokenizer(tmp_path / "sp.model")
     assert isinstance(tok, SentencePieceTokenizer)
     assert (tok.bos_id, tok.eos_id) == (1, 2) and tok.add_bos and tok.vocab_size == 300
@@ -137,8 +143,9 @@ def test_cli_tokenizer_train(tmp_path: Path) -> None:
     corpus.mkdir()
     _corpus(corpus / "a.txt")
     (corpus / "b.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in TEXTS))
-    proc = hpcdist("tokenizer", "train", corpus, "--vocab-size", "280", "--out", tmp_path / "tok", "--text-field",
-                   "body")  # fmt: skip
+    proc = hpcdist(
+        "tokenizer", "train", corpus, "--vocab-size", "280", "--out", tmp_path / "tok", "--text-field", "body"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "trained a byte-level BPE of 280 tokens on 2 files" in proc.stdout
     _roundtrip(load_tokenizer(tmp_path / "tok"))

@@ -127,12 +127,15 @@ def bench_prepare(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     if f.is_file():
                         f.unlink()
                 out_dir = target
-            runs[name].append({"seconds": seconds, "tokens": tokens, "mb_s": nbytes / 1e6 / seconds,
-                               "tokens_s": tokens / seconds})  # fmt: skip
+            runs[name].append(
+                {"seconds": seconds, "tokens": tokens, "mb_s": nbytes / 1e6 / seconds, "tokens_s": tokens / seconds}
+            )
     best = {name: max(v, key=lambda x: x["tokens_s"]) for name, v in runs.items()}
     base = best["library"]["tokens_s"]
-    print(f"\n## prepare: {nbytes / 1e6:.1f} MB of jsonl, {len(docs)} documents, BPE vocab {args.vocab} "
-          f"(trained in {train_s:.1f} s); best of {args.repeats}, {os.cpu_count()} cores")  # fmt: skip
+    print(
+        f"\n## prepare: {nbytes / 1e6:.1f} MB of jsonl, {len(docs)} documents, BPE vocab {args.vocab} "
+        f"(trained in {train_s:.1f} s); best of {args.repeats}, {os.cpu_count()} cores"
+    )
     print(f"{'':32} {'seconds':>8} {'MB/s':>8} {'tokens/s':>12} {'vs library':>11}")
     for name, b in best.items():
         workers = name.split("-")[-1]
@@ -163,14 +166,31 @@ def _loader_run(
     args: argparse.Namespace, dataset: Path, run_dir: Path, prefetch: int, latency_ms: float
 ) -> dict[str, Any]:
     over = [
-        "model.preset=tiny", f"model.dim={args.dim}", f"model.n_layers={args.layers}", "model.n_heads=2",
-        f"model.ffn_dim={4 * args.dim}", f"model.max_seq_len={args.seq_len}", "model.vocab_size=auto",
-        "data.source=files", f"data.path={dataset}", f"data.seq_len={args.seq_len}", "data.val_fraction=0",
-        f"data.prefetch={prefetch}", f"train.steps={args.warmup + args.steps}", f"train.global_batch_size={args.batch}",
-        f"train.micro_batch_size={args.batch}", "optim.warmup_steps=0", "logging.every_steps=1000000",
-        "logging.tensorboard=false", "logging.peak_flops=6.3e10", "checkpoint.every_steps=0",
-        "checkpoint.save_final=false", "checkpoint.resume=none", f"run.dir={run_dir}", "run.log_level=WARNING",
-    ]  # fmt: skip
+        "model.preset=tiny",
+        f"model.dim={args.dim}",
+        f"model.n_layers={args.layers}",
+        "model.n_heads=2",
+        f"model.ffn_dim={4 * args.dim}",
+        f"model.max_seq_len={args.seq_len}",
+        "model.vocab_size=auto",
+        "data.source=files",
+        f"data.path={dataset}",
+        f"data.seq_len={args.seq_len}",
+        "data.val_fraction=0",
+        f"data.prefetch={prefetch}",
+        f"train.steps={args.warmup + args.steps}",
+        f"train.global_batch_size={args.batch}",
+        f"train.micro_batch_size={args.batch}",
+        "optim.warmup_steps=0",
+        "logging.every_steps=1000000",
+        "logging.tensorboard=false",
+        "logging.peak_flops=6.3e10",
+        "checkpoint.every_steps=0",
+        "checkpoint.save_final=false",
+        "checkpoint.resume=none",
+        f"run.dir={run_dir}",
+        "run.log_level=WARNING",
+    ]
     cfg = config_mod.load(None, over)
     drop_page_cache(dataset.glob("shard-*.bin"))
     trainer = Trainer(cfg, from_environ())
@@ -192,8 +212,12 @@ def _loader_run(
     starts = [m[0] for m in marks] + [end]
     steps = [starts[i + 1] - starts[i] for i in range(len(marks))][args.warmup :]
     waits = [m[1] - m[0] for m in marks][args.warmup :]
-    return {"median_step_s": statistics.median(steps), "data_wait_share": sum(waits) / sum(steps),
-            "median_wait_s": statistics.median(waits), "final_loss": result.losses[max(result.losses)]}  # fmt: skip
+    return {
+        "median_step_s": statistics.median(steps),
+        "data_wait_share": sum(waits) / sum(steps),
+        "median_wait_s": statistics.median(waits),
+        "final_loss": result.losses[max(result.losses)],
+    }
 
 
 def bench_loader(args: argparse.Namespace, root: Path, dataset: Path) -> dict[str, Any]:
@@ -211,15 +235,21 @@ def bench_loader(args: argparse.Namespace, root: Path, dataset: Path) -> dict[st
             for name in list(runs) if r % 2 == 0 else list(reversed(runs)):
                 prefetch = int(name.split("=")[1])
                 runs[name].append(_loader_run(args, dataset, root / f"run-{latency}-{name}-{r}", prefetch, latency))
-        summary = {name: {"median_step_s": statistics.median(x["median_step_s"] for x in v),
-                          "data_wait_share": statistics.median(x["data_wait_share"] for x in v),
-                          "median_wait_s": statistics.median(x["median_wait_s"] for x in v)}
-                   for name, v in runs.items()}  # fmt: skip
+        summary = {
+            name: {
+                "median_step_s": statistics.median(x["median_step_s"] for x in v),
+                "data_wait_share": statistics.median(x["data_wait_share"] for x in v),
+                "median_wait_s": statistics.median(x["median_wait_s"] for x in v),
+            }
+            for name, v in runs.items()
+        }
         base = summary["prefetch=0"]["median_step_s"]
         for name, s in summary.items():
             label = f"{scenario}, {name}"
-            print(f"{label:44} {s['median_step_s']:8.3f} {s['median_wait_s']:8.4f} "
-                  f"{s['data_wait_share'] * 100:15.1f}% {s['median_step_s'] / base:18.2f}x")  # fmt: skip
+            print(
+                f"{label:44} {s['median_step_s']:8.3f} {s['median_wait_s']:8.4f} "
+                f"{s['data_wait_share'] * 100:15.1f}% {s['median_step_s'] / base:18.2f}x"
+            )
         out[scenario] = {"runs": runs, "summary": summary}
     losses = {x["final_loss"] for sc in out.values() for v in sc["runs"].values() for x in v}
     print(f"final losses bitwise equal across all runs: {len(losses) == 1}")
@@ -230,9 +260,12 @@ def bench_loader(args: argparse.Namespace, root: Path, dataset: Path) -> dict[st
 def main() -> int:
     args = build_parser().parse_args()
     out: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count(),
-        "stdlib": sysconfig.get_paths()["stdlib"], "args": {**vars(args), "json": str(args.json)},
-    }  # fmt: skip
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cores": os.cpu_count(),
+        "stdlib": sysconfig.get_paths()["stdlib"],
+        "args": {**vars(args), "json": str(args.json)},
+    }
     with tempfile.TemporaryDirectory(prefix="hpcdist-bench-data-") as tmp:
         root = Path(tmp)
         if not args.skip_prepare:

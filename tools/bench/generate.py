@@ -90,17 +90,28 @@ def main(argv: list[str] | None = None) -> int:
             r = bench_preset(preset.strip(), a)
             results.append(r)
             speeds = [f"{r['cache_tokens_per_s']:.1f}", f"{r['no_cache_tokens_per_s']:.1f}", f"{r['ratio']:.2f}x"]
-            print(f"{r['preset']}: cache {speeds[0]} tok/s, no cache {speeds[1]} tok/s ({speeds[2]})", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"{r['preset']}: cache {speeds[0]} tok/s, no cache {speeds[1]} tok/s ({speeds[2]})",
+                file=sys.stderr,
+                flush=True,
+            )
             rows.append([r["preset"], f"{r['params'] / 1e6:.1f}M", str(r["new_tokens"]), *speeds])
     print(f"greedy generation, prompt {a.prompt_tokens} tokens, fp32, {torch.get_num_threads()} threads")
     print(table(rows))
     print(f"CPU used by other processes meanwhile: {load.others:.2f} cores of {machine()['cpu_count']}")
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps({
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(), "machine": machine(), "args": vars(a) | {
-            "json": str(a.json)}, "other_processes_cores": load.others, "results": results,
-    }, indent=2))  # fmt: skip
+    a.json.write_text(
+        json.dumps(
+            {
+                "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "machine": machine(),
+                "args": vars(a) | {"json": str(a.json)},
+                "other_processes_cores": load.others,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

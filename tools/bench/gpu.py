@@ -57,15 +57,29 @@ def bench(preset: str, micro: int, a: argparse.Namespace, peak: float) -> dict[s
     from hpcdist.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = config_mod.load(None, [
-            f"model.preset={preset}", "data.source=synthetic", f"data.seq_len={a.seq_len}",
-            f"data.synthetic_samples={max(64, micro * (a.steps + a.warmup))}", "data.val_fraction=0",
-            f"train.steps={a.steps + a.warmup}", f"train.global_batch_size={micro}", f"train.micro_batch_size={micro}",
-            "train.dtype=bf16", f"train.activation_checkpointing={str(a.ac).lower()}", f"run.dir={tmp}",
-            "checkpoint.every_steps=0", "checkpoint.save_final=false", "train.eval_every_steps=0",
-            f"logging.every_steps={a.steps + a.warmup}", "logging.tensorboard=false", f"logging.peak_flops={peak}",
-            "logging.straggler_every_steps=0",
-        ])  # fmt: skip
+        cfg = config_mod.load(
+            None,
+            [
+                f"model.preset={preset}",
+                "data.source=synthetic",
+                f"data.seq_len={a.seq_len}",
+                f"data.synthetic_samples={max(64, micro * (a.steps + a.warmup))}",
+                "data.val_fraction=0",
+                f"train.steps={a.steps + a.warmup}",
+                f"train.global_batch_size={micro}",
+                f"train.micro_batch_size={micro}",
+                "train.dtype=bf16",
+                f"train.activation_checkpointing={str(a.ac).lower()}",
+                f"run.dir={tmp}",
+                "checkpoint.every_steps=0",
+                "checkpoint.save_final=false",
+                "train.eval_every_steps=0",
+                f"logging.every_steps={a.steps + a.warmup}",
+                "logging.tensorboard=false",
+                f"logging.peak_flops={peak}",
+                "logging.straggler_every_steps=0",
+            ],
+        )
         trainer = Trainer(cfg, from_environ({}, cuda_available=True))
         stamps: list[float] = []
         step = trainer.strategy.optimizer_step
@@ -82,9 +96,15 @@ def bench(preset: str, micro: int, a: argparse.Namespace, peak: float) -> dict[s
         step_s = statistics.median(b - a for a, b in zip(stamps[a.warmup - 1 : -1], stamps[a.warmup :], strict=True))
         tokens_per_s = micro * a.seq_len / step_s
         fpt = flops_per_token(cfg.model_args(), a.seq_len)
-        return {"preset": preset, "micro_batch": micro, "seq_len": a.seq_len, "step_s": step_s,
-                "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * fpt / peak,
-                "max_alloc_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+        return {
+            "preset": preset,
+            "micro_batch": micro,
+            "seq_len": a.seq_len,
+            "step_s": step_s,
+            "tokens_per_s": tokens_per_s,
+            "mfu": tokens_per_s * fpt / peak,
+            "max_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,8 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}: bf16 peak {peak / 1e12:.0f} TFLOP/s, seq {a.seq_len}, {a.steps} timed steps", flush=True)
     rows = [bench(preset, micro[preset], a, peak) for preset in a.presets.split(",")]
     head = ["preset", "micro", "tokens/s", "step s", "MFU", "max alloc GiB"]
-    body = [[r["preset"], str(r["micro_batch"]), f"{r['tokens_per_s']:,.0f}", f"{r['step_s']:.3f}",
-             f"{100 * r['mfu']:.1f}%", f"{r['max_alloc_gib']:.1f}"] for r in rows]  # fmt: skip
+    body = [
+        [
+            r["preset"],
+            str(r["micro_batch"]),
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['step_s']:.3f}",
+            f"{100 * r['mfu']:.1f}%",
+            f"{r['max_alloc_gib']:.1f}",
+        ]
+        for r in rows
+    ]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     print("\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *body]))
     a.json.parent.mkdir(parents=True, exist_ok=True)

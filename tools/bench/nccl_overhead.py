@@ -96,17 +96,24 @@ def raw_loop(count: int, iters: int, warmup: int) -> float:
 
 def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q: Any) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     try:
         env = from_environ(cuda_available=False)
         joined = join(env, {"rank": rank, "hostname": env.hostname}, 120)  # the tool's rendezvous and store
         dist.init_process_group(
-            "gloo", store=dist.PrefixStore("pg", joined.store), rank=rank, world_size=world,
+            "gloo",
+            store=dist.PrefixStore("pg", joined.store),
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=600),
-        )  # fmt: skip
+        )
         sizes = message_sizes(a.min_bytes, a.max_bytes, a.factor)
         wd = Watchdog(joined.store, rank, joined.hosts, 600, on_hang=lambda hang: None).start()
         out: dict[str, list[Any]] = {"tool": [], "raw": []}
@@ -116,9 +123,17 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q: Any) -> No
                 for side in ("tool", "raw") if (repeat + i) % 2 == 0 else ("raw", "tool"):
                     if side == "tool":
                         tool_rows += sweep_op(
-                            OP, dist.group.WORLD, [size], dtype=torch.float32, device=torch.device("cpu"),
-                            iters=a.iters, warmup=a.warmup, rank=rank, faults=Faults(), step=wd.step,
-                        )  # fmt: skip
+                            OP,
+                            dist.group.WORLD,
+                            [size],
+                            dtype=torch.float32,
+                            device=torch.device("cpu"),
+                            iters=a.iters,
+                            warmup=a.warmup,
+                            rank=rank,
+                            faults=Faults(),
+                            step=wd.step,
+                        )
                     else:
                         raw_s.append(raw_loop(max(size // 4, 1), a.iters, a.warmup))
             out["tool"].append(tool_rows)
@@ -147,13 +162,18 @@ def summarize(per_rank: list[dict[str, list[Any]]], a: argparse.Namespace) -> li
         pairs = [t / r for t, r in zip(tool_bw, raw_bw, strict=True)]
         out.append(
             {
-                "size": size, "tool_busbw": tool_bw, "raw_busbw": raw_bw,
-                "tool_median": statistics.median(tool_bw), "raw_median": statistics.median(raw_bw),
+                "size": size,
+                "tool_busbw": tool_bw,
+                "raw_busbw": raw_bw,
+                "tool_median": statistics.median(tool_bw),
+                "raw_median": statistics.median(raw_bw),
                 "ratio_of_medians": statistics.median(tool_bw) / statistics.median(raw_bw),
-                "ratio_of_best": max(tool_bw) / max(raw_bw), "pair_ratios": pairs, "ratio": statistics.median(pairs),
+                "ratio_of_best": max(tool_bw) / max(raw_bw),
+                "pair_ratios": pairs,
+                "ratio": statistics.median(pairs),
                 "wrong": sum(tool[k][i]["in"]["wrong"] for k in range(a.repeats)),
             }
-        )  # fmt: skip
+        )
     return out
 
 
@@ -162,9 +182,16 @@ def render(rows: list[dict[str, Any]], a: argparse.Namespace, others: float) -> 
     for r in rows:
         p = r["pair_ratios"]
         cells.append(
-            [human_bytes(r["size"]), f"{r['tool_median']:.4f}", f"{r['raw_median']:.4f}", f"{r['ratio']:.3f}",
-             f"{r['ratio_of_medians']:.3f}", f"{r['ratio_of_best']:.3f}", f"{min(p):.3f} / {max(p):.3f}"]
-        )  # fmt: skip
+            [
+                human_bytes(r["size"]),
+                f"{r['tool_median']:.4f}",
+                f"{r['raw_median']:.4f}",
+                f"{r['ratio']:.3f}",
+                f"{r['ratio_of_medians']:.3f}",
+                f"{r['ratio_of_best']:.3f}",
+                f"{min(p):.3f} / {max(p):.3f}",
+            ]
+        )
     worst = min(r["ratio"] for r in rows)
     median = statistics.median(r["ratio"] for r in rows)
     verdict = "PASS" if worst >= GOAL else "below the goal at some size"
@@ -193,8 +220,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     started = datetime.datetime.now().astimezone()
     info = machine()
-    print(f"nccl_check overhead benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
-          f"torch {info['torch']}", flush=True)  # fmt: skip
+    print(
+        f"nccl_check overhead benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
+        f"torch {info['torch']}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     port = free_port()
     with CpuShare() as share:
@@ -202,9 +232,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = summarize(per_rank, a)
     print(render(rows, a, share.others))
     doc = {
-        "date": started.isoformat(timespec="seconds"), "machine": info, "args": vars(a), "goal_ratio": GOAL,
-        "rows": rows, "other_processes_cores": share.others, "wall_s": time.perf_counter() - t0,
-    }  # fmt: skip
+        "date": started.isoformat(timespec="seconds"),
+        "machine": info,
+        "args": vars(a),
+        "goal_ratio": GOAL,
+        "rows": rows,
+        "other_processes_cores": share.others,
+        "wall_s": time.perf_counter() - t0,
+    }
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")

@@ -381,9 +381,13 @@ def free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, side: str, cfg: JobConfig, spec: RunSpec, q: Any) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)  # world ranks share os.cpu_count() cores; both sides alike
     try:
         if side == "hpcdist":
@@ -623,9 +627,13 @@ def overhead_table(o: dict[str, Any]) -> str:
         ("metrics.jsonl step_time_s, median (ms)", f"{o['metrics_step_time_s'] * 1e3:.2f}", "", ""),
         ("pair ratios min / median / max", "", "", f"{pr[0]:.4f} / {statistics.median(pr):.4f} / {pr[-1]:.4f}"),
         ("final loss (last run)", f"{fl['hpcdist']:.6f}", f"{fl['baseline']:.6f}", f"rel diff {fl['rel_diff']:.1e}"),
-        ("final grad norm (last run)", f"{gn['hpcdist']:.6f}", f"{gn['baseline']:.6f}",
-         f"rel diff {gn['rel_diff']:.1e}"),
-    ]  # fmt: skip
+        (
+            "final grad norm (last run)",
+            f"{gn['hpcdist']:.6f}",
+            f"{gn['baseline']:.6f}",
+            f"rel diff {gn['rel_diff']:.1e}",
+        ),
+    ]
     verdict = (
         f"{load_line(o)}\n"
         f"ratio {o['ratio']:.4f} (goal <= {o['goal_ratio_max']}): {'PASS' if o['pass'] else 'FAIL'}; "
@@ -644,20 +652,26 @@ def mfu_table(m: dict[str, Any]) -> str:
     )
     rows = [
         ("quantity", "value"),
-        ("CPU peak, fp32 2048^3 matmul: min / median / max of the run (GFLOP/s)",
-         f"{min(pk):.1f} / {statistics.median(pk):.1f} / {max(pk):.1f}"),
+        (
+            "CPU peak, fp32 2048^3 matmul: min / median / max of the run (GFLOP/s)",
+            f"{min(pk):.1f} / {statistics.median(pk):.1f} / {max(pk):.1f}",
+        ),
         ("step time median / min / max (s)", f"{st['median_s']:.3f} / {st['min_s']:.3f} / {st['max_s']:.3f}"),
-        ("  of which optimizer phase (clip + AdamW + zero_grad), median (s)",
-         f"{m['optimizer_median_s']:.3f} ({m['optimizer_median_s'] / st['median_s'] * 100:.0f}%)"),
+        (
+            "  of which optimizer phase (clip + AdamW + zero_grad), median (s)",
+            f"{m['optimizer_median_s']:.3f} ({m['optimizer_median_s'] / st['median_s'] * 100:.0f}%)",
+        ),
         ("tokens/s (median step)", f"{m['tokens_per_s']:.1f}"),
         ("model FLOPs per token (GFLOP)", f"{m['flops_per_token'] / 1e9:.4f}"),
         ("achieved model FLOP/s (GFLOP/s)", f"{m['achieved_flops'] / 1e9:.1f}"),
-        ("MFU per timed step (vs the peak measured next to it)",
-         " / ".join(f"{v * 100:.1f}%" for v in m["mfu_per_step"])),
+        (
+            "MFU per timed step (vs the peak measured next to it)",
+            " / ".join(f"{v * 100:.1f}%" for v in m["mfu_per_step"]),
+        ),
         ("MFU, median of those", f"{m['mfu'] * 100:.1f}%"),
         ("MFU, median step vs the run's highest peak (lower bound)", f"{m['mfu_vs_max_peak'] * 100:.1f}%"),
         ("peak RSS (GiB)", f"{m['peak_rss_gib']:.2f}"),
-    ]  # fmt: skip
+    ]
     goal = f"(goal >= {m['goal_mfu_min'] * 100:.0f}%): {'PASS' if m['pass'] else 'FAIL'}"
     if m.get("other_processes_cores", 0.0) > 0.25:
         goal += " -- not conclusive on a busy machine: rerun when it is idle"
@@ -687,8 +701,17 @@ def machine() -> dict[str, Any]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     a = p.parse_args(argv)
-    for name in ("seq_len", "global_batch", "micro_batch", "world_size", "steps", "repeats", "mfu_seq_len",
-                 "mfu_micro_batch", "mfu_steps"):  # fmt: skip
+    for name in (
+        "seq_len",
+        "global_batch",
+        "micro_batch",
+        "world_size",
+        "steps",
+        "repeats",
+        "mfu_seq_len",
+        "mfu_micro_batch",
+        "mfu_steps",
+    ):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.warmup < 0 or a.mfu_warmup < 0:
@@ -701,8 +724,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     started = datetime.datetime.now().astimezone()
     info = machine()
-    print(f"hpcdist trainer benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
-          f"torch {info['torch']}, python {info['python']}", flush=True)  # fmt: skip
+    print(
+        f"hpcdist trainer benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
+        f"torch {info['torch']}, python {info['python']}",
+        flush=True,
+    )
     report: dict[str, Any] = {"date": started.isoformat(timespec="seconds"), "machine": info, "args": vars(a)}
     tables: list[str] = []
     try:

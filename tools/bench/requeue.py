@@ -431,8 +431,9 @@ ROWS: list[tuple[str, str, str]] = [
 def report_table(report: dict[str, Any]) -> str:
     n = report["args"]["repeats"]
     s = report["summary"]
-    rows: list[Sequence[str]] = [("seconds" + (", median (min-max)" if n > 1 else ""),
-                                  *(POLICY_TITLES[p] for p in POLICIES))]  # fmt: skip
+    rows: list[Sequence[str]] = [
+        ("seconds" + (", median (min-max)" if n > 1 else ""), *(POLICY_TITLES[p] for p in POLICIES))
+    ]
     for label, source, key in ROWS:
         rows.append((label, *(cell(s[p][source][key], n) for p in POLICIES)))
     verdict = [(f"overhead <= {GOAL_S:g} s", *("PASS" if s[p]["pass"] else "FAIL" for p in POLICIES))]
@@ -497,8 +498,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.perf_counter()
     started = datetime.datetime.now().astimezone()
     info = machine()
-    print(f"hpcdist requeue benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
-          f"{info['slurm']}, python {info['python']}", flush=True)  # fmt: skip
+    print(
+        f"hpcdist requeue benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
+        f"{info['slurm']}, python {info['python']}",
+        flush=True,
+    )
     report: dict[str, Any] = {
         "date": started.isoformat(timespec="seconds"),
         "machine": info,
@@ -529,8 +533,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         h = rnd["hpcdist"][policy] = bench_hpcdist(
                             cluster, work / f"r{r + 1}-hpcdist-{policy}", corpus, policy, a.timeout
                         )
-                        log(f"  USR2 -> checkpoint {h['checkpoint_s']:.2f} s, -> first resumed step "
-                            f"{h['total_s']:.2f} s")  # fmt: skip
+                        log(
+                            f"  USR2 -> checkpoint {h['checkpoint_s']:.2f} s, -> first resumed step "
+                            f"{h['total_s']:.2f} s"
+                        )
                     rnd["overhead"] = {
                         p: {"overhead_s": rnd["hpcdist"][p]["total_s"] - rnd["bare"][p]["delay_s"]} for p in POLICIES
                     }
