@@ -17,6 +17,7 @@ written it (:func:`read_trusted`).
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import secrets
 import stat
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from hpcdist.owners import user_name, writer_problem
 
-__all__ = ["UntrustedFile", "append_line", "atomic_write", "open_append", "read_tail", "read_trusted"]
+__all__ = ["UntrustedFile", "append_line", "atomic_write", "file_sha256", "open_append", "read_tail", "read_trusted"]
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes | memoryview, *, durable: bool = True) -> Path:
@@ -63,8 +64,11 @@ def open_append(path: str | os.PathLike[str]) -> int:
         fd = os.open(path, flags, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:  # the last component is a link (dangling or not)
-            raise OSError(errno.ELOOP, f"{path} is a link: hpcdist appends to its own files only, never through a "
-                          "link (remove the link)", str(path)) from None  # fmt: skip
+            raise OSError(
+                errno.ELOOP,
+                f"{path} is a link: hpcdist appends to its own files only, never through a link (remove the link)",
+                str(path),
+            ) from None
         if e.errno == errno.ENXIO:  # a FIFO nobody reads: O_NONBLOCK refused it instead of blocking forever
             raise _not_regular(path) from None
         raise
@@ -73,9 +77,13 @@ def open_append(path: str | os.PathLike[str]) -> int:
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path)
         if st.st_uid != os.geteuid():
-            raise OSError(errno.EPERM, f"{path} belongs to {user_name(st.st_uid)}, not to you "
-                          f"({user_name(os.geteuid())}): it is not this run's file (remove it or choose another "
-                          "run.dir)", str(path))  # fmt: skip
+            raise OSError(
+                errno.EPERM,
+                f"{path} belongs to {user_name(st.st_uid)}, not to you "
+                f"({user_name(os.geteuid())}): it is not this run's file (remove it or choose another "
+                "run.dir)",
+                str(path),
+            )
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -84,8 +92,12 @@ def open_append(path: str | os.PathLike[str]) -> int:
 
 
 def _not_regular(path: Path) -> OSError:
-    return OSError(errno.EINVAL, f"{path} is not a regular file (a FIFO, device or directory): hpcdist appends "
-                   "only to its own regular files (remove it)", str(path))  # fmt: skip
+    return OSError(
+        errno.EINVAL,
+        f"{path} is not a regular file (a FIFO, device or directory): hpcdist appends "
+        "only to its own regular files (remove it)",
+        str(path),
+    )
 
 
 def append_line(path: str | os.PathLike[str], line: str | bytes) -> None:
@@ -112,8 +124,9 @@ def _open_regular(path: Path) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise UntrustedFile(errno.ELOOP, f"{path} is a link: not read (hpcdist reads its records only "
-                                "directly)", str(path)) from None  # fmt: skip
+            raise UntrustedFile(
+                errno.ELOOP, f"{path} is a link: not read (hpcdist reads its records only directly)", str(path)
+            ) from None
         raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -140,11 +153,15 @@ def read_trusted(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
         st = os.fstat(fd)
         why = writer_problem(st, {os.getuid(), 0})
         if why:
-            raise UntrustedFile(errno.EPERM, f"{path} {why}: another user could have written it, so it is not "
-                                "read", str(path))  # fmt: skip
+            raise UntrustedFile(
+                errno.EPERM, f"{path} {why}: another user could have written it, so it is not read", str(path)
+            )
         if st.st_size > max_bytes:
-            raise UntrustedFile(errno.EFBIG, f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} such a "
-                                "record can be: not read", str(path))  # fmt: skip
+            raise UntrustedFile(
+                errno.EFBIG,
+                f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} such a record can be: not read",
+                str(path),
+            )
         return _read_at_most(fd, max_bytes)
     finally:
         os.close(fd)
@@ -168,3 +185,18 @@ def read_tail(path: str | os.PathLike[str], max_bytes: int) -> bytes:
 def _read_at_most(fd: int, max_bytes: int) -> bytes:
     with os.fdopen(fd, "rb", closefd=False) as f:
         return f.read(max_bytes)  # a file growing meanwhile is cut, never read without end
+
+
+_HASH_CHUNK = 1 << 20  # bytes read per step when hashing a file
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file (a checkpoint's file, a tokenizer's), read in chunks into one reused buffer
+    (hashlib.file_digest is 3.11+; we support 3.10)."""
+    h = hashlib.sha256()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()

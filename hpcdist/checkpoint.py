@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
@@ -61,7 +60,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hpcdist.atomic import atomic_write
+from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.config.dirs import tree_trust_problems, trusted_uids
 from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
@@ -115,11 +114,13 @@ def latest(root: Path, *, warn: bool = True) -> Path | None:
         for d in incomplete:
             if int(d.name.split("-")[1]) > newest:
                 if (d / DAMAGED).is_file():  # demoted by an earlier resume: say so, it was no interrupted save
-                    log.warning("ignoring %s: demoted as damaged earlier (%s marker); it will not be resumed from", d,
-                                DAMAGED)  # fmt: skip
+                    log.warning(
+                        "ignoring %s: demoted as damaged earlier (%s marker); it will not be resumed from", d, DAMAGED
+                    )
                 else:
-                    log.warning("ignoring %s: no %s marker (an interrupted save); it will not be resumed from", d,
-                                MARKER)  # fmt: skip
+                    log.warning(
+                        "ignoring %s: no %s marker (an interrupted save); it will not be resumed from", d, MARKER
+                    )
     return complete[-1][1] if complete else None
 
 
@@ -161,8 +162,10 @@ class UntrustedCheckpoint(ConfigError):
         by_why: dict[str, list[str]] = {}
         for entry, why in problems:
             by_why.setdefault(why, []).append(entry)
-        parts = [f"{why}: {entries[0]}{f' and {len(entries) - 1} more' if len(entries) > 1 else ''}"
-                 for why, entries in list(by_why.items())[: self.SHOWN]]  # fmt: skip
+        parts = [
+            f"{why}: {entries[0]}{f' and {len(entries) - 1} more' if len(entries) > 1 else ''}"
+            for why, entries in list(by_why.items())[: self.SHOWN]
+        ]
         shown = "; ".join(parts) + ("; ..." if len(by_why) > self.SHOWN else "")
         fixes = []
         if any(why.startswith("belongs to ") for why in by_why):
@@ -176,10 +179,12 @@ class UntrustedCheckpoint(ConfigError):
             fixes.append("copy the linked files into the checkpoint instead of linking them")
         if any(why.startswith("cannot be listed") for why in by_why):
             fixes.append("make it readable to you")
-        super().__init__([
-            f"{key}: {path} cannot be trusted: {shown}. Loading a checkpoint unpickles parts of it, which runs "
-            f"any code its writer put there; {'; '.join(fixes)}. Nothing was read or changed"
-        ])  # fmt: skip
+        super().__init__(
+            [
+                f"{key}: {path} cannot be trusted: {shown}. Loading a checkpoint unpickles parts of it, which runs "
+                f"any code its writer put there; {'; '.join(fixes)}. Nothing was read or changed"
+            ]
+        )
         self.path = path
 
 
@@ -216,10 +221,19 @@ class CheckpointManager:
         verify: str = "checksum",
         write_threads: int = 1,
         every_steps: int = 0,
+        every_minutes: float = 0.0,
+        save_final: bool = True,
+        total_steps: int | None = None,
         trusted_owners: Sequence[str] = (),
     ):
+        """The cadence (``should_save``): ``every_steps`` / ``every_minutes`` (0: never), ``save_final`` at
+        ``total_steps`` (train.steps; None: every last step is the run's end)."""
         self.root, self.rank, self.world_size = Path(root), rank, world_size
-        self.every_steps = every_steps
+        self.every_steps, self.every_minutes = every_steps, every_minutes
+        self.save_final, self.total_steps = save_final, total_steps
+        self.saved_step = -1  # the step of the last save (or failed save) or of the resumed checkpoint
+        self.last_ok = True  # the last save succeeded, as far as the save itself knows (an async one: see wait())
+        self._clock = time.perf_counter()  # every_minutes counts from the last save (or restart_clock())
         self.trusted = trusted_uids(trusted_owners)  # besides this user and root
         self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
         self.write_threads = max(1, write_threads)
@@ -235,23 +249,57 @@ class CheckpointManager:
                 self._async_pg = dist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------------------------------ save
-    def due(self, step: int) -> bool:
-        """checkpoint.every_steps (0: only the final / stop checkpoint; checkpoint.every_minutes is the trainer's,
-        agreed through the stop flag)."""
-        return self.every_steps > 0 and step % self.every_steps == 0
+    # the one cadence rule (torchtitan's CheckpointManager._should_save): the loop asks once per step
+    def should_save(self, step: int, *, last_step: bool, stop_requested: bool = False, timed: bool = False) -> bool:
+        """Save after ``step``? ``last_step``: the loop ends after it (train.steps or train(until=...));
+        ``stop_requested``: a stop every rank agreed on (a signal); ``timed``: the every-M-minutes request every rank
+        agreed on (rank 0 asks, ``timed_save_due``). The loop's last step saves when it is a resume point (stopped
+        or interrupted before train.steps) or checkpoint.save_final; a step is never saved twice. Every rank
+        answers alike from agreed inputs: a save is collective."""
+        if step == self.saved_step:
+            return False
+        if (last_step or stop_requested) and self.final_save_due(step):
+            return True
+        # a stop decides its step's save alone (at train.steps: checkpoint.save_final); every_steps always saves
+        return (self.every_steps > 0 and step % self.every_steps == 0) or (timed and not stop_requested)
+
+    def final_save_due(self, step: int) -> bool:
+        """The loop's last step is saved: a stop or interruption before train.steps (the resume point), or
+        checkpoint.save_final. A failure of this save is the run's failure (the trainer reports ``save_failed``)."""
+        return self.save_final or (self.total_steps is not None and step < self.total_steps)
+
+    def timed_save_due(self, step: int) -> bool:
+        """Rank 0's clock: checkpoint.every_minutes has passed since the last save (or ``restart_clock``). True once
+        per interval; the caller sends it through the per-step stop agreement, so every rank saves after the same
+        step (``should_save(timed=...)`` one step later). A step that saves by every_steps restarts the clock."""
+        if not (self.every_minutes and self.rank == 0):
+            return False
+        if self.every_steps > 0 and step % self.every_steps == 0:
+            self._clock = time.perf_counter()
+            return False
+        if time.perf_counter() - self._clock < self.every_minutes * 60:
+            return False
+        self._clock = time.perf_counter()  # asked: the save itself restarts it again one step later
+        return True
+
+    def restart_clock(self) -> None:
+        """checkpoint.every_minutes counts from now (the start of the training loop)."""
+        self._clock = time.perf_counter()
 
     def save(self, step: int, state: Checkpointable) -> Path | None:
         """Write step-N collectively; None when it failed with an I/O error (disk full, EIO, quota): then the partial
         directory is removed, every rank logs why, and the previous complete checkpoint stays the resume point.
         Any other error (a bug: training on would silently never checkpoint again) raises CheckpointSaveError on
         every rank, after the same clean-up."""
+        self._clock = time.perf_counter()  # checkpoint.every_minutes counts from the start of the last save
+        self.saved_step, self.last_ok = step, False  # a failed save is not retried at the same step
         self.wait()  # one save in flight at a time; also makes the previous checkpoint complete
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
         errors: list[BaseException] = []
 
         def phase(fn: Callable[[], Any]) -> bool:
-            err = _attempt(fn)
+            err = _error_of(fn)
             if err is not None:
                 errors.append(err)
             return self._all_ok(err)
@@ -262,6 +310,7 @@ class CheckpointManager:
         ok = ok and phase(lambda: self._write_local(path, state))
         ok = ok and phase(lambda: self._write_shards(path, state, step, t0))
         if self.async_save and ok:
+            self.last_ok = True  # so far: its failure shows at wait()
             return path  # the future's callback writes the manifest and the marker
         ok = ok and phase(lambda: self._write_manifest(path, distributed=True))
         ok = ok and phase(lambda: self._complete(path, step, t0))
@@ -274,6 +323,7 @@ class CheckpointManager:
                     + "): stopping rather than training on without checkpoints"
                 ) from (errors[0] if errors else None)
             return None
+        self.last_ok = True
         return path
 
     def _prepare(self, path: Path) -> None:
@@ -331,8 +381,9 @@ class CheckpointManager:
     def _own_digests(self, path: Path) -> dict[str, dict[str, Any]]:
         """Size and sha256 of the files this rank wrote (``_owner``): read back while they are still in this node's
         page cache, and the work spread over the ranks as the writing was."""
-        return {rel: _digest(path / rel, checksum=True) for rel in _files(path)
-                if _owner(rel, self.world_size) == self.rank}  # fmt: skip
+        return {
+            rel: _digest(path / rel, checksum=True) for rel in _files(path) if _owner(rel, self.world_size) == self.rank
+        }
 
     def _writer(self, path: Path) -> dcp.FileSystemWriter:
         # DCP serializes and writes with one thread by default: 0.29 GB/s here against dd's 1.07 for a 1.5 GB
@@ -397,15 +448,16 @@ class CheckpointManager:
         # merges the parts into MANIFEST.json and writes the marker
         err = fut.exception() or _take_thread_error()
         if err is None:
-            err = _attempt(lambda: self._write_part(path))
+            err = _error_of(lambda: self._write_part(path))
         if err is not None:
-            log.error("async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank,
-                      describe_error(err))  # fmt: skip
+            log.error(
+                "async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank, describe_error(err)
+            )
             with contextlib.suppress(OSError):
                 self._write_part(path, failed=err)  # rank 0 stops waiting for this rank's part
             return False
         if self.rank == 0:
-            err = _attempt(lambda: (self._write_manifest(path, distributed=False), self._complete(path, step, t0)))
+            err = _error_of(lambda: (self._write_manifest(path, distributed=False), self._complete(path, step, t0)))
             if err is not None:
                 log.error("async checkpoint %s failed: %s; it stays incomplete", path, describe_error(err))
                 return False
@@ -543,12 +595,14 @@ class CheckpointManager:
                 self._demote(path, problems)
             damaged = [d for d in list_checkpoints(self.root)[1] if (d / DAMAGED).is_file()]
             if damaged:  # starting from step 0 would silently drop the progress they hold
-                raise ConfigError([
-                    f"checkpoint.resume=auto: no intact checkpoint in {self.root}, only damaged ones ("
-                    f"{', '.join(d.name for d in damaged)}; the warnings above say which file); nothing was deleted. "
-                    "Set checkpoint.resume=none to start from step 0 anyway (they are kept), or repair one, rename "
-                    f"its {DAMAGED} file back to {MARKER} and set checkpoint.resume=<its path>"
-                ])  # fmt: skip
+                raise ConfigError(
+                    [
+                        f"checkpoint.resume=auto: no intact checkpoint in {self.root}, only damaged ones ("
+                        f"{', '.join(d.name for d in damaged)}; the warnings above say which file); nothing was "
+                        "deleted. Set checkpoint.resume=none to start from step 0 anyway (they are kept), or repair "
+                        f"one, rename its {DAMAGED} file back to {MARKER} and set checkpoint.resume=<its path>"
+                    ]
+                )
             return None
         return self._named(Path(resume), "checkpoint.resume")
 
@@ -577,8 +631,12 @@ class CheckpointManager:
         else could have written it)."""
         path = self._trusted(path, key)
         if not (path / MARKER).is_file():
-            raise ConfigError([f"{key}: {path} has no {MARKER} marker: it is not a checkpoint, or an incomplete one "
-                               "that cannot be trusted; name a step-XXXXXXXX directory holding COMPLETE"])  # fmt: skip
+            raise ConfigError(
+                [
+                    f"{key}: {path} has no {MARKER} marker: it is not a checkpoint, or an incomplete one "
+                    "that cannot be trusted; name a step-XXXXXXXX directory holding COMPLETE"
+                ]
+            )
         problems = self.verify(path)
         if problems:
             raise ConfigError([f"{key}: {path} is damaged: {'; '.join(problems)}"])
@@ -594,8 +652,11 @@ class CheckpointManager:
             for key, meta in metadata.state_dict_metadata.items()
             if key.startswith("model.") and hasattr(meta, "size")
         }
-        mine = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in model.items()
-                if isinstance(v, (torch.Tensor, tuple))}  # fmt: skip
+        mine = {
+            k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v)
+            for k, v in model.items()
+            if isinstance(v, (torch.Tensor, tuple))
+        }
         wanted = set(mine)
         if self._pg is not None:
             parts: list[list[str]] = [[] for _ in range(self.world_size)]
@@ -655,31 +716,43 @@ class CheckpointManager:
         if resume != "auto":
             path = self._trusted(Path(resume), "checkpoint.resume")
             if not (path / MARKER).is_file():
-                raise ConfigError([f"checkpoint.resume: {path} has no {MARKER} marker: it is not a checkpoint, or an "
-                                   "incomplete one that cannot be trusted; name a step-XXXXXXXX directory holding "
-                                   f"{MARKER}"])  # fmt: skip
+                raise ConfigError(
+                    [
+                        f"checkpoint.resume: {path} has no {MARKER} marker: it is not a checkpoint, or an "
+                        "incomplete one that cannot be trusted; name a step-XXXXXXXX directory holding "
+                        f"{MARKER}"
+                    ]
+                )
             kind, problems = self._read(path, state, saved)
             if kind == _DAMAGE:
-                raise ConfigError([f"checkpoint.resume: {path} "
-                                   + ("is damaged: " if problems[0] != "load" else "cannot be loaded: ")
-                                   + "; ".join(problems[1:])])  # fmt: skip
+                raise ConfigError(
+                    [
+                        f"checkpoint.resume: {path} "
+                        + ("is damaged: " if problems[0] != "load" else "cannot be loaded: ")
+                        + "; ".join(problems[1:])
+                    ]
+                )
             self._set_aside_newer(int(saved["step"]), path)
+            self.saved_step = int(saved["step"])
             return path
         latest(self.root)  # warns about interrupted saves
         for _, found in reversed(list_checkpoints(self.root)[0]):
             path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
             kind, problems = self._read(path, state, saved)
             if kind == _OK:
+                self.saved_step = int(saved["step"])
                 return path
             self._demote(path, problems[1:] if problems[0] == "verify" else [f"loading failed: {problems[1]}"])
         damaged = [d for d in list_checkpoints(self.root)[1] if (d / DAMAGED).is_file()]
         if damaged:  # starting from step 0 would silently drop the progress they hold
-            raise ConfigError([
-                f"checkpoint.resume=auto: no intact checkpoint in {self.root}, only damaged ones ("
-                f"{', '.join(d.name for d in damaged)}; the warnings above say which file); nothing was deleted. "
-                "Set checkpoint.resume=none to start from step 0 anyway (they are kept), or repair one, rename "
-                f"its {DAMAGED} file back to {MARKER} and set checkpoint.resume=<its path>"
-            ])  # fmt: skip
+            raise ConfigError(
+                [
+                    f"checkpoint.resume=auto: no intact checkpoint in {self.root}, only damaged ones ("
+                    f"{', '.join(d.name for d in damaged)}; the warnings above say which file); nothing was deleted. "
+                    "Set checkpoint.resume=none to start from step 0 anyway (they are kept), or repair one, rename "
+                    f"its {DAMAGED} file back to {MARKER} and set checkpoint.resume=<its path>"
+                ]
+            )
         return None
 
     def _read(self, path: Path, state: Checkpointable, saved: dict[str, Any]) -> tuple[int, list[str]]:
@@ -689,12 +762,12 @@ class CheckpointManager:
         problems: list[str] = []
         for delay in (*READ_RETRY_DELAYS_S, None):
             problems.clear()
-            err = _attempt(lambda: problems.extend(self.verify(path)))
+            err = _error_of(lambda: problems.extend(self.verify(path)))
             phase = "verify"
             kind = self._agree(_read_kind(err) if err is not None else _DAMAGE if problems else _OK)
             if kind == _OK:
                 phase = "load"
-                err = _attempt(lambda: saved.update(self.load(path, state)))
+                err = _error_of(lambda: saved.update(self.load(path, state)))
                 kind = self._agree(_read_kind(err) if err is not None else _OK)
             why = describe_error(err) if err is not None else f"{phase} failed on another rank: see its log"
             if kind == _MISMATCH:
@@ -736,12 +809,18 @@ class CheckpointManager:
                     aside = d.with_name(f"{d.name}.abandoned-{stamp}")
                     d.rename(aside)
                     what = "starts from step 0" if step < 0 else f"turned back from step {newer_step}"
-                    log.warning("checkpoint.resume=%s %s: the %s %s is set aside as %s (kept, never resumed or "
-                                "pruned; rename it back to resume that line)", resumed, what,
-                                "earlier run's" if step < 0 else "newer", d.name, aside.name)  # fmt: skip
+                    log.warning(
+                        "checkpoint.resume=%s %s: the %s %s is set aside as %s (kept, never resumed or "
+                        "pruned; rename it back to resume that line)",
+                        resumed,
+                        what,
+                        "earlier run's" if step < 0 else "newer",
+                        d.name,
+                        aside.name,
+                    )
 
         _barrier(self._pg)  # every rank has finished reading before rank 0 renames
-        err = _attempt(move) if self.rank == 0 else None
+        err = _error_of(move) if self.rank == 0 else None
         if not self._all_ok(err):
             raise RuntimeError(f"could not set aside the checkpoints newer than step {step} in {self.root}")
 
@@ -812,7 +891,7 @@ def _is_io_error(err: BaseException) -> bool:
     return cause is not None and _is_io_error(cause)
 
 
-def _attempt(fn: Callable[[], Any]) -> BaseException | None:
+def _error_of(fn: Callable[[], Any]) -> BaseException | None:
     """Run one local phase of a save; return its error instead of raising (the ranks agree on it next)."""
     try:
         fn()
@@ -937,24 +1016,10 @@ def _owner(rel: str, world_size: int) -> int:
     return rank if rank < world_size else 0
 
 
-_HASH_CHUNK = 1 << 20  # bytes read per step when hashing a checkpoint file
-
-
-def _sha256(file: Path) -> str:
-    """Hex sha256 of a file, read in chunks into one reused buffer (hashlib.file_digest is 3.11+; we support 3.10)."""
-    h = hashlib.sha256()
-    buf = bytearray(_HASH_CHUNK)
-    view = memoryview(buf)
-    with open(file, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 def _digest(file: Path, checksum: bool) -> dict[str, Any]:
     entry: dict[str, Any] = {"size": file.stat().st_size}
     if checksum:
-        entry["sha256"] = _sha256(file)
+        entry["sha256"] = file_sha256(file)
     return entry
 
 

@@ -1,53 +1,47 @@
-"""Where this process sits in a distributed job: rank, node, rendezvous address, device.
+"""Where this process sits in a distributed job: rank, node, rendezvous address, device, and the job's facts.
 
-This module (with ``hpcdist.launch``) is the only code that reads SLURM_* or torchrun variables. It turns
-them into a plain, validated :class:`DistEnv`; everything downstream receives that object instead.
+It turns the launcher's variables (torchrun's here; a scheduler's through the scheduler table,
+:mod:`hpcdist.schedulers`) into a plain, validated :class:`DistEnv`; everything downstream receives that object
+instead, its ``job`` (:class:`~hpcdist.schedulers.JobFacts`: job id, restarts, nodes) included.
 
 Detection order in :func:`from_environ`:
 
 1. torchrun (``TORCHELASTIC_RUN_ID``, or all of ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``), even inside a
-   SLURM allocation: torchrun's children carry the allocation's SLURM_* variables but their ranks are
-   torchrun's.
-2. a task of a SLURM job step (``srun``). A bare ``sbatch`` batch script also has ``SLURM_PROCID=0`` and
-   ``SLURM_NTASKS=N``; treating it as rank 0 of N would wait forever for N-1 peers, so it needs step
-   variables too.
+   scheduler's allocation: torchrun's children carry the allocation's variables but their ranks are torchrun's.
+2. a task of a scheduler's job step (SLURM's ``srun``; the scheduler's module says what a step is).
 3. a single local process.
 
 Before the process group exists, :func:`init_process_group` exports the resolved DistEnv the way torchrun hands it to
 every process (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``; :func:`export_environ`): libraries read those, not SLURM_* (DeepSpeed refuses to
-start without ``LOCAL_RANK``, even in one process). The names it added or changed are recorded in
+``MASTER_ADDR``, ``MASTER_PORT``; :func:`export_environ`): libraries read those, not the scheduler's (DeepSpeed
+refuses to start without ``LOCAL_RANK``, even in one process). The names it added or changed are recorded in
 ``HPCDIST_EXPORTED``; while they keep those values, :func:`from_environ` reads the environment as if they had never
 been exported, so a later call in the same process (or in a child, even a task of a nested srun) resolves from its
 launcher again instead of taking hpcdist's own export for torchrun's.
 """
 
 import datetime
-import itertools
 import json
 import logging
-import math
 import os
 import re
-import shutil
 import socket
-import subprocess
 import time
 import zlib
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hpcdist import schedulers
+from hpcdist.schedulers import EnvReader, JobFacts
+
 __all__ = [
     "DistEnv",
-    "SlurmJob",
     "destroy_process_group",
-    "expand_nodelist",
     "export_environ",
     "from_environ",
-    "hostnames",
     "init_process_group",
     "port_from_job_id",
 ]
@@ -55,26 +49,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_MASTER_PORT = 29500
-LAUNCHERS = ("slurm", "torchrun", "single")
+LAUNCHERS = (*(s.name for s in schedulers.SCHEDULERS), "torchrun", "single")
 # JSON {name: value} of the variables export_environ added or changed (see the module docstring).
 EXPORTED_VAR = "HPCDIST_EXPORTED"
 
-# `scontrol show hostnames` needs no controller, but it must read a config first: with SLURM_CONF naming a
-# missing file, 22.05 retries for 60 s, and without any config it tries DNS SRV lookups.
-SCONTROL_TIMEOUT_S = 5.0
-# A typo such as "n[0-99999999]" should fail fast, not allocate a hundred million strings.
-MAX_HOSTS = 1 << 20
-# scontrol refuses a single range of more values than this ("Too many hosts in range"; SLURM's MAX_RANGE).
-MAX_RANGE = 1 << 16
-# What separates hosts in a list, as in scontrol: commas, blanks and tabs. A newline is not a separator there (it
-# becomes part of a name, or makes the list invalid), so any control character is refused.
-_SEPARATORS = (",", " ", "\t")
-# SLURM's special step ids (batch script, extern, interactive, pending) are 0xFFFFFFFA..0xFFFFFFFD; some
-# versions print them signed (-5), some unsigned. Real srun steps count up from 0.
-_FIRST_SPECIAL_STEP_ID = 0xFFFFFFF0
-
-# What each launcher reads, echoed in errors so a bad value is easy to trace to its variable.
-_READS = {
+# What each launcher reads, echoed in errors so a bad value is easy to trace to its variable (a scheduler's step
+# launcher: its row's ``reads``).
+_READS: dict[str, tuple[str, ...]] = {
     "torchrun": (
         "RANK",
         "LOCAL_RANK",
@@ -85,25 +66,10 @@ _READS = {
         "MASTER_ADDR",
         "MASTER_PORT",
     ),
-    "slurm": (
-        "SLURM_PROCID",
-        "SLURM_LOCALID",
-        "SLURM_NODEID",
-        "SLURM_STEP_NUM_TASKS",
-        "SLURM_NTASKS",
-        "SLURM_STEP_TASKS_PER_NODE",
-        "SLURM_TASKS_PER_NODE",
-        "SLURM_STEP_NUM_NODES",
-        "SLURM_JOB_NUM_NODES",
-        "SLURM_NNODES",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ),
     "single": ("MASTER_PORT",),
 }
 
 _DIGITS = re.compile(r"[0-9]+")
-_TASKS_PER_NODE_ITEM = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
 
 
 @dataclass(frozen=True)
@@ -122,7 +88,10 @@ class DistEnv:
     backend: str
     launcher: str
     job_id: str | None
+    """This job's own id (``job.instance_id``): seeds the rendezvous port and labels metrics; None outside a job."""
     hostname: str
+    job: JobFacts = field(default_factory=JobFacts)
+    """The job's facts (id to requeue, restarts, nodes): what the trainer and ``hpcdist.fault`` name and record."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -159,158 +128,6 @@ class DistEnv:
         return torch.device(self.device)
 
 
-# --------------------------------------------------------------------------------------------- nodelists
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand SLURM hostlist syntax in pure Python: ``"gpu[001-002,007],login2"`` -> 4 names, in order.
-
-    Matches ``scontrol show hostnames`` (SLURM 22.05, compared in tests/unit/test_env.py): zero padding follows the
-    low end of a range (``n[08-11]`` -> n08 n09 n10 n11); a name may not continue after its last bracket group
-    (``a[1-3]b`` is invalid); with several groups the last one varies fastest, then the first, second, ... (scontrol
-    expands the groups before the last from right to left: ``a[1-2]b[1-2]c[1-2]`` -> a1b1c1 a1b1c2 a2b1c1 ...). Raises
-    ValueError on malformed input, including control characters and blanks inside brackets, which scontrol either
-    refuses or turns into names no host has.
-    """
-    if not isinstance(nodelist, str):
-        raise TypeError(f"nodelist must be a str, got {type(nodelist).__name__}")
-    if not nodelist.strip():
-        raise ValueError(f"empty nodelist {nodelist!r}: expected something like 'gpu[001-004],login2'")
-    _refuse_control_characters(nodelist)
-    hosts: list[str] = []
-    for entry in _split_hosts(nodelist):
-        hosts.extend(_expand_host(entry, nodelist))
-        if len(hosts) > MAX_HOSTS:
-            raise ValueError(f"nodelist {nodelist!r} expands to more than {MAX_HOSTS} hosts")
-    return hosts
-
-
-def _refuse_control_characters(nodelist: str) -> None:
-    bad = next((pos for pos, char in enumerate(nodelist) if char not in "\t" and not char.isprintable()), None)
-    if bad is not None:
-        raise ValueError(
-            f"control character {nodelist[bad]!r} at position {bad} in nodelist {nodelist!r}: separate hosts with "
-            "commas or blanks, one list per line"
-        )
-
-
-def _split_hosts(nodelist: str) -> list[str]:
-    """Split on the commas (or blanks) that separate hosts, not those inside brackets; check bracket balance.
-
-    Empty entries ("a,,b") are skipped, as scontrol does.
-    """
-    entries: list[str] = []
-    current: list[str] = []
-    open_at = -1
-    for pos, char in enumerate(nodelist):
-        if char == "[":
-            if open_at >= 0:
-                raise ValueError(f"nested '[' at position {pos} in nodelist {nodelist!r}")
-            open_at = pos
-        elif char == "]":
-            if open_at < 0:
-                raise ValueError(f"unbalanced ']' at position {pos} in nodelist {nodelist!r}")
-            open_at = -1
-        elif open_at < 0 and char in _SEPARATORS:
-            entries.append("".join(current))
-            current = []
-            continue
-        current.append(char)
-    if open_at >= 0:
-        raise ValueError(f"unclosed '[' at position {open_at} in nodelist {nodelist!r}")
-    entries.append("".join(current))
-    entries = [entry for entry in entries if entry]
-    if not entries:
-        raise ValueError(f"no host names in nodelist {nodelist!r}")
-    return entries
-
-
-def _expand_host(entry: str, nodelist: str) -> list[str]:
-    """One host entry (balanced, no nesting) -> its names, in scontrol's order (see :func:`expand_nodelist`)."""
-    literals: list[str] = []  # literals[i] precedes groups[i]; literals[-1] follows the last group
-    groups: list[list[str]] = []
-    pos = 0
-    while (start := entry.find("[", pos)) >= 0:
-        end = entry.index("]", start)  # balance was checked by _split_hosts
-        literals.append(entry[pos:start])
-        groups.append(_expand_group(entry[start + 1 : end], entry, nodelist))
-        pos = end + 1
-    literals.append(entry[pos:])
-    if groups and literals[-1]:
-        raise ValueError(
-            f"host {entry!r} continues after its last ']' (nodelist {nodelist!r}); scontrol refuses that: end the "
-            "name with its bracket group, or list the names one by one"
-        )
-    count = math.prod(len(values) for values in groups)
-    if count > MAX_HOSTS:
-        raise ValueError(f"host entry {entry!r} expands to {count} hosts (more than {MAX_HOSTS})")
-    # scontrol expands the last group innermost and the groups before it from right to left (outermost first)
-    order = [*reversed(range(len(groups) - 1)), len(groups) - 1] if groups else []
-    names = []
-    for combo in itertools.product(*(groups[i] for i in order)):
-        chosen = dict(zip(order, combo, strict=True))
-        names.append("".join(literals[i] + chosen[i] for i in range(len(groups))) + literals[-1])
-    return names
-
-
-def _expand_group(body: str, entry: str, nodelist: str) -> list[str]:
-    """Bracket contents such as ``001-004,007`` -> ["001", ..., "004", "007"]."""
-    where = f"in [{body}] of host {entry!r} (nodelist {nodelist!r})"
-    if not body:
-        raise ValueError(f"empty brackets {where}")
-    values: list[str] = []
-    for item in body.split(","):
-        low, sep, high = item.partition("-")
-        if not _DIGITS.fullmatch(low) or (sep and not _DIGITS.fullmatch(high)):
-            raise ValueError(f"bad item {item!r} {where}: expected a number or a range like 01-08, no blanks")
-        if not sep:
-            values.append(low)
-            continue
-        lo, hi = int(low), int(high)
-        if lo > hi:
-            raise ValueError(f"descending range {item!r} {where}: write {high}-{low}")
-        if hi - lo + 1 > MAX_RANGE:
-            raise ValueError(f"range {item!r} {where} has more than {MAX_RANGE} values (scontrol's limit)")
-        width = len(low)  # SLURM pads every number in the range to the width of its low end
-        values.extend(str(n).zfill(width) for n in range(lo, hi + 1))
-    return values
-
-
-def hostnames(nodelist: str) -> list[str]:
-    """Expand a nodelist with ``scontrol show hostnames`` when that works, else with :func:`expand_nodelist`."""
-    if not nodelist or not nodelist.strip():
-        # Checked here, not left to scontrol: given no list it silently expands $SLURM_JOB_NODELIST instead.
-        raise ValueError(f"empty nodelist {nodelist!r}: expected something like 'gpu[001-004],login2'")
-    # scontrol keeps a newline inside a name ("a\nb" is one host), which its output then splits in two
-    _refuse_control_characters(nodelist)
-    exe = shutil.which("scontrol")
-    if exe is not None:
-        try:
-            proc = subprocess.run(
-                [exe, "show", "hostnames", nodelist],
-                capture_output=True,
-                text=True,
-                timeout=SCONTROL_TIMEOUT_S,
-                check=False,
-            )
-        except (OSError, subprocess.SubprocessError) as err:
-            log.debug("scontrol show hostnames %s failed (%s); using the built-in parser", nodelist, err)
-        else:
-            names = proc.stdout.split()
-            # Exit status alone is not enough: scontrol 22.05 exits 0 on "Invalid hostlist" (stdout empty,
-            # message on stderr) and echoes garbage such as "a]" for "a[1-2".
-            if proc.returncode == 0 and names and not any("[" in n or "]" in n for n in names):
-                return names
-            # Typical on login nodes of other clusters and in containers: no readable slurm.conf.
-            log.debug(
-                "scontrol show hostnames %s exited %d (%s); using the built-in parser",
-                nodelist,
-                proc.returncode,
-                proc.stderr.strip(),
-            )
-    return expand_nodelist(nodelist)
-
-
 # ------------------------------------------------------------------------------------------------- ports
 
 
@@ -333,117 +150,7 @@ def port_from_job_id(job_id: str | None, base: int = 20000, span: int = 12000) -
     return base + value % span
 
 
-# ----------------------------------------------------------------------------------------------- job
-
-
-@dataclass(frozen=True)
-class SlurmJob:
-    """The SLURM job facts restarts, requeues and failure records need (job id, restart count, partition, size).
-
-    Read here, beside the rank layout, so no other module reads SLURM_* itself. ``job_id`` is None outside SLURM.
-    """
-
-    job_id: str | None
-    restart_count: int
-    partition: str | None = None
-    """Where the job runs: node exclusion checks that the partition keeps enough usable nodes."""
-    num_nodes: int | None = None
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "SlurmJob":
-        environ = os.environ if environ is None else environ
-        job_id = environ.get("SLURM_JOB_ID") or None
-        # An array task is requeued by its array id (<array job>_<task>). Not DistEnv.job_id's rule (<job>_<task>,
-        # only a rendezvous port seed): scontrol needs the array job's own id.
-        if job_id and environ.get("SLURM_ARRAY_TASK_ID"):
-            job_id = f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
-        nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES")
-        return cls(
-            job_id=job_id, restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
-            partition=environ.get("SLURM_JOB_PARTITION") or None, num_nodes=int(nodes) if nodes else None,
-        )  # fmt: skip
-
-
 # ----------------------------------------------------------------------------------------- environment
-
-
-class _Vars:
-    """Reads integer variables and collects every problem, so one error lists them all."""
-
-    def __init__(self, environ: Mapping[str, str]) -> None:
-        self.environ = environ
-        self.problems: list[str] = []
-
-    def get(self, name: str) -> str | None:
-        # Shell scripts often export empty variables (`export MASTER_PORT=${MASTER_PORT:-}`): empty = unset.
-        value = self.environ.get(name)
-        return value.strip() if value is not None and value.strip() else None
-
-    def has(self, name: str) -> bool:
-        return self.get(name) is not None
-
-    def first(self, *names: str) -> str | None:
-        """Name of the first of `names` that is set."""
-        return next((name for name in names if self.has(name)), None)
-
-    def integer(self, name: str | None, *, default: int | None = None, minimum: int = 0, needed: str = "") -> int:
-        raw = self.get(name) if name else None
-        if raw is None:
-            if default is None:
-                self.problems.append(f"{needed or name} is not set")
-                return minimum
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            self.problems.append(f"{name}={raw!r} is not an integer")
-            return minimum
-        if value < minimum:
-            self.problems.append(f"{name}={raw!r} must be >= {minimum}")
-            return minimum
-        return value
-
-    def check(self, what: str) -> None:
-        if self.problems:
-            raise ValueError(f"cannot read the {what} environment: " + "; ".join(self.problems))
-
-
-def _in_slurm_step(v: _Vars) -> bool:
-    """True for a task started by srun; False in a bare sbatch batch script, salloc shell, or outside SLURM."""
-    if not v.has("SLURM_PROCID"):
-        return False
-    if v.has("SLURM_STEP_NUM_TASKS"):
-        return True
-    step = v.get("SLURM_STEP_ID")
-    if step is None:
-        return False
-    try:
-        step_id = int(step)
-    except ValueError:
-        raise ValueError(f"SLURM_STEP_ID={step!r} is not an integer") from None
-    return 0 <= step_id < _FIRST_SPECIAL_STEP_ID
-
-
-def _slurm_job_id(v: _Vars) -> str | None:
-    job = v.get("SLURM_JOB_ID") or v.get("SLURM_JOBID")
-    task = v.get("SLURM_ARRAY_TASK_ID")
-    if job is not None and task is not None:
-        return f"{job}_{task}"
-    return job
-
-
-def _tasks_per_node(value: str) -> list[int]:
-    """Expand SLURM's compressed counts: ``"8(x4)"`` -> [8, 8, 8, 8]; ``"2(x2),1"`` -> [2, 2, 1]."""
-    counts: list[int] = []
-    for item in value.split(","):
-        match = _TASKS_PER_NODE_ITEM.fullmatch(item.strip())
-        if match is None:
-            raise ValueError(f"bad tasks-per-node item {item!r} in {value!r}: expected forms like 8, 8(x4)")
-        repeat = int(match.group(2) or 1)
-        if repeat > MAX_HOSTS:
-            raise ValueError(f"tasks-per-node {value!r} describes more than {MAX_HOSTS} nodes")
-        counts.extend([int(match.group(1))] * repeat)
-    return counts
 
 
 def _cuda_index(local_rank: int, device_count: int | None) -> int:
@@ -461,25 +168,30 @@ def _cuda_index(local_rank: int, device_count: int | None) -> int:
 
 
 def from_environ(environ: Mapping[str, str] | None = None, *, cuda_available: bool | None = None) -> DistEnv:
-    """Build the :class:`DistEnv` of this process from torchrun, SLURM step or no variables (in that order).
+    """Build the :class:`DistEnv` of this process from torchrun, a scheduler's job step or no variables (in that
+    order), with the job's facts from the scheduler table.
 
     ``environ`` defaults to ``os.environ``; ``cuda_available=None`` asks torch (tests pass it explicitly).
     Missing or garbled integers raise ValueError naming the variable and its value.
     """
     env_map: Mapping[str, str] = _without_own_exports(os.environ if environ is None else environ)
-    v = _Vars(env_map)
+    v = EnvReader(env_map)
+    job = schedulers.job_facts(env_map)
     device_count: int | None = None
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
         device_count = torch.cuda.device_count() if cuda_available else None
 
     fields: dict[str, Any]
+    reads = _READS["single"]
     if v.has("TORCHELASTIC_RUN_ID") or all(v.has(n) for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        launcher = "torchrun"
+        launcher, reads = "torchrun", _READS["torchrun"]
         fields = _torchrun_fields(v)
-    elif _in_slurm_step(v):
-        launcher = "slurm"
-        fields = _slurm_fields(v)
+    elif (step := schedulers.step_layout(v)) is not None:
+        scheduler, fields = step
+        launcher, reads = scheduler.name, scheduler.reads
+        # every task of the step computes the same port from the job, unless the job script chose one
+        fields["master_port"] = v.integer("MASTER_PORT", default=port_from_job_id(job.instance_id), minimum=1)
     else:
         launcher = "single"
         fields = dict(
@@ -492,7 +204,6 @@ def from_environ(environ: Mapping[str, str] | None = None, *, cuda_available: bo
             master_addr="127.0.0.1",
             # No free-port search: with one process nobody else needs to find it, and init is skipped.
             master_port=v.integer("MASTER_PORT", default=DEFAULT_MASTER_PORT, minimum=1),
-            job_id=_slurm_job_id(v),
         )
     v.check(launcher)
 
@@ -501,9 +212,18 @@ def from_environ(environ: Mapping[str, str] | None = None, *, cuda_available: bo
     else:
         device, backend = "cpu", "gloo"
     try:
-        return DistEnv(**fields, device=device, backend=backend, launcher=launcher, hostname=socket.gethostname())
+        # under every launcher the job id is the scheduler's: torchrun's run id is a rendezvous name ("none" by default)
+        return DistEnv(
+            **fields,
+            job_id=job.instance_id,
+            device=device,
+            backend=backend,
+            launcher=launcher,
+            hostname=socket.gethostname(),
+            job=job,
+        )
     except ValueError as err:
-        seen = ", ".join(f"{name}={env_map[name]}" for name in _READS[launcher] if v.has(name))
+        seen = ", ".join(f"{name}={env_map[name]}" for name in reads if v.has(name))
         raise ValueError(f"inconsistent {launcher} environment ({seen or 'no variables set'}): {err}") from None
 
 
@@ -534,7 +254,7 @@ def _without_own_exports(environ: Mapping[str, str]) -> Mapping[str, str]:
     return {name: value for name, value in environ.items() if name not in own}
 
 
-def _torchrun_fields(v: _Vars) -> dict[str, Any]:
+def _torchrun_fields(v: EnvReader) -> dict[str, Any]:
     rank = v.integer("RANK")
     local_rank = v.integer("LOCAL_RANK")
     world_size = v.integer("WORLD_SIZE", minimum=1)
@@ -550,64 +270,6 @@ def _torchrun_fields(v: _Vars) -> dict[str, Any]:
         num_nodes=v.integer("GROUP_WORLD_SIZE", default=-(-world_size // max(local_world_size, 1)), minimum=1),
         master_addr=v.get("MASTER_ADDR") or "127.0.0.1",
         master_port=v.integer("MASTER_PORT", default=DEFAULT_MASTER_PORT, minimum=1),
-        # torchrun's run id is a rendezvous name ("none" by default), not a job id; SLURM's is more useful.
-        job_id=_slurm_job_id(v),
-    )
-
-
-def _slurm_fields(v: _Vars) -> dict[str, Any]:
-    rank = v.integer("SLURM_PROCID")
-    local_rank = v.integer("SLURM_LOCALID")
-    node_rank = v.integer("SLURM_NODEID")
-    world_size = v.integer(v.first("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), minimum=1, needed="SLURM_NTASKS")
-    tpn_name = v.first("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
-    tpn_value = v.get(tpn_name) if tpn_name else None
-    counts: list[int] = []
-    if tpn_name is not None and tpn_value is not None:
-        try:
-            counts = _tasks_per_node(tpn_value)
-        except ValueError as err:
-            v.problems.append(f"{tpn_name}: {err}")
-    nodes_name = v.first("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
-    num_nodes = v.integer(nodes_name, default=len(counts) or None, minimum=1, needed="SLURM_STEP_NUM_NODES")
-    # Uneven layouts ("2(x3),1") give the last node fewer tasks: take this node's own count, not the first.
-    if node_rank < len(counts):
-        local_world_size = counts[node_rank]
-    elif counts:
-        v.problems.append(f"SLURM_NODEID={node_rank} but {tpn_name}={tpn_value!r} lists {len(counts)} nodes")
-        local_world_size = 1
-    elif num_nodes and world_size % num_nodes == 0:
-        local_world_size = world_size // num_nodes
-    else:
-        v.problems.append("SLURM_STEP_TASKS_PER_NODE is not set and tasks do not divide evenly over nodes")
-        local_world_size = 1
-
-    job_id = _slurm_job_id(v)
-    master_addr = v.get("MASTER_ADDR")
-    if master_addr is None:
-        # The step's list, not the job's: a step may run on a subset of the allocation, and rank 0 (which
-        # hosts the rendezvous store) runs on the step's first node.
-        nodelist_name = v.first("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-        if nodelist_name is None:
-            v.problems.append("SLURM_STEP_NODELIST is not set (and MASTER_ADDR is not given)")
-            master_addr = "127.0.0.1"
-        else:
-            try:
-                master_addr = hostnames(v.get(nodelist_name) or "")[0]
-            except ValueError as err:
-                v.problems.append(f"{nodelist_name}: {err}")
-                master_addr = "127.0.0.1"
-    master_port = v.integer("MASTER_PORT", default=port_from_job_id(job_id), minimum=1)
-    return dict(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        local_world_size=local_world_size,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        master_addr=master_addr,
-        master_port=master_port,
-        job_id=job_id,
     )
 
 
@@ -648,8 +310,12 @@ def export_environ(env: DistEnv, environ: MutableMapping[str, str] | None = None
         if current is not None and current.strip() and name not in own:
             log.warning(
                 "%s=%s in the environment differs from DistEnv's %s (%s launcher); using %s",
-                name, current, value, env.launcher, value,
-            )  # fmt: skip
+                name,
+                current,
+                value,
+                env.launcher,
+                value,
+            )
         target[name] = value
         record[name] = changed[name] = value
     if record:

@@ -42,8 +42,11 @@ class Evaluator:
     def loss(self, strategy: Strategy) -> float:
         sampler = ResumableSampler(len(self.dataset), seed=self.seed, shuffle=False)
         loader = BatchLoader(
-            self.dataset, sampler, global_batch_size=self.global_batch_size, dp_rank=self.dp_rank,
+            self.dataset,
+            sampler,
+            global_batch_size=self.global_batch_size,
+            dp_rank=self.dp_rank,
             dp_size=self.dp_size,
-        )  # fmt: skip
+        )
         losses = [strategy.eval_loss(loader.next_batch()) for _ in range(self.batches)]
         return float(torch.stack(losses).mean())

@@ -11,7 +11,11 @@ the byte tokenizer of the stdlib demo.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +29,9 @@ from hpcdist.config import loader as config_loader
 from hpcdist.config.vocab import DataError, check_same_tokenizer
 from hpcdist.data import BatchLoader, ResumableSampler, TokenDataset, Tokenizer, load_tokenizer
 from hpcdist.data.tokenizers import TokenizerError
+from hpcdist.errors import CommandError, refusing
 from hpcdist.hf.import_ import HFWeights
-from hpcdist.hf.source import find_checkpoint, load_fqn, run_config, run_tokenizer, saved_shapes
+from hpcdist.hf.source import find_checkpoint, load_fqn, load_run_tokenizer, run_config, saved_shapes
 from hpcdist.models.args import ModelArgs
 from hpcdist.models.hf_config import is_hf_dir
 from hpcdist.models.llama import Transformer, precompute_rope
@@ -69,8 +74,11 @@ def load_weights(model: Transformer, step: Path) -> None:
     tied = model.args.tie_embeddings
     problems = [f"{k}: not in the checkpoint" for k in dest if k not in saved and not (tied and k == "output.weight")]
     problems += [f"{k}: in the checkpoint, not in this model" for k in saved if k not in dest]
-    problems += [f"{k}: checkpoint {list(saved[k])}, model {list(v.shape)}" for k, v in dest.items()
-                 if k in saved and saved[k] != tuple(v.shape)]  # fmt: skip
+    problems += [
+        f"{k}: checkpoint {list(saved[k])}, model {list(v.shape)}"
+        for k, v in dest.items()
+        if k in saved and saved[k] != tuple(v.shape)
+    ]
     if problems:
         shown = "; ".join(problems[:3]) + (f"; ... ({len(problems)} in all)" if len(problems) > 3 else "")
         raise CheckpointMismatch(f"{step} holds a different model than its trainer state describes ({shown})", step)
@@ -123,7 +131,7 @@ def load_for_inference(
         load_weights(model, step)
         loaded = Loaded(step, cfg)
         try:
-            tok = run_tokenizer(saved, tokenizer)
+            tok = load_run_tokenizer(saved, tokenizer)
         except TokenizerError:
             if tokenizer is not None:
                 raise
@@ -159,8 +167,12 @@ def dataset_loss(model: Transformer, dataset: TokenDataset, *, batches: int, bat
     on one rank); fewer batches when the dataset is smaller (windows are never read twice)."""
     available = len(dataset) // batch_size
     if available < 1:
-        raise ConfigError([f"{dataset.path} holds {len(dataset)} windows of {dataset.seq_len + 1} tokens: fewer than "
-                           f"one batch of {batch_size}; lower --batch-size or --seq-len"])  # fmt: skip
+        raise ConfigError(
+            [
+                f"{dataset.path} holds {len(dataset)} windows of {dataset.seq_len + 1} tokens: fewer than "
+                f"one batch of {batch_size}; lower --batch-size or --seq-len"
+            ]
+        )
     batches = min(batches, available)
     loader = BatchLoader(
         dataset, ResumableSampler(len(dataset), shuffle=False), global_batch_size=batch_size, dp_rank=0, dp_size=1
@@ -174,3 +186,89 @@ def dataset_loss(model: Transformer, dataset: TokenDataset, *, batches: int, bat
         total += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").double().cpu()
         tokens += targets.numel()
     return EvalResult(float(total / tokens), batches, tokens)
+
+
+# ----------------------------------------------------------------------------- hpcdist generate / hpcdist eval
+
+
+@refusing("generate", ValueError, OSError)  # PromptTooLong, CheckpointMismatch, TokenizerError are ValueErrors
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hpcdist.models.generation import SamplingConfig, generate
+
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p)
+    model, tok, _ = load_for_inference(args.checkpoint, device=args.device, tokenizer=args.tokenizer)
+    if tok is None:
+        raise CommandError(
+            f"generate: {args.checkpoint} records no tokenizer (synthetic data, or an imported "
+            "checkpoint): pass --tokenizer SPEC (byte, a tokenizer.json or its directory, prepared data)"
+        )
+    prompt = [int(i) for i in tok.encode_batch([args.prompt])[0]]
+    if tok.add_bos and tok.bos_id is not None:  # documents were prepared framed by BOS: prompts are too
+        prompt = [tok.bos_id, *prompt]
+    t0 = time.perf_counter()
+    res = generate(
+        model,
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        eos_id=tok.eos_id,
+        vocab_limit=tok.vocab_size,
+        seed=args.seed,
+        use_cache=not args.no_cache,
+    )
+    seconds = time.perf_counter() - t0
+    text = tok.decode(res.tokens)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "prompt": args.prompt,
+                    "text": text,
+                    "prompt_ids": prompt,
+                    "new_ids": res.tokens,
+                    "stop": res.stop,
+                    "seconds": seconds,
+                }
+            )
+        )
+    else:
+        print(args.prompt + text, flush=True)
+        rate = len(res.tokens) / seconds if seconds > 0 else 0.0
+        print(
+            f"hpcdist: {len(res.tokens)} new tokens in {seconds:.2f}s ({rate:.1f} tokens/s), stopped at {res.stop}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+@refusing("eval", ValueError, OSError)  # bad input of any kind: one line
+def cmd_eval(args: argparse.Namespace) -> int:
+    from hpcdist.atomic import atomic_write
+
+    if is_hf_dir(args.checkpoint):  # its tokenizer, seq_len and batch sizes come from the run: a HF directory has none
+        raise CommandError(
+            f"eval: {args.checkpoint} is a Hugging Face directory; give the hpcdist checkpoint it was "
+            "exported from (or run lm-eval-harness on it: README)"
+        )
+    model, _, loaded = load_for_inference(args.checkpoint, device=args.device)
+    cfg = loaded.config
+    assert cfg is not None  # a hpcdist checkpoint records the config that trained it
+    check_eval_data(cfg, args.data)  # before any batch: the same ids must mean the same text
+    seq_len = args.seq_len or cfg.data.seq_len
+    if seq_len > model.args.max_seq_len:
+        raise CommandError(f"eval: --seq-len {seq_len} exceeds the model's max_seq_len={model.args.max_seq_len}")
+    dataset = TokenDataset(args.data, seq_len, key="--data")  # every shard checked before the first batch
+    res = dataset_loss(
+        model,
+        dataset,
+        batches=args.batches or cfg.train.eval_batches,
+        batch_size=args.batch_size or cfg.train.global_batch_size,
+    )
+    out = {"checkpoint": str(loaded.checkpoint), "data": str(args.data), "seq_len": seq_len, **res.to_dict()}
+    print(
+        f"eval {loaded.checkpoint} on {args.data}: loss {res.loss:.4f}, perplexity {res.perplexity:.2f} "
+        f"({res.batches} batches, {res.tokens:,} tokens)"
+    )
+    if args.json:
+        atomic_write(args.json, json.dumps(out, indent=2) + "\n")
+    return 0

@@ -1,12 +1,17 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + decay LR schedule."""
+"""AdamW with decoupled weight decay on matrices only, and the warmup + decay LR schedule; the hyper-parameters of
+a built (or resumed) optimizer read and replaced under their config names."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from hpcdist.config import OptimConfig
 
 
 def lr_lambda(*, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> Callable[[int], float]:
@@ -54,3 +59,55 @@ def build_optimizer(
         opt, lr_lambda(warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule, min_lr_ratio=min_lr_ratio)
     )
     return opt, sched
+
+
+OptimizerBuilder = Callable[[nn.Module], tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]]
+"""What a Strategy receives in its constructor: the module to optimize -> (optimizer, LR schedule)."""
+
+
+def optimizer_builder(o: OptimConfig, total_steps: int) -> OptimizerBuilder:
+    """The job's optimizer recipe (``o``: the config's ``optim`` section) as a builder a Strategy applies to its
+    wrapped model."""
+    return lambda model: build_optimizer(
+        model,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        warmup_steps=o.warmup_steps,
+        total_steps=total_steps,
+        schedule=o.schedule,
+        min_lr_ratio=o.min_lr_ratio,
+    )
+
+
+def optim_hparams(optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, float]:
+    """The hyper-parameters in force (after a resume: the checkpoint's), under their config names."""
+    decay = optimizer.param_groups[0]  # param_groups: [decay, no_decay]
+    return {
+        "optim.lr": float(scheduler.base_lrs[0]),
+        "optim.beta1": float(decay["betas"][0]),
+        "optim.beta2": float(decay["betas"][1]),
+        "optim.eps": float(decay["eps"]),
+        "optim.weight_decay": float(decay["weight_decay"]),
+    }
+
+
+def set_optim_hparams(
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """Replace the hyper-parameters a resumed optimizer took from its checkpoint (the moments are kept); the LR
+    schedule continues at the same step with the new peak."""
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    for i, group in enumerate(optimizer.param_groups):
+        group.update(initial_lr=lr, lr=lr * factor, betas=(beta1, beta2), eps=eps)
+        group["weight_decay"] = weight_decay if i == 0 else 0.0  # never the norms (param_groups)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]

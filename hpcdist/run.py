@@ -1,11 +1,11 @@
 """The one per-rank main: ``hpcdist train`` and every task of ``hpcdist submit`` run :func:`main`.
 
-    config -> DistEnv -> resolve parallel.strategy=auto (once) -> checks -> the job environment's start (NCCL
-    profile, restart ledger) -> process group -> Trainer(cfg, env).train() -> after-stop decision (requeue or exit)
-    -> close
+    config -> DistEnv -> the rank's facts, once (checks, parallel.strategy=auto planned, ParallelDims: plan_rank)
+    -> the job environment's start (NCCL profile, restart ledger) -> process group -> Trainer(cfg, env, facts=...)
+    .train() -> after-stop decision (requeue or exit) -> close
 
 The trainer returns why it stopped and never requeues. What a stop means for the job is the scheduler's, and it is
-passed in as a :class:`JobEnvironment` (hpcdist.launch.task.SlurmEnvironment for ``hpcdist train`` and submitted
+passed in as a :class:`JobEnvironment` (hpcdist.launch.job.SlurmEnvironment for ``hpcdist train`` and submitted
 tasks), the way submitit keeps requeueing in its job environment rather than in the user's function: this module
 imports nothing from hpcdist.launch, so launch's task may call it without an import cycle.
 """
@@ -30,9 +30,10 @@ from hpcdist.fault.rundir_lock import RunDirInUse
 from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.planning import layouts as planner
+from hpcdist.rankfacts import RankFacts, rank_facts
 from hpcdist.trainer import Trainer, TrainResult
 
-__all__ = ["JobEnvironment", "main", "resolve_auto", "train"]
+__all__ = ["JobEnvironment", "main", "plan_rank", "train"]
 
 log = get_logger(__name__)
 
@@ -49,33 +50,47 @@ class JobEnvironment(Protocol):
         ...
 
 
-def resolve_auto(cfg: JobConfig, env: DistEnv) -> JobConfig:
-    """``parallel.strategy=auto`` -> the planner's layout for this world size; any other config unchanged.
+def _plan_layout(cfg: JobConfig, env: DistEnv) -> JobConfig:
+    """``parallel.strategy=auto`` -> the planner's top layout for this world size (rank_facts' ``plan_layout``).
 
     Every rank plans the same layout (the planner is deterministic), so no collective is needed to agree on it."""
-    if cfg.parallel.strategy != "auto":
-        return cfg
     cfg, reason = planner.resolve_auto(cfg, env.world_size, cfg.parallel.auto_cluster)
     log.info("parallel.strategy=auto: %s", reason)
     return cfg
 
 
+def plan_rank(cfg: JobConfig, env: DistEnv) -> RankFacts:
+    """This rank's facts, checked and built once (auto resolved by the planner): what main() hands down, and what
+    :func:`train` builds when called without them."""
+    return rank_facts(cfg, env, plan_layout=_plan_layout)
+
+
 def train(
-    cfg: JobConfig, env: DistEnv, *, job: JobEnvironment | None = None, stop_flag: StopFlag | None = None
+    cfg: JobConfig,
+    env: DistEnv,
+    *,
+    job: JobEnvironment | None = None,
+    stop_flag: StopFlag | None = None,
+    facts: RankFacts | None = None,
 ) -> TrainResult:
     """One rank's training once the process group exists (or there is one rank): Trainer -> train -> after-stop.
 
+    ``facts``: :func:`plan_rank` of ``cfg`` and ``env``, when the caller (main) built them already; else built here.
     ``job`` decides what a stop means (requeue or exit); without one the run simply ends after its checkpoint. An
     exception is recorded in <run.dir>/failures.jsonl (who failed, where, why: the batch script's failure policy,
     hpcdist.launch.restarts, reads it) and raised again."""
     setup_logging(env.rank, level=cfg.run.log_level)
-    cfg = resolve_auto(cfg, env)  # a no-op when main() resolved it already
+    if facts is None:
+        facts = plan_rank(cfg, env)
+    elif facts.env is not env:
+        raise ValueError("train(cfg, env, facts=...): the facts were built for another DistEnv")
+    cfg = facts.cfg  # auto resolved
     if env.device == "cpu" and env.local_world_size > 1:
         # several CPU ranks on one node would each start one thread per core and thrash
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     trainer = None
     try:
-        trainer = Trainer(cfg, env, stop_flag=stop_flag)
+        trainer = Trainer(cfg, env, stop_flag=stop_flag, facts=facts)
         result = trainer.train()
         if result.save_failed is not None:
             # the last checkpoint (or the stop checkpoint a requeue relies on) is not there: never a success, never
@@ -88,15 +103,18 @@ def train(
                 result.exit_code = job.after_stop(cfg, env, result.stop_reason)
             else:  # no scheduler to continue the run: 128 + the signal, never 0 (a wrapper would take it for done)
                 result.exit_code = result.stop_reason.exit_code(cfg.fault.requeue_signal)
-                log.info("stopped (%s) after a complete checkpoint; rerun with checkpoint.resume=auto to continue",
-                         result.stop_reason.name)  # fmt: skip
+                log.info(
+                    "stopped (%s) after a complete checkpoint; rerun with checkpoint.resume=auto to continue",
+                    result.stop_reason.name,
+                )
         return result
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         if stop_flag is not None:
             stop_flag.uninstall()
         if not isinstance(e, RunDirInUse):  # that run.dir is another run's: its failure log is not ours to write
-            failures.record_exception(cfg.run.dir, e, rank=env.rank, host=env.hostname,
-                                      step=trainer.step if trainer else None)  # fmt: skip
+            failures.record_exception(
+                cfg.run.dir, e, rank=env.rank, host=env.hostname, step=trainer.step if trainer else None
+            )
         if trainer is not None:
             trainer.goodput.flush()
         raise
@@ -109,12 +127,15 @@ def _save_failed(cfg: JobConfig, env: DistEnv, result: TrainResult) -> None:
     if not env.is_main:
         return
     resume = result.resume_point or "none: the next run starts from step 0"
-    cause = (f"the checkpoint at step {result.save_failed} failed (see the errors above; disk full?): the resume point "
-             f"is {resume}")  # fmt: skip
+    cause = (
+        f"the checkpoint at step {result.save_failed} failed (see the errors above; disk full?): the resume point "
+        f"is {resume}"
+    )
     log.error("%s; free space in %s and run again to continue from there", cause, cfg.checkpoint_dir)
     try:
-        failures.record(cfg.run.dir, kind="checkpoint", cause=cause, rank=env.rank, host=env.hostname,
-                        step=result.save_failed)  # fmt: skip
+        failures.record(
+            cfg.run.dir, kind="checkpoint", cause=cause, rank=env.rank, host=env.hostname, step=result.save_failed
+        )
     except OSError as e:  # the same full disk, most likely
         log.error("could not record the failure in %s: %s", cfg.run.dir, e)
 
@@ -128,11 +149,9 @@ def main(
     cfg = config_mod.load(config_path, overrides)
     env = from_environ()
     setup_logging(env.rank, level=cfg.run.log_level)
-    # the batch split as configured first: its message names the user's own values, and a bad one fails fast
-    config_mod.check_world(cfg, env.world_size)
-    # the prepared data exists and its ids fit the embedding table: one line now, not an IndexError mid-run
-    config_mod.check_data(cfg)
-    cfg = resolve_auto(cfg, env)
+    # the job's size, the prepared data and auto, checked and resolved once, before any process group; handed down
+    facts = plan_rank(cfg, env)
+    cfg = facts.cfg
     try:
         config_mod.check_run_dir(cfg)  # every rank: one failing alone would leave the others at the rendezvous
     except config_mod.ConfigError as e:
@@ -145,35 +164,44 @@ def main(
         print(f"hpcdist: {refused}", file=sys.stderr, flush=True)
         return TrainResult(step=0, exit_code=3)
     # tell this rank's supervisor who it is; make a failed NCCL collective end the process (fault.*)
-    failures.announce_task(cfg.run.dir, rank=env.rank, host=env.hostname)
+    failures.announce_task(cfg.run.dir, rank=env.rank, host=env.hostname, job=env.job)
     for warning in configure_collectives(os.environ, cfg.run.dir):
         log.warning("%s", warning)
     # from here on a signal is remembered, not fatal: start-up (process group, data, model, resume) can take
     # minutes, and USR2's default action would kill the rank and have the node blamed for it
-    stop_flag = StopFlag(rank=env.rank, device=env.torch_device(), requeue_signal=cfg.fault.requeue_signal).install()
+    stop_flag = StopFlag(
+        rank=env.rank, device=env.torch_device(), requeue_signal=cfg.fault.requeue_signal, job=env.job
+    ).install()
     try:
         # collectives time out a minute after the hang watchdog, which reports first (with stacks and suspects)
         init_process_group(
             env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s, cfg.fault.watchdog_slow_phase_s)
         )
         try:
-            result = train(cfg, env, job=job, stop_flag=stop_flag)
+            result = train(cfg, env, job=job, stop_flag=stop_flag, facts=facts)
         finally:
             destroy_process_group()
     finally:
         stop_flag.uninstall()
     if env.is_main and result.save_failed is not None:
-        print(f"hpcdist: step {result.step} of {cfg.train.steps} trained, but its checkpoint FAILED (see the errors "
-              f"above): the resume point is {result.resume_point or 'none (step 0)'}; free space in "
-              f"{cfg.checkpoint_dir} and run the same command again (exit {EXIT_IO})", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"hpcdist: step {result.step} of {cfg.train.steps} trained, but its checkpoint FAILED (see the errors "
+            f"above): the resume point is {result.resume_point or 'none (step 0)'}; free space in "
+            f"{cfg.checkpoint_dir} and run the same command again (exit {EXIT_IO})",
+            file=sys.stderr,
+            flush=True,
+        )
     elif env.is_main and result.stop_reason != StopReason.NONE and result.step < cfg.train.steps:
         ckpt = step_dir(cfg.checkpoint_dir, result.step)
         saved = "complete" if (ckpt / MARKER).is_file() else "NOT saved (see the errors above)"
-        print(f"stopped early by {result.stop_reason.signal_name}: step {result.step} of {cfg.train.steps}, "
-              f"checkpoint {ckpt} {saved}; run the same command again to continue")  # fmt: skip
+        print(
+            f"stopped early by {result.stop_reason.signal_name}: step {result.step} of {cfg.train.steps}, "
+            f"checkpoint {ckpt} {saved}; run the same command again to continue"
+        )
     elif env.is_main and result.losses:
         first, last = min(result.losses), max(result.losses)
-        print(f"done: step {result.step}, loss {result.losses[first]:.4f} (step {first}) -> "
-              f"{result.losses[last]:.4f} (step {last}); run dir {cfg.run.dir}")  # fmt: skip
+        print(
+            f"done: step {result.step}, loss {result.losses[first]:.4f} (step {first}) -> "
+            f"{result.losses[last]:.4f} (step {last}); run dir {cfg.run.dir}"
+        )
     return result

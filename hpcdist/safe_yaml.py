@@ -2,7 +2,7 @@
 
 ``yaml.safe_load`` runs no code but trusts the document's shape: nine lines of nested aliases ("billion laughs")
 describe 9**9 values that share memory until anything walks them (an error message's repr did, and took a 6 GiB
-process down), and a second ``train:`` block silently replaces the first. :func:`load` refuses both, and files
+process down), and a second ``train:`` block silently replaces the first. :func:`load_text` refuses both, and files
 far larger than any config, before anything walks the data. Imports only PyYAML: config, models and launch use it.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, SequenceNode
 
-__all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_VALUES", "RefusedYAML", "load", "load_file"]
+__all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_VALUES", "RefusedYAML", "load_file", "load_text"]
 
 # A job config has about a hundred values; the biggest shipped file has a few hundred. These bounds leave room for
 # generous hand-written files and stop a document long before it costs memory or time.
@@ -87,18 +87,18 @@ class _BoundedLoader(yaml.SafeLoader):
                 continue
             if earlier is not key_node:
                 raise RefusedYAML(
-                    problem=f"duplicate key {_short(key)!r} (first at line {earlier.start_mark.line + 1}): the second "
-                    "would silently replace the first; merge them into one",
+                    problem=f"duplicate key {_truncated(key)!r} (first at line {earlier.start_mark.line + 1}): the "
+                    "second would silently replace the first; merge them into one",
                     problem_mark=key_node.start_mark,
                 )
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def _truncated(value: Any, limit: int = 60) -> str:
     text = str(value)
     return text if len(text) <= limit else f"{text[:limit]}..."
 
 
-def load(text: str) -> Any:
+def load_text(text: str) -> Any:
     """One YAML document -> Python values (safe types only); raises yaml.YAMLError, :class:`RefusedYAML` included."""
     try:
         return yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader subclass: safe types only
@@ -110,8 +110,9 @@ def load(text: str) -> Any:
 
 
 def load_file(path: Path) -> Any:
-    """:func:`load` of a UTF-8 file no larger than MAX_BYTES; OSError / UnicodeDecodeError as ``read_text`` raises."""
+    """:func:`load_text` of a UTF-8 file no larger than MAX_BYTES; OSError / UnicodeDecodeError as ``read_text``
+    raises."""
     size = path.stat().st_size
     if size > MAX_BYTES:
         raise RefusedYAML(problem=f"is {size:,} bytes; a YAML file here is at most {MAX_BYTES:,} (1 MiB)")
-    return load(path.read_text(encoding="utf-8"))
+    return load_text(path.read_text(encoding="utf-8"))

@@ -65,8 +65,9 @@ def abort(rank: int | None = None) -> None:
     if rank is None:  # before DistEnv exists (hpcdist.env, which imports torch): torchrun's RANK if any
         rank = 0 if (os.environ.get("RANK") or "0").strip() == "0" else 1
     if rank == 0:
-        os.write(2, b"\nhpcdist: Ctrl-C again: aborted without a checkpoint (the last complete one stays the resume "
-                    b"point)\n")  # fmt: skip
+        os.write(
+            2, b"\nhpcdist: Ctrl-C again: aborted without a checkpoint (the last complete one stays the resume point)\n"
+        )
     os._exit(ABORT_EXIT_CODE)
 
 

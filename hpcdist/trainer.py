@@ -10,52 +10,36 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from hpcdist import config as config_mod
 from hpcdist.checkpoint import STATE_FILE, Checkpointable, CheckpointManager, CheckpointMismatch, latest
 from hpcdist.config import JobConfig
-from hpcdist.data import (
-    BatchLoader,
-    BlendedDataset,
-    ByteTokenizer,
-    PrefetchLoader,
-    SyntheticDataset,
-    TokenDataset,
-    make_sampler,
-    prepare_shards,
-    stdlib_corpus,
-)
+from hpcdist.data import BatchLoader, PrefetchLoader, make_sampler
+from hpcdist.data.build import build_datasets
 from hpcdist.data.sampler import SamplerMismatch
-from hpcdist.env import DistEnv, SlurmJob
+from hpcdist.env import DistEnv
 from hpcdist.evaluate import Evaluator
-from hpcdist.fault import failures
 from hpcdist.fault.goodput import Goodput
 from hpcdist.fault.hang import HangWatchdog
 from hpcdist.fault.nonfinite import NonFiniteGuard
 from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
 from hpcdist.fault.stop import StopFlag, StopReason
-from hpcdist.fault.stragglers import StragglerMonitor
 from hpcdist.logging_utils import get_logger, setup_logging
-from hpcdist.metrics import MetricsLogger, Throughput, format_line, memory_stats, mfu, peak_flops
+from hpcdist.metrics.observer import Observer, StepRecord
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.models.hf_config import is_hf_dir
-from hpcdist.parallel.dims import parallel_dims
-from hpcdist.parallel.parallelize import build_strategy, describe_layout
-from hpcdist.profiling import StepProfiler
-from hpcdist.prometheus_metrics import PrometheusExporter
-from hpcdist.run_summary import format_summary, previous_best_eval, write_summary
+from hpcdist.optim import optim_hparams, set_optim_hparams
+from hpcdist.parallel.dims import describe_layout
+from hpcdist.parallel.parallelize import build_strategy
+from hpcdist.rankfacts import RankFacts, rank_facts
 from hpcdist.rundir import RunDir
-from hpcdist.trackers import Trackers
 
 log = get_logger(__name__)
 
@@ -77,121 +61,96 @@ class TrainResult:
     resume_point: str | None = None
     """The newest complete checkpoint when ``save_failed``: where the next run resumes (None: from step 0)."""
 
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
-    """(train, val) datasets. Rank 0 prepares shards of the embedded corpus once; the others wait for it. With
-    train.eval_data, val is that held-out dataset (all of it) instead of the val split."""
-    train, val = _build_datasets(cfg, env)
-    if cfg.train.eval_data:
-        config_mod.check_data(cfg)  # a prepared dataset made with the training data's tokenizer
-        val = TokenDataset(Path(cfg.train.eval_data), cfg.data.seq_len)
-        log.info("data: evaluating on %s (%d samples)", cfg.train.eval_data, len(val))
-    return train, val
-
-
-def _build_datasets(cfg: JobConfig, env: DistEnv) -> tuple[Any, Any]:
-    d = cfg.data
-    if d.source == "synthetic":
-        n_val = max(1, int(d.synthetic_samples * d.val_fraction)) if d.val_fraction else 0
-        train = SyntheticDataset(d.synthetic_samples, d.seq_len, cfg.model.vocab_size, seed=cfg.run.seed)
-        val = SyntheticDataset(n_val, d.seq_len, cfg.model.vocab_size, seed=cfg.run.seed + 1) if n_val else None
-        return train, val
-    if d.source == "stdlib":
-        path = Path(d.path) if d.path else RunDir(cfg.run.dir).data
-        if env.is_main:
-            t0 = time.perf_counter()
-            # the run dir's own copy is replaced when data.dtype / max_tokens change; a user's data.path never is
-            prepare_shards(stdlib_corpus(), path, dtype=d.dtype, max_tokens=d.max_tokens, tokenizer=ByteTokenizer(),
-                           overwrite=not d.path)  # fmt: skip
-            log.info("data: stdlib corpus ready in %s (%.1fs)", path, time.perf_counter() - t0)
-        _barrier()
-    elif d.sources:  # a blend: each source split alike, mixed by the same weights
-        weights = [s.weight for s in d.sources]
-
-        def blend(split: str, seed: int, shuffle: bool) -> BlendedDataset:
-            parts = [TokenDataset(Path(s.path), d.seq_len, split=split, val_fraction=d.val_fraction) for s in d.sources]
-            return BlendedDataset(parts, weights, seed=seed, shuffle=shuffle)
-
-        train = blend("train", cfg.run.seed, d.shuffle)
-        log.info("data: blend of %d sources, %d train samples", len(d.sources), len(train))
-        return train, (blend("val", cfg.run.seed + 1, False) if d.val_fraction else None)
-    else:
-        path = Path(str(d.path))
-    # the one vocabulary rule (hpcdist.run checks it before the process group; a Trainer built directly, the Python
-    # API, gets it here): a token id past the embedding table is an IndexError mid-run, a device assert on GPU
-    config_mod.check_data(cfg)
-    train = TokenDataset(path, d.seq_len, split="train", val_fraction=d.val_fraction)
-    val = TokenDataset(path, d.seq_len, split="val", val_fraction=d.val_fraction) if d.val_fraction else None
-    log.info("data: %s: %d train samples, %s tokenizer (vocab %d)", path, len(train), train.tokenizer_kind,
-             train.vocab_size)  # fmt: skip
-    return train, val
+    def record(self, step: int, loss: float | None, eval_loss: float | None) -> None:
+        """A step's logged loss and evaluation loss, where it had them."""
+        if loss is not None:
+            self.losses[step] = loss
+        if eval_loss is not None:
+            self.eval_losses[step] = eval_loss
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, env: DistEnv, *, stop_flag: StopFlag | None = None):
+    def __init__(
+        self, cfg: JobConfig, env: DistEnv, *, stop_flag: StopFlag | None = None, facts: RankFacts | None = None
+    ):
         """``stop_flag``: one already installed by the caller (hpcdist.run installs it before the start-up, so a
-        signal during data preparation, model build or resume is remembered); else one is made here."""
+        signal during data preparation, model build or resume is remembered); else one is made here.
+
+        ``facts``: this rank's checked config and layout, built once by the caller (hpcdist.run, before the process
+        group) from this ``cfg`` and ``env``; a Trainer built directly (the Python API) builds them here with the
+        same function, :func:`hpcdist.rankfacts.rank_facts`, which refuses ``parallel.strategy=auto`` (the planner
+        runs in hpcdist.run; the trainer imports none): a Trainer builds exactly the layout it is given."""
         setup_logging(env.rank, level=cfg.run.log_level)
-        if cfg.parallel.strategy == "auto":
-            # the planner runs once, before the process group, in hpcdist.run.resolve_auto (the trainer imports no
-            # planner): a Trainer builds exactly the layout it is given
-            raise ValueError("parallel.strategy=auto must be resolved before building a Trainer (hpcdist.run)")
+        if facts is None:
+            facts = rank_facts(cfg, env)
+        elif facts.cfg is not cfg or facts.env is not env:
+            raise ValueError("Trainer(cfg, env, facts=...): the facts were built from another config or DistEnv")
         self.cfg, self.env = cfg, env
-        config_mod.check_world(cfg, env.world_size, ranks_per_node=env.local_world_size)
-        # tp and pp peers of one data-parallel replica must read the same slice of each global batch
-        self.dims = parallel_dims(cfg, env.world_size)
+        # the rank's one ParallelDims: the data loader's coordinate, the strategy, the layout line
+        self.dims = facts.dims
         self.dp_rank = self.dims.dp_rank(env.rank)
         self.run_dir = Path(cfg.run.dir)
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_lock = RunDirLock(self.run_dir)
+        self.run_lock = RunDirLock(self.run_dir, job_id=env.job.job_id)
         self._lock_run_dir()  # before anything is written there: a second run is refused, not interleaved
         self._record_layout()
         self.step, self.tokens_seen = 0, 0
 
-        train_ds, self.val_ds = build_datasets(cfg, env)
+        train_ds, self.val_ds = build_datasets(cfg, is_main=env.is_main)
         self.sampler = make_sampler(train_ds, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         loader = BatchLoader(
-            train_ds, self.sampler, global_batch_size=cfg.train.global_batch_size, dp_rank=self.dp_rank,
+            train_ds,
+            self.sampler,
+            global_batch_size=cfg.train.global_batch_size,
+            dp_rank=self.dp_rank,
             dp_size=self.dims.dp,
-        )  # fmt: skip
+        )
         # the next batches are built while this step computes; pinned on CUDA for the strategy's non-blocking copy
         self.loader: BatchLoader | PrefetchLoader = (
             PrefetchLoader(loader, depth=cfg.data.prefetch, pin_memory=env.device == "cuda")
-            if cfg.data.prefetch else loader
-        )  # fmt: skip
-        self._data_wait = [0.0, 0.0, 0]  # data-wait seconds, step seconds and steps since the last log line
+            if cfg.data.prefetch
+            else loader
+        )
 
         args = cfg.model_args()
         model = build_model(args, device="meta")
-        self.strategy = build_strategy(cfg, env, model)
+        self.strategy = build_strategy(cfg, env, model, self.dims)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(args, cfg.data.seq_len)
-        self.peak = peak_flops(env.torch_device(), configured=cfg.logging.peak_flops)
-        self.throughput = Throughput(env.world_size)
         self.ckpt = CheckpointManager(
-            cfg.checkpoint_dir, rank=env.rank, world_size=env.world_size, keep_last=cfg.checkpoint.keep_last,
-            async_save=cfg.checkpoint.async_save, verify=cfg.checkpoint.verify,
+            cfg.checkpoint_dir,
+            rank=env.rank,
+            world_size=env.world_size,
+            keep_last=cfg.checkpoint.keep_last,
+            async_save=cfg.checkpoint.async_save,
+            verify=cfg.checkpoint.verify,
             trusted_owners=cfg.checkpoint.trusted_owners,
             write_threads=cfg.checkpoint.write_threads or _auto_write_threads(env.local_world_size),
             every_steps=cfg.checkpoint.every_steps,
-        )  # fmt: skip
+            every_minutes=cfg.checkpoint.every_minutes,
+            save_final=cfg.checkpoint.save_final,
+            total_steps=cfg.train.steps,
+        )
         self.evaluator = Evaluator(
-            self.val_ds, every_steps=cfg.train.eval_every_steps, batches=cfg.train.eval_batches,
-            global_batch_size=cfg.train.global_batch_size, seed=cfg.run.seed, dp_rank=self.dp_rank,
+            self.val_ds,
+            every_steps=cfg.train.eval_every_steps,
+            batches=cfg.train.eval_batches,
+            global_batch_size=cfg.train.global_batch_size,
+            seed=cfg.run.seed,
+            dp_rank=self.dp_rank,
             dp_size=self.dims.dp,
-        )  # fmt: skip
+        )
         log.info(
             "model %s params (%.1fM), %s on %d rank(s), grad accum %d, %.3g FLOPs/token",
-            f"{num_params(args):,}", num_params(args) / 1e6, cfg.parallel.strategy, env.world_size,
-            self.strategy.grad_accum, self.flops_per_token,
-        )  # fmt: skip
-        log.info("layout: %s", describe_layout(cfg, env.world_size))
+            f"{num_params(args):,}",
+            num_params(args) / 1e6,
+            cfg.parallel.strategy,
+            env.world_size,
+            self.strategy.grad_accum,
+            self.flops_per_token,
+        )
+        log.info("layout: %s", describe_layout(cfg, self.dims))
         # rank 0 accounts the run's wall time (training, checkpoints, restarts) across attempts in goodput.json
         self.goodput = Goodput(self.run_dir, enabled=env.is_main)
         try:
@@ -203,39 +162,38 @@ class Trainer:
             config_mod.save(cfg, RunDir(self.run_dir).config)
         f = cfg.fault
         self.stop_flag = stop_flag or StopFlag(
-            rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal
+            rank=env.rank, device=env.torch_device(), requeue_signal=f.requeue_signal, job=env.job
         )
         self.watchdog = HangWatchdog(
-            rank=env.rank, world_size=env.world_size, host=env.hostname, run_dir=self.run_dir,
-            timeout_s=f.watchdog_timeout_s, slow_phase_s=f.watchdog_slow_phase_s, on_fire=self.goodput.flush,
-        )  # fmt: skip
-        # each node's local rank 0 exports Prometheus metrics (logging.prometheus); a no-op otherwise
-        self.prom = PrometheusExporter(
-            cfg, enabled=env.local_rank == 0, node=env.node_rank, job=env.job_id or cfg.run.name,
-            restarts=SlurmJob.from_environ().restart_count,
-        )  # fmt: skip
-        self._node_memory: list[float] = []  # GiB per local rank, from the last straggler check
-        self.stragglers = StragglerMonitor(
-            every=cfg.logging.straggler_every_steps, factor=cfg.logging.straggler_factor, device=env.torch_device()
+            rank=env.rank,
+            world_size=env.world_size,
+            host=env.hostname,
+            run_dir=self.run_dir,
+            timeout_s=f.watchdog_timeout_s,
+            slow_phase_s=f.watchdog_slow_phase_s,
+            on_fire=self.goodput.flush,
         )
         self.nonfinite = NonFiniteGuard(
-            mode=cfg.train.nonfinite, max_skips=cfg.train.max_nonfinite_skips, device=env.torch_device(),
+            mode=cfg.train.nonfinite,
+            max_skips=cfg.train.max_nonfinite_skips,
+            device=env.torch_device(),
             last_checkpoint=self.resumed_from,
-        )  # fmt: skip
-        self.saved_step = self.step if self.resumed_from else -1
-        self._saved_ok = True  # the last save (at saved_step) succeeded, as far as the save itself knows
-        self._last_save = time.perf_counter()  # checkpoint.every_minutes (train() restarts the clock)
-        prof = cfg.logging.profile
-        self.profiler = StepProfiler(
-            self.run_dir, rank=env.rank, device=env.torch_device(), start_step=prof.start_step, steps=prof.steps,
-            memory=prof.memory,
-        )  # fmt: skip
-        # a resumed run redoes the steps after its checkpoint: TensorBoard hides the old run's events from there
-        self.metrics = MetricsLogger(
-            self.run_dir, enabled=env.is_main, tensorboard=cfg.logging.tensorboard,
-            purge_step=self.step + 1 if self.resumed_from else None, every_steps=cfg.logging.every_steps,
-            trackers=Trackers(cfg, self.run_dir, enabled=env.is_main, config=cfg.to_dict()),
-        )  # fmt: skip
+        )
+        # the loop's one observability collaborator: log line, sinks, Prometheus, profiler, evaluation, stragglers,
+        # goodput and the run summary
+        self.observer = Observer(
+            cfg,
+            env,
+            strategy=self.strategy,
+            evaluator=self.evaluator,
+            goodput=self.goodput,
+            watchdog=self.watchdog,
+            nonfinite=self.nonfinite,
+            hosts=self.hosts,
+            flops_per_token=self.flops_per_token,
+            resumed_step=self.step if self.resumed_from else None,
+            restarts=env.job.restart_count,
+        )
 
     def _record_layout(self) -> None:
         """Which host runs which rank, logged once and kept in <run.dir>/ranks.json (debugging slow or dead nodes)."""
@@ -294,24 +252,33 @@ class Trainer:
         """The optimizer state loaded from a checkpoint carries the old run's lr, betas, eps and weight decay; the
         config's apply instead (a lower optim.lr after a loss spike is why people restart), said once."""
         o = self.cfg.optim
-        want = {"optim.lr": o.lr, "optim.beta1": o.beta1, "optim.beta2": o.beta2, "optim.eps": o.eps,
-                "optim.weight_decay": o.weight_decay}  # fmt: skip
-        have = self.strategy.optim_hparams()
+        want = {
+            "optim.lr": o.lr,
+            "optim.beta1": o.beta1,
+            "optim.beta2": o.beta2,
+            "optim.eps": o.eps,
+            "optim.weight_decay": o.weight_decay,
+        }
+        have = optim_hparams(self.strategy.optimizer, self.strategy.scheduler)
         if all(have[k] == float(v) for k, v in want.items()):
             return
-        self.strategy.set_optim_hparams(lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay)
+        set_optim_hparams(
+            self.strategy.optimizer,
+            self.strategy.scheduler,
+            lr=o.lr,
+            beta1=o.beta1,
+            beta2=o.beta2,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
         old = {k: _dotted(saved, k) for k in want} if saved else have
         changed = [f"{k} {old[k]:g} -> {float(v):g}" for k, v in want.items() if old.get(k) != float(v)]
-        log.warning("resumed with a changed optimizer: %s (the config's values apply from step %d; the checkpoint's "
-                    "Adam moments are kept)", ", ".join(changed) or "hyper-parameters", self.step + 1)  # fmt: skip
-
-    def _maybe_request_timed_save(self) -> None:
-        """checkpoint.every_minutes: rank 0's clock asks once per interval; the stop agreement carries the request,
-        so every rank saves after the same step. Measured from the last save, or from the start of train()."""
-        minutes = self.cfg.checkpoint.every_minutes
-        if minutes and self.env.is_main and time.perf_counter() - self._last_save >= minutes * 60:
-            self.stop_flag.request_checkpoint()
-            self._last_save = time.perf_counter()  # asked: the save itself resets it again one step later
+        log.warning(
+            "resumed with a changed optimizer: %s (the config's values apply from step %d; the checkpoint's "
+            "Adam moments are kept)",
+            ", ".join(changed) or "hyper-parameters",
+            self.step + 1,
+        )
 
     def _lock_run_dir(self) -> None:
         """Rank 0 takes run.dir's lock; every rank raises the same RunDirInUse when another run holds it."""
@@ -333,8 +300,9 @@ class Trainer:
         except CheckpointMismatch as e:
             changes = _config_changes(e.path, self.cfg)
             if not changes and e.what == "data":
-                changes = (f"; no data.* setting changed, so the prepared data in {self.cfg.data.path} did (prepared "
-                           "again?)")  # fmt: skip
+                changes = (
+                    f"; no data.* setting changed, so the prepared data in {self.cfg.data.path} did (prepared again?)"
+                )
             raise CheckpointMismatch(f"{e}{changes}", path=e.path, what=e.what) from None
         if self.cfg.checkpoint.resume == "none":
             log.info("starting fresh (checkpoint.resume=none)")
@@ -362,11 +330,10 @@ class Trainer:
         # a NaN model is never saved, so pruning never trades a finite checkpoint for it
         self.nonfinite.check()
         self.nonfinite.check_params(self.step, self.strategy.params_finite())
-        t0 = self._last_save = time.perf_counter()
+        t0 = time.perf_counter()
         with self.watchdog.phase(self.step, "checkpoint save", slow=True):
             path = self.ckpt.save(self.step, self.checkpointable())
         self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
-        self.saved_step, self._saved_ok = self.step, path is not None
         self.goodput.add("checkpoint_save", time.perf_counter() - t0)
         self.goodput.flush()
         return path is not None
@@ -378,7 +345,7 @@ class Trainer:
         end = min(cfg.train.steps, until) if until is not None else cfg.train.steps
         self._lock_run_dir()  # held already unless an earlier train() returned
         self.stop_flag.install()  # if the caller has not; close() restores the previous handlers
-        self._last_save = time.perf_counter()  # checkpoint.every_minutes counts from here
+        self.ckpt.restart_clock()  # checkpoint.every_minutes counts from here
         self.goodput.begin(self.step if self.resumed_from else None)
         self.watchdog.start(self.step)
         try:
@@ -389,195 +356,73 @@ class Trainer:
             self.stop_flag.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
             self.run_lock.release()
             raise
-        self.profiler.close()  # stopped inside its window: the steps recorded so far are written
         self.loader.close()  # prefetched batches are dropped: the saved sampler state never counted them
         with self.watchdog.phase(self.step, "stop agreement (last MAX all-reduce)"):
             self.stop_flag.close()
         self.watchdog.stop()
-        self._report_goodput()
-        self._report_summary(result)
-        self.metrics.close()
+        self.observer.finish(
+            step=self.step,
+            tokens_seen=self.tokens_seen,
+            losses=result.losses,
+            eval_losses=result.eval_losses,
+            stop_reason=result.stop_reason.name if result.stop_reason else None,
+            save_failed=result.save_failed,
+        )
         self.run_lock.release()  # after the last checkpoint is complete (the loop waited for it)
         result.step = self.step
         return result
 
     def _loop(self, end: int, result: TrainResult) -> None:
-        cfg, phase = self.cfg, self.watchdog.phase  # a phase names the collective it waits in, for a hang report
+        cfg, obs, phase = self.cfg, self.observer, self.watchdog.phase  # a phase names the collective it waits in
         while self.step < end:
-            self.profiler.before_step(self.step + 1)
-            t0 = time.perf_counter()
+            t0 = obs.begin_step(self.step + 1)
             with phase(self.step, "data + forward/backward (gradient all-reduce)"):
                 batch = self.loader.next_batch()
-                data_s = time.perf_counter() - t0  # no collective: a rank's own speed, for straggler detection
+                data_s = time.perf_counter() - t0
                 loss = self.strategy.forward_backward(batch)
             with phase(self.step, "optimizer step (grad-norm all-reduce)"):
                 grad_norm = self.strategy.optimizer_step(skip_nonfinite=cfg.train.nonfinite == "skip")
             self.step += 1
-            self.profiler.after_step(self.step)
             self.nonfinite.after_step(self.step, grad_norm, skipped=self.strategy.last_step_skipped)
             self.tokens_seen += self.tokens_per_step
-
-            step_s = time.perf_counter() - t0
-            self._data_wait[0] += data_s
-            self._data_wait[1] += step_s
-            self._data_wait[2] += 1
-            self.throughput.update(self.tokens_per_step, step_s)
-            self.prom.step(step_s, samples=cfg.train.global_batch_size, tokens=self.tokens_per_step)
-            self.watchdog.step_time(step_s)
-            if self.metrics.due(self.step, last=end):
-                with phase(self.step, "logging (loss all-reduce)"):
-                    result.losses[self.step] = self._log(loss, grad_norm)
-                self.nonfinite.check()  # the log line synchronized already: stop at once, not at the next save
-            if self.evaluator.due(self.step):
-                result.eval_losses[self.step] = self.evaluate()
-            if self.ckpt.due(self.step):
-                self.save()
-            self._maybe_request_timed_save()
-            if self.stragglers.due(self.step):
-                self._check_stragglers()
+            seen = obs.step(
+                StepRecord(
+                    step=self.step,
+                    last=end,
+                    loss=loss,
+                    grad_norm=grad_norm,
+                    data_s=data_s,
+                    step_s=time.perf_counter() - t0,
+                    tokens_seen=self.tokens_seen,
+                )
+            )
+            result.record(self.step, seen.loss, seen.eval_loss)
             with phase(self.step, "stop agreement (MAX all-reduce)"):
-                stop = self.stop_flag.agreed()  # async two-int all-reduce: every rank leaves after the same step
-            if self.stop_flag.checkpoint_due and not stop and self.saved_step != self.step:
-                self.save()  # checkpoint.every_minutes (a stop saves below anyway)
-            self.stragglers.add(data_s=data_s, step_s=time.perf_counter() - t0)
-            self.goodput.step(self.step, time.perf_counter() - t0)  # minus the save / evaluation inside it
+                # async two-int all-reduce: every rank leaves after the same step, and saves after the same step
+                # when rank 0's clock asked one step ago (checkpoint.every_minutes)
+                stop = self.stop_flag.agreed(request_save=self.ckpt.timed_save_due(self.step))
             if stop:
                 log.info("stop requested (%s) at step %d: saving a checkpoint", stop.name, self.step)
+            if self.ckpt.should_save(
+                self.step, last_step=self.step >= end, stop_requested=bool(stop), timed=self.stop_flag.save_requested
+            ):
+                self.save()
+            obs.end_step(self.step)
+            if stop:
                 result.stop_reason = stop
                 break
 
-        interrupted = self.step < cfg.train.steps
-        final = cfg.checkpoint.save_final or interrupted  # this step's checkpoint is the run's result / resume point
-        if final and self.saved_step != self.step:
+        if self.ckpt.should_save(self.step, last_step=True):  # no step ran: train(until=0), resumed at the end
             self.save()
         self.nonfinite.check()  # also when no final save follows
         with phase(self.step, "checkpoint completion", slow=True):
             # the checkpoint is complete before train() returns: the caller may requeue at once
-            saved = self.ckpt.wait() and self._saved_ok
+            saved = self.ckpt.wait() and self.ckpt.last_ok
+        final = self.ckpt.final_save_due(self.step)  # this step's checkpoint is the run's result / resume point
         if final and not saved:  # the last save (or the stop save before a requeue) failed: not a success
             resume = latest(self.ckpt.root, warn=False)
             result.save_failed, result.resume_point = self.step, str(resume) if resume else None
             self.nonfinite.last_checkpoint = result.resume_point
-
-    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> float:
-        # .item() synchronizes with the device: done only on log steps
-        tps_dev = self.throughput.tokens_per_s_per_device
-        remaining = (self.cfg.train.steps - self.step) * self.throughput.step_time
-        m = {
-            "loss": self.strategy.global_mean(loss).item(),
-            "lr": self.strategy.lr,
-            "grad_norm": grad_norm.item(),
-            "tokens_per_s": self.throughput.tokens_per_s,
-            "tokens_per_s_per_device": tps_dev,
-            "mfu": mfu(tps_dev, self.flops_per_token, self.peak),
-            "step_time_s": self.throughput.step_time,
-            "tokens_seen": float(self.tokens_seen),
-            "eta_s": remaining,
-            # the share of step time this rank waited for its batch (since the last log line): ~0 with prefetching
-            # unless building batches is slower than computing on them
-            "data_wait_share": self._data_wait[0] / self._data_wait[1] if self._data_wait[1] else 0.0,
-            **memory_stats(self.env.torch_device()),
-        }
-        comm = self.strategy.comm_stats()
-        if comm is not None and self._data_wait[2]:
-            # rank 0's gradient traffic, measured by the DDP comm hook: bytes handed to all-reduce per step, and the
-            # share of step time a gradient bucket was in flight (overlapped with backward or not)
-            m["comm_bytes_per_step"] = comm[0] / self._data_wait[2]
-            m["comm_share"] = comm[1] / self._data_wait[1] if self._data_wait[1] else 0.0
-        if self.cfg.train.nonfinite == "skip":
-            m["nonfinite_skips"] = float(self.nonfinite.skipped_total)
-        every = self.cfg.logging.replica_check_every_steps
-        if every and self.step % every == 0 and self.strategy.has_replicas():
-            m["replica_divergence"] = self._check_replicas()
-        self._data_wait = [0.0, 0.0, 0]
-        self.metrics.log(self.step, m)
-        own = m.get("mem_reserved_gib", m.get("mem_rss_gib"))
-        self.prom.log(m, samples_per_token=1 / self.cfg.data.seq_len,
-                      local_memory=self._node_memory or ([own] if own is not None else []))  # fmt: skip
-        log.info(format_line(self.step, self.cfg.train.steps, m))
-        return m["loss"]
-
-    def _check_stragglers(self) -> None:
-        """All ranks: gather per-rank data-loading and compute-probe times; rank 0 reports the slow ranks."""
-        with self.watchdog.phase(self.step, "straggler check (all-gather)"):
-            report = self.stragglers.check(self.hosts)
-        # this node's ranks in local-rank order (ranks are numbered node by node) for the Prometheus memory gauges
-        self._node_memory = [row["mem_gib"] for rank, row in enumerate(report.table)
-                             if rank < len(self.hosts) and self.hosts[rank] == self.env.hostname]  # fmt: skip
-        if not self.env.is_main:
-            return
-        self.metrics.log(self.step, report.metrics(), prefix="straggler")
-        for s in report.stragglers:
-            log.warning("step %d: %s", self.step, s.describe())
-            failures.record(
-                self.run_dir, kind="straggler", cause=s.describe(), rank=s.rank, host=s.host,
-                blame=[{"rank": s.rank, "host": s.host}], step=self.step, measure=s.measure,
-                ratio=round(s.ratio, 3), per_rank=report.table,
-            )  # fmt: skip
-
-    def _report_goodput(self) -> None:
-        """End of this attempt (finished or stopped by a signal): the effective-training-time ratio of the run."""
-        self.goodput.flush(clean=True)
-        if not self.env.is_main:
-            return
-        g = self.goodput.summary()
-        parts = ", ".join(f"{k.replace('_', ' ')} {g[k]:.1f}s" for k in ("train", "checkpoint_save", "restore",
-                          "startup", "lost", "queue_wait", "other"))  # fmt: skip
-        log.info("goodput %.1f%% of %.1fs over %d attempt(s): %s", 100 * g["goodput"], g["total_s"], g["attempts"],
-                 parts)  # fmt: skip
-        self.metrics.log(self.step, g, prefix="goodput")
-
-    def _report_summary(self, result: TrainResult) -> None:
-        """Rank 0, end of this attempt: the summary block in the log and <run.dir>/run_summary.json."""
-        if not self.env.is_main:
-            return
-        g, rd = self.goodput.summary(), RunDir(self.run_dir)
-        evals = [v for v in result.eval_losses.values() if math.isfinite(v)]
-        best = [v for v in (previous_best_eval(self.run_dir), min(evals, default=None)) if v is not None]
-        attempt = self.goodput.attempt_seconds()
-        summary = {
-            "step": self.step, "total_steps": self.cfg.train.steps, "tokens_seen": self.tokens_seen,
-            "stop_reason": result.stop_reason.name if result.stop_reason else None,
-            "wall_time_s": g["total_s"] or attempt, "attempt_s": attempt, "attempts": int(g["attempts"]) or 1,
-            "goodput": g["goodput"], "tokens_per_s": self.throughput.tokens_per_s,
-            "last_loss": result.losses[max(result.losses)] if result.losses else None,
-            "best_eval_loss": min(best) if best else None, "checkpoint": self.nonfinite.last_checkpoint,
-            "save_failed": result.save_failed,
-            "run_dir": str(self.run_dir), "report": str(rd.report), "summary_file": str(rd.summary),
-        }  # fmt: skip
-        try:
-            write_summary(self.run_dir, summary)
-        except OSError as e:  # a full disk must not turn a finished run into a failed one
-            log.warning("could not write %s: %s", rd.summary, e)
-        log.info("\n%s", format_summary(summary))
-
-    def _check_replicas(self) -> float:
-        """Data-parallel replicas must hold bitwise-identical parameters; report the ranks that do not (a silent
-        data corruption, a non-deterministic kernel, or a rank that skipped an update)."""
-        sums = self.strategy.replica_checksums()
-        ref = Counter(sums).most_common(1)[0][0]  # the majority value; a tie goes to the lowest rank's
-        bad = [rank for rank, c in zip(self.strategy.replica_ranks(), sums, strict=True) if c != ref]
-        divergence = max(abs(a - b) / max(abs(b), 1e-30) for c in sums for a, b in zip(c, ref, strict=True))
-        ranks = self.strategy.replica_ranks()
-        if bad and self.env.rank == ranks[0]:  # HSDP has one replica group per shard: each group's first rank
-            msg = "step %d: data-parallel replicas diverged: rank(s) %s differ from the majority (max rel. diff %.3g)"
-            log.warning(msg, self.step, bad, divergence)
-        if self.strategy.replica_group() is not None and dist.is_initialized():
-            # several replica groups (HSDP): the metric rank 0 writes is the worst over all of them
-            worst = torch.tensor(divergence, dtype=torch.float64, device=self.strategy.device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            divergence = float(worst)
-        return divergence
-
-    def evaluate(self) -> float:
-        """Mean loss over the first eval_batches global batches of the validation split (same each time)."""
-        t0 = time.perf_counter()
-        with self.watchdog.phase(self.step, "evaluation", slow=True):
-            value = self.evaluator.loss(self.strategy)
-        self.goodput.add("eval", time.perf_counter() - t0)
-        self.metrics.log(self.step, {"loss": value}, prefix="eval")
-        log.info("eval step %d | loss %.4f", self.step, value)
-        return value
 
 
 def _dotted(tree: dict[str, Any], key: str) -> Any:
@@ -597,17 +442,25 @@ def _config_changes(path: Path | None, cfg: JobConfig) -> str:
     now = dataclasses.asdict(cfg)
     keys = [(section, k) for section in ("model", "parallel", "data") for k in sorted(saved.get(section) or {})]
     keys.append(("run", "seed"))  # the sample order's seed
-    changed = [f"{section}.{k}={saved[section][k]!r} (now {now[section].get(k)!r})" for section, k in keys
-               if isinstance(saved.get(section), dict) and k in saved[section]
-               and now[section].get(k) != saved[section][k]]  # fmt: skip
+    changed = [
+        f"{section}.{k}={saved[section][k]!r} (now {now[section].get(k)!r})"
+        for section, k in keys
+        if isinstance(saved.get(section), dict) and k in saved[section] and now[section].get(k) != saved[section][k]
+    ]
     return f"; it was saved with {', '.join(changed)}" if changed else ""
 
 
 def _describe_diff(diff: dict[str, list[str]]) -> str:
-    kinds = (("missing", "not in it, kept their initialization"), ("unexpected", "in it, not in this model, ignored"),
-             ("shape", "of another shape, kept their initialization"))  # fmt: skip
-    parts = [f"{len(diff[k])} {what}: {', '.join(diff[k][:4])}{' ...' if len(diff[k]) > 4 else ''}"
-             for k, what in kinds if diff[k]]  # fmt: skip
+    kinds = (
+        ("missing", "not in it, kept their initialization"),
+        ("unexpected", "in it, not in this model, ignored"),
+        ("shape", "of another shape, kept their initialization"),
+    )
+    parts = [
+        f"{len(diff[k])} {what}: {', '.join(diff[k][:4])}{' ...' if len(diff[k]) > 4 else ''}"
+        for k, what in kinds
+        if diff[k]
+    ]
     return "; ".join(parts) if parts else "every weight matched"
 
 

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# This process forks ranks and workers (tests/dist/harness.py, the dry run, nccl_check's --nproc, prepare's
+# workers), so it must stay single-threaded: forking a multi-threaded process is unsafe, and Python >= 3.12 warns
+# at every such fork. Set before anything here imports torch or tokenizes, unless the caller chose otherwise:
+# - with more than one OpenMP thread, importing torch alone starts a pool thread (one thread per process is also
+#   what concurrent ranks on a small machine need, see FACTS);
+# - Hugging Face tokenizers starts its rayon pool at the first BPE training or batch encoding (the session's
+#   corpus fixtures do both), and the threads stay.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from hpcdist import config as config_mod
 from hpcdist.data import load_tokenizer, prepare_corpus, prepare_shards, stdlib_corpus, train_bpe
@@ -56,10 +69,47 @@ def small_cfg(tmp_path: Path, corpus_dir: Path):
     """Factory: a validated small JobConfig in a fresh run dir; extra overrides win."""
 
     def make(*overrides: str, run_dir: Path | None = None) -> config_mod.JobConfig:
-        base = [*SMALL, f"run.dir={run_dir or tmp_path / 'run'}", "data.source=files", f"data.path={corpus_dir}"]
-        return config_mod.load(None, [*base, *overrides])
+        return small_config(run_dir or tmp_path / "run", corpus_dir, *overrides)
 
     return make
+
+
+def small_config(run_dir: Path, corpus_dir: Path, *overrides: str) -> config_mod.JobConfig:
+    """What small_cfg makes, for fixtures wider than one test (a reference run trained once per module)."""
+    base = [*SMALL, f"run.dir={run_dir}", "data.source=files", f"data.path={corpus_dir}"]
+    return config_mod.load(None, [*base, *overrides])
+
+
+class _ToCaplog(logging.Handler):
+    """Hands the ``hpcdist`` logger's records to caplog while that logger does not propagate to the root.
+
+    setup_logging sets ``propagate=False`` (its stdout handler prints each line once), and caplog listens on the
+    root logger. pytest >= 9.2 also attaches caplog to the loggers that are non-propagating when a test phase
+    starts, so a test whose own Trainer calls setup_logging mid-test saw its log lines only when an earlier test
+    had called it first: the test passed in the suite's order and failed alone. Forwarding here, unless caplog
+    is attached already (no duplicates), makes what caplog sees independent of order and of the pytest version.
+    """
+
+    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+        super().__init__(logging.NOTSET)
+        self.caplog = caplog
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger = logging.getLogger("hpcdist")
+        target = self.caplog.handler  # looked up each time: the handler of the current test phase
+        if not logger.propagate and target not in logger.handlers:
+            target.handle(record)
+
+
+@pytest.fixture(autouse=True)
+def _hpcdist_logs_reach_caplog(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    logger = logging.getLogger("hpcdist")
+    forward = _ToCaplog(caplog)
+    logger.addHandler(forward)
+    try:
+        yield
+    finally:
+        logger.removeHandler(forward)
 
 
 _SLURM_IDS = pytest.StashKey[set[str]]()

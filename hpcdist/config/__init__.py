@@ -13,6 +13,7 @@ Torch-free, and imports nothing from ``parallel``, ``launch`` or ``trainer`` (th
 
 from hpcdist.config.dirs import check_run_dir
 from hpcdist.config.job import dump, load, save
+from hpcdist.config.layout import LayoutKind, needs_planner
 from hpcdist.config.loader import ConfigError, parse_overrides
 from hpcdist.config.rules import (
     BYTE_VOCAB,
@@ -58,6 +59,7 @@ __all__ = [
     "FSDPConfig",
     "FaultConfig",
     "JobConfig",
+    "LayoutKind",
     "LoggingConfig",
     "ModelConfig",
     "OptimConfig",
@@ -72,6 +74,7 @@ __all__ = [
     "dump",
     "grad_accum_steps",
     "load",
+    "needs_planner",
     "parse_overrides",
     "save",
 ]

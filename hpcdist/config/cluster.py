@@ -44,13 +44,29 @@ log = logging.getLogger(__name__)
 EXECUTORS = ("auto", "slurm", "local")
 # sbatch flags a ClusterConfig field (or submitit itself) controls: --sbatch-arg must not set them twice.
 _FIELD_FLAGS = {
-    "nodes": "nodes", "ntasks-per-node": "gpus_per_node / tasks_per_node", "ntasks": "nodes x tasks_per_node",
-    "gpus-per-node": "gpus_per_node", "cpus-per-task": "cpus_per_task", "mem": "mem", "time": "time",
-    "partition": "partition", "account": "account", "qos": "qos", "constraint": "constraint",
-    "exclude": "exclude", "job-name": "job_name", "exclusive": "exclusive", "signal": "signal / signal_lead_s",
-    "requeue": "(always set)", "no-requeue": "(--requeue is always set)", "output": "log_dir", "error": "log_dir",
-    "open-mode": "(submitit sets append)", "array": "(one job per submit)", "wrap": "(submitit writes the script)",
-}  # fmt: skip
+    "nodes": "nodes",
+    "ntasks-per-node": "gpus_per_node / tasks_per_node",
+    "ntasks": "nodes x tasks_per_node",
+    "gpus-per-node": "gpus_per_node",
+    "cpus-per-task": "cpus_per_task",
+    "mem": "mem",
+    "time": "time",
+    "partition": "partition",
+    "account": "account",
+    "qos": "qos",
+    "constraint": "constraint",
+    "exclude": "exclude",
+    "job-name": "job_name",
+    "exclusive": "exclusive",
+    "signal": "signal / signal_lead_s",
+    "requeue": "(always set)",
+    "no-requeue": "(--requeue is always set)",
+    "output": "log_dir",
+    "error": "log_dir",
+    "open-mode": "(submitit sets append)",
+    "array": "(one job per submit)",
+    "wrap": "(submitit writes the script)",
+}
 _FLAG = re.compile(r"--([A-Za-z][A-Za-z0-9-]*)(?:=(.*))?", re.DOTALL)
 _MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
 _TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
@@ -66,7 +82,7 @@ DEFAULT_MARGIN_GIB = 2.0
 _MEASURED = ("gpu_mem_gb", "bf16_peak_tflops", "intra_node_busbw_gbps", "inter_node_busbw_gbps")
 
 
-def _number(value: Any) -> bool:
+def _is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -103,12 +119,12 @@ class HardwareConfig:
         out = []
         for name in _MEASURED:
             value = getattr(self, name)
-            if value is not None and not (_number(value) and value > 0):
+            if value is not None and not (_is_finite_number(value) and value > 0):
                 out.append(f"{name}: must be > 0, got {value!r}")
-        if not (_number(self.efficiency) and 0 < self.efficiency <= 1):
+        if not (_is_finite_number(self.efficiency) and 0 < self.efficiency <= 1):
             out.append(f"efficiency: must be in (0, 1], got {self.efficiency!r}")
-        mem = self.gpu_mem_gb if _number(self.gpu_mem_gb) and self.gpu_mem_gb > 0 else None
-        if not (_number(self.margin_gib) and self.margin_gib >= 0 and (mem is None or self.margin_gib < mem)):
+        mem = self.gpu_mem_gb if _is_finite_number(self.gpu_mem_gb) and self.gpu_mem_gb > 0 else None
+        if not (_is_finite_number(self.margin_gib) and self.margin_gib >= 0 and (mem is None or self.margin_gib < mem)):
             out.append(f"margin_gib: must be >= 0 and below gpu_mem_gb ({mem!r} GiB), got {self.margin_gib!r}")
         return out
 

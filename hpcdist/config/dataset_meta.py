@@ -1,4 +1,5 @@
-"""The one reader of a prepared dataset's ``meta.json`` (docs/DATA.md): bounded, validated, links never followed.
+"""The one reader and writer of a prepared dataset's ``meta.json`` (docs/DATA.md): bounded, validated, links never
+followed.
 
 A prepared directory is input another user (or a careless edit) may have written, so every value is checked before
 anything is sized from it: ``dtype`` one of uint16/uint32 and able to hold ``vocab_size``; each shard a plain file
@@ -9,7 +10,9 @@ a FIFO or a directory) of exactly ``tokens * itemsize`` bytes. Reading the token
 :mod:`hpcdist.data.shards`' part; this module is torch- and numpy-free because config loading (``model.vocab_size:
 auto``, the start-up check) uses it.
 
-Every problem is one :class:`DataError` line naming the file, the key and the fix.
+Every problem is one :class:`DataError` line naming the file, the key and the fix. :func:`write_meta` (prepare and
+the Megatron import, as their last step) checks a document with the same rules before it writes it: a preparation
+never leaves a meta.json its own readers would refuse.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcdist.atomic import atomic_write
 from hpcdist.config.loader import ConfigError, echo
 
 __all__ = [
@@ -36,6 +40,8 @@ __all__ = [
     "load_meta",
     "open_regular",
     "read_meta_json",
+    "withdraw_meta",
+    "write_meta",
 ]
 
 META_NAME = "meta.json"
@@ -95,6 +101,14 @@ class DatasetMeta:
     def tokenizer_kind(self) -> str:
         """What made the ids; datasets from before tokenizers were recorded are byte-level."""
         return str((self.tokenizer or {}).get("kind", "byte"))
+
+    @property
+    def tokenizer_identity(self) -> dict[str, Any]:
+        """What identifies the tokenizer that made the ids: kind, vocabulary and each file's sha256 (two datasets
+        with the same identity mean the same text by the same id). Datasets from before tokenizers were recorded are
+        byte-level."""
+        tok = self.tokenizer or {"kind": "byte", "vocab_size": self.vocab_size}
+        return {"kind": tok.get("kind", "byte"), "vocab_size": tok.get("vocab_size"), "files": tok.get("files") or {}}
 
 
 def open_regular(path: Path) -> int:
@@ -220,8 +234,9 @@ def _validate(path: Path, doc: dict[str, Any]) -> tuple[DatasetMeta | None, list
     per = doc.get("shard_tokens")  # prepare's shards all hold shard_tokens but the last (a count edit shows here)
     full = _int(per, 1, MAX_SHARD_TOKENS) and shards and all(s.tokens == per for s in shards[:-1])
     if _int(per, 1, MAX_SHARD_TOKENS) and shards and not (full and shards[-1].tokens <= per):
-        problems.append(f"the shards' token counts do not match shard_tokens={per} (every shard holds that many but "
-                        "the last)")  # fmt: skip
+        problems.append(
+            f"the shards' token counts do not match shard_tokens={per} (every shard holds that many but the last)"
+        )
     num = doc.get("num_tokens")
     total = sum(s.tokens for s in shards)
     if not problems and num != total:
@@ -237,12 +252,20 @@ def load_meta(path: str | os.PathLike[str], *, key: str = "data.path") -> Datase
     doc, why = read_meta_json(Path(path).expanduser())
     if doc is None:
         why = "no complete meta.json" if why == "no meta.json" else why
-        raise DataError([f"{key} {path}: no prepared dataset there ({why}); make it with `hpcdist prepare INPUT... "
-                         f"--tokenizer SPEC --out {path}`"])  # fmt: skip
+        raise DataError(
+            [
+                f"{key} {path}: no prepared dataset there ({why}); make it with `hpcdist prepare INPUT... "
+                f"--tokenizer SPEC --out {path}`"
+            ]
+        )
     meta, problems = _validate(Path(path).expanduser(), doc)
     if meta is None:
-        raise DataError([f"{key} {path}: {META_NAME}: {'; '.join(problems)}: the file was edited or damaged; prepare "
-                         f"the dataset again (hpcdist prepare ... --overwrite --out {path})"])  # fmt: skip
+        raise DataError(
+            [
+                f"{key} {path}: {META_NAME}: {'; '.join(problems)}: the file was edited or damaged; prepare "
+                f"the dataset again (hpcdist prepare ... --overwrite --out {path})"
+            ]
+        )
     return meta
 
 
@@ -254,17 +277,51 @@ def check_shard_files(meta: DatasetMeta, *, key: str = "data.path") -> None:
         try:
             st = os.lstat(file)
         except OSError as e:
-            raise DataError([f"{key} {file}: {e.strerror or e} (meta.json lists it); the dataset is incomplete: "
-                             f"prepare it again (hpcdist prepare ... --out {meta.path})"]) from None  # fmt: skip
+            raise DataError(
+                [
+                    f"{key} {file}: {e.strerror or e} (meta.json lists it); the dataset is incomplete: "
+                    f"prepare it again (hpcdist prepare ... --out {meta.path})"
+                ]
+            ) from None
         if not stat.S_ISREG(st.st_mode):
-            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) \
-                else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file"  # fmt: skip
-            raise DataError([f"{key} {file} is {kind}: a shard must be a regular file in the dataset directory "
-                             "(links are not followed)"])  # fmt: skip
+            kind = (
+                "a symbolic link"
+                if stat.S_ISLNK(st.st_mode)
+                else "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "not a regular file"
+            )
+            raise DataError(
+                [
+                    f"{key} {file} is {kind}: a shard must be a regular file in the dataset directory "
+                    "(links are not followed)"
+                ]
+            )
         want = s.tokens * meta.itemsize
         if st.st_size != want:
-            raise DataError([
-                f"{key} {file} holds {st.st_size:,} bytes, but meta.json says {s.tokens:,} {meta.dtype} tokens "
-                f"({want:,} bytes): the shard was truncated, grown or replaced; prepare the dataset again "
-                f"(hpcdist prepare ... --out {meta.path})"
-            ])  # fmt: skip
+            raise DataError(
+                [
+                    f"{key} {file} holds {st.st_size:,} bytes, but meta.json says {s.tokens:,} {meta.dtype} tokens "
+                    f"({want:,} bytes): the shard was truncated, grown or replaced; prepare the dataset again "
+                    f"(hpcdist prepare ... --out {meta.path})"
+                ]
+            )
+
+
+def withdraw_meta(out_dir: Path) -> None:
+    """Remove ``out_dir/meta.json`` before a preparation rewrites the directory: until :func:`write_meta` runs again,
+    no reader takes the directory for a complete dataset."""
+    (Path(out_dir) / META_NAME).unlink(missing_ok=True)
+
+
+def write_meta(out_dir: Path, fields: dict[str, Any]) -> DatasetMeta:
+    """Write ``out_dir/meta.json`` (whole, atomically: the last step of a preparation) holding ``fields`` and this
+    module's format version; the document is checked by the readers' rules first (ValueError: a writer's bug)."""
+    doc = {"format": FORMAT_VERSION, **fields}
+    meta, problems = _validate(Path(out_dir), doc)
+    if meta is None:
+        raise ValueError(f"refusing to write an invalid {META_NAME} in {out_dir}: {'; '.join(problems)}")
+    atomic_write(Path(out_dir) / META_NAME, (json.dumps(doc, indent=2) + "\n").encode())
+    return meta

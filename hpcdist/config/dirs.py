@@ -88,8 +88,10 @@ def _append_only_problem(path: Path) -> str | None:
     except OSError:
         return None  # created at the first write
     if stat.S_ISLNK(st.st_mode):
-        return (f"{str(path)!r} is a link (to {os.path.realpath(path)!r}): hpcdist appends to its run dir's own "
-                "files only, never through a link; remove the link")  # fmt: skip
+        return (
+            f"{str(path)!r} is a link (to {os.path.realpath(path)!r}): hpcdist appends to its run dir's own "
+            "files only, never through a link; remove the link"
+        )
     if not stat.S_ISREG(st.st_mode):
         return f"{str(path)!r} is not a regular file (a FIFO, device or directory); remove it"
     if st.st_uid != os.getuid():

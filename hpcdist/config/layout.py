@@ -1,4 +1,11 @@
-"""The (pp, dp, tp) layout rules: pure arithmetic on degrees, the model's shape and the batch, no process group.
+"""The layout vocabulary and the (pp, dp, tp) layout rules: pure arithmetic on degrees, the model's shape and the
+batch, no process group.
+
+The vocabulary (one owner; config, planner and runtime import it): ``parallel.strategy`` is user input, read only
+by :func:`requested_kind` and :func:`strategy_degrees` (the alias functions: the one place its strings are
+compared); everything downstream asks the degrees and the ZeRO stage. :class:`LayoutKind` names a layout from
+them, :class:`LayoutDegrees` gives every layout record (``ParallelDims``, the planner's ``Layout``) the same
+predicates and the one description (:meth:`LayoutDegrees.describe`).
 
 Config validation runs them at load (no world size yet: the rules that need only the degrees and the model) and
 again with the job's size (:func:`hpcdist.config.check_world`), before any process starts; every problem names the
@@ -10,15 +17,126 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from hpcdist.config.schema import ParallelConfig
 
 __all__ = [
     "SCHEDULES",
+    "STRATEGIES",
+    "Degrees",
+    "LayoutDegrees",
+    "LayoutKind",
     "ScheduleInfo",
     "default_stages_per_rank",
+    "layout_notes",
     "layout_problems",
+    "needs_planner",
+    "requested_kind",
     "resolve_degrees",
     "strategy_degrees",
+    "strategy_of",
 ]
+
+# parallel.strategy values this version can run (user input; read only by the alias functions below). Later
+# strategies register here when they exist, so a config naming one that is not built yet fails validation instead
+# of failing deep inside the trainer.
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero", "3d", "auto")
+_AUTO = "auto"
+
+
+class LayoutKind(StrEnum):
+    """A layout's name, derived from its degrees and ZeRO stage (never read from parallel.strategy): the planner's
+    rows, the memory table, the start-up log and the dry run all say these."""
+
+    DDP = "ddp"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+    FSDP = "fsdp"
+    HSDP = "hsdp"
+    THREE_D = "3d"
+
+    @classmethod
+    def of(cls, *, pp: int, dp: int, tp: int, dp_replicate: int, zero_stage: int) -> LayoutKind:
+        """The kind of these degrees: ZeRO by its stage; pp or tp -> 3d; unsharded dp (dp_shard 1) -> ddp (one rank
+        included); sharded dp -> hsdp with replicas, else fsdp."""
+        if zero_stage:
+            return cls.zero(zero_stage)
+        if pp > 1 or tp > 1:
+            return cls.THREE_D
+        if dp // max(dp_replicate, 1) == 1:
+            return cls.DDP
+        return cls.HSDP if dp_replicate > 1 else cls.FSDP
+
+    @classmethod
+    def zero(cls, stage: int) -> LayoutKind:
+        return (cls.ZERO1, cls.ZERO2, cls.ZERO3)[stage - 1]
+
+    @classmethod
+    def named(cls, name: str, *, zero_stage: int = 0, choices: tuple[LayoutKind, ...] | None = None) -> LayoutKind:
+        """A kind from its name, or ``zero`` with ``zero_stage`` 1-3; ValueError naming the choices otherwise."""
+        allowed = tuple(cls) if choices is None else choices
+        if name == "zero":  # the config's spelling: the stage is a separate key
+            if zero_stage not in (1, 2, 3):
+                raise ValueError(f"strategy 'zero' needs zero_stage 1, 2 or 3, got {zero_stage}")
+            kind = cls.zero(zero_stage)
+        elif name not in {k.value for k in allowed}:
+            raise ValueError(f"unknown strategy {name!r}: choose one of {', '.join(allowed)}")
+        else:
+            kind = cls(name)
+        if zero_stage not in (0, kind.zero_stage):
+            raise ValueError(f"strategy {name!r} contradicts zero_stage={zero_stage}")
+        return kind
+
+    @property
+    def zero_stage(self) -> int:
+        """1-3 for the ZeRO kinds (DeepSpeed partitions by its stage, not by the degrees), else 0."""
+        return {LayoutKind.ZERO1: 1, LayoutKind.ZERO2: 2, LayoutKind.ZERO3: 3}.get(self, 0)
+
+    @property
+    def fsdp_options_apply(self) -> bool:
+        """FSDP2 shards dp under this kind, so the parallel.fsdp.* options are read (fsdp, hsdp, 3d)."""
+        return self in (LayoutKind.FSDP, LayoutKind.HSDP, LayoutKind.THREE_D)
+
+
+class Degrees(NamedTuple):
+    """``parallel.strategy`` as degrees: (pp, dp, tp, dp_replicate, zero_stage); -1 still unresolved."""
+
+    pp: int
+    dp: int
+    tp: int
+    dp_replicate: int
+    zero_stage: int
+
+
+def needs_planner(strategy: str) -> bool:
+    """``parallel.strategy=auto``: the planner picks the layout when the job knows its world size."""
+    return strategy == _AUTO
+
+
+def requested_kind(par: ParallelConfig) -> LayoutKind | None:
+    """The kind ``parallel.strategy`` asks for before the world size is known; None for auto (and for a value
+    validation refuses). 3d means "the configured degrees" here, whatever kind they turn out to be."""
+    match par.strategy:
+        case "ddp":
+            return LayoutKind.DDP
+        case "fsdp":
+            return LayoutKind.HSDP if par.fsdp.replicate > 1 else LayoutKind.FSDP
+        case "zero":
+            return LayoutKind.zero(par.zero.stage) if par.zero.stage in (1, 2, 3) else None
+        case "3d":
+            return LayoutKind.THREE_D
+    return None
+
+
+def strategy_of(kind: LayoutKind) -> str:
+    """The ``parallel.strategy`` value that runs ``kind`` (the inverse alias; the planner writes it)."""
+    if kind.zero_stage:
+        return "zero"
+    return {LayoutKind.THREE_D: "3d", LayoutKind.DDP: "ddp"}.get(kind, "fsdp")
 
 
 @dataclass(frozen=True)
@@ -56,22 +174,118 @@ def default_stages_per_rank(schedule: str) -> int:
     return 2 if info is not None and info.multi_stage else 1
 
 
-def strategy_degrees(
-    strategy: str, *, pp: int, dp: int, tp: int, replicate: int, world_size: int
-) -> tuple[int, int, int, int]:
-    """``parallel.strategy`` as degrees (pp, dp, tp, dp_replicate): the one place the user-facing alias becomes a
-    layout. ddp = dp over all ranks, all replicas (dp_shard 1); fsdp = dp over all ranks, sharded (HSDP:
-    ``replicate`` groups); 3d = the configured degrees (-1 still unresolved); zero = dp over all ranks (DeepSpeed
-    partitions by its own stage, not by these degrees)."""
-    match strategy:
-        case "3d":
-            return pp, dp, tp, replicate
-        case "ddp":
-            return 1, world_size, 1, world_size
-        case "fsdp":
-            return 1, world_size, 1, replicate
-        case _:
-            return 1, world_size, 1, 1
+def strategy_degrees(par: ParallelConfig, world_size: int) -> Degrees:
+    """``parallel.strategy`` as degrees: the one place the user-facing alias becomes a layout. ddp = dp over all
+    ranks, all replicas (dp_shard 1); fsdp = dp over all ranks, sharded (HSDP: ``parallel.fsdp.replicate`` groups);
+    3d = the configured degrees (-1 still unresolved); zero = dp over all ranks at ``parallel.zero.stage``
+    (DeepSpeed partitions by its own stage, not by these degrees). ValueError for auto (the planner resolves it
+    first) and for a value validation refuses."""
+    kind = requested_kind(par)
+    if kind is None:
+        raise ValueError(
+            f"parallel.strategy={par.strategy!r} has no degrees: auto is resolved by the planner first, and "
+            f"validation refuses any other value (or parallel.zero.stage={par.zero.stage} outside 1-3)"
+        )
+    if kind is LayoutKind.THREE_D:
+        return Degrees(par.pp, par.dp, par.tp, par.fsdp.replicate, 0)
+    if kind is LayoutKind.DDP:
+        return Degrees(1, world_size, 1, world_size, 0)
+    if kind.zero_stage:
+        return Degrees(1, world_size, 1, 1, kind.zero_stage)
+    return Degrees(1, world_size, 1, par.fsdp.replicate, 0)
+
+
+class LayoutDegrees:
+    """What every layout record (``ParallelDims``, the planner's ``Layout``) derives from its degrees and ZeRO
+    stage: the predicates, the kind and the one description. Subclasses are dataclasses holding the fields."""
+
+    pp: int
+    dp: int
+    tp: int
+    dp_replicate: int
+    zero_stage: int
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks one copy of the model states is spread over: 1 for ddp, dp for zero / fsdp / 3d, G for hsdp."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def ranks(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def zero_enabled(self) -> bool:
+        """DeepSpeed ZeRO over every rank (pp = tp = 1): its engine, not these degrees, partitions the states."""
+        return self.zero_stage > 0
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """Pure replication (dp_shard 1, no pp/tp): torch DDP all-reduces buckets, cheaper than FSDP over size-1
+        shards. With pp or tp, replicas stay FSDP2 units over a (dp, 1) mesh (DDP does not take DTensors)."""
+        return self.dp > 1 and self.dp_shard == 1 and not (self.pp_enabled or self.tp_enabled or self.zero_enabled)
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        """FSDP2 on the 2-D (dp_replicate, dp_shard) mesh; pure replication without pp/tp is DDP instead."""
+        return self.dp_replicate > 1 and not self.ddp_enabled and not self.zero_enabled
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """dp > 1 handled by FSDP2 (sharded, HSDP, or replicas next to pp/tp)."""
+        return self.dp_enabled and not self.ddp_enabled and not self.zero_enabled
+
+    @property
+    def needs_mesh(self) -> bool:
+        """Whether the layout uses a DeviceMesh at all (ddp, zero and one rank do not: no sub-groups to create)."""
+        return self.fsdp_enabled or self.pp_enabled or self.tp_enabled
+
+    @property
+    def kind(self) -> LayoutKind:
+        return LayoutKind.of(
+            pp=self.pp, dp=self.dp, tp=self.tp, dp_replicate=self.dp_replicate, zero_stage=self.zero_stage
+        )
+
+    def describe(self, *notes: str) -> str:
+        """The one description of a layout: ``ddp x 4 ranks``, ``fsdp x 8 ranks``, ``hsdp 2 x 4`` (replicas x
+        shard), ``zero3 x 4 ranks``, ``3d pp2 x dp2 (hsdp 2 x 1) x tp2``; ``notes`` follow, comma-separated (the
+        config's options: :func:`layout_notes`; the planner's micro-batch)."""
+        kind, n = self.kind, self.ranks
+        ranks = f"{n} rank{'' if n == 1 else 's'}"
+        if kind is LayoutKind.THREE_D:
+            hsdp = f" (hsdp {self.dp_replicate} x {self.dp_shard})" if self.hsdp_enabled else ""
+            text = f"3d pp{self.pp} x dp{self.dp}{hsdp} x tp{self.tp}"
+        elif kind is LayoutKind.HSDP:
+            text = f"hsdp {self.dp_replicate} x {self.dp_shard}"
+        else:
+            text = f"{kind} x {ranks}"
+        return ", ".join((text, *notes))
+
+
+def layout_notes(par: ParallelConfig, dims: LayoutDegrees) -> list[str]:
+    """What the config adds to a layout's description: offload (ZeRO, FSDP) and the pipeline schedule."""
+    if dims.zero_enabled:
+        z = par.zero
+        offload = [what for what, on in (("optimizer", z.offload_optimizer), ("params", z.offload_params)) if on]
+        return [f"offload {' and '.join(offload)}"] if offload else []
+    notes = ["cpu offload"] if dims.fsdp_enabled and par.fsdp.cpu_offload else []
+    if dims.pp_enabled:
+        per_rank = par.pp_stages_per_rank
+        per_rank = default_stages_per_rank(par.pp_schedule) if per_rank is None else per_rank
+        notes += [par.pp_schedule, f"{dims.pp * per_rank} stages"]
+    return notes
 
 
 def resolve_degrees(pp: int, dp: int, tp: int, world_size: int) -> tuple[tuple[int, int, int], list[str]]:

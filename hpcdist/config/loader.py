@@ -106,7 +106,7 @@ def _parse_typed(overrides: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
             problems.append(f"override {item!r}: expected section.key=value, e.g. train.steps=200")
             continue
         try:
-            parsed = safe_yaml.load(raw) if raw.strip() else ""
+            parsed = safe_yaml.load_text(raw) if raw.strip() else ""
         except safe_yaml.RefusedYAML as e:
             problems.append(f"override {key}: {e.problem}")
             continue
@@ -229,7 +229,8 @@ def build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[str]) 
     for name, value in data.items():
         key = f"{prefix}{name}"
         if name not in names:
-            problems.append(unknown_key(key, str(name), names))
+            moved = getattr(cls, "MOVED_KEYS", {}).get(name)  # a section's ClassVar: its keys that moved elsewhere
+            problems.append(f"{key}: moved to {moved}; set that instead" if moved else unknown_key(key, name, names))
             continue
         tp = hints[name]
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None

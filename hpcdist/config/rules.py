@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.config import layout
+from hpcdist.config.layout import STRATEGIES, LayoutKind
 from hpcdist.config.loader import ConfigError, echo
-from hpcdist.config.schema import JobConfig
+from hpcdist.config.schema import JobConfig, ParallelConfig
 from hpcdist.models import hf_config
 from hpcdist.models.args import MODEL_MAXIMA
 from hpcdist.models.hf_directory import open_hf_dir
@@ -38,10 +39,7 @@ __all__ = [
     "grad_accum_steps",
 ]
 
-# Strategies this version can run. Later strategies register here when they exist, so a config naming one
-# that is not built yet fails validation instead of failing deep inside the trainer.
 VERIFY_MODES: tuple[str, ...] = ("checksum", "size", "none")
-STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero", "3d", "auto")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -74,7 +72,7 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "train.eval_every_steps": (_BIG, ""),
     "train.eval_batches": (2**20, ""),
     "train.max_nonfinite_skips": (2**20, ""),
-    "parallel.bucket_cap_mb": (2**20, ""),
+    "parallel.ddp.bucket_cap_mb": (2**20, ""),
     "parallel.ddp.powersgd.rank": (2**16, ""),
     "parallel.ddp.powersgd.start_iter": (_BIG, ""),
     "parallel.fsdp.replicate": (2**20, "ranks"),
@@ -126,11 +124,12 @@ def _choice(key: str, value: str, options: Sequence[str]) -> list[str]:
     return [] if value in options else [f"{key}: {echo(value)} is not one of {', '.join(options)}"]
 
 
-def _positive(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) -> list[str]:
+def _positive_problems(cfg: JobConfig, keys: Sequence[str], *, allow_zero: bool = False) -> list[str]:
     out = []
     for key in keys:
-        section, name = key.split(".")
-        v = getattr(getattr(cfg, section), name)
+        v: Any = cfg
+        for part in key.split("."):  # section.key or section.sub.key
+            v = getattr(v, part)
         # `not finite` first: NaN compares False with everything and would slip through `v <= 0` (floats only:
         # math.isfinite of a 400-digit int raises OverflowError)
         if isinstance(v, float) and not math.isfinite(v):
@@ -179,24 +178,34 @@ def _path_problem(key: str, value: str) -> str | None:
     longest = max(raw.split(b"/"), key=len)
     if len(longest) > _NAME_MAX:
         name = echo(os.fsdecode(longest))
-        return (f"{key}: the name {name} is {len(longest)} bytes long; file systems allow {_NAME_MAX} per name: "
-                f"choose a shorter {key}")  # fmt: skip
+        return (
+            f"{key}: the name {name} is {len(longest)} bytes long; file systems allow {_NAME_MAX} per name: "
+            f"choose a shorter {key}"
+        )
     return None
 
 
 def _paths(cfg: JobConfig) -> tuple[list[str], set[str]]:
     """Problems of every path-valued key, and the keys that have one (the disk checks skip those)."""
     c = cfg.checkpoint
-    keys = {"run.dir": cfg.run.dir, "data.path": cfg.data.path, "checkpoint.dir": c.dir,
-            "checkpoint.init_from": c.init_from, "fault.exclude_nodes_file": cfg.fault.exclude_nodes_file,
-            "train.eval_data": cfg.train.eval_data,
-            "checkpoint.resume": None if c.resume in ("auto", "none") else c.resume}  # fmt: skip
+    keys = {
+        "run.dir": cfg.run.dir,
+        "data.path": cfg.data.path,
+        "checkpoint.dir": c.dir,
+        "checkpoint.init_from": c.init_from,
+        "fault.exclude_nodes_file": cfg.fault.exclude_nodes_file,
+        "train.eval_data": cfg.train.eval_data,
+        "checkpoint.resume": None if c.resume in ("auto", "none") else c.resume,
+    }
     out, bad = [], set()
     for key, value in keys.items():
         problem = _path_problem(key, value) if value is not None else None
         if problem is not None and not value.strip():  # say what the key takes
-            problem = {"run.dir": None, "checkpoint.resume": "checkpoint.resume: empty; use auto, none, or the path "
-                       "of a step-XXXXXXXX checkpoint"}.get(key, problem)  # fmt: skip
+            problem = {
+                "run.dir": None,
+                "checkpoint.resume": "checkpoint.resume: empty; use auto, none, or the path "
+                "of a step-XXXXXXXX checkpoint",
+            }.get(key, problem)
             bad.add(key)  # run.dir: its own rule below says it
         if problem:
             out.append(problem)
@@ -209,8 +218,10 @@ def _requeue_signal(text: str) -> list[str]:
     if sig is None:
         return [f"fault.requeue_signal: {echo(text)} is not a signal name; use e.g. USR2, USR1"]
     if sig in _NOT_REQUEUE_SIGNALS:
-        return [f"fault.requeue_signal: {sig.name} {_NOT_REQUEUE_SIGNALS[sig]}; use USR1 or USR2 (and sbatch "
-                f"--signal=USR2@<seconds>)"]  # fmt: skip
+        return [
+            f"fault.requeue_signal: {sig.name} {_NOT_REQUEUE_SIGNALS[sig]}; use USR1 or USR2 (and sbatch "
+            f"--signal=USR2@<seconds>)"
+        ]
     return []
 
 
@@ -221,9 +232,11 @@ def _watchdog(f: Any) -> list[str]:
         if not math.isfinite(v) or v < 0:
             out.append(f"fault.{key}: must be >= 0 (0 disables the watchdog), got {v}")
         elif 0 < v < MIN_WATCHDOG_S:
-            out.append(f"fault.{key}: must be 0 (off) or at least {MIN_WATCHDOG_S:g} s: a shorter allowance declares "
-                       f"a normal step or checkpoint save a hang; got {v:g} (the default is 90 s for the timeout, "
-                       "900 s for slow phases)")  # fmt: skip
+            out.append(
+                f"fault.{key}: must be 0 (off) or at least {MIN_WATCHDOG_S:g} s: a shorter allowance declares "
+                f"a normal step or checkpoint save a hang; got {v:g} (the default is 90 s for the timeout, "
+                "900 s for slow phases)"
+            )
     return out
 
 
@@ -247,9 +260,11 @@ def _data_volume(cfg: JobConfig) -> list[str]:
         return []
     need = next((w for w in range(1, 10_000) if left_to_train(w) >= 1), None)
     fix = f"set data.max_tokens >= {need * window}" if need else "lower data.val_fraction"
-    return [f"data.max_tokens ({d.max_tokens}) holds {d.max_tokens // window} samples of data.seq_len + 1 = {window} "
-            f"tokens: none left to train on after the validation split (data.val_fraction={d.val_fraction:g}); "
-            f"{fix} or lower data.seq_len"]  # fmt: skip
+    return [
+        f"data.max_tokens ({d.max_tokens}) holds {d.max_tokens // window} samples of data.seq_len + 1 = {window} "
+        f"tokens: none left to train on after the validation split (data.val_fraction={d.val_fraction:g}); "
+        f"{fix} or lower data.seq_len"
+    ]
 
 
 def _check_sources(cfg: JobConfig) -> list[str]:
@@ -294,10 +309,11 @@ def _trackers(cfg: JobConfig) -> list[str]:
             f"logging.prometheus.addr: {str(lg.prometheus.addr)[:80]!r} is not an IP address; 127.0.0.1 (this "
             "node only, the default) or 0.0.0.0 (every interface: anyone who reaches the node reads them)"
         )
-    wanted = [("logging.wandb.project", lg.wandb.project and lg.wandb.mode != "disabled", "wandb", "wandb"),
-              ("logging.mlflow.tracking_uri", lg.mlflow.tracking_uri, "mlflow", "mlflow"),
-              ("logging.prometheus", lg.prometheus.port or lg.prometheus.textfile, "prometheus_client",
-               "prometheus")]  # fmt: skip
+    wanted = [
+        ("logging.wandb.project", lg.wandb.project and lg.wandb.mode != "disabled", "wandb", "wandb"),
+        ("logging.mlflow.tracking_uri", lg.mlflow.tracking_uri, "mlflow", "mlflow"),
+        ("logging.prometheus", lg.prometheus.port or lg.prometheus.textfile, "prometheus_client", "prometheus"),
+    ]
     for key, on, module, extra in wanted:
         if on and importlib.util.find_spec(module) is None:
             p.append(f"{key}: needs the {module} package: pip install 'hpcdist[{extra}]' (or unset {key})")
@@ -305,35 +321,125 @@ def _trackers(cfg: JobConfig) -> list[str]:
 
 
 def check(cfg: JobConfig) -> list[str]:
-    """Semantic checks that need no world size. Returns problems (empty = valid)."""
-    p: list[str] = _maxima(cfg)
+    """Semantic checks that need no world size, one function per section. Returns problems (empty = valid)."""
     path_problems, bad_paths = _paths(cfg)
-    p += path_problems
-    p += _choice("parallel.strategy", cfg.parallel.strategy, STRATEGIES)
-    p += _choice("data.source", cfg.data.source, DATA_SOURCES)
-    p += _choice("train.nonfinite", cfg.train.nonfinite, ("stop", "skip"))
-    if cfg.train.nonfinite == "skip" and cfg.parallel.strategy == "zero":
-        p.append("train.nonfinite=skip: DeepSpeed applies the update before the norm is known; use "
-                 "train.nonfinite=stop with parallel.strategy=zero")  # fmt: skip
-    if cfg.train.max_nonfinite_skips < 1:
-        p.append(f"train.max_nonfinite_skips: must be >= 1, got {cfg.train.max_nonfinite_skips}")
-    p += _choice("data.dtype", cfg.data.dtype, ("uint16", "uint32"))
-    p += _choice("train.dtype", cfg.train.dtype, DTYPES)
-    p += _choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)
-    p += _choice("parallel.fsdp.param_dtype", cfg.parallel.fsdp.param_dtype, DTYPES)
-    p += _choice("parallel.fsdp.reduce_dtype", cfg.parallel.fsdp.reduce_dtype, ("fp32", "bf16"))
-    if cfg.parallel.fsdp.replicate < 1:
-        p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {cfg.parallel.fsdp.replicate}")
+    kind = layout.requested_kind(cfg.parallel)  # None: auto, or a strategy _choice refused
+    return [
+        *_maxima(cfg),
+        *path_problems,
+        *_check_run(cfg),
+        *_check_model(cfg),
+        *_check_data(cfg),
+        *_check_optim(cfg),
+        *_check_train(cfg, kind),
+        *_check_parallel(cfg, kind),
+        *_check_checkpoint(cfg, kind, bad_paths),
+        *_check_fault(cfg, bad_paths),
+        *_check_logging(cfg),
+    ]
+
+
+def _check_run(cfg: JobConfig) -> list[str]:
+    p = _choice("run.log_level", cfg.run.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))
+    if not cfg.run.dir.strip():
+        p.append("run.dir: must name a directory, e.g. run.dir=runs/my-run")
+    if cfg.run.seed < 0:
+        p.append(f"run.seed: must be >= 0, got {echo(cfg.run.seed)}")
+    return p
+
+
+def _check_model(cfg: JobConfig) -> list[str]:
+    m = cfg.model
+    # an unresolved model.vocab_size (auto without data, a typo) is already reported by config.vocab.resolve_vocab
+    return [q for q in m.problems() if not (isinstance(m.vocab_size, str) and q.startswith("model.vocab_size="))]
+
+
+def _check_data(cfg: JobConfig) -> list[str]:
+    d = cfg.data
+    p = _choice("data.source", d.source, DATA_SOURCES)
+    p += _choice("data.dtype", d.dtype, ("uint16", "uint32"))
+    p += _positive_problems(cfg, ["data.seq_len", "data.max_tokens", "data.synthetic_samples"])
+    if d.seq_len > cfg.model.max_seq_len > 0:
+        p.append(
+            f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({cfg.model.max_seq_len}); lower one or raise "
+            "the other"
+        )
+    if not 0.0 <= d.val_fraction < 1.0:
+        p.append(f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")
+    if d.prefetch < 0:
+        p.append(f"data.prefetch: must be >= 0 (0 = no background thread), got {d.prefetch}")
+    if d.source == "files" and not d.path and not d.sources:
+        p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
+    p += _data_volume(cfg)
+    p += _check_sources(cfg)
+    return p
+
+
+def _check_optim(cfg: JobConfig) -> list[str]:
+    o = cfg.optim
+    p = _choice("optim.schedule", o.schedule, LR_SCHEDULES)
+    p += _positive_problems(cfg, ["optim.lr", "optim.eps"])
+    p += _positive_problems(
+        cfg,
+        [
+            "optim.warmup_steps",
+            "optim.weight_decay",
+            "optim.grad_clip",
+            "optim.min_lr_ratio",
+            "optim.beta1",
+            "optim.beta2",
+        ],
+        allow_zero=True,
+    )
+    for beta in ("beta1", "beta2"):
+        if not getattr(o, beta) < 1:
+            p.append(f"optim.{beta}: must be < 1, got {getattr(o, beta)}")
+    if o.min_lr_ratio > 1:
+        p.append(f"optim.min_lr_ratio: must be <= 1, got {o.min_lr_ratio}")
+    return p
+
+
+def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
+    t = cfg.train
+    p = _choice("train.nonfinite", t.nonfinite, ("stop", "skip"))
+    if t.nonfinite == "skip" and kind is not None and kind.zero_stage:
+        p.append(
+            "train.nonfinite=skip: DeepSpeed applies the update before the norm is known; use "
+            "train.nonfinite=stop with parallel.strategy=zero"
+        )
+    if t.max_nonfinite_skips < 1:
+        p.append(f"train.max_nonfinite_skips: must be >= 1, got {t.max_nonfinite_skips}")
+    p += _choice("train.dtype", t.dtype, DTYPES)
+    p += _positive_problems(
+        cfg, ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches"]
+    )
+    p += _positive_problems(cfg, ["train.eval_every_steps"], allow_zero=True)
+    if t.eval_every_steps and cfg.data.val_fraction == 0 and cfg.data.source != "synthetic" and not t.eval_data:
+        p.append(
+            "train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01) or "
+            "train.eval_data to a prepared held-out dataset"
+        )
+    if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
+        p.append(
+            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
+            f"({t.micro_batch_size})"
+        )
+    return p
+
+
+def _check_parallel(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
+    par = cfg.parallel
+    p = _choice("parallel.strategy", par.strategy, STRATEGIES)
+    p += _choice("parallel.fsdp.param_dtype", par.fsdp.param_dtype, DTYPES)
+    p += _choice("parallel.fsdp.reduce_dtype", par.fsdp.reduce_dtype, ("fp32", "bf16"))
+    if par.fsdp.replicate < 1:
+        p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {par.fsdp.replicate}")
     p += _check_zero(cfg)
     p += _check_comm_hook(cfg)
-    if cfg.logging.profile.steps < 0:
-        p.append(f"logging.profile.steps: must be >= 0 (0 = off), got {cfg.logging.profile.steps}")
-    if cfg.logging.profile.start_step < 1:
-        p.append(f"logging.profile.start_step: must be >= 1 (steps count from 1), got {cfg.logging.profile.start_step}")
-    if cfg.parallel.strategy == "3d":
+    p += _positive_problems(cfg, ["parallel.ddp.bucket_cap_mb"])
+    if kind is LayoutKind.THREE_D:
         p += _layout_problems(cfg, world_size=None)
-    elif cfg.parallel.strategy in ("ddp", "fsdp", "zero"):
-        par = cfg.parallel
+    elif kind is not None:
         ignored = [
             f"parallel.{k}={getattr(par, k)}"
             for k, unset in (("pp", 1), ("dp", -1), ("tp", 1))
@@ -344,84 +450,60 @@ def check(cfg: JobConfig) -> list[str]:
                 f"{', '.join(ignored)}: only parallel.strategy=3d reads the degrees (parallel.strategy={par.strategy} "
                 "is pure data parallel over all ranks); set parallel.strategy=3d or drop them"
             )
-    p += _choice("run.log_level", cfg.run.log_level.upper(), ("DEBUG", "INFO", "WARNING", "ERROR"))
-    p += _positive(
-        cfg,
-        ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches", "data.seq_len",
-         "optim.lr", "logging.every_steps", "checkpoint.keep_last", "parallel.bucket_cap_mb", "data.max_tokens",
-         "data.synthetic_samples", "logging.peak_flops", "optim.eps"],
-    )  # fmt: skip
-    p += _positive(
-        cfg,
-        ["optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps",
-         "checkpoint.every_minutes", "checkpoint.write_threads", "logging.replica_check_every_steps",
-         "logging.straggler_every_steps",
-         "train.eval_every_steps", "optim.min_lr_ratio", "optim.beta1", "optim.beta2"],
-        allow_zero=True,
-    )  # fmt: skip
-    p += _requeue_signal(cfg.fault.requeue_signal)
-    for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes"):
-        if getattr(cfg.fault, key) < 0:
-            p.append(f"fault.{key}: must be >= 0, got {getattr(cfg.fault, key)}")
-    if cfg.fault.max_same_failure == 0:
-        p.append("fault.max_same_failure: must be >= 1 (1 = never requeue the same failure twice)")
-    if cfg.fault.max_preemptions < -1:
-        p.append(f"fault.max_preemptions: must be >= 0, or -1 for unlimited, got {cfg.fault.max_preemptions}")
-    exclude = cfg.fault.exclude_nodes_file
-    if exclude is not None and "fault.exclude_nodes_file" not in bad_paths and not Path(exclude).is_file():
-        p.append(f"fault.exclude_nodes_file: {echo(exclude)} is not a file (one host per line)")
-    p += _watchdog(cfg.fault)
-    p += _trackers(cfg)
-    if not (math.isfinite(cfg.logging.straggler_factor) and cfg.logging.straggler_factor > 1):
-        p.append(f"logging.straggler_factor: must be > 1, got {cfg.logging.straggler_factor}")
-    if not cfg.run.dir.strip():
-        p.append("run.dir: must name a directory, e.g. run.dir=runs/my-run")
-    if cfg.run.seed < 0:
-        p.append(f"run.seed: must be >= 0, got {echo(cfg.run.seed)}")
-    if not 0.0 <= cfg.data.val_fraction < 1.0:
-        p.append(f"data.val_fraction: must be in [0, 1), got {cfg.data.val_fraction}")
-    for beta in ("beta1", "beta2"):
-        if not getattr(cfg.optim, beta) < 1:
-            p.append(f"optim.{beta}: must be < 1, got {getattr(cfg.optim, beta)}")
-    if cfg.optim.min_lr_ratio > 1:
-        p.append(f"optim.min_lr_ratio: must be <= 1, got {cfg.optim.min_lr_ratio}")
-    if (cfg.train.eval_every_steps and cfg.data.val_fraction == 0 and cfg.data.source != "synthetic"
-            and not cfg.train.eval_data):  # fmt: skip
-        p.append("train.eval_every_steps: evaluation needs held-out data; set data.val_fraction > 0 (e.g. 0.01) or "
-                 "train.eval_data to a prepared held-out dataset")  # fmt: skip
+    return p
 
-    m = cfg.model
-    # an unresolved model.vocab_size (auto without data, a typo) is already reported by config.vocab.resolve_vocab
-    p += [q for q in m.problems() if not (isinstance(m.vocab_size, str) and q.startswith("model.vocab_size="))]
-    if cfg.data.seq_len > m.max_seq_len > 0:
-        p.append(
-            f"data.seq_len ({cfg.data.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
-            "lower one or raise the other"
-        )
-    if cfg.data.prefetch < 0:
-        p.append(f"data.prefetch: must be >= 0 (0 = no background thread), got {cfg.data.prefetch}")
-    if cfg.data.source == "files" and not cfg.data.path and not cfg.data.sources:
-        p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
-    p += _data_volume(cfg)
-    p += _check_sources(cfg)
 
-    t = cfg.train
-    if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
-        p.append(
-            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
-            f"({t.micro_batch_size})"
-        )
-    if cfg.checkpoint.verify not in VERIFY_MODES:
-        p.append(f"checkpoint.verify: {cfg.checkpoint.verify!r} is not one of {', '.join(VERIFY_MODES)}")
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and "checkpoint.resume" not in bad_paths:
-        p += _named_checkpoint("checkpoint.resume", resume, "auto, none, or ")
-    init = cfg.checkpoint.init_from
+def _check_checkpoint(cfg: JobConfig, kind: LayoutKind | None, bad_paths: set[str]) -> list[str]:
+    c = cfg.checkpoint
+    p = _positive_problems(cfg, ["checkpoint.keep_last"])
+    p += _positive_problems(
+        cfg, ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.write_threads"], allow_zero=True
+    )
+    if c.verify not in VERIFY_MODES:
+        p.append(f"checkpoint.verify: {c.verify!r} is not one of {', '.join(VERIFY_MODES)}")
+    if c.resume not in ("auto", "none") and "checkpoint.resume" not in bad_paths:
+        p += _named_checkpoint("checkpoint.resume", c.resume, "auto, none, or ")
+    init = c.init_from
     if init is not None and "checkpoint.init_from" not in bad_paths:
         p += _hf_init(cfg, init) if hf_config.is_hf_dir(init) else _named_checkpoint("checkpoint.init_from", init, "")
-    if init is not None and cfg.parallel.strategy == "zero" and cfg.parallel.zero.stage == 3:
-        p.append("checkpoint.init_from: parallel.zero.stage=3 cannot load weights from another run; start with "
-                 "parallel.zero.stage=1 or 2 (or fsdp), then resume that run's checkpoints with stage 3")  # fmt: skip
+    if init is not None and kind is LayoutKind.ZERO3:
+        p.append(
+            "checkpoint.init_from: parallel.zero.stage=3 cannot load weights from another run; start with "
+            "parallel.zero.stage=1 or 2 (or fsdp), then resume that run's checkpoints with stage 3"
+        )
+    return p
+
+
+def _check_fault(cfg: JobConfig, bad_paths: set[str]) -> list[str]:
+    f = cfg.fault
+    p = _requeue_signal(f.requeue_signal)
+    for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes"):
+        if getattr(f, key) < 0:
+            p.append(f"fault.{key}: must be >= 0, got {getattr(f, key)}")
+    if f.max_same_failure == 0:
+        p.append("fault.max_same_failure: must be >= 1 (1 = never requeue the same failure twice)")
+    if f.max_preemptions < -1:
+        p.append(f"fault.max_preemptions: must be >= 0, or -1 for unlimited, got {f.max_preemptions}")
+    exclude = f.exclude_nodes_file
+    if exclude is not None and "fault.exclude_nodes_file" not in bad_paths and not Path(exclude).is_file():
+        p.append(f"fault.exclude_nodes_file: {echo(exclude)} is not a file (one host per line)")
+    p += _watchdog(f)
+    return p
+
+
+def _check_logging(cfg: JobConfig) -> list[str]:
+    log_ = cfg.logging
+    p = _positive_problems(cfg, ["logging.every_steps", "logging.peak_flops"])
+    p += _positive_problems(
+        cfg, ["logging.replica_check_every_steps", "logging.straggler_every_steps"], allow_zero=True
+    )
+    if not (math.isfinite(log_.straggler_factor) and log_.straggler_factor > 1):
+        p.append(f"logging.straggler_factor: must be > 1, got {log_.straggler_factor}")
+    if log_.profile.steps < 0:
+        p.append(f"logging.profile.steps: must be >= 0 (0 = off), got {log_.profile.steps}")
+    if log_.profile.start_step < 1:
+        p.append(f"logging.profile.start_step: must be >= 1 (steps count from 1), got {log_.profile.start_step}")
+    p += _trackers(cfg)
     return p
 
 
@@ -444,35 +526,49 @@ def _named_checkpoint(key: str, value: str, alternatives: str) -> list[str]:
     if not Path(value).is_dir():
         return [f"{key}: {echo(value)} is not {alternatives}an existing checkpoint directory (a step-XXXXXXXX)"]
     if not (Path(value) / CHECKPOINT_MARKER).is_file():
-        return [f"{key}: {echo(value)} is not a complete checkpoint (no {CHECKPOINT_MARKER} marker: another kind of "
-                "directory, an interrupted save or a damaged one); name a step-XXXXXXXX directory that holds "
-                f"{CHECKPOINT_MARKER}"]  # fmt: skip
+        return [
+            f"{key}: {echo(value)} is not a complete checkpoint (no {CHECKPOINT_MARKER} marker: another kind of "
+            "directory, an interrupted save or a damaged one); name a step-XXXXXXXX directory that holds "
+            f"{CHECKPOINT_MARKER}"
+        ]
     return []
 
 
 COMM_HOOKS = ("none", "allreduce", "bf16", "fp16", "powersgd")
-# why a DDP comm hook cannot apply under the other strategies, and the lever each has instead
-_NO_COMM_HOOK = {
-    "zero": "DeepSpeed reduces gradients itself (its compressed optimizers, 1-bit Adam / 0/1 Adam, need the NCCL "
-    "or MPI backend)",
-    "fsdp": "FSDP reduce-scatters gradients itself; its lever is parallel.fsdp.reduce_dtype=bf16",
-    "3d": "FSDP reduce-scatters gradients on dp; its lever is parallel.fsdp.reduce_dtype=bf16",
-    "auto": "the planner may pick a sharded layout; set parallel.strategy=ddp",
-}
+
+
+def _no_comm_hook(par: ParallelConfig) -> str | None:
+    """Why a DDP comm hook cannot apply to the layout parallel.strategy asks for, and the lever it has instead;
+    None where it applies (ddp) or the strategy is refused on its own."""
+    if layout.needs_planner(par.strategy):
+        return "the planner may pick a sharded layout; set parallel.strategy=ddp"
+    kind = layout.requested_kind(par)
+    if kind is None or kind is LayoutKind.DDP:
+        return None
+    if kind.zero_stage:
+        return (
+            "DeepSpeed reduces gradients itself (its compressed optimizers, 1-bit Adam / 0/1 Adam, need the NCCL "
+            "or MPI backend)"
+        )
+    if kind is LayoutKind.THREE_D:
+        return "FSDP reduce-scatters gradients on dp; its lever is parallel.fsdp.reduce_dtype=bf16"
+    return "FSDP reduce-scatters gradients itself; its lever is parallel.fsdp.reduce_dtype=bf16"
 
 
 def _check_comm_hook(cfg: JobConfig) -> list[str]:
     d = cfg.parallel.ddp
     p = _choice("parallel.ddp.comm_hook", d.comm_hook, COMM_HOOKS)
-    if d.comm_hook != "none" and cfg.parallel.strategy in _NO_COMM_HOOK:
-        why = _NO_COMM_HOOK[cfg.parallel.strategy]
+    why = _no_comm_hook(cfg.parallel)
+    if d.comm_hook != "none" and why is not None:
         p.append(f"parallel.ddp.comm_hook={d.comm_hook}: applies to parallel.strategy=ddp only ({why})")
     s = d.powersgd
     if s.rank < 1:
         p.append(f"parallel.ddp.powersgd.rank: must be >= 1, got {s.rank}")
     if (s.use_error_feedback or s.warm_start) and s.start_iter < 2:
-        p.append(f"parallel.ddp.powersgd.start_iter: must be >= 2 with use_error_feedback or warm_start (DDP "
-                 f"rebuilds its buckets after the first step), got {s.start_iter}")  # fmt: skip
+        p.append(
+            f"parallel.ddp.powersgd.start_iter: must be >= 2 with use_error_feedback or warm_start (DDP "
+            f"rebuilds its buckets after the first step), got {s.start_iter}"
+        )
     elif s.start_iter < 0:
         p.append(f"parallel.ddp.powersgd.start_iter: must be >= 0, got {s.start_iter}")
     return p
@@ -497,20 +593,33 @@ def _layout_problems(cfg: JobConfig, *, world_size: int | None, ranks_per_node: 
     par, m, t = cfg.parallel, cfg.model, cfg.train
     if m.problems():  # reported on their own; the layout rules need a sane model
         return []
-    pp, dp, tp, replicate = layout.strategy_degrees(
-        par.strategy, pp=par.pp, dp=par.dp, tp=par.tp, replicate=par.fsdp.replicate, world_size=world_size or 1
-    )
-    if par.strategy != "3d" and world_size is None:
+    reads_degrees = layout.requested_kind(par) is LayoutKind.THREE_D  # the others: dp = the world size
+    if not reads_degrees and world_size is None:
         return []  # dp is the world size: nothing to check before the job has one
+    pp, dp, tp, replicate, _ = layout.strategy_degrees(par, world_size or 1)
     p = layout.layout_problems(
-        pp=pp, dp=dp, tp=tp, world_size=world_size, dp_replicate=replicate,
-        n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.kv_heads, dim=m.dim, ffn_dim=m.ffn_dim,
-        seq_len=cfg.data.seq_len, tie_embeddings=m.tie_embeddings, schedule=par.pp_schedule,
-        stages_per_rank=par.pp_stages_per_rank, global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size, ranks_per_node=ranks_per_node, tp_across_nodes=par.tp_across_nodes,
-        evaluates=t.eval_every_steps > 0, dp_name="parallel.dp" if par.strategy == "3d" else "the world size",
-    )  # fmt: skip
-    if par.fsdp.cpu_offload and par.strategy == "3d":
+        pp=pp,
+        dp=dp,
+        tp=tp,
+        world_size=world_size,
+        dp_replicate=replicate,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.kv_heads,
+        dim=m.dim,
+        ffn_dim=m.ffn_dim,
+        seq_len=cfg.data.seq_len,
+        tie_embeddings=m.tie_embeddings,
+        schedule=par.pp_schedule,
+        stages_per_rank=par.pp_stages_per_rank,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        ranks_per_node=ranks_per_node,
+        tp_across_nodes=par.tp_across_nodes,
+        evaluates=t.eval_every_steps > 0,
+        dp_name="parallel.dp" if reads_degrees else "the world size",
+    )
+    if par.fsdp.cpu_offload and reads_degrees:
         p.append("parallel.fsdp.cpu_offload: not supported with parallel.strategy=3d; use parallel.strategy=fsdp")
     return p
 
@@ -521,13 +630,14 @@ def check_world(cfg: JobConfig, world_size: int, *, ranks_per_node: int | None =
     ``ranks_per_node`` (GPUs per node) adds the rule that a tensor-parallel group stays inside one node."""
     if world_size < 1:
         raise ConfigError([f"world size must be >= 1, got {world_size}"])
-    if cfg.parallel.strategy == "fsdp" and world_size == 1:
+    kind = layout.requested_kind(cfg.parallel)
+    if kind in (LayoutKind.FSDP, LayoutKind.HSDP) and world_size == 1:
         raise ConfigError(
             ["parallel.strategy=fsdp shards over ranks and needs more than one; use parallel.strategy=ddp for one"]
         )
     # 3d and fsdp: every layout problem and the batch split below are reported together
     problems: list[str] = []
-    if cfg.parallel.strategy in ("3d", "fsdp"):
+    if kind is not None and kind.fsdp_options_apply:
         problems = _layout_problems(cfg, world_size=world_size, ranks_per_node=ranks_per_node)
     t = cfg.train
     dp = _data_parallel_size(cfg, world_size)  # 0: an impossible layout, already in problems
@@ -546,10 +656,9 @@ def _data_parallel_size(cfg: JobConfig, world_size: int) -> int:
     """The data-parallel degree ``parallel.strategy`` stands for; 0 when its degrees cannot be resolved.
 
     The same arithmetic as :func:`hpcdist.parallel.dims.parallel_dims` (which this package must not import)."""
-    par = cfg.parallel
-    pp, dp, tp, replicate = layout.strategy_degrees(
-        par.strategy, pp=par.pp, dp=par.dp, tp=par.tp, replicate=par.fsdp.replicate, world_size=world_size
-    )
+    if layout.requested_kind(cfg.parallel) is None:
+        return 0  # auto (resolved before this runs) or a refused strategy
+    pp, dp, tp, replicate, _ = layout.strategy_degrees(cfg.parallel, world_size)
     (_, dp, _), problems = layout.resolve_degrees(pp, dp, tp, world_size)
     return 0 if problems or replicate < 1 or dp % replicate else dp
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from hpcdist.models.args import ModelArgs
 from hpcdist.rundir import RunDir
@@ -220,6 +220,8 @@ class PowerSGDConfig:
 class DDPConfig:
     """DDP settings (parallel.strategy=ddp)."""
 
+    bucket_cap_mb: int = 25
+    """DDP gradient bucket size, in MiB (DDP's bucket_cap_mb)."""
     comm_hook: str = "none"
     """Gradient communication hook: none (DDP's built-in fp32 all-reduce, not measured), allreduce (the same
     fp32 all-reduce through torch's hook, so its bytes and time are measured), bf16 / fp16 (gradients sent in half
@@ -233,6 +235,9 @@ class DDPConfig:
 class ParallelConfig:
     """How the job is spread over its ranks (``parallel:``)."""
 
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"bucket_cap_mb": "parallel.ddp.bucket_cap_mb"}
+    """Keys of this section that live elsewhere now: refused at load with a line naming the new key."""
+
     strategy: str = "ddp"
     """ddp, fsdp (FSDP2, HSDP with fsdp.replicate > 1), zero (DeepSpeed ZeRO 1/2/3), 3d (pp x dp x tp on one
     DeviceMesh: pipeline stages, FSDP2 on dp, tensor + sequence parallel) or auto (the top row of `hpcdist plan`
@@ -240,10 +245,8 @@ class ParallelConfig:
     auto_cluster: str = "a100_ib"
     """parallel.strategy=auto: the cluster profile (shipped name or YAML path) whose GPUs and bandwidths the
     planner assumes."""
-    bucket_cap_mb: int = 25
-    """DDP gradient bucket size."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
-    """DDP settings: gradient compression hooks (parallel.strategy=ddp)."""
+    """DDP settings: bucket size, gradient compression hooks (parallel.strategy=ddp)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 / HSDP settings (parallel.strategy=fsdp)."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)

@@ -8,27 +8,26 @@ data.source=files, written by ``hpcdist prepare``) is compared before any proces
 matmuls tile evenly on tensor cores, and a tp-sharded vocabulary splits evenly up to tp=64). The extra rows are
 padding: no prepared token id reaches them, so they are never a training target and never sampled from the data.
 
-Torch-free: meta.json is read as plain JSON (hpcdist.data imports torch; tests check the names agree).
+Torch-free: meta.json is read by :mod:`hpcdist.config.dataset_meta` (hpcdist.data imports torch).
 """
 
 from __future__ import annotations
 
 import json
 
-from hpcdist.config.dataset_meta import META_NAME, DataError, DatasetMeta, check_shard_files, load_meta
+from hpcdist.config.dataset_meta import DataError, DatasetMeta, check_shard_files, load_meta
 from hpcdist.config.rules import BYTE_VOCAB, MAXIMA
 from hpcdist.config.schema import JobConfig
 
 __all__ = [
-    "META_NAME",
     "VOCAB_MULTIPLE",
     "DataError",
     "check_data",
     "check_same_tokenizer",
+    "data_tokenizer_identity",
     "data_vocab",
     "dataset_paths",
     "resolve_vocab",
-    "run_tokenizer",
 ]
 
 VOCAB_MULTIPLE = 64
@@ -46,16 +45,8 @@ def _meta(path: str, key: str) -> tuple[DatasetMeta | None, str]:
         return None, e.problems[0]
 
 
-def _dataset_meta(path: str) -> dict | None:
-    meta, _ = _meta(path, "data.path")
-    return None if meta is None else meta.raw
-
-
-def _tokenizer_key(meta: dict) -> dict:
-    """What identifies a dataset's tokenizer: kind, vocabulary and each file's sha256 (the byte tokenizer has none;
-    datasets from before tokenizers were recorded are byte-level)."""
-    tok = meta.get("tokenizer") or {"kind": "byte", "vocab_size": meta["vocab_size"]}
-    return {"kind": tok.get("kind"), "vocab_size": tok.get("vocab_size"), "files": tok.get("files") or {}}
+def _dataset_meta(path: str) -> DatasetMeta | None:
+    return _meta(path, "data.path")[0]
 
 
 def _describe_tokenizer(key: dict, where: str) -> str:
@@ -66,7 +57,7 @@ def _describe_tokenizer(key: dict, where: str) -> str:
 _BYTE_KEY = {"kind": "byte", "vocab_size": BYTE_VOCAB, "files": {}}
 
 
-def run_tokenizer(cfg: JobConfig) -> tuple[dict | None, str]:
+def data_tokenizer_identity(cfg: JobConfig) -> tuple[dict | None, str]:
     """(identity of the tokenizer the run's training data was made with, its description); identity None when the
     data has none (data.source=synthetic) or its dataset is missing."""
     d = cfg.data
@@ -79,7 +70,7 @@ def run_tokenizer(cfg: JobConfig) -> tuple[dict | None, str]:
     meta = _dataset_meta(path)
     if meta is None:
         return None, f"{key}={path} (no prepared dataset there)"
-    return _tokenizer_key(meta), _describe_tokenizer(_tokenizer_key(meta), f"{key}={path}")
+    return meta.tokenizer_identity, _describe_tokenizer(meta.tokenizer_identity, f"{key}={path}")
 
 
 def check_same_tokenizer(cfg: JobConfig, key: str, path: str) -> list[str]:
@@ -88,13 +79,14 @@ def check_same_tokenizer(cfg: JobConfig, key: str, path: str) -> list[str]:
     found, problem = _meta(path, f"{key}:")
     if found is None:
         return [problem]
-    meta = found.raw
-    theirs = _tokenizer_key(meta)
-    mine, where = run_tokenizer(cfg)
+    theirs = found.tokenizer_identity
+    mine, where = data_tokenizer_identity(cfg)
     if mine is not None and theirs != mine:
-        return [f"{key}: {path} was prepared with {_describe_tokenizer(theirs, key)}, but the run trains on {where}: "
-                "prepare it again with the run's tokenizer (prepare --tokenizer <the run's data dir>)"]  # fmt: skip
-    vocab = int(meta["vocab_size"])
+        return [
+            f"{key}: {path} was prepared with {_describe_tokenizer(theirs, key)}, but the run trains on {where}: "
+            "prepare it again with the run's tokenizer (prepare --tokenizer <the run's data dir>)"
+        ]
+    vocab = found.vocab_size
     if isinstance(cfg.model.vocab_size, int) and vocab > cfg.model.vocab_size:
         return [f"{key}: {path} holds ids up to {vocab - 1}, past model.vocab_size={cfg.model.vocab_size}"]
     return []
@@ -124,8 +116,7 @@ def data_vocab(cfg: JobConfig) -> tuple[int | None, str]:
         meta = _dataset_meta(path)
         if meta is None:
             return None, f"{key}={path}"
-        kind = (meta.get("tokenizer") or {}).get("kind", "byte")
-        found.append((int(meta["vocab_size"]), f"the {kind} tokenizer of {key}={path}"))
+        found.append((meta.vocab_size, f"the {meta.tokenizer_kind} tokenizer of {key}={path}"))
     return max(found)
 
 
@@ -152,8 +143,10 @@ def resolve_vocab(cfg: JobConfig) -> list[str]:
         return []
     if dataset_paths(cfg):
         path = where.split("=", 1)[1]
-        return [f"model.vocab_size: auto reads the vocabulary of the prepared data, but {where} holds no prepared "
-                f"dataset; {_prepare_hint(path)}, or give a number"]  # fmt: skip
+        return [
+            f"model.vocab_size: auto reads the vocabulary of the prepared data, but {where} holds no prepared "
+            f"dataset; {_prepare_hint(path)}, or give a number"
+        ]
     return [f"model.vocab_size: auto needs prepared data to read the vocabulary from ({where}); give a number"]
 
 
@@ -175,12 +168,12 @@ def check_data(cfg: JobConfig, *, strict: bool = True) -> list[str]:
         except DataError as e:
             problems.append(e.problems[0])
         else:
-            meta = found.raw
-            tok = meta.get("tokenizer") or {"kind": "byte", "vocab_size": meta["vocab_size"]}
-            tokenizers[path] = json.dumps({k: tok.get(k) for k in ("kind", "vocab_size", "files")}, sort_keys=True)
+            tokenizers[path] = json.dumps(found.tokenizer_identity, sort_keys=True)
     if len(set(tokenizers.values())) > 1:
-        problems.append(f"data.sources: prepared with different tokenizers ({', '.join(tokenizers)}): the same id "
-                        "would mean different text; prepare every source with one tokenizer")  # fmt: skip
+        problems.append(
+            f"data.sources: prepared with different tokenizers ({', '.join(tokenizers)}): the same id "
+            "would mean different text; prepare every source with one tokenizer"
+        )
     vocab, where = data_vocab(cfg)
     if vocab is not None and isinstance(m.vocab_size, int) and vocab > m.vocab_size:
         problems.append(

@@ -13,8 +13,9 @@ Pipeline::
 The sampler counts *global* samples, never per-rank ones, so a checkpoint taken with dp=2 resumes on dp=4
 (or dp=1) reading exactly the samples an uninterrupted run would have read.
 
-Preparation is single-writer: rank 0 prepares and the other ranks wait on a barrier before they open a
-`TokenDataset` (the trainer does this). Concurrent calls on one shared directory are not supported.
+Preparation is single-writer: rank 0 prepares and the other ranks wait for its outcome before they open a
+`TokenDataset` (:func:`hpcdist.data.build.build_datasets`, the dataset recipe the trainer calls; a failed preparation
+stops every rank with rank 0's reason). Concurrent calls on one shared directory are not supported.
 """
 
 from hpcdist.data.blend import BlendedDataset, BlendSampler, make_sampler

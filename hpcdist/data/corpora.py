@@ -75,8 +75,10 @@ def check_glob(glob: str) -> None:
     """A --glob pattern must match names below the directory searched: no absolute path, no ``..``."""
     parts = Path(glob).parts
     if not glob or Path(glob).is_absolute() or ".." in parts or glob.startswith("~"):
-        raise CorpusError(f"--glob {glob!r}: give patterns relative to the input directories (like *.txt or "
-                          "sub/*.jsonl), not a path: name other files as inputs")  # fmt: skip
+        raise CorpusError(
+            f"--glob {glob!r}: give patterns relative to the input directories (like *.txt or "
+            "sub/*.jsonl), not a path: name other files as inputs"
+        )
 
 
 def expand_inputs(inputs: Sequence[Path], glob: str) -> list[Path]:
@@ -119,8 +121,10 @@ def _lines(path: Path, fh: Any) -> Iterator[bytes]:
     while line := fh.readline(MAX_LINE_BYTES + 1):
         lineno += 1
         if len(line) > MAX_LINE_BYTES:
-            raise CorpusError(f"{path}:{lineno}: a line longer than {MAX_LINE_BYTES >> 20} MiB (one document per "
-                              "line): split the document, or is this not a JSON-lines file?")  # fmt: skip
+            raise CorpusError(
+                f"{path}:{lineno}: a line longer than {MAX_LINE_BYTES >> 20} MiB (one document per "
+                "line): split the document, or is this not a JSON-lines file?"
+            )
         yield line
 
 
@@ -168,8 +172,9 @@ def _hf_dataset(path: Path, field: str) -> Iterator[tuple[str, int]]:
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # the library reports a directory that only looks like one in many ways (KeyError, ...)
-        raise CorpusError(f"{path}: not a readable datasets directory (save_to_disk) ({type(e).__name__}: "
-                          f"{str(e)[:200]})") from None  # fmt: skip
+        raise CorpusError(
+            f"{path}: not a readable datasets directory (save_to_disk) ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise CorpusError(f"{path}: a DatasetDict without a 'train' split (has: {', '.join(ds)}); save one split")

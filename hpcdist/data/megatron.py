@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from hpcdist.atomic import atomic_write
+from hpcdist.config.dataset_meta import FORMAT_VERSION, read_meta_json, withdraw_meta, write_meta
 from hpcdist.data.prepare import PrepareResult, claim_output, is_intact, own_files
-from hpcdist.data.shards import DTYPES, FORMAT_VERSION, META_NAME, SHARD_PATTERN, read_meta
+from hpcdist.data.shards import DTYPES, SHARD_PATTERN
 from hpcdist.data.tokenizers import Tokenizer, copy_files, describe
 
 __all__ = ["import_megatron", "read_index"]
@@ -70,22 +71,27 @@ def import_megatron(
     if dtype not in DTYPES or tokenizer.vocab_size > np.iinfo(DTYPES[dtype]).max + 1:
         raise ValueError(f"dtype={dtype!r} cannot hold vocab_size={tokenizer.vocab_size}; use uint32")
     tok_info = describe(tokenizer)
-    header = {"format": FORMAT_VERSION, "megatron": True, "dtype": dtype, "shard_tokens": shard_tokens,
-              "tokenizer": tok_info}  # fmt: skip
+    header = {
+        "format": FORMAT_VERSION,
+        "megatron": True,
+        "dtype": dtype,
+        "shard_tokens": shard_tokens,
+        "tokenizer": tok_info,
+    }
     h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
     for p in (bin_path, idx_path):
         st = os.stat(p)
         h.update(f"\0{os.fspath(p)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     fingerprint = h.hexdigest()
     if claim_output(out_dir, fingerprint, overwrite) and is_intact(out_dir):
-        meta = read_meta(out_dir) or {}
+        meta = read_meta_json(out_dir)[0] or {}
         return PrepareResult(out_dir, 1, int(meta["num_documents"]), int(meta["num_tokens"]), up_to_date=True)
 
     tokens = np.memmap(bin_path, dtype=src, mode="r")
     if len(tokens) != int(sizes.sum(dtype=np.int64)):
         raise ValueError(f"{bin_path}: {len(tokens)} tokens, but {idx_path} counts {int(sizes.sum())}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / META_NAME).unlink(missing_ok=True)  # not complete until the new meta.json
+    withdraw_meta(out_dir)  # not complete until the new meta.json
     for stale in own_files(out_dir):
         stale.unlink(missing_ok=True)
     copy_files(tokenizer, out_dir)
@@ -96,18 +102,34 @@ def import_megatron(
         low, high = int(chunk.min()), int(chunk.max())
         if low < 0 or high >= tokenizer.vocab_size:
             bad = high if high >= tokenizer.vocab_size else low
-            raise ValueError(f"{bin_path}: token id {bad} is outside the {tokenizer.kind} tokenizer's vocabulary "
-                             f"[0, {tokenizer.vocab_size}): is it the tokenizer that made this dataset?")  # fmt: skip
+            raise ValueError(
+                f"{bin_path}: token id {bad} is outside the {tokenizer.kind} tokenizer's vocabulary "
+                f"[0, {tokenizer.vocab_size}): is it the tokenizer that made this dataset?"
+            )
         name = SHARD_PATTERN.format(len(shards))
         data = chunk.astype(DTYPES[dtype]).tobytes()
         atomic_write(out_dir / name, data)
         shards.append({"name": name, "tokens": len(chunk), "sha256": hashlib.sha256(data).hexdigest(), "max_id": high})
     meta = {
-        "format": FORMAT_VERSION, "dtype": dtype, "vocab_size": int(tokenizer.vocab_size), "bos_id": tokenizer.bos_id,
-        "eos_id": int(tokenizer.eos_id), "shard_tokens": shard_tokens, "max_tokens": None, "num_tokens": len(tokens),
-        "num_documents": max(0, len(docs) - 1), "shards": shards, "tokenizer": tok_info,
-        "imported_from": {"megatron": os.fspath(prefix), "dtype": str(src)}, "fingerprint": fingerprint,
-    }  # fmt: skip
-    atomic_write(out_dir / META_NAME, (json.dumps(meta, indent=2) + "\n").encode())
-    return PrepareResult(out_dir, 1, meta["num_documents"], len(tokens), bytes_read=os.path.getsize(bin_path),
-                         seconds=time.perf_counter() - t0)  # fmt: skip
+        "dtype": dtype,
+        "vocab_size": int(tokenizer.vocab_size),
+        "bos_id": tokenizer.bos_id,
+        "eos_id": int(tokenizer.eos_id),
+        "shard_tokens": shard_tokens,
+        "max_tokens": None,
+        "num_tokens": len(tokens),
+        "num_documents": max(0, len(docs) - 1),
+        "shards": shards,
+        "tokenizer": tok_info,
+        "imported_from": {"megatron": os.fspath(prefix), "dtype": str(src)},
+        "fingerprint": fingerprint,
+    }
+    write_meta(out_dir, meta)
+    return PrepareResult(
+        out_dir,
+        1,
+        meta["num_documents"],
+        len(tokens),
+        bytes_read=os.path.getsize(bin_path),
+        seconds=time.perf_counter() - t0,
+    )

@@ -32,9 +32,19 @@ from typing import Any, TextIO
 import numpy as np
 
 from hpcdist.atomic import atomic_write
-from hpcdist.config.dataset_meta import DataError, check_shard_files, load_meta, open_regular
+from hpcdist.config.dataset_meta import (
+    FORMAT_VERSION,
+    META_NAME,
+    DataError,
+    check_shard_files,
+    load_meta,
+    open_regular,
+    read_meta_json,
+    withdraw_meta,
+    write_meta,
+)
 from hpcdist.data import corpora
-from hpcdist.data.shards import DTYPES, FORMAT_VERSION, META_NAME, SHARD_PATTERN, read_meta, verify_shard
+from hpcdist.data.shards import DTYPES, SHARD_PATTERN, verify_shard
 from hpcdist.data.tokenizers import TOKENIZER_DIR, ByteTokenizer, Tokenizer, copy_files, describe
 
 __all__ = ["PrepareRefused", "PrepareResult", "prepare_corpus", "prepare_shards"]
@@ -162,8 +172,10 @@ class _Progress:
             return
         self.last = now
         dt = max(now - self.t0, 1e-9)
-        line = (f"prepare: {nbytes / 1e6:,.1f} MB -> {tokens:,} tokens in {shards} shards  "
-                f"{tokens / dt:,.0f} tokens/s  {nbytes / 1e6 / dt:,.2f} MB/s")  # fmt: skip
+        line = (
+            f"prepare: {nbytes / 1e6:,.1f} MB -> {tokens:,} tokens in {shards} shards  "
+            f"{tokens / dt:,.0f} tokens/s  {nbytes / 1e6 / dt:,.2f} MB/s"
+        )
         end = "\n" if final or not self.tty else ""
         self.stream.write(("\r" if self.tty else "") + line + end)
         self.stream.flush()
@@ -212,17 +224,21 @@ def prepare_corpus(
         raise ValueError("prepare: " + "; ".join(problems))
 
     tok_info = describe(tok)
-    header = {"dtype": dtype, "max_tokens": max_tokens, "shard_tokens": shard_tokens, "text_field": text_field,
-              "tokenizer": tok_info}  # fmt: skip
+    header = {
+        "dtype": dtype,
+        "max_tokens": max_tokens,
+        "shard_tokens": shard_tokens,
+        "text_field": text_field,
+        "tokenizer": tok_info,
+    }
     fingerprint = _fingerprint(inputs, header)
     if claim_output(out_dir, fingerprint, overwrite) and is_intact(out_dir):
-        meta = read_meta(out_dir) or {}
-        return PrepareResult(out_dir, len(inputs), int(meta["num_documents"]), int(meta["num_tokens"]),
-                             up_to_date=True)  # fmt: skip
+        meta = read_meta_json(out_dir)[0] or {}
+        return PrepareResult(out_dir, len(inputs), int(meta["num_documents"]), int(meta["num_tokens"]), up_to_date=True)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     # Remove the old meta.json FIRST: from here on the directory must not look complete until we finish.
-    (out_dir / META_NAME).unlink(missing_ok=True)
+    withdraw_meta(out_dir)
     np_dtype = DTYPES[dtype]
     shards, resume_at, good_bytes = _resumable_shards(out_dir, fingerprint, dtype)
     kept = len(shards)
@@ -299,8 +315,9 @@ def prepare_corpus(
                 start = resume_at[1] if b == resume_at[0] else 0  # these tokens of the batch are in kept shards
                 top = int(stream.max()) if len(stream) else 0
                 if top >= tok.vocab_size:  # a tokenizer breaking its contract: never write (or wrap) an id past it
-                    raise ValueError(f"the {tok.kind} tokenizer produced token id {top}, past its vocab_size="
-                                     f"{tok.vocab_size}")  # fmt: skip
+                    raise ValueError(
+                        f"the {tok.kind} tokenizer produced token id {top}, past its vocab_size={tok.vocab_size}"
+                    )
                 if max_tokens is not None and len(stream) - start > max_tokens - total:
                     cut = start + max_tokens - total
                     stream = stream[:cut]
@@ -328,7 +345,6 @@ def prepare_corpus(
     bar.update(tokens=total, nbytes=bytes_read, shards=len(shards), final=True)
 
     meta = {
-        "format": FORMAT_VERSION,
         "dtype": dtype,
         "vocab_size": int(tok.vocab_size),
         "bos_id": tok.bos_id,
@@ -343,10 +359,11 @@ def prepare_corpus(
         "text_field": text_field,
         "fingerprint": fingerprint,
     }
-    atomic_write(out_dir / META_NAME, (json.dumps(meta, indent=2) + "\n").encode())
+    write_meta(out_dir, meta)
     (out_dir / PROGRESS_NAME).unlink(missing_ok=True)
-    return PrepareResult(out_dir, len(inputs), num_docs, total, bytes_read=bytes_read,
-                         seconds=time.perf_counter() - t0, kept_shards=kept)  # fmt: skip
+    return PrepareResult(
+        out_dir, len(inputs), num_docs, total, bytes_read=bytes_read, seconds=time.perf_counter() - t0, kept_shards=kept
+    )
 
 
 def _shutdown(pool: Any, pending: deque[tuple[int, Any]]) -> None:
@@ -399,7 +416,7 @@ def claim_output(out_dir: Path, fingerprint: str, overwrite: bool) -> bool:
         return False
     if not out_dir.is_dir():
         raise PrepareRefused(f"--out {out_dir} is not a directory")
-    meta = read_meta(out_dir)
+    meta = read_meta_json(out_dir)[0]
     if meta is not None and meta.get("fingerprint") == fingerprint:
         return True
     if _progress_fingerprint(out_dir) == fingerprint or overwrite:
@@ -410,16 +427,17 @@ def claim_output(out_dir: Path, fingerprint: str, overwrite: bool) -> bool:
     if not entries:
         return False
     if meta is not None:
-        what = (f"a prepared dataset ({meta.get('num_tokens', '?')} tokens) made from other inputs, options or "
-                "tokenizer")  # fmt: skip
+        what = f"a prepared dataset ({meta.get('num_tokens', '?')} tokens) made from other inputs, options or tokenizer"
     elif _progress_fingerprint(out_dir) is not None:
         what = "an unfinished preparation of other inputs, options or tokenizer"
     else:
         shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
         what = f"files prepare did not write ({shown})"
-    raise PrepareRefused(f"--out {out_dir} is not empty: it holds {what}; prepare would replace it. Give a new "
-                         "--out, or add --overwrite to replace the dataset there (only prepare's own files: "
-                         "shards, meta.json, progress)")  # fmt: skip
+    raise PrepareRefused(
+        f"--out {out_dir} is not empty: it holds {what}; prepare would replace it. Give a new "
+        "--out, or add --overwrite to replace the dataset there (only prepare's own files: "
+        "shards, meta.json, progress)"
+    )
 
 
 def is_intact(out_dir: Path) -> bool:
@@ -458,8 +476,12 @@ def _resumable_shards(out_dir: Path, fingerprint: str, dtype: str) -> tuple[list
     for line in lines[1:-1]:  # the part after the last newline is torn (or empty)
         try:
             rec = json.loads(line)
-            entry = {"name": str(rec["name"]), "tokens": int(rec["tokens"]), "sha256": str(rec["sha256"]),
-                     "max_id": int(rec["max_id"])}  # fmt: skip
+            entry = {
+                "name": str(rec["name"]),
+                "tokens": int(rec["tokens"]),
+                "sha256": str(rec["sha256"]),
+                "max_id": int(rec["max_id"]),
+            }
             step = (int(rec["batch"]), int(rec["offset"]))
         except (ValueError, KeyError, TypeError, RecursionError):
             break
@@ -493,5 +515,12 @@ def prepare_shards(
     """Tokenize `files` (one document each, EOS after each; byte-level by default) into shards + meta.json.
 
     The embedded corpus's entry point: :func:`prepare_corpus` in one process, returning the directory."""
-    return prepare_corpus(files, out_dir, tokenizer=tokenizer, shard_tokens=shard_tokens, dtype=dtype,
-                          max_tokens=max_tokens, overwrite=overwrite).path  # fmt: skip
+    return prepare_corpus(
+        files,
+        out_dir,
+        tokenizer=tokenizer,
+        shard_tokens=shard_tokens,
+        dtype=dtype,
+        max_tokens=max_tokens,
+        overwrite=overwrite,
+    ).path

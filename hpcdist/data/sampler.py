@@ -75,11 +75,17 @@ class ResumableSampler:
             raise SamplerMismatch(
                 f"sampler state is for {state['num_samples']} samples but the dataset has {self.num_samples}: "
                 "the data (or seq_len / val_fraction) changed since the checkpoint",
-                field="num_samples", saved=int(state["num_samples"]), now=self.num_samples,
-            )  # fmt: skip
+                field="num_samples",
+                saved=int(state["num_samples"]),
+                now=self.num_samples,
+            )
         if int(state["seed"]) != self.seed:
-            raise SamplerMismatch(f"sampler state has seed {state['seed']} but this run uses seed {self.seed}",
-                                  field="seed", saved=int(state["seed"]), now=self.seed)  # fmt: skip
+            raise SamplerMismatch(
+                f"sampler state has seed {state['seed']} but this run uses seed {self.seed}",
+                field="seed",
+                saved=int(state["seed"]),
+                now=self.seed,
+            )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= self.num_samples:
             raise ValueError(f"bad sampler state: epoch={epoch}, position={position}, num_samples={self.num_samples}")

@@ -15,25 +15,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hpcdist.config.dataset_meta import (  # FORMAT_VERSION, META_NAME: re-exported for prepare and megatron
-    FORMAT_VERSION,
-    META_NAME,
-    DataError,
-    DatasetMeta,
-    check_shard_files,
-    load_meta,
-    open_regular,
-    read_meta_json,
-)
+from hpcdist.config.dataset_meta import DataError, DatasetMeta, check_shard_files, load_meta, open_regular
 from hpcdist.config.loader import ConfigError
 
 __all__ = [
-    "FORMAT_VERSION",
-    "META_NAME",
     "SampleDataset",
     "SyntheticDataset",
     "TokenDataset",
-    "read_meta",
     "verify_shard",
 ]
 
@@ -47,11 +35,6 @@ DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 EAGER_VERIFY_BYTES = 2**30
 # Shards already checked by this process: (file identity, size, mtime, ctime): an edit changes ctime.
 _VERIFIED: set[tuple[Any, ...]] = set()
-
-
-def read_meta(path: Path) -> dict[str, Any] | None:
-    """The parsed meta.json of ``path``, or None (missing, not a regular file, too large, not a JSON object)."""
-    return read_meta_json(Path(path))[0]
 
 
 def verify_shard(meta: DatasetMeta, k: int, *, key: str = "data.path") -> None:
@@ -69,8 +52,12 @@ def verify_shard(meta: DatasetMeta, k: int, *, key: str = "data.path") -> None:
         if ident in _VERIFIED:
             return
         if st.st_size != s.tokens * meta.itemsize:
-            raise DataError([f"{key} {file} holds {st.st_size:,} bytes, but meta.json says {s.tokens:,} "
-                             f"{meta.dtype} tokens: prepare the dataset again"])  # fmt: skip
+            raise DataError(
+                [
+                    f"{key} {file} holds {st.st_size:,} bytes, but meta.json says {s.tokens:,} "
+                    f"{meta.dtype} tokens: prepare the dataset again"
+                ]
+            )
         with mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else _Empty() as mm:
             ids = np.frombuffer(mm, dtype=DTYPES[meta.dtype])
             top = int(ids.max()) if len(ids) else -1
@@ -81,15 +68,21 @@ def verify_shard(meta: DatasetMeta, k: int, *, key: str = "data.path") -> None:
         os.close(fd)
     problems = []
     if top >= meta.vocab_size:
-        problems.append(f"holds token id {top} (token {where:,}), past vocab_size={meta.vocab_size}: every id must be "
-                        "below it, or it indexes past the embedding table")  # fmt: skip
+        problems.append(
+            f"holds token id {top} (token {where:,}), past vocab_size={meta.vocab_size}: every id must be "
+            "below it, or it indexes past the embedding table"
+        )
     if digest is not None and digest != s.sha256:
         problems.append("its sha256 is not the one prepare recorded in meta.json: the file was changed after prepare")
     elif s.max_id is not None and top != s.max_id and not problems:
         problems.append(f"its largest id is {top}, but meta.json records {s.max_id}: the dtype or the file changed")
     if problems:
-        raise DataError([f"{key} {file}: {'; '.join(problems)}; prepare the dataset again (hpcdist prepare ... "
-                         f"--overwrite --out {meta.path}) or restore the file"])  # fmt: skip
+        raise DataError(
+            [
+                f"{key} {file}: {'; '.join(problems)}; prepare the dataset again (hpcdist prepare ... "
+                f"--overwrite --out {meta.path}) or restore the file"
+            ]
+        )
     _VERIFIED.add(ident)
 
 
@@ -154,15 +147,19 @@ class TokenDataset:
         n_val = max(1, round(total * val_fraction)) if val_fraction > 0 else 0
         n_train = total - n_val
         if n_train < 1:  # the user's data and data.seq_len / data.val_fraction do not fit together
-            raise ConfigError([
-                f"{self.path} holds {meta.num_tokens} tokens ({total} windows of seq_len + 1 = {window} within "
-                f"shards): too few for one train sample{' plus a val sample' if n_val else ''}; "
-                "prepare more tokens or lower data.seq_len"
-            ])  # fmt: skip
+            raise ConfigError(
+                [
+                    f"{self.path} holds {meta.num_tokens} tokens ({total} windows of seq_len + 1 = {window} within "
+                    f"shards): too few for one train sample{' plus a val sample' if n_val else ''}; "
+                    "prepare more tokens or lower data.seq_len"
+                ]
+            )
         if not meta.checksummed:
-            log.warning("data: %s was prepared before hpcdist recorded shard checksums: its token ids are checked "
-                        "against vocab_size, its contents cannot be verified; prepare it again to record them",
-                        self.path)  # fmt: skip
+            log.warning(
+                "data: %s was prepared before hpcdist recorded shard checksums: its token ids are checked "
+                "against vocab_size, its contents cannot be verified; prepare it again to record them",
+                self.path,
+            )
         # Every shard is read once and checked before the first step (a bad id in a window the sampler has not drawn
         # yet must not wait for it), unless that costs more than EAGER_VERIFY_BYTES: then each shard when first mapped.
         self._eager = sum(self._shard_tokens) * self._dtype.itemsize <= EAGER_VERIFY_BYTES
@@ -196,9 +193,13 @@ class TokenDataset:
         window = self._shard(k)[start : start + self.seq_len + 1].astype(np.int64)
         # the shard was checked, but a file can change under a mapping: an id past the table never reaches the model
         if int(window.max()) >= self.vocab_size:
-            raise DataError([f"{self.path / self._shard_names[k]}: token id {int(window.max())} at token "
-                             f"{start + int(window.argmax()):,}, past vocab_size={self.vocab_size}: the shard changed "
-                             "after it was checked; prepare the dataset again"])  # fmt: skip
+            raise DataError(
+                [
+                    f"{self.path / self._shard_names[k]}: token id {int(window.max())} at token "
+                    f"{start + int(window.argmax()):,}, past vocab_size={self.vocab_size}: the shard changed "
+                    "after it was checked; prepare the dataset again"
+                ]
+            )
         return window
 
     def __getstate__(self) -> dict[str, Any]:

@@ -12,27 +12,30 @@ used) into a :class:`Tokenizer`; :func:`train_bpe` trains a byte-level BPE on lo
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Iterable, Sequence
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFCoreTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from hpcdist.atomic import atomic_write
+from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.config.dataset_meta import DataError, load_meta, read_meta_json
 from hpcdist.data import corpora
 
 __all__ = [
+    "TOKENIZER_KINDS",
     "ByteTokenizer",
     "HFTokenizer",
     "SentencePieceTokenizer",
     "TiktokenTokenizer",
     "Tokenizer",
     "TokenizerError",
+    "TokenizerKind",
     "load_tokenizer",
     "train_bpe",
 ]
@@ -255,9 +258,11 @@ class TiktokenTokenizer:
             raise TokenizerError(f"{path}: not a tiktoken BPE file ({e})") from e
         self.eos_id = max(ranks.values()) + 1
         self._enc = tiktoken.Encoding(
-            name=self._file.stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+            name=self._file.stem,
+            pat_str=TIKTOKEN_PATTERN,
+            mergeable_ranks=ranks,
             special_tokens={"<|endoftext|>": self.eos_id},
-        )  # fmt: skip
+        )
         self.vocab_size = self.eos_id + 1
         self.bos_id = None
         self.pad_id = None
@@ -275,35 +280,181 @@ class TiktokenTokenizer:
         return [self._file]
 
 
+# ---------------------------------------------------------------- Hugging Face form of each kind
+BYTE_BOS, BYTE_EOS = "<s>", "</s>"  # the byte tokenizer's special tokens, named in its Hugging Face form
+HFForm = tuple[dict[str, Any], dict[str, str]]  # (tokenizer_config.json, special_tokens_map.json)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet of the ``ByteLevel`` pre-tokenizer and decoder."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def byte_tokenizer_json() -> HFCoreTokenizer:
+    """A ``tokenizers`` tokenizer with ids equal to :class:`ByteTokenizer`'s: byte b -> b, BOS 256, EOS 257."""
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = HFCoreTokenizer(models.BPE(vocab=vocab, merges=[]))
+    # no regex split: the whole text becomes its UTF-8 bytes, each one a token (no merges)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(BYTE_BOS, special=True), AddedToken(BYTE_EOS, special=True)])
+    ids = (tok.token_to_id(BYTE_BOS), tok.token_to_id(BYTE_EOS))
+    assert ids == (ByteTokenizer.bos_id, ByteTokenizer.eos_id), ids  # the ids are what the weights were trained on
+    return tok
+
+
+def _fast_config(bos: str | None, eos: str | None, max_len: int, extra: dict[str, Any]) -> dict[str, Any]:
+    # PreTrainedTokenizerFast follows tokenizer.json as it is: model_type llama would otherwise pick LlamaTokenizer,
+    # which adds BOS and a prefix space that the data was never prepared with
+    return {
+        **extra,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+    }
+
+
+def _byte_hf(tok: Tokenizer, out: Path, max_len: int) -> HFForm:
+    # no files: an equivalent tokenizer.json; split_special_tokens keeps a literal <s> in a text as bytes, as
+    # ByteTokenizer does; invalid UTF-8 decodes to U+FFFD as in ByteTokenizer.decode
+    atomic_write(out / "tokenizer.json", byte_tokenizer_json().to_str(pretty=True) + "\n")
+    config = {**_fast_config(BYTE_BOS, BYTE_EOS, max_len, {}), "split_special_tokens": True}
+    return config, {"bos_token": BYTE_BOS, "eos_token": BYTE_EOS}
+
+
+def _hf_hf(tok: Tokenizer, out: Path, max_len: int) -> HFForm:
+    # tokenizer.json copied, its tokenizer_config.json completed (class, BOS/EOS names)
+    files = {f.name: f for f in tok.files()}
+    core = HFCoreTokenizer.from_file(str(files["tokenizer.json"]))
+    shutil.copyfile(files["tokenizer.json"], out / "tokenizer.json")
+    extra = json.loads(files["tokenizer_config.json"].read_text()) if "tokenizer_config.json" in files else {}
+    bos = core.id_to_token(tok.bos_id) if tok.bos_id is not None else None
+    eos = core.id_to_token(tok.eos_id)
+    pad = core.id_to_token(tok.pad_id) if tok.pad_id is not None else None
+    config = _fast_config(bos, eos, max_len, extra)
+    if pad is not None:
+        config["pad_token"] = pad
+    special = {k: v for k, v in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad)) if v is not None}
+    return config, special
+
+
+def _sentencepiece_hf(tok: Tokenizer, out: Path, max_len: int) -> HFForm:
+    # the .model copied as tokenizer.model: transformers' LlamaTokenizer loads it
+    shutil.copyfile(tok.files()[0], out / "tokenizer.model")
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": max_len,
+        "legacy": False,
+    }
+    return config, {}
+
+
+# ---------------------------------------------------------------- the registry of tokenizer kinds
+def _file_with(suffix: str, dir_file: str) -> Any:
+    """recognise(): a file ending in ``suffix``, or a directory holding ``dir_file``."""
+
+    def recognise(spec: str) -> list[Path] | None:
+        path = Path(spec)
+        if path.is_dir():
+            return [path / dir_file] if (path / dir_file).is_file() else None
+        return [path] if path.suffix == suffix and path.is_file() else None
+
+    return recognise
+
+
+def _tiktoken_spec(spec: str) -> list[Path] | None:
+    if spec.startswith("tiktoken:"):
+        return [Path(spec[len("tiktoken:") :])]
+    return [Path(spec)] if spec.endswith(".tiktoken") and Path(spec).is_file() else None
+
+
+def _named(files: list[Path], name: str) -> Path:
+    """The file called ``name`` among a kind's files (a recorded tokenizer's come in meta.json's order), else the
+    first."""
+    return next((f for f in files if f.name == name), files[0])
+
+
+@dataclass(frozen=True)
+class TokenizerKind:
+    """One tokenizer format: everything hpcdist knows about it. ``name`` is what meta.json records (``tokenizer.kind``);
+    ``recognise(spec)`` gives the files a ``--tokenizer`` spec names when they are of this kind (None: not this kind);
+    ``load(files)`` builds the tokenizer from them (the spec's, or the copies a prepared dataset recorded);
+    ``export_hf(tok, out, max_len)`` writes its Hugging Face files into ``out`` and returns (tokenizer_config.json,
+    special_tokens_map.json), or is None when the kind has no Hugging Face form. ``has_files``: False for a kind
+    built from nothing (byte), which a prepared dataset records without files."""
+
+    name: str
+    recognise: Callable[[str], list[Path] | None]
+    load: Callable[[list[Path]], Tokenizer]
+    export_hf: Callable[[Tokenizer, Path, int], HFForm] | None
+    has_files: bool = True
+
+
+# Tried in this order on a spec; a file no kind recognises is read as a tokenizer.json under another name
+# (FALLBACK_KIND).
+# A new format is one entry here (and its class, here or in a module of its own).
+_TOKENIZER_KINDS = (
+    TokenizerKind(
+        "byte",
+        recognise=lambda spec: [] if spec == "byte" else None,
+        load=lambda files: ByteTokenizer(),
+        export_hf=_byte_hf,
+        has_files=False,
+    ),
+    TokenizerKind("tiktoken", recognise=_tiktoken_spec, load=lambda files: TiktokenTokenizer(files[0]), export_hf=None),
+    TokenizerKind(
+        "hf",
+        recognise=_file_with(".json", "tokenizer.json"),
+        load=lambda files: HFTokenizer(_named(files, "tokenizer.json")),
+        export_hf=_hf_hf,
+    ),
+    TokenizerKind(
+        "sentencepiece",
+        recognise=_file_with(".model", "tokenizer.model"),
+        load=lambda files: SentencePieceTokenizer(files[0]),
+        export_hf=_sentencepiece_hf,
+    ),
+)
+TOKENIZER_KINDS: dict[str, TokenizerKind] = {k.name: k for k in _TOKENIZER_KINDS}
+FALLBACK_KIND = "hf"
+
+
 def load_tokenizer(spec: str | Path) -> Tokenizer:
     """``byte``; a ``tokenizer.json`` or a directory with one; a SentencePiece ``.model`` (or a directory with
     ``tokenizer.model``); ``tiktoken:PATH`` or a ``*.tiktoken`` file; or a prepared dataset directory (the
-    tokenizer it was prepared with)."""
+    tokenizer it was prepared with). The kinds are :data:`TOKENIZER_KINDS`."""
     text = str(spec)
-    if text == "byte":
-        return ByteTokenizer()
-    if text.startswith("tiktoken:"):
-        return TiktokenTokenizer(Path(text[len("tiktoken:") :]))
     path = Path(text)
     if path.is_dir():
         recorded = recorded_tokenizer(path)
         if recorded is not None:
             return recorded
-        if (path / "tokenizer.json").is_file():
-            return HFTokenizer(path)
-        if (path / "tokenizer.model").is_file():
-            return SentencePieceTokenizer(path / "tokenizer.model")
+    for kind in TOKENIZER_KINDS.values():
+        files = kind.recognise(text)
+        if files is not None:
+            return kind.load(files)
+    if path.is_dir():
         raise TokenizerError(f"{path}: a directory without tokenizer.json, tokenizer.model or a prepared dataset")
     if not path.is_file():
         raise TokenizerError(
             f"tokenizer {text!r}: no such file; give byte, a tokenizer.json (or its directory), a SentencePiece "
             ".model, tiktoken:PATH, or a prepared dataset directory"
         )
-    if path.suffix == ".model":
-        return SentencePieceTokenizer(path)
-    if path.suffix == ".tiktoken":
-        return TiktokenTokenizer(path)
-    return HFTokenizer(path)
+    return TOKENIZER_KINDS[FALLBACK_KIND].load([path])
 
 
 def recorded_tokenizer(dataset_dir: Path) -> Tokenizer | None:
@@ -320,34 +471,26 @@ def recorded_tokenizer(dataset_dir: Path) -> Tokenizer | None:
     if meta.tokenizer is None:
         # datasets from before tokenizers were recorded were all byte-level
         return ByteTokenizer() if meta.vocab_size == ByteTokenizer.vocab_size else None
-    kind = meta.tokenizer.get("kind", "byte")
-    if kind == "byte":
-        return ByteTokenizer()
-    loaders: dict[str, Any] = {"hf": HFTokenizer, "sentencepiece": SentencePieceTokenizer,
-                               "tiktoken": TiktokenTokenizer}  # fmt: skip
-    if kind not in loaders:
-        raise TokenizerError(f"{dataset_dir}: meta.json names an unknown tokenizer kind {kind!r}")
+    name = meta.tokenizer_kind
+    if name not in TOKENIZER_KINDS:
+        raise TokenizerError(f"{dataset_dir}: meta.json names an unknown tokenizer kind {name!r}")
     files = []
-    for name, digest in meta.tokenizer.get("files", {}).items():
-        file = Path(dataset_dir) / TOKENIZER_DIR / name
-        if "/" in name or name in ("", ".", "..") or not file.is_file() or file.is_symlink():
-            raise TokenizerError(f"{dataset_dir}: meta.json's tokenizer file {name!r} is not a regular file in "
-                                 f"{TOKENIZER_DIR}/ (links are not followed); prepare the dataset again")  # fmt: skip
-        if _sha256(file) != digest:
-            raise TokenizerError(f"{file}: not the tokenizer file the dataset was prepared with (sha256 differs from "
-                                 "meta.json's); restore it or prepare the dataset again")  # fmt: skip
+    for file_name, digest in meta.tokenizer.get("files", {}).items():
+        file = Path(dataset_dir) / TOKENIZER_DIR / file_name
+        if "/" in file_name or file_name in ("", ".", "..") or not file.is_file() or file.is_symlink():
+            raise TokenizerError(
+                f"{dataset_dir}: meta.json's tokenizer file {file_name!r} is not a regular file in "
+                f"{TOKENIZER_DIR}/ (links are not followed); prepare the dataset again"
+            )
+        if file_sha256(file) != digest:
+            raise TokenizerError(
+                f"{file}: not the tokenizer file the dataset was prepared with (sha256 differs from "
+                "meta.json's); restore it or prepare the dataset again"
+            )
         files.append(file)
-    if not files:
-        raise TokenizerError(f"{dataset_dir}: meta.json records a {kind} tokenizer but no tokenizer file")
-    return loaders[kind](files[0])
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    if not files and TOKENIZER_KINDS[name].has_files:
+        raise TokenizerError(f"{dataset_dir}: meta.json records a {name} tokenizer but no tokenizer file")
+    return TOKENIZER_KINDS[name].load(files)
 
 
 def describe(tok: Tokenizer) -> dict[str, Any]:
@@ -359,7 +502,7 @@ def describe(tok: Tokenizer) -> dict[str, Any]:
         "eos_id": int(tok.eos_id),
         "pad_id": tok.pad_id,
         "add_bos": bool(tok.add_bos),
-        "files": {f.name: _sha256(f) for f in tok.files()},
+        "files": {f.name: file_sha256(f) for f in tok.files()},
     }
 
 
@@ -388,9 +531,12 @@ def train_bpe(
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     docs = (_text(doc) for item in inputs for doc, _ in corpora.iter_documents(Path(item), text_field=text_field))
     tok.train_from_iterator(docs, trainer)
     out = Path(out_dir)

@@ -301,11 +301,13 @@ def _versions(records: list[dict[str, Any]]) -> list[Finding]:
         parts = [f"{value or 'none'} on {', '.join(sorted({hosts_of[r] for r in ranks}))}" for value, ranks in groups]
         out.append(
             Finding(
-                severity, f"{key}_version_mismatch", f"{key} version differs between nodes: {'; '.join(parts)}",
+                severity,
+                f"{key}_version_mismatch",
+                f"{key} version differs between nodes: {'; '.join(parts)}",
                 f"run every node from the same software stack (container image or module set); {key} must match",
                 tuple(sorted({r["hostname"] for r in records})),
             )
-        )  # fmt: skip
+        )
     return out
 
 
@@ -328,13 +330,14 @@ def _ifnames(host: str, recs: list[dict[str, Any]], backend: str) -> list[Findin
             severity = "error" if used else "warning"
             out.append(
                 Finding(
-                    severity, "ifname_missing",
+                    severity,
+                    "ifname_missing",
                     f"{var}={value} on {host} names interface(s) {', '.join(missing)} that do not exist there "
                     f"(present: {present})",
                     f"set {var} to an interface present on every node (here: one of {present}), or unset it",
                     (host,),
                 )
-            )  # fmt: skip
+            )
     return out
 
 
@@ -349,19 +352,25 @@ def _loopback(host: str, recs: list[dict[str, Any]], backend: str, multi_host: b
     if _is_loopback_addr(master):
         out.append(
             Finding(
-                "error", "loopback_master",
+                "error",
+                "loopback_master",
                 f"MASTER_ADDR={master} on {host} in a multi-node job: ranks on other nodes look for the rendezvous on "
                 "their own loopback",
                 "let the launcher pick the master (srun: the first node of the step), or export MASTER_ADDR=<first "
                 "node's hostname>",
                 (host,),
             )
-        )  # fmt: skip
+        )
     if not real:
         out.append(
-            Finding("error", "no_network", f"{host} has no non-loopback interface that is up with an IPv4 address",
-                    "check the node's network configuration (ip addr)", (host,))
-        )  # fmt: skip
+            Finding(
+                "error",
+                "no_network",
+                f"{host} has no non-loopback interface that is up with an IPv4 address",
+                "check the node's network configuration (ip addr)",
+                (host,),
+            )
+        )
     gloo = recs[0]["env"].get("GLOO_SOCKET_IFNAME", "")
     # gloo binds this way whatever the backend: NCCL jobs have gloo groups too (see _ifnames)
     listed = [i for i in gloo.split(",") if i]
@@ -379,18 +388,27 @@ def _loopback(host: str, recs: list[dict[str, Any]], backend: str, multi_host: b
         why = ""
     if why:
         out.append(
-            Finding("error", "loopback_only", f"{why}: connections from other hosts will be refused",
-                    f"export GLOO_SOCKET_IFNAME={suggest} (the ethernet NCCL profile sets it per node)",
-                    (host,))
-        )  # fmt: skip
+            Finding(
+                "error",
+                "loopback_only",
+                f"{why}: connections from other hosts will be refused",
+                f"export GLOO_SOCKET_IFNAME={suggest} (the ethernet NCCL profile sets it per node)",
+                (host,),
+            )
+        )
     nccl = recs[0]["env"].get("NCCL_SOCKET_IFNAME", "")
     if backend == "nccl" and nccl and not nccl.startswith("^"):
         selected, _ = _nccl_ifname_matches(nccl, list(ifaces))
         if selected and all(ifaces[n]["loopback"] for n in selected):
             out.append(
-                Finding("error", "loopback_only", f"NCCL_SOCKET_IFNAME={nccl} selects only loopback on {host}",
-                        f"export NCCL_SOCKET_IFNAME={suggest}", (host,))
-            )  # fmt: skip
+                Finding(
+                    "error",
+                    "loopback_only",
+                    f"NCCL_SOCKET_IFNAME={nccl} selects only loopback on {host}",
+                    f"export NCCL_SOCKET_IFNAME={suggest}",
+                    (host,),
+                )
+            )
     return out
 
 
@@ -414,53 +432,73 @@ def _hcas_and_gpus(host: str, recs: list[dict[str, Any]], max_gpus: int) -> list
     if active and rec["env"].get("NCCL_IB_DISABLE", "").strip() == "1":
         out.append(
             Finding(
-                "warning", "ib_disabled",
+                "warning",
+                "ib_disabled",
                 f"NCCL_IB_DISABLE=1 on {host} although InfiniBand HCAs are active ({', '.join(active)}): NCCL sends "
                 "inter-node traffic over TCP sockets, typically 5-10x slower",
                 "unset NCCL_IB_DISABLE (the ethernet NCCL profile sets it; use ib_a100 on InfiniBand clusters)",
                 (host,),
             )
-        )  # fmt: skip
+        )
     node_gpus = _node_gpus(recs)
     if active and 0 < len(active) < node_gpus:
         out.append(
             Finding(
-                "warning", "few_hcas",
+                "warning",
+                "few_hcas",
                 f"{host} has {len(active)} active InfiniBand HCA(s) for {node_gpus} GPUs: GPUs share NICs and "
                 "inter-node bandwidth per GPU drops accordingly",
                 "check for HCAs whose port is down (ibstat) or missing from the node; on a rail-optimized fabric "
                 "every GPU has its own HCA",
                 (host,),
             )
-        )  # fmt: skip
+        )
     if not rec["gpus"]["cuda_build"]:
         return out
     if node_gpus < max_gpus:
         out.append(
-            Finding("error", "gpu_missing", f"{host} shows {node_gpus} GPU(s), other nodes {max_gpus}",
-                    f"drain {host} and check it (nvidia-smi, dmesg for Xid / 'fallen off the bus')", (host,))
-        )  # fmt: skip
+            Finding(
+                "error",
+                "gpu_missing",
+                f"{host} shows {node_gpus} GPU(s), other nodes {max_gpus}",
+                f"drain {host} and check it (nvidia-smi, dmesg for Xid / 'fallen off the bus')",
+                (host,),
+            )
+        )
     for value, ranks in distinct(recs, lambda r: r["env"].get("CUDA_VISIBLE_DEVICES")):
         listed = [d for d in (value or "").split(",") if d.strip()]
         seen = min(r["gpus"]["count"] for r in recs if r["rank"] in ranks)
         if value is not None and len(listed) > seen:
             out.append(
-                Finding("error", "gpu_missing",
-                        f"CUDA_VISIBLE_DEVICES={value} on {host} lists {len(listed)} GPU(s) but only {seen} are usable",
-                        f"check the GPUs of {host} (nvidia-smi); a GPU that fell off the bus needs a node reboot",
-                        (host,))
-            )  # fmt: skip
+                Finding(
+                    "error",
+                    "gpu_missing",
+                    f"CUDA_VISIBLE_DEVICES={value} on {host} lists {len(listed)} GPU(s) but only {seen} are usable",
+                    f"check the GPUs of {host} (nvidia-smi); a GPU that fell off the bus needs a node reboot",
+                    (host,),
+                )
+            )
     if recs[0]["backend"] == "nccl" and len(recs) > node_gpus:
         out.append(
-            Finding("error", "gpu_missing", f"{len(recs)} ranks on {host} but only {node_gpus} GPU(s)",
-                    "start one task per GPU (srun --ntasks-per-node = --gpus-per-node)", (host,))
-        )  # fmt: skip
+            Finding(
+                "error",
+                "gpu_missing",
+                f"{len(recs)} ranks on {host} but only {node_gpus} GPU(s)",
+                "start one task per GPU (srun --ntasks-per-node = --gpus-per-node)",
+                (host,),
+            )
+        )
     uuids = _uuids(recs)
     if len(uuids) != len(set(uuids)):
         out.append(
-            Finding("error", "gpu_shared", f"two or more ranks on {host} use the same GPU",
-                    "bind one GPU per task (LOCAL_RANK -> cuda:LOCAL_RANK, or srun --gpus-per-task=1)", (host,))
-        )  # fmt: skip
+            Finding(
+                "error",
+                "gpu_shared",
+                f"two or more ranks on {host} use the same GPU",
+                "bind one GPU per task (LOCAL_RANK -> cuda:LOCAL_RANK, or srun --gpus-per-task=1)",
+                (host,),
+            )
+        )
     return out
 
 
@@ -482,14 +520,15 @@ def findings(
         if dump and want is not None and _signal_number(dump) == want:
             out.append(
                 Finding(
-                    "error", "proxy_dump_signal",
+                    "error",
+                    "proxy_dump_signal",
                     f"NCCL_PROXY_DUMP_SIGNAL={dump} on {host} is the requeue signal {requeue_signal} ({want}): NCCL's "
                     "proxy thread takes it, so the job misses its checkpoint-and-requeue warning",
                     "unset NCCL_PROXY_DUMP_SIGNAL or pick a signal SLURM does not send (e.g. SIGUSR1 when requeueing "
                     "on USR2)",
                     (host,),
                 )
-            )  # fmt: skip
+            )
     if records and not records[0]["gpus"]["cuda_build"]:
         out.append(Finding("info", "cpu_build", "torch is a CPU build: GPU, driver and NCCL checks are skipped", ""))
     order = {"error": 0, "warning": 1, "info": 2}

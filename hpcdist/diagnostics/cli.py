@@ -19,20 +19,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+from hpcdist.diagnostics.names import DTYPE_NAMES, OPS
 
-from hpcdist.diagnostics.collectives import OPS
-from hpcdist.diagnostics.runner import DTYPES, Options, apply_profile, run_rank
-from hpcdist.diagnostics.verdict import load_expectation
-from hpcdist.env import from_environ
-
-__all__ = ["build_parser", "launch_local", "main", "parse_size"]
+__all__ = ["build_parser", "launch_local", "main", "parse_message_size"]
 
 _SIZE = re.compile(r"(\d+)\s*([KMGT]?)(?:I?B)?", re.IGNORECASE)
 _EXIT_GRACE_S = 3.0  # after rank 0 is done (or any rank failed), how long the others get before they are killed
 
 
-def parse_size(text: str) -> int:
+def parse_message_size(text: str) -> int:
     """'8' -> 8, '64K' / '64KB' / '64KiB' -> 65536, '1G' -> 2**30 (binary, like nccl-tests)."""
     match = _SIZE.fullmatch(text.strip())
     if not match:
@@ -40,7 +35,7 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) << (10 * " KMGT".index(match.group(2).upper() or " "))
 
 
-def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+def _positive_arg(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     def check(text: str) -> Any:
         try:
             value = kind(text)
@@ -72,34 +67,55 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="test-only fault injection (never on real jobs): HPCDIST_NCCL_CHECK_INJECT_WRONG_RANK, _DELAY_RANK, "
         "_DELAY_S, _HANG_RANK, _HANG_AT (join|sweep), _HANG_S; see hpcdist/diagnostics/faults.py",
     )
-    p.add_argument("--nproc", type=_positive(int), help="start N ranks on this machine (no launcher needed)")
+    p.add_argument("--nproc", type=_positive_arg(int), help="start N ranks on this machine (no launcher needed)")
     p.add_argument("--ops", type=_ops, default=OPS, help=f"comma-separated subset of {','.join(OPS)} (default: all)")
-    p.add_argument("-b", "--min-bytes", type=parse_size, default=8, help="smallest message (default 8)")
-    p.add_argument("-e", "--max-bytes", type=parse_size, help="largest message (default 1G on GPUs, 16M on CPU)")
-    p.add_argument("-f", "--step-factor", type=_positive(int), default=2, help="size multiplier (default 2)")
-    p.add_argument("-n", "--iters", type=_positive(int), default=20, help="timed iterations per size (default 20)")
+    p.add_argument("-b", "--min-bytes", type=parse_message_size, default=8, help="smallest message (default 8)")
+    p.add_argument(
+        "-e", "--max-bytes", type=parse_message_size, help="largest message (default 1G on GPUs, 16M on CPU)"
+    )
+    p.add_argument("-f", "--step-factor", type=_positive_arg(int), default=2, help="size multiplier (default 2)")
+    p.add_argument("-n", "--iters", type=_positive_arg(int), default=20, help="timed iterations per size (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=5, help="warm-up iterations per size (default 5)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--timeout", type=_positive(float), default=120.0,
-                   help="seconds any one step may take before the run is declared hung (default 120)")  # fmt: skip
-    p.add_argument("--join-timeout", type=_positive(float), default=300.0,
-                   help="seconds to wait for every rank to join (default 300)")  # fmt: skip
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="float32")
+    p.add_argument(
+        "--timeout",
+        type=_positive_arg(float),
+        default=120.0,
+        help="seconds any one step may take before the run is declared hung (default 120)",
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=_positive_arg(float),
+        default=300.0,
+        help="seconds to wait for every rank to join (default 300)",
+    )
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the collective sweep")
     p.add_argument("--no-finder", dest="finder", action="store_false", help="skip the slow node / link finder")
-    p.add_argument("--finder-bytes", type=parse_size, help="bytes per finder transfer (default 64M GPU, 4M CPU)")
-    p.add_argument("--finder-iters", type=_positive(int), default=5, help="timed transfers per pair (default 5)")
-    p.add_argument("--slow-threshold", type=_positive(float),
-                   help="a rank/host is slow below this fraction of the typical bandwidth (default 0.7 on GPUs; "
-                   "0.3 on CPU, where ranks share cores with everything else and timings are noisier)")  # fmt: skip
-    p.add_argument("--cluster", default="auto",
-                   help="expected busbw from cluster profile NAME's hardware: (or a YAML path, or none); "
-                   "auto = a100_ib with NCCL, none on CPU")  # fmt: skip
-    p.add_argument("--expect-intra", type=_positive(float), help="expected intra-node all_reduce busbw, GB/s")
-    p.add_argument("--expect-inter", type=_positive(float), help="expected inter-node all_reduce busbw, GB/s")
+    p.add_argument(
+        "--finder-bytes", type=parse_message_size, help="bytes per finder transfer (default 64M GPU, 4M CPU)"
+    )
+    p.add_argument("--finder-iters", type=_positive_arg(int), default=5, help="timed transfers per pair (default 5)")
+    p.add_argument(
+        "--slow-threshold",
+        type=_positive_arg(float),
+        help="a rank/host is slow below this fraction of the typical bandwidth (default 0.7 on GPUs; "
+        "0.3 on CPU, where ranks share cores with everything else and timings are noisier)",
+    )
+    p.add_argument(
+        "--cluster",
+        default="auto",
+        help="expected busbw from cluster profile NAME's hardware: (or a YAML path, or none); "
+        "auto = a100_ib with NCCL, none on CPU",
+    )
+    p.add_argument("--expect-intra", type=_positive_arg(float), help="expected intra-node all_reduce busbw, GB/s")
+    p.add_argument("--expect-inter", type=_positive_arg(float), help="expected inter-node all_reduce busbw, GB/s")
     p.add_argument("--tolerance", type=float, default=0.8, help="PASS at >= this x expected (default 0.8)")
-    p.add_argument("--nccl-profile", default=os.environ.get("HPCDIST_NCCL_PROFILE"),
-                   help="apply NCCL profile NAME (or a YAML path) in every task first, as training does (default: "
-                   "$HPCDIST_NCCL_PROFILE; none = use the environment as it is)")  # fmt: skip
+    p.add_argument(
+        "--nccl-profile",
+        default=os.environ.get("HPCDIST_NCCL_PROFILE"),
+        help="apply NCCL profile NAME (or a YAML path) in every task first, as training does (default: "
+        "$HPCDIST_NCCL_PROFILE; none = use the environment as it is)",
+    )
     p.add_argument("--requeue-signal", default="USR2", help="the job's requeue signal, for the audit (default USR2)")
     p.add_argument("--json", metavar="PATH", help="write every number as JSON to PATH ('-': stdout, report to stderr)")
     p.add_argument(
@@ -114,11 +130,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    # torch (and everything that runs a rank) only now: --help and a bad flag answer in a fraction of a second
+    import torch
+
+    from hpcdist.diagnostics.runner import Options, apply_profile, run_rank
+    from hpcdist.diagnostics.verdict import load_expectation
+    from hpcdist.env import from_environ
+
     env = from_environ()
     if args.nproc:
         if env.launcher != "single":
-            print(f"nccl_check: --nproc is for local runs; this process is already rank {env.rank} of "
-                  f"{env.world_size} ({env.launcher})", file=sys.stderr)  # fmt: skip
+            print(
+                f"nccl_check: --nproc is for local runs; this process is already rank {env.rank} of "
+                f"{env.world_size} ({env.launcher})",
+                file=sys.stderr,
+            )
             return 2
         return launch_local(args.nproc, _without_nproc(argv))
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
@@ -185,11 +211,17 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     and `srun --kill-on-bad-exit` treat a job whose rank is stuck.
     """
     base = {
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc),
-        "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
-    }  # fmt: skip
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+    }
     if not os.environ.get("OMP_NUM_THREADS"):
         base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    import torch  # already imported by main()
+
     fork = torch.version.cuda is None
     children: dict[int, int | subprocess.Popen] = {}
     for rank in range(nproc):

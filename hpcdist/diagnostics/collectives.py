@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdist.diagnostics.faults import Faults
+from hpcdist.diagnostics.names import OPS
 
 __all__ = [
     "OPS",
@@ -43,7 +44,6 @@ __all__ = [
     "sweep_op",
 ]
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 # torch has no out-of-place all_reduce or broadcast, and NCCL's in-place all_to_all / send-recv do not exist.
 PLACEMENTS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("in",),
@@ -154,22 +154,28 @@ def build_case(
         case "all_reduce", "in":
             buf = pattern(me).clone()
             return Case(
-                lambda: dist.all_reduce(buf, group=group), lambda: buf.copy_(pattern(me)), buf,
+                lambda: dist.all_reduce(buf, group=group),
+                lambda: buf.copy_(pattern(me)),
+                buf,
                 lambda: total([pattern(r) for r in range(n)]),
-            )  # fmt: skip
+            )
         case "broadcast", "in":
             buf = pattern(me).clone()
             src = dist.get_global_rank(group, ROOT["broadcast"])
             return Case(
-                lambda: dist.broadcast(buf, src=src, group=group), lambda: buf.copy_(pattern(me)), buf,
+                lambda: dist.broadcast(buf, src=src, group=group),
+                lambda: buf.copy_(pattern(me)),
+                buf,
                 lambda: pattern(ROOT["broadcast"]),
-            )  # fmt: skip
+            )
         case "all_gather", "out":
             inp, out = pattern(me, c).clone(), torch.empty(count, dtype=dtype, device=device)
             return Case(
-                lambda: _all_gather(out, inp, group=group), noop, out,
+                lambda: _all_gather(out, inp, group=group),
+                noop,
+                out,
                 lambda: torch.cat([pattern(r, c) for r in range(n)]),
-            )  # fmt: skip
+            )
         case "all_gather", "in":
             out = torch.empty(count, dtype=dtype, device=device)
             inp = out[mine]  # NCCL's in-place all_gather: the input is this rank's slot of the output
@@ -180,22 +186,28 @@ def build_case(
 
             reset_gather()
             return Case(
-                lambda: _all_gather(out, inp, group=group), reset_gather, out,
+                lambda: _all_gather(out, inp, group=group),
+                reset_gather,
+                out,
                 lambda: torch.cat([pattern(r, c) for r in range(n)]),
-            )  # fmt: skip
+            )
         case "reduce_scatter", "out" | "in":
             inp = pattern(me).clone()
             out = inp[mine] if placement == "in" else torch.empty(c, dtype=dtype, device=device)
             return Case(
-                lambda: _reduce_scatter(out, inp, group=group), lambda: inp.copy_(pattern(me)), out,
+                lambda: _reduce_scatter(out, inp, group=group),
+                lambda: inp.copy_(pattern(me)),
+                out,
                 lambda: total([pattern(r)[mine] for r in range(n)]),
-            )  # fmt: skip
+            )
         case "all_to_all", "out":
             inp, out = pattern(me).clone(), torch.empty(count, dtype=dtype, device=device)
             return Case(
-                lambda: dist.all_to_all_single(out, inp, group=group), noop, out,
+                lambda: dist.all_to_all_single(out, inp, group=group),
+                noop,
+                out,
                 lambda: torch.cat([pattern(r)[mine] for r in range(n)]),
-            )  # fmt: skip
+            )
         case "sendrecv", "out":
             send, recv = pattern(me).clone(), torch.empty(count, dtype=dtype, device=device)
             nxt, prv = dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
@@ -283,10 +295,14 @@ def group_table(
         row = rows.setdefault(
             point["count"],
             {
-                "size": point["count"] * elem, "count": point["count"], "type": DTYPE_NAMES.get(dtype, str(dtype)),
-                "redop": REDOP.get(op, "none"), "root": ROOT.get(op, -1), "ranks": list(ranks),
+                "size": point["count"] * elem,
+                "count": point["count"],
+                "type": DTYPE_NAMES.get(dtype, str(dtype)),
+                "redop": REDOP.get(op, "none"),
+                "root": ROOT.get(op, -1),
+                "ranks": list(ranks),
             },
-        )  # fmt: skip
+        )
         row[point["placement"]] = {
             "time_us": seconds * 1e6,
             "algbw": algbw,

@@ -202,10 +202,18 @@ def rank_outliers(
         return [], scores
     ref = median_high(scores.values())
     out = [
-        Outlier("rank", str(r), hosts[r], s, ref, f"rank {r} on {hosts[r]}: {s:.3g} GB/s to its node mates "
-                f"(median of {len(pairs_of[r])} pair(s)) vs {ref:.3g} GB/s typical")
-        for r, s in scores.items() if s < threshold * ref
-    ]  # fmt: skip
+        Outlier(
+            "rank",
+            str(r),
+            hosts[r],
+            s,
+            ref,
+            f"rank {r} on {hosts[r]}: {s:.3g} GB/s to its node mates "
+            f"(median of {len(pairs_of[r])} pair(s)) vs {ref:.3g} GB/s typical",
+        )
+        for r, s in scores.items()
+        if s < threshold * ref
+    ]
     return out, scores
 
 
@@ -224,13 +232,29 @@ def host_outliers(
     out = []
     for h in sorted(slow_rx):
         senders = ", ".join(s for (s, d), bw in sorted(link_bw.items()) if d == h and bw < threshold * ref)
-        out.append(Outlier("host", h, h, rx[h], ref, f"{h} receives at {rx[h]:.3g} GB/s vs {ref:.3g} GB/s typical "
-                           f"(slow from: {senders})"))  # fmt: skip
+        out.append(
+            Outlier(
+                "host",
+                h,
+                h,
+                rx[h],
+                ref,
+                f"{h} receives at {rx[h]:.3g} GB/s vs {ref:.3g} GB/s typical (slow from: {senders})",
+            )
+        )
     for h in hosts:
         slow_to = {d for (s, d), bw in link_bw.items() if s == h and bw < threshold * ref}
         if tx[h] < threshold * ref and not slow_to <= slow_rx:
-            out.append(Outlier("host", h, h, tx[h], ref, f"{h} sends at {tx[h]:.3g} GB/s vs {ref:.3g} GB/s typical "
-                               f"(slow to: {', '.join(sorted(slow_to))})"))  # fmt: skip
+            out.append(
+                Outlier(
+                    "host",
+                    h,
+                    h,
+                    tx[h],
+                    ref,
+                    f"{h} sends at {tx[h]:.3g} GB/s vs {ref:.3g} GB/s typical (slow to: {', '.join(sorted(slow_to))})",
+                )
+            )
     return out, scores, len(hosts) == 2 and bool(out)
 
 

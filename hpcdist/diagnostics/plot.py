@@ -14,7 +14,7 @@ from typing import Any
 
 from hpcdist.diagnostics.report import _jsonable
 
-__all__ = ["write_plot"]
+__all__ = ["write_diagnostics_plot"]
 
 
 def _pairs(mapping: dict[str, float], names: list[str]) -> list[list[float]]:
@@ -28,7 +28,7 @@ def _pairs(mapping: dict[str, float], names: list[str]) -> list[list[float]]:
     return m
 
 
-def write_plot(doc: dict[str, Any], path: str | Path) -> Path:
+def write_diagnostics_plot(doc: dict[str, Any], path: str | Path) -> Path:
     from hpcdist.report.plots import import_pyplot, save_png
 
     plt = import_pyplot()
@@ -49,14 +49,24 @@ def write_plot(doc: dict[str, Any], path: str | Path) -> Path:
         ax = axes[i // cols][i % cols]
         for table in (t for t in sweep if t["op"] == op):
             for placement in ("out", "in"):
-                pts = [(r["size"], r[placement]["busbw"]) for r in table["rows"]
-                       if isinstance(r.get(placement), dict) and r[placement].get("busbw") is not None]  # fmt: skip
+                pts = [
+                    (r["size"], r[placement]["busbw"])
+                    for r in table["rows"]
+                    if isinstance(r.get(placement), dict) and r[placement].get("busbw") is not None
+                ]
                 if pts:
                     style = "-o" if placement == "out" else "--x"
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, markersize=3,
-                            label=f"{table['scope']} ({placement}-place)")  # fmt: skip
-        for key, label, color in (("intra_node_gbps", "expected intra", "#2ca02c"),
-                                  ("inter_node_gbps", "expected inter", "#d62728")):  # fmt: skip
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        style,
+                        markersize=3,
+                        label=f"{table['scope']} ({placement}-place)",
+                    )
+        for key, label, color in (
+            ("intra_node_gbps", "expected intra", "#2ca02c"),
+            ("inter_node_gbps", "expected inter", "#d62728"),
+        ):
             if expect.get(key):
                 ax.axhline(expect[key], color=color, linestyle=":", label=f"{label} {expect[key]:g} GB/s")
         ax.set_xscale("log", base=2)

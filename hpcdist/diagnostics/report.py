@@ -71,7 +71,7 @@ def header_text(layout: dict[str, Any], options: dict[str, Any], faults: list[st
     return "\n".join(lines)
 
 
-def _short(value: Any) -> str:
+def _shown(value: Any) -> str:
     if value is None:
         return "(unset)"
     if isinstance(value, str):
@@ -110,7 +110,7 @@ def audit_text(records: list[dict[str, Any]], findings: list[Finding]) -> str:
 
     def row(label: str, get: Callable[[dict[str, Any]], Any], node: bool = False, blank: str = "(unset)") -> None:
         for value, ranks in distinct(node_recs if node else records, get):
-            rows.append((label, blank if value is None else _short(value), where(ranks, node)))
+            rows.append((label, blank if value is None else _shown(value), where(ranks, node)))
             label = ""
 
     row("hostname", field("hostname"))
@@ -241,8 +241,10 @@ def verdict_text(verdict: Verdict) -> str:
 
 def _jsonable(obj: Any) -> Any:
     if isinstance(obj, dict):
-        return {(k if isinstance(k, str) else "->".join(map(str, k)) if isinstance(k, tuple) else str(k)): _jsonable(v)
-                for k, v in obj.items()}  # fmt: skip
+        return {
+            (k if isinstance(k, str) else "->".join(map(str, k)) if isinstance(k, tuple) else str(k)): _jsonable(v)
+            for k, v in obj.items()
+        }
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
     if hasattr(obj, "__dataclass_fields__"):

@@ -20,6 +20,7 @@ from hpcdist.diagnostics import audit, finder, report
 from hpcdist.diagnostics.collectives import OPS, group_table, message_sizes, sweep_op
 from hpcdist.diagnostics.faults import Faults
 from hpcdist.diagnostics.health import device_health
+from hpcdist.diagnostics.names import DTYPE_NAMES
 from hpcdist.diagnostics.rendezvous import JoinError, JoinResult, join
 from hpcdist.diagnostics.verdict import Expectation, Verdict, bandwidth_checks
 from hpcdist.diagnostics.watchdog import Hang, Watchdog
@@ -27,7 +28,7 @@ from hpcdist.env import DistEnv
 
 __all__ = ["DTYPES", "Options", "apply_profile", "run_rank"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # Findings about one node's hardware: leaving the node out of the next job is the fix.
 _NODE_FAULTS = ("gpu_missing", "no_network")
 
@@ -114,11 +115,11 @@ class _Run:
         if self.opts.json_path:
             report.write_json(self.doc, self.opts.json_path)
         if self.opts.plot_path:
-            from hpcdist.diagnostics.plot import write_plot
+            from hpcdist.diagnostics.plot import write_diagnostics_plot
             from hpcdist.report.plots import MissingMatplotlib
 
             try:
-                self.emit(f"# plot: {write_plot(self.doc, self.opts.plot_path)}")
+                self.emit(f"# plot: {write_diagnostics_plot(self.doc, self.opts.plot_path)}")
             except MissingMatplotlib as e:  # the check itself passed or failed on its own; only the picture is missing
                 self.emit(f"# plot: not written: {e}")
         return 0 if self.verdict.passed else 1
@@ -171,10 +172,14 @@ class _Run:
     def layout(self) -> dict[str, Any]:
         env = self.env
         return {
-            "world_size": env.world_size, "hosts": self.hosts, "backend": env.backend,
-            "device_kind": torch.device(env.device).type, "launcher": env.launcher, "job_id": env.job_id,
+            "world_size": env.world_size,
+            "hosts": self.hosts,
+            "backend": env.backend,
+            "device_kind": torch.device(env.device).type,
+            "launcher": env.launcher,
+            "job_id": env.job_id,
             "master": f"{env.master_addr}:{env.master_port}",
-        }  # fmt: skip
+        }
 
     def audit(self, joined: JoinResult) -> None:
         records = [r for r in joined.records if r]
@@ -276,8 +281,9 @@ class _Run:
             self.emit(report.health_text(results, self.hosts) + "\n#")
             for rank, r in enumerate(results):
                 if not r["ok"]:
-                    self.verdict.fail(f"device of rank {rank} ({self.hosts[rank]}) is broken: {r['error']}",
-                                      [self.hosts[rank]])  # fmt: skip
+                    self.verdict.fail(
+                        f"device of rank {rank} ({self.hosts[rank]}) is broken: {r['error']}", [self.hosts[rank]]
+                    )
 
     def scopes(self) -> list[tuple[str, dist.ProcessGroup, dict[str, list[int]]]]:
         members = self.members()
@@ -303,9 +309,17 @@ class _Run:
         for scope, group, groups in self.scopes():
             for op in opts.ops:
                 local = sweep_op(
-                    op, group, sizes, dtype=dtype, device=env.torch_device(), iters=opts.iters, warmup=opts.warmup,
-                    rank=env.rank, faults=self.faults, step=self.scoped(scope),
-                )  # fmt: skip
+                    op,
+                    group,
+                    sizes,
+                    dtype=dtype,
+                    device=env.torch_device(),
+                    iters=opts.iters,
+                    warmup=opts.warmup,
+                    rank=env.rank,
+                    faults=self.faults,
+                    step=self.scoped(scope),
+                )
                 per_rank = self.gather(f"{scope} {op}", local)
                 if self.main_rank:
                     self.table(op, scope, groups, per_rank, dtype)
@@ -320,10 +334,12 @@ class _Run:
         rows = next(iter(by_host.values())) if len(by_host) == 1 else _worst_rows(by_host)
         n = len(next(iter(groups.values())))
         describe = (
-            f"{n} ranks on {next(iter(groups))}" if len(groups) == 1 and scope == "intra-node"
-            else f"{len(groups)} nodes x {n} ranks, each node separately at once" if scope == "intra-node"
+            f"{n} ranks on {next(iter(groups))}"
+            if len(groups) == 1 and scope == "intra-node"
+            else f"{len(groups)} nodes x {n} ranks, each node separately at once"
+            if scope == "intra-node"
             else f"{self.env.world_size} ranks on {len(self.members())} hosts"
-        )  # fmt: skip
+        )
         table = {"op": op, "scope": scope, "describe": describe, "rows": rows, "by_host": by_host}
         self.doc["sweep"].append(table)
         self.emit(report.sweep_text(table) + "\n#")
@@ -344,9 +360,15 @@ class _Run:
         with self.step("finder setup"):
             dist.barrier(group=self.ctrl)
         local = finder.measure(
-            plan, rank=self.env.rank, nbytes=opts.finder_bytes, iters=opts.finder_iters, warmup=opts.finder_warmup,
-            device=self.env.torch_device(), faults=self.faults, step=self.step,
-        )  # fmt: skip
+            plan,
+            rank=self.env.rank,
+            nbytes=opts.finder_bytes,
+            iters=opts.finder_iters,
+            warmup=opts.finder_warmup,
+            device=self.env.torch_device(),
+            faults=self.faults,
+            step=self.step,
+        )
         per_rank = self.gather("finder", local)
         if not self.main_rank:
             return
@@ -357,12 +379,20 @@ class _Run:
         host_out, host_scores, ambiguous = finder.host_outliers(links, opts.slow_threshold)
         outliers = rank_out + host_out
         result = {
-            "bytes": nbytes, "iters": opts.finder_iters, "warmup": opts.finder_warmup,
-            "threshold": opts.slow_threshold, "hosts": self.hosts,
-            "rank_scores": {str(r): s for r, s in rank_scores.items()}, "rank_pairs": rank_pairs,
-            "host_scores": host_scores, "links": links, "outliers": outliers, "ambiguous": ambiguous,
-            "exclude": finder.exclude_flag([o.host for o in outliers]), "transfers": per_rank,
-        }  # fmt: skip
+            "bytes": nbytes,
+            "iters": opts.finder_iters,
+            "warmup": opts.finder_warmup,
+            "threshold": opts.slow_threshold,
+            "hosts": self.hosts,
+            "rank_scores": {str(r): s for r, s in rank_scores.items()},
+            "rank_pairs": rank_pairs,
+            "host_scores": host_scores,
+            "links": links,
+            "outliers": outliers,
+            "ambiguous": ambiguous,
+            "exclude": finder.exclude_flag([o.host for o in outliers]),
+            "transfers": per_rank,
+        }
         self.doc["finder"] = result
         self.emit(report.finder_text(result) + "\n#")
         for o in outliers:

@@ -96,7 +96,9 @@ def bandwidth_checks(verdict: Verdict, expect: Expectation, tables: list[dict[st
         where = f" (slowest node {worst})" if worst else ""
         text = f"{table['scope']} all_reduce busbw {got:.1f} GB/s at {row['size']} B{where}"
         if got < limit:
-            verdict.fail(f"{text} < {limit:.1f} GB/s ({expect.tolerance:g} x {wanted:g}, {expect.source})",
-                         [worst] if worst else [])  # fmt: skip
+            verdict.fail(
+                f"{text} < {limit:.1f} GB/s ({expect.tolerance:g} x {wanted:g}, {expect.source})",
+                [worst] if worst else [],
+            )
         else:
             verdict.notes.append(f"{text} >= {limit:.1f} GB/s: ok")

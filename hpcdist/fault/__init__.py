@@ -5,10 +5,14 @@
 - ``stop``: signal handlers that set a stop flag, and the all-reduce by which every rank agrees on it;
 - ``goodput``: the run's wall time split into training, checkpoints, restarts (<run.dir>/goodput.json);
 - ``stragglers``: slow-rank detection;
+- ``nonfinite``: the NaN/Inf gradient-norm guard (``train.nonfinite``: stop before any save of that state, or skip
+  the update);
+- ``rundir_lock``: one run per run directory (a flock on <run.dir>/run.lock held by rank 0);
 - ``supervise``: the per-rank supervisor that records a death by signal (standard library only).
 
 Nothing here knows the scheduler: requeueing, the restart ledger and node exclusion are ``hpcdist.launch``'s, which
-may import this package (never the other way round). SLURM job facts come from ``hpcdist.env``.
+may import this package (never the other way round). The job's facts (id, restarts) come as ``DistEnv.job``, read by
+the scheduler table (``hpcdist.schedulers``).
 
 Deliberately empty: ``python -m hpcdist.fault.supervise`` starts once per rank and must import only the standard
 library, so this package imports none of its modules.

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.atomic import append_line, atomic_write
-from hpcdist.env import SlurmJob
 from hpcdist.fault.supervise import TASK_INFO_ENV  # the supervisor names a file there; the rank says who it is in it
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
+from hpcdist.schedulers import JobFacts, job_facts
 
 __all__ = [
     "TASK_INFO_ENV",
@@ -88,7 +88,7 @@ def record(
     blame: Iterable[Mapping[str, Any]] = (),
     step: int | None = None,
     detail: str = "",
-    job: SlurmJob | None = None,
+    job: JobFacts | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """Append one event to <run_dir>/failures.jsonl and return it.
@@ -96,7 +96,7 @@ def record(
     One ``os.write`` of one line on an O_APPEND descriptor (hpcdist.atomic.append_line): ranks appending at the
     same moment do not interleave their lines on a local or Lustre/GPFS file system.
     """
-    job = job if job is not None else SlurmJob.from_environ()
+    job = job if job is not None else job_facts()
     rec: dict[str, Any] = {
         "time": time.time(),
         "job_id": job.job_id,
@@ -177,12 +177,12 @@ def primary_failure(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] |
 # ------------------------------------------------------------------------------------------------ supervisor
 
 
-def announce_task(run_dir: str | os.PathLike[str], *, rank: int, host: str, job: SlurmJob | None = None) -> None:
+def announce_task(run_dir: str | os.PathLike[str], *, rank: int, host: str, job: JobFacts | None = None) -> None:
     """Tell this rank's supervisor (if it has one) where to record a death by signal, and as whom."""
     path = os.environ.get(TASK_INFO_ENV)
     if not path:
         return
-    job = job if job is not None else SlurmJob.from_environ()
+    job = job if job is not None else job_facts()
     info = {
         "failures": str(_failures_path(Path(run_dir).absolute())),
         "job_id": job.job_id,

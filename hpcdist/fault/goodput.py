@@ -41,8 +41,9 @@ def process_start_time() -> float:
     try:
         stat = Path("/proc/self/stat").read_text()
         ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22: starttime, clock ticks after boot
-        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                     if line.startswith("btime"))  # fmt: skip
+        btime = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
         return btime + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, StopIteration, IndexError):
         return time.time()

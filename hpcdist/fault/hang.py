@@ -50,10 +50,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hpcdist.atomic import atomic_write
-from hpcdist.env import SlurmJob
 from hpcdist.fault import failures
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
+from hpcdist.schedulers import job_facts
 
 __all__ = [
     "WATCHDOG_EXIT_CODE",
@@ -96,9 +96,11 @@ def suspects_text(blamed: list[dict[str, Any]], world_size: int) -> str:
         load = ""
         with contextlib.suppress(OSError, AttributeError):
             load = f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count() or '?'} CPUs)"
-        return (f"none: this is the only rank, with no peer to wait for; its own work is slow or stuck (the stacks "
-                f"below say where: data, compute, I/O){load}; if the machine is merely busy, raise "
-                "fault.watchdog_timeout_s")  # fmt: skip
+        return (
+            f"none: this is the only rank, with no peer to wait for; its own work is slow or stuck (the stacks "
+            f"below say where: data, compute, I/O){load}; if the machine is merely busy, raise "
+            "fault.watchdog_timeout_s"
+        )
     return "every rank is alive and at the same step: the collective itself is stuck (network, a GPU, NCCL)"
 
 
@@ -253,12 +255,18 @@ class HangWatchdog:
 
     # ------------------------------------------------------------------------------------------ thread
     def _write_heartbeat(self) -> None:
-        job = SlurmJob.from_environ()
+        job = job_facts()
         beat = {
-            "rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step, "phase": self.current_phase,
-            "time": time.time(), "idle_s": round(time.monotonic() - self._last, 3), "job_id": job.job_id,
+            "rank": self.rank,
+            "host": self.host,
+            "pid": os.getpid(),
+            "step": self.step,
+            "phase": self.current_phase,
+            "time": time.time(),
+            "idle_s": round(time.monotonic() - self._last, 3),
+            "job_id": job.job_id,
             "restart": job.restart_count,
-        }  # fmt: skip
+        }
         try:
             atomic_write(self._path, json.dumps(beat), durable=False)  # rewritten every few seconds
         except OSError as e:
@@ -275,8 +283,12 @@ class HangWatchdog:
                 # this thread did not run either: the whole process was frozen (SIGSTOP, then SIGCONT when SLURM
                 # ends the step), not waiting for a peer; the other ranks have reported it
                 frozen = now - last_poll
-                print(f"[hpcdist watchdog] rank {self.rank} on {self.host}: this process was frozen for {frozen:.0f} s "
-                      "(SIGSTOP or starved); exiting", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"[hpcdist watchdog] rank {self.rank} on {self.host}: this process was frozen for {frozen:.0f} s "
+                    "(SIGSTOP or starved); exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(WATCHDOG_EXIT_CODE)
             last_poll = now
             if now >= next_beat:
@@ -319,21 +331,34 @@ class HangWatchdog:
         try:
             blamed, reporter = self.culprits()
             who = suspects_text(blamed, self.world_size)
-            cause = (f"hang watchdog: no progress for {idle:.0f} s (allowed {self._allow:.0f} s, {self._why}) at "
-                     f"step {self.step} in {self.current_phase}")  # fmt: skip
+            cause = (
+                f"hang watchdog: no progress for {idle:.0f} s (allowed {self._allow:.0f} s, {self._why}) at "
+                f"step {self.step} in {self.current_phase}"
+            )
             where = "last collective" if self.world_size > 1 else "last phase"
-            print(f"\n[hpcdist watchdog] rank {self.rank} on {self.host} (pid {os.getpid()}): {cause}; {where}: "
-                  f"{self.current_phase}; suspects: {who}", file=err, flush=True)  # fmt: skip
+            print(
+                f"\n[hpcdist watchdog] rank {self.rank} on {self.host} (pid {os.getpid()}): {cause}; {where}: "
+                f"{self.current_phase}; suspects: {who}",
+                file=err,
+                flush=True,
+            )
             print(f"[hpcdist watchdog] Python stacks of rank {self.rank} (all threads):", file=err, flush=True)
             faulthandler.dump_traceback(file=err, all_threads=True)
             self._dump_nccl_trace()
             if reporter == self.rank:
                 blame = [{"rank": b["rank"], "host": b["host"]} for b in blamed if b.get("host")]
                 failures.record(
-                    self.run_dir, kind="watchdog", cause=f"no progress in {self.current_phase}", rank=self.rank,
-                    host=self.host, blame=blame, step=self.step, detail=f"{cause}; suspects: {who}",
-                    suspects=blamed, idle_s=round(idle, 1),
-                )  # fmt: skip
+                    self.run_dir,
+                    kind="watchdog",
+                    cause=f"no progress in {self.current_phase}",
+                    rank=self.rank,
+                    host=self.host,
+                    blame=blame,
+                    step=self.step,
+                    detail=f"{cause}; suspects: {who}",
+                    suspects=blamed,
+                    idle_s=round(idle, 1),
+                )
             if self.on_fire is not None:
                 self.on_fire()
         except Exception as e:

@@ -37,18 +37,29 @@ class NonFiniteGuard:
             if skipped:
                 self.skipped_total += 1
                 self.skipped_in_a_row += 1
-                log.warning("step %d: non-finite gradient norm (%s); update skipped (%d in a row, %d in all)", step,
-                            float(grad_norm), self.skipped_in_a_row, self.skipped_total)  # fmt: skip
+                log.warning(
+                    "step %d: non-finite gradient norm (%s); update skipped (%d in a row, %d in all)",
+                    step,
+                    float(grad_norm),
+                    self.skipped_in_a_row,
+                    self.skipped_total,
+                )
                 if self.skipped_in_a_row > self.max_skips:
-                    raise NonFiniteError(self._message(step, f"{self.skipped_in_a_row} updates in a row were "
-                                                             "non-finite and skipped (train.max_nonfinite_skips="
-                                                             f"{self.max_skips})"))  # fmt: skip
+                    raise NonFiniteError(
+                        self._message(
+                            step,
+                            f"{self.skipped_in_a_row} updates in a row were "
+                            "non-finite and skipped (train.max_nonfinite_skips="
+                            f"{self.max_skips})",
+                        )
+                    )
             else:
                 self.skipped_in_a_row = 0
             return
         bad = ~torch.isfinite(grad_norm.detach().to(self._first_bad.device))
-        self._first_bad = torch.where(bad & (self._first_bad == 0), torch.full_like(self._first_bad, step),
-                                      self._first_bad)  # fmt: skip
+        self._first_bad = torch.where(
+            bad & (self._first_bad == 0), torch.full_like(self._first_bad, step), self._first_bad
+        )
 
     def check(self) -> None:
         """Where the loop syncs anyway (log steps) and before every save: raise if a step went bad."""
@@ -64,5 +75,7 @@ class NonFiniteGuard:
 
     def _message(self, step: int, what: str) -> str:
         since = f"the last checkpoint, {self.last_checkpoint}, is finite" if self.last_checkpoint else "none saved"
-        return (f"step {step}: {what}; training stopped before any checkpoint of that state was written ({since}). "
-                "Lower optim.lr, set optim.grad_clip, check the data, or set train.nonfinite=skip")  # fmt: skip
+        return (
+            f"step {step}: {what}; training stopped before any checkpoint of that state was written ({since}). "
+            "Lower optim.lr, set optim.grad_clip, check the data, or set train.nonfinite=skip"
+        )

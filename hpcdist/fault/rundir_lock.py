@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.config.loader import ConfigError
-from hpcdist.env import SlurmJob
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
+from hpcdist.schedulers import job_facts
 
 __all__ = ["RunDirInUse", "RunDirLock"]
 
@@ -45,7 +45,7 @@ class RunDirInUse(ConfigError):
 class RunDirLock:
     def __init__(self, run_dir: str | os.PathLike[str], *, job_id: str | None = None):
         self.path = RunDir(Path(run_dir).absolute()).lock
-        self.job_id = job_id if job_id is not None else SlurmJob.from_environ().job_id
+        self.job_id = job_id if job_id is not None else job_facts().job_id
 
     @property
     def held(self) -> bool:
@@ -71,8 +71,11 @@ class RunDirLock:
                 except OSError as e:
                     if e.errno not in _UNSUPPORTED:
                         raise
-                    log.warning("run.dir lock: %s does not support flock (%s): two runs on this run.dir are not "
-                                "prevented", self.path.parent, e.strerror)  # fmt: skip
+                    log.warning(
+                        "run.dir lock: %s does not support flock (%s): two runs on this run.dir are not prevented",
+                        self.path.parent,
+                        e.strerror,
+                    )
                     os.close(fd)
                     return
         except BaseException:
@@ -94,8 +97,10 @@ class RunDirLock:
         who = f"SLURM job {job} (pid {pid} on {host})" if job else f"pid {pid} on {host}"
         since = time.strftime("%Y-%m-%d %H:%M", time.localtime(holder["since"])) if "since" in holder else "?"
         fix = f"wait for it to end (or `scancel {job}`)" if job else "wait for it to end (or stop it)"
-        return (f"run.dir: {str(self.path.parent)!r} is in use by {who}, running since {since}: two runs on one "
-                f"run.dir would prune each other's checkpoints; {fix}, or choose another run.dir")  # fmt: skip
+        return (
+            f"run.dir: {str(self.path.parent)!r} is in use by {who}, running since {since}: two runs on one "
+            f"run.dir would prune each other's checkpoints; {fix}, or choose another run.dir"
+        )
 
 
 def _read_holder(fd: int) -> dict[str, Any]:

@@ -16,8 +16,9 @@ signal that arrives at any time is remembered and acted on after the first step 
 default action).
 
 A handler only sets a flag: doing work inside a signal handler could interrupt a collective half-way on one
-rank. Agreement uses one MAX all-reduce of two integers per step (the stop reason, and a checkpoint request
-for ``checkpoint.every_minutes``: rank 0's clock asks, every rank saves after the same step), so every rank
+rank. Agreement uses one MAX all-reduce of two integers per step (the stop reason, and a save request for
+``checkpoint.every_minutes``: rank 0's clock asks, CheckpointManager.timed_save_due, and the agreed request is one
+input of the checkpoint's one cadence decision, CheckpointManager.should_save), so every rank
 leaves the loop after the same step even if the signal reached only some ranks (or reached them during different
 steps). What happens after
 the checkpoint (requeue or exit) is not decided here: the trainer returns the agreed reason.
@@ -34,8 +35,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from hpcdist.env import SlurmJob
 from hpcdist.logging_utils import get_logger
+from hpcdist.schedulers import JobFacts, job_facts
 from hpcdist.signals import abort, parse_signal, previous_handler, release, stop_exit_code
 
 log = get_logger(__name__)
@@ -80,18 +81,17 @@ class StopFlag:
         rank: int,
         device: torch.device,
         requeue_signal: str = "USR2",
-        job: SlurmJob | None = None,
+        job: JobFacts | None = None,
     ):
         self.rank, self.device = rank, device
         self.requeue_signal = signal_number(requeue_signal)
-        self.job = job if job is not None else SlurmJob.from_environ()  # only named in the start-up line
+        self.job = job if job is not None else job_facts()  # only named in the start-up line
         self._local = StopReason.NONE
         self._interrupted = False  # a Ctrl-C arrived: the next one aborts
         self._previous: dict[int, object] = {}
         self._group: dist.ProcessGroup | None = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
-        self._save_local = 0  # a checkpoint request not yet sent in an agreement
-        self.checkpoint_due = False  # the last agreement carried a checkpoint request: save after this step
+        self.save_requested = False  # the last agreement carried a save request (CheckpointManager.should_save)
 
     def install(self, extra: Iterable[signal.Signals] = ()) -> StopFlag:
         """Take over the signals (replacing submitit's own rank-0 checkpoint handler: ours saves on all ranks)."""
@@ -103,8 +103,13 @@ class StopFlag:
         for sig in release(ours):  # arrived during the imports and checks (hpcdist.signals.hold): act on them now
             self._on_signal(sig, None)
         if self.job.job_id:
-            log.info("SLURM job %s, restart %d; %s -> checkpoint + requeue, SIGTERM -> checkpoint + exit",
-                     self.job.job_id, self.job.restart_count, self.requeue_signal.name)  # fmt: skip
+            log.info(
+                "%s job %s, restart %d; %s -> checkpoint + requeue, SIGTERM -> checkpoint + exit",
+                (self.job.scheduler or "batch").upper(),
+                self.job.job_id,
+                self.job.restart_count,
+                self.requeue_signal.name,
+            )
         return self
 
     def uninstall(self) -> None:
@@ -131,29 +136,25 @@ class StopFlag:
         """Ask to stop as if a signal had arrived (tests, watchdogs)."""
         self._local = max(self._local, reason)
 
-    def request_checkpoint(self) -> None:
-        """Ask every rank to save after the same step (``checkpoint_due`` after a later ``agreed()``)."""
-        self._save_local = 1
-
-    def agreed(self) -> StopReason:
-        """Collective: the strongest stop reason any rank had seen one step ago, and (``checkpoint_due``) whether any
-        rank had requested a checkpoint. Every rank calls it every step.
+    def agreed(self, *, request_save: bool = False) -> StopReason:
+        """Collective: the strongest stop reason any rank had seen one step ago, and (``save_requested``) whether
+        any rank had asked for a save (``request_save``: sent in this agreement, read by every rank in the next).
+        Every rank calls it every step.
 
         The MAX all-reduce runs asynchronously on a CPU (gloo) group and is read one step later, so it never
         stalls the step or forces a GPU sync; the stop comes one step after the signal, on every rank alike.
         """
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            self.checkpoint_due, self._save_local = bool(self._save_local), 0
+            self.save_requested = request_save
             return self._local
-        result, self.checkpoint_due = StopReason.NONE, False
+        result, self.save_requested = StopReason.NONE, False
         if self._pending is not None:
             work, flag = self._pending
             work.wait()
-            result, self.checkpoint_due = StopReason(int(flag[0])), bool(flag[1])
+            result, self.save_requested = StopReason(int(flag[0])), bool(flag[1])
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-        flag = torch.tensor([int(self._local), self._save_local], dtype=torch.int32)
-        self._save_local = 0  # sent once: the request is in this agreement
+        flag = torch.tensor([int(self._local), int(request_save)], dtype=torch.int32)
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
         return result
 

@@ -51,8 +51,10 @@ class Straggler:
 
     def describe(self) -> str:
         what = "data loading per step" if self.measure == "data" else "compute probe"
-        return (f"rank {self.rank} on {self.host} is a straggler: {what} {self.value_s * 1e3:.1f} ms = "
-                f"{self.ratio:.2f}x the median rank's {self.reference_s * 1e3:.1f} ms")  # fmt: skip
+        return (
+            f"rank {self.rank} on {self.host} is a straggler: {what} {self.value_s * 1e3:.1f} ms = "
+            f"{self.ratio:.2f}x the median rank's {self.reference_s * 1e3:.1f} ms"
+        )
 
 
 @dataclass(frozen=True)
@@ -152,8 +154,7 @@ class StragglerMonitor:
         rows = [torch.zeros(5, dtype=torch.float64) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, mine, group=group)
         names = ("data_s", "compute_s", "wait_s", "step_s", "mem_gib")
-        table = [dict(zip(names, map(float, r.tolist()), strict=True))
-                 for r in rows]  # fmt: skip
+        table = [dict(zip(names, map(float, r.tolist()), strict=True)) for r in rows]
         mean_step = statistics.fmean(r["step_s"] for r in table)
         out = []
         floors = {"data": MIN_DATA_SHARE * mean_step, "compute": MIN_PROBE_EXCESS_S}

@@ -62,11 +62,18 @@ def record_death(info_path: Path, pid: int, signum: int) -> str | None:
     name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
     cause = f"rank {info.get('rank')} (pid {pid}) was killed by {name}"
     rec = {
-        "time": time.time(), "job_id": info.get("job_id"), "restart": info.get("restart"), "rank": info.get("rank"),
-        "host": info.get("host"), "pid": pid, "kind": "killed", "cause": cause,
-        "blame": [{"rank": info.get("rank"), "host": info.get("host")}], "step": None,
+        "time": time.time(),
+        "job_id": info.get("job_id"),
+        "restart": info.get("restart"),
+        "rank": info.get("rank"),
+        "host": info.get("host"),
+        "pid": pid,
+        "kind": "killed",
+        "cause": cause,
+        "blame": [{"rank": info.get("rank"), "host": info.get("host")}],
+        "step": None,
         "signature": f"killed: {name}",
-    }  # fmt: skip
+    }
     line = json.dumps(rec) + "\n"
     # never through a link: the record goes to the run's own failures.jsonl or nowhere
     append_line(Path(info["failures"]), line)
@@ -98,10 +105,13 @@ def supervise(cmd: Sequence[str]) -> int:
             try:
                 line = record_death(info_path, child.pid, -rc)
             except OSError as e:  # a link or another user's file at failures.jsonl: say so, still die like the rank
-                print(f"hpcdist.supervise: not recorded: {e.strerror}", file=sys.stderr, flush=True)
+                print(f"hpcdist.fault.supervise: not recorded: {e.strerror}", file=sys.stderr, flush=True)
                 line = None
-            print(f"hpcdist.supervise: {line.strip() if line else f'pid {child.pid} killed by signal {-rc}'}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"hpcdist.fault.supervise: {line.strip() if line else f'pid {child.pid} killed by signal {-rc}'}",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         shutil.rmtree(private, ignore_errors=True)
     if rc < 0:

@@ -29,7 +29,7 @@ __all__ = [
     "permute_to_hf",
     "to_hf_state_dict",
     "to_hf_tensor",
-]  # fmt: skip
+]
 
 
 def permute_to_hf(w: torch.Tensor, heads: int) -> torch.Tensor:

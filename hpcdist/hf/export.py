@@ -26,17 +26,17 @@ from hpcdist.hf.source import (
     ConversionError,
     find_checkpoint,
     load_fqn,
+    load_run_tokenizer,
     return_freed_memory,
     run_config,
     run_model_args,
-    run_tokenizer,
     saved_shapes,
 )
 from hpcdist.hf.tokenizer import export_tokenizer
 from hpcdist.models.args import ModelArgs
 from hpcdist.models.hf_config import hf_config
 
-__all__ = ["DTYPES", "ExportResult", "export", "parse_size"]
+__all__ = ["DTYPES", "ExportResult", "export", "parse_shard_size"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _HF_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -54,7 +54,7 @@ class ExportResult:
     seconds: float = 0.0
 
 
-def parse_size(text: str) -> int:
+def parse_shard_size(text: str) -> int:
     """``5GB``, ``500MB``, ``2GiB``, ``1000000`` -> bytes (decimal units as Hugging Face's max_shard_size)."""
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
     t = text.strip().upper()
@@ -74,8 +74,10 @@ def _plan(args: ModelArgs, saved: dict, dtype: torch.dtype, max_shard: int | Non
     """FQNs of each output shard, in file order: a new shard starts when the next tensor would pass ``max_shard``."""
     missing = [f for f in fqn_names(args) if f not in saved]
     if missing:
-        raise ConversionError(f"the checkpoint lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: "
-                              "it does not hold the model its config describes")  # fmt: skip
+        raise ConversionError(
+            f"the checkpoint lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: "
+            "it does not hold the model its config describes"
+        )
     shards: list[list[str]] = [[]]
     size = 0
     elsize = torch.empty(0, dtype=dtype).element_size()
@@ -110,15 +112,20 @@ def export(
     step = find_checkpoint(checkpoint)
     config = run_config(step)
     args = run_model_args(config)
-    tok = run_tokenizer(config, tokenizer) if with_tokenizer else None
+    tok = load_run_tokenizer(config, tokenizer) if with_tokenizer else None
     if tok is not None and tok.vocab_size > args.vocab_size:
-        raise ConversionError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary is model."
-                              f"vocab_size={args.vocab_size}: pass the --tokenizer it was trained with")  # fmt: skip
+        raise ConversionError(
+            f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary is model."
+            f"vocab_size={args.vocab_size}: pass the --tokenizer it was trained with"
+        )
     torch_dtype = DTYPES[dtype]
     saved = saved_shapes(step)
     shards = _plan(args, saved, torch_dtype, max_shard_size)
-    names = [SINGLE] if len(shards) == 1 else [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                                               for i in range(1, len(shards) + 1)]  # fmt: skip
+    names = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

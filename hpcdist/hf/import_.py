@@ -84,9 +84,10 @@ class HFWeights:
         for fqn in self.fqns():
             size = torch.Size(self.shape(fqn))
             md[f"model.{fqn}"] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=torch.float32), size=size,
+                properties=TensorProperties(dtype=torch.float32),
+                size=size,
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)],
-            )  # fmt: skip
+            )
         return Metadata(state_dict_metadata=md)  # type: ignore[arg-type]
 
 
@@ -174,8 +175,9 @@ def load_into(path: str | Path, state: Checkpointable, args: ModelArgs) -> None:
     try:
         dcp.load({"model": model}, storage_reader=HFStorageReader(weights))
     except CheckpointException as e:  # a BaseException: it would pass every `except Exception` up to the CLI
-        raise ConversionError(f"checkpoint.init_from: {path}: its weights cannot be loaded into this model: "
-                              f"{describe_error(e)}") from None  # fmt: skip
+        raise ConversionError(
+            f"checkpoint.init_from: {path}: its weights cannot be loaded into this model: {describe_error(e)}"
+        ) from None
     state.load_dcp_state({"model": model})
 
 
@@ -195,20 +197,29 @@ def import_checkpoint(path: str | Path, out: str | Path, *, vocab_size: int | No
         except TokenizerError as e:
             raise ConversionError(str(e)) from None
         if tok.vocab_size > args.vocab_size:
-            raise ConversionError(f"{path}: the tokenizer has {tok.vocab_size} tokens but config.json's vocab_size "
-                                  f"is {args.vocab_size}: the embedding table cannot cover it")  # fmt: skip
+            raise ConversionError(
+                f"{path}: the tokenizer has {tok.vocab_size} tokens but config.json's vocab_size "
+                f"is {args.vocab_size}: the embedding table cannot cover it"
+            )
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConversionError(f"--out {out} exists and is not empty: name a new checkpoints directory")
     out.mkdir(parents=True, exist_ok=True)
     meta = {"model": {fqn: torch.empty(weights.shape(fqn), device="meta") for fqn in weights.fqns()}}
-    trainer_state = {"step": 0, "tokens_seen": 0, "world_size": 1, "imported_from": str(Path(path).resolve()),
-                     "config": {"model": dataclasses.asdict(args)}}  # fmt: skip
+    trainer_state = {
+        "step": 0,
+        "tokens_seen": 0,
+        "world_size": 1,
+        "imported_from": str(Path(path).resolve()),
+        "config": {"model": dataclasses.asdict(args)},
+    }
     state = Checkpointable(
-        dcp_state=lambda: meta, load_dcp_state=lambda _: None,
-        trainer_state=lambda: trainer_state, load_trainer_state=lambda _: None,
+        dcp_state=lambda: meta,
+        load_dcp_state=lambda _: None,
+        trainer_state=lambda: trainer_state,
+        load_trainer_state=lambda _: None,
         save_planner=HFSavePlanner(weights),
-    )  # fmt: skip
+    )
     saved = CheckpointManager(out, rank=0, world_size=1, keep_last=1).save(0, state)
     if saved is None:
         raise ConversionError(f"writing the checkpoint into {out} failed (see the error above)")

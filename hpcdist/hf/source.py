@@ -25,8 +25,16 @@ from hpcdist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, r
 from hpcdist.models.args import ModelArgs
 from hpcdist.rundir import RunDir
 
-__all__ = ["ConversionError", "find_checkpoint", "load_fqn", "return_freed_memory", "run_config", "run_model_args",
-           "run_tokenizer", "saved_shapes"]  # fmt: skip
+__all__ = [
+    "ConversionError",
+    "find_checkpoint",
+    "load_fqn",
+    "load_run_tokenizer",
+    "return_freed_memory",
+    "run_config",
+    "run_model_args",
+    "saved_shapes",
+]
 
 
 class ConversionError(ValueError):
@@ -43,8 +51,10 @@ def find_checkpoint(path: str | Path, *, key: str = "CHECKPOINT_DIR") -> Path:
     if not (path / MARKER).is_file():
         step = latest(path, warn=False) or latest(RunDir(path).checkpoints, warn=False)  # type: ignore[assignment]
         if step is None:
-            raise ConversionError(f"{key}: {path} holds no complete hpcdist checkpoint (a step-XXXXXXXX directory with "
-                                  f"{MARKER}, a checkpoints directory or a run directory)")  # fmt: skip
+            raise ConversionError(
+                f"{key}: {path} holds no complete hpcdist checkpoint (a step-XXXXXXXX directory with "
+                f"{MARKER}, a checkpoints directory or a run directory)"
+            )
     # sizes only: a sha256 pass would read the optimizer state too, several times the weights
     return CheckpointManager(step.parent, rank=0, world_size=1, verify="size").named(step, key)
 
@@ -65,24 +75,30 @@ def run_model_args(config: dict[str, Any]) -> ModelArgs:
     return ModelArgs(**{k: v for k, v in config["model"].items() if k in fields})
 
 
-def run_tokenizer(config: dict[str, Any], spec: str | None = None) -> Tokenizer:
+def load_run_tokenizer(config: dict[str, Any], spec: str | None = None) -> Tokenizer:
     """``spec`` when given, else the tokenizer the run's data was prepared with (byte for data.source=stdlib)."""
     if spec is not None:
         return load_tokenizer(spec)
     if "data" not in config:  # a checkpoint made by `hpcdist import`: the tokenizer stayed with the Hugging Face files
-        raise TokenizerError("the checkpoint records no data config, so no tokenizer: pass --tokenizer SPEC (byte, a "
-                             "tokenizer.json or its directory, the Hugging Face directory it came from)")  # fmt: skip
+        raise TokenizerError(
+            "the checkpoint records no data config, so no tokenizer: pass --tokenizer SPEC (byte, a "
+            "tokenizer.json or its directory, the Hugging Face directory it came from)"
+        )
     data = config["data"] or {}
     if data.get("source", "stdlib") == "stdlib":
         return load_tokenizer("byte")
     paths = [data.get("path")] if data.get("path") else [s.get("path") for s in data.get("sources") or []]
     if data.get("source") != "files" or not paths:
-        raise TokenizerError(f"the run's data (data.source={data.get('source')}) records no tokenizer: pass --"
-                             "tokenizer SPEC (byte, a tokenizer.json or its directory, prepared data)")  # fmt: skip
+        raise TokenizerError(
+            f"the run's data (data.source={data.get('source')}) records no tokenizer: pass --"
+            "tokenizer SPEC (byte, a tokenizer.json or its directory, prepared data)"
+        )
     found = recorded_tokenizer(Path(paths[0]))
     if found is None:
-        raise TokenizerError(f"the tokenizer of the run's data {paths[0]} is missing (no prepared dataset there any "
-                             "more): pass --tokenizer SPEC (byte, a tokenizer.json or its directory)")  # fmt: skip
+        raise TokenizerError(
+            f"the tokenizer of the run's data {paths[0]} is missing (no prepared dataset there any "
+            "more): pass --tokenizer SPEC (byte, a tokenizer.json or its directory)"
+        )
     return found
 
 
@@ -124,6 +140,8 @@ def load_fqn(step: Path, tensors: dict[str, torch.Tensor]) -> None:
 def saved_shapes(step: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """FQN -> (global shape, dtype) of every model tensor in the checkpoint, from its DCP metadata."""
     metadata = dcp.FileSystemReader(str(step)).read_metadata()
-    return {key[len("model.") :]: (tuple(meta.size), meta.properties.dtype)
-            for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and hasattr(meta, "size")}  # fmt: skip
+    return {
+        key[len("model.") :]: (tuple(meta.size), meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }

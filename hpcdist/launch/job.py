@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from hpcdist.config import JobConfig
-from hpcdist.env import DistEnv, SlurmJob
+from hpcdist.env import DistEnv
 from hpcdist.fault.stop import StopReason
 from hpcdist.launch import restarts
 from hpcdist.launch.nccl import PROFILE_ENV, apply_to_environ
@@ -29,13 +29,18 @@ class SlurmEnvironment:
         for line in apply_to_environ(os.environ.get(PROFILE_ENV), master_addr=env.master_addr):
             log0("%s", line)
         policy = restarts.RestartPolicy.from_fault(cfg.fault)
-        return restarts.begin_attempt(cfg.run.dir, policy, SlurmJob.from_environ(), write=env.is_main)
+        return restarts.begin_attempt(cfg.run.dir, policy, env.job, write=env.is_main)
 
     def after_stop(self, cfg: JobConfig, env: DistEnv, reason: StopReason) -> int:
         """Every rank, once the stop checkpoint is complete: rank 0 requeues after the time-limit signal (within
         fault.max_restarts), or every rank exits. Returns the exit code."""
         f = cfg.fault
         return restarts.after_stop(
-            reason, rank=env.rank, requeue_signal=f.requeue_signal, requeue_enabled=f.requeue,
-            max_restarts=f.max_restarts, run_dir=cfg.run.dir,
-        )  # fmt: skip
+            reason,
+            rank=env.rank,
+            requeue_signal=f.requeue_signal,
+            requeue_enabled=f.requeue,
+            max_restarts=f.max_restarts,
+            run_dir=cfg.run.dir,
+            job=env.job,
+        )

@@ -110,14 +110,18 @@ def run_summary(run_dir: str | os.PathLike[str], job_id: str | None = None) -> s
     restart ledger's attempts of ``job_id``."""
     rd = RunDir(run_dir)
     step, loss = last_step(run_dir)
-    lines = [f"run dir {rd.root}: " + (f"step {step}, loss {loss:.4f}" if step is not None and loss is not None
-                                       else "no training step logged yet")]  # fmt: skip
+    lines = [
+        f"run dir {rd.root}: "
+        + (f"step {step}, loss {loss:.4f}" if step is not None and loss is not None else "no training step logged yet")
+    ]
     try:
         ledger = json.loads(read_tail(rd.restarts, _TAIL_BYTES))
     except (OSError, ValueError):  # a ledger cut at _TAIL_BYTES is no ledger (it is a few KiB)
         ledger = None
     if isinstance(ledger, dict) and (job_id is None or str(ledger.get("job_id")) == str(job_id)):
         attempts, stopped = ledger.get("attempts") or {}, ledger.get("stopped")
-        lines.append(f"restart ledger of job {ledger.get('job_id')}: {len(attempts)} attempt(s)"
-                     + (f", stopped: {stopped}" if stopped else ""))  # fmt: skip
+        lines.append(
+            f"restart ledger of job {ledger.get('job_id')}: {len(attempts)} attempt(s)"
+            + (f", stopped: {stopped}" if stopped else "")
+        )
     return "\n".join(lines)

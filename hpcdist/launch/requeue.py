@@ -42,8 +42,9 @@ def requeue(job_id: str, *, exclude: Iterable[str] = ()) -> int:
         # (BeginTime) before it may start again, so the update lands before the next start
         arg = f"ExcNodeList={','.join(exclude)}"
         try:
-            p = subprocess.run([scontrol, "update", f"jobid={job_id}", arg], capture_output=True, text=True,
-                               timeout=60, check=False)  # fmt: skip
+            p = subprocess.run(
+                [scontrol, "update", f"jobid={job_id}", arg], capture_output=True, text=True, timeout=60, check=False
+            )
             ok, why = p.returncode == 0, (p.stderr or p.stdout).strip()
         except subprocess.TimeoutExpired:
             ok, why = False, "timed out"

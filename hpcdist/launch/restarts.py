@@ -34,13 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.atomic import atomic_write
-from hpcdist.env import SlurmJob, expand_nodelist
 from hpcdist.fault.failures import primary_failure, read_failures, record
 from hpcdist.fault.goodput import mark_attempt_end
 from hpcdist.fault.stop import StopReason, signal_number
 from hpcdist.launch.requeue import requeue
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
+from hpcdist.schedulers import JobFacts, job_facts
+from hpcdist.schedulers.slurm import expand_nodelist
 
 __all__ = [
     "RestartPolicy",
@@ -72,11 +73,15 @@ class RestartPolicy:
     @classmethod
     def from_fault(cls, fault: Any) -> RestartPolicy:
         return cls(
-            requeue=fault.requeue, max_time_limit=fault.max_restarts, max_preemptions=fault.max_preemptions,
-            max_failures=fault.max_failures, max_same_failure=fault.max_same_failure,
-            exclude_failed_nodes=fault.exclude_failed_nodes, max_excluded_nodes=fault.max_excluded_nodes,
+            requeue=fault.requeue,
+            max_time_limit=fault.max_restarts,
+            max_preemptions=fault.max_preemptions,
+            max_failures=fault.max_failures,
+            max_same_failure=fault.max_same_failure,
+            exclude_failed_nodes=fault.exclude_failed_nodes,
+            max_excluded_nodes=fault.max_excluded_nodes,
             exclude_nodes_file=fault.exclude_nodes_file,
-        )  # fmt: skip
+        )
 
     @classmethod
     def defaults(cls) -> RestartPolicy:
@@ -101,14 +106,15 @@ def save_ledger(run_dir: str | os.PathLike[str], data: Mapping[str, Any]) -> Non
     atomic_write(RunDir(run_dir).restarts, json.dumps(data, indent=1, sort_keys=True))
 
 
-def _attempt(data: dict[str, Any], restart: int) -> dict[str, Any]:
+def _attempt_record(data: dict[str, Any], restart: int) -> dict[str, Any]:
     return data["attempts"].setdefault(str(restart), {"restart": restart})
 
 
 def requeues(data: Mapping[str, Any], reason: str, *, before: int | None = None) -> int:
     """How many attempts (restarts < ``before``, if given) hpcdist requeued for ``reason`` (time_limit | failure)."""
-    return sum(1 for k, a in data["attempts"].items() if a.get("requeued") == reason and (before is None or
-               int(k) < before))  # fmt: skip
+    return sum(
+        1 for k, a in data["attempts"].items() if a.get("requeued") == reason and (before is None or int(k) < before)
+    )
 
 
 def preemptions(data: Mapping[str, Any], restart: int) -> int:
@@ -132,7 +138,7 @@ def failure_streak(data: Mapping[str, Any], restart: int, sig: str) -> int:
     return n
 
 
-def begin_attempt(run_dir: str | os.PathLike[str], policy: RestartPolicy, job: SlurmJob, *, write: bool) -> str | None:
+def begin_attempt(run_dir: str | os.PathLike[str], policy: RestartPolicy, job: JobFacts, *, write: bool) -> str | None:
     """At the start of an attempt (every rank, before the process group): a reason to stop, or None to train.
 
     ``write`` (rank 0) registers the attempt and the policy in the ledger. The preemption count reads only earlier
@@ -149,7 +155,7 @@ def begin_attempt(run_dir: str | os.PathLike[str], policy: RestartPolicy, job: S
             f"and fault.max_preemptions={policy.max_preemptions}: not training again; resubmit to continue"
         )
     if write:
-        entry = _attempt(data, job.restart_count)
+        entry = _attempt_record(data, job.restart_count)
         entry.update(start=time.time(), host=socket.gethostname(), preemptions=n)
         data["policy"] = asdict(policy)
         if reason:
@@ -159,7 +165,7 @@ def begin_attempt(run_dir: str | os.PathLike[str], policy: RestartPolicy, job: S
     return reason
 
 
-def time_limit_decision(run_dir: str | os.PathLike[str] | None, max_time_limit: int, job: SlurmJob) -> str | None:
+def time_limit_decision(run_dir: str | os.PathLike[str] | None, max_time_limit: int, job: JobFacts) -> str | None:
     """Before a time-limit requeue (every rank, same answer): a reason not to requeue, or None.
 
     Counted in the ledger (time-limit requeues only; earlier attempts only, so ranks reading before or after rank 0
@@ -174,11 +180,11 @@ def time_limit_decision(run_dir: str | os.PathLike[str] | None, max_time_limit: 
     return None
 
 
-def mark_time_limit(run_dir: str | os.PathLike[str], job: SlurmJob, *, reason: str | None) -> list[str]:
+def mark_time_limit(run_dir: str | os.PathLike[str], job: JobFacts, *, reason: str | None) -> list[str]:
     """Rank 0, before the time-limit requeue (``reason`` None) or instead of it: record how this attempt ended.
     Returns the nodes the requeued job must avoid (earlier exclusions plus fault.exclude_nodes_file)."""
     data = load_ledger(run_dir, job.job_id)
-    entry = _attempt(data, job.restart_count)
+    entry = _attempt_record(data, job.restart_count)
     entry.update(ended="time_limit", end=time.time(), requeued=None if reason else "time_limit")
     excluded = list(data.get("excluded", []))
     if reason:
@@ -190,7 +196,7 @@ def mark_time_limit(run_dir: str | os.PathLike[str], job: SlurmJob, *, reason: s
 
 
 def _exclusions(
-    data: dict[str, Any], policy: RestartPolicy, job: SlurmJob, *, blamed_hosts: Sequence[str]
+    data: dict[str, Any], policy: RestartPolicy, job: JobFacts, *, blamed_hosts: Sequence[str]
 ) -> list[str]:
     """The job's excluded nodes after adding ``blamed_hosts`` and fault.exclude_nodes_file, within the limits;
     stored in the ledger (``data``, saved by the caller)."""
@@ -203,9 +209,12 @@ def _exclusions(
     excluded = list(data.get("excluded", []))
     if candidates:
         excluded, notes = plan_exclusion(
-            excluded, candidates, max_excluded=policy.max_excluded_nodes, job_nodes=job.num_nodes or 1,
+            excluded,
+            candidates,
+            max_excluded=policy.max_excluded_nodes,
+            job_nodes=job.num_nodes or 1,
             usable=usable_nodes(job.partition),
-        )  # fmt: skip
+        )
         for note in notes:
             _say(note)
     data["excluded"] = excluded
@@ -220,19 +229,22 @@ def after_stop(
     requeue_enabled: bool = True,
     max_restarts: int = 10,
     run_dir: str | os.PathLike[str] | None = None,
-    job: SlurmJob | None = None,
+    job: JobFacts | None = None,
 ) -> int:
     """Every rank, once the stop checkpoint is complete: requeue (rank 0) or exit. Returns the exit code.
 
     ``run_dir`` holds the restart ledger (time-limit requeues are counted there, apart from preemptions and
     failures); ``max_restarts`` is fault.max_restarts."""
-    job = job if job is not None else SlurmJob.from_environ()
+    job = job if job is not None else job_facts()
     if not job.job_id:
         # nothing will continue the run: the shell's convention for a process ended by that signal (130 / 143 /
         # 140 for USR2), never 0, which a wrapper would take for a finished run
         if reason == StopReason.TIME_LIMIT:
-            log.info("stopped by %s outside SLURM (exit %d); rerun with checkpoint.resume=auto to continue",
-                     signal_number(requeue_signal).name, reason.exit_code(requeue_signal))  # fmt: skip
+            log.info(
+                "stopped by %s outside SLURM (exit %d); rerun with checkpoint.resume=auto to continue",
+                signal_number(requeue_signal).name,
+                reason.exit_code(requeue_signal),
+            )
         return reason.exit_code(requeue_signal)
     if reason != StopReason.TIME_LIMIT:
         # under SLURM the job is being cancelled or preempted: a non-zero status would make the batch script's
@@ -313,14 +325,17 @@ def plan_exclusion(
         if host in out:
             continue
         if len(out) + 1 > max_excluded:
-            notes.append(f"not excluding {host}: {len(out)} node(s) excluded already (fault.max_excluded_nodes="
-                         f"{max_excluded})")  # fmt: skip
+            notes.append(
+                f"not excluding {host}: {len(out)} node(s) excluded already (fault.max_excluded_nodes={max_excluded})"
+            )
             continue
         if usable is not None:
             left = [n for n in usable if n not in out and n != host]
             if len(left) < job_nodes:
-                notes.append(f"not excluding {host}: the partition would keep {len(left)} usable node(s) for a "
-                             f"{job_nodes}-node job")  # fmt: skip
+                notes.append(
+                    f"not excluding {host}: the partition would keep {len(left)} usable node(s) for a "
+                    f"{job_nodes}-node job"
+                )
                 continue
         out.append(host)
     return out, notes
@@ -334,7 +349,7 @@ def _say(msg: str) -> None:
     print(f"[hpcdist after-step {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartPolicy | None, job: SlurmJob) -> int:
+def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartPolicy | None, job: JobFacts) -> int:
     """Decide, after the training step failed, whether the job is requeued. Returns the batch script's exit code:
     0 after a requeue (SLURM is ending this run anyway), else ``exit_code`` so the job ends FAILED."""
     if exit_code == 0:
@@ -353,16 +368,19 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
     records = read_failures(run_dir, job_id=job.job_id, restart=job.restart_count)
     primary = primary_failure(records)
     if primary is None:
-        primary = record(run_dir, kind="exit", cause=f"the training step exited with status {exit_code} and no rank "
-                         "recorded a cause (see the job log)", job=job)  # fmt: skip
+        primary = record(
+            run_dir,
+            kind="exit",
+            cause=f"the training step exited with status {exit_code} and no rank recorded a cause (see the job log)",
+            job=job,
+        )
     sig = primary["signature"]
     blamed = [b for b in primary.get("blame", []) if b.get("host")]
     who = ", ".join(f"rank {b.get('rank')} on {b['host']}" for b in blamed) or "no rank in particular"
     _say(f"step failed (exit {exit_code}): {primary['kind']}: {primary['cause']} [{who}]")
 
-    entry = _attempt(data, job.restart_count)
-    entry.update(ended="failure", end=time.time(), signature=sig, cause=primary["cause"],
-                 blame=blamed, requeued=None)  # fmt: skip
+    entry = _attempt_record(data, job.restart_count)
+    entry.update(ended="failure", end=time.time(), signature=sig, cause=primary["cause"], blame=blamed, requeued=None)
     streak = failure_streak(data, job.restart_count, sig)
     done = requeues(data, "failure")
     reason = None
@@ -390,8 +408,10 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
     entry.update(requeued="failure", excluded=excluded)
     save_ledger(run_dir, data)  # before the requeue: SLURM may end this script right after it
     _mark_goodput_end(run_dir)
-    _say(f"requeueing job {job.job_id} (failure requeue {done + 1} of {policy.max_failures}, this failure "
-         f"{streak} time(s) in a row)" + (f", excluding {','.join(excluded)}" if excluded else ""))  # fmt: skip
+    _say(
+        f"requeueing job {job.job_id} (failure requeue {done + 1} of {policy.max_failures}, this failure "
+        f"{streak} time(s) in a row)" + (f", excluding {','.join(excluded)}" if excluded else "")
+    )
     rc = requeue(str(job.job_id), exclude=excluded)
     if rc != 0:
         entry.update(requeued=None)  # requeue() said why; a later failure may try again
@@ -427,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.exit_code == 0:
         return 0
-    job = SlurmJob.from_environ()
+    job = job_facts()
     if args.run_dir:
         run_dir, policy = Path(args.run_dir), None
     elif args.config:

@@ -163,8 +163,20 @@ def status_text(job_id: str | None = None) -> str:
     job_id = check_job_id(job_id)
     info = job_info(job_id)
     if info:
-        keys = ("JobId", "JobName", "JobState", "Reason", "RunTime", "TimeLimit", "NumNodes", "NumTasks",
-                "NodeList", "Restarts", "StdOut", "StdErr")  # fmt: skip
+        keys = (
+            "JobId",
+            "JobName",
+            "JobState",
+            "Reason",
+            "RunTime",
+            "TimeLimit",
+            "NumNodes",
+            "NumTasks",
+            "NodeList",
+            "Restarts",
+            "StdOut",
+            "StdErr",
+        )
         return "\n".join(f"{k:>10}: {info[k]}" for k in keys if k in info)
     out = _run(["sacct", "-X", "-j", job_id, "-o", "JobID,JobName%24,State,Elapsed,NNodes,NodeList,ExitCode"])
     return out.rstrip()

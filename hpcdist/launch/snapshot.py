@@ -70,8 +70,9 @@ def package_source() -> tuple[Path, list[str], str | None, bool | None]:
         commit = (_git(root, "rev-parse", "HEAD") or "").strip() or None
         status = _git(root, "status", "--porcelain", "--untracked-files=no")
         return root, files, commit, (bool(status.strip()) if status is not None else None)
-    files = [str(p.relative_to(root)) for p in sorted(package.rglob("*")) if p.is_file() and "__pycache__" not in
-             p.parts]  # fmt: skip
+    files = [
+        str(p.relative_to(root)) for p in sorted(package.rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+    ]
     return root, files, None, None
 
 

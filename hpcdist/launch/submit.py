@@ -249,8 +249,9 @@ def render_sbatch(
         params["map_count"] = array
         if max_parallel:
             params["array_parallelism"] = max_parallel
-    return _make_sbatch_string(command=_command(cluster, path, python=_supervised_python(cluster)), folder=path,
-                               **params)  # fmt: skip
+    return _make_sbatch_string(
+        command=_command(cluster, path, python=_supervised_python(cluster)), folder=path, **params
+    )
 
 
 def _render_local(cluster: ClusterConfig, folder: Path) -> str:
@@ -460,8 +461,10 @@ def _check_job(cfg: config_mod.JobConfig, cluster: ClusterConfig, job_name: str,
             "config: the job would send one signal and the trainer wait for the other; make them equal"
         )
     if cluster.job_name is None:
-        problems += [p.replace("cluster.job_name", "run.name (the default job name)") for p in
-                     _one_line("cluster.job_name", job_name)]  # fmt: skip
+        problems += [
+            p.replace("cluster.job_name", "run.name (the default job name)")
+            for p in _one_line("cluster.job_name", job_name)
+        ]
     if cluster.log_dir is None:
         hint = "; set the cluster's log_dir to another directory"
         problems += [f"{p}{hint}" for p in _one_line("run.dir (the default log_dir <run.dir>/slurm)", str(folder))]
@@ -470,7 +473,7 @@ def _check_job(cfg: config_mod.JobConfig, cluster: ClusterConfig, job_name: str,
     return problems
 
 
-def _check_memory(cfg: config_mod.JobConfig, cluster: ClusterConfig, *, force: bool) -> list[str]:
+def _check_fit(cfg: config_mod.JobConfig, cluster: ClusterConfig, *, force: bool) -> list[str]:
     """The planner's fit check for the requested nodes: a problem unless forced (then a warning)."""
     from hpcdist.planning.fit import check_fit
 
@@ -522,7 +525,7 @@ def prepare(
     run_dir = str(Path(cfg.run.dir).expanduser().absolute())  # the batch script's after-step reads it
     problems = _check_job(cfg, cluster_cfg, job_name, folder)
     if not problems:
-        problems = _check_memory(cfg, cluster_cfg, force=force)
+        problems = _check_fit(cfg, cluster_cfg, force=force)
     # the data must exist before a job waits in the queue for it; a dry run only warns
     data_problems = config_mod.check_data(cfg, strict=False)
     if problems or (data_problems and not dry_run):
@@ -576,9 +579,11 @@ def launch(
             snap = create_snapshot(prep.run_dir)
             code = str(snap.path)
             if sys.version_info < (3, 11) and (Path.cwd() / "hpcdist").is_dir():
-                log.warning("Python < 3.11 ignores PYTHONSAFEPATH: the job's working directory %s holds an "
-                            "hpcdist package that comes before the snapshot; submit from another directory",
-                            Path.cwd())  # fmt: skip
+                log.warning(
+                    "Python < 3.11 ignores PYTHONSAFEPATH: the job's working directory %s holds an "
+                    "hpcdist package that comes before the snapshot; submit from another directory",
+                    Path.cwd(),
+                )
             # a config inside the checkout is read from the copy too (it is read when the job starts)
             tasks = [dataclasses.replace(t, config_path=snap.map(t.config_path)) for t in tasks]
             log.info("code snapshot %s (git commit %s%s)", code, snap.git_commit, ", dirty" if snap.dirty else "")
@@ -609,13 +614,23 @@ def launch(
         # sbatch's refusal arrives as submitit's FailedJobError/CalledProcessError text: keep its last lines
         text = str(e).strip().splitlines()
         raise LaunchError(f"submission with the {kind} executor failed: {' | '.join(text[-3:])}") from e
-    handles = [JobHandle(job, executor=kind, folder=prep.folder, num_tasks=cluster.world_size, snapshot=code,
-                         task=task) for job, task in zip(jobs, tasks, strict=True)]  # fmt: skip
+    handles = [
+        JobHandle(job, executor=kind, folder=prep.folder, num_tasks=cluster.world_size, snapshot=code, task=task)
+        for job, task in zip(jobs, tasks, strict=True)
+    ]
     from hpcdist.launch.records import record_job
 
     for h in handles:
-        record_job(prep.run_dir, {"job_id": h.job_id, "executor": kind, "folder": str(prep.folder),
-                                  "num_tasks": h.num_tasks, "snapshot": code})  # fmt: skip
+        record_job(
+            prep.run_dir,
+            {
+                "job_id": h.job_id,
+                "executor": kind,
+                "folder": str(prep.folder),
+                "num_tasks": h.num_tasks,
+                "snapshot": code,
+            },
+        )
     log.info("submitted job %s (%s, %s): logs in %s", handles[0].job_id, kind, why, prep.folder)
     return handles
 
@@ -643,8 +658,9 @@ def submit(
     job only after job 123 ends (sbatch --dependency). ``snapshot``: run the job from a copy of the code made now
     (hpcdist.launch.snapshot), so edits after submission change neither the job nor its requeued attempts.
     """
-    return submit_chain(config, overrides, 1, cluster=cluster, dry_run=dry_run, force=force, after=after,
-                        snapshot=snapshot, **params)[0]  # fmt: skip
+    return submit_chain(
+        config, overrides, 1, cluster=cluster, dry_run=dry_run, force=force, after=after, snapshot=snapshot, **params
+    )[0]
 
 
 def submit_chain(
@@ -676,13 +692,25 @@ def submit_chain(
     if dry_run:
         print(f"hpcdist: {describe_executor(prep.cluster)}", file=sys.stderr, flush=True)
         if n > 1:
-            print(f"hpcdist: --chain {n}: this script, then {n - 1} more job(s) of it, each with "
-                  "--dependency=afterany:<the previous job>", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"hpcdist: --chain {n}: this script, then {n - 1} more job(s) of it, each with "
+                "--dependency=afterany:<the previous job>",
+                file=sys.stderr,
+                flush=True,
+            )
         if prep.cluster.executor == "local":
             return [_render_local(prep.cluster, prep.folder)]
         code = snapshot_placeholder(prep.run_dir) if snapshot else None
-        return [render_sbatch(prep.cluster, job_name=prep.job_name, folder=prep.folder, run_dir=prep.run_dir,
-                              dependency=dep, snapshot=code)]  # fmt: skip
+        return [
+            render_sbatch(
+                prep.cluster,
+                job_name=prep.job_name,
+                folder=prep.folder,
+                run_dir=prep.run_dir,
+                dependency=dep,
+                snapshot=code,
+            )
+        ]
     task = TrainTask(str(config), tuple(overrides))
     handles: list[JobHandle] = []
     code: bool | str = snapshot

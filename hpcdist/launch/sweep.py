@@ -4,7 +4,7 @@ The sweep is a grid of ``--sweep key=v1,v2,...`` (or an explicit list of overrid
 Each point becomes one array task running ``hpcdist train CONFIG OVERRIDES POINT run.dir=<run.dir>/<name>``, its
 name made of the point's overrides. Every task is validated (config, cluster, memory) before anything is
 submitted; the array is one sbatch call (submitit's batch), ``--array=0-N%M`` with ``--max-parallel M``. Each task
-requeues itself alone (SlurmJob.from_environ: <array job>_<task>). ``<run.dir>/sweep.json`` records the tasks, for
+requeues itself alone (JobFacts.job_id: <array job>_<task>). ``<run.dir>/sweep.json`` records the tasks, for
 ``hpcdist status JOB``.
 """
 
@@ -147,9 +147,16 @@ def submit_sweep(
         print(f"hpcdist: {describe_executor(base.cluster)}", file=sys.stderr, flush=True)
         for i, run_dir in enumerate(run_dirs):
             print(f"hpcdist: sweep task {i}: {run_dir}", file=sys.stderr, flush=True)
-        return render_sbatch(base.cluster, job_name=base.job_name, folder=base.folder, run_dir=run_dirs,
-                             dependency=dep, array=len(tasks), max_parallel=max_parallel,
-                             snapshot=snapshot_placeholder(base.run_dir) if snapshot else None)  # fmt: skip
+        return render_sbatch(
+            base.cluster,
+            job_name=base.job_name,
+            folder=base.folder,
+            run_dir=run_dirs,
+            dependency=dep,
+            array=len(tasks),
+            max_parallel=max_parallel,
+            snapshot=snapshot_placeholder(base.run_dir) if snapshot else None,
+        )
     # one code snapshot for the whole array, in the sweep's base run dir
     handles = launch(base, tasks, run_dirs=run_dirs, after=dep, max_parallel=max_parallel, snapshot=snapshot)
     record = {
@@ -198,8 +205,10 @@ def sweep_status(job_id: str, run_dir: str | os.PathLike[str] | None = None) -> 
     record = _find_record(job_id, run_dir)
     if record is None:
         return None
-    rows = [f"sweep job {record['job_id']}: {len(record['tasks'])} task(s) of {record['config']}",
-            f"{'task':>6} {'state':<11} {'restarts':>8} {'step':>7} {'loss':>9}  run dir"]  # fmt: skip
+    rows = [
+        f"sweep job {record['job_id']}: {len(record['tasks'])} task(s) of {record['config']}",
+        f"{'task':>6} {'state':<11} {'restarts':>8} {'step':>7} {'loss':>9}  run dir",
+    ]
     for task in record["tasks"]:
         info: dict[str, str] = {}
         try:
@@ -211,6 +220,8 @@ def sweep_status(job_id: str, run_dir: str | os.PathLike[str] | None = None) -> 
             state = slurm_cli.job_state(task["job_id"]) or "UNKNOWN"
         step, loss = last_step(task["run_dir"])
         loss_text = "-" if loss is None else f"{loss:.4f}"
-        rows.append(f"{task['job_id']:>6} {state:<11} {restarts:>8} {step if step is not None else '-':>7} "
-                    f"{loss_text:>9}  {task['run_dir']}")  # fmt: skip
+        rows.append(
+            f"{task['job_id']:>6} {state:<11} {restarts:>8} {step if step is not None else '-':>7} "
+            f"{loss_text:>9}  {task['run_dir']}"
+        )
     return "\n".join(rows)

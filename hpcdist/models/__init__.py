@@ -25,9 +25,17 @@ if TYPE_CHECKING:
     )
 
 _TORCH_NAMES = frozenset(
-    ("Attention", "FeedForward", "RMSNorm", "Transformer", "TransformerBlock", "apply_rope", "build_model",
-     "precompute_rope")
-)  # fmt: skip
+    (
+        "Attention",
+        "FeedForward",
+        "RMSNorm",
+        "Transformer",
+        "TransformerBlock",
+        "apply_rope",
+        "build_model",
+        "precompute_rope",
+    )
+)
 
 __all__ = [
     "Attention",

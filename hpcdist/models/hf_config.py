@@ -16,8 +16,19 @@ from typing import Any
 
 from hpcdist.models.args import MODEL_MAXIMA, ModelArgs
 
-__all__ = ["CONFIG_NAME", "HFConfigError", "fqn_names", "fqn_to_hf", "hf_config", "hf_names", "hf_shape", "hf_to_fqn",
-           "is_hf_dir", "model_args_from_hf", "shape_mismatch"]  # fmt: skip
+__all__ = [
+    "CONFIG_NAME",
+    "HFConfigError",
+    "fqn_names",
+    "fqn_to_hf",
+    "hf_config",
+    "hf_names",
+    "hf_shape",
+    "hf_to_fqn",
+    "is_hf_dir",
+    "model_args_from_hf",
+    "shape_mismatch",
+]
 
 CONFIG_NAME = "config.json"
 # ModelArgs field -> LlamaConfig key, for every field that fixes the weights' shapes or the forward's numbers
@@ -51,8 +62,11 @@ _LAYER = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _LAYER_BACK = {v: k for k, v in _LAYER.items()}
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}  # fmt: skip
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _TOP_BACK = {v: k for k, v in _TOP.items()}
 _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
 _THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -96,9 +110,15 @@ def hf_shape(fqn: str, args: ModelArgs) -> tuple[int, ...]:
     if fqn == "norm.weight" or fqn.endswith("_norm.weight"):
         return (d,)
     name = fqn.split(".", 2)[2]
-    return {"attention.wq.weight": (q, d), "attention.wk.weight": (kv, d), "attention.wv.weight": (kv, d),
-            "attention.wo.weight": (d, q), "feed_forward.w1.weight": (args.ffn_dim, d),
-            "feed_forward.w3.weight": (args.ffn_dim, d), "feed_forward.w2.weight": (d, args.ffn_dim)}[name]  # fmt: skip
+    return {
+        "attention.wq.weight": (q, d),
+        "attention.wk.weight": (kv, d),
+        "attention.wv.weight": (kv, d),
+        "attention.wo.weight": (d, q),
+        "feed_forward.w1.weight": (args.ffn_dim, d),
+        "feed_forward.w3.weight": (args.ffn_dim, d),
+        "feed_forward.w2.weight": (d, args.ffn_dim),
+    }[name]
 
 
 def hf_names(args: ModelArgs) -> list[str]:
@@ -154,8 +174,9 @@ def _where(where: str, key: str, value: Any) -> str:
     return f"{where}: {key}={shown}"
 
 
-def _integer(data: dict[str, Any], key: str, field: str, *, where: str, default: int | None = None,
-             nullable: bool = False) -> int | None:  # fmt: skip
+def _integer(
+    data: dict[str, Any], key: str, field: str, *, where: str, default: int | None = None, nullable: bool = False
+) -> int | None:
     """config.json's ``key`` as a positive int no larger than ModelArgs' ``field`` allows (a float, a bool or a
     string is refused: ``hidden_size: 32.0`` is a hand-edited file, not a Llama)."""
     value = data.get(key)
@@ -172,7 +193,7 @@ def _integer(data: dict[str, Any], key: str, field: str, *, where: str, default:
     return value
 
 
-def _number(data: dict[str, Any], key: str, field: str, *, where: str, default: float) -> float:
+def _bounded_number(data: dict[str, Any], key: str, field: str, *, where: str, default: float) -> float:
     """config.json's ``key`` as a finite positive float no larger than ModelArgs' ``field`` allows."""
     value = data.get(key, default)
     if value is None:
@@ -214,8 +235,10 @@ def _rope_type(data: dict[str, Any], *, where: str) -> tuple[str, dict[str, Any]
         if not isinstance(kind, str):
             raise HFConfigError(f"{_where(where, f'{key}.rope_type', kind)}: must be a name such as 'default'")
         if kind != "default":
-            raise HFConfigError(f"{where}: {key}.rope_type={kind!r}: hpcdist's Llama has no RoPE scaling "
-                                f"({kind}); it cannot load this model")  # fmt: skip
+            raise HFConfigError(
+                f"{where}: {key}.rope_type={kind!r}: hpcdist's Llama has no RoPE scaling "
+                f"({kind}); it cannot load this model"
+            )
     return "default", found["rope_parameters"]
 
 
@@ -228,15 +251,19 @@ def model_args_from_hf(data: Any, *, where: str = CONFIG_NAME) -> ModelArgs:
         raise HFConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
     if data.get("model_type") != "llama":
         shown = data.get("model_type") if isinstance(data.get("model_type"), (str, type(None))) else "not a name"
-        raise HFConfigError(f"{where}: model_type is {shown!r}, not 'llama': only Llama models (LlamaForCausalLM) "
-                            "convert to and from hpcdist")  # fmt: skip
+        raise HFConfigError(
+            f"{where}: model_type is {shown!r}, not 'llama': only Llama models (LlamaForCausalLM) "
+            "convert to and from hpcdist"
+        )
     for key, what in (("attention_bias", "biases in the attention projections"), ("mlp_bias", "biases in the MLP")):
         if _boolean(data, key, where=where):
             raise HFConfigError(f"{where}: {key}=true: hpcdist's Llama has no {what}; it cannot load this model")
     act = data.get("hidden_act", "silu")
     if act != "silu":
-        raise HFConfigError(f"{_where(where, 'hidden_act', act)}: hpcdist's Llama has no other activation than "
-                            "SwiGLU (silu); it cannot load this model")  # fmt: skip
+        raise HFConfigError(
+            f"{_where(where, 'hidden_act', act)}: hpcdist's Llama has no other activation than "
+            "SwiGLU (silu); it cannot load this model"
+        )
     _, rope = _rope_type(data, where=where)
     vocab = _integer(data, "vocab_size", "vocab_size", where=where)
     dim = _integer(data, "hidden_size", "dim", where=where)
@@ -248,8 +275,10 @@ def model_args_from_hf(data: Any, *, where: str = CONFIG_NAME) -> ModelArgs:
     max_pos = _integer(data, "max_position_embeddings", "max_seq_len", where=where, default=2048)
     assert vocab and dim and layers and heads and ffn and kv and max_pos  # checked positive above (for mypy)
     if head_dim is not None and head_dim * heads != dim:
-        raise HFConfigError(f"{where}: head_dim={head_dim} x num_attention_heads={heads} != hidden_size={dim}: "
-                            "hpcdist's Llama needs head_dim = hidden_size / heads")  # fmt: skip
+        raise HFConfigError(
+            f"{where}: head_dim={head_dim} x num_attention_heads={heads} != hidden_size={dim}: "
+            "hpcdist's Llama needs head_dim = hidden_size / heads"
+        )
     theta_from = data if data.get("rope_theta") is not None else rope  # transformers 5 moved it into rope_parameters
     args = ModelArgs(
         vocab_size=vocab,
@@ -258,11 +287,11 @@ def model_args_from_hf(data: Any, *, where: str = CONFIG_NAME) -> ModelArgs:
         n_heads=heads,
         n_kv_heads=None if kv == heads else kv,
         ffn_dim=ffn,
-        norm_eps=_number(data, "rms_norm_eps", "norm_eps", where=where, default=1e-6),
-        rope_theta=_number(theta_from, "rope_theta", "rope_theta", where=where, default=10000.0),
+        norm_eps=_bounded_number(data, "rms_norm_eps", "norm_eps", where=where, default=1e-6),
+        rope_theta=_bounded_number(theta_from, "rope_theta", "rope_theta", where=where, default=10000.0),
         max_seq_len=max_pos,
         tie_embeddings=_boolean(data, "tie_word_embeddings", where=where),
-        init_std=_number(data, "initializer_range", "init_std", where=where, default=0.02),
+        init_std=_bounded_number(data, "initializer_range", "init_std", where=where, default=0.02),
     )
     problems = args.problems()
     if problems:
@@ -278,8 +307,13 @@ def shape_mismatch(model: ModelArgs, hf: ModelArgs, *, where: str) -> str | None
         mine, theirs = getattr(model, field), getattr(hf, field)
         if field == "n_kv_heads":
             mine, theirs = model.kv_heads, hf.kv_heads
-        if mine != theirs and not (isinstance(mine, float) and isinstance(theirs, float) and
-                                   abs(mine - theirs) <= 1e-12 * max(abs(mine), abs(theirs))):  # fmt: skip
-            return (f"model.{field}={mine!r} but {where} has {key}={theirs!r}: set model.{field}={theirs!r} (the model "
-                    "section must match the Hugging Face config it starts from)")  # fmt: skip
+        if mine != theirs and not (
+            isinstance(mine, float)
+            and isinstance(theirs, float)
+            and abs(mine - theirs) <= 1e-12 * max(abs(mine), abs(theirs))
+        ):
+            return (
+                f"model.{field}={mine!r} but {where} has {key}={theirs!r}: set model.{field}={theirs!r} (the model "
+                "section must match the Hugging Face config it starts from)"
+            )
     return None

@@ -47,8 +47,12 @@ INDEX_CAP = 16 << 20  # ~100 bytes per tensor: a 405B model's index (1,100 tenso
 HEADER_CAP = 100_000_000  # safetensors' own limit for a header (its HeaderTooLarge)
 TOKENIZER_CAP = 256 << 20  # Llama 3's tokenizer.json is 9 MB, Gemma's 34 MB
 FLOAT_DTYPES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}  # what the import converts to float32
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a device"),
-          (stat.S_ISBLK, "a device"))  # fmt: skip
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 Purpose = Literal["import", "generate", "init_from"]
 
@@ -78,7 +82,7 @@ class HFDirectory:
         """The raw bytes of tensor ``name`` (little-endian, its header's dtype), opened and bounded as when checked:
         a file swapped since (for a FIFO, a link, a shorter file) is refused, never waited on or read past."""
         entry = self.tensors[name]
-        fd, size = _open_regular(self.path, entry.file, what="weights")
+        fd, size = _open_member(self.path, entry.file, what="weights")
         try:
             if entry.offset + entry.nbytes > size:
                 raise HFConfigError(
@@ -102,14 +106,14 @@ def open_hf_dir(path: str | Path, *, purpose: Purpose | None) -> HFDirectory:
     where = str(path / CONFIG_NAME)
     if not os.path.lexists(path / CONFIG_NAME):
         raise HFConfigError(f"{path}: no {CONFIG_NAME}: not a Hugging Face model directory")
-    args = model_args_from_hf(_read_json(path, CONFIG_NAME, CONFIG_CAP), where=where)
+    args = model_args_from_hf(_read_member_json(path, CONFIG_NAME, CONFIG_CAP), where=where)
     if purpose is not None:
-        _check_memory(path, args, purpose)
+        _check_host_memory(path, args, purpose)
     for name in TOKENIZER_FILES:  # read later by the tokenizers library by name: only regular, bounded files
         if os.path.lexists(path / name):
-            os.close(_open_regular(path, name, what="tokenizer", cap=TOKENIZER_CAP)[0])
+            os.close(_open_member(path, name, what="tokenizer", cap=TOKENIZER_CAP)[0])
     if os.path.lexists(path / INDEX):
-        index = _read_json(path, INDEX, INDEX_CAP)
+        index = _read_member_json(path, INDEX, INDEX_CAP)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise HFConfigError(f"{path / INDEX}: weight_map: expected a mapping of tensor names to file names")
@@ -124,8 +128,9 @@ def open_hf_dir(path: str | Path, *, purpose: Purpose | None) -> HFDirectory:
     return HFDirectory(path, args, _match(path, args, weight_map, headers))
 
 
-def _match(path: Path, args: ModelArgs, weight_map: dict[str, str],
-           headers: dict[str, dict[str, TensorEntry]]) -> dict[str, TensorEntry]:  # fmt: skip
+def _match(
+    path: Path, args: ModelArgs, weight_map: dict[str, str], headers: dict[str, dict[str, TensorEntry]]
+) -> dict[str, TensorEntry]:
     """Each tensor ``args`` implies, from the file the map names, with the shape and a dtype it must have."""
     problems: list[str] = []
     tensors: dict[str, TensorEntry] = {}
@@ -138,17 +143,22 @@ def _match(path: Path, args: ModelArgs, weight_map: dict[str, str],
         elif entry is None:
             problems.append(f"{path / INDEX}: weight_map names {file} for {name}, which that file does not hold")
         elif entry.shape != want:
-            problems.append(f"{path / file}: {name} has shape {list(entry.shape)} but {CONFIG_NAME} implies "
-                            f"{list(want)}: the weights and the config describe different models")  # fmt: skip
+            problems.append(
+                f"{path / file}: {name} has shape {list(entry.shape)} but {CONFIG_NAME} implies "
+                f"{list(want)}: the weights and the config describe different models"
+            )
         elif entry.dtype not in FLOAT_DTYPES:
-            problems.append(f"{path / file}: {name} has dtype {entry.dtype}; hpcdist reads "
-                            f"{', '.join(FLOAT_DTYPES)} weights")  # fmt: skip
+            problems.append(
+                f"{path / file}: {name} has dtype {entry.dtype}; hpcdist reads {', '.join(FLOAT_DTYPES)} weights"
+            )
         else:
             tensors[name] = entry
     extra = sorted({int(m.group(1)) for n in weight_map if (m := _LAYER.match(n)) and int(m.group(1)) >= args.n_layers})
     if extra:
-        problems.append(f"{path}: the weights hold layer {extra[0]} but {CONFIG_NAME} has num_hidden_layers="
-                        f"{args.n_layers}: the weights and the config describe different models")  # fmt: skip
+        problems.append(
+            f"{path}: the weights hold layer {extra[0]} but {CONFIG_NAME} has num_hidden_layers="
+            f"{args.n_layers}: the weights and the config describe different models"
+        )
     if problems:
         more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
         raise HFConfigError(problems[0] + more)
@@ -160,14 +170,18 @@ def _check_entry_name(path: Path, name: Any, file: Any) -> None:
     """An index entry names a file of the directory itself by its plain name (Hugging Face writes nothing else):
     not ``../x``, ``/etc/passwd`` or ``sub/x``, so the index cannot make hpcdist read another file as weights."""
     if not isinstance(name, str) or not isinstance(file, str):
-        raise HFConfigError(f"{path / INDEX}: weight_map: {str(name)[:100]!r} -> {str(file)[:100]!r}: expected a "
-                            "tensor name and a file name (text)")  # fmt: skip
+        raise HFConfigError(
+            f"{path / INDEX}: weight_map: {str(name)[:100]!r} -> {str(file)[:100]!r}: expected a "
+            "tensor name and a file name (text)"
+        )
     if file in ("", ".", "..") or "/" in file or "\0" in file or len(file.encode("utf-8", "replace")) > 255:
-        raise HFConfigError(f"{path / INDEX}: weight_map: {name[:100]} -> {file[:100]!r}: not the name of a file in "
-                            f"{path}; an index names the directory's own files only")  # fmt: skip
+        raise HFConfigError(
+            f"{path / INDEX}: weight_map: {name[:100]} -> {file[:100]!r}: not the name of a file in "
+            f"{path}; an index names the directory's own files only"
+        )
 
 
-def _open_regular(directory: Path, name: str, *, what: str, cap: int | None = None) -> tuple[int, int]:
+def _open_member(directory: Path, name: str, *, what: str, cap: int | None = None) -> tuple[int, int]:
     """(fd, size) of the regular file ``name`` of ``directory``; never blocks (a FIFO is refused, not waited on)."""
     path = directory / name
     try:
@@ -179,8 +193,10 @@ def _open_regular(directory: Path, name: str, *, what: str, cap: int | None = No
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     if stat.S_ISLNK(st.st_mode):
         if st.st_uid not in (os.getuid(), 0):
-            raise HFConfigError(f"{path}: a symbolic link made by another user (uid {st.st_uid}); hpcdist follows "
-                                "only your own links: copy the file it points to into the directory")  # fmt: skip
+            raise HFConfigError(
+                f"{path}: a symbolic link made by another user (uid {st.st_uid}); hpcdist follows "
+                "only your own links: copy the file it points to into the directory"
+            )
     else:
         flags |= getattr(os, "O_NOFOLLOW", 0)  # replaced by a link since the lstat: refused (ELOOP), not followed
     try:
@@ -223,8 +239,8 @@ def _parse_json(raw: bytes | bytearray, where: Path, what: str) -> Any:
         raise HFConfigError(f"{where}: {what} is not readable JSON ({' '.join(str(e).split())[:200]})") from None
 
 
-def _read_json(directory: Path, name: str, cap: int) -> Any:
-    fd, size = _open_regular(directory, name, what=name, cap=cap)
+def _read_member_json(directory: Path, name: str, cap: int) -> Any:
+    fd, size = _open_member(directory, name, what=name, cap=cap)
     try:
         return _parse_json(_pread_exact(fd, 0, size, directory / name), directory / name, "the file")
     finally:
@@ -236,14 +252,16 @@ def _read_header(directory: Path, file: str) -> dict[str, TensorEntry]:
     regions contiguous from 0 to the end of the file) and each shape's size against its region. Only the header is
     read."""
     path = directory / file
-    fd, size = _open_regular(directory, file, what="weights")
+    fd, size = _open_member(directory, file, what="weights")
     try:
         if size < 8:
             raise HFConfigError(f"{path}: {size} bytes: not a safetensors file (no header)")
         n = int.from_bytes(_pread_exact(fd, 0, 8, path), "little")
         if n > HEADER_CAP or 8 + n > size:
-            raise HFConfigError(f"{path}: the header claims {n:,} bytes (the file has {size:,}, safetensors allows "
-                                f"{HEADER_CAP:,}): not a safetensors file, or a damaged one")  # fmt: skip
+            raise HFConfigError(
+                f"{path}: the header claims {n:,} bytes (the file has {size:,}, safetensors allows "
+                f"{HEADER_CAP:,}): not a safetensors file, or a damaged one"
+            )
         header = _parse_json(_pread_exact(fd, 8, n, path), path, "the safetensors header")
     finally:
         os.close(fd)
@@ -261,17 +279,33 @@ def _read_header(directory: Path, file: str) -> dict[str, TensorEntry]:
     at = 0
     for begin, end, name in sorted(regions):
         if begin != at:
-            raise HFConfigError(f"{path}: {name}: its data starts at byte {begin:,} of the data section, expected "
-                                f"{at:,} (regions overlap or leave a gap): a damaged or forged file")  # fmt: skip
+            raise HFConfigError(
+                f"{path}: {name}: its data starts at byte {begin:,} of the data section, expected "
+                f"{at:,} (regions overlap or leave a gap): a damaged or forged file"
+            )
         at = end
     if at != data_size:
-        raise HFConfigError(f"{path}: the tensors cover {at:,} bytes of a {data_size:,}-byte data section: a "
-                            "truncated or damaged file")  # fmt: skip
+        raise HFConfigError(
+            f"{path}: the tensors cover {at:,} bytes of a {data_size:,}-byte data section: a truncated or damaged file"
+        )
     return entries
 
 
-_ANY_DTYPE = {**FLOAT_DTYPES, "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2,
-              "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8}  # fmt: skip
+_ANY_DTYPE = {
+    **FLOAT_DTYPES,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "I32": 4,
+    "U32": 4,
+    "I64": 8,
+    "U64": 8,
+}
 
 
 def _entry(path: Path, file: str, name: str, meta: Any, data_size: int, start: int) -> tuple[TensorEntry, int, int]:
@@ -283,17 +317,25 @@ def _entry(path: Path, file: str, name: str, meta: Any, data_size: int, start: i
         raise HFConfigError(f"{where}: dtype {str(dtype)[:40]!r} is not a safetensors dtype")
     if not isinstance(shape, list) or len(shape) > 8 or not all(_natural(d) for d in shape):
         raise HFConfigError(f"{where}: shape {str(shape)[:80]}: expected a list of at most 8 non-negative integers")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_natural(o) for o in offsets)
-            and offsets[0] <= offsets[1] <= data_size):  # fmt: skip
-        raise HFConfigError(f"{where}: data_offsets {str(offsets)[:80]} do not lie in the file's {data_size:,}-byte "
-                            "data section: a truncated or forged file")  # fmt: skip
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_natural(o) for o in offsets)
+        and offsets[0] <= offsets[1] <= data_size
+    ):
+        raise HFConfigError(
+            f"{where}: data_offsets {str(offsets)[:80]} do not lie in the file's {data_size:,}-byte "
+            "data section: a truncated or forged file"
+        )
     numel = 1
     for d in shape:
         numel *= d
     begin, end = offsets
     if numel * _ANY_DTYPE[dtype] != end - begin:
-        raise HFConfigError(f"{where}: shape {shape} of {dtype} is {numel * _ANY_DTYPE[dtype]:,} bytes but its data "
-                            f"region is {end - begin:,}: a forged or damaged header")  # fmt: skip
+        raise HFConfigError(
+            f"{where}: shape {shape} of {dtype} is {numel * _ANY_DTYPE[dtype]:,} bytes but its data "
+            f"region is {end - begin:,}: a forged or damaged header"
+        )
     return TensorEntry(file, dtype, tuple(shape), start + begin, end - begin), begin, end
 
 
@@ -356,10 +398,12 @@ def memory_need(args: ModelArgs, purpose: Purpose) -> tuple[int, str]:
     return 3 * largest, "its largest tensor as read, in float32 and permuted"
 
 
-def _check_memory(path: Path, args: ModelArgs, purpose: Purpose) -> None:
+def _check_host_memory(path: Path, args: ModelArgs, purpose: Purpose) -> None:
     need, what = memory_need(args, purpose)
     have = available_memory()
     if have is not None and need > have:
-        raise HFConfigError(f"{path / CONFIG_NAME}: {purpose} needs {need / 1e9:,.1f} GB for {what}; {have / 1e9:,.1f}"
-                            " GB is available here: use a machine with more memory, or check config.json (hidden_"
-                            "size, intermediate_size, vocab_size, max_position_embeddings)")  # fmt: skip
+        raise HFConfigError(
+            f"{path / CONFIG_NAME}: {purpose} needs {need / 1e9:,.1f} GB for {what}; {have / 1e9:,.1f}"
+            " GB is available here: use a machine with more memory, or check config.json (hidden_"
+            "size, intermediate_size, vocab_size, max_position_embeddings)"
+        )

@@ -28,25 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# ModelArgs, its arithmetic and the presets live in the torch-free args module; re-exported here for callers
-# that import them from the model file.
-from hpcdist.models.args import ModelArgs, flops_per_token, load_preset, num_params, preset_names
+from hpcdist.models.args import ModelArgs  # torch-free, with its arithmetic and the presets (hpcdist.models.args)
 
 __all__ = [
     "Attention",
     "FeedForward",
     "KVCache",
-    "ModelArgs",
     "RMSNorm",
     "Transformer",
     "TransformerBlock",
     "apply_rope",
     "build_model",
-    "flops_per_token",
-    "load_preset",
-    "num_params",
     "precompute_rope",
-    "preset_names",
 ]
 
 # ----------------------------------------------------------------------------------------------------------------------

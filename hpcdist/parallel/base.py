@@ -1,9 +1,19 @@
 """The strategy seam: what the train loop calls, whatever the parallelism underneath.
 
-The loop only ever calls ``forward_backward(batch)``, ``optimizer_step()``, ``eval_loss(batch)`` and the
-checkpoint hooks. Each strategy (DDPStrategy for pure replication, MeshStrategy for every sharded ParallelDims
-layout: FSDP2, HSDP, TP, pipelines; ZeroStrategy for DeepSpeed) implements them once, so adding one never touches
-the loop.
+Each strategy (DDPStrategy for pure replication, MeshStrategy for every sharded ParallelDims layout: FSDP2, HSDP,
+TP, pipelines; ZeroStrategy for DeepSpeed) is built whole: its constructor receives the wrapped model's pieces and
+the optimizer builder, and returns with ``optimizer`` and ``scheduler`` set. It implements, once:
+
+* the step: ``forward_backward(batch)``, ``optimizer_step(skip_nonfinite=)`` (and ``last_step_skipped``),
+  ``global_mean(t)`` for the logged loss, ``eval_loss(batch)`` (hpcdist.evaluate), ``grad_accum``, ``device``,
+  ``lr``;
+* the checkpoint: ``dcp_state`` / ``load_dcp_state``, ``rank_state`` / ``load_rank_state``, ``scheduler_state``
+  / ``load_scheduler_state``, and ``params_finite()`` before each save;
+* what the loop measures: ``comm_stats()`` (DDP's comm hook), and for the replica check (hpcdist.parallel.replicas)
+  ``has_replicas()`` / ``replica_group()``; ``model_state_bytes()`` (tools/bench/memory.py).
+
+``optimizer`` / ``scheduler`` are read by hpcdist.optim's hyper-parameter functions on resume, ``module`` (the
+unwrapped model) by tests and the checkpoint's FQNs. Adding a strategy never touches the loop.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+from hpcdist.optim import OptimizerBuilder
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -32,7 +44,8 @@ class Strategy:
     """A torch-native strategy: gradient accumulation over micro-batches, clipping, AdamW step, DCP state.
 
     Subclasses set ``model`` (what forward is called on), ``module`` (the unwrapped model whose FQNs name the
-    checkpoint entries) and override ``_sync_context`` to skip gradient sync on non-final micro-batches.
+    checkpoint entries), call ``_attach_optimizer`` before their constructor returns, and override
+    ``_sync_context`` to skip gradient sync on non-final micro-batches.
     """
 
     model: nn.Module
@@ -49,11 +62,18 @@ class Strategy:
         grad_clip: float,
         autocast_dtype: torch.dtype | None,
         dp_group: dist.ProcessGroup | None,
+        build_optimizer: OptimizerBuilder,
     ):
         self.device, self.grad_accum, self.micro_batch_size = device, grad_accum, micro_batch_size
         self.grad_clip, self.autocast_dtype, self.dp_group = grad_clip, autocast_dtype, dp_group
+        self._build_optimizer = build_optimizer
         self._params: list[torch.Tensor] | None = None
         self.last_step_skipped = False  # the last optimizer_step dropped a non-finite update
+
+    def _attach_optimizer(self, module: nn.Module) -> None:
+        """Build the optimizer and LR schedule over ``module`` (the wrapped model, or what DeepSpeed will wrap);
+        every subclass calls it once in its constructor, so a Strategy is never seen without them."""
+        self.optimizer, self.scheduler = self._build_optimizer(module)
 
     # ------------------------------------------------------------------------------------------ train
     def _sync_context(self, is_last: bool) -> contextlib.AbstractContextManager[Any]:
@@ -130,29 +150,6 @@ class Strategy:
     def has_replicas(self) -> bool:
         return dist.is_initialized() and dist.get_world_size(self.replica_group()) > 1
 
-    @torch.no_grad()
-    def replica_checksums(self) -> list[tuple[float, float]]:
-        """Collective over ``replica_group()``: each replica's float64 (sum, sum of |x|) of its local parameters.
-
-        Two numbers compared separately: their sum alone would miss a negative weight moving towards zero."""
-        local = torch.zeros(2, dtype=torch.float64)
-        for p in self.model.parameters():
-            t = p.to_local() if hasattr(p, "to_local") else p  # DTensor shard: the replica holds this slice
-            local[0] += t.detach().double().sum().cpu()
-            local[1] += t.detach().double().abs().sum().cpu()  # a sum alone misses sign-symmetric drift
-        group = self.replica_group()
-        if not self.has_replicas():
-            return [(float(local[0]), float(local[1]))]
-        local = local.to(self.device)  # NCCL gathers device tensors
-        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, local, group=group)
-        return [(float(g[0]), float(g[1])) for g in gathered]
-
-    def replica_ranks(self) -> list[int]:
-        """Global ranks of ``replica_group()``, in the order ``replica_checksums`` returns them."""
-        group = self.replica_group()
-        return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -224,23 +221,6 @@ class Strategy:
 
     def scheduler_state(self) -> dict[str, Any]:
         return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
-
-    def optim_hparams(self) -> dict[str, Any]:
-        """The optimizer hyper-parameters in force (after a resume: the checkpoint's), under their config names."""
-        decay = self.optimizer.param_groups[0]  # optim.param_groups: [decay, no_decay]
-        return {"optim.lr": float(self.scheduler.base_lrs[0]), "optim.beta1": float(decay["betas"][0]),
-                "optim.beta2": float(decay["betas"][1]), "optim.eps": float(decay["eps"]),
-                "optim.weight_decay": float(decay["weight_decay"])}  # fmt: skip
-
-    def set_optim_hparams(self, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-        """Replace the hyper-parameters a resumed optimizer took from its checkpoint (the moments are kept); the LR
-        schedule continues at the same step with the new peak."""
-        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)  # type: ignore[attr-defined]
-        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
-        for i, group in enumerate(self.optimizer.param_groups):
-            group.update(initial_lr=lr, lr=lr * factor, betas=(beta1, beta2), eps=eps)
-            group["weight_decay"] = weight_decay if i == 0 else 0.0  # never the norms (optim.param_groups)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]  # type: ignore[attr-defined]
 
     def load_scheduler_state(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state})

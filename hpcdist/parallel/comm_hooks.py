@@ -3,7 +3,10 @@
 Every hook runs on a process group of its own (the same ranks as the default group), so the bytes it hands to
 ``dist.all_reduce`` can be told apart from every other collective: ``CommMeter`` counts them at runtime (the tensors
 actually passed: PowerSGD's P and Q matrices and its uncompressed rank-1 tensors, the bf16 copy of a bucket), and
-times each bucket from the hook's call to its future's completion. Those are the ``comm_bytes_per_step`` and
+times each bucket from the hook's call to its future's completion. The counting wrapper of ``dist.all_reduce`` is
+installed only while a metered backward runs (``CommHook.counting``, entered by DDPStrategy.forward_backward: DDP
+waits for every bucket's future, PowerSGD's chained collectives included, before backward returns) and removed
+after it, so no other code of the process ever runs through it. Those are the ``comm_bytes_per_step`` and
 ``comm_share`` metrics. Bytes are each rank's payload per all-reduce; a ring all-reduce moves 2(n-1)/n times that
 over each rank's link.
 
@@ -13,10 +16,11 @@ numpy RNG): ``powersgd_state_dict`` turns it into plain tensors and numbers for 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -63,26 +67,45 @@ class CommMeter:
         return n, busy
 
 
-_METERS: dict[int, CommMeter] = {}  # id(process group) -> its meter
+_COUNTING_LOCK = threading.Lock()
+_COUNTING: list[CommMeter] = []  # the meters whose window is open (one per metered backward in progress)
+_INSTALLED: list[tuple[Callable[..., Any], Callable[..., Any]]] = []  # (torch's all_reduce, our wrapper) while open
 
 
-def _install_counter() -> None:
-    """Wrap ``torch.distributed.all_reduce`` (once per process) so calls on a metered group add their bytes. The
-    hooks call it through the module (``dist.all_reduce``), also from the callbacks PowerSGD chains on futures."""
-    if getattr(dist.all_reduce, "_hpcdist_metered", False):
-        return
+@contextlib.contextmanager
+def counting(meter: CommMeter) -> Iterator[None]:
+    """While open, ``dist.all_reduce`` calls on ``meter``'s group add their bytes to it. The hooks call it through
+    the module (``dist.all_reduce``), also from the callbacks PowerSGD chains on futures, so the module attribute is
+    what is wrapped; the first window installs the wrapper and the last one to close restores torch's function."""
+    with _COUNTING_LOCK:
+        if not _COUNTING:
+            _INSTALLED.append(_install())
+        _COUNTING.append(meter)
+    try:
+        yield
+    finally:
+        with _COUNTING_LOCK:
+            _COUNTING.remove(meter)
+            if not _COUNTING:
+                original, wrapper = _INSTALLED.pop()
+                if dist.all_reduce is wrapper:  # someone who wrapped it after us keeps theirs (ours passes through)
+                    dist.all_reduce = original
+
+
+def _install() -> tuple[Callable[..., Any], Callable[..., Any]]:
     original = dist.all_reduce
 
     @functools.wraps(original)
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        group = kwargs.get("group", args[1] if len(args) > 1 else None)
-        meter = _METERS.get(id(group)) if group is not None else None
-        if meter is not None:
-            meter.add_bytes(tensor.numel() * tensor.element_size())
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)  # all_reduce(tensor, op, group, async_op)
+        if group is not None:
+            for meter in tuple(_COUNTING):  # a copy: a window may close on another thread meanwhile
+                if meter.group is group:
+                    meter.add_bytes(tensor.numel() * tensor.element_size())
         return original(tensor, *args, **kwargs)
 
-    all_reduce._hpcdist_metered = True  # type: ignore[attr-defined]
     dist.all_reduce = all_reduce
+    return original, all_reduce
 
 
 def timed(hook: Hook, meter: CommMeter) -> Hook:
@@ -143,8 +166,6 @@ class CommHook:
         self.name = name
         self.group = dist.new_group()  # collective: every rank builds it at the same point (model wrapping)
         self.meter = CommMeter(self.group)
-        _METERS[id(self.group)] = self.meter
-        _install_counter()
         self.bypass = False  # True: buckets are returned untouched, nothing is sent (bucket-layout warm-up)
         self.powersgd: powerSGD_hook.PowerSGDState | None = None
         match name:
@@ -157,16 +178,22 @@ class CommHook:
             case "powersgd":
                 p = powersgd or {}
                 self.powersgd = powerSGD_hook.PowerSGDState(
-                    process_group=self.group, matrix_approximation_rank=p.get("rank", 4),
-                    start_powerSGD_iter=p.get("start_iter", 100), use_error_feedback=p.get("use_error_feedback", True),
+                    process_group=self.group,
+                    matrix_approximation_rank=p.get("rank", 4),
+                    start_powerSGD_iter=p.get("start_iter", 100),
+                    use_error_feedback=p.get("use_error_feedback", True),
                     warm_start=p.get("warm_start", True),
-                )  # fmt: skip
+                )
                 batched = p.get("batched", False)
                 hook = serialized(powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook)
                 state = self.powersgd
             case _:
                 raise ValueError(f"parallel.ddp.comm_hook: unknown hook {name!r}")
         self._hook, self._state = timed(hook, self.meter), state
+
+    def counting(self) -> contextlib.AbstractContextManager[None]:
+        """The window in which this hook's all-reduce bytes are counted: around a backward that syncs gradients."""
+        return counting(self.meter)
 
     def __call__(self, _: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if self.bypass:
@@ -211,8 +238,9 @@ class CommHook:
         if s is None or not state:
             return
         if state.get("hook") != self.name:
-            log.warning("the checkpoint's comm hook state is for %s, not %s: it starts fresh", state.get("hook"),
-                        self.name)  # fmt: skip
+            log.warning(
+                "the checkpoint's comm hook state is for %s, not %s: it starts fresh", state.get("hook"), self.name
+            )
             return
         s.iter = int(state["iter"])
         s.error_dict = {int(k): v.to(device) for k, v in state["error"].items()}

@@ -15,9 +15,13 @@ from hpcdist.parallel.comm_hooks import CommHook, register
 
 
 def apply_ddp(
-    model: nn.Module, *, device: torch.device, bucket_cap_mb: int, comm_hook: CommHook | None = None,
+    model: nn.Module,
+    *,
+    device: torch.device,
+    bucket_cap_mb: int,
+    comm_hook: CommHook | None = None,
     warmup_input: torch.Tensor | None = None,
-) -> nn.Module:  # fmt: skip
+) -> nn.Module:
     """Wrap a materialized model in DDP (no-op without a multi-rank process group); ``comm_hook``: a gradient
     communication hook (``warmup_input``: one batch of token ids for PowerSGD's bucket-layout warm-up)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -38,9 +42,15 @@ def apply_ddp(
 
 class DDPStrategy(Strategy):
     def __init__(
-        self, model: nn.Module, *, bucket_cap_mb: int, comm_hook: str = "none",
-        powersgd: dict[str, Any] | None = None, seq_len: int = 8, **kwargs: Any,
-    ):  # fmt: skip
+        self,
+        model: nn.Module,
+        *,
+        bucket_cap_mb: int,
+        comm_hook: str = "none",
+        powersgd: dict[str, Any] | None = None,
+        seq_len: int = 8,
+        **kwargs: Any,
+    ):
         """``comm_hook``: parallel.ddp.comm_hook; ``powersgd``: its settings; ``seq_len``: tokens per sample (the
         PowerSGD warm-up batch)."""
         super().__init__(**kwargs)
@@ -48,9 +58,19 @@ class DDPStrategy(Strategy):
         replicas = dist.is_initialized() and dist.get_world_size() > 1
         self.comm_hook = CommHook(comm_hook, powersgd=powersgd) if replicas and comm_hook != "none" else None
         self.model = apply_ddp(
-            model, device=self.device, bucket_cap_mb=bucket_cap_mb, comm_hook=self.comm_hook,
+            model,
+            device=self.device,
+            bucket_cap_mb=bucket_cap_mb,
+            comm_hook=self.comm_hook,
             warmup_input=torch.zeros(1, seq_len, dtype=torch.long),
-        )  # fmt: skip
+        )
+        self._attach_optimizer(self.model)
+
+    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.comm_hook is None:
+            return super().forward_backward(batch)
+        with self.comm_hook.counting():  # the hook's bytes are counted during this backward, and only then
+            return super().forward_backward(batch)
 
     def comm_stats(self) -> tuple[int, float] | None:
         return self.comm_hook.meter.take() if self.comm_hook is not None else None

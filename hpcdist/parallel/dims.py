@@ -1,4 +1,4 @@
-"""ParallelDims: the single truth for the (pp, dp, tp) degrees of a job, their validation and their meshes.
+"""ParallelDims: the single truth for the (pp, dp, tp) degrees and ZeRO stage of a job, their validation and meshes.
 
 Rank layout: ranks are laid out row-major over ("pp", "dp", "tp"), so ``tp`` is the innermost (fastest varying)
 dimension. With 8 ranks per node, consecutive ranks share a node, so a tp group of <= 8 ranks maps to GPUs of
@@ -8,8 +8,10 @@ one node and its per-layer activation all-gathers / reduce-scatters run over NVL
 With HSDP, dp itself is split into ("dp_replicate", "dp_shard"), dp_shard inner.
 
 This module is import-light (no process group, no model): the trainer computes its data-parallel coordinate with
-``dp_rank`` arithmetic. The layout rules config validation runs before any process group exists
-(``layout_problems``, ``resolve_degrees``) live in :mod:`hpcdist.config.layout` and are re-exported here.
+``dp_rank`` arithmetic. The layout vocabulary (``LayoutKind``; the kind, ``*_enabled`` predicates and the one
+description of ``LayoutDegrees``, which ParallelDims and the planner's Layout share) and the layout rules config
+validation runs before any process group exists (``layout_problems``, ``resolve_degrees``) live in
+:mod:`hpcdist.config.layout` (torch-free, importable by config and planning) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from typing import TYPE_CHECKING, Any
 # package); re-exported here as the layout vocabulary's other half.
 from hpcdist.config.layout import (
     SCHEDULES,
+    LayoutDegrees,
+    LayoutKind,
     ScheduleInfo,
     default_stages_per_rank,
+    layout_notes,
     layout_problems,
     resolve_degrees,
     strategy_degrees,
@@ -33,9 +38,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEDULES",
+    "LayoutDegrees",
+    "LayoutKind",
     "ParallelDims",
     "ScheduleInfo",
     "default_stages_per_rank",
+    "describe_layout",
     "layout_problems",
     "parallel_dims",
     "resolve_degrees",
@@ -44,8 +52,9 @@ __all__ = [
 
 
 @dataclass
-class ParallelDims:
-    """Degrees of pipeline (pp), data (dp) and tensor (tp) parallelism; ``-1`` in one of them fills the rest.
+class ParallelDims(LayoutDegrees):
+    """Degrees of pipeline (pp), data (dp) and tensor (tp) parallelism, and the ZeRO stage; ``-1`` in one degree
+    fills the rest. Its kind, predicates (``*_enabled``) and description come from :class:`LayoutDegrees`.
 
     Constructing it resolves -1 and checks pp x dp x tp == world_size (ValueError naming every degree). Model- and
     batch-dependent rules live in ``layout_problems`` (config validation runs them before any process group).
@@ -57,6 +66,8 @@ class ParallelDims:
     world_size: int = 1
     dp_replicate: int = 1
     """HSDP: dp = dp_replicate x dp_shard; parameters are sharded over dp_shard and replicated over dp_replicate."""
+    zero_stage: int = 0
+    """1-3: DeepSpeed ZeRO over every rank (pp = tp = 1, dp = world, no mesh); 0: not ZeRO."""
     _meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -66,46 +77,12 @@ class ParallelDims:
                 f"parallel.fsdp.replicate={self.dp_replicate} must divide parallel.dp={self.dp} (HSDP: dp = "
                 "replicate x shard)"
             )
+        if self.zero_stage not in (0, 1, 2, 3):
+            problems.append(f"parallel.zero.stage={self.zero_stage}: must be 1, 2 or 3")
+        elif self.zero_stage and (self.pp, self.tp, self.dp_replicate) != (1, 1, 1):
+            problems.append("ZeRO runs over every rank as pure data parallelism: pp, tp and replicate must be 1")
         if problems:
             raise ValueError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
-
-    # ------------------------------------------------------------------------------------------ degrees
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def hsdp_enabled(self) -> bool:
-        """FSDP2 on the 2-D (dp_replicate, dp_shard) mesh; pure replication without pp/tp is DDP instead."""
-        return self.dp_replicate > 1 and not self.ddp_enabled
-
-    @property
-    def dp_shard(self) -> int:
-        return self.dp // self.dp_replicate
-
-    @property
-    def ddp_enabled(self) -> bool:
-        """Pure replication (dp_shard 1, no pp/tp): torch DDP all-reduces buckets, cheaper than FSDP over size-1
-        shards. With pp or tp, replicas stay FSDP2 units over a (dp, 1) mesh (DDP does not take DTensors)."""
-        return self.dp > 1 and self.dp_shard == 1 and not (self.pp_enabled or self.tp_enabled)
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        """dp > 1 handled by FSDP2 (sharded, HSDP, or replicas next to pp/tp)."""
-        return self.dp_enabled and not self.ddp_enabled
-
-    @property
-    def needs_mesh(self) -> bool:
-        """Whether the layout uses a DeviceMesh at all (ddp and one rank do not: no sub-groups to create)."""
-        return self.fsdp_enabled or self.pp_enabled or self.tp_enabled
 
     # ------------------------------------------------------------------------------------------ coordinates
     def coords(self, rank: int) -> dict[str, int]:
@@ -161,15 +138,17 @@ class ParallelDims:
             }
         return self._meshes
 
-    def describe(self) -> str:
-        hsdp = f" (HSDP {self.dp_replicate} x {self.dp_shard})" if self.hsdp_enabled else ""
-        return f"pp={self.pp} x dp={self.dp}{hsdp} x tp={self.tp} = {self.world_size} ranks"
-
 
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
     """The job's layout: ``parallel.strategy`` turned into degrees (:func:`strategy_degrees`), resolved and checked."""
-    par = cfg.parallel
-    pp, dp, tp, replicate = strategy_degrees(
-        par.strategy, pp=par.pp, dp=par.dp, tp=par.tp, replicate=par.fsdp.replicate, world_size=world_size
+    d = strategy_degrees(cfg.parallel, world_size)
+    return ParallelDims(
+        pp=d.pp, dp=d.dp, tp=d.tp, world_size=world_size, dp_replicate=d.dp_replicate, zero_stage=d.zero_stage
     )
-    return ParallelDims(pp=pp, dp=dp, tp=tp, world_size=world_size, dp_replicate=replicate)
+
+
+def describe_layout(cfg: JobConfig, dims: ParallelDims) -> str:
+    """The layout ``build_strategy`` builds, for the start-up log and the dry run: :meth:`LayoutDegrees.describe`
+    of the job's degrees plus the config's notes (``zero3 x 4 ranks, offload optimizer``, ``3d pp2 x dp2 x tp2,
+    Interleaved1F1B, 4 stages``). Pure: the config (strategy already resolved from auto) and its ``parallel_dims``."""
+    return dims.describe(*layout_notes(cfg.parallel, dims))

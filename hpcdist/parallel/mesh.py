@@ -99,16 +99,23 @@ class MeshStrategy(Strategy):
         pipeline = (
             f", {schedule} over {num_stages} stages, {self.grad_accum} micro-batches/step" if dims.pp_enabled else ""
         )
-        log.info("3d: %s%s (rank 0 holds %s)", dims.describe(), pipeline, stages)
+        log.info("mesh: %s%s (rank 0 holds %s)", dims.describe(), pipeline, stages)
         if dims.pp_enabled:
             assert self.pp_group is not None
             world = meshes["world"]
             self.schedule = build_schedule(
-                parts, stage_ids, num_stages=num_stages, schedule=schedule, n_microbatches=self.grad_accum,
-                loss_fn=cross_entropy, device=self.device, pp_group=self.pp_group,
+                parts,
+                stage_ids,
+                num_stages=num_stages,
+                schedule=schedule,
+                n_microbatches=self.grad_accum,
+                loss_fn=cross_entropy,
+                device=self.device,
+                pp_group=self.pp_group,
                 # a received DTensor activation is rebuilt on the sub-mesh of the same name (the tp mesh)
                 get_mesh=lambda names, layout: world[names],
-            )  # fmt: skip
+            )
+        self._attach_optimizer(self.model)
 
     # ------------------------------------------------------------------------------------------ train
     def _loss_context(self) -> contextlib.AbstractContextManager[Any]:

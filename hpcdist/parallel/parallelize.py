@@ -1,10 +1,11 @@
 """Turn a meta-device model into a train-ready Strategy. The one place that chooses a strategy.
 
-Every layout but ZeRO is a ParallelDims (``parallel.strategy`` is only an alias for its degrees, see
-``parallel_dims``) and goes through one ``parallelize``, per pipeline stage of this rank, in torchtitan's fixed
-order: tensor parallel -> activation checkpointing -> compile -> FSDP2 (all on meta) -> materialize -> DDP (pure
-replication only: DDP needs real parameters, it broadcasts them at construction) -> optimizer. TP and FSDP shard
-meta tensors, so no rank ever holds the whole model. ZeRO hands the materialized model to DeepSpeed.
+Every layout is a ParallelDims (``parallel.strategy`` is only an alias for its degrees and ZeRO stage, see
+``parallel_dims``); every one but ZeRO goes through one ``parallelize``, per pipeline stage of this rank, in
+torchtitan's fixed order: tensor parallel -> activation checkpointing -> compile -> FSDP2 (all on meta) ->
+materialize -> DDP (pure replication only: DDP needs real parameters, it broadcasts them at construction) ->
+optimizer. TP and FSDP shard meta tensors, so no rank ever holds the whole model. ZeRO hands the materialized model
+to DeepSpeed.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from hpcdist.config import JobConfig, grad_accum_steps
 from hpcdist.env import DistEnv, export_environ
 from hpcdist.models.llama import Transformer
-from hpcdist.optim import build_optimizer
+from hpcdist.optim import optimizer_builder
 from hpcdist.parallel.base import Strategy
 from hpcdist.parallel.ddp import DDPStrategy
-from hpcdist.parallel.dims import SCHEDULES, ParallelDims, parallel_dims
+from hpcdist.parallel.dims import SCHEDULES, ParallelDims
 from hpcdist.parallel.fsdp import apply_fsdp
 from hpcdist.parallel.materialize import materialize
 from hpcdist.parallel.mesh import MeshStrategy
@@ -56,52 +57,29 @@ def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dic
     and optim sections, so DeepSpeed's view of the step can never disagree with hpcdist's."""
     z = cfg.parallel.zero
     return deepspeed_config(
-        stage=z.stage, micro_batch_size=cfg.train.micro_batch_size, grad_accum=grad_accum_steps(cfg, dp_size),
-        dp_size=dp_size, grad_clip=cfg.optim.grad_clip,
-        bf16=autocast_dtype(cfg.train.dtype, device) is torch.bfloat16, offload_optimizer=z.offload_optimizer,
-        offload_params=z.offload_params, overlap_comm=z.overlap_comm,
+        stage=z.stage,
+        micro_batch_size=cfg.train.micro_batch_size,
+        grad_accum=grad_accum_steps(cfg, dp_size),
+        dp_size=dp_size,
+        grad_clip=cfg.optim.grad_clip,
+        bf16=autocast_dtype(cfg.train.dtype, device) is torch.bfloat16,
+        offload_optimizer=z.offload_optimizer,
+        offload_params=z.offload_params,
+        overlap_comm=z.overlap_comm,
         buckets=(z.reduce_bucket_size, z.allgather_bucket_size),
         param_persistence_threshold=z.param_persistence_threshold,
-    )  # fmt: skip
+    )
 
 
-def describe_layout(cfg: JobConfig, world_size: int) -> str:
-    """The layout ``build_strategy`` builds, for the start-up log: ``ddp x 4 ranks``, ``fsdp x 8 ranks``,
-    ``hsdp 2 x 4`` (replicas x shard), ``zero3 x 4 ranks, offload optimizer``, ``3d pp2 x dp2 x tp2,
-    Interleaved1F1B, 4 stages``. Pure: the config (strategy already resolved from auto) and the world size."""
-    par = cfg.parallel
-    ranks = f"{world_size} rank{'' if world_size == 1 else 's'}"
-    match par.strategy:
-        case "ddp":
-            return f"ddp x {ranks}"
-        case "fsdp":
-            r = par.fsdp.replicate
-            text = f"hsdp {r} x {world_size // r}" if r > 1 else f"fsdp x {ranks}"
-            return text + (", cpu offload" if par.fsdp.cpu_offload else "")
-        case "zero":
-            z = par.zero
-            offload = [what for what, on in (("optimizer", z.offload_optimizer), ("params", z.offload_params)) if on]
-            return f"zero{z.stage} x {ranks}" + (f", offload {' and '.join(offload)}" if offload else "")
-        case "3d":
-            dims = parallel_dims(cfg, world_size)
-            hsdp = f" (hsdp {dims.dp_replicate} x {dims.dp_shard})" if dims.hsdp_enabled else ""
-            text = f"3d pp{dims.pp} x dp{dims.dp}{hsdp} x tp{dims.tp}"
-            if dims.pp_enabled:
-                stages = dims.pp * schedule_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
-                text += f", {par.pp_schedule}, {stages} stages"
-            return text
-        case other:
-            return f"{other} x {ranks}"
-
-
-def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer) -> Strategy:
+def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: ParallelDims) -> Strategy:
+    """``dims``: the rank's one ParallelDims (hpcdist.rankfacts), the same object the trainer's data loader reads."""
     device = env.torch_device()
-    if cfg.parallel.strategy == "zero":
+    if dims.zero_enabled:
         return build_zero(cfg, env, model)
-    dims = parallel_dims(cfg, env.world_size)
     meshes = dims.build_meshes(device.type) if dims.needs_mesh else {}
-    stages = parallelize(cfg, model, dims, meshes, dims.coords(env.rank)["pp"], device=device,
-                         compile_blocks=cfg.train.compile)  # fmt: skip
+    stages = parallelize(
+        cfg, model, dims, meshes, dims.coords(env.rank)["pp"], device=device, compile_blocks=cfg.train.compile
+    )
     materialize(stages.parts, reference=model, device=device, seed=cfg.run.seed)
     common = {
         "device": device,
@@ -111,25 +89,28 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer) -> Strategy
         # FSDP's MixedPrecisionPolicy casts the gathered parameters; otherwise plain autocast
         "autocast_dtype": None if dims.fsdp_enabled else autocast_dtype(cfg.train.dtype, device),
         "dp_group": meshes["dp"].get_group() if meshes else None,
+        "build_optimizer": optimizer_builder(cfg.optim, cfg.train.steps),
     }
-    strategy: Strategy
     if not dims.needs_mesh:  # pure replication (or one rank): one whole model, DDP when there are replicas
         ddp = cfg.parallel.ddp
-        strategy = DDPStrategy(
-            stages.parts[0], bucket_cap_mb=cfg.parallel.bucket_cap_mb, comm_hook=ddp.comm_hook,
-            powersgd=dataclasses.asdict(ddp.powersgd), seq_len=cfg.data.seq_len, **common,
-        )  # fmt: skip
-    else:
-        strategy = MeshStrategy(
-            stages.parts, dims=dims, meshes=meshes, stage_ids=stages.ids, num_stages=stages.num_stages,
-            schedule=cfg.parallel.pp_schedule, loss_parallel=True, **common,
-        )  # fmt: skip
-    o = cfg.optim
-    strategy.optimizer, strategy.scheduler = build_optimizer(
-        strategy.model, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
-        warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, schedule=o.schedule, min_lr_ratio=o.min_lr_ratio,
-    )  # fmt: skip
-    return strategy
+        return DDPStrategy(
+            stages.parts[0],
+            bucket_cap_mb=ddp.bucket_cap_mb,
+            comm_hook=ddp.comm_hook,
+            powersgd=dataclasses.asdict(ddp.powersgd),
+            seq_len=cfg.data.seq_len,
+            **common,
+        )
+    return MeshStrategy(
+        stages.parts,
+        dims=dims,
+        meshes=meshes,
+        stage_ids=stages.ids,
+        num_stages=stages.num_stages,
+        schedule=cfg.parallel.pp_schedule,
+        loss_parallel=True,
+        **common,
+    )
 
 
 def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy:
@@ -143,19 +124,19 @@ def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy
     if cfg.train.compile:
         apply_compile(model)
     materialize([model], reference=model, device=device, seed=cfg.run.seed)
-    o = cfg.optim
     return ZeroStrategy(
-        model, stage=cfg.parallel.zero.stage, ds_config=zero_ds_config(cfg, dp_size=env.world_size, device=device),
-        device=device, grad_accum=grad_accum_steps(cfg, env.world_size), micro_batch_size=cfg.train.micro_batch_size,
+        model,
+        stage=cfg.parallel.zero.stage,
+        ds_config=zero_ds_config(cfg, dp_size=env.world_size, device=device),
+        device=device,
+        grad_accum=grad_accum_steps(cfg, env.world_size),
+        micro_batch_size=cfg.train.micro_batch_size,
         grad_clip=cfg.optim.grad_clip,
         # DeepSpeed's bf16 mode (bf16 weights and grads, fp32 master) replaces autocast wherever it is on
-        autocast_dtype=None, dp_group=None,
-        build_optimizer=lambda m: build_optimizer(
-            m, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
-            warmup_steps=o.warmup_steps, total_steps=cfg.train.steps, schedule=o.schedule,
-            min_lr_ratio=o.min_lr_ratio,
-        ),
-    )  # fmt: skip
+        autocast_dtype=None,
+        dp_group=None,
+        build_optimizer=optimizer_builder(cfg.optim, cfg.train.steps),
+    )
 
 
 @dataclass
@@ -203,11 +184,13 @@ def parallelize(
             apply_compile(part)
         if dims.fsdp_enabled:
             apply_fsdp(
-                part, meshes["fsdp"], param_dtype=compute or torch.float32,
+                part,
+                meshes["fsdp"],
+                param_dtype=compute or torch.float32,
                 reduce_dtype=torch.bfloat16 if f.reduce_dtype == "bf16" else torch.float32,
                 # with pp every micro-batch would gather each block again after resharding: keep them gathered
                 # for the whole step (the schedule reshards after the last backward)
                 reshard_after_forward=f.reshard_after_forward and not dims.pp_enabled,
                 cpu_offload=f.cpu_offload,  # config rules allow it only without pp/tp
-            )  # fmt: skip
+            )
     return Stages(parts, ids, num_stages, layers)

@@ -30,7 +30,8 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from hpcdist.models.llama import ModelArgs, Transformer
+from hpcdist.models.args import ModelArgs
+from hpcdist.models.llama import Transformer
 from hpcdist.parallel.dims import SCHEDULES, default_stages_per_rank
 
 __all__ = [
@@ -52,7 +53,7 @@ def part_costs(args: ModelArgs, seq_len: int) -> tuple[float, float]:
     """
     d, hd, kv = args.dim, args.head_dim, args.kv_heads
     block_params = d * args.n_heads * hd * 2 + 2 * d * kv * hd + 3 * d * args.ffn_dim
-    block_flops = 6 * block_params + 12 * d * seq_len  # PaLM convention, as models.llama.flops_per_token
+    block_flops = 6 * block_params + 12 * d * seq_len  # PaLM convention, as models.args.flops_per_token
     head_flops = 6 * d * args.vocab_size
     return args.vocab_size * d / block_params, head_flops / block_flops
 

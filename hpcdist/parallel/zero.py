@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +109,6 @@ class ZeroStrategy(Strategy):
         *,
         stage: int,
         ds_config: dict[str, Any],
-        build_optimizer: Callable[[nn.Module], tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]],
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -120,7 +119,7 @@ class ZeroStrategy(Strategy):
         self.module = model
         # built before initialize, on the materialized model: DeepSpeed wraps this torch optimizer and steps
         # this scheduler at each accumulation boundary
-        self.optimizer, self.scheduler = build_optimizer(model)
+        self._attach_optimizer(model)
         # each param group's FQNs, taken before DeepSpeed swaps the groups' parameters for its flat partitions:
         # checkpoints list groups by FQN, as the torch strategies' optimizer state dicts do
         names = {id(p): n for n, p in model.named_parameters()}
@@ -228,26 +227,36 @@ class ZeroStrategy(Strategy):
         optimizer has not stepped yet (a fresh run loading a checkpoint): loading writes into it in place."""
         state = self.optimizer.state[flat]
         if not state:
-            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(flat),
-                         exp_avg_sq=torch.zeros_like(flat))  # fmt: skip
+            state.update(
+                step=torch.zeros((), dtype=torch.float32),
+                exp_avg=torch.zeros_like(flat),
+                exp_avg_sq=torch.zeros_like(flat),
+            )
         return state
 
     def _layout(self, fragments: list[_Fragment]) -> dict[str, list[ShardMetadata]]:
         """Every rank's boxes of every parameter, gathered once (one collective; the partitioning never changes):
         each ShardedTensor is then built locally, instead of one metadata collective per tensor per save."""
         if self._shard_layout is None:
-            mine = {f.fqn: (str(f.flat.device if f.flat is not None else self.device),
-                            [(o, z) for o, z, _, _ in flat_boxes(f.shape, f.start, f.start + f.numel)])
-                    for f in fragments}  # fmt: skip
+            mine = {
+                f.fqn: (
+                    str(f.flat.device if f.flat is not None else self.device),
+                    [(o, z) for o, z, _, _ in flat_boxes(f.shape, f.start, f.start + f.numel)],
+                )
+                for f in fragments
+            }
             parts: list[Any] = [mine]
             if dist.get_world_size() > 1:
                 parts = [None] * dist.get_world_size()
                 dist.all_gather_object(parts, mine)
             self._shard_layout = {
-                f.fqn: [ShardMetadata(list(o), list(z), f"rank:{r}/{part[f.fqn][0]}")
-                        for r, part in enumerate(parts) for o, z in part[f.fqn][1]]
+                f.fqn: [
+                    ShardMetadata(list(o), list(z), f"rank:{r}/{part[f.fqn][0]}")
+                    for r, part in enumerate(parts)
+                    for o, z in part[f.fqn][1]
+                ]
                 for f in fragments
-            }  # fmt: skip
+            }
         return self._shard_layout
 
     def _sharded(self, frag: _Fragment, source: torch.Tensor | None, layout: list[ShardMetadata]) -> ShardedTensor:

@@ -38,8 +38,9 @@ from torch import nn
 from hpcdist import config as config_mod
 from hpcdist.config import JobConfig
 from hpcdist.config.cluster import ClusterConfig, load_cluster
-from hpcdist.models.llama import build_model, num_params
-from hpcdist.parallel.dims import parallel_dims
+from hpcdist.models.args import num_params
+from hpcdist.models.llama import build_model
+from hpcdist.parallel.dims import describe_layout, parallel_dims
 from hpcdist.planning.layouts import DEFAULT_MARGIN_GIB, format_count
 from hpcdist.planning.memory import GIB, MemoryEstimate
 
@@ -146,7 +147,7 @@ def _count_rank(cfg: JobConfig, rank: int, node: int, world_size: int) -> RankCo
     """Parameters this rank holds under cfg's plan, applied to a meta model as ``rank`` of a fake group."""
     with _fake_group(rank, world_size):
         model = build_model(cfg.model_args())  # meta: shapes only
-        if cfg.parallel.strategy == "zero":
+        if parallel_dims(cfg, world_size).zero_enabled:
             if cfg.train.activation_checkpointing:  # the trainer's order: checkpointing before DeepSpeed
                 from hpcdist.parallel.parallelize import apply_activation_checkpointing
 
@@ -261,13 +262,17 @@ def _memory(cfg: JobConfig, world_size: int, gpus_per_node: int) -> MemoryEstima
 
     t, p = cfg.train, cfg.parallel
     layout = planner.layout_of(cfg, world_size)
-    zero = p.strategy == "zero"
+    zero = layout.zero_enabled
     return planner.layout_memory(
-        cfg.model_args(), layout, seq_len=cfg.data.seq_len, gpus_per_node=gpus_per_node,
+        cfg.model_args(),
+        layout,
+        seq_len=cfg.data.seq_len,
+        gpus_per_node=gpus_per_node,
         microbatches=t.global_batch_size // (t.micro_batch_size * layout.dp),
-        reduce_bytes=planner.grad_reduce_bytes(cfg), offload_optimizer=zero and p.zero.offload_optimizer,
+        reduce_bytes=planner.grad_reduce_bytes(cfg),
+        offload_optimizer=zero and p.zero.offload_optimizer,
         offload_params=zero and p.zero.offload_params,
-    )  # fmt: skip
+    )
 
 
 def _prediction(cfg: JobConfig, world_size: int, cluster: ClusterConfig) -> str | None:
@@ -310,7 +315,7 @@ def dry_run(
     cl = cluster if isinstance(cluster, ClusterConfig) else load_cluster(cluster)
     gpus_per_node = cl.gpus_per_node or cl.ntasks_per_node
     notes: list[str] = []
-    if cfg.parallel.strategy == "auto":
+    if config_mod.needs_planner(cfg.parallel.strategy):
         from hpcdist.planning.layouts import resolve_auto
 
         cfg, reason = resolve_auto(cfg, world_size, cl)
@@ -323,7 +328,6 @@ def dry_run(
     if bad:
         raise ValueError(f"ranks {bad} are outside 0..{world_size - 1}")
 
-    strategy = cfg.parallel.strategy
     args = cfg.model_args()
     total = num_params(args)
     counts: list[RankCount] = []
@@ -331,23 +335,14 @@ def dry_run(
         # each rank in a forked child: the fake group, DTensor's caches and meshes never leak into this process
         # (a later real run in the same process, e.g. a test session, would otherwise reuse them)
         counts.append(_in_child(_count_rank, cfg, rank, rank // gpus_per_node, world_size))
-    if strategy == "zero":
+    dims = parallel_dims(cfg, world_size)
+    if dims.zero_enabled:
         notes.append("ZeRO counts follow DeepSpeed's partitioning rule; its engine cannot be built on meta tensors")
-    if strategy == "3d":
-        layout = f"3d: {parallel_dims(cfg, world_size).describe()}"
-        if parallel_dims(cfg, world_size).pp_enabled:
-            layout += f", schedule {cfg.parallel.pp_schedule}"
-    else:
-        layout = {
-            "ddp": "ddp (every rank a full replica)",
-            "fsdp": _fsdp_layout(cfg, world_size),
-            "zero": f"zero stage {cfg.parallel.zero.stage} over {world_size} ranks",
-        }[strategy]
     return DryRunReport(
         cfg=cfg,
         world_size=world_size,
         gpus_per_node=gpus_per_node,
-        layout=layout,
+        layout=describe_layout(cfg, dims),
         total_params=total,
         counts=counts,
         memory=_memory(cfg, world_size, min(gpus_per_node, world_size)),
@@ -365,10 +360,3 @@ def _default_ranks(cfg: JobConfig, world_size: int) -> list[int]:
     dims = parallel_dims(cfg, world_size)
     ranks |= {stage * dims.dp * dims.tp for stage in range(dims.pp)}
     return sorted(ranks)
-
-
-def _fsdp_layout(cfg: JobConfig, world_size: int) -> str:
-    r = cfg.parallel.fsdp.replicate
-    if r > 1:
-        return f"hsdp: {r} replicas x {world_size // r}-way FSDP2 shards (mesh replicate x shard)"
-    return f"fsdp: FSDP2 over {world_size} ranks (mesh shard)"

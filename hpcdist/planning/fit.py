@@ -59,13 +59,17 @@ class FitCheck:
 
 def _need(cfg: JobConfig, layout: planner.Layout, gpus_per_node: int) -> float:
     t, p = cfg.train, cfg.parallel
-    zero = p.strategy == "zero"
+    zero = layout.zero_enabled
     est = planner.layout_memory(
-        cfg.model_args(), layout, seq_len=cfg.data.seq_len, gpus_per_node=gpus_per_node,
+        cfg.model_args(),
+        layout,
+        seq_len=cfg.data.seq_len,
+        gpus_per_node=gpus_per_node,
         microbatches=max(1, t.global_batch_size // (t.micro_batch_size * layout.dp)),
-        reduce_bytes=planner.grad_reduce_bytes(cfg), offload_optimizer=zero and p.zero.offload_optimizer,
+        reduce_bytes=planner.grad_reduce_bytes(cfg),
+        offload_optimizer=zero and p.zero.offload_optimizer,
         offload_params=zero and p.zero.offload_params,
-    )  # fmt: skip
+    )
     return est.total / GIB
 
 
@@ -93,10 +97,14 @@ def check_fit(cfg: JobConfig, cluster: ClusterConfig) -> FitCheck | None:
         return check
     best = reason = None
     estimates = planner.rank_layouts(
-        cfg.model_args(), world_size=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
-        global_batch_size=cfg.train.global_batch_size, seq_len=cfg.data.seq_len, hw=hw,
+        cfg.model_args(),
+        world_size=cluster.world_size,
+        gpus_per_node=cluster.gpus_per_node,
+        global_batch_size=cfg.train.global_batch_size,
+        seq_len=cfg.data.seq_len,
+        hw=hw,
         reduce_bytes=planner.grad_reduce_bytes(cfg),
-    )  # fmt: skip
+    )
     try:
         _, chosen, _ = planner.pick(cfg, estimates, cluster.world_size, cluster.gpus_per_node)
         keys = [(k, v) for k, v in planner.layout_overrides(chosen.layout) if _value(cfg, k) != v]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcdist import config as config_mod
-from hpcdist.config import ConfigError, JobConfig
+from hpcdist.config import ConfigError, JobConfig, LayoutKind
 from hpcdist.config.cluster import (
     DEFAULT_EFFICIENCY,
     DEFAULT_MARGIN_GIB,
@@ -26,6 +26,7 @@ from hpcdist.config.cluster import (
     cluster_hardware,
     load_cluster,
 )
+from hpcdist.config.layout import LayoutDegrees, requested_kind, strategy_of
 from hpcdist.models.args import ModelArgs, flops_per_token, num_params
 from hpcdist.parallel.dims import ParallelDims, parallel_dims
 from hpcdist.planning.memory import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory, stage_params
@@ -53,9 +54,11 @@ __all__ = [
     "resolve_auto",
 ]
 
-LAYOUT_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "3d")
+LAYOUT_STRATEGIES: tuple[LayoutKind, ...] = tuple(LayoutKind)  # every kind is a planner row
 TP_DEGREES = (1, 2, 4, 8)
-_SIMPLER = {name: i for i, name in enumerate(("ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3", "3d"))}
+_K = LayoutKind
+# ties in the ranking go to the simpler layout
+_SIMPLER = {kind: i for i, kind in enumerate((_K.DDP, _K.FSDP, _K.HSDP, _K.ZERO1, _K.ZERO2, _K.ZERO3, _K.THREE_D))}
 _REDUCE_BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -63,9 +66,9 @@ _REDUCE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(LayoutDegrees):
     """One candidate: the trainer's own layout vocabulary (ParallelDims degrees, or a ZeRO stage over pure dp), a
-    micro-batch and activation checkpointing. W = pp * dp * tp."""
+    micro-batch and activation checkpointing. W = pp * dp * tp. Its kind and description: :class:`LayoutDegrees`."""
 
     pp: int
     dp: int
@@ -79,38 +82,32 @@ class Layout:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp, world_size=self.world_size,
-                            dp_replicate=self.dp_replicate)  # fmt: skip
+        return ParallelDims(
+            pp=self.pp,
+            dp=self.dp,
+            tp=self.tp,
+            world_size=self.world_size,
+            dp_replicate=self.dp_replicate,
+            zero_stage=self.zero_stage,
+        )
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.ranks
 
     @property
-    def dp_shard(self) -> int:
-        """Ranks one copy of the model states is spread over: 1 for ddp, dp for zero / fsdp / 3d, G for hsdp."""
-        return self.dp // self.dp_replicate
-
-    @property
-    def strategy(self) -> str:
+    def strategy(self) -> LayoutKind:
         """The row's name, derived from the degrees: ddp, zero1-3, fsdp, hsdp or 3d."""
-        if self.zero_stage:
-            return f"zero{self.zero_stage}"
-        if self.pp > 1 or self.tp > 1:
-            return "3d"
-        if self.dp_shard == 1:
-            return "ddp"
-        return "hsdp" if self.dp_replicate > 1 else "fsdp"
+        return self.kind
 
     @property
     def dp_label(self) -> str:
         # hsdp: replicas x shard, the way the mesh is built
-        return f"{self.dp_replicate}x{self.dp_shard}" if self.strategy == "hsdp" else str(self.dp)
+        return f"{self.dp_replicate}x{self.dp_shard}" if self.kind is LayoutKind.HSDP else str(self.dp)
 
-    def describe(self) -> str:
-        dims = f"pp={self.pp} dp={self.dp} tp={self.tp}" if self.strategy == "3d" else f"dp={self.dp_label}"
+    def describe(self, *notes: str) -> str:
         ac = "on" if self.activation_checkpointing else "off"
-        return f"{self.strategy} {dims}, micro batch {self.micro_batch_size}, activation checkpointing {ac}"
+        return super().describe(f"micro batch {self.micro_batch_size}", f"activation checkpointing {ac}", *notes)
 
 
 @dataclass(frozen=True)
@@ -166,19 +163,19 @@ def _dp_events(layout: Layout, p_g: int, reduce_bytes: int, bw_dp: float, bw_sha
 
     ``bw_dp``: bandwidth of the whole dp group; ``bw_shard``: of one FSDP shard group (HSDP: inside a replica)."""
     n = layout.dp
-    match layout.strategy:
-        case "ddp":
+    match layout.kind:
+        case LayoutKind.DDP:
             return 0.0, 0.0, 0.0, _ring("all_reduce", 4 * p_g, n, bw_dp), 0.0
-        case "zero1":
+        case LayoutKind.ZERO1:
             gather = _ring("all_gather", 2 * p_g, n, bw_dp)
             return 0.0, 0.0, 0.0, _ring("reduce_scatter", 2 * p_g, n, bw_dp), gather
-        case "zero2":
+        case LayoutKind.ZERO2:
             gather = _ring("all_gather", 2 * p_g, n, bw_dp)
             return 0.0, _ring("reduce_scatter", 2 * p_g, n, bw_dp), 0.0, 0.0, gather
-        case "zero3":
+        case LayoutKind.ZERO3:
             gather = _ring("all_gather", 2 * p_g, n, bw_dp)
             return gather, gather + _ring("reduce_scatter", 2 * p_g, n, bw_dp), 0.0, 0.0, 0.0
-        case "fsdp" | "hsdp" | "3d":
+        case LayoutKind.FSDP | LayoutKind.HSDP | LayoutKind.THREE_D:
             shard, replicas = layout.dp_shard, layout.dp // layout.dp_shard
             gather = _ring("all_gather", 2 * p_g, shard, bw_shard)
             scatter = _ring("reduce_scatter", reduce_bytes * p_g, shard, bw_shard)
@@ -186,7 +183,7 @@ def _dp_events(layout: Layout, p_g: int, reduce_bytes: int, bw_dp: float, bw_sha
             if layout.pp > 1:  # hpcdist keeps a pipeline stage gathered for the whole step
                 return 0.0, 0.0, gather, scatter, 0.0
             return gather, gather, 0.0, scatter, 0.0
-    raise ValueError(f"unknown layout strategy {layout.strategy!r}: choose one of {', '.join(LAYOUT_STRATEGIES)}")
+    raise ValueError(f"unknown layout strategy {str(layout.kind)!r}: choose one of {', '.join(LAYOUT_STRATEGIES)}")
 
 
 def layout_memory(
@@ -206,15 +203,27 @@ def layout_memory(
         "seq_len": seq_len,
         "activation_checkpointing": layout.activation_checkpointing,
     }
-    if layout.strategy in ("ddp", "zero1", "zero2", "zero3"):
+    if not layout.kind.fsdp_options_apply:  # ddp and ZeRO: the per-strategy estimator
         return estimate_memory(
-            args, strategy=layout.strategy, world_size=layout.dp, gpus_per_node=gpus_per_node,
-            offload_optimizer=offload_optimizer, offload_params=offload_params, **common,
-        )  # fmt: skip
+            args,
+            strategy=layout.strategy,
+            world_size=layout.dp,
+            gpus_per_node=gpus_per_node,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            **common,
+        )
     return estimate_3d_memory(
-        args, tp=layout.tp, pp=layout.pp, dp=layout.dp, dp_shard=layout.dp_shard, microbatches=microbatches,
-        reduce_bytes=reduce_bytes, strategy=layout.strategy, **common,
-    )  # fmt: skip
+        args,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        dp_shard=layout.dp_shard,
+        microbatches=microbatches,
+        reduce_bytes=reduce_bytes,
+        strategy=layout.strategy,
+        **common,
+    )
 
 
 def estimate_step(
@@ -324,10 +333,10 @@ def enumerate_layouts(
 ) -> list[Layout]:
     """Every layout of the module docstring that divides the world and the global batch evenly."""
     nodes, per_node = _cluster_shape(world_size, gpus_per_node)
-    wanted = list(strategies)
-    unknown = [s for s in wanted if s not in LAYOUT_STRATEGIES]
+    unknown = [s for s in strategies if s not in LAYOUT_STRATEGIES]
     if unknown:
         raise ValueError(f"unknown layout strategies {unknown}: choose from {', '.join(LAYOUT_STRATEGIES)}")
+    wanted = [LayoutKind(s) for s in strategies]
     out: list[Layout] = []
 
     def add(pp: int, dp: int, tp: int, *, dp_replicate: int = 1, zero_stage: int = 0) -> None:
@@ -337,16 +346,16 @@ def enumerate_layouts(
             for ac in (False, True):
                 out.append(Layout(pp, dp, tp, b, ac, dp_replicate=dp_replicate, zero_stage=zero_stage))
 
-    for strategy in wanted:
-        if strategy == "ddp":
+    for kind in wanted:
+        if kind is LayoutKind.DDP:
             add(1, world_size, 1, dp_replicate=world_size)
-        elif strategy in ("zero1", "zero2", "zero3"):
-            add(1, world_size, 1, zero_stage=int(strategy[-1]))
-        elif strategy == "fsdp" and world_size > 1:  # one rank: nothing to shard (the ddp row)
+        elif kind.zero_stage:
+            add(1, world_size, 1, zero_stage=kind.zero_stage)
+        elif kind is LayoutKind.FSDP and world_size > 1:  # one rank: nothing to shard (the ddp row)
             add(1, world_size, 1)
-        elif strategy == "hsdp" and nodes > 1:
+        elif kind is LayoutKind.HSDP and nodes > 1:
             add(1, world_size, 1, dp_replicate=world_size // per_node)
-        elif strategy == "3d":
+        elif kind is LayoutKind.THREE_D:
             for tp in TP_DEGREES:
                 if tp > per_node or per_node % tp or any(x % tp for x in (args.n_heads, args.kv_heads)):
                     continue  # tensor parallelism stays inside a node and splits whole heads
@@ -463,11 +472,20 @@ def layout_table(
     for i, e in enumerate(shown, 1):
         lay = e.layout
         cells = (
-            str(i) if e.fits else "-", lay.strategy, str(lay.tp), str(lay.pp), lay.dp_label,
-            str(lay.micro_batch_size), "on" if lay.activation_checkpointing else "off", f"{e.memory.total / GIB:.1f}",
-            "yes" if e.fits else "no", f"{e.tokens_per_s_per_gpu:,.0f}", f"{100 * e.mfu:.1f}", _fixed(e.step_s, 2),
+            str(i) if e.fits else "-",
+            lay.strategy,
+            str(lay.tp),
+            str(lay.pp),
+            lay.dp_label,
+            str(lay.micro_batch_size),
+            "on" if lay.activation_checkpointing else "off",
+            f"{e.memory.total / GIB:.1f}",
+            "yes" if e.fits else "no",
+            f"{e.tokens_per_s_per_gpu:,.0f}",
+            f"{100 * e.mfu:.1f}",
+            _fixed(e.step_s, 2),
             _fixed(e.days(tokens), 1),
-        )  # fmt: skip
+        )
         lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     lines += [
         f"{len(estimates)} layouts considered, {len(fitting)} fit; showing "
@@ -495,19 +513,19 @@ def layout_overrides(layout: Layout) -> list[tuple[str, Any]]:
         ("train.micro_batch_size", layout.micro_batch_size),
         ("train.activation_checkpointing", layout.activation_checkpointing),
     ]
-    if layout.zero_stage:
-        out += [("parallel.strategy", "zero"), ("parallel.zero.stage", layout.zero_stage)]
+    kind = layout.kind
+    out.append(("parallel.strategy", strategy_of(kind)))
+    if kind.zero_stage:
+        out += [("parallel.zero.stage", layout.zero_stage)]
         out += [("parallel.zero.offload_optimizer", False), ("parallel.zero.offload_params", False)]
         out.append(("parallel.zero.overlap_comm", True))  # the time model hides gradient reduction in backward
-    elif layout.pp > 1 or layout.tp > 1:
-        out += [("parallel.strategy", "3d"), ("parallel.pp", layout.pp), ("parallel.dp", layout.dp)]
+    elif kind is LayoutKind.THREE_D:
+        out += [("parallel.pp", layout.pp), ("parallel.dp", layout.dp)]
         out += [("parallel.tp", layout.tp), ("parallel.fsdp.replicate", layout.dp_replicate)]
         if layout.pp > 1:  # the time model's bubble is 1F1B's
             out += [("parallel.pp_schedule", "1F1B"), ("parallel.pp_stages_per_rank", None)]
-    elif layout.dp_shard == 1:
-        out.append(("parallel.strategy", "ddp"))
-    else:
-        out += [("parallel.strategy", "fsdp"), ("parallel.fsdp.replicate", layout.dp_replicate)]
+    elif kind is not LayoutKind.DDP:
+        out += [("parallel.fsdp.replicate", layout.dp_replicate)]
     return out
 
 
@@ -532,13 +550,18 @@ def layout_of(cfg: JobConfig, world_size: int) -> Layout:
     """The Layout a resolved config runs on ``world_size`` ranks (the inverse of :func:`apply_layout`): the trainer's
     own ParallelDims, plus the ZeRO stage."""
     p, t = cfg.parallel, cfg.train
-    if p.strategy not in ("ddp", "fsdp", "zero", "3d"):
+    if requested_kind(p) is None:
         raise ValueError(f"parallel.strategy={p.strategy!r} has no planner layout")
     dims = parallel_dims(cfg, world_size)  # resolves a -1 degree
     return Layout(
-        dims.pp, dims.dp, dims.tp, t.micro_batch_size, t.activation_checkpointing, dp_replicate=dims.dp_replicate,
-        zero_stage=p.zero.stage if p.strategy == "zero" else 0,
-    )  # fmt: skip
+        dims.pp,
+        dims.dp,
+        dims.tp,
+        t.micro_batch_size,
+        t.activation_checkpointing,
+        dp_replicate=dims.dp_replicate,
+        zero_stage=dims.zero_stage,
+    )
 
 
 def grad_reduce_bytes(cfg: JobConfig) -> int:
@@ -611,9 +634,11 @@ def resolve_auto(
     cl = cluster if isinstance(cluster, ClusterConfig) else load_cluster(cluster)
     if cl.gpus_per_node < 1:
         raise ConfigError(
-            [f"parallel.strategy=auto plans GPU layouts, but cluster {cl.name!r} has gpus_per_node: 0; "
-             "name a strategy (e.g. parallel.strategy=ddp) or a GPU cluster profile"]
-        )  # fmt: skip
+            [
+                f"parallel.strategy=auto plans GPU layouts, but cluster {cl.name!r} has gpus_per_node: 0; "
+                "name a strategy (e.g. parallel.strategy=ddp) or a GPU cluster profile"
+            ]
+        )
     try:
         hw = hardware or cluster_hardware(cl)
         estimates = rank_layouts(
@@ -629,8 +654,10 @@ def resolve_auto(
         raise ConfigError([f"parallel.strategy=auto: {e}"]) from None
     if not estimates:
         raise ConfigError(
-            [f"parallel.strategy=auto: no layout splits train.global_batch_size={cfg.train.global_batch_size} "
-             f"over {world_size} ranks; make it a multiple of {world_size}"]
-        )  # fmt: skip
+            [
+                f"parallel.strategy=auto: no layout splits train.global_batch_size={cfg.train.global_batch_size} "
+                f"over {world_size} ranks; make it a multiple of {world_size}"
+            ]
+        )
     new, _, reason = pick(cfg, estimates, world_size, cl.gpus_per_node)
     return new, f"parallel.strategy=auto on {world_size} GPUs ({cl.name}): {reason}"

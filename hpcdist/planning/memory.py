@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpcdist.config.layout import LayoutKind
 from hpcdist.models.args import ModelArgs, num_params
 
 __all__ = [
@@ -40,7 +41,9 @@ __all__ = [
 ]
 
 GIB = 2**30
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+# the kinds this estimator models (3d: estimate_3d_memory)
+STRATEGIES: tuple[LayoutKind, ...] = tuple(k for k in LayoutKind if k is not LayoutKind.THREE_D)
+_K = LayoutKind
 
 # Buffers (fragmentation, NCCL / cuBLAS workspaces, CUDA context): a stated margin, not a measurement.
 BUFFER_FRACTION = 0.10  # 10% of (model states + activations) for allocator fragmentation and comm buckets
@@ -148,21 +151,14 @@ def estimate_memory(
     """Per-GPU memory of one training step under ``strategy`` (ddp, zero1, zero2, zero3, fsdp, hsdp; or
     ``zero`` with ``zero_stage`` 1-3). ``offload_*`` apply to zero2 (optimizer) and zero3 (optimizer, params).
     hsdp shards over ``world_size // fsdp_replicate`` GPUs (default replicate = number of nodes)."""
-    if strategy == "zero":
-        if zero_stage not in (1, 2, 3):
-            raise ValueError(f"strategy 'zero' needs zero_stage 1, 2 or 3, got {zero_stage}")
-        strategy = f"zero{zero_stage}"
-    elif strategy.startswith("zero") and zero_stage not in (0, int(strategy[4:] or 0)):
-        raise ValueError(f"strategy {strategy!r} contradicts zero_stage={zero_stage}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    kind = LayoutKind.named(strategy, zero_stage=zero_stage, choices=STRATEGIES)
     if world_size < 1 or gpus_per_node < 1:
         raise ValueError(f"world_size and gpus_per_node must be >= 1, got {world_size}, {gpus_per_node}")
-    if (offload_optimizer or offload_params) and strategy not in ("zero2", "zero3"):
-        raise ValueError(f"offload is modelled for zero2 / zero3 only, not {strategy}")
+    if (offload_optimizer or offload_params) and kind not in (_K.ZERO2, _K.ZERO3):
+        raise ValueError(f"offload is modelled for zero2 / zero3 only, not {kind}")
     if offload_params and not offload_optimizer:
         raise ValueError("offload_params needs offload_optimizer (DeepSpeed's estimator has no params-only case)")
-    if offload_params and strategy == "zero2":
+    if offload_params and kind is _K.ZERO2:
         raise ValueError("zero2 does not offload parameters; use zero3")
 
     p = num_params(args)
@@ -170,24 +166,24 @@ def estimate_memory(
     big = largest_layer_params(args)
     ds: int | None = None
 
-    if strategy == "ddp":
+    if kind is _K.DDP:
         # ZeRO paper, nothing sharded: 2 bf16 params + 2 bf16 grads + 12 fp32 (master, m, v). (hpcdist's DDP
         # keeps fp32 params + fp32 grads under autocast: 4 + 4 + 8 = the same 16 bytes.)
         params, grads, optim = 2 * p, 2 * p, 12 * p
         ideal = 16 * p
-    elif strategy == "zero1":
+    elif kind is _K.ZERO1:
         # DeepSpeed stage 1 (same terms as its stage-2 estimator, gradients not partitioned): full bf16 params
         # and grads, fp32 grad partition, 12/N fp32 master + Adam. DeepSpeed has no stage-1 estimator.
         params, grads, optim = 2 * p, 2 * p + 4 * p // n, 12 * p // n
         ideal = 4 * p + 12 * p // n
-    elif strategy == "zero2":
+    elif kind is _K.ZERO2:
         ds = _deepspeed_zero2_gpu(p, n, offload_optimizer)
         if offload_optimizer:  # grads and optimizer step live on the CPU
             params, grads, optim = 2 * p, 0, 0
         else:
             params, grads, optim = 2 * p, 6 * p // n, 12 * p // n
         ideal = 2 * p if offload_optimizer else 2 * p + 14 * p // n  # GPU-resident part of the 16 bytes
-    elif strategy == "zero3":
+    elif kind is _K.ZERO3:
         ds = _deepspeed_zero3_gpu(p, big, n, offload_optimizer, offload_params)
         # DeepSpeed counts the gathered largest layer at 4 bytes/param (2 bf16 param + 2 bf16 grad) and, without
         # offload, 18P/N for the shards: the bf16 grads are reduce-scattered through buckets, not kept.
@@ -197,7 +193,7 @@ def estimate_memory(
         optim = 0 if offload_optimizer else 12 * p // n
         ideal = 0 if offload_params else 2 * p // n if offload_optimizer else 16 * p // n
     else:  # fsdp / hsdp: FSDP2 as hpcdist.parallel.fsdp configures it
-        replicate = fsdp_replicate if strategy == "hsdp" else 1
+        replicate = fsdp_replicate if kind is _K.HSDP else 1
         if replicate < 1 or n % replicate:
             raise ValueError(f"fsdp_replicate ({replicate}) must divide world_size ({n})")
         shard = n // replicate
@@ -215,7 +211,7 @@ def estimate_memory(
     )
     rest = params + grads + optim + acts
     buffers = int(BUFFER_FRACTION * rest) + CUDA_CONTEXT_BYTES
-    name = strategy + ("+offload" if offload_optimizer else "")
+    name = kind.value + ("+offload" if offload_optimizer else "")
     return MemoryEstimate(
         strategy=name,
         params=params,
@@ -307,7 +303,7 @@ def estimate_3d_memory(
     dp_shard: int | None = None,
     sequence_parallel: bool = True,
     reduce_bytes: int = 4,
-    strategy: str = "3d",
+    strategy: str = LayoutKind.THREE_D,
 ) -> MemoryEstimate:
     """Per-GPU memory of a (pp, dp, tp) layout with FSDP2 over dp, for the heaviest pipeline stage.
 
@@ -363,7 +359,7 @@ def estimate_3d_memory(
     rest = params + grads + optim + acts
     buffers = int(BUFFER_FRACTION * rest) + CUDA_CONTEXT_BYTES
     return MemoryEstimate(
-        strategy=strategy,
+        strategy=str(strategy),
         params=params,
         grads=grads,
         optimizer=optim,
@@ -374,18 +370,18 @@ def estimate_3d_memory(
     )
 
 
-# (row label, strategy, offload_optimizer, offload_params)
+# (kind, offload_optimizer, offload_params): the memory table's rows, labelled kind[+offload]
 _ROWS = (
-    ("ddp", "ddp", False, False),
-    ("zero1", "zero1", False, False),
-    ("zero2", "zero2", False, False),
-    ("zero2+offload", "zero2", True, False),
-    ("zero3", "zero3", False, False),
-    ("zero3+offload", "zero3", True, True),
-    ("fsdp", "fsdp", False, False),
-    ("hsdp", "hsdp", False, False),
+    (_K.DDP, False, False),
+    (_K.ZERO1, False, False),
+    (_K.ZERO2, False, False),
+    (_K.ZERO2, True, False),
+    (_K.ZERO3, False, False),
+    (_K.ZERO3, True, True),
+    (_K.FSDP, False, False),
+    (_K.HSDP, False, False),
 )
-TABLE_ROWS = tuple(r[0] for r in _ROWS)
+TABLE_ROWS = tuple(kind + ("+offload" if off_opt else "") for kind, off_opt, _ in _ROWS)
 
 
 def plan_table(
@@ -413,10 +409,10 @@ def plan_table(
     cols += ("DS states GiB", "16B/param GiB")  # model states: DeepSpeed's estimate, the 16 bytes/param ideal
     widths = (13, 10, 9, 9, 9, 11, 9, 4, 13, 13)
     lines = [header, "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True))]
-    for label, strategy, off_opt, off_par in _ROWS:
+    for kind, off_opt, off_par in _ROWS:
         e = estimate_memory(
             args,
-            strategy=strategy,
+            strategy=kind,
             world_size=world,
             gpus_per_node=gpus_per_node,
             micro_batch_size=micro_batch_size,
@@ -428,7 +424,7 @@ def plan_table(
         )
         ds = "-" if e.model_states_deepspeed is None else f"{e.model_states_deepspeed / GIB:.1f}"
         cells = [e.params, e.grads, e.optimizer, e.activations, e.buffers, e.total]
-        row = [f"{label:>13}", *(f"{c / GIB:{w}.1f}" for c, w in zip(cells, widths[1:7], strict=True))]
+        row = [f"{e.strategy:>13}", *(f"{c / GIB:{w}.1f}" for c, w in zip(cells, widths[1:7], strict=True))]
         row += [f"{'yes' if e.fits(mem) else 'no':>4}", f"{ds:>13}", f"{e.model_states_ideal / GIB:13.1f}"]
         lines.append("  ".join(row))
     lines += [

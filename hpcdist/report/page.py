@@ -58,9 +58,17 @@ def _attempts(data: RunData) -> str:
     if not data.attempts:
         return '<p class="none">no goodput.json: the run has not started its training loop yet</p>'
     keys = list(data.attempts[0].seconds)
-    rows = [[f"attempt {a.number}", _when(a.start), _when(a.end),
-             f"{a.first_step}-{a.last_step}" if a.last_step is not None else f"from {a.first_step}", a.outcome,
-             *(f"{a.seconds[k]:.1f}" for k in keys)] for a in data.attempts]  # fmt: skip
+    rows = [
+        [
+            f"attempt {a.number}",
+            _when(a.start),
+            _when(a.end),
+            f"{a.first_step}-{a.last_step}" if a.last_step is not None else f"from {a.first_step}",
+            a.outcome,
+            *(f"{a.seconds[k]:.1f}" for k in keys),
+        ]
+        for a in data.attempts
+    ]
     return _table(["attempt", "start", "end (or last seen)", "steps", "outcome", *(f"{k} s" for k in keys)], rows)
 
 
@@ -69,9 +77,16 @@ def _restarts(data: RunData) -> str:
     out = []
     if ledger:
         attempts = ledger.get("attempts") or {}
-        rows = [[f"job {ledger.get('job_id')} restart {k}", _when(a.get("start")), a.get("ended", ""),
-                 a.get("requeued", ""), a.get("host", "")]
-                for k, a in sorted(attempts.items(), key=lambda kv: int(kv[0]))]  # fmt: skip
+        rows = [
+            [
+                f"job {ledger.get('job_id')} restart {k}",
+                _when(a.get("start")),
+                a.get("ended", ""),
+                a.get("requeued", ""),
+                a.get("host", ""),
+            ]
+            for k, a in sorted(attempts.items(), key=lambda kv: int(kv[0]))
+        ]
         out.append(_table(["SLURM attempt", "start", "ended", "requeued for", "host"], rows))
         if ledger.get("excluded"):
             out.append(f"<p>excluded nodes: {html.escape(', '.join(map(str, ledger['excluded'])))}</p>")
@@ -79,8 +94,18 @@ def _restarts(data: RunData) -> str:
             out.append(f'<p class="bad">stopped: {html.escape(str(ledger["stopped"].get("reason")))}</p>')
     fails = data.failures
     if fails:
-        rows = [[_when(f.get("time")), f.get("kind", ""), f.get("rank", ""), f.get("host", ""), f.get("step", ""),
-                 f.get("restart", ""), f.get("cause", "")] for f in fails]  # fmt: skip
+        rows = [
+            [
+                _when(f.get("time")),
+                f.get("kind", ""),
+                f.get("rank", ""),
+                f.get("host", ""),
+                f.get("step", ""),
+                f.get("restart", ""),
+                f.get("cause", ""),
+            ]
+            for f in fails
+        ]
         out.append(_table(["time", "kind", "rank", "host", "step", "restart", "cause"], rows))
     return "".join(out) or '<p class="none">no restarts.json and no failures.jsonl: nothing failed</p>'
 
@@ -110,17 +135,25 @@ def write_report(run_dir: str | os.PathLike[str], out: Path, images: Path) -> tu
         f"<h1>hpcdist run report: {html.escape(str(Path(run_dir)))}</h1>",
         f"<p>written {_when(_dt.datetime.now().timestamp())}; the run's files as they were then (a running or "
         "crashed run shows what it had recorded)</p>",
-        "<h2>Summary</h2>", _summary(data),
-        "<h2>Attempts</h2>", _attempts(data),
-    ]  # fmt: skip
+        "<h2>Summary</h2>",
+        _summary(data),
+        "<h2>Attempts</h2>",
+        _attempts(data),
+    ]
     for name, (title, _) in plots.FIGURES.items():
         sections += [f"<h2>{html.escape(title)}</h2>", _image(pngs[name], title)]
         if name == "timeline":
             sections.append(_restarts(data))
-    sections += ["<h2>Ranks by host</h2>", _ranks(data), "<h2>Resolved config</h2>",
-                 f"<pre>{html.escape(data.config_text) or 'no config.yaml yet'}</pre>"]  # fmt: skip
-    page = (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>hpcdist report</title><style>{_STYLE}'
-            f"</style></head><body>\n" + "\n".join(sections) + "\n</body></html>\n")  # fmt: skip
+    sections += [
+        "<h2>Ranks by host</h2>",
+        _ranks(data),
+        "<h2>Resolved config</h2>",
+        f"<pre>{html.escape(data.config_text) or 'no config.yaml yet'}</pre>",
+    ]
+    page = (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>hpcdist report</title><style>{_STYLE}'
+        f"</style></head><body>\n" + "\n".join(sections) + "\n</body></html>\n"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
     return out, pngs

@@ -16,9 +16,14 @@ __all__ = ["GOODPUT_COLORS", "MissingMatplotlib", "figures", "import_pyplot", "s
 
 # train / checkpoint / restore / startup / lost / queue / other, in the goodput ledger's order
 GOODPUT_COLORS = {
-    "train": "#2ca02c", "checkpoint_save": "#1f77b4", "restore": "#17becf", "startup": "#9467bd",
-    "lost": "#d62728", "queue_wait": "#7f7f7f", "other": "#bcbd22",
-}  # fmt: skip
+    "train": "#2ca02c",
+    "checkpoint_save": "#1f77b4",
+    "restore": "#17becf",
+    "startup": "#9467bd",
+    "lost": "#d62728",
+    "queue_wait": "#7f7f7f",
+    "other": "#bcbd22",
+}
 
 
 class MissingMatplotlib(RuntimeError):
@@ -55,8 +60,16 @@ def _attempt_lines(ax: Any, data: RunData) -> None:
     """A dashed line where each attempt after the first resumed (its first step)."""
     for a in data.attempts[1:]:
         ax.axvline(a.first_step, color="#999999", linestyle="--", linewidth=0.8)
-        ax.annotate(f"attempt {a.number}", (a.first_step, 1), xycoords=("data", "axes fraction"), fontsize=7,
-                    rotation=90, va="top", ha="right", color="#666666")  # fmt: skip
+        ax.annotate(
+            f"attempt {a.number}",
+            (a.first_step, 1),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            rotation=90,
+            va="top",
+            ha="right",
+            color="#666666",
+        )
 
 
 def loss(data: RunData) -> Any:
@@ -176,8 +189,11 @@ def timeline(data: RunData) -> Any:
     kinds = sorted({str(f.get("kind")) for f in data.failures if isinstance(f.get("time"), (int, float))})
     markers = "xv^sDo*"
     for i, kind in enumerate(kinds):
-        ts = [_time(f["time"]) for f in data.failures if str(f.get("kind")) == kind and isinstance(f.get("time"),
-              (int, float))]  # fmt: skip
+        ts = [
+            _time(f["time"])
+            for f in data.failures
+            if str(f.get("kind")) == kind and isinstance(f.get("time"), (int, float))
+        ]
         ax.scatter(ts, [0.5] * len(ts), marker=markers[i % len(markers)], s=60, label=f"{kind} ({len(ts)})")
     ax.margins(x=0.1)  # room for the last attempt's label
     # the SLURM restart ledger: when each restart of the job started, and how it ended (requeued for what)

@@ -38,7 +38,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _read_json(path: Path) -> Any:
+def _read_json_or_none(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -94,28 +94,40 @@ class RunData:
     def load(cls, root: str | os.PathLike[str]) -> RunData:
         rd = RunDir(root)
         records = read_jsonl(rd.metrics)
-        data = cls(root=Path(root), train=_series(records, "train"), eval=_series(records, "eval"),
-                   stragglers=_series(records, "straggler"), failures=read_jsonl(rd.failures))  # fmt: skip
+        data = cls(
+            root=Path(root),
+            train=_series(records, "train"),
+            eval=_series(records, "eval"),
+            stragglers=_series(records, "straggler"),
+            failures=read_jsonl(rd.failures),
+        )
         with contextlib.suppress(OSError):
             data.config_text = rd.config.read_text(encoding="utf-8", errors="replace")
-        ledger = _read_json(rd.restarts)
+        ledger = _read_json_or_none(rd.restarts)
         data.restarts = ledger if isinstance(ledger, dict) else {}
-        ranks = _read_json(rd.ranks)
+        ranks = _read_json_or_none(rd.ranks)
         if isinstance(ranks, dict) and isinstance(ranks.get("hosts"), list):
             data.hosts = [str(h) for h in ranks["hosts"]]
-        summary = _read_json(rd.summary)
+        summary = _read_json_or_none(rd.summary)
         data.summary = summary if isinstance(summary, dict) else {}
-        goodput = _read_json(rd.goodput)
+        goodput = _read_json_or_none(rd.goodput)
         entries = goodput.get("attempts") if isinstance(goodput, dict) else None
         entries = [e for e in entries or [] if isinstance(e, dict) and isinstance(e.get("start"), (int, float))]
         data.goodput = summarize(entries) if entries else {}
         for i, e in enumerate(entries, 1):
             keys = [k for k in CATEGORIES if k != "queue_wait"]
-            data.attempts.append(Attempt(
-                number=i, start=float(e["start"]), end=float(e.get("end") or e.get("last") or e["start"]),
-                first_step=int(e.get("first_step") or 0), last_step=e.get("last_step"), clean=bool(e.get("clean")),
-                ended=bool(e.get("end")), seconds={k: float(e.get(f"{k}_s", 0.0)) for k in keys},
-            ))  # fmt: skip
+            data.attempts.append(
+                Attempt(
+                    number=i,
+                    start=float(e["start"]),
+                    end=float(e.get("end") or e.get("last") or e["start"]),
+                    first_step=int(e.get("first_step") or 0),
+                    last_step=e.get("last_step"),
+                    clean=bool(e.get("clean")),
+                    ended=bool(e.get("end")),
+                    seconds={k: float(e.get(f"{k}_s", 0.0)) for k in keys},
+                )
+            )
         return data
 
     def ranks_by_host(self) -> dict[str, list[int]]:

@@ -29,7 +29,7 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="test",
-    )  # fmt: skip
+    )
     torch.set_num_threads(1)
     try:
         env = from_environ(cuda_available=False)

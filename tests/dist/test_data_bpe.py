@@ -34,7 +34,7 @@ def test_two_rank_ddp_trains_on_bpe_data_with_auto_vocab_and_resumes_exactly(
 
     def cfg(run: str) -> JobConfig:
         over = [*SMALL, f"run.dir={tmp_path / run}", "data.source=files", f"data.path={bpe_corpus_dir}",
-                "model.vocab_size=auto", "train.steps=8", "train.global_batch_size=8", "train.micro_batch_size=2"]  # fmt: skip
+                "model.vocab_size=auto", "train.steps=8", "train.global_batch_size=8", "train.micro_batch_size=2"]
         c = config_mod.load(None, over)
         assert config_mod.check_data(c) == []
         return c
@@ -57,7 +57,7 @@ def test_prefetching_changes_no_loss_and_resumes_exactly(bpe_corpus_dir: Path, t
     def cfg(run: str, prefetch: int) -> JobConfig:
         over = [*SMALL, f"run.dir={tmp_path / run}", "data.source=files", f"data.path={bpe_corpus_dir}",
                 "model.vocab_size=auto", "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=4",
-                f"data.prefetch={prefetch}"]  # fmt: skip
+                f"data.prefetch={prefetch}"]
         return config_mod.load(None, over)
 
     off = run_ranks(2, _train, cfg("off", 0))[0]
@@ -75,7 +75,7 @@ def test_blend_trains_on_two_ranks_and_resumes_exactly(bpe_corpus_dir: Path, tmp
 
     def cfg(run: str) -> JobConfig:
         over = [*SMALL, f"run.dir={tmp_path / run}", "data.source=files", sources, "model.vocab_size=auto",
-                "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=4"]  # fmt: skip
+                "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=4"]
         return config_mod.load(None, over)
 
     straight = run_ranks(2, _train, cfg("straight"))[0]

@@ -12,6 +12,7 @@ from hpcdist.checkpoint import MARKER, list_checkpoints
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.trainer import Trainer
+from tests.conftest import small_config
 from tests.dist.harness import run_ranks, single
 
 pytestmark = pytest.mark.dist
@@ -33,10 +34,13 @@ def _losses(out: dict) -> list[float]:
     return [out["losses"][s] for s in sorted(out["losses"])]
 
 
-@pytest.fixture
-def reference(small_cfg) -> dict:
-    """One process, global batch 8 in one micro-batch: the ground truth."""
-    cfg = small_cfg(f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=8")
+@pytest.fixture(scope="module")
+def reference(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process, global batch 8 in one micro-batch: the ground truth (trained once per module, only read)."""
+    run_dir = tmp_path_factory.mktemp("ddp_ref") / "run"
+    cfg = small_config(
+        run_dir, corpus_dir, f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=8"
+    )
     return single(_train, cfg)
 
 
@@ -49,7 +53,7 @@ def test_ddp_matches_single_process(small_cfg, reference, tmp_path: Path, world:
     cfg = small_cfg(
         f"train.steps={STEPS}", "train.global_batch_size=8", f"train.micro_batch_size={micro}",
         run_dir=tmp_path / f"w{world}",
-    )  # fmt: skip
+    )
     outs = run_ranks(world, _train, cfg) if world > 1 else [single(_train, cfg)]
     ref = _losses(reference)
     assert len(ref) == STEPS and ref[-1] < ref[0]  # it learns, so equality below is not trivially constant
@@ -82,7 +86,7 @@ def test_exact_resume_two_ranks(small_cfg, tmp_path: Path) -> None:
 
 def test_async_checkpoint_resume(small_cfg, tmp_path: Path) -> None:
     over = ("train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=4", "checkpoint.async_save=true",
-            "checkpoint.every_steps=2", "checkpoint.keep_last=2")  # fmt: skip
+            "checkpoint.every_steps=2", "checkpoint.keep_last=2")
     straight = run_ranks(2, _train, small_cfg(*over, run_dir=tmp_path / "a"))[0]
     cfg = small_cfg(*over, run_dir=tmp_path / "b")
     run_ranks(2, _train, cfg, 3)  # saves at 2 (async) and at the interruption at 3
@@ -100,7 +104,7 @@ def test_training_options_on_two_ranks(small_cfg, reference, tmp_path: Path, opt
     """Activation checkpointing recomputes the same math (fp32: equal to round-off); bf16 autocast trains too
     (its losses follow the fp32 run to bf16 precision)."""
     cfg = small_cfg(f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4", option,
-                    run_dir=tmp_path / "opt")  # fmt: skip
+                    run_dir=tmp_path / "opt")
     out = run_ranks(2, _train, cfg)[0]
     rtol = RTOL if "checkpointing" in option else 3e-2
     torch.testing.assert_close(_losses(out), _losses(reference), rtol=rtol, atol=0)
@@ -127,7 +131,7 @@ def _train_with_drift(env: DistEnv, cfg: JobConfig, rank: int, after_step: int) 
 
 def test_replica_check_names_a_diverged_rank(small_cfg, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     cfg = small_cfg("train.steps=4", "train.global_batch_size=8", "train.micro_batch_size=4",
-                    "logging.replica_check_every_steps=1", run_dir=tmp_path / "drift")  # fmt: skip
+                    "logging.replica_check_every_steps=1", run_dir=tmp_path / "drift")
     divergence = run_ranks(2, _train_with_drift, cfg, 1, 2)[0]
     assert divergence[1] == 0.0 and divergence[2] > 0.0  # identical replicas, then rank 1 drifted after step 2
     assert "rank(s) [1] differ from the majority" in capfd.readouterr().out

@@ -13,6 +13,7 @@ from hpcdist.config import ConfigError, JobConfig, check_world
 from hpcdist.env import DistEnv
 from hpcdist.inference import load_for_inference
 from hpcdist.trainer import Trainer
+from tests.conftest import small_config
 from tests.dist.harness import run_ranks, single
 
 pytestmark = pytest.mark.dist
@@ -45,10 +46,12 @@ def _losses(out: dict) -> list[float]:
     return [out["losses"][s] for s in sorted(out["losses"])]
 
 
-@pytest.fixture
-def reference(small_cfg) -> dict:
-    """One process with DDP's path, global batch 8 in one micro-batch: the ground truth."""
-    return single(_train, small_cfg(f"train.steps={STEPS}", *BATCH, "train.micro_batch_size=8"))
+@pytest.fixture(scope="module")
+def reference(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process with DDP's path, global batch 8 in one micro-batch: the ground truth (trained once per module;
+    tests only read it)."""
+    run_dir = tmp_path_factory.mktemp("fsdp_ref") / "run"
+    return single(_train, small_config(run_dir, corpus_dir, f"train.steps={STEPS}", *BATCH, "train.micro_batch_size=8"))
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -73,7 +76,7 @@ def test_fsdp_matches_single_process(
     cfg = small_cfg(
         f"train.steps={STEPS}", *BATCH, f"train.micro_batch_size={micro}", FSDP,
         f"parallel.fsdp.replicate={replicate}", run_dir=tmp_path / "run",
-    )  # fmt: skip
+    )
     outs = run_ranks(world, _train, cfg)
     ref = _losses(reference)
     assert len(ref) == STEPS and ref[-1] < ref[0]
@@ -88,7 +91,7 @@ def test_fsdp_matches_single_process(
     "option",
     ["parallel.fsdp.cpu_offload=true", "parallel.fsdp.reshard_after_forward=false",
      "train.activation_checkpointing=true", "parallel.fsdp.param_dtype=bf16"],
-)  # fmt: skip
+)
 def test_fsdp_options(small_cfg, reference, tmp_path: Path, option: str) -> None:
     """Offload, no resharding and activation checkpointing recompute the same fp32 math; bf16 parameters (the
     MixedPrecisionPolicy) follow the fp32 run to bf16 precision."""
@@ -170,7 +173,7 @@ def test_hsdp_replica_check_names_the_diverged_rank(
     cfg = small_cfg(
         "train.steps=4", *BATCH, "train.micro_batch_size=2", FSDP, "parallel.fsdp.replicate=2",
         "logging.replica_check_every_steps=1", run_dir=tmp_path / "drift",
-    )  # fmt: skip
+    )
     divergence = run_ranks(4, _train_with_drift, cfg, 3, 2)[0]
     assert divergence[1] == 0.0 and divergence[2] > 0.0
     assert "rank(s) [3] differ from the majority" in capfd.readouterr().out

@@ -37,7 +37,7 @@ def _estimate(cfg: JobConfig, strategy: str) -> int:
     return estimate_memory(
         cfg.model_args(), strategy=strategy, world_size=WORLD, gpus_per_node=WORLD, micro_batch_size=2,
         seq_len=cfg.data.seq_len, activation_checkpointing=False,
-    ).model_states_ideal  # fmt: skip
+    ).model_states_ideal
 
 
 def test_zero3_model_states_quarter_of_ddp(small_cfg, tmp_path) -> None:
@@ -45,7 +45,7 @@ def test_zero3_model_states_quarter_of_ddp(small_cfg, tmp_path) -> None:
     zero_cfg = small_cfg(
         *COMMON, "parallel.strategy=zero", "parallel.zero.stage=3", "parallel.zero.param_persistence_threshold=0",
         run_dir=tmp_path / "zero3",
-    )  # fmt: skip
+    )
     ddp = run_ranks(WORLD, measure, ddp_cfg)
     zero = run_ranks(WORLD, measure, zero_cfg)
     for per_rank in (ddp, zero):

@@ -40,7 +40,7 @@ def _sweep(env: DistEnv, wrong_rank: int | None) -> dict[str, list[dict[str, Any
             rank=env.rank, faults=faults, step=lambda name: contextlib.nullcontext(),
         )
         for op in collectives.OPS
-    }  # fmt: skip
+    }
 
 
 def test_sweep_checks_every_operation_and_computes_busbw() -> None:
@@ -100,7 +100,7 @@ def test_healthy_run_passes_with_every_number_in_the_json(tool, tmp_path: Path) 
     code, text, doc, _ = tool(
         "--max-bytes", "4K", *QUICK, "--expect-intra", "2", "--plot", str(png),
         env={"NCCL_TEST_TOKEN": "hunter2", "NCCL_SOCKET_IFNAME": "nosuch0"},
-    )  # fmt: skip
+    )
     assert code == 0, text
     # --plot: a valid PNG (busbw per collective, the expected line, the finder's 4 x 4 rank matrix)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"# plot: {png}" in text
@@ -175,6 +175,6 @@ def test_the_executable_runs_two_local_ranks(tmp_path: Path) -> None:
         [sys.executable, str(REPO / "tools" / "nccl_check"), "--nproc", "2", "--ops", "all_reduce,sendrecv",
          "--max-bytes", "1K", "--no-finder", "--iters", "2", "--warmup", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "# Verdict: PASS" in proc.stdout and json.loads(out.read_text())["layout"]["world_size"] == 2

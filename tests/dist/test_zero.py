@@ -14,6 +14,7 @@ from hpcdist.config import ConfigError, JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.parallel.zero import deepspeed_config
 from hpcdist.trainer import Trainer
+from tests.conftest import small_config
 from tests.dist.harness import run_ranks, single
 
 pytestmark = pytest.mark.dist
@@ -30,7 +31,7 @@ def _full_weights(strategy: Any) -> dict[str, torch.Tensor]:
     from deepspeed.utils import safe_get_full_fp32_param
 
     return {n: safe_get_full_fp32_param(p).detach().clone().reshape(getattr(p, "ds_shape", p.shape))
-            for n, p in strategy.module.named_parameters()}  # fmt: skip
+            for n, p in strategy.module.named_parameters()}
 
 
 def _train(env: DistEnv, cfg: JobConfig) -> dict:
@@ -48,9 +49,14 @@ def _losses(out: dict) -> list[float]:
     return [out["losses"][s] for s in sorted(out["losses"])]
 
 
-@pytest.fixture
-def ref(small_cfg) -> dict:
-    cfg = small_cfg(f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=8")
+@pytest.fixture(scope="module")
+def ref(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The single-process reference, trained once per module: the 11 ZeRO variants compare with it, none changes it
+    (it was retrained for each)."""
+    run_dir = tmp_path_factory.mktemp("zero_ref") / "run"
+    cfg = small_config(
+        run_dir, corpus_dir, f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=8"
+    )
     return {**single(_train, cfg), "run_dir": Path(cfg.run.dir)}
 
 
@@ -60,7 +66,7 @@ def test_zero_matches_single_process(small_cfg, ref, tmp_path: Path, stage: int,
     cfg = small_cfg(
         f"train.steps={STEPS}", "train.global_batch_size=8", f"train.micro_batch_size={micro}",
         "parallel.strategy=zero", f"parallel.zero.stage={stage}", *NO_CKPT, run_dir=tmp_path / "zero",
-    )  # fmt: skip
+    )
     outs = run_ranks(world, _train, cfg)
     expected = _losses(ref)
     assert len(expected) == STEPS and expected[-1] < expected[0]
@@ -80,14 +86,14 @@ def test_zero_matches_single_process(small_cfg, ref, tmp_path: Path, stage: int,
     [("parallel.zero.stage=2", "parallel.zero.offload_optimizer=true"),
      ("parallel.zero.stage=3", "parallel.zero.offload_optimizer=true", "parallel.zero.offload_params=true")],
     ids=["zero2-offload-optimizer", "zero3-offload-all"],
-)  # fmt: skip
+)
 def test_offload_matches_single_process(small_cfg, ref, tmp_path: Path, offload: tuple[str, ...]) -> None:
     """ZeRO-Offload / -Infinity code paths (host-side fp32 partitions stepped by torch's AdamW, no cpu_adam build)
     train exactly like the reference. On this CPU machine "offloaded" memory is the same RAM; the path is real."""
     cfg = small_cfg(
         f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4", "parallel.strategy=zero",
         *offload, *NO_CKPT, run_dir=tmp_path / "zero",
-    )  # fmt: skip
+    )
     outs = run_ranks(2, _train, cfg)
     for out in outs:
         torch.testing.assert_close(_losses(out), _losses(ref), rtol=RTOL, atol=0)
@@ -97,7 +103,7 @@ def test_deepspeed_config_batch_arithmetic() -> None:
     c = deepspeed_config(
         stage=2, micro_batch_size=4, grad_accum=3, dp_size=2, grad_clip=1.0, bf16=False,
         offload_optimizer=False, offload_params=False, overlap_comm=True, buckets=(100, 200),
-    )  # fmt: skip
+    )
     assert c["train_batch_size"] == 24 and c["gradient_accumulation_steps"] == 3
     assert c["zero_optimization"]["stage"] == 2 and c["zero_optimization"]["allgather_bucket_size"] == 200
     assert c["bf16"] == {"enabled": False} and "optimizer" not in c  # no DS optimizer: no fused_adam build
@@ -125,7 +131,7 @@ def test_exact_resume(small_cfg, tmp_path: Path, stage: int) -> None:
     over = (
         f"train.steps={2 * n}", "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.strategy=zero",
         f"parallel.zero.stage={stage}", "checkpoint.every_steps=0",
-    )  # fmt: skip
+    )
     straight = run_ranks(2, _run, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*over, run_dir=tmp_path / "split")
     first = run_ranks(2, _run, cfg, n)[0]
@@ -149,7 +155,7 @@ def _no_gather(*args: Any, **kwargs: Any) -> None:
 def _assert_losses(got: dict[int, float], want: dict[int, float]) -> None:
     assert sorted(got) == sorted(want)
     torch.testing.assert_close([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=ELASTIC_RTOL,
-                               atol=0)  # fmt: skip
+                               atol=0)
 
 
 OFFLOAD = ("parallel.zero.offload_optimizer=true", "parallel.zero.offload_params=true")
@@ -157,7 +163,7 @@ OFFLOAD = ("parallel.zero.offload_optimizer=true", "parallel.zero.offload_params
 
 @pytest.mark.parametrize(("stage", "async_save", "extra"),
                          [(1, False, ()), (2, False, ()), (3, False, ()), (3, True, ()), (3, False, OFFLOAD)],
-                         ids=["zero1", "zero2", "zero3", "zero3-async", "zero3-offload"])  # fmt: skip
+                         ids=["zero1", "zero2", "zero3", "zero3-async", "zero3-offload"])
 def test_elastic_resume_2_4_2(
     small_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: int, async_save: bool, extra: tuple[str, ...]
 ) -> None:
@@ -169,7 +175,7 @@ def test_elastic_resume_2_4_2(
     monkeypatch.setattr(DeepSpeedEngine, "_zero3_consolidated_16bit_state_dict", _no_gather)  # forked ranks too
     over = ("train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.strategy=zero",
             f"parallel.zero.stage={stage}", "checkpoint.every_steps=0",
-            f"checkpoint.async_save={str(async_save).lower()}", *extra)  # fmt: skip
+            f"checkpoint.async_save={str(async_save).lower()}", *extra)
     straight = run_ranks(2, _run, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*over, run_dir=tmp_path / "split")
     first = run_ranks(2, _run, cfg, 2)[0]
@@ -215,7 +221,7 @@ def test_a_different_model_is_refused_before_deepspeed_loads(small_cfg, tmp_path
     error there demoted the intact checkpoint as damaged). The shapes are now checked first, without gathering
     (stage 3: ds_shape), and the checkpoint is refused by name and kept."""
     over = ("train.steps=2", "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.strategy=zero",
-            f"parallel.zero.stage={stage}", "checkpoint.every_steps=2")  # fmt: skip
+            f"parallel.zero.stage={stage}", "checkpoint.every_steps=2")
     cfg = small_cfg(*over, run_dir=tmp_path / "run")
     run_ranks(2, _run, cfg)
     with pytest.raises(AssertionError, match=r"holds a different model \(layers\.1\..*model\.n_layers=2 \(now 1\)"):

@@ -17,13 +17,27 @@ from hpcdist.rundir import RunDir
 from hpcdist.trainer import Trainer
 from tests.dist.harness import free_port
 
-GPU_SMALL = ("train.dtype=bf16", "logging.peak_flops=null", "logging.every_steps=1", "train.global_batch_size=8",
-             "train.micro_batch_size=4", "checkpoint.save_final=false")  # fmt: skip
+GPU_SMALL = (
+    "train.dtype=bf16",
+    "logging.peak_flops=null",
+    "logging.every_steps=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "checkpoint.save_final=false",
+)
 
 
 def _one_gpu(fn, *args):
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), TORCHELASTIC_RUN_ID="gpu")  # fmt: skip
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        TORCHELASTIC_RUN_ID="gpu",
+    )
     env = from_environ(cuda_available=True)
     assert env.device.startswith("cuda")
     init_process_group(env, timeout_s=300)
@@ -52,7 +66,7 @@ def test_bf16_training_on_one_gpu(small_cfg, tmp_path: Path, strategy: str) -> N
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     last = _metrics(tmp_path)[-1]
     assert last["mem_alloc_gib"] > 0 and 0 < last["mem_pct"] <= 100
-    assert 0 < last["mfu"] < 1  # against the device's bf16 peak (hpcdist.metrics.GPU_PEAK_FLOPS)
+    assert 0 < last["mfu"] < 1  # against the device's bf16 peak (hpcdist.metrics.throughput.GPU_PEAK_FLOPS)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -81,7 +95,7 @@ def test_dcp_round_trip_of_cuda_tensors(tmp_path: Path) -> None:
 
 
 def test_cuda_metrics() -> None:
-    from hpcdist.metrics import gpu_peak_flops, memory_stats, peak_flops
+    from hpcdist.metrics.throughput import gpu_peak_flops, memory_stats, peak_flops
 
     x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     stats = memory_stats("cuda")

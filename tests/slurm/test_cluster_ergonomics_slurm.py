@@ -57,14 +57,31 @@ def test_hanging_controller_is_an_error_and_nothing_runs_here(slurm_cluster: Clu
     for tool in ("sinfo", "scontrol"):
         (bindir / tool).write_text("#!/bin/sh\nexec sleep 30\n")
         (bindir / tool).chmod(0o755)
-    env = {**slurm_cluster.env, "PATH": f"{bindir}{os.pathsep}{slurm_cluster.env['PATH']}",
-           "HPCDIST_SLURM_PING_TIMEOUT": "1"}  # fmt: skip
+    env = {
+        **slurm_cluster.env,
+        "PATH": f"{bindir}{os.pathsep}{slurm_cluster.env['PATH']}",
+        "HPCDIST_SLURM_PING_TIMEOUT": "1",
+    }
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "hpcdist", "submit", "configs/demo.yaml", "--cluster", "sandbox", f"run.dir={run}",
-         "train.global_batch_size=32", "train.steps=3"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpcdist",
+            "submit",
+            "configs/demo.yaml",
+            "--cluster",
+            "sandbox",
+            f"run.dir={run}",
+            "train.global_batch_size=32",
+            "train.steps=3",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "scontrol ping did not answer within 1 s" in proc.stderr and "nothing was started" in proc.stderr
     assert not run.exists()  # no local job wrote anything (no slurm/ folder, no metrics)
@@ -90,16 +107,37 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     subprocess.run(["git", "clone", "--quiet", "--local", str(REPO), str(clone)], check=True, timeout=60)
     env = {**login_env.env, "PYTHONPATH": str(clone)}
     proc = subprocess.run(
-        [sys.executable, "-m", "hpcdist", "submit", "configs/demo.yaml", "--cluster", "sandbox", "--nodes", "1",
-         "--gpus-per-node", "1", "--sweep-file", str(points), "--max-parallel", "3", *base],
-        cwd=clone, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpcdist",
+            "submit",
+            "configs/demo.yaml",
+            "--cluster",
+            "sandbox",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "1",
+            "--sweep-file",
+            str(points),
+            "--max-parallel",
+            "3",
+            *base,
+        ],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     record = _record(tmp_path / "sweep")
     tasks = [Task(t["job_id"], tmp_path / "sweep" / "slurm" / f"{t['job_id']}_0_log.out") for t in record["tasks"]]
     task_py = clone / "hpcdist" / "launch" / "task.py"
-    task_py.write_text('raise RuntimeError("the edited checkout was imported, not the snapshot")\n' +
-                       task_py.read_text())  # fmt: skip
+    task_py.write_text(
+        'raise RuntimeError("the edited checkout was imported, not the snapshot")\n' + task_py.read_text()
+    )
     code = json.loads((Path(record["snapshot"]) / "snapshot.json").read_text())
     head = subprocess.run(["git", "-C", str(clone), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     assert (code["git_commit"], code["dirty"], code["source"]) == (head.strip(), False, str(clone))
@@ -109,14 +147,20 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     standin.parent.mkdir()
     standin.write_text(APPTAINER_STANDIN.format(log=tmp_path / "apptainer.log"))
     standin.chmod(0o755)
-    container = {"runtime": "apptainer", "image": "/images/train.sif", "mounts": [f"{tmp_path}:{tmp_path}"],
-                 "executable": str(standin)}  # fmt: skip
+    container = {
+        "runtime": "apptainer",
+        "image": "/images/train.sif",
+        "mounts": [f"{tmp_path}:{tmp_path}"],
+        "executable": str(standin),
+    }
     array = record["job_id"]
     assert [t.job_id for t in tasks] == [f"{array}_{i}" for i in range(3)]
     runs = [Path(info["run_dir"]) for info in record["tasks"]]
     assert [r.name for r in runs] == [
-        "optim.lr=0.002_checkpoint.keep_last=2", "optim.lr=0.002_checkpoint.keep_last=3", "optim.lr=0.001"
-    ]  # fmt: skip
+        "optim.lr=0.002_checkpoint.keep_last=2",
+        "optim.lr=0.002_checkpoint.keep_last=3",
+        "optim.lr=0.001",
+    ]
 
     # USR2 (the time-limit warning) to task 1 alone: it saves, requeues itself (<array>_1), resumes
     wait_for_step(runs[1], 5)
@@ -125,9 +169,13 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     # finished all its steps on an idle machine before the USR2 below reached it (no "fault.requeue is off")
     chain_run = tmp_path / "chain"
     chain = hpcdist.submit_chain(
-        "configs/demo.yaml", tiny_overrides(chain_run, corpus_dir, steps), 2, container=container,
-        setup=["echo \"site setup ran: $(hostname)\""], **one_rank,
-    )  # fmt: skip
+        "configs/demo.yaml",
+        tiny_overrides(chain_run, corpus_dir, steps),
+        2,
+        container=container,
+        setup=['echo "site setup ran: $(hostname)"'],
+        **one_rank,
+    )
     # and to the first job of the chain: it saves and ends (fault.requeue=false); the second job continues
     wait_for_step(chain_run, 5)
     run_cmd(login_env, "scancel", "--signal=USR2", chain[0].job_id)
@@ -155,8 +203,10 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     assert cli.main(["status", array]) == 0
     table = capsys.readouterr().out
     for t, run in zip(tasks, runs, strict=True):
-        assert any(line.split()[:2] == [t.job_id, "COMPLETED"] and line.split()[3] == str(steps) and
-                   line.endswith(str(run)) for line in table.splitlines()), table  # fmt: skip
+        assert any(
+            line.split()[:2] == [t.job_id, "COMPLETED"] and line.split()[3] == str(steps) and line.endswith(str(run))
+            for line in table.splitlines()
+        ), table
 
     # the chain: the second job started after the first ended and resumed from its checkpoint
     first, second = (job_info(login_env, h.job_id) for h in chain)

@@ -59,8 +59,15 @@ def test_preemption_then_frozen_rank_watchdog_requeues_and_resumes(
 ) -> None:
     run, out, steps = tmp_path / "stop", tmp_path / "out.txt", 40
     # slow phase 10 s too: the frozen rank may leave rank 0 waiting in the attempt's first save (every 5 steps)
-    over = tiny_overrides(run, corpus_dir, steps, "checkpoint.every_steps=5", "fault.watchdog_timeout_s=10",
-                          "fault.watchdog_slow_phase_s=10", "logging.straggler_every_steps=0")  # fmt: skip
+    over = tiny_overrides(
+        run,
+        corpus_dir,
+        steps,
+        "checkpoint.every_steps=5",
+        "fault.watchdog_timeout_s=10",
+        "fault.watchdog_slow_phase_s=10",
+        "logging.straggler_every_steps=0",
+    )
     job = submit(slurm_cluster, "train.sh", TWO_RANKS, ["configs/demo.yaml", *over], out)
 
     # 1. a preemption notice (the time-limit signal): checkpoint, requeue, resume
@@ -107,18 +114,29 @@ def test_preemption_then_frozen_rank_watchdog_requeues_and_resumes(
 
     detect = hang["time"] - t_stop
     resume = _first_step_after(run, hang["time"]) - t_stop
-    print(f"\nSIGSTOP rank 1 at step ~{reached}: watchdog fired {detect:.1f}s later (timeout 10 s), training resumed "
-          f"{resume:.1f}s after the SIGSTOP from step {resumed}, {max(0, reached - resumed)} step(s) lost; run goodput "
-          f"{final['goodput']:.3f} over 3 attempts: " + ", ".join(f"{k} {final[k]:.1f}s" for k in (
-              "train", "checkpoint_save", "restore", "startup", "lost", "queue_wait", "other")))  # fmt: skip
+    print(
+        f"\nSIGSTOP rank 1 at step ~{reached}: watchdog fired {detect:.1f}s later (timeout 10 s), training resumed "
+        f"{resume:.1f}s after the SIGSTOP from step {resumed}, {max(0, reached - resumed)} step(s) lost; run goodput "
+        f"{final['goodput']:.3f} over 3 attempts: "
+        + ", ".join(
+            f"{k} {final[k]:.1f}s"
+            for k in ("train", "checkpoint_save", "restore", "startup", "lost", "queue_wait", "other")
+        )
+    )
 
 
 def test_killed_rank_is_blamed_excluded_requeued_and_a_failure_loop_stops(
     slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path
 ) -> None:
     run, out = tmp_path / "kill", tmp_path / "out.txt"
-    over = tiny_overrides(run, corpus_dir, 100_000, "checkpoint.every_steps=5", "fault.max_same_failure=2",
-                          "logging.straggler_every_steps=0")  # fmt: skip
+    over = tiny_overrides(
+        run,
+        corpus_dir,
+        100_000,
+        "checkpoint.every_steps=5",
+        "fault.max_same_failure=2",
+        "logging.straggler_every_steps=0",
+    )
     job = submit(slurm_cluster2, "train.sh", TWO_RANKS, ["configs/demo.yaml", *over], out)
 
     wait_for_step(run, 8)
@@ -155,13 +173,16 @@ def test_killed_rank_is_blamed_excluded_requeued_and_a_failure_loop_stops(
     reached = _goodput(run)["attempts"][0]["last_step"]  # rank 0 flushes it at most 1 s before the kill
     assert resumed % 5 == 0 and 0 <= reached - resumed <= 5
     detect = killed[0]["time"] - t_kill
-    print(f"\nSIGKILL rank 1 at step ~{reached} on {first_host}: recorded {detect * 1e3:.0f} ms later, requeued "
-          f"without {first_host}, training resumed on {again['host']} {resumed_at - t_kill:.1f}s after the kill from "
-          f"step {resumed} (~{reached - resumed} step(s) lost); second kill -> failure loop, job FAILED")  # fmt: skip
+    print(
+        f"\nSIGKILL rank 1 at step ~{reached} on {first_host}: recorded {detect * 1e3:.0f} ms later, requeued "
+        f"without {first_host}, training resumed on {again['host']} {resumed_at - t_kill:.1f}s after the kill from "
+        f"step {resumed} (~{reached - resumed} step(s) lost); second kill -> failure loop, job FAILED"
+    )
 
 
-def test_submitit_job_requeues_after_a_killed_rank(slurm_cluster: Cluster, corpus_dir: Path, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_submitit_job_requeues_after_a_killed_rank(
+    slurm_cluster: Cluster, corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same policy on the `hpcdist submit` path: supervised ranks, after-step in the script's teardown."""
     for key, value in slurm_cluster.env.items():  # this process is the login node
         monkeypatch.setenv(key, value)

@@ -23,10 +23,19 @@ TWO_RANKS = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-pe
 def _flagship_overrides(run: Path, corpus: Path, steps: int) -> list[str]:
     """Size only: the only periodic checkpoint comes after the end, so a resume can only use the stop checkpoint."""
     return [
-        *SMALL, f"run.dir={run}", "data.source=files", f"data.path={corpus}", "data.seq_len=32",
-        f"train.steps={steps}", "train.global_batch_size=4", "train.micro_batch_size=1", "train.eval_every_steps=0",
-        "logging.every_steps=1", "logging.tensorboard=false", f"checkpoint.every_steps={steps}",
-    ]  # fmt: skip
+        *SMALL,
+        f"run.dir={run}",
+        "data.source=files",
+        f"data.path={corpus}",
+        "data.seq_len=32",
+        f"train.steps={steps}",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=1",
+        "train.eval_every_steps=0",
+        "logging.every_steps=1",
+        "logging.tensorboard=false",
+        f"checkpoint.every_steps={steps}",
+    ]
 
 
 def test_flagship_zero3_async_checkpoint_requeues_and_resumes_exactly(
@@ -40,8 +49,13 @@ def test_flagship_zero3_async_checkpoint_requeues_and_resumes_exactly(
     assert (cfg.parallel.strategy, cfg.parallel.zero.stage, cfg.checkpoint.async_save) == ("zero", 3, True)
     assert cfg.fault.requeue_signal == "USR2"
 
-    straight = submit(slurm_cluster, "train_13b.sh", TWO_RANKS, _flagship_overrides(straight_run, corpus_dir, steps),
-                      tmp_path / "straight.txt")  # fmt: skip
+    straight = submit(
+        slurm_cluster,
+        "train_13b.sh",
+        TWO_RANKS,
+        _flagship_overrides(straight_run, corpus_dir, steps),
+        tmp_path / "straight.txt",
+    )
     job = submit(slurm_cluster, "train_13b.sh", TWO_RANKS, over, tmp_path / "pre.txt")
     wait_for_step(pre_run, 6, timeout=240)
     run_cmd(slurm_cluster, "scancel", "--signal=USR2", "--batch", job)  # what --signal=B:USR2@300 delivers
@@ -70,5 +84,7 @@ def test_flagship_zero3_async_checkpoint_requeues_and_resumes_exactly(
     ref, got = step_losses(straight_run), step_losses(pre_run)
     assert sorted(got) == sorted(ref) == list(range(1, steps + 1))
     assert [got[s] for s in range(1, steps + 1)] == [ref[s] for s in range(1, steps + 1)]
-    print(f"\nflagship (zero3, async save, USR2): stopped at step {stop_step}, checkpoint complete, requeued, resumed; "
-          f"{steps} losses equal to the uninterrupted job's")  # fmt: skip
+    print(
+        f"\nflagship (zero3, async save, USR2): stopped at step {stop_step}, checkpoint complete, requeued, resumed; "
+        f"{steps} losses equal to the uninterrupted job's"
+    )

@@ -13,9 +13,12 @@ def test_hostile_run_dir_through_sbatch(slurm_cluster: Cluster, corpus_dir: Path
     name = 'it\'s a "run" $(touch PWNED) `touch PWNED2`; touch PWNED3'
     run = tmp_path / name
     job = submit(
-        slurm_cluster, "train.sh", ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2"],
-        ["configs/demo.yaml", *tiny_overrides(run, corpus_dir, 2, "checkpoint.save_final=true")], tmp_path / "out.txt",
-    )  # fmt: skip
+        slurm_cluster,
+        "train.sh",
+        ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2"],
+        ["configs/demo.yaml", *tiny_overrides(run, corpus_dir, 2, "checkpoint.save_final=true")],
+        tmp_path / "out.txt",
+    )
     state = wait_job(slurm_cluster, job, timeout=240)
     out = (tmp_path / "out.txt").read_text()
     assert state == "COMPLETED", out[-4000:]

@@ -18,8 +18,22 @@ JOB_ENV = {"HPCDIST_NCCL_PROFILE": "ethernet", "OMP_NUM_THREADS": "1"}
 SHAPE = ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"]
 # The throttle makes node2's link ~100x slower than the unthrottled veth; the threshold is far from both, so the
 # noise of a shared machine neither hides the slow host nor invents one.
-CHECK = ["--max-bytes", "64K", "--iters", "3", "--warmup", "1", "--finder-bytes", "1M", "--finder-iters", "5",
-         "--slow-threshold", "0.1", "--timeout", "90"]  # fmt: skip
+CHECK = [
+    "--max-bytes",
+    "64K",
+    "--iters",
+    "3",
+    "--warmup",
+    "1",
+    "--finder-bytes",
+    "1M",
+    "--finder-iters",
+    "5",
+    "--slow-threshold",
+    "0.1",
+    "--timeout",
+    "90",
+]
 THROTTLE = ["tbf", "rate", "100mbit", "burst", "64kb", "latency", "200ms"]
 
 
@@ -33,8 +47,9 @@ def submit(cluster: Cluster, out: Path, report: Path) -> tuple[str, str, dict]:
 
 def host_side_veth(node: dict) -> str:
     """The bridge-side end of a node's veth pair: the interface whose index eth0 in the namespace points at."""
-    inner = subprocess.run(["ip", "-n", node["netns"], "-o", "link", "show", node["ifname"]],
-                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    inner = subprocess.run(
+        ["ip", "-n", node["netns"], "-o", "link", "show", node["ifname"]], capture_output=True, text=True, check=True
+    ).stdout
     peer = re.search(r"@if(\d+):", inner)
     assert peer, inner
     for line in subprocess.run(
@@ -73,5 +88,6 @@ def test_nccl_check_reports_both_hosts_and_names_a_throttled_one(slurm_cluster2:
     links = doc["finder"]["links"]
     assert links["node1->node2"] < 0.1 * links["node2->node1"]
     assert "SLOW host node2" in out and "node2" in doc["verdict"]["exclude"] and "--exclude=" in out
-    assert all(t["rows"] and all(r[p]["wrong"] == 0 for r in t["rows"] for p in ("out", "in") if p in r)
-               for t in doc["sweep"])  # fmt: skip
+    assert all(
+        t["rows"] and all(r[p]["wrong"] == 0 for r in t["rows"] for p in ("out", "in") if p in r) for t in doc["sweep"]
+    )

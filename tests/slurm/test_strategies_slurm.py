@@ -42,12 +42,20 @@ STRATEGIES: dict[str, tuple[int, tuple[str, ...]]] = {
 
 def overrides(run_dir: Path, extra: tuple[str, ...]) -> list[str]:
     return [
-        *SMALL, f"run.dir={run_dir}", "data.source=synthetic", f"train.steps={STEPS}", "train.global_batch_size=4",
-        "train.micro_batch_size=1", "train.eval_every_steps=0", "train.activation_checkpointing=false",
-        "checkpoint.async_save=false", "checkpoint.save_final=true",
+        *SMALL,
+        f"run.dir={run_dir}",
+        "data.source=synthetic",
+        f"train.steps={STEPS}",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=1",
+        "train.eval_every_steps=0",
+        "train.activation_checkpointing=false",
+        "checkpoint.async_save=false",
+        "checkpoint.save_final=true",
         # a rank that crashes ends the job FAILED at once instead of requeueing it (fault.* restart policy)
-        "fault.max_failures=0", *extra,
-    ]  # fmt: skip
+        "fault.max_failures=0",
+        *extra,
+    ]
 
 
 @dataclass
@@ -74,8 +82,13 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
             run, out = root / f"sbatch-{name}", root / f"sbatch-{name}.out"
             # train.sh's defaults are one real 8-GPU node with 16 CPUs per task; submit() adds the sandbox's job
             # environment (ethernet NCCL profile: gloo on CPU, one thread per rank)
-            args = [f"--job-name=sb-{name}", "--nodes=1", f"--ntasks-per-node={ranks}", f"--gpus-per-node={ranks}",
-                    "--cpus-per-task=1"]  # fmt: skip
+            args = [
+                f"--job-name=sb-{name}",
+                "--nodes=1",
+                f"--ntasks-per-node={ranks}",
+                f"--gpus-per-node={ranks}",
+                "--cpus-per-task=1",
+            ]
             job_id = submit(slurm_cluster, "train.sh", args, [DEMO, *overrides(run, extra)], out)
             submitted["sbatch", name] = Job(run, ranks, strategy, job_id, out=out)
 

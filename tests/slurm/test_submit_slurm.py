@@ -22,9 +22,13 @@ def login_env(slurm_cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Cluste
 def test_python_api_submits_and_follows_a_job(login_env: Cluster, corpus_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "api"
     job = hpcdist.submit(
-        "configs/demo.yaml", tiny_overrides(run, corpus_dir, 5), cluster="sandbox", nodes=1, gpus_per_node=4,
+        "configs/demo.yaml",
+        tiny_overrides(run, corpus_dir, 5),
+        cluster="sandbox",
+        nodes=1,
+        gpus_per_node=4,
         job_name="api test 'quoted' $(x)",
-    )  # fmt: skip
+    )
     assert job.wait(timeout=240) == "COMPLETED", job.paths[0].stdout.read_text()[-3000:]
     assert job.done() and job.state == "COMPLETED"
     assert job.result()["step"] == 5

@@ -23,10 +23,19 @@ JOB_ENV = {"HPCDIST_NCCL_PROFILE": "ethernet", "OMP_NUM_THREADS": "1"}
 
 def tiny_overrides(run_dir: Path, corpus: Path, steps: int, *extra: str) -> list[str]:
     return [
-        *SMALL, f"run.dir={run_dir}", "data.source=files", f"data.path={corpus}", f"train.steps={steps}",
-        "train.global_batch_size=8", "train.micro_batch_size=1", "train.eval_every_steps=0",
-        "train.activation_checkpointing=false", "checkpoint.async_save=false", "parallel.strategy=ddp", *extra,
-    ]  # fmt: skip
+        *SMALL,
+        f"run.dir={run_dir}",
+        "data.source=files",
+        f"data.path={corpus}",
+        f"train.steps={steps}",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "train.eval_every_steps=0",
+        "train.activation_checkpointing=false",
+        "checkpoint.async_save=false",
+        "parallel.strategy=ddp",
+        *extra,
+    ]
 
 
 def env_with(cluster: Cluster) -> dict[str, str]:
@@ -61,9 +70,12 @@ def test_train_13b_script_runs_with_sbatch_overrides(slurm_cluster: Cluster, cor
     """`sbatch --nodes=1 --ntasks-per-node=4 --gpus-per-node=4 sbatch/train_13b.sh <tiny overrides>`."""
     run = tmp_path / "13b"
     job = submit(
-        slurm_cluster, "train_13b.sh", ["--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4"],
-        tiny_overrides(run, corpus_dir, 6, "checkpoint.save_final=true"), tmp_path / "out.txt",
-    )  # fmt: skip
+        slurm_cluster,
+        "train_13b.sh",
+        ["--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4"],
+        tiny_overrides(run, corpus_dir, 6, "checkpoint.save_final=true"),
+        tmp_path / "out.txt",
+    )
     state = wait_job(slurm_cluster, job, timeout=240)
     out = (tmp_path / "out.txt").read_text()
     assert state == "COMPLETED", out[-4000:]
@@ -140,8 +152,13 @@ def test_killed_rank_fails_the_job_fast(slurm_cluster: Cluster, corpus_dir: Path
 def test_two_hosts_ddp_matches_one_process(slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path) -> None:
     run, steps = tmp_path / "two", 6
     over = tiny_overrides(run, corpus_dir, steps)
-    job = submit(slurm_cluster2, "train.sh", ["--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4",
-                 "--cpus-per-task=1"], ["configs/demo.yaml", *over], tmp_path / "out.txt")  # fmt: skip
+    job = submit(
+        slurm_cluster2,
+        "train.sh",
+        ["--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=1"],
+        ["configs/demo.yaml", *over],
+        tmp_path / "out.txt",
+    )
     state = wait_job(slurm_cluster2, job, timeout=300)
     assert state == "COMPLETED", (tmp_path / "out.txt").read_text()[-4000:]
     hosts = json.loads((run / "ranks.json").read_text())["hosts"]
@@ -152,6 +169,7 @@ def test_two_hosts_ddp_matches_one_process(slurm_cluster2: Cluster, corpus_dir: 
     ref = single(lambda env, c: Trainer(c, env).train().losses, cfg)
     got = step_losses(run)
     # 8 ranks vs 1: summation order differs, so equal to fp32 round-off (same tolerance as tests/dist)
-    torch.testing.assert_close([got[s] for s in range(1, steps + 1)], [ref[s] for s in range(1, steps + 1)],
-                               rtol=1e-5, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        [got[s] for s in range(1, steps + 1)], [ref[s] for s in range(1, steps + 1)], rtol=1e-5, atol=0
+    )
     assert "ranks by host: node1: 0-3; node2: 4-7" in job_output(slurm_cluster2, job)

@@ -1,5 +1,6 @@
 """The house rules of docs/ARCHITECTURE.md, checked on the source: no import cycles, the trainer knows no scheduler
-and no planner, and only hpcdist.env and hpcdist.launch read SLURM_* variables.
+and no planner, only the SLURM module (hpcdist.schedulers.slurm) and hpcdist.launch name SLURM_* variables or
+SlurmJob, and a scheduler's module is reached through the scheduler table only.
 
 Imports are read from the AST of every hpcdist module, function-level ones included: a cycle hidden by an import
 inside a function is still a cycle (it only moves the failure to run time). ``if TYPE_CHECKING:`` blocks never run
@@ -220,6 +221,15 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+def test_nothing_imports_the_cli() -> None:
+    """Issue 26.6: hpcdist.cli is the top (argparse, dispatch, the one error wrapper); a command body or a library
+    that imports it would put a command back in the CLI. Refusals go through hpcdist.errors, a leaf."""
+    graph, _ = _edges()
+    importers = sorted(m for m, targets in graph.items() if "hpcdist.cli" in targets and m != "hpcdist.__main__")
+    assert not importers, f"modules importing hpcdist.cli: {importers}"
+    assert graph["hpcdist.errors"] <= {"hpcdist.atomic", "hpcdist.rundir"}, graph["hpcdist.errors"]
+
+
 @pytest.mark.parametrize("forbidden", ["hpcdist.launch", "hpcdist.planning"])
 def test_the_trainer_knows_no_scheduler_and_no_planner(forbidden: str) -> None:
     graph, _ = _edges()
@@ -246,16 +256,77 @@ def _code_strings(tree: ast.AST) -> Iterator[tuple[int, str]]:
             yield node.lineno, node.value
 
 
-def test_only_env_and_launch_read_slurm_variables() -> None:
-    allowed = lambda m: m == "hpcdist.env" or m == "hpcdist.launch" or m.startswith("hpcdist.launch.")  # noqa: E731
+# The modules that may know SLURM: its row of the scheduler table, and the launch package (submit, requeue, ledger).
+SLURM_MODULES = {"hpcdist.schedulers.slurm"}
+# Modules that know one scheduler (each row of the scheduler table); everything else reaches them through the table.
+SCHEDULER_MODULES = {m for m in MODULES if m.startswith("hpcdist.schedulers.") and m != "hpcdist.schedulers.base"}
+
+
+def _launch(module: str) -> bool:
+    return module == "hpcdist.launch" or module.startswith("hpcdist.launch.")
+
+
+def _slurm_mentions(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Code that names SLURM: strings naming a ``SLURM_`` variable, and any identifier (import, name, attribute,
+    definition, argument) naming ``SlurmJob``; documentation (docstrings, comments) is left out."""
+    for line, text in _code_strings(tree):
+        if "SLURM_" in text:
+            yield line, text
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [node.name]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.alias):
+            names = [node.name, node.asname or ""]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        for name in names:
+            if "SlurmJob" in name:
+                yield getattr(node, "lineno", 0), name
+
+
+def test_only_the_slurm_module_and_launch_name_slurm() -> None:
+    """Issue 26.1: the job's facts reach the trainer and hpcdist.fault as DistEnv.job (scheduler-neutral JobFacts);
+    SLURM's variables are read in hpcdist.schedulers.slurm, and launch/ submits and requeues."""
     offenders = [
         f"{path.relative_to(REPO)}:{line}: {text[:80]!r}"
         for module, path in MODULES.items()
-        if not allowed(module)
-        for line, text in _code_strings(ast.parse(path.read_text()))
-        if "SLURM_" in text
+        if module not in SLURM_MODULES and not _launch(module)
+        for line, text in _slurm_mentions(ast.parse(path.read_text()))
     ]
-    assert not offenders, "SLURM_* read outside hpcdist.env / hpcdist.launch:\n" + "\n".join(offenders)
+    assert not offenders, (
+        "SLURM_* or SlurmJob outside hpcdist.schedulers.slurm / hpcdist.launch (read the job's facts from DistEnv.job, "
+        "or hpcdist.schedulers.job_facts where no DistEnv is at hand):\n" + "\n".join(offenders)
+    )
+
+
+def test_a_scheduler_module_is_reached_through_the_table_only() -> None:
+    """A new scheduler (PBS, Kubernetes) is a module in hpcdist.schedulers plus its row in the table (and its launch
+    code): nothing in env, the trainer, fault, parallel or data imports a scheduler's module by name."""
+    assert SCHEDULER_MODULES >= SLURM_MODULES
+    graph, _ = _edges()
+    offenders = {
+        module: sorted(graph[module] & SCHEDULER_MODULES)
+        for module in MODULES
+        if graph[module] & SCHEDULER_MODULES and not module.startswith("hpcdist.schedulers") and not _launch(module)
+    }
+    assert not offenders, f"scheduler modules imported outside hpcdist.schedulers / hpcdist.launch: {offenders}"
+
+
+def test_the_slurm_check_sees_code_not_documentation() -> None:
+    tree = ast.parse(
+        '"""SLURM_JOB_ID and SlurmJob in a docstring."""\n'
+        "from hpcdist.env import SlurmJob as J  # SLURM_X in a comment\n"
+        'x = os.environ["SLURM_RESTART_COUNT"]\n'
+        "def f(job: J) -> None:\n    return SlurmJob.from_environ()\n"
+    )
+    assert sorted(_slurm_mentions(tree)) == [(2, "SlurmJob"), (3, "SLURM_RESTART_COUNT"), (5, "SlurmJob")]
 
 
 def test_the_checks_see_hidden_cycles_and_lazy_imports(tmp_path: Path) -> None:
@@ -269,3 +340,116 @@ def test_the_checks_see_hidden_cycles_and_lazy_imports(tmp_path: Path) -> None:
         "hpcdist.launch"
     ]
     assert "hpcdist.launch" in MODULES and "hpcdist.run" in MODULES
+
+
+# ----------------------------------------------------------------------------------------- layout vocabulary
+
+# parallel.strategy values and layout kind names. Only hpcdist.config.layout (the alias functions: requested_kind,
+# strategy_degrees, strategy_of, needs_planner, LayoutKind.named) compares them; everyone else asks the degrees,
+# the ZeRO stage or a LayoutKind member (docs/ARCHITECTURE.md, "one layout vocabulary").
+LAYOUT_OWNER = "hpcdist.config.layout"
+_KIND_NAMES = {"ddp", "zero", "zero1", "zero2", "zero3", "fsdp", "hsdp", "3d"}
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def _vocab(node: ast.AST, *, about_strategy: bool) -> list[str]:
+    """The layout words a comparison operand (a string, or a tuple / list / set of them) holds. "auto" is a word
+    of many settings (dtypes, resume, executors), so it counts only beside a name that says strategy."""
+    words = _KIND_NAMES | ({"auto"} if about_strategy else set())
+    elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value in words]
+
+
+def strategy_switches(source: str) -> list[tuple[int, str]]:
+    """(line, what) for every comparison, ``match`` case or ``startswith`` against a layout word in ``source``."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            about = any("strategy" in n.lower() for op in operands for n in _names(op))
+            words = [w for op in operands for w in _vocab(op, about_strategy=about)]
+            if words:
+                found.append((node.lineno, f"compares with {words}"))
+        elif isinstance(node, ast.Match):
+            about = any("strategy" in n.lower() for n in _names(node.subject))
+            for case in node.cases:
+                values = [p.value for p in ast.walk(case.pattern) if isinstance(p, ast.MatchValue)]
+                words = [w for v in values for w in _vocab(v, about_strategy=about)]
+                if words:
+                    found.append((case.pattern.lineno, f"match case {words}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith":
+            words = [w for a in node.args for w in _vocab(a, about_strategy=False)]
+            if words:
+                found.append((node.lineno, f"startswith {words}"))
+    return sorted(found)
+
+
+def test_only_the_layout_module_compares_strategy_strings() -> None:
+    """parallel.strategy is user input turned into degrees once (hpcdist.config.layout); a new ``strategy ==
+    "zero"`` elsewhere is a second owner of the layout vocabulary. Ask ``ParallelDims`` / ``LayoutKind`` instead."""
+    offenders = [
+        f"{path.relative_to(REPO)}:{line}: {what}"
+        for module, path in MODULES.items()
+        if module != LAYOUT_OWNER
+        for line, what in strategy_switches(path.read_text())
+    ]
+    assert not offenders, "layout strings compared outside hpcdist.config.layout:\n" + "\n".join(offenders)
+
+
+def test_the_strategy_scan_sees_every_form() -> None:
+    """The scanner itself: each way of switching on a strategy string is found; other uses of the words are not."""
+    source = (
+        'if cfg.parallel.strategy == "zero": pass\n'
+        'if strategy in ("ddp", "fsdp"): pass\n'
+        'if cfg.parallel.strategy != "auto": pass\n'
+        'match par.strategy:\n    case "3d": pass\n    case "hsdp" | "zero1": pass\n'
+        'ok = name.startswith("zero")\n'
+        # not switches: another setting's "auto", a mesh key, a LayoutKind member
+        'if dtype == "auto": pass\nmesh = meshes["fsdp"]\nif kind is LayoutKind.DDP: pass\n'
+    )
+    assert [line for line, _ in strategy_switches(source)] == [1, 2, 3, 5, 6, 7]
+
+
+# what the training loop may touch besides its own plain fields (cfg, step, tokens_seen, ...): model/strategy step,
+# data, checkpoint, the observability entry point, stop and fault guards (issue 26.7; torchtitan's loop has ~5)
+LOOP_COLLABORATORS = {"strategy", "loader", "ckpt", "observer", "stop_flag", "watchdog", "nonfinite"}
+LOOP_OWN = {"cfg", "step", "tokens_seen", "tokens_per_step", "save"}
+
+
+def _loop_collaborators(source: str) -> set[str]:
+    """The ``self.<name>`` that ``Trainer._loop`` reaches, its own fields and methods left out."""
+    tree = ast.parse(source)
+    loop = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_loop")
+    names = {
+        n.attr
+        for n in ast.walk(loop)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+    }
+    return names - LOOP_OWN
+
+
+def test_the_training_loop_talks_to_one_observer_and_few_collaborators() -> None:
+    """Issue 26.7: the loop talked to 13 collaborators each step (profiler, throughput, Prometheus, metrics,
+    evaluator, stragglers, goodput, ...); observability now has one per-step entry point, ``Observer.step``."""
+    assert _loop_collaborators((PACKAGE / "trainer.py").read_text()) <= LOOP_COLLABORATORS
+    old = "def _loop(self):\n    self.profiler.before_step(1)\n    self.prom.step(1)\n    self.step += 1\n"
+    assert _loop_collaborators(old) == {"profiler", "prom"}  # the check sees what it should refuse
+
+
+def test_observability_is_one_package_whose_summary_loads_no_torch() -> None:
+    """metrics.py, trackers.py, prometheus_metrics.py, run_summary.py and profiling.py were five top-level rooms;
+    hpcdist/metrics/ holds them, and its __init__ imports nothing, so the summary (standard library) stays light."""
+    rooms = {"trackers", "prometheus_metrics", "run_summary", "profiling", "metrics"}
+    assert not [r for r in rooms if (PACKAGE / f"{r}.py").exists()]
+    assert {"observer", "throughput", "logger", "trackers", "prometheus", "summary", "profiling"} <= {
+        m.rpartition(".")[2] for m in MODULES if m.startswith("hpcdist.metrics.")
+    }
+    init = ast.parse((PACKAGE / "metrics" / "__init__.py").read_text())
+    assert not [n for n, _ in _walk(init)]
+    graph, _ = _edges()
+    assert graph["hpcdist.metrics.summary"] <= {"hpcdist.atomic", "hpcdist.rundir", "hpcdist.metrics"}

@@ -110,8 +110,7 @@ def test_config_sources_train_split_and_checks(tmp_path: Path) -> None:
     assert config_mod.dump(cfg).count("weight:") == 2  # saved with the run like every key
 
     with pytest.raises(config_mod.ConfigError) as err:
-        config_mod.load(None, ["data.source=files", f"data.path={dirs[0]}",
-                               "data.sources=[{path: '', weight: -1}]"])  # fmt: skip
+        config_mod.load(None, ["data.source=files", f"data.path={dirs[0]}", "data.sources=[{path: '', weight: -1}]"])
     assert err.value.problems == [
         "data.sources and data.path: give one (a blend, or one prepared directory)",
         "data.sources[0].path: must name a directory made by `hpcdist prepare`",

@@ -8,15 +8,16 @@ from pathlib import Path
 from hpcdist.checkpoint import CheckpointManager
 from hpcdist.evaluate import Evaluator
 from hpcdist.fault.hang import HangWatchdog
-from hpcdist.metrics import MetricsLogger
+from hpcdist.metrics.logger import MetricsLogger
 
 
 def test_metrics_checkpoints_and_evaluation_say_when_they_are_due(tmp_path: Path) -> None:
     ml = MetricsLogger(tmp_path, enabled=False, every_steps=5)
     assert [s for s in range(1, 13) if ml.due(s, last=12)] == [1, 5, 10, 12]  # first, every 5th, the last
     ckpt = CheckpointManager(tmp_path / "ckpt", rank=0, world_size=1, every_steps=4)
-    assert [s for s in range(1, 13) if ckpt.due(s)] == [4, 8, 12]
-    assert not any(CheckpointManager(tmp_path / "c2", rank=0, world_size=1).due(s) for s in range(1, 13))
+    assert [s for s in range(1, 13) if ckpt.should_save(s, last_step=False)] == [4, 8, 12]
+    never = CheckpointManager(tmp_path / "c2", rank=0, world_size=1)
+    assert not any(never.should_save(s, last_step=False) for s in range(1, 13))
     ev = Evaluator(list(range(8)), every_steps=3, batches=1, global_batch_size=2, seed=0, dp_rank=0, dp_size=1)
     assert [s for s in range(1, 10) if ev.due(s)] == [3, 6, 9]
     no_val = Evaluator(None, every_steps=3, batches=1, global_batch_size=2, seed=0, dp_rank=0, dp_size=1)
@@ -33,3 +34,49 @@ def test_a_slow_phase_is_timed_on_exit_and_its_next_run_gets_four_times_that(tmp
     assert 0.3 <= w._seen["checkpoint save"] < 0.6
     with w.phase(2, "checkpoint save", slow=True):
         assert w._allow == max(0.5, 4 * w._seen["checkpoint save"])
+
+
+def test_the_checkpoint_decides_every_save_of_the_loop_in_one_place(tmp_path: Path) -> None:
+    """Issue 26.4: every N steps, the agreed every-M-minutes request, the final step (checkpoint.save_final) and a
+    stop are one decision, ``CheckpointManager.should_save``; a step already saved is never saved twice."""
+    ckpt = CheckpointManager(tmp_path / "c", rank=0, world_size=1, every_steps=4, save_final=False, total_steps=10)
+    assert [s for s in range(1, 11) if ckpt.should_save(s, last_step=s == 10)] == [4, 8]  # no final save
+    assert ckpt.should_save(5, last_step=False, stop_requested=True)  # a signal: the resume point
+    assert ckpt.should_save(6, last_step=True)  # train(until=6) ends before train.steps: an interruption saves
+    assert ckpt.should_save(5, last_step=False, timed=True)  # checkpoint.every_minutes, agreed by every rank
+    assert ckpt.should_save(10, last_step=True, timed=True)  # the timed request still saves the run's end
+    assert not ckpt.should_save(10, last_step=True, stop_requested=True, timed=True)  # a stop there: save_final
+    assert not ckpt.final_save_due(10) and ckpt.final_save_due(9)
+    final = CheckpointManager(tmp_path / "f", rank=0, world_size=1, save_final=True, total_steps=10)
+    assert [s for s in range(1, 11) if final.should_save(s, last_step=s == 10)] == [10]
+    final.saved_step = 10  # saved (or its save failed): never twice
+    assert not final.should_save(10, last_step=True, stop_requested=True, timed=True)
+
+
+def test_rank_0s_clock_asks_for_the_timed_save_once_per_interval(tmp_path: Path) -> None:
+    """checkpoint.every_minutes: rank 0's clock asks (the stop agreement carries the request to every rank); the
+    other ranks never ask; an every-N save at the same step restarts the clock instead."""
+    ckpt = CheckpointManager(tmp_path / "c", rank=0, world_size=1, every_minutes=1e-9, every_steps=3)
+    other = CheckpointManager(tmp_path / "o", rank=1, world_size=2, every_minutes=1e-9)
+    time.sleep(0.001)
+    assert ckpt.timed_save_due(1) and not other.timed_save_due(1)
+    assert not ckpt.timed_save_due(3)  # step 3 saves anyway: the clock starts again there
+    hour = CheckpointManager(tmp_path / "h", rank=0, world_size=1, every_minutes=60)
+    assert not any(hour.timed_save_due(s) for s in range(1, 5))
+
+
+def test_the_loop_asks_the_checkpoint_once_per_step() -> None:
+    """The loop's every save goes through one ``should_save`` decision (was: ``ckpt.due``, the trainer's timed-save
+    clock, ``stop_flag.checkpoint_due`` and the post-loop final-save rule, four places)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from hpcdist.trainer import Trainer
+
+    loop = ast.parse(textwrap.dedent(inspect.getsource(Trainer._loop)))
+    body = next(n for n in ast.walk(loop) if isinstance(n, ast.While))
+    calls = [n.func for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    asked = [f.attr for f in calls if isinstance(f.value, ast.Attribute) and f.value.attr == "ckpt"]
+    assert sorted(asked) == ["should_save", "timed_save_due"]
+    assert [f.attr for f in calls if isinstance(f.value, ast.Name) and f.value.id == "self"] == ["save"]

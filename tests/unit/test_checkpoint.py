@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdist import checkpoint
+from hpcdist import atomic, checkpoint
 from hpcdist.checkpoint import MANIFEST, MARKER, STATE_FILE, CheckpointManager, latest, list_checkpoints
 from hpcdist.config import ConfigError
 from hpcdist.trainer import Trainer
@@ -98,7 +98,7 @@ def test_prune_never_deletes_before_newer_complete(tmp_path: Path) -> None:
 def test_manifest_round_trip_hashes_like_sha256(tmp_path: Path) -> None:
     """The manifest's sha256 is hashlib's over the whole file, across chunk boundaries (this failed on Python 3.10
     while the manifest used hashlib.file_digest, 3.11+: every save failed and training went on without any)."""
-    chunk = checkpoint._HASH_CHUNK
+    chunk = atomic._HASH_CHUNK  # the one file hash (hpcdist.atomic.file_sha256) reads in these chunks
     sizes = {"empty": 0, "one": 1, "below": chunk - 1, "exact": chunk, "above": chunk + 1, "many": 5 * chunk // 2}
     d = tmp_path / "step-00000001"
     (d / "sub").mkdir(parents=True)
@@ -224,20 +224,30 @@ def test_any_problem_verifying_or_loading_falls_back_to_the_previous(
         (newest / STATE_FILE).write_bytes(b"\x80\x81\x82 garbage")
     capsys.readouterr()
 
-    _, resumed = single(_train, small_cfg("train.steps=6", "checkpoint.every_steps=2", "train.micro_batch_size=4",
-                                          "checkpoint.keep_last=5", *verify))  # fmt: skip
+    _, resumed = single(
+        _train,
+        small_cfg(
+            "train.steps=6", "checkpoint.every_steps=2", "train.micro_batch_size=4", "checkpoint.keep_last=5", *verify
+        ),
+    )
     out = capsys.readouterr().out
     assert resumed.resumed_from.endswith("step-00000002"), out[-2000:]
     assert "step-00000004 is damaged" in out
     assert resumed.step == 6
 
 
-@pytest.mark.parametrize(("change", "says", "key"), [
-    ("model.n_layers=1", "layers.1.attention.wq.weight: in the checkpoint, not in this model",
-     "model.n_layers=2 (now 1)"),
-    ("model.n_layers=3", "layers.2.attention.wq.weight: not in the checkpoint", "model.n_layers=2 (now 3)"),
-    ("model.ffn_dim=256", "checkpoint [128, 64], this model [256, 64]", "model.ffn_dim=128 (now 256)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "says", "key"),
+    [
+        (
+            "model.n_layers=1",
+            "layers.1.attention.wq.weight: in the checkpoint, not in this model",
+            "model.n_layers=2 (now 1)",
+        ),
+        ("model.n_layers=3", "layers.2.attention.wq.weight: not in the checkpoint", "model.n_layers=2 (now 3)"),
+        ("model.ffn_dim=256", "checkpoint [128, 64], this model [256, 64]", "model.ffn_dim=128 (now 256)"),
+    ],
+)
 def test_a_different_model_is_refused_and_its_checkpoint_kept(small_cfg, change: str, says: str, key: str) -> None:
     """Issue 13.4: 2 layers -> 1 used to "resume" silently, dropping a layer and its optimizer state. The refusal
     names the parameters and the config keys that differ (the checkpoint carries its config); the intact
@@ -295,8 +305,12 @@ def test_init_from_starts_a_different_model_from_the_matching_weights(small_cfg,
     big.train()
     caplog.clear()
     with caplog.at_level("INFO", logger="hpcdist"):
-        again = single(_build, small_cfg(*over, "train.steps=4", "model.n_layers=3",
-                                          f"checkpoint.init_from={src_ckpt}", run_dir=tmp_path / "big"))  # fmt: skip
+        again = single(
+            _build,
+            small_cfg(
+                *over, "train.steps=4", "model.n_layers=3", f"checkpoint.init_from={src_ckpt}", run_dir=tmp_path / "big"
+            ),
+        )
     assert again.step == 2 and again.resumed_from.endswith("big/checkpoints/step-00000002")
     assert "starting fresh from the weights" not in caplog.text
 
@@ -389,9 +403,14 @@ def test_resume_none_over_an_earlier_run_sets_it_aside_and_never_mixes_the_two(
     assert after.resumed_from.endswith("step-00000003") and after.step == 4
 
 
-@pytest.mark.parametrize(("change", "key"), [("data.seq_len=16", "data.seq_len=32 (now 16)"),
-                                              ("data.val_fraction=0.2", "data.val_fraction=0.01 (now 0.2)"),
-                                              ("run.seed=7", "run.seed=")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ("data.seq_len=16", "data.seq_len=32 (now 16)"),
+        ("data.val_fraction=0.2", "data.val_fraction=0.01 (now 0.2)"),
+        ("run.seed=7", "run.seed="),
+    ],
+)
 def test_a_changed_data_config_is_a_refusal_and_every_checkpoint_stays_complete(
     small_cfg, capsys: pytest.CaptureFixture[str], change: str, key: str
 ) -> None:

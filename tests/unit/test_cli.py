@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -296,3 +297,69 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
     assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr[-2000:]
     # 141 (128 + SIGPIPE, as a C tool killed by it) when head left first; 0 when the whole table fit the pipe
     assert p.stdout.count("\n") == 1 and p.returncode in (0, 141), p.returncode
+
+
+def test_a_log_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """`hpcdist logs JOB | head -1` said `hpcdist: logs: cannot read None: Broken pipe` (exit 2): logs took the
+    closed stdout for an unreadable log. Since issue 26.6 every command's closed pipe ends the one way."""
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "123_0_log.out").write_text("a line of the log\n" * 200_000)
+    cmd = f"{sys.executable} -m hpcdist logs 123 --run-dir {tmp_path} | head -1"
+    p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.stderr == "" and p.stdout == "a line of the log\n", p.stderr[-2000:]
+    assert p.returncode in (0, 141), p.returncode
+
+
+# ------------------------------------------------------------------------------------- thin CLI (issue 26.6)
+
+
+def test_cli_holds_no_command_body() -> None:
+    """Issue 26.6: hpcdist/cli.py is argparse, dispatch and the one error wrapper; each command's body lives beside
+    its library and refuses through CommandError (the one place that prints ``hpcdist: <line>`` is cli._fail)."""
+    import ast
+    import importlib
+
+    tree = ast.parse((REPO / "hpcdist" / "cli.py").read_text())
+    functions = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert not {f for f in functions if f.startswith("cmd_")}, functions
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "_fail"]
+    assert len(calls) <= 4, f"{len(calls)} _fail calls in cli.py: raise hpcdist.errors.CommandError in the command"
+    for name, target in cli.COMMANDS.items():
+        assert isinstance(target, str) and not target.startswith("hpcdist.cli"), (name, target)
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), target
+
+
+def test_help_of_every_command_imports_no_command_module() -> None:
+    """``hpcdist X --help`` stays instant: parsing imports none of the command modules (nor torch)."""
+    modules = sorted({t.partition(":")[0] for t in cli.COMMANDS.values() if isinstance(t, str)})
+    commands = [c for c in cli.COMMANDS if c != "dry-run"]
+    code = (
+        "import sys\nfrom hpcdist import cli\n"
+        f"for c in {commands!r}:\n"
+        "    try:\n        cli._parser().parse_args([*c.split(), *(['train'] if c == 'tokenizer' else []), '--help'])\n"
+        "    except SystemExit:\n        pass\n"
+        f"print(sorted(m for m in sys.modules if m in {modules!r} or m == 'torch'))"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout[-500:]
+
+
+def test_refusing_turns_the_named_errors_into_one_line_and_lets_others_pass() -> None:
+    from hpcdist.config import ConfigError
+    from hpcdist.errors import CommandError, refusing
+
+    def raising(e: BaseException) -> Callable[[], int]:
+        @refusing("thing", ValueError, OSError, passing=(ConfigError,))
+        def command() -> int:
+            raise e
+
+        return command
+
+    with pytest.raises(CommandError) as info:
+        raising(ValueError("bad value"))()
+    assert (info.value.message, info.value.code) == ("thing: bad value", 2)
+    for passes in (ConfigError("its own line"), BrokenPipeError(), KeyError("a bug"), KeyboardInterrupt()):
+        with pytest.raises(type(passes)):
+            raising(passes)()

@@ -42,3 +42,31 @@ def test_meter_busy_time_is_the_union_of_spans() -> None:
         m.add_span(*span)
     assert m.take() == (100, 2.5)
     assert m.take() == (0, 0.0)  # taken: reset
+
+
+def test_the_all_reduce_counter_is_installed_only_inside_its_window() -> None:
+    """The meter counts what the hooks hand to ``dist.all_reduce``; that wrapper exists only while the strategy's
+    backward runs (``CommHook.counting``), never process-wide for the rest of the process's life."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcdist.parallel.comm_hooks import CommHook
+
+    original = dist.all_reduce
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        hook = CommHook("allreduce")
+        assert dist.all_reduce is original  # building the hook patches nothing
+        with hook.counting():
+            assert dist.all_reduce is not original
+            dist.all_reduce(torch.ones(10), group=hook.group)  # the hook's group: 40 bytes
+            dist.all_reduce(torch.ones(7))  # the default group: not the hook's traffic
+        assert dist.all_reduce is original  # undone
+        assert hook.meter.take()[0] == 40
+        dist.all_reduce(torch.ones(10), group=hook.group)
+        assert hook.meter.take()[0] == 0  # outside the window nothing is counted
+        with pytest.raises(RuntimeError), hook.counting():
+            raise RuntimeError("a failed backward")
+        assert dist.all_reduce is original  # undone on the way out of an error too
+    finally:
+        dist.destroy_process_group()

@@ -26,7 +26,7 @@ from hpcdist.config import (
     parse_overrides,
     save,
 )
-from hpcdist.models.llama import ModelArgs, load_preset, preset_names
+from hpcdist.models.args import ModelArgs, load_preset, preset_names
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"  # user-facing example jobs only; presets and profiles ship in hpcdist/resources/
@@ -253,6 +253,15 @@ def test_unknown_key_without_close_match_still_lists_valid_keys() -> None:
         assert key in msg
 
 
+def test_a_moved_key_is_refused_naming_its_new_place(tmp_path: Path) -> None:
+    # parallel.bucket_cap_mb moved into parallel.ddp (issue 26): one line that says where, from either source
+    line = "parallel.bucket_cap_mb: moved to parallel.ddp.bucket_cap_mb; set that instead"
+    assert _one_problem(["parallel.bucket_cap_mb=10"], line) == line
+    path = _write(tmp_path / "job.yaml", "parallel:\n  bucket_cap_mb: 10\n")
+    assert _one_problem([], line, path=path) == line
+    assert config_mod.load(None, ["parallel.ddp.bucket_cap_mb=10"]).parallel.ddp.bucket_cap_mb == 10
+
+
 def test_unknown_model_key_lists_model_fields() -> None:
     msg = _one_problem(["model.n_head=4"], "model.n_head: unknown key", "did you mean 'n_heads'?")
     assert "preset" in msg and "n_kv_heads" in msg
@@ -400,7 +409,7 @@ def test_invalid_choice_lists_the_options(override: str, key: str, options: tupl
         "optim.lr=-0.001",
         "logging.every_steps=0",
         "checkpoint.keep_last=0",
-        "parallel.bucket_cap_mb=0",
+        "parallel.ddp.bucket_cap_mb=0",
     ],
 )
 def test_non_positive_number(override: str) -> None:
@@ -557,8 +566,16 @@ def test_every_problem_is_reported_in_one_error(tmp_path: Path) -> None:
     ]
     problems = _problems(path, overrides)
     assert len(problems) == 8, problems  # the 7 overrides + the unknown YAML section
-    expected = ["bogus:", "train.stepz:", "optim.lr:", "optim.schedule:", "data.path:", "'trainsteps=3'",
-                "train.global_batch_size (20)", "model.dim=250"]  # fmt: skip
+    expected = [
+        "bogus:",
+        "train.stepz:",
+        "optim.lr:",
+        "optim.schedule:",
+        "data.path:",
+        "'trainsteps=3'",
+        "train.global_batch_size (20)",
+        "model.dim=250",
+    ]
     for frag in expected:
         assert sum(frag in p for p in problems) == 1, (frag, problems)
 
@@ -622,9 +639,16 @@ def test_save_round_trips_and_leaves_no_temp_file(tmp_path: Path) -> None:
     (resume / "COMPLETE").write_text("{}")
     cfg = load(
         CONFIGS / "demo.yaml",
-        [f"run.dir={tmp_path / 'run'}", f"checkpoint.resume={resume}", "data.max_tokens=null", "optim.eps=1e-9",
-         "model.n_kv_heads=null", "train.compile=true", "logging.peak_flops=1e11"],
-    )  # fmt: skip
+        [
+            f"run.dir={tmp_path / 'run'}",
+            f"checkpoint.resume={resume}",
+            "data.max_tokens=null",
+            "optim.eps=1e-9",
+            "model.n_kv_heads=null",
+            "train.compile=true",
+            "logging.peak_flops=1e11",
+        ],
+    )
     out = tmp_path / "run" / "nested" / "config.yaml"
     assert save(cfg, out) == out
     assert load(out) == cfg

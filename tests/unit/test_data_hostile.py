@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from hpcdist.cli import main
+from hpcdist.config.dataset_meta import load_meta, withdraw_meta, write_meta
 from hpcdist.data import TokenDataset, prepare_shards, stdlib_corpus
 from tests.conftest import SMALL
 
@@ -70,9 +71,20 @@ def _cli(capfd: pytest.CaptureFixture[str], *argv: str | os.PathLike[str]) -> tu
 
 
 def _train_args(run_dir: Path, data: Path, *extra: str) -> list[str]:
-    return ["train", str(ROOT / "configs/demo.yaml"), *SMALL, f"run.dir={run_dir}", "data.source=files",
-            f"data.path={data}", "train.steps=1", "train.global_batch_size=4", "train.micro_batch_size=4",
-            "data.val_fraction=0", "train.eval_every_steps=0", *extra]  # fmt: skip
+    return [
+        "train",
+        str(ROOT / "configs/demo.yaml"),
+        *SMALL,
+        f"run.dir={run_dir}",
+        "data.source=files",
+        f"data.path={data}",
+        "train.steps=1",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=4",
+        "data.val_fraction=0",
+        "train.eval_every_steps=0",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -172,7 +184,10 @@ EDITS: dict[str, tuple[Callable[[Path], None], set[str], str]] = {
     "same-size byte flip": (lambda d: _set_token(d, 2, 5, 97), NONE, "shard-00002.bin: its sha256"),
     "id 60000 where no window reads": (lambda d: _set_token(d, 3, SHARD - 1, 60000), NONE, "token id 60000"),
     "id past vocab, no checksums": (
-        lambda d: (_edit_meta(_strip_checksums)(d), _set_token(d, 0, 7, 300)), NONE, "token id 300"),
+        lambda d: (_edit_meta(_strip_checksums)(d), _set_token(d, 0, 7, 300)),
+        NONE,
+        "token id 300",
+    ),
     "uint32 meta over uint16 shards": (_edit_meta(_as_uint32), NONE, "past vocab_size=258"),
     "dtype int8": (_edit_meta(lambda m: m.update(dtype="int8")), NONE, "dtype='int8'"),
     "negative count": (_edit_meta(lambda m: m["shards"][0].update(tokens=-5)), NONE, "shards[0].tokens=-5"),
@@ -202,8 +217,11 @@ EDITS: dict[str, tuple[Callable[[Path], None], set[str], str]] = {
     "meta is a directory": (_replace("meta.json", Path.mkdir), NONE, "meta.json is a directory"),
     "tokenizer kind unknown": (_edit_meta(lambda m: m["tokenizer"].update(kind="evil")), TRAIN, ""),
     "tokenizer file escapes": (
-        _edit_meta(lambda m: m["tokenizer"].update(kind="hf", files={"../../../etc/passwd": "0" * 64})), TRAIN, ""),
-}  # fmt: skip
+        _edit_meta(lambda m: m["tokenizer"].update(kind="hf", files={"../../../etc/passwd": "0" * 64})),
+        TRAIN,
+        "",
+    ),
+}
 
 
 @pytest.fixture(scope="session")
@@ -324,6 +342,21 @@ def test_prepare_records_each_shards_sha256_and_largest_id(base: Path) -> None:
         ids = np.fromfile(base / s["name"], dtype="<u2")
         assert s["sha256"] == hashlib.sha256(ids.tobytes()).hexdigest()
         assert s["max_id"] == int(ids.max()) < meta["vocab_size"]
+
+
+def test_meta_json_is_written_by_the_module_that_reads_it(base: Path, tmp_path: Path) -> None:
+    """Issue 26.5: one module owns meta.json: what a preparation writes is what the readers accept, and a document
+    they would refuse is never written (a writer's bug shows at once, not on every rank at the next run)."""
+    doc = _meta(base)
+    written = write_meta(tmp_path, {k: v for k, v in doc.items() if k != "format"})
+    assert _meta(tmp_path) == doc  # the same bytes' worth: format first, the fields as given
+    assert load_meta(tmp_path).shards == written.shards
+    bad = {**doc, "num_tokens": doc["num_tokens"] + 1}
+    bad.pop("format")
+    withdraw_meta(tmp_path)
+    with pytest.raises(ValueError, match=r"refusing to write an invalid meta\.json.*num_tokens"):
+        write_meta(tmp_path, bad)
+    assert not (tmp_path / "meta.json").exists()
 
 
 def test_a_tokenizer_producing_ids_past_its_vocabulary_writes_no_shard(tmp_path: Path) -> None:
@@ -502,8 +535,9 @@ def test_a_lone_surrogate_becomes_a_replacement_character(
 ) -> None:
     """Issue 25.9: "\\ud800" in a JSON line made the HF tokenizer raise TypeError ("unexpected error")."""
     spec = "byte" if tokenizer == "byte" else str(bpe_corpus_dir)
-    rc, text, _ = _cli(capfd, "prepare", *_surrogate(tmp_path), "--tokenizer", spec, "--out", tmp_path / "o",
-                       "--workers", "1")  # fmt: skip
+    rc, text, _ = _cli(
+        capfd, "prepare", *_surrogate(tmp_path), "--tokenizer", spec, "--out", tmp_path / "o", "--workers", "1"
+    )
     assert rc == 0, text
     if tokenizer == "byte":
         ids = np.fromfile(tmp_path / "o" / "shard-00000.bin", dtype="<u2")
@@ -549,7 +583,8 @@ def test_prepare_with_workers_stopped_by_max_tokens_never_hangs(tmp_path: Path) 
     """Issue 25.9: --workers 2 --max-tokens hung about 1 run in 6 (Pool.terminate() with batches in flight). 50 runs
     in a row, each batch bigger than a pipe holds and several in flight when --max-tokens stops the reading."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _STRESS, str(tmp_path)], capture_output=True, text=True, timeout=120,
-                          env=env, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _STRESS, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout.strip())

@@ -14,7 +14,7 @@ import yaml
 
 from hpcdist import resources
 from hpcdist.diagnostics import collectives, finder, report, verdict
-from hpcdist.diagnostics.cli import _without_nproc, build_parser, parse_size
+from hpcdist.diagnostics.cli import _without_nproc, build_parser, parse_message_size
 from hpcdist.diagnostics.faults import Faults
 from hpcdist.diagnostics.watchdog import Hang
 
@@ -95,8 +95,13 @@ def test_plan_measures_one_pair_per_node_then_each_host_pair_both_ways() -> None
     assert [r.name for r in host_steps] == ["hosts round 1a", "hosts round 1b"]
     first = host_steps[0].transfers
     assert {r: (t.peer, t.mode) for r, t in first.items()} == {
-        0: (3, "send"), 1: (4, "send"), 2: (5, "send"), 3: (0, "recv"), 4: (1, "recv"), 5: (2, "recv"),
-    }  # fmt: skip
+        0: (3, "send"),
+        1: (4, "send"),
+        2: (5, "send"),
+        3: (0, "recv"),
+        4: (1, "recv"),
+        5: (2, "recv"),
+    }
     assert finder.host_plan(["solo"]) == []
 
 
@@ -125,11 +130,13 @@ def test_throttled_host_is_named_by_its_receive_side() -> None:
 def test_bandwidths_from_gathered_transfers() -> None:
     # rank 0 and 1 exchanged on host a; rank 0 (a) then sent to rank 2 (b)
     per_rank = [
-        [{"tag": "rank", "peer": 1, "mode": "both", "seconds": [0.004, 0.002]},
-         {"tag": "host a -> b", "peer": 2, "mode": "send", "seconds": [0.001]}],
+        [
+            {"tag": "rank", "peer": 1, "mode": "both", "seconds": [0.004, 0.002]},
+            {"tag": "host a -> b", "peer": 2, "mode": "send", "seconds": [0.001]},
+        ],
         [{"tag": "rank", "peer": 0, "mode": "both", "seconds": [0.001, 0.003]}],
         [{"tag": "host a -> b", "peer": 0, "mode": "recv", "seconds": [0.010, 0.005]}],
-    ]  # fmt: skip
+    ]
     assert finder.rank_pair_bandwidth(per_rank, 1000) == {(0, 1): pytest.approx(1000 / 0.002 / 1e9)}
     assert finder.host_link_bandwidth(per_rank, ["a", "a", "b"], 1000) == {("a", "b"): pytest.approx(2e-4)}
     assert finder.exclude_flag(["n2", "n1", "n2"]) == "--exclude=n1,n2" and finder.exclude_flag([]) is None
@@ -183,15 +190,35 @@ def test_report_helpers() -> None:
 
 
 def test_sweep_table_has_the_nccl_tests_columns() -> None:
-    row = {"size": 1024, "count": 256, "type": "float", "redop": "sum", "root": -1,
-           "in": {"time_us": 10.0, "algbw": 0.1, "busbw": 0.15, "wrong": 0}}  # fmt: skip
-    text = report.sweep_text({"op": "all_reduce", "scope": "intra-node", "describe": "4 ranks", "rows": [row],
-                              "by_host": {"n1": [row]}})  # fmt: skip
+    row = {
+        "size": 1024,
+        "count": 256,
+        "type": "float",
+        "redop": "sum",
+        "root": -1,
+        "in": {"time_us": 10.0, "algbw": 0.1, "busbw": 0.15, "wrong": 0},
+    }
+    text = report.sweep_text(
+        {"op": "all_reduce", "scope": "intra-node", "describe": "4 ranks", "rows": [row], "by_host": {"n1": [row]}}
+    )
     lines = text.splitlines()
     assert "out-of-place" in lines[1] and "in-place" in lines[1]
     assert lines[2].split()[1:] == ["size", "count", "type", "redop", "root", *["time", "algbw", "busbw", "#wrong"] * 2]
-    assert lines[4].split() == ["1024", "256", "float", "sum", "-1", "N/A", "N/A", "N/A", "N/A", "10.0", "0.10",
-                                "0.15", "0"]  # fmt: skip
+    assert lines[4].split() == [
+        "1024",
+        "256",
+        "float",
+        "sum",
+        "-1",
+        "N/A",
+        "N/A",
+        "N/A",
+        "N/A",
+        "10.0",
+        "0.10",
+        "0.15",
+        "0",
+    ]
 
 
 def test_json_document_keeps_every_number(tmp_path: Path) -> None:
@@ -214,9 +241,13 @@ def test_hang_lines_name_the_missing_rank() -> None:
 
 
 def test_fault_switches_are_parsed_in_one_place() -> None:
-    env = {"HPCDIST_NCCL_CHECK_INJECT_WRONG_RANK": "1", "HPCDIST_NCCL_CHECK_DELAY_RANK": "2",
-           "HPCDIST_NCCL_CHECK_DELAY_S": "0.5", "HPCDIST_NCCL_CHECK_HANG_RANK": "3",
-           "HPCDIST_NCCL_CHECK_HANG_AT": "join"}  # fmt: skip
+    env = {
+        "HPCDIST_NCCL_CHECK_INJECT_WRONG_RANK": "1",
+        "HPCDIST_NCCL_CHECK_DELAY_RANK": "2",
+        "HPCDIST_NCCL_CHECK_DELAY_S": "0.5",
+        "HPCDIST_NCCL_CHECK_HANG_RANK": "3",
+        "HPCDIST_NCCL_CHECK_HANG_AT": "join",
+    }
     faults = Faults.from_environ(env)
     assert faults == Faults(wrong_rank=1, delay_rank=2, delay_s=0.5, hang_rank=3, hang_at="join")
     assert len(faults.describe()) == 3 and Faults.from_environ({}).describe() == []
@@ -237,10 +268,11 @@ def test_fault_switches_are_parsed_in_one_place() -> None:
 
 
 def test_cli_parsing() -> None:
-    assert parse_size("8") == 8 and parse_size("64K") == 65536 and parse_size("16MiB") == 16 << 20
-    assert parse_size("1G") == 1 << 30 and parse_size("2kb") == 2048
+    assert parse_message_size("8") == 8 and parse_message_size("64K") == 65536
+    assert parse_message_size("16MiB") == 16 << 20
+    assert parse_message_size("1G") == 1 << 30 and parse_message_size("2kb") == 2048
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_size("lots")
+        parse_message_size("lots")
     args = build_parser().parse_args(["--ops", "all_reduce,sendrecv", "-e", "1M", "--nproc", "4"])
     assert args.ops == ("all_reduce", "sendrecv") and args.max_bytes == 1 << 20 and args.nproc == 4
     with pytest.raises(SystemExit):

@@ -53,10 +53,20 @@ def record(
     make_host(root, ifaces or {"eth0": "up", "lo": "unknown"}, hcas)
     addrs = addrs if addrs is not None else {"eth0": f"10.0.0.{rank + 1}", "lo": "127.0.0.1"}
     env = DistEnv(
-        rank=rank, local_rank=0, world_size=world, local_world_size=world // nodes, node_rank=rank * nodes // world,
-        num_nodes=nodes, master_addr=master, master_port=29500, device="cpu", backend="gloo", launcher="slurm",
-        job_id="7", hostname=host,
-    )  # fmt: skip
+        rank=rank,
+        local_rank=0,
+        world_size=world,
+        local_world_size=world // nodes,
+        node_rank=rank * nodes // world,
+        num_nodes=nodes,
+        master_addr=master,
+        master_port=29500,
+        device="cpu",
+        backend="gloo",
+        launcher="slurm",
+        job_id="7",
+        hostname=host,
+    )
     resolved = resolves_to if resolves_to is not None else [addrs.get("eth0", "127.0.1.1")]
     return collect_local(env, environ=environ or {}, sysfs_root=root, ipv4=addrs.get, resolve=lambda h: resolved)
 
@@ -71,20 +81,33 @@ def codes(found: list[audit.Finding], severity: str | None = None) -> list[str]:
 @pytest.mark.parametrize(
     ("name", "secret"),
     [
-        ("HF_TOKEN", True), ("NCCL_TEST_TOKEN", True), ("AWS_SECRET_ACCESS_KEY", True), ("FI_EFA_API_KEY", True),
-        ("GLOO_PASSWORD", True), ("WANDB_APIKEY", True), ("NCCL_IB_PKEY", False), ("NCCL_SOCKET_IFNAME", False),
-        ("NCCL_KEYS_TO_DUMP", False), ("TORCH_NCCL_DUMP_ON_TIMEOUT", False),
+        ("HF_TOKEN", True),
+        ("NCCL_TEST_TOKEN", True),
+        ("AWS_SECRET_ACCESS_KEY", True),
+        ("FI_EFA_API_KEY", True),
+        ("GLOO_PASSWORD", True),
+        ("WANDB_APIKEY", True),
+        ("NCCL_IB_PKEY", False),
+        ("NCCL_SOCKET_IFNAME", False),
+        ("NCCL_KEYS_TO_DUMP", False),
+        ("TORCH_NCCL_DUMP_ON_TIMEOUT", False),
     ],
-)  # fmt: skip
+)
 def test_secret_looking_names(name: str, secret: bool) -> None:
     assert is_secret(name) is secret
 
 
 def test_collected_variables_mask_secrets_and_skip_unrelated_ones() -> None:
     env = {
-        "NCCL_DEBUG": "WARN", "NCCL_TEST_TOKEN": "hunter2", "GLOO_SOCKET_IFNAME": "eth0", "FI_PROVIDER": "efa",
-        "TORCH_NCCL_BLOCKING_WAIT": "1", "NCCL_IB_PKEY": "0x8001", "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "x",
-    }  # fmt: skip
+        "NCCL_DEBUG": "WARN",
+        "NCCL_TEST_TOKEN": "hunter2",
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "FI_PROVIDER": "efa",
+        "TORCH_NCCL_BLOCKING_WAIT": "1",
+        "NCCL_IB_PKEY": "0x8001",
+        "HOME": "/root",
+        "AWS_SECRET_ACCESS_KEY": "x",
+    }
     shown = masked_environ(env)
     assert shown["NCCL_TEST_TOKEN"] == MASK and "hunter2" not in shown.values()
     assert shown["NCCL_IB_PKEY"] == "0x8001" and shown["GLOO_SOCKET_IFNAME"] == "eth0"
@@ -113,8 +136,14 @@ def test_collector_reads_interfaces_and_hcas_from_sysfs(tmp_path: Path) -> None:
     rec = record(tmp_path, "node-a", hcas={"mlx5_0": ("4: ACTIVE", "InfiniBand"), "mlx5_1": ("1: DOWN", "Ethernet")})
     eth0 = next(i for i in rec["interfaces"] if i["name"] == "eth0")
     lo = next(i for i in rec["interfaces"] if i["name"] == "lo")
-    assert eth0 == {"name": "eth0", "state": "up", "mtu": 1500, "speed_mbps": 100000, "ipv4": "10.0.0.1",
-                    "loopback": False}  # fmt: skip
+    assert eth0 == {
+        "name": "eth0",
+        "state": "up",
+        "mtu": 1500,
+        "speed_mbps": 100000,
+        "ipv4": "10.0.0.1",
+        "loopback": False,
+    }
     assert lo["loopback"] and lo["ipv4"] == "127.0.0.1"
     assert [(p["hca"], p["state"], p["rate"], p["link_layer"]) for p in rec["ib"]] == [
         ("mlx5_0", "4: ACTIVE", "200 Gb/sec (4X HDR)", "InfiniBand"),
@@ -202,8 +231,13 @@ def test_proxy_dump_signal_equal_to_the_requeue_signal(tmp_path: Path, value: st
 
 def _as_gpu_node(rec: dict[str, Any], gpus: int) -> dict[str, Any]:
     """What the collector records on a CUDA build with ``gpus`` GPUs (nvidia-smi -L lines) on the node."""
-    rec["gpus"] = {"cuda_build": True, "count": gpus, "names": ["NVIDIA A100-SXM4-80GB"] * gpus, "device": None,
-                   "physical": gpus}  # fmt: skip
+    rec["gpus"] = {
+        "cuda_build": True,
+        "count": gpus,
+        "names": ["NVIDIA A100-SXM4-80GB"] * gpus,
+        "device": None,
+        "physical": gpus,
+    }
     rec["backend"] = "nccl"
     return rec
 

@@ -13,12 +13,21 @@ from hpcdist import config as config_mod
 from hpcdist.config import ConfigError, check_world
 from hpcdist.data import BatchLoader, ResumableSampler
 from hpcdist.models import build_model
-from hpcdist.models.llama import ModelArgs
+from hpcdist.models.args import ModelArgs
 from hpcdist.parallel.dims import SCHEDULES, ParallelDims, layout_problems, parallel_dims, resolve_degrees
 from hpcdist.parallel.pp import part_costs, split_layers, split_model, stage_ids
 
-THREE_D = ["parallel.strategy=3d", "model.n_layers=4", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-           "model.ffn_dim=128", "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=1"]  # fmt: skip
+THREE_D = [
+    "parallel.strategy=3d",
+    "model.n_layers=4",
+    "model.dim=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "data.seq_len=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=1",
+]
 
 
 def _cfg(*over: str) -> config_mod.JobConfig:
@@ -89,16 +98,21 @@ def test_hsdp_splits_dp() -> None:
         (("parallel.strategy=fsdp", "parallel.fsdp.replicate=2"), (1, 8, 1, 2), "hsdp"),
         (("parallel.dp=-1",), (1, 8, 1, 1), "fsdp"),  # 3d with pp = tp = 1 is fsdp: the same degrees
         (("parallel.pp=2", "parallel.dp=-1", "parallel.tp=2", "parallel.fsdp.replicate=2"), (2, 2, 2, 2), "hsdp"),
-        (("parallel.strategy=zero",), (1, 8, 1, 1), "fsdp"),
+        (("parallel.strategy=zero",), (1, 8, 1, 1), "zero"),  # DeepSpeed partitions; no FSDP, no mesh
     ],
 )
 def test_every_strategy_is_degrees_of_one_parallel_dims(over: tuple[str, ...], degrees: tuple, kind: str) -> None:
     """parallel.strategy is an alias for degrees (one function); what runs follows from the degrees alone."""
     dims = parallel_dims(_cfg(*over), 8)
     assert (dims.pp, dims.dp, dims.tp, dims.dp_replicate) == degrees
-    flags = {"ddp": dims.ddp_enabled, "fsdp": dims.fsdp_enabled and not dims.hsdp_enabled, "hsdp": dims.hsdp_enabled}
+    flags = {
+        "ddp": dims.ddp_enabled,
+        "fsdp": dims.fsdp_enabled and not dims.hsdp_enabled,
+        "hsdp": dims.hsdp_enabled,
+        "zero": dims.zero_enabled,
+    }
     assert [k for k, on in flags.items() if on] == [kind]
-    assert dims.needs_mesh == (kind != "ddp")
+    assert dims.needs_mesh == (kind not in ("ddp", "zero"))
 
 
 @pytest.mark.parametrize("over", [("parallel.strategy=fsdp",), ("parallel.dp=-1",)])
@@ -184,9 +198,14 @@ def test_every_schedule_has_complete_rules() -> None:
         spr = 2 if info.multi_stage else 1
         args = dict(pp=2, dp=1, tp=1, world_size=2, n_layers=4, n_heads=4, n_kv_heads=4, dim=64, ffn_dim=128)
         ok = layout_problems(
-            **args, seq_len=32, tie_embeddings=False, schedule=name, stages_per_rank=spr, global_batch_size=8,
+            **args,
+            seq_len=32,
+            tie_embeddings=False,
+            schedule=name,
+            stages_per_rank=spr,
+            global_batch_size=8,
             micro_batch_size=2,
-        )  # fmt: skip
+        )
         assert ok == [], (name, ok)
 
 
@@ -284,9 +303,13 @@ def test_plan_applies_on_meta_with_a_fake_process_group() -> None:
         stage = split_model(model, layers[1], first=False, last=True)
         apply_tp(stage, meshes["tp"], loss_parallel=True)
         apply_fsdp(
-            stage, meshes["fsdp"], param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reshard_after_forward=False,
+            stage,
+            meshes["fsdp"],
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            reshard_after_forward=False,
             cpu_offload=False,
-        )  # fmt: skip
+        )
         wq = stage.layers["2"].attention.wq.weight
         assert isinstance(wq, DTensor) and wq.is_meta and wq.shape == (64, 64)
         assert wq.to_local().shape == (8, 64)  # 64 rows / tp 4 / dp 2

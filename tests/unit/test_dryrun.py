@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from hpcdist import config as config_mod
 from hpcdist.cli import main
-from hpcdist.models.llama import build_model, num_params
+from hpcdist.models import build_model, num_params
 from hpcdist.planning.dryrun import dry_run, parse_ranks
 from tests.conftest import SMALL
 
@@ -45,7 +45,7 @@ def test_hsdp_each_replica_holds_the_model_once():
     total = report.total_params
     assert [r.coords for r in report.counts] == [f"replicate {i // 2}, shard {i % 2}" for i in range(4)]
     assert sum(r.params for r in report.counts[:2]) == sum(r.params for r in report.counts[2:]) == total
-    assert "hsdp: 2 replicas x 2-way" in report.text()
+    assert "layout: hsdp 2 x 2;" in report.text()  # the one describer (config.layout.LayoutDegrees)
 
 
 def test_ddp_and_zero_counts():
@@ -54,8 +54,9 @@ def test_ddp_and_zero_counts():
     assert [r.rank for r in ddp.counts] == [0, 2, 3]  # default: first, middle, last
     assert all(r.params == r.optimizer_params == total for r in ddp.counts)
     sizes = [p.numel() for p in build_model(cfg().model_args()).parameters()]
-    z3 = dry_run(cfg("parallel.strategy=zero", "parallel.zero.stage=3", "parallel.zero.param_persistence_threshold=0"),
-                 4)  # fmt: skip
+    z3 = dry_run(
+        cfg("parallel.strategy=zero", "parallel.zero.stage=3", "parallel.zero.param_persistence_threshold=0"), 4
+    )
     assert all(r.params == r.optimizer_params == sum(math.ceil(n / 4) for n in sizes) for r in z3.counts)
     z1 = dry_run(cfg("parallel.strategy=zero", "parallel.zero.stage=1"), 4)
     assert all(r.params == total and r.optimizer_params == math.ceil(total / 4) for r in z1.counts)
@@ -73,7 +74,7 @@ def test_3d_counts_differ_by_stage_and_cover_the_model():
     # over tp (sequence parallel), so they count tp = 2 times
     norms = (2 * args.n_layers + 1) * args.dim
     assert sum(r.params for r in report.counts) == num_params(args) + norms
-    assert "3d: pp=2 x dp=2 x tp=2 = 8 ranks, schedule 1F1B" in report.text()
+    assert "layout: 3d pp2 x dp2 x tp2, 1F1B, 2 stages;" in report.text()
     default = dry_run(c, 8)  # first, middle, last and the first rank of every stage
     assert [r.rank for r in default.counts] == [0, 4, 7]
 

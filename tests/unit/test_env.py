@@ -1,4 +1,5 @@
-"""hpcdist.env: nodelist expansion, rendezvous port, DistEnv detection, process-group setup."""
+"""hpcdist.env and the SLURM module it reads through (hpcdist.schedulers.slurm): nodelist expansion, rendezvous port,
+DistEnv detection, process-group setup."""
 
 import dataclasses
 import datetime
@@ -20,13 +21,13 @@ from hpcdist.env import (
     EXPORTED_VAR,
     DistEnv,
     destroy_process_group,
-    expand_nodelist,
     export_environ,
     from_environ,
-    hostnames,
     init_process_group,
     port_from_job_id,
 )
+from hpcdist.schedulers import slurm
+from hpcdist.schedulers.slurm import expand_nodelist, hostnames
 
 # ------------------------------------------------------------------------------------------------ helpers
 
@@ -42,9 +43,15 @@ def no_scontrol(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 # What torchrun gives every worker, and what export_environ writes.
 TORCHRUN_NAMES = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
     "MASTER_PORT",
-)  # fmt: skip
+)
 
 
 @pytest.fixture
@@ -163,11 +170,28 @@ EXPANSIONS = [
     ("a[1-2][3-4]", ["a13", "a14", "a23", "a24"]),
     # issue 14.7: with 3+ groups scontrol varies the last fastest, then the first, second, ...
     ("a[1-2]b[1-2]c[1-2]", ["a1b1c1", "a1b1c2", "a2b1c1", "a2b1c2", "a1b2c1", "a1b2c2", "a2b2c1", "a2b2c2"]),
-    ("r[1-3]n[1-2]g[0-1]", ["r1n1g0", "r1n1g1", "r2n1g0", "r2n1g1", "r3n1g0", "r3n1g1",
-                            "r1n2g0", "r1n2g1", "r2n2g0", "r2n2g1", "r3n2g0", "r3n2g1"]),
-    ("a[1-2]b[1-2]c[1-2]d[1]", ["a1b1c1d1", "a2b1c1d1", "a1b2c1d1", "a2b2c1d1",
-                                "a1b1c2d1", "a2b1c2d1", "a1b2c2d1", "a2b2c2d1"]),
-]  # fmt: skip
+    (
+        "r[1-3]n[1-2]g[0-1]",
+        [
+            "r1n1g0",
+            "r1n1g1",
+            "r2n1g0",
+            "r2n1g1",
+            "r3n1g0",
+            "r3n1g1",
+            "r1n2g0",
+            "r1n2g1",
+            "r2n2g0",
+            "r2n2g1",
+            "r3n2g0",
+            "r3n2g1",
+        ],
+    ),
+    (
+        "a[1-2]b[1-2]c[1-2]d[1]",
+        ["a1b1c1d1", "a2b1c1d1", "a1b2c1d1", "a2b2c1d1", "a1b1c2d1", "a2b1c2d1", "a1b2c2d1", "a2b2c2d1"],
+    ),
+]
 
 
 @pytest.mark.parametrize(("nodelist", "expected"), EXPANSIONS)
@@ -241,7 +265,7 @@ def test_hostnames_falls_back_when_scontrol_fails(no_scontrol: Path, body: str) 
 
 def test_hostnames_survives_hanging_scontrol(no_scontrol: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_scontrol(no_scontrol, "exec sleep 30")  # exec: the timeout kill reaches the sleeping process
-    monkeypatch.setattr(envmod, "SCONTROL_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(slurm, "SCONTROL_TIMEOUT_S", 0.2)
     assert hostnames("n[1-2]") == ["n1", "n2"]
 
 
@@ -309,8 +333,23 @@ def test_scontrol_agrees_with_parser(scontrol: str) -> None:
 # lists scontrol refuses, which the parser used to accept (a name after the last group, a newline after a group)
 # or expanded in another order; scontrol's quirks the parser refuses on purpose ("a\nb" as one host, blanks counted
 # in the padding) are not compared
-@pytest.mark.parametrize("nodelist", ["a[1-3]b", "[1-2]a", "a[1-2]-", "a[1-2]\n", "a[1-2]\nb", "a[0-65536]",
-                                      "a[5-2]", "a[]", "a[1,,2]", "a[1-2-3]", "a[[1-2]]", "a[1-2]]"])  # fmt: skip
+@pytest.mark.parametrize(
+    "nodelist",
+    [
+        "a[1-3]b",
+        "[1-2]a",
+        "a[1-2]-",
+        "a[1-2]\n",
+        "a[1-2]\nb",
+        "a[0-65536]",
+        "a[5-2]",
+        "a[]",
+        "a[1,,2]",
+        "a[1-2-3]",
+        "a[[1-2]]",
+        "a[1-2]]",
+    ],
+)
 def test_parser_refuses_what_scontrol_refuses(scontrol: str, nodelist: str) -> None:
     assert _scontrol(scontrol, nodelist) is None
     with pytest.raises(ValueError):
@@ -550,9 +589,15 @@ def test_export_gives_a_slurm_task_torchruns_variables(no_scontrol: Path, clean_
     e = from_environ(cuda_available=False)
     changed = export_environ(e)
     want = {
-        "RANK": "13", "LOCAL_RANK": "5", "WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "1",
-        "GROUP_WORLD_SIZE": "4", "MASTER_ADDR": "gpu010", "MASTER_PORT": str(port_from_job_id("4242")),
-    }  # fmt: skip
+        "RANK": "13",
+        "LOCAL_RANK": "5",
+        "WORLD_SIZE": "32",
+        "LOCAL_WORLD_SIZE": "8",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "4",
+        "MASTER_ADDR": "gpu010",
+        "MASTER_PORT": str(port_from_job_id("4242")),
+    }
     assert changed == want
     assert {name: os.environ[name] for name in TORCHRUN_NAMES} == want
     # a later from_environ in this process (or in a child that inherits os.environ) resolves the same DistEnv,
@@ -582,9 +627,18 @@ def _uneven_slurm() -> dict[str, str]:
         torchrun_vars(),
         {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"},  # torchrun-like launcher without the rest
     ],
-    ids=["srun", "srun-master", "srun-uneven", "srun-stale-rank", "single", "single-port", "sbatch", "torchrun",
-         "rank-vars"],
-)  # fmt: skip
+    ids=[
+        "srun",
+        "srun-master",
+        "srun-uneven",
+        "srun-stale-rank",
+        "single",
+        "single-port",
+        "sbatch",
+        "torchrun",
+        "rank-vars",
+    ],
+)
 def test_from_environ_after_export_is_the_same(
     no_scontrol: Path, clean_environ: pytest.MonkeyPatch, environ: dict[str, str]
 ) -> None:
@@ -616,8 +670,7 @@ def test_exported_values_changed_by_another_launcher_count_again(no_scontrol: Pa
     environ = slurm_step()
     export_environ(from_environ(environ, cuda_available=False), environ)
     # e.g. a test harness or DeepSpeed's launcher started in the task sets its own ranks: they are not ours anymore
-    environ.update(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
-                   GROUP_WORLD_SIZE="1")  # fmt: skip
+    environ.update(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", GROUP_WORLD_SIZE="1")
     e = from_environ(environ, cuda_available=False)
     assert (e.launcher, e.rank, e.world_size, e.num_nodes) == ("torchrun", 1, 2, 1)
     # under torchrun its variables decide, even where they equal an inherited export record
@@ -633,9 +686,19 @@ def test_task_of_a_nested_srun_resolves_its_own_step(no_scontrol: Path, caplog: 
     (including the step's first node as the rendezvous host), and its own export replaces the parent's quietly."""
     parent = slurm_step()
     export_environ(from_environ(parent, cuda_available=False), parent)
-    child = {**parent, **slurm_step(SLURM_STEP_ID="1", SLURM_STEP_NODELIST="gpu012", SLURM_STEP_NUM_NODES="1",
-                                    SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="2", SLURM_PROCID="1",
-                                    SLURM_LOCALID="1", SLURM_NODEID="0")}  # fmt: skip
+    child = {
+        **parent,
+        **slurm_step(
+            SLURM_STEP_ID="1",
+            SLURM_STEP_NODELIST="gpu012",
+            SLURM_STEP_NUM_NODES="1",
+            SLURM_STEP_NUM_TASKS="2",
+            SLURM_STEP_TASKS_PER_NODE="2",
+            SLURM_PROCID="1",
+            SLURM_LOCALID="1",
+            SLURM_NODEID="0",
+        ),
+    }
     e = from_environ(child, cuda_available=False)
     assert (e.launcher, e.rank, e.local_rank, e.world_size, e.master_addr) == ("slurm", 1, 1, 2, "gpu012")
     with caplog.at_level("WARNING", logger="hpcdist.env"):
@@ -684,9 +747,15 @@ def test_init_process_group_single_process_exports_but_joins_nothing(clean_envir
     assert not dist.is_initialized()
     # DeepSpeed asserts LOCAL_RANK even in one process: torchrun's variables are there all the same
     assert {name: os.environ[name] for name in TORCHRUN_NAMES} == {
-        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-        "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
-    }  # fmt: skip
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }
 
 
 def test_init_process_group_passes_env_to_torch(clean_environ: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from hpcdist.diagnostics.finder import exclude_flag
-from hpcdist.env import SlurmJob
 from hpcdist.fault.failures import (
     classify_exception,
     primary_failure,
@@ -40,6 +39,7 @@ from hpcdist.launch.restarts import (
     time_limit_decision,
 )
 from hpcdist.rundir import RunDir
+from hpcdist.schedulers import JobFacts
 
 REPO = Path(__file__).resolve().parents[2]
 # the texts torch 2.13's gloo raises when a peer process dies, and when a peer never answers
@@ -51,8 +51,16 @@ GLOO_TIMEOUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Ti
 
 
 def _policy(**kw) -> RestartPolicy:
-    base = dict(requeue=True, max_time_limit=10, max_preemptions=-1, max_failures=5, max_same_failure=3,
-                exclude_failed_nodes=True, max_excluded_nodes=2, exclude_nodes_file=None)  # fmt: skip
+    base = dict(
+        requeue=True,
+        max_time_limit=10,
+        max_preemptions=-1,
+        max_failures=5,
+        max_same_failure=3,
+        exclude_failed_nodes=True,
+        max_excluded_nodes=2,
+        exclude_nodes_file=None,
+    )
     return RestartPolicy(**{**base, **kw})
 
 
@@ -95,7 +103,7 @@ def test_primary_failure_prefers_the_culprit_over_earlier_peer_errors() -> None:
 
 def _append_many(run_dir: str, rank: int) -> None:
     for i in range(200):
-        record(run_dir, kind="exception", cause=f"boom {i} " + "x" * 300, rank=rank, job=SlurmJob("1", 0))
+        record(run_dir, kind="exception", cause=f"boom {i} " + "x" * 300, rank=rank, job=JobFacts("1", 0))
 
 
 def test_concurrent_appends_keep_whole_lines(tmp_path: Path) -> None:
@@ -110,28 +118,38 @@ def test_concurrent_appends_keep_whole_lines(tmp_path: Path) -> None:
 
 
 def test_preemptions_are_restarts_hpcdist_did_not_ask_for(tmp_path: Path) -> None:
-    job0, policy = SlurmJob("7", 0), _policy(max_preemptions=1)
+    job0, policy = JobFacts("7", 0), _policy(max_preemptions=1)
     assert begin_attempt(tmp_path, policy, job0, write=True) is None
     data = load_ledger(tmp_path, "7")
     assert data["policy"]["max_preemptions"] == 1 and "0" in data["attempts"]
     restarts.mark_time_limit(tmp_path, job0, reason=None)  # restart 1 is ours (time limit)
-    assert begin_attempt(tmp_path, policy, SlurmJob("7", 1), write=True) is None
-    assert begin_attempt(tmp_path, policy, SlurmJob("7", 2), write=True) is None  # restart 2: SLURM's own (1)
+    assert begin_attempt(tmp_path, policy, JobFacts("7", 1), write=True) is None
+    assert begin_attempt(tmp_path, policy, JobFacts("7", 2), write=True) is None  # restart 2: SLURM's own (1)
     # restart 3: a second one SLURM made by itself -> over fault.max_preemptions=1; every rank says so, before
     # or after rank 0 wrote this attempt's entry
-    assert "max_preemptions=1" in (begin_attempt(tmp_path, policy, SlurmJob("7", 3), write=False) or "")
-    assert "max_preemptions=1" in (begin_attempt(tmp_path, policy, SlurmJob("7", 3), write=True) or "")
-    assert "max_preemptions=1" in (begin_attempt(tmp_path, policy, SlurmJob("7", 3), write=False) or "")
+    assert "max_preemptions=1" in (begin_attempt(tmp_path, policy, JobFacts("7", 3), write=False) or "")
+    assert "max_preemptions=1" in (begin_attempt(tmp_path, policy, JobFacts("7", 3), write=True) or "")
+    assert "max_preemptions=1" in (begin_attempt(tmp_path, policy, JobFacts("7", 3), write=False) or "")
     data = load_ledger(tmp_path, "7")
     assert preemptions(data, 3) == 2 and data["stopped"]["restart"] == 3
     assert load_ledger(tmp_path, "8")["attempts"] == {}  # another job id: a fresh ledger
-    assert begin_attempt(tmp_path, policy, SlurmJob(None, 0), write=True) is None  # not SLURM: nothing to count
+    assert begin_attempt(tmp_path, policy, JobFacts(None, 0), write=True) is None  # not SLURM: nothing to count
 
 
 def test_time_limit_requeues_have_their_own_budget(tmp_path: Path) -> None:
-    job = SlurmJob("5", 4)
-    data = {"job_id": "5", "attempts": {"0": {"requeued": "failure"}, "1": {"requeued": "time_limit"},
-            "2": {}, "3": {"requeued": "time_limit"}}, "excluded": [], "stopped": None, "policy": None}  # fmt: skip
+    job = JobFacts("5", 4)
+    data = {
+        "job_id": "5",
+        "attempts": {
+            "0": {"requeued": "failure"},
+            "1": {"requeued": "time_limit"},
+            "2": {},
+            "3": {"requeued": "time_limit"},
+        },
+        "excluded": [],
+        "stopped": None,
+        "policy": None,
+    }
     save_ledger(tmp_path, data)
     assert time_limit_decision(tmp_path, 3, job) is None  # 2 time-limit requeues; the failure and preemption apart
     assert "max_restarts=2" in (time_limit_decision(tmp_path, 2, job) or "")
@@ -155,8 +173,11 @@ def test_exclusion_never_makes_the_job_unschedulable() -> None:
 def test_the_finders_suggestion_is_read_as_a_host_list() -> None:
     flag = exclude_flag(["gpu007", "gpu012"])  # what tools/nccl_check's finder prints
     assert flag is not None and parse_hosts(f"# from nccl_check\nsuggested: {flag}\ngpu[020-021]\n") == [
-        "gpu007", "gpu012", "gpu020", "gpu021",
-    ]  # fmt: skip
+        "gpu007",
+        "gpu012",
+        "gpu020",
+        "gpu021",
+    ]
     assert parse_hosts("a,b\n\nb c\n") == ["a", "b", "c"]
 
 
@@ -167,9 +188,16 @@ def test_failure_loop_stops_requeueing_with_the_reason(tmp_path: Path, capsys: p
     data = load_ledger(tmp_path, "9")
     data["attempts"]["0"] = {"restart": 0, "ended": "failure", "signature": sig, "requeued": "failure"}
     save_ledger(tmp_path, data)
-    job = SlurmJob("9", 1, partition="debug", num_nodes=1)
-    record(tmp_path, kind="killed", cause="rank 1 (pid 99) was killed by SIGKILL", rank=1, host="n2",
-           blame=[{"rank": 1, "host": "n2"}], job=job)  # fmt: skip
+    job = JobFacts("9", 1, partition="debug", num_nodes=1)
+    record(
+        tmp_path,
+        kind="killed",
+        cause="rank 1 (pid 99) was killed by SIGKILL",
+        rank=1,
+        host="n2",
+        blame=[{"rank": 1, "host": "n2"}],
+        job=job,
+    )
     assert after_step(tmp_path, 137, policy, job) == 137  # not requeued: the job ends FAILED
     out = capsys.readouterr().out
     assert "killed: rank 1 (pid 99) was killed by SIGKILL [rank 1 on n2]" in out
@@ -181,7 +209,7 @@ def test_failure_loop_stops_requeueing_with_the_reason(tmp_path: Path, capsys: p
 
 
 def test_failure_budget_and_silent_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    job = SlurmJob("4", 0)
+    job = JobFacts("4", 0)
     # nobody recorded anything (a node vanished): after-step records the exit itself; max_failures=0: no requeue
     assert after_step(tmp_path, 1, _policy(max_failures=0), job) == 1
     (rec,) = read_failures(tmp_path, job_id="4", restart=0)
@@ -189,7 +217,7 @@ def test_failure_budget_and_silent_failures(tmp_path: Path, capsys: pytest.Captu
     assert "fault.max_failures=0" in capsys.readouterr().out
     assert after_step(tmp_path, 0, _policy(), job) == 0  # success: nothing to decide
     # rank 0 requeued this attempt at its time limit; SLURM then ended the exiting ranks: nothing to decide either
-    job = SlurmJob("4", 1)
+    job = JobFacts("4", 1)
     restarts.mark_time_limit(tmp_path, job, reason=None)
     assert after_step(tmp_path, 143, _policy(), job) == 0 and "nothing to decide" in capsys.readouterr().out
     assert not read_failures(tmp_path, restart=1) and load_ledger(tmp_path, "4")["stopped"]["restart"] == 0
@@ -201,8 +229,8 @@ def _supervised(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     child = (
         "import os, sys\n"
         "from hpcdist.fault.failures import announce_task\n"
-        "from hpcdist.env import SlurmJob\n"
-        f"announce_task({str(tmp_path)!r}, rank=5, host='hostA', job=SlurmJob('12', 2))\n" + code
+        "from hpcdist.schedulers import JobFacts\n"
+        f"announce_task({str(tmp_path)!r}, rank=5, host='hostA', job=JobFacts('12', 2))\n" + code
     )
     cmd = [sys.executable, "-m", "hpcdist.fault.supervise", "--", sys.executable, "-c", child]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -215,6 +243,18 @@ def test_supervisor_records_a_rank_killed_by_a_signal_and_dies_the_same_way(tmp_
     assert (rec["kind"], rec["rank"], rec["host"], rec["job_id"], rec["restart"]) == ("killed", 5, "hostA", "12", 2)
     assert rec["blame"] == [{"rank": 5, "host": "hostA"}] and rec["signature"] == "killed: SIGKILL"
     assert "SIGKILL" in p.stderr
+    # one name: the module's own (the old `hpcdist.supervise:` prefix went with its shim)
+    assert "hpcdist.fault.supervise: " in p.stderr and "hpcdist.supervise:" not in p.stderr
+
+
+def test_the_old_module_names_are_gone() -> None:
+    # `python -m hpcdist.supervise` / `hpcdist.launch.failures` were shims for scripts of an earlier version
+    # (files, not find_spec: an editable install of another checkout would answer for this one)
+    import hpcdist
+
+    root = Path(hpcdist.__file__).parent
+    for name in ("supervise.py", "launch/failures.py"):
+        assert not (root / name).exists(), name
 
 
 def test_supervisor_passes_exit_status_and_signals_through(tmp_path: Path) -> None:
@@ -234,8 +274,12 @@ def test_supervisor_passes_exit_status_and_signals_through(tmp_path: Path) -> No
         "import os, sys\nfrom hpcdist.fault.failures import announce_task\n"
         f"announce_task({str(tmp_path)!r}, rank=0, host='h')\n" + code
     )
-    p = subprocess.Popen([sys.executable, "-m", "hpcdist.fault.supervise", "--", sys.executable, "-c", child], cwd=REPO,
-                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "-m", "hpcdist.fault.supervise", "--", sys.executable, "-c", child],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     time.sleep(0.2)
     os.kill(p.pid, signal.SIGUSR2)  # to the supervisor only: it forwards to the rank

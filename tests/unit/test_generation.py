@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hpcdist.models.args import ModelArgs
 from hpcdist.models.generation import PromptTooLong, SamplingConfig, generate, sample_next
-from hpcdist.models.llama import KVCache, ModelArgs, Transformer, build_model
+from hpcdist.models.llama import KVCache, Transformer, build_model
 
 V = 97
 
@@ -17,8 +18,17 @@ def _model(
 ) -> Transformer:
     # init_std 0.3 (not 0.02): logits far from uniform, so greedy decoding is not one token repeated
     torch.manual_seed(0)
-    args = ModelArgs(vocab_size=V, dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, ffn_dim=96,
-                     max_seq_len=max_seq_len, tie_embeddings=tie, init_std=init_std)  # fmt: skip
+    args = ModelArgs(
+        vocab_size=V,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=n_kv_heads,
+        ffn_dim=96,
+        max_seq_len=max_seq_len,
+        tie_embeddings=tie,
+        init_std=init_std,
+    )
     return build_model(args, device="cpu").eval()
 
 

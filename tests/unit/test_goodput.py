@@ -15,11 +15,10 @@ from hpcdist.fault.goodput import CATEGORIES, Goodput, mark_attempt_end, process
 def test_summarize_splits_every_second() -> None:
     attempts = [
         # failed: 100 s of wall; its end after the last flush is unaccounted -> lost
-        {"start": 0, "end": 100, "startup_s": 10, "restore_s": 0, "train_s": 60, "checkpoint_save_s": 5,
-         "lost_s": 15},
+        {"start": 0, "end": 100, "startup_s": 10, "restore_s": 0, "train_s": 60, "checkpoint_save_s": 5, "lost_s": 15},
         # requeued after 20 s; stopped cleanly: its unaccounted rest is "other"
         {"start": 120, "end": 200, "clean": True, "startup_s": 8, "restore_s": 2, "train_s": 60, "other_s": 4},
-    ]  # fmt: skip
+    ]
     g = summarize(attempts)
     assert g["total_s"] == 200 and g["queue_wait"] == 20 and g["train"] == 120 and g["goodput"] == 0.6
     assert g["lost"] == 15 + 10 and g["other"] == 4 + 6 and g["checkpoint_save"] == 5 and g["restore"] == 2

@@ -52,15 +52,30 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     data_fixture, extra = VARIANTS[request.param]
     data = request.getfixturevalue(data_fixture)
     root = tmp_path_factory.mktemp(f"hf-{request.param}")
-    overrides = [*SMALL, f"run.dir={root / 'run'}", "data.source=files", f"data.path={data}", "train.steps=2",
-                 "checkpoint.save_final=true", "train.global_batch_size=4", "train.micro_batch_size=4",
-                 *extra]  # fmt: skip
+    overrides = [
+        *SMALL,
+        f"run.dir={root / 'run'}",
+        "data.source=files",
+        f"data.path={data}",
+        "train.steps=2",
+        "checkpoint.save_final=true",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=4",
+        *extra,
+    ]
     cfg = config_mod.load(None, overrides)
     out = single(_train, cfg)
     hf = root / "hf"
     assert cli.main(["export", str(root / "run"), "--out", str(hf), "--dtype", "fp32"]) == 0
-    return {**out, "cfg": cfg, "overrides": overrides, "root": root, "hf": hf, "data": data,
-            "step": Path(cfg.checkpoint_dir) / "step-00000002"}  # fmt: skip
+    return {
+        **out,
+        "cfg": cfg,
+        "overrides": overrides,
+        "root": root,
+        "hf": hf,
+        "data": data,
+        "step": Path(cfg.checkpoint_dir) / "step-00000002",
+    }
 
 
 def _ours(run: dict[str, Any]) -> torch.nn.Module:
@@ -133,8 +148,13 @@ def test_hpcdist_generate_on_the_export_equals_transformers_generate(
     vocab = transformers.AutoTokenizer.from_pretrained(run["hf"])
     padding = list(range(len(vocab), run["cfg"].model.vocab_size))
     with torch.no_grad():
-        got = hf.generate(torch.tensor([out["prompt_ids"]]), max_new_tokens=new, do_sample=False, pad_token_id=0,
-                          suppress_tokens=padding or None)  # fmt: skip
+        got = hf.generate(
+            torch.tensor([out["prompt_ids"]]),
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            suppress_tokens=padding or None,
+        )
     theirs = got[0, len(out["prompt_ids"]) :].tolist()
     assert len(out["new_ids"]) >= 1 and theirs == out["new_ids"], (theirs, out)
 
@@ -153,10 +173,12 @@ def test_import_round_trip_and_resume(run: dict[str, Any], tmp_path: Path) -> No
         assert torch.equal(model.state_dict()[name], want), name
     assert args.vocab_size == run["cfg"].model.vocab_size and args.tie_embeddings == run["cfg"].model.tie_embeddings
     one = ["train.steps=1", "checkpoint.save_final=false"]
-    resumed = config_mod.load(None, [*run["overrides"], *one, f"run.dir={tmp_path / 'a'}",
-                                     f"checkpoint.resume={ckpt / 'step-00000000'}"])  # fmt: skip
-    inited = config_mod.load(None, [*run["overrides"], *one, f"run.dir={tmp_path / 'b'}",
-                                    f"checkpoint.init_from={run['step']}"])  # fmt: skip
+    resumed = config_mod.load(
+        None, [*run["overrides"], *one, f"run.dir={tmp_path / 'a'}", f"checkpoint.resume={ckpt / 'step-00000000'}"]
+    )
+    inited = config_mod.load(
+        None, [*run["overrides"], *one, f"run.dir={tmp_path / 'b'}", f"checkpoint.init_from={run['step']}"]
+    )
     got, want = single(_train, resumed)["losses"], single(_train, inited)["losses"]
     assert got == want and list(got) == [1]
 
@@ -249,8 +271,12 @@ def test_bad_input_is_one_line(run: dict[str, Any], tmp_path: Path, capsys: pyte
     shutil.copy(_big_tokenizer(tmp_path / "tok-big", vocab + 1) / "tokenizer.json", big / "tokenizer.json")
     _one_line_error(capsys, ["import", str(big), "--out", str(tmp_path / "c3")], "the embedding table cannot cover")
     tok = str(_big_tokenizer(tmp_path / "tok", vocab + 1))
-    _one_line_error(capsys, ["export", str(run["step"]), "--out", str(tmp_path / "o2"), "--tokenizer", tok],
-                    f"{vocab + 1} tokens", f"model.vocab_size={vocab}")  # fmt: skip
+    _one_line_error(
+        capsys,
+        ["export", str(run["step"]), "--out", str(tmp_path / "o2"), "--tokenizer", tok],
+        f"{vocab + 1} tokens",
+        f"model.vocab_size={vocab}",
+    )
     # the run's prepared data (and so its tokenizer) moved away
     moved = tmp_path / "moved"
     shutil.copytree(run["root"] / "run", moved)
@@ -258,16 +284,26 @@ def test_bad_input_is_one_line(run: dict[str, Any], tmp_path: Path, capsys: pyte
     state = json.loads(state_file.read_text())
     state["config"]["data"]["path"] = str(tmp_path / "gone")
     _rewrite_checkpoint_file(state_file, json.dumps(state))
-    _one_line_error(capsys, ["export", str(moved), "--out", str(tmp_path / "o3")], "tokenizer", "is missing",
-                    "--tokenizer")  # fmt: skip
+    _one_line_error(
+        capsys, ["export", str(moved), "--out", str(tmp_path / "o3")], "tokenizer", "is missing", "--tokenizer"
+    )
     # checkpoint.init_from: HF_DIR with another model section: the key and config.json's value, at config load
     yaml = tmp_path / "empty.yaml"
     yaml.write_text("{}\n")
-    _one_line_error(capsys, ["config", str(yaml), *run["overrides"], "model.n_layers=3",
-                             f"checkpoint.init_from={run['hf']}"], "model.n_layers=3",
-                    "num_hidden_layers=2", lines=2)  # fmt: skip
-    _one_line_error(capsys, ["config", str(yaml), *run["overrides"], f"checkpoint.init_from={not_llama}"],
-                    "checkpoint.init_from", "model_type is 'gpt2'", lines=2)  # fmt: skip
+    _one_line_error(
+        capsys,
+        ["config", str(yaml), *run["overrides"], "model.n_layers=3", f"checkpoint.init_from={run['hf']}"],
+        "model.n_layers=3",
+        "num_hidden_layers=2",
+        lines=2,
+    )
+    _one_line_error(
+        capsys,
+        ["config", str(yaml), *run["overrides"], f"checkpoint.init_from={not_llama}"],
+        "checkpoint.init_from",
+        "model_type is 'gpt2'",
+        lines=2,
+    )
 
 
 def _rewrite_checkpoint_file(path: Path, text: str) -> None:

@@ -47,9 +47,18 @@ from hpcdist.models.llama import Transformer
 
 ARGS = ModelArgs(vocab_size=258, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
 # the run's model section equal to ARGS: checkpoint.init_from compares it with config.json
-MODEL_KEYS = ["model.vocab_size=258", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-              "model.ffn_dim=64", "model.max_seq_len=64", "model.norm_eps=1e-05", "model.rope_theta=10000.0",
-              "model.tie_embeddings=false"]  # fmt: skip
+MODEL_KEYS = [
+    "model.vocab_size=258",
+    "model.dim=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=64",
+    "model.max_seq_len=64",
+    "model.norm_eps=1e-05",
+    "model.rope_theta=10000.0",
+    "model.tie_embeddings=false",
+]
 BOUND_S = 60.0  # the five commands of one directory together: the hangs seen ran until SIGKILL; a refusal takes ms
 OTHER_UID = 54321
 
@@ -236,8 +245,15 @@ def _fifo_shard(d: Path) -> None:
 def _move_shard_elsewhere(d: Path) -> None:
     """The index names ../<file>: a valid shard beside the directory (another file read as weights)."""
     shutil.copy(d / "model-00001-of-00003.safetensors", d.parent / f"{d.name}-outside.safetensors")
-    _index(lambda i: i["weight_map"].update({k: f"../{d.name}-outside.safetensors" for k, v in i["weight_map"].items()
-                                             if v == "model-00001-of-00003.safetensors"}))(d)  # fmt: skip
+    _index(
+        lambda i: i["weight_map"].update(
+            {
+                k: f"../{d.name}-outside.safetensors"
+                for k, v in i["weight_map"].items()
+                if v == "model-00001-of-00003.safetensors"
+            }
+        )
+    )(d)
 
 
 def _lm_head_swapped(d: Path) -> None:
@@ -377,12 +393,20 @@ HOSTILE: dict[str, tuple[str, Callable[[Path], None]]] = {
     ),
 }
 if os.geteuid() == 0:  # links made by another user: only root can make them here (lchown)
-    HOSTILE["weights-foreign-link"] = ("single", _many(
-        lambda d: shutil.copy(d / "model.safetensors", d / "real.safetensors"),
-        _symlink("model.safetensors", "real.safetensors", uid=OTHER_UID)))  # fmt: skip
-    HOSTILE["config-foreign-link"] = ("single", _many(
-        lambda d: shutil.copy(d / "config.json", d / "real.json"),
-        _symlink("config.json", "real.json", uid=OTHER_UID)))  # fmt: skip
+    HOSTILE["weights-foreign-link"] = (
+        "single",
+        _many(
+            lambda d: shutil.copy(d / "model.safetensors", d / "real.safetensors"),
+            _symlink("model.safetensors", "real.safetensors", uid=OTHER_UID),
+        ),
+    )
+    HOSTILE["config-foreign-link"] = (
+        "single",
+        _many(
+            lambda d: shutil.copy(d / "config.json", d / "real.json"),
+            _symlink("config.json", "real.json", uid=OTHER_UID),
+        ),
+    )
 
 
 # --------------------------------------------------------------------------------------------------- harness
@@ -449,8 +473,9 @@ def _model_state() -> tuple[Transformer, Checkpointable]:
     state = Checkpointable(
         dcp_state=lambda: {"model": model.state_dict()},
         load_dcp_state=lambda s: model.load_state_dict(s["model"]),
-        trainer_state=dict, load_trainer_state=lambda _: None,
-    )  # fmt: skip
+        trainer_state=dict,
+        load_trainer_state=lambda _: None,
+    )
     return model, state
 
 
@@ -468,8 +493,14 @@ def _load_into(directory: Path) -> str | None:
 def _commands(directory: Path, work: Path) -> dict[str, Callable[[], str | None]]:
     yaml = work / "empty.yaml"
     yaml.write_text("{}\n")
-    config = [str(yaml), *MODEL_KEYS, "data.source=synthetic", "data.seq_len=32", f"run.dir={work / 'run'}",
-              f"checkpoint.init_from={directory}"]  # fmt: skip
+    config = [
+        str(yaml),
+        *MODEL_KEYS,
+        "data.source=synthetic",
+        "data.seq_len=32",
+        f"run.dir={work / 'run'}",
+        f"checkpoint.init_from={directory}",
+    ]
     return {
         "import": lambda: _cli(["import", str(directory), "--out", str(work / "imported")], directory),
         "generate": lambda: _cli(["generate", str(directory), "--prompt", "hi", "--max-new-tokens", "2"], directory),
@@ -490,8 +521,14 @@ def test_the_valid_directory_passes_every_command(
         assert cli.main(["import", str(base), "--out", str(work / "imported")]) == 0, capsys.readouterr().err
         assert (work / "imported" / "step-00000000" / "COMPLETE").is_file()
         assert cli.main(["generate", str(base), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
-        config = [str(work / "empty.yaml"), *MODEL_KEYS, "data.source=synthetic", "data.seq_len=32",
-                  f"run.dir={work / 'run'}", f"checkpoint.init_from={base}"]  # fmt: skip
+        config = [
+            str(work / "empty.yaml"),
+            *MODEL_KEYS,
+            "data.source=synthetic",
+            "data.seq_len=32",
+            f"run.dir={work / 'run'}",
+            f"checkpoint.init_from={base}",
+        ]
         assert cli.main(["config", *config]) == 0, capsys.readouterr().err
         model, state = _model_state()
 
@@ -546,8 +583,13 @@ def test_a_fifo_named_by_the_index_does_not_hang_the_cli(bases: dict[str, Path],
     _fifo_shard(directory)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "hpcdist", "import", str(directory), "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcdist", "import", str(directory), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "evil.safetensors" in proc.stderr, proc.stderr
     assert "not a regular file" in proc.stderr, proc.stderr

@@ -35,8 +35,16 @@ ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = ["a b", "it's", 'say "hi"', "$(touch PWNED)", "`id`", "new\nline", "semi;colon", "-rf", "~", "%j", ""]
 
 # quick runs: no corpus to prepare, no evaluation, nothing saved
-_QUICK = ["train.steps=2", "train.eval_every_steps=0", "data.source=synthetic", "data.synthetic_samples=64",
-          "checkpoint.save_final=false", "logging.tensorboard=false", "model.n_layers=1", "model.dim=64"]  # fmt: skip
+_QUICK = [
+    "train.steps=2",
+    "train.eval_every_steps=0",
+    "data.source=synthetic",
+    "data.synthetic_samples=64",
+    "checkpoint.save_final=false",
+    "logging.tensorboard=false",
+    "model.n_layers=1",
+    "model.dim=64",
+]
 _FLAGS = ["--nodes", "--gpus-per-node", "--gpu-mem", "--world-size", "--cluster", "--tokens", "--top", "-h"]
 _OPTIONS = st.lists(st.sampled_from(_FLAGS) | st.sampled_from(HOSTILE) | st.text(max_size=12), max_size=4)
 _COMMANDS = st.sampled_from([["config", "configs/demo.yaml"], ["plan", "configs/train_13b.yaml"], ["config"], ["plan"]])
@@ -86,27 +94,121 @@ def _time_limit(seconds: float) -> Iterator[None]:
 
 
 _NUMBERS = [
-    "0", "-0", "-1", "1", "2", "3", "7", "-7", str(2**31), str(2**63 - 1), str(2**63), str(2**64), str(-(2**63) - 1),
-    str(10**400), str(-(10**400)), "9" * 4301, "1e308", "1e309", "-1e309", "5e-324", "-0.0", "1e-320", ".inf",
-    "-.inf", ".nan", "1.5", "0x10", "0o17", "0b101", "1_000", "1e3", "3e-4", "1e", "+5", "00012", "0.001", "1e-9",
-    "true", "null", "[]", "{}", "[1, 2]", "''",
-]  # fmt: skip
+    "0",
+    "-0",
+    "-1",
+    "1",
+    "2",
+    "3",
+    "7",
+    "-7",
+    str(2**31),
+    str(2**63 - 1),
+    str(2**63),
+    str(2**64),
+    str(-(2**63) - 1),
+    str(10**400),
+    str(-(10**400)),
+    "9" * 4301,
+    "1e308",
+    "1e309",
+    "-1e309",
+    "5e-324",
+    "-0.0",
+    "1e-320",
+    ".inf",
+    "-.inf",
+    ".nan",
+    "1.5",
+    "0x10",
+    "0o17",
+    "0b101",
+    "1_000",
+    "1e3",
+    "3e-4",
+    "1e",
+    "+5",
+    "00012",
+    "0.001",
+    "1e-9",
+    "true",
+    "null",
+    "[]",
+    "{}",
+    "[1, 2]",
+    "''",
+]
 _PATHS = [
-    "", " ", "/", ".", "..", "~", "~root", "x" * 255, "x" * 256, f"/tmp/{'x' * 300}/r", "a/" * 2100, "a\x00b",
-    "a\nb", "é/ü", "\udcff", "/dev/null", "/proc/self/mem", "/etc/passwd", "/etc/passwd/x", "/etc", "-rf",
-    "$(touch PWNED)", "`id`", "runs/ok", "step-00000001", "/nonexistent/step-00000002", "'quoted'", "a b/c d",
-]  # fmt: skip
+    "",
+    " ",
+    "/",
+    ".",
+    "..",
+    "~",
+    "~root",
+    "x" * 255,
+    "x" * 256,
+    f"/tmp/{'x' * 300}/r",
+    "a/" * 2100,
+    "a\x00b",
+    "a\nb",
+    "é/ü",
+    "\udcff",
+    "/dev/null",
+    "/proc/self/mem",
+    "/etc/passwd",
+    "/etc/passwd/x",
+    "/etc",
+    "-rf",
+    "$(touch PWNED)",
+    "`id`",
+    "runs/ok",
+    "step-00000001",
+    "/nonexistent/step-00000002",
+    "'quoted'",
+    "a b/c d",
+]
 _SIGNALS = [
-    *(s.name for s in signal.Signals), *(s.name[3:].lower() for s in signal.Signals), "", " ", "USR3", "SIGRTMIN+1",
-    "RTMIN", "0", "9", "-1", "12", "SIG", "sig usr2", "USR2\n", "KILL ", "ＵＳＲ2",
-]  # fmt: skip
+    *(s.name for s in signal.Signals),
+    *(s.name[3:].lower() for s in signal.Signals),
+    "",
+    " ",
+    "USR3",
+    "SIGRTMIN+1",
+    "RTMIN",
+    "0",
+    "9",
+    "-1",
+    "12",
+    "SIG",
+    "sig usr2",
+    "USR2\n",
+    "KILL ",
+    "ＵＳＲ2",
+]
 _RESUMES = ["auto", "none", "", " ", "AUTO", "None", "null", "~", "auto ", *_PATHS]
-_NUMERIC_KEYS = [*sorted(k for k, _ in _numeric_fields(JobConfig())), "logging.peak_flops",
-                 "parallel.pp_stages_per_rank", "data.max_tokens", "model.n_kv_heads"]  # fmt: skip
-_PATH_KEYS = ["run.dir", "data.path", "checkpoint.dir", "checkpoint.init_from", "fault.exclude_nodes_file",
-              "model.preset", "parallel.auto_cluster"]  # fmt: skip
-_KINDS = [(_NUMERIC_KEYS, _NUMBERS), (_PATH_KEYS, _PATHS), (["fault.requeue_signal"], _SIGNALS),
-          (["checkpoint.resume"], _RESUMES)]  # fmt: skip
+_NUMERIC_KEYS = [
+    *sorted(k for k, _ in _numeric_fields(JobConfig())),
+    "logging.peak_flops",
+    "parallel.pp_stages_per_rank",
+    "data.max_tokens",
+    "model.n_kv_heads",
+]
+_PATH_KEYS = [
+    "run.dir",
+    "data.path",
+    "checkpoint.dir",
+    "checkpoint.init_from",
+    "fault.exclude_nodes_file",
+    "model.preset",
+    "parallel.auto_cluster",
+]
+_KINDS = [
+    (_NUMERIC_KEYS, _NUMBERS),
+    (_PATH_KEYS, _PATHS),
+    (["fault.requeue_signal"], _SIGNALS),
+    (["checkpoint.resume"], _RESUMES),
+]
 
 
 def _pair(kind: tuple[list[str], list[str]]) -> st.SearchStrategy[str]:
@@ -151,21 +253,25 @@ def test_fuzzed_extreme_values_only_raise_config_error(overrides, world, resume_
 _CLI_SAMPLE = [
     ["config", "configs/demo.yaml", f"train.steps={10**400}", "run.seed=-5", "fault.requeue_signal=STOP"],
     ["config", "configs/demo.yaml", f"run.dir=/tmp/{'y' * 256}", "checkpoint.resume=", "data.max_tokens=1e309"],
-    ["config", "configs/demo.yaml", "checkpoint.dir=a\nb/" + "c" * 4100, "fault.watchdog_timeout_s=5e-324",
-     "optim.lr=.nan"],
+    [
+        "config",
+        "configs/demo.yaml",
+        "checkpoint.dir=a\nb/" + "c" * 4100,
+        "fault.watchdog_timeout_s=5e-324",
+        "optim.lr=.nan",
+    ],
     ["plan", "configs/train_13b.yaml", "--nodes", str(10**30), "train.global_batch_size=0"],
     ["train", "configs/demo.yaml", "--dry-run", "--world-size", "1000000000000", "data.seq_len=2000000"],
     ["train", "configs/demo.yaml", *_QUICK, f"checkpoint.init_from=/{'z' * 300}", "fault.requeue_signal=9"],
     ["train", "/dev/null", "run.dir=/tmp"],
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("argv", _CLI_SAMPLE, ids=[f"{a[0]}-{i}" for i, a in enumerate(_CLI_SAMPLE)])
 def test_extreme_command_lines_through_the_real_command(tmp_path: Path, argv: list[str]) -> None:
     """A sample of the extremes through `python -m hpcdist` (each start costs an interpreter): exit 2 with the
     problem, within 120 s, no traceback."""
-    p = subprocess.run([sys.executable, "-m", "hpcdist", *argv], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
+    p = subprocess.run([sys.executable, "-m", "hpcdist", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode in (1, 2), (p.returncode, p.stderr[-2000:])
     assert "Traceback" not in p.stdout + p.stderr and "unexpected error" not in p.stderr, p.stderr[-2000:]
     assert p.stderr.startswith("hpcdist: "), p.stderr[-2000:]
@@ -199,8 +305,7 @@ def test_yaml_alias_bomb_is_refused_at_once_under_a_memory_cap(tmp_path: Path) -
     problem (it used to copy the expansion into an error message: 54-83 s and a MemoryError under 6 GiB)."""
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(_alias_bomb())
-    p = subprocess.run([sys.executable, "-c", _CAPPED, str(bomb)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", _CAPPED, str(bomb)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "Traceback" not in p.stderr and "MemoryError" not in p.stderr, p.stderr[-2000:]
     assert p.returncode == 2, p.stderr[-2000:]
     seconds = float(re.search(r"seconds=([0-9.]+)", p.stdout).group(1))
@@ -212,8 +317,10 @@ def test_yaml_alias_bomb_is_refused_at_once_under_a_memory_cap(tmp_path: Path) -
 
 def test_a_few_aliases_and_merge_keys_still_work(tmp_path: Path) -> None:
     path = tmp_path / "anchors.yaml"
-    path.write_text("train: &t {steps: 7, micro_batch_size: 4}\nrun: {dir: x}\noptim:\n  lr: &lr 0.01\n"
-                    "  warmup_steps: 1\n  min_lr_ratio: *lr\n")  # fmt: skip
+    path.write_text(
+        "train: &t {steps: 7, micro_batch_size: 4}\nrun: {dir: x}\noptim:\n  lr: &lr 0.01\n"
+        "  warmup_steps: 1\n  min_lr_ratio: *lr\n"
+    )
     cfg = load(path)
     assert (cfg.train.steps, cfg.train.micro_batch_size, cfg.optim.min_lr_ratio) == (7, 4, 0.01)
 
@@ -221,14 +328,16 @@ def test_a_few_aliases_and_merge_keys_still_work(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
-        ("train:\n  steps: 5\nmodel: {dim: 64}\ntrain:\n  micro_batch_size: 4\n",
-         "line 4: duplicate key 'train' (first at line 1): the second would silently replace the first"),
+        (
+            "train:\n  steps: 5\nmodel: {dim: 64}\ntrain:\n  micro_batch_size: 4\n",
+            "line 4: duplicate key 'train' (first at line 1): the second would silently replace the first",
+        ),
         ("train:\n  steps: 5\n  steps: 6\n", "line 3: duplicate key 'steps' (first at line 2)"),
         ("[" * 2000 + "]" * 2000, "nested more than 64 levels deep"),
         ("run: &a [*a]\n", "expand to more than 10000 values"),
     ],
     ids=["section-twice", "key-twice", "deep-nesting", "self-reference"],
-)  # fmt: skip
+)
 def test_refused_yaml_documents(tmp_path: Path, text: str, fragment: str) -> None:
     """Issue 14.6: a second `train:` block replaced the first silently; nesting and self-reference are bounded."""
     path = tmp_path / "c.yaml"
@@ -283,7 +392,7 @@ _BAD_INPUTS = {
     "files-etc": (["data.source=files", "data.path=/etc"], "data.path /etc: no prepared dataset there"),
     "watchdog-1ms": (["fault.watchdog_timeout_s=0.001"], "fault.watchdog_timeout_s: must be 0 (off) or at least 5 s"),
     "nul-byte": (["checkpoint.dir=a\x00b"], "checkpoint.dir: contains a NUL character"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(("args", "fragment"), _BAD_INPUTS.values(), ids=_BAD_INPUTS.keys())
@@ -299,9 +408,13 @@ def test_bad_inputs_end_in_one_message_and_a_non_zero_exit(tmp_path: Path, capsy
 def test_bad_inputs_through_the_real_command(tmp_path: Path, case: str) -> None:
     """The same through `python -m hpcdist` (a sample: each start imports torch): exit 2, no traceback."""
     args, fragment = _BAD_INPUTS[case]
-    p = subprocess.run([sys.executable, "-m", "hpcdist", "train", "configs/demo.yaml", *_QUICK,
-                        f"run.dir={tmp_path / 'run'}", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "hpcdist", "train", "configs/demo.yaml", *_QUICK, f"run.dir={tmp_path / 'run'}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and fragment in p.stderr, p.stderr[-3000:]
     assert "Traceback" not in p.stdout + p.stderr
 
@@ -327,8 +440,11 @@ def test_an_unexpected_error_prints_one_line_and_keeps_the_traceback(
     code = main(["config", "configs/demo.yaml", f"run.dir={run_dir}"])
     err = capsys.readouterr().err
     assert code == 1 and len(err.splitlines()) == 1, err
-    m = re.fullmatch(r"hpcdist: unexpected error: RuntimeError: boom second line of the message \(the traceback "
-                     r"is in (\S+); please report it\)\n", err)  # fmt: skip
+    m = re.fullmatch(
+        r"hpcdist: unexpected error: RuntimeError: boom second line of the message \(the traceback "
+        r"is in (\S+); please report it\)\n",
+        err,
+    )
     assert m, err
     log = Path(m.group(1))
     assert log.parent == (run_dir if run_dir_exists else tmp_path / "tmp"), log

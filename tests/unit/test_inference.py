@@ -37,12 +37,23 @@ def run(tmp_path_factory: pytest.TempPathFactory, bpe_corpus_dir: Path) -> dict:
         for path in stdlib_corpus()[200:230]:
             fh.write(json.dumps({"text": path.read_text(encoding="utf-8", errors="replace")}) + "\n")
     heldout = prepare_corpus([docs], root / "heldout", tokenizer=load_tokenizer(bpe_corpus_dir)).path
-    cfg = config_mod.load(None, [
-        *SMALL, f"run.dir={root / 'run'}", "data.source=files", f"data.path={bpe_corpus_dir}", "model.vocab_size=auto",
-        f"train.steps={STEPS}", f"train.global_batch_size={BATCH}", "train.micro_batch_size=4",
-        "train.eval_every_steps=4", f"train.eval_batches={EVAL_BATCHES}", f"train.eval_data={heldout}",
-        "checkpoint.save_final=true",
-    ])  # fmt: skip
+    cfg = config_mod.load(
+        None,
+        [
+            *SMALL,
+            f"run.dir={root / 'run'}",
+            "data.source=files",
+            f"data.path={bpe_corpus_dir}",
+            "model.vocab_size=auto",
+            f"train.steps={STEPS}",
+            f"train.global_batch_size={BATCH}",
+            "train.micro_batch_size=4",
+            "train.eval_every_steps=4",
+            f"train.eval_batches={EVAL_BATCHES}",
+            f"train.eval_data={heldout}",
+            "checkpoint.save_final=true",
+        ],
+    )
     single(lambda env, c: Trainer(c, env).train(), cfg)
     return {"dir": Path(cfg.run.dir), "cfg": cfg, "heldout": heldout, "data": bpe_corpus_dir}
 
@@ -180,8 +191,17 @@ def test_load_for_inference_reads_the_model_the_checkpoint_records(run: dict, tm
     step = run["dir"] / "checkpoints" / f"step-{STEPS:08d}"
     (fake / "checkpoints" / step.name).symlink_to(step)
     cfg = run["cfg"]
-    cfg2 = config_mod.load(None, [*SMALL, f"run.dir={fake}", "data.source=files", f"data.path={run['data']}",
-                                  "model.vocab_size=auto", "model.n_layers=3"])  # fmt: skip
+    cfg2 = config_mod.load(
+        None,
+        [
+            *SMALL,
+            f"run.dir={fake}",
+            "data.source=files",
+            f"data.path={run['data']}",
+            "model.vocab_size=auto",
+            "model.n_layers=3",
+        ],
+    )
     config_mod.save(cfg2, fake / "config.yaml")
     model, tok, loaded = load_for_inference(fake)
     assert loaded.config is not None and loaded.config.model.n_layers == cfg.model.n_layers == len(model.layers)

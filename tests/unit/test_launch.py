@@ -48,11 +48,22 @@ SLEEP = shutil.which("sleep")
 NASTY_NAME = "it's $(rm -rf /) `id` job"  # a space, a single quote, command substitutions
 # A model small enough to train a few steps in a second or two (see tests/conftest.py SMALL).
 TINY = [
-    "model.preset=tiny", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-    "model.ffn_dim=128", "data.seq_len=32", "data.source=synthetic", "data.synthetic_samples=2000",
-    "train.eval_every_steps=0", "optim.warmup_steps=2", "logging.every_steps=1", "logging.tensorboard=false",
-    "logging.peak_flops=1e11", "checkpoint.every_steps=0",
-]  # fmt: skip
+    "model.preset=tiny",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "data.seq_len=32",
+    "data.source=synthetic",
+    "data.synthetic_samples=2000",
+    "train.eval_every_steps=0",
+    "optim.warmup_steps=2",
+    "logging.every_steps=1",
+    "logging.tensorboard=false",
+    "logging.peak_flops=1e11",
+    "checkpoint.every_steps=0",
+]
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -141,9 +152,21 @@ def sbatch_argument(line: str) -> str:
 
 def dry_run_cli(capsys: pytest.CaptureFixture[str], run_dir: Path, *extra: str) -> str:
     rc = cli.main(
-        ["submit", "configs/demo.yaml", "--cluster", "sandbox", "--nodes", "2", "--job-name", NASTY_NAME,
-         f"run.dir={run_dir}", "train.global_batch_size=64", "--dry-run", *extra]
-    )  # fmt: skip
+        [
+            "submit",
+            "configs/demo.yaml",
+            "--cluster",
+            "sandbox",
+            "--nodes",
+            "2",
+            "--job-name",
+            NASTY_NAME,
+            f"run.dir={run_dir}",
+            "train.global_batch_size=64",
+            "--dry-run",
+            *extra,
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.err
     return out.out
@@ -171,9 +194,17 @@ def test_dry_run_matches_golden_file(sandbox_script: tuple[str, Path], tmp_path:
 
 def test_dry_run_has_the_job_shape(sandbox_script: tuple[str, Path]) -> None:
     text = sandbox_script[0]
-    for fragment in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
-                     "#SBATCH --requeue", "#SBATCH --signal=USR2@30", "#SBATCH --partition=debug",
-                     "#SBATCH --time=30", "--kill-on-bad-exit=1", "export HPCDIST_NCCL_PROFILE=ethernet"):  # fmt: skip
+    for fragment in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=USR2@30",
+        "#SBATCH --partition=debug",
+        "#SBATCH --time=30",
+        "--kill-on-bad-exit=1",
+        "export HPCDIST_NCCL_PROFILE=ethernet",
+    ):
         assert fragment in text
     assert "--exclusive" not in text  # the sandbox shares one machine
 
@@ -219,37 +250,90 @@ def test_running_the_script_injects_nothing(sandbox_script: tuple[str, Path], tm
     got = json.loads(record.read_text())
     assert got["profile"] == "ethernet"
     assert got["argv"] == [
-        "--unbuffered", "--output", f"{folder}/%j_%t_log.out", "--error", f"{folder}/%j_%t_log.err",
-        "--kill-on-bad-exit=1", "--cpus-per-task=1", sys.executable, "-m", "hpcdist.fault.supervise", "--",
-        sys.executable, "-u", "-m", "submitit.core._submit", str(folder),
-    ]  # fmt: skip
+        "--unbuffered",
+        "--output",
+        f"{folder}/%j_%t_log.out",
+        "--error",
+        f"{folder}/%j_%t_log.err",
+        "--kill-on-bad-exit=1",
+        "--cpus-per-task=1",
+        sys.executable,
+        "-m",
+        "hpcdist.fault.supervise",
+        "--",
+        sys.executable,
+        "-u",
+        "-m",
+        "submitit.core._submit",
+        str(folder),
+    ]
 
 
 def test_dry_run_through_the_installed_command(tmp_path: Path, sandbox_script: tuple[str, Path]) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in _LAUNCHER_VARS}
     proc = subprocess.run(
-        [sys.executable, "-m", "hpcdist", "submit", "configs/demo.yaml", "--cluster", "sandbox", "--nodes", "2",
-         "--job-name", NASTY_NAME, f"run.dir={tmp_path / 'my runs' / 'r1'}", "train.global_batch_size=64",
-         "--dry-run"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpcdist",
+            "submit",
+            "configs/demo.yaml",
+            "--cluster",
+            "sandbox",
+            "--nodes",
+            "2",
+            "--job-name",
+            NASTY_NAME,
+            f"run.dir={tmp_path / 'my runs' / 'r1'}",
+            "train.global_batch_size=64",
+            "--dry-run",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == sandbox_script[0]
 
 
 def test_dry_run_with_cluster_overrides_and_extra_flags(tmp_path: Path) -> None:
     text = submit(
-        DEMO, [f"run.dir={tmp_path}", "train.global_batch_size=128", "fault.requeue_signal=USR1"], cluster="a100_ib",
-        dry_run=True, nodes=2,
-        partition="gpu", account="proj-1", qos="high", constraint="a100-80gb", exclude="gpu[012,040]",
-        extra_sbatch=["--mail-type=END", "--hint=nomultithread"], signal="USR1", time="2-00:00:00",
-    )  # fmt: skip
+        DEMO,
+        [f"run.dir={tmp_path}", "train.global_batch_size=128", "fault.requeue_signal=USR1"],
+        cluster="a100_ib",
+        dry_run=True,
+        nodes=2,
+        partition="gpu",
+        account="proj-1",
+        qos="high",
+        constraint="a100-80gb",
+        exclude="gpu[012,040]",
+        extra_sbatch=["--mail-type=END", "--hint=nomultithread"],
+        signal="USR1",
+        time="2-00:00:00",
+    )
     assert isinstance(text, str)
     lines = set(text.splitlines())
-    for flag in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=16", "--mem=0",
-                 "--exclusive", "--partition=gpu", "--account=proj-1", "--qos=high", "--constraint=a100-80gb",
-                 "--exclude='gpu[012,040]'", "--mail-type=END", "--hint=nomultithread", "--time=2880",
-                 "--signal=USR1@300", "--job-name=demo"):  # fmt: skip
+    for flag in (
+        "--nodes=2",
+        "--ntasks-per-node=8",
+        "--gpus-per-node=8",
+        "--cpus-per-task=16",
+        "--mem=0",
+        "--exclusive",
+        "--partition=gpu",
+        "--account=proj-1",
+        "--qos=high",
+        "--constraint=a100-80gb",
+        "--exclude='gpu[012,040]'",
+        "--mail-type=END",
+        "--hint=nomultithread",
+        "--time=2880",
+        "--signal=USR1@300",
+        "--job-name=demo",
+    ):
         assert f"#SBATCH {flag}" in lines, flag
     assert sum(line.startswith("#SBATCH --signal") for line in lines) == 1
     # submitit's own pre-trainer handler must react to the same signal
@@ -282,13 +366,20 @@ def test_every_shipped_cluster_loads(name: str) -> None:
 def test_shipped_clusters_have_the_documented_shape() -> None:
     a100, sandbox, local = load_cluster("a100_ib"), load_cluster("sandbox"), load_cluster("local")
     assert (a100.gpus_per_node, a100.cpus_per_task, a100.mem, a100.time_minutes, a100.exclusive) == (
-        8, 16, "0", 24 * 60, True,
-    )  # fmt: skip
+        8,
+        16,
+        "0",
+        24 * 60,
+        True,
+    )
     assert (a100.signal, a100.signal_lead_s, a100.nccl_profile) == ("USR2", 300, "ib_a100")
     assert a100.hardware is not None and dataclasses.astuple(a100.hardware) == (80, 312, 230, 190, 0.6, 2.0)
     assert (sandbox.partition, sandbox.gpus_per_node, sandbox.cpus_per_task, sandbox.exclusive) == (
-        "debug", 4, 1, False,
-    )  # fmt: skip
+        "debug",
+        4,
+        1,
+        False,
+    )
     assert (sandbox.nccl_profile, sandbox.signal_lead_s) == ("ethernet", 30)
     assert local.executor == "local" and local.nodes == 1
 
@@ -296,18 +387,41 @@ def test_shipped_clusters_have_the_documented_shape() -> None:
 def test_cluster_problems_are_reported_together() -> None:
     with pytest.raises(ConfigError) as exc:
         load_cluster(
-            "sandbox", nodez=2, nodes=0, time="1:00", signal_lead_s=90, mem="lots", signal="KILL", cpus_per_task=0,
-            extra_sbatch=["--time=5", "-x", "--comment=a\nb"], executor="cloud", python="py\nthon",
-            nccl_profile="nope", log_dir="/x/%j", hardware={"gpu_mem_gb": -1, "tflops": 1},
-        )  # fmt: skip
+            "sandbox",
+            nodez=2,
+            nodes=0,
+            time="1:00",
+            signal_lead_s=90,
+            mem="lots",
+            signal="KILL",
+            cpus_per_task=0,
+            extra_sbatch=["--time=5", "-x", "--comment=a\nb"],
+            executor="cloud",
+            python="py\nthon",
+            nccl_profile="nope",
+            log_dir="/x/%j",
+            hardware={"gpu_mem_gb": -1, "tflops": 1},
+        )
     problems = exc.value.problems
     text = "\n".join(problems)
-    for fragment in ("cluster.nodez: unknown key; did you mean 'nodes'?", "valid keys: name, executor, nodes",
-                     "cluster.nodes: must be >= 1", "cluster.signal_lead_s (90) must be shorter than the time limit",
-                     "cluster.mem: 'lots'", "KILL cannot be caught", "cluster.cpus_per_task", "--time is managed",
-                     "'-x' is not --flag", "extra_sbatch[2]: must be one line", "cluster.executor: 'cloud'",
-                     "cluster.python: must be one line", "nccl profile 'nope'", "must not contain '%'",
-                     "cluster.hardware.gpu_mem_gb: must be > 0", "cluster.hardware.tflops: unknown key"):  # fmt: skip
+    for fragment in (
+        "cluster.nodez: unknown key; did you mean 'nodes'?",
+        "valid keys: name, executor, nodes",
+        "cluster.nodes: must be >= 1",
+        "cluster.signal_lead_s (90) must be shorter than the time limit",
+        "cluster.mem: 'lots'",
+        "KILL cannot be caught",
+        "cluster.cpus_per_task",
+        "--time is managed",
+        "'-x' is not --flag",
+        "extra_sbatch[2]: must be one line",
+        "cluster.executor: 'cloud'",
+        "cluster.python: must be one line",
+        "nccl profile 'nope'",
+        "must not contain '%'",
+        "cluster.hardware.gpu_mem_gb: must be > 0",
+        "cluster.hardware.tflops: unknown key",
+    ):
         assert fragment in text, fragment
     assert len(problems) == 15
 
@@ -353,9 +467,17 @@ def test_cluster_files(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "minutes"),
-    [("90", 90), (90, 90), ("30:00", 30), ("00:00:30", 1), ("24:00:00", 1440), ("1-00", 1440),
-     ("2-12:30", 3630), ("1-00:00:01", 1441)],
-)  # fmt: skip
+    [
+        ("90", 90),
+        (90, 90),
+        ("30:00", 30),
+        ("00:00:30", 1),
+        ("24:00:00", 1440),
+        ("1-00", 1440),
+        ("2-12:30", 3630),
+        ("1-00:00:01", 1441),
+    ],
+)
 def test_parse_time(text: str | int, minutes: int) -> None:
     assert parse_time(text) == minutes
 
@@ -368,8 +490,13 @@ def test_parse_time_rejects(text: str) -> None:
 
 def test_training_config_is_checked_against_the_cluster(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as exc:
-        submit(DEMO, [f"run.dir={tmp_path}", "fault.requeue_signal=USR1", "train.stepz=1"], cluster="sandbox",
-               nodes=0, dry_run=True)  # fmt: skip
+        submit(
+            DEMO,
+            [f"run.dir={tmp_path}", "fault.requeue_signal=USR1", "train.stepz=1"],
+            cluster="sandbox",
+            nodes=0,
+            dry_run=True,
+        )
     text = str(exc.value)  # both files' problems at once
     assert "cluster.nodes" in text and "train.stepz" in text
     with pytest.raises(ConfigError) as exc:
@@ -432,8 +559,9 @@ def test_no_sbatch_means_local(tmp_path: Path) -> None:
     ok, why = slurm_reachable({"PATH": str(tmp_path)})
     assert not ok and why == "sbatch is not on PATH"
     assert choose_executor(load_cluster("sandbox"), {"PATH": str(tmp_path)}) == (
-        "local", "auto: no SLURM client installed: sbatch is not on PATH",
-    )  # fmt: skip
+        "local",
+        "auto: no SLURM client installed: sbatch is not on PATH",
+    )
 
 
 def test_sbatch_without_a_controller_is_an_error(tmp_path: Path) -> None:
@@ -620,13 +748,21 @@ def test_train_task_pickles_and_has_no_submitit_checkpoint(tmp_path: Path, monke
 
 def test_local_tasks_get_torchrun_style_ranks() -> None:
     environ = {
-        "SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_GLOBALID": "1",
-        "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_JOB_ID": "31337", "SLURM_JOB_ID": "9", "SLURM_PROCID": "0",
-    }  # fmt: skip
+        "SUBMITIT_EXECUTOR": "local",
+        "SUBMITIT_LOCAL_NTASKS": "2",
+        "SUBMITIT_LOCAL_GLOBALID": "1",
+        "SUBMITIT_LOCAL_LOCALID": "1",
+        "SUBMITIT_LOCAL_JOB_ID": "31337",
+        "SLURM_JOB_ID": "9",
+        "SLURM_PROCID": "0",
+    }
     local_rank_environ(environ)
     assert {k: environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")} == {
-        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-    }  # fmt: skip
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+    }
     assert 20000 <= int(environ["MASTER_PORT"]) < 40000
     # an enclosing allocation's job is not this job: the trainer must never requeue it
     assert not any(k.startswith("SLURM_") for k in environ)
@@ -685,16 +821,30 @@ def test_submit_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         cli.main(["submit", "--help"])
     out = capsys.readouterr().out
-    for option in ("--cluster", "--nodes", "--gpus-per-node", "--time", "--partition", "--account", "--qos",
-                   "--constraint", "--exclude", "--job-name", "--sbatch-arg", "--dry-run", "--wait"):  # fmt: skip
+    for option in (
+        "--cluster",
+        "--nodes",
+        "--gpus-per-node",
+        "--time",
+        "--partition",
+        "--account",
+        "--qos",
+        "--constraint",
+        "--exclude",
+        "--job-name",
+        "--sbatch-arg",
+        "--dry-run",
+        "--wait",
+    ):
         assert option in out
 
 
 def test_sbatch_arg_adds_to_the_cluster_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cluster = tmp_path / "c.yaml"
     cluster.write_text("gpus_per_node: 1\nextra_sbatch: [--comment=base]\n")
-    rc = cli.main(["submit", DEMO, "--cluster", str(cluster), "--sbatch-arg=--mail-type=END", "--dry-run",
-                   f"run.dir={tmp_path}"])  # fmt: skip
+    rc = cli.main(
+        ["submit", DEMO, "--cluster", str(cluster), "--sbatch-arg=--mail-type=END", "--dry-run", f"run.dir={tmp_path}"]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "#SBATCH --comment=base" in out and "#SBATCH --mail-type=END" in out
 
@@ -754,12 +904,18 @@ def test_local_executor_trains_two_ranks(
 def test_submit_refuses_a_layout_predicted_not_to_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """configs/train_13b.yaml (zero3, micro batch 2, no checkpointing) on the default 1 node of a100_ib: the planner
     predicts 91.2 GiB/GPU of 78 usable; submit refuses and names the layouts that fit; --force renders it."""
-    base = ["submit", str(REPO / "configs" / "train_13b.yaml"), "--cluster", "a100_ib", "--dry-run",
-            f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    base = [
+        "submit",
+        str(REPO / "configs" / "train_13b.yaml"),
+        "--cluster",
+        "a100_ib",
+        "--dry-run",
+        f"run.dir={tmp_path / 'run'}",
+    ]
     assert cli.main(base) == 2
     out, err = capsys.readouterr()
     assert out == "" and "91.2 GiB per GPU, 78 GiB usable" in err
-    assert "zero3 dp=8, micro batch 1, activation checkpointing off, 61.4 GiB/GPU" in err  # the planner's best row
+    assert "zero3 x 8 ranks, micro batch 1, activation checkpointing off, 61.4 GiB/GPU" in err  # the planner's best row
     assert "(overrides: train.micro_batch_size=1)" in err and "--nodes 2 fits this layout" in err
     assert cli.main([*base, "train.micro_batch_size=1"]) == 0  # the named fix passes the check
     assert cli.main([*base, "--nodes", "2"]) == 0
@@ -768,8 +924,12 @@ def test_submit_refuses_a_layout_predicted_not_to_fit(tmp_path: Path, capsys: py
     out, err = capsys.readouterr()
     assert out.startswith("#!/bin/bash") and "warning: --force: memory check:" in err
     # a profile without GPU memory numbers (the CPU sandbox) has nothing to check
-    assert cli.main([*base[:2], "--cluster", "sandbox", "--dry-run", f"run.dir={tmp_path / 'run'}",
-                     "--gpus-per-node", "8"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [*base[:2], "--cluster", "sandbox", "--dry-run", f"run.dir={tmp_path / 'run'}", "--gpus-per-node", "8"]
+        )
+        == 0
+    )
 
 
 # --------------------------------------------------------------------------------------------- sweeps, dependencies
@@ -779,8 +939,19 @@ def test_sweep_grid_is_one_array_with_a_run_dir_per_task(
     fake_slurm: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     base = tmp_path / "sw"
-    argv = ["submit", DEMO, "--cluster", "sandbox", f"run.dir={base}", "--sweep", "optim.lr=1e-4,3e-4,1e-3",
-            "--sweep", "train.global_batch_size=32,64", "--max-parallel", "2"]  # fmt: skip
+    argv = [
+        "submit",
+        DEMO,
+        "--cluster",
+        "sandbox",
+        f"run.dir={base}",
+        "--sweep",
+        "optim.lr=1e-4,3e-4,1e-3",
+        "--sweep",
+        "train.global_batch_size=32,64",
+        "--max-parallel",
+        "2",
+    ]
     assert cli.main([*argv, "--dry-run"]) == 0
     script, err = capsys.readouterr()
     assert "#SBATCH --array=0-5%2" in script and f"#SBATCH --output={base}/slurm/%A_%a_0_log.out" in script
@@ -840,11 +1011,19 @@ def test_after_and_chain_render_dependencies(fake_slurm: Path, tmp_path: Path, c
 
 SETUP = ["module load cuda/12.4 nccl", "source /shared/venvs/train/bin/activate", "export HF_HOME='/shared/hf cache'"]
 CONTAINERS = {
-    "pyxis": {"runtime": "pyxis", "image": "nvcr.io#nvidia/pytorch:24.05-py3", "mounts": ["/shared:/shared",
-              "/scratch/$USER:/scratch:rw"], "workdir": "/shared/code"},
-    "apptainer": {"runtime": "apptainer", "image": "/shared/images/train it.sif", "mounts": ["/shared",
-                  "/scratch:/scratch"], "workdir": "/shared/code"},
-}  # fmt: skip
+    "pyxis": {
+        "runtime": "pyxis",
+        "image": "nvcr.io#nvidia/pytorch:24.05-py3",
+        "mounts": ["/shared:/shared", "/scratch/$USER:/scratch:rw"],
+        "workdir": "/shared/code",
+    },
+    "apptainer": {
+        "runtime": "apptainer",
+        "image": "/shared/images/train it.sif",
+        "mounts": ["/shared", "/scratch:/scratch"],
+        "workdir": "/shared/code",
+    },
+}
 
 
 @pytest.mark.parametrize("runtime", sorted(CONTAINERS))
@@ -854,8 +1033,17 @@ def test_container_and_setup_rendering_matches_golden_file(
     profile = tmp_path / f"{runtime}.yaml"
     data = yaml.safe_load(resources.path("cluster", "sandbox").read_text())
     profile.write_text(yaml.safe_dump({**data, "setup": SETUP, "container": CONTAINERS[runtime]}))
-    rc = cli.main(["submit", DEMO, "--cluster", str(profile), f"run.dir={tmp_path / 'run'}",
-                   "train.global_batch_size=32", "--dry-run"])  # fmt: skip
+    rc = cli.main(
+        [
+            "submit",
+            DEMO,
+            "--cluster",
+            str(profile),
+            f"run.dir={tmp_path / 'run'}",
+            "train.global_batch_size=32",
+            "--dry-run",
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.err
     text = normalize(out.out, tmp_path)
@@ -909,17 +1097,20 @@ def test_code_snapshot_copies_the_tracked_files_and_records_the_commit(tmp_path:
     snap = create_snapshot(tmp_path / "run")
     git = ["git", "-C", str(REPO)]
     head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                            check=True).stdout  # fmt: skip
+    status = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
+    ).stdout
     record = json.loads((snap.path / "snapshot.json").read_text())
     assert (record["git_commit"], record["dirty"], record["source"]) == (head, bool(status.strip()), str(REPO))
     assert snap.path.parent == tmp_path / "run" / "code"
-    tracked = subprocess.run([*git, "ls-files", "--cached", "--others", "--exclude-standard"], capture_output=True,
-                             text=True, check=True).stdout.split()  # fmt: skip
+    tracked = subprocess.run(
+        [*git, "ls-files", "--cached", "--others", "--exclude-standard"], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert record["files"] == len({f for f in tracked if (REPO / f).is_file()})
     assert not (snap.path / ".venv").exists()  # ignored by git: not copied
     assert (snap.path / "hpcdist" / "launch" / "submit.py").read_bytes() == Path(__file__).parents[2].joinpath(
-        "hpcdist", "launch", "submit.py").read_bytes()  # fmt: skip
+        "hpcdist", "launch", "submit.py"
+    ).read_bytes()
     assert snap.map(DEMO) == str(snap.path / "configs" / "demo.yaml") and snap.map("/etc/x.yaml") == "/etc/x.yaml"
 
 
@@ -928,8 +1119,16 @@ def test_status_and_cancel_of_a_local_job_from_its_record(tmp_path: Path, capsys
 
     controller = subprocess.Popen([SLEEP, "30"])  # stands in for the LocalExecutor's controller process
     try:
-        record_job(tmp_path, {"job_id": str(controller.pid), "executor": "local", "folder": str(tmp_path / "slurm"),
-                              "num_tasks": 2, "snapshot": None})  # fmt: skip
+        record_job(
+            tmp_path,
+            {
+                "job_id": str(controller.pid),
+                "executor": "local",
+                "folder": str(tmp_path / "slurm"),
+                "num_tasks": 2,
+                "snapshot": None,
+            },
+        )
         argv = [str(controller.pid), "--run-dir", str(tmp_path)]
         assert cli.main(["status", *argv]) == 0
         assert ": RUNNING" in capsys.readouterr().out
@@ -951,8 +1150,9 @@ def test_status_of_a_job_slurm_forgot_reads_the_run_dir(
     from the run dir."""
     monkeypatch.setenv("FAKE_STATE", "GONE")
     (tmp_path / "metrics.jsonl").write_text('{"step": 9, "loss": 3.5}\n{"split": "val", "step": 9, "loss": 3.0}\n')
-    (tmp_path / "restarts.json").write_text(json.dumps({"job_id": "77", "attempts": {"0": {}, "1": {}},
-                                                        "stopped": None}))  # fmt: skip
+    (tmp_path / "restarts.json").write_text(
+        json.dumps({"job_id": "77", "attempts": {"0": {}, "1": {}}, "stopped": None})
+    )
     assert cli.main(["status", "77"]) == 2  # without the run dir: one line, the tool's error
     assert cli.main(["status", "77", "--run-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -13,14 +13,13 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from hpcdist import logging_utils, metrics
+from hpcdist import logging_utils
 from hpcdist.logging_utils import get_logger, log0, setup_logging
-from hpcdist.metrics import (
+from hpcdist.metrics import throughput
+from hpcdist.metrics.logger import MetricsLogger, format_eta, format_line
+from hpcdist.metrics.throughput import (
     GPU_PEAK_FLOPS,
-    MetricsLogger,
     Throughput,
-    format_eta,
-    format_line,
     gpu_peak_flops,
     measure_cpu_peak_flops,
     memory_stats,
@@ -71,8 +70,8 @@ def test_peak_flops_cpu_measures_once(monkeypatch: pytest.MonkeyPatch) -> None:
         calls.append(1)
         return 1.0e10
 
-    monkeypatch.setattr(metrics, "_measured_peaks", {})
-    monkeypatch.setattr(metrics, "measure_cpu_peak_flops", fake_measure)
+    monkeypatch.setattr(throughput, "_measured_peaks", {})
+    monkeypatch.setattr(throughput, "measure_cpu_peak_flops", fake_measure)
     assert peak_flops("cpu") == 1.0e10
     assert peak_flops(torch.device("cpu")) == 1.0e10
     assert len(calls) == 1  # cached per process

@@ -99,8 +99,14 @@ def test_bad_profile_reports_every_problem(tmp_path: Path) -> None:
         load_profile(str(path))
     text = str(exc.value)
     assert "6 problems" in text
-    for fragment in ("lower_case", "NCCL_DEBUG.why", "NCCL_IB_DISABLE.value", "only understood for",
-                     "unknown key(s) typo", "NCCL_BUFFSIZE: must be a mapping"):  # fmt: skip
+    for fragment in (
+        "lower_case",
+        "NCCL_DEBUG.why",
+        "NCCL_IB_DISABLE.value",
+        "only understood for",
+        "unknown key(s) typo",
+        "NCCL_BUFFSIZE: must be a mapping",
+    ):
         assert fragment in text
 
 

@@ -64,8 +64,18 @@ def test_skip_is_refused_with_zero(small_cfg) -> None:
 
 
 def test_the_cli_says_it_once_and_exits_1(tmp_path: Path, corpus_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "hpcdist", "train", "configs/demo.yaml", *SMALL, *BLOW_UP, "data.source=files",
-           f"data.path={corpus_dir}", f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpcdist",
+        "train",
+        "configs/demo.yaml",
+        *SMALL,
+        *BLOW_UP,
+        "data.source=files",
+        f"data.path={corpus_dir}",
+        f"run.dir={tmp_path / 'run'}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "hpcdist: step 2: the gradient norm was NaN/Inf" in proc.stderr and "Traceback" not in proc.stderr

@@ -17,7 +17,7 @@ import pytest
 from hpcdist import resources
 from hpcdist.config.cluster import cluster_names
 from hpcdist.config.nccl_profiles import profile_names
-from hpcdist.models.llama import preset_names
+from hpcdist.models.args import preset_names
 
 REPO = Path(__file__).resolve().parents[2]
 RESOURCES = Path(resources.__file__).resolve().parent
@@ -102,8 +102,11 @@ def _checkout_files() -> list[str]:
         pytest.skip("needs a git checkout")
     out = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *BUILD_INPUTS],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return sorted({f for f in out.split("\0") if f and (REPO / f).is_file()})
 
 
@@ -116,8 +119,10 @@ def test_wheel_contains_every_resource_file(tmp_path: Path) -> None:
     out = tmp_path / "wheel"
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = out.glob("hpcdist-*.whl")
     with zipfile.ZipFile(wheel) as zf:

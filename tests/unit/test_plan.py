@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpcdist.cli import main
-from hpcdist.models.llama import ModelArgs, build_model, load_preset, num_params
+from hpcdist.models import ModelArgs, build_model, load_preset, num_params
 from hpcdist.planning.memory import (
     GIB,
     TABLE_ROWS,
@@ -46,8 +46,9 @@ def test_matches_deepspeed_estimators(ds_estimators, name, nodes, gpn):
         assert e.model_states_deepspeed == pytest.approx(ds_gpu, rel=0.05)
         assert e.model_states == pytest.approx(ds_gpu, rel=0.05)  # the category split adds up to DeepSpeed's
     for off_opt, off_par in ((False, False), (True, False), (True, True)):
-        _, ds_gpu, _ = zero3(p, big, num_gpus_per_node=gpn, num_nodes=nodes, cpu_offload=off_opt,
-                             cpu_offload_params=off_par)  # fmt: skip
+        _, ds_gpu, _ = zero3(
+            p, big, num_gpus_per_node=gpn, num_nodes=nodes, cpu_offload=off_opt, cpu_offload_params=off_par
+        )
         e = est(args, "zero3", world, gpn, offload_optimizer=off_opt, offload_params=off_par)
         assert e.model_states_deepspeed == pytest.approx(ds_gpu, rel=0.05)
         assert e.model_states == pytest.approx(ds_gpu, rel=0.05)

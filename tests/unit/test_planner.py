@@ -9,7 +9,7 @@ import pytest
 from hpcdist import config as config_mod
 from hpcdist.cli import main
 from hpcdist.launch import load_cluster
-from hpcdist.models.llama import ModelArgs, flops_per_token, load_preset, num_params
+from hpcdist.models.args import ModelArgs, flops_per_token, load_preset, num_params
 from hpcdist.parallel.dims import parallel_dims
 from hpcdist.planning.layouts import (
     HardwareConfig,
@@ -29,8 +29,14 @@ from hpcdist.planning.memory import GIB, estimate_3d_memory, estimate_memory
 TINY = ModelArgs(vocab_size=1000, dim=64, n_layers=4, n_heads=4, ffn_dim=128)
 # Round hardware numbers so every intermediate below is checkable on paper: 1e14 FLOP/s x 0.5 = 5e13 FLOP/s,
 # 100 GB/s inside a node, a deliberately slow 1 GB/s across nodes (so overlap and exposure both show).
-HW = HardwareConfig(gpu_mem_gb=80, bf16_peak_tflops=100, intra_node_busbw_gbps=100, inter_node_busbw_gbps=1,
-                    efficiency=0.5, margin_gib=0)  # fmt: skip
+HW = HardwareConfig(
+    gpu_mem_gb=80,
+    bf16_peak_tflops=100,
+    intra_node_busbw_gbps=100,
+    inter_node_busbw_gbps=1,
+    efficiency=0.5,
+    margin_gib=0,
+)
 A100 = HardwareConfig(gpu_mem_gb=80, bf16_peak_tflops=312, intra_node_busbw_gbps=230, inter_node_busbw_gbps=190)
 RATE, INTRA, INTER = 5e13, 1e11, 1e9
 S = 128
@@ -104,16 +110,18 @@ def test_hand_computed_hsdp_and_zero1():
     assert e.dp_comm_s == pytest.approx(2 * gather + last)
     assert e.dp_exposed_s == pytest.approx(exposed(gather, c_fwd, 4) + exposed(gather + last, 2 * c_fwd, 4))
     # zero1 in one node of 8, micro batch 8, global 64: RS in the backward, AG of bf16 params after the step
-    z = estimate_step(TINY, Layout(1, 8, 1, 8, False, zero_stage=1), seq_len=S, global_batch_size=64,
-                      gpus_per_node=8, hw=HW)  # fmt: skip
+    z = estimate_step(
+        TINY, Layout(1, 8, 1, 8, False, zero_stage=1), seq_len=S, global_batch_size=64, gpus_per_node=8, hw=HW
+    )
     c_bwd = 2 * 8 * 128 * 1_763_712 / 3 / RATE
     rs = ag = 7 / 8 * 2 * 292_416 / INTRA
     assert z.dp_exposed_s == pytest.approx(exposed(rs, c_bwd, 4) + ag)  # nothing hides the after-step gather
 
 
 def test_memory_3d_by_hand_and_reduces_to_fsdp_hsdp():
-    e = estimate_3d_memory(TINY, tp=2, pp=2, dp=4, micro_batch_size=1, seq_len=S, activation_checkpointing=True,
-                           microbatches=8)  # fmt: skip
+    e = estimate_3d_memory(
+        TINY, tp=2, pp=2, dp=4, micro_batch_size=1, seq_len=S, activation_checkpointing=True, microbatches=8
+    )
     p_s, unit = 73_120, 128_064 // 2  # stage / tp; largest FSDP unit (embeddings + head root) / tp
     assert e.params == 4 * p_s // 4 + 2 * unit + 2 * p_s  # + the stage kept gathered in bf16 under pp
     assert e.grads == 4 * p_s // 4 + 4 * unit + 4 * p_s  # + FSDP2's unsharded fp32 grads while accumulating
@@ -125,8 +133,14 @@ def test_memory_3d_by_hand_and_reduces_to_fsdp_hsdp():
     # tp = pp = 1 with one micro-batch is estimate_memory's fsdp / hsdp accounting exactly
     args, kw = ModelArgs(**load_preset("1.3b")), dict(micro_batch_size=2, seq_len=2048, activation_checkpointing=True)
     for replicate in (1, 4):
-        ref = estimate_memory(args, strategy="hsdp" if replicate > 1 else "fsdp", world_size=32, gpus_per_node=8,
-                              fsdp_replicate=replicate, **kw)  # fmt: skip
+        ref = estimate_memory(
+            args,
+            strategy="hsdp" if replicate > 1 else "fsdp",
+            world_size=32,
+            gpus_per_node=8,
+            fsdp_replicate=replicate,
+            **kw,
+        )
         got = estimate_3d_memory(args, tp=1, pp=1, dp=32, dp_shard=32 // replicate, **kw)
         assert dataclasses.astuple(got)[1:7] == dataclasses.astuple(ref)[1:7]
 
@@ -265,9 +279,13 @@ def test_cli_plan_options(capsys: pytest.CaptureFixture[str]):
 
 @pytest.mark.parametrize(
     ("option", "value", "fragment"),
-    [("--tokens", "lots", "--tokens"), ("--efficiency", "1.5", "--efficiency"), ("--mem-margin", "-1", "--mem-margin"),
-     ("--top", "0", "--top")],
-)  # fmt: skip
+    [
+        ("--tokens", "lots", "--tokens"),
+        ("--efficiency", "1.5", "--efficiency"),
+        ("--mem-margin", "-1", "--mem-margin"),
+        ("--top", "0", "--top"),
+    ],
+)
 def test_cli_plan_rejects_bad_options(capsys: pytest.CaptureFixture[str], option: str, value: str, fragment: str):
     with pytest.raises(SystemExit) as exc:
         main(["plan", "configs/train_13b.yaml", f"{option}={value}"])

@@ -14,8 +14,13 @@ def _train(env, cfg):
 
 
 def test_three_step_profile_writes_a_trace_that_loads(small_cfg, tmp_path) -> None:
-    cfg = small_cfg("train.steps=5", "logging.profile.steps=3", "logging.profile.start_step=2",
-                    "checkpoint.save_final=false", run_dir=tmp_path / "run")  # fmt: skip
+    cfg = small_cfg(
+        "train.steps=5",
+        "logging.profile.steps=3",
+        "logging.profile.start_step=2",
+        "checkpoint.save_final=false",
+        run_dir=tmp_path / "run",
+    )
     assert single(_train, cfg) == 5
     files = sorted(p.name for p in RunDir(tmp_path / "run").profile.iterdir())
     assert files == ["trace-rank-00000.json"]  # no memory snapshot without CUDA

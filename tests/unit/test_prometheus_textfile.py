@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hpcdist import config as config_mod
-from hpcdist.prometheus_metrics import PrometheusExporter
+from hpcdist.metrics.prometheus import PrometheusExporter
 
 pytest.importorskip("prometheus_client", reason="pip install 'hpcdist[prometheus]'")
 
@@ -19,12 +19,18 @@ def test_textfile_holds_the_conventional_names_and_counts(tmp_path: Path) -> Non
     exp = PrometheusExporter(cfg, enabled=True, node=3, job="77", restarts=2)
     for _ in range(4):
         exp.step(0.2, samples=8, tokens=256)
-    exp.log({"loss": 2.5, "grad_norm": 0.7, "tokens_per_s": 1280.0, "mfu": 0.4, "comm_share": 0.25},
-            samples_per_token=1 / 32, local_memory=[1.0, 2.0])  # fmt: skip
+    exp.log(
+        {"loss": 2.5, "grad_norm": 0.7, "tokens_per_s": 1280.0, "mfu": 0.4, "comm_share": 0.25},
+        samples_per_token=1 / 32,
+        local_memory=[1.0, 2.0],
+    )
     text = (tmp_path / "prom" / "hpcdist-3.prom").read_text()
-    got = {(s.name, s.labels.get("local_rank")): s.value
-           for f in text_string_to_metric_families(text) for s in f.samples
-           if s.labels.get("node") == "3" and s.labels.get("job") == "77"}  # fmt: skip
+    got = {
+        (s.name, s.labels.get("local_rank")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.labels.get("node") == "3" and s.labels.get("job") == "77"
+    }
     assert got[("hpcdist_steps_total", None)] == 4 and got[("hpcdist_tokens_total", None)] == 1024
     assert got[("hpcdist_samples_total", None)] == 32 and got[("hpcdist_restarts_total", None)] == 2
     assert got[("hpcdist_step_duration_seconds_count", None)] == 4

@@ -17,7 +17,7 @@ import pytest
 from hpcdist import cli
 from hpcdist.fault import failures
 from hpcdist.fault.goodput import Goodput
-from hpcdist.metrics import MetricsLogger
+from hpcdist.metrics.logger import MetricsLogger
 from hpcdist.report.rundata import RunData
 from hpcdist.rundir import RunDir
 
@@ -30,8 +30,16 @@ def _running_run(root: Path, steps: int = 6) -> None:
     g.begin(None)
     with MetricsLogger(root, enabled=True, tensorboard=False) as m:
         for step in range(1, steps + 1):
-            m.log(step, {"loss": 5.0 - 0.1 * step, "tokens_per_s": 1000.0 + step, "mfu": 0.01,
-                         "tokens_seen": 256.0 * step, "mem_rss_gib": 0.5})  # fmt: skip
+            m.log(
+                step,
+                {
+                    "loss": 5.0 - 0.1 * step,
+                    "tokens_per_s": 1000.0 + step,
+                    "mfu": 0.01,
+                    "tokens_seen": 256.0 * step,
+                    "mem_rss_gib": 0.5,
+                },
+            )
             g.step(step, 0.01)
         m.log(3, {"loss": 4.9}, prefix="eval")
     g.flush()
@@ -46,8 +54,13 @@ def test_a_crashed_run_with_a_truncated_last_line_is_reported(tmp_path: Path) ->
     with RunDir(tmp_path).failures.open("a") as f:
         f.write('{"time": 1, "kind": "exc')
 
-    ledger = {"job_id": "42", "attempts": {"0": {"restart": 0, "start": time.time() - 4, "requeued": "time_limit"},
-                                           "1": {"restart": 1, "start": time.time() - 2}}}  # fmt: skip
+    ledger = {
+        "job_id": "42",
+        "attempts": {
+            "0": {"restart": 0, "start": time.time() - 4, "requeued": "time_limit"},
+            "1": {"restart": 1, "start": time.time() - 2},
+        },
+    }
     RunDir(tmp_path).restarts.write_text(json.dumps(ledger))
     data = RunData.load(tmp_path)
     assert [r["step"] for r in data.train] == [1, 2, 3, 4, 5, 6]  # the cut line is skipped, the rest kept
@@ -103,6 +116,8 @@ def test_the_report_loads_no_torch(tmp_path: Path) -> None:
     import subprocess
 
     RunDir(tmp_path).metrics.write_text('{"step": 1, "loss": 2.0, "tokens_seen": 64}\n')
-    code = (f"import sys; from hpcdist import cli; rc = cli.main(['report', {str(tmp_path)!r}]); "
-            "sys.exit(rc or ('torch' in sys.modules) * 7)")  # fmt: skip
+    code = (
+        f"import sys; from hpcdist import cli; rc = cli.main(['report', {str(tmp_path)!r}]); "
+        "sys.exit(rc or ('torch' in sys.modules) * 7)"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -31,8 +31,9 @@ time.sleep(float(sys.argv[3]))
 def _holder(run: Path, job_id: str = "", seconds: float = 600) -> subprocess.Popen[str]:
     """Another process (another job) holding run.dir's lock."""
     run.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run), job_id, str(seconds)], stdout=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run), job_id, str(seconds)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
 
@@ -74,8 +75,19 @@ def test_a_requeue_of_the_same_job_waits_for_its_old_step(tmp_path: Path) -> Non
 
 def test_hpcdist_train_on_a_run_dir_in_use_exits_2_and_touches_nothing(tmp_path: Path, corpus_dir: Path) -> None:
     run = tmp_path / "run"
-    first = [sys.executable, "-m", "hpcdist", "train", "configs/demo.yaml", *SMALL, "train.steps=4",
-             "checkpoint.every_steps=2", "data.source=files", f"data.path={corpus_dir}", f"run.dir={run}"]  # fmt: skip
+    first = [
+        sys.executable,
+        "-m",
+        "hpcdist",
+        "train",
+        "configs/demo.yaml",
+        *SMALL,
+        "train.steps=4",
+        "checkpoint.every_steps=2",
+        "data.source=files",
+        f"data.path={corpus_dir}",
+        f"run.dir={run}",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_ID", "SLURM_PROCID", "RANK", "WORLD_SIZE")}
     done = subprocess.run(first, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -84,8 +96,9 @@ def test_hpcdist_train_on_a_run_dir_in_use_exits_2_and_touches_nothing(tmp_path:
 
     other = _holder(run, job_id="4242")  # a second job on the same run.dir starts while this one runs
     try:
-        again = subprocess.run([*first, "train.steps=8"], cwd=REPO, env=env, capture_output=True, text=True,
-                               timeout=300)  # fmt: skip
+        again = subprocess.run(
+            [*first, "train.steps=8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
     finally:
         other.kill()
         other.wait()

@@ -231,8 +231,15 @@ def _forged_state(d: Path, victim: subprocess.Popen[bytes], links: list[str]) ->
     """A state file naming a process and a link that are not the sandbox's, as a planter would write it (or as a
     stale state file reads once its pids are reused)."""
     rec = {"pid": victim.pid, "start": _start_time(victim.pid), "argv": ["slurmctld"]}
-    state = {"dir": str(d), "slurm_conf": str(d / "slurm.conf"), "pids": {"slurmctld": rec}, "supervisor": None,
-             "netns": [], "links": links, "hosts_block": False}  # fmt: skip
+    state = {
+        "dir": str(d),
+        "slurm_conf": str(d / "slurm.conf"),
+        "pids": {"slurmctld": rec},
+        "supervisor": None,
+        "netns": [],
+        "links": links,
+        "hosts_block": False,
+    }
     (d / "state.json").write_text(json.dumps(state))
 
 

@@ -51,8 +51,15 @@ def _plant_local_job(theirs: Path, pwned: Path, *, job_id: int = DEAD_PID) -> No
     controller is gone, and in the record's log folder a result pickle (what submitit writes) that runs code."""
     folder = theirs / "slurm"
     folder.mkdir(parents=True)
-    entry = {"job_id": str(job_id), "executor": "local", "folder": str(folder), "num_tasks": 1, "snapshot": None,
-             "time": 0, "host": socket.gethostname()}  # fmt: skip
+    entry = {
+        "job_id": str(job_id),
+        "executor": "local",
+        "folder": str(folder),
+        "num_tasks": 1,
+        "snapshot": None,
+        "time": 0,
+        "host": socket.gethostname(),
+    }
     (theirs / "jobs.jsonl").write_text(json.dumps(entry) + "\n")
     (folder / f"{job_id}_0_result.pkl").write_bytes(pickle.dumps(("success", _Payload(pwned))))
     _chown_tree(theirs, OTHER_UID)
@@ -85,8 +92,10 @@ def test_a_result_pickle_in_our_own_run_dir_is_never_unpickled(tmp_path: Path, c
     pwned = tmp_path / "PWNED"
     folder = tmp_path / "slurm"
     folder.mkdir()
-    record_job(tmp_path, {"job_id": str(DEAD_PID), "executor": "local", "folder": str(folder), "num_tasks": 1,
-                          "snapshot": None})  # fmt: skip
+    record_job(
+        tmp_path,
+        {"job_id": str(DEAD_PID), "executor": "local", "folder": str(folder), "num_tasks": 1, "snapshot": None},
+    )
     (folder / f"{DEAD_PID}_0_result.pkl").write_bytes(pickle.dumps(("success", _Payload(pwned))))
     assert main(["status", str(DEAD_PID), "--run-dir", str(tmp_path)]) == 0
     assert ": FAILED" in capsys.readouterr().out
@@ -115,11 +124,18 @@ def test_status_of_a_run_dir_with_fifos_does_not_hang(tmp_path: Path) -> None:
     must not block it (before: it waited forever at the first read)."""
     for name in ("metrics.jsonl", "restarts.json", "jobs.jsonl"):
         os.mkfifo(tmp_path / name)
-    code = ("import sys; from hpcdist.launch.records import find_job, run_summary\n"
-            "print(run_summary(sys.argv[1], '77'))\n"
-            "try:\n    find_job('77', sys.argv[1])\nexcept OSError as e:\n    print(e)\n")  # fmt: skip
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
-                       cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    code = (
+        "import sys; from hpcdist.launch.records import find_job, run_summary\n"
+        "print(run_summary(sys.argv[1], '77'))\n"
+        "try:\n    find_job('77', sys.argv[1])\nexcept OSError as e:\n    print(e)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert p.returncode == 0, p.stderr
     assert "no training step logged yet" in p.stdout and "jobs.jsonl is not a regular file" in p.stdout, p.stdout
 
@@ -130,12 +146,13 @@ def test_status_of_a_run_dir_with_fifos_does_not_hang(tmp_path: Path) -> None:
 def test_prometheus_listens_on_localhost_by_default(small_cfg, tmp_path: Path) -> None:
     """Default logging.prometheus.addr is 127.0.0.1: the metrics are not served to other hosts; addr chooses."""
     pytest.importorskip("prometheus_client")
-    from hpcdist.prometheus_metrics import PrometheusExporter
+    from hpcdist.metrics.prometheus import PrometheusExporter
     from tests.dist.harness import free_port
 
     port = free_port()
-    exporter = PrometheusExporter(small_cfg(f"logging.prometheus.port={port}", run_dir=tmp_path), enabled=True,
-                                  node=0, job="j", restarts=0)  # fmt: skip
+    exporter = PrometheusExporter(
+        small_cfg(f"logging.prometheus.port={port}", run_dir=tmp_path), enabled=True, node=0, job="j", restarts=0
+    )
     assert exporter.active
     bound = {c.laddr for c in _listening(port)}
     assert bound == {("127.0.0.1", port)}, bound
@@ -179,7 +196,7 @@ def test_jobs_record_is_not_appended_through_a_link(tmp_path: Path) -> None:
 
 
 def test_metrics_are_not_appended_through_a_link_nor_into_a_fifo(tmp_path: Path) -> None:
-    from hpcdist.metrics import MetricsLogger
+    from hpcdist.metrics.logger import MetricsLogger
 
     victim = _victim(tmp_path)
     (tmp_path / "metrics.jsonl").symlink_to(victim)

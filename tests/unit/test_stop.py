@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdist.env import SlurmJob
 from hpcdist.fault.stop import StopFlag, StopReason, signal_number
 from hpcdist.launch.requeue import requeue
 from hpcdist.launch.restarts import after_stop
 from hpcdist.logging_utils import setup_logging
+from hpcdist.schedulers import JobFacts
 
 
-def _after(job: SlurmJob, reason: StopReason, *, rank: int = 0, **kw) -> int:
+def _after(job: JobFacts, reason: StopReason, *, rank: int = 0, **kw) -> int:
     return after_stop(reason, rank=rank, job=job, **kw)
 
 
@@ -33,7 +33,7 @@ def _fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rc: int = 0)
 
 
 def test_signal_sets_flag_only_and_term_wins() -> None:
-    h = StopFlag(rank=0, device=torch.device("cpu"), job=SlurmJob(None, 0)).install()
+    h = StopFlag(rank=0, device=torch.device("cpu"), job=JobFacts(None, 0)).install()
     try:
         assert h.agreed() == StopReason.NONE
         os.kill(os.getpid(), signal.SIGUSR2)
@@ -49,21 +49,21 @@ def test_signal_sets_flag_only_and_term_wins() -> None:
 
 def test_requeue_after_time_limit_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _fake_scontrol(tmp_path, monkeypatch)
-    assert _after(SlurmJob("123", 0), StopReason.TIME_LIMIT) == 0
+    assert _after(JobFacts("123", 0), StopReason.TIME_LIMIT) == 0
     assert calls.read_text().split() == ["requeue", "123"]
 
 
 def test_no_requeue_on_terminate_limit_or_disabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _fake_scontrol(tmp_path, monkeypatch)
-    assert _after(SlurmJob("9", 0), StopReason.TERMINATE) == 0
-    assert _after(SlurmJob("9", 0), StopReason.TIME_LIMIT, requeue_enabled=False) == 0
-    assert _after(SlurmJob("9", 3), StopReason.TIME_LIMIT, max_restarts=3) == 3
+    assert _after(JobFacts("9", 0), StopReason.TERMINATE) == 0
+    assert _after(JobFacts("9", 0), StopReason.TIME_LIMIT, requeue_enabled=False) == 0
+    assert _after(JobFacts("9", 3), StopReason.TIME_LIMIT, max_restarts=3) == 3
     # not a SLURM job: nothing continues the partial run, so never 0 (issue 25.10) but 128 + the signal
-    assert _after(SlurmJob(None, 0), StopReason.TIME_LIMIT) == 128 + signal.SIGUSR2
-    assert _after(SlurmJob(None, 0), StopReason.TIME_LIMIT, requeue_signal="USR1") == 128 + signal.SIGUSR1
-    assert _after(SlurmJob(None, 0), StopReason.INTERRUPT) == 130
-    assert _after(SlurmJob(None, 0), StopReason.TERMINATE) == 143
-    assert _after(SlurmJob("9", 0), StopReason.TIME_LIMIT, rank=1) == 0  # only rank 0 talks to SLURM
+    assert _after(JobFacts(None, 0), StopReason.TIME_LIMIT) == 128 + signal.SIGUSR2
+    assert _after(JobFacts(None, 0), StopReason.TIME_LIMIT, requeue_signal="USR1") == 128 + signal.SIGUSR1
+    assert _after(JobFacts(None, 0), StopReason.INTERRUPT) == 130
+    assert _after(JobFacts(None, 0), StopReason.TERMINATE) == 143
+    assert _after(JobFacts("9", 0), StopReason.TIME_LIMIT, rank=1) == 0  # only rank 0 talks to SLURM
     assert not calls.exists()
 
 
@@ -76,11 +76,7 @@ def test_requeue_failure_names_the_fallback(tmp_path: Path, monkeypatch: pytest.
     assert requeue("77") == 4
 
 
-def test_slurm_job_from_environ() -> None:
-    assert SlurmJob.from_environ({"SLURM_JOB_ID": "5", "SLURM_RESTART_COUNT": "2"}) == SlurmJob("5", 2)
-    env = {"SLURM_JOB_ID": "8", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}
-    assert SlurmJob.from_environ(env) == SlurmJob("7_3", 0)
-    assert SlurmJob.from_environ({}) == SlurmJob(None, 0)
+def test_signal_number() -> None:  # the job's facts from SLURM's variables: tests/unit/test_schedulers.py
     assert signal_number("usr1") == signal.SIGUSR1 and signal_number("SIGTERM") == signal.SIGTERM
 
 
@@ -95,7 +91,7 @@ def test_a_held_signal_is_taken_over_by_the_stop_flag_or_given_back() -> None:
     try:
         os.kill(os.getpid(), signal.SIGUSR2)  # the default action would end this process
         os.kill(os.getpid(), signal.SIGTERM)
-        h = StopFlag(rank=0, device=torch.device("cpu"), job=SlurmJob(None, 0)).install()
+        h = StopFlag(rank=0, device=torch.device("cpu"), job=JobFacts(None, 0)).install()
         assert h.agreed() == StopReason.TERMINATE  # acted on, the strongest of the two
         h.uninstall()
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the original, not the hold

@@ -24,8 +24,16 @@ def _start(
 ) -> tuple[subprocess.Popen[str], Path]:
     """``hpcdist train`` as its own process; ``prelude``: Python run first, in that process (then the CLI's main)."""
     run = tmp_path / "run"
-    args = ["train", "configs/demo.yaml", *SMALL, "train.steps=100000", "data.source=files", f"data.path={corpus_dir}",
-            f"run.dir={run}", *extra]  # fmt: skip
+    args = [
+        "train",
+        "configs/demo.yaml",
+        *SMALL,
+        "train.steps=100000",
+        "data.source=files",
+        f"data.path={corpus_dir}",
+        f"run.dir={run}",
+        *extra,
+    ]
     cmd = [sys.executable, "-m", "hpcdist", *args]
     if prelude is not None:
         cmd = [sys.executable, "-c", f"{prelude}\nimport sys\nfrom hpcdist.cli import main\nsys.exit(main({args!r}))"]

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer as HFCoreTokenizer
 
-from hpcdist.data import ByteTokenizer, TokenizerError, load_tokenizer, train_bpe
-from hpcdist.data.tokenizers import HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer
+from hpcdist.data import ByteTokenizer, TokenizerError, load_tokenizer, prepare_corpus, train_bpe
+from hpcdist.data.tokenizers import TOKENIZER_KINDS, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer
+from hpcdist.hf.tokenizer import export_tokenizer
 from tests.unit.test_cli import hpcdist
 
 TEXTS = ["def f(x):\n    return x + 1\n", "café ☃ naïve résumé 🚀", "", "  leading and trailing  \n\n"]
@@ -93,8 +95,14 @@ def test_hf_tokenizer_special_tokens_without_config(bpe_dir: Path, tmp_path: Pat
 def test_sentencepiece_model(tmp_path: Path) -> None:
     spm = pytest.importorskip("sentencepiece")
     corpus = _corpus(tmp_path / "corpus.txt", n=400)
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=300,
-                                   byte_fallback=True, character_coverage=1.0, minloglevel=2)  # fmt: skip
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=300,
+        byte_fallback=True,
+        character_coverage=1.0,
+        minloglevel=2,
+    )
     tok = load_tokenizer(tmp_path / "sp.model")
     assert isinstance(tok, SentencePieceTokenizer)
     assert (tok.bos_id, tok.eos_id) == (1, 2) and tok.add_bos and tok.vocab_size == 300
@@ -135,10 +143,83 @@ def test_cli_tokenizer_train(tmp_path: Path) -> None:
     corpus.mkdir()
     _corpus(corpus / "a.txt")
     (corpus / "b.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in TEXTS))
-    proc = hpcdist("tokenizer", "train", corpus, "--vocab-size", "280", "--out", tmp_path / "tok", "--text-field",
-                   "body")  # fmt: skip
+    proc = hpcdist(
+        "tokenizer", "train", corpus, "--vocab-size", "280", "--out", tmp_path / "tok", "--text-field", "body"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "trained a byte-level BPE of 280 tokens on 2 files" in proc.stdout
     _roundtrip(load_tokenizer(tmp_path / "tok"))
     bad = hpcdist("tokenizer", "train", corpus, "--vocab-size", "280", "--out", tmp_path / "t2")
     assert bad.returncode != 0 and "no field 'text'" in bad.stderr and "--text-field" in bad.stderr
+
+
+# ---------------------------------------------------------------- the registry: every kind round-trips
+def _spec_byte(tmp_path: Path) -> str:
+    return "byte"
+
+
+def _spec_hf(tmp_path: Path) -> str:
+    train_bpe([_corpus(tmp_path / "corpus.txt")], vocab_size=300, out_dir=tmp_path / "tok")
+    return str(tmp_path / "tok")
+
+
+def _spec_sentencepiece(tmp_path: Path) -> str:
+    spm = pytest.importorskip("sentencepiece")
+    corpus = str(_corpus(tmp_path / "corpus.txt", n=400))
+    spm.SentencePieceTrainer.train(
+        input=corpus,
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=300,
+        byte_fallback=True,
+        character_coverage=1.0,
+        minloglevel=2,
+    )
+    return str(tmp_path / "sp.model")
+
+
+def _spec_tiktoken(tmp_path: Path) -> str:
+    pytest.importorskip("tiktoken")
+    return f"tiktoken:{_tiktoken_file(tmp_path / 'ranks.bpe')}"  # no .tiktoken suffix: the copy is loaded by kind
+
+
+SPECS = {"byte": _spec_byte, "hf": _spec_hf, "sentencepiece": _spec_sentencepiece, "tiktoken": _spec_tiktoken}
+
+
+def test_every_registered_kind_has_a_round_trip_sample() -> None:
+    assert set(SPECS) == set(TOKENIZER_KINDS)  # a new kind in the registry needs a sample here
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_kind_round_trips_through_a_prepared_dataset_and_its_export(name: str, tmp_path: Path) -> None:
+    """recognise -> load -> recorded by prepare -> loaded from the recorded copy -> exported where supported."""
+    spec = SPECS[name](tmp_path)
+    kind = TOKENIZER_KINDS[name]
+    files = kind.recognise(spec)
+    assert files is not None and next(k for k in TOKENIZER_KINDS.values() if k.recognise(spec) is not None) is kind
+    tok = load_tokenizer(spec)
+    assert tok.kind == name
+    text = tmp_path / "doc.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    ds = prepare_corpus([text], tmp_path / "ds", tokenizer=tok).path
+    assert json.loads((ds / "meta.json").read_text())["tokenizer"]["kind"] == name
+    again = load_tokenizer(ds)  # from the dataset's own copies, recognised by meta.json's kind
+    assert type(again) is type(tok) and again.kind == name
+    assert all(f.parent == ds / "tokenizer" for f in again.files()) and bool(again.files()) == kind.has_files
+    assert (again.vocab_size, again.bos_id, again.eos_id) == (tok.vocab_size, tok.bos_id, tok.eos_id)
+    ids = tok.encode_batch(TEXTS)
+    for a, b in zip(ids, again.encode_batch(TEXTS), strict=True):
+        np.testing.assert_array_equal(a, b)
+    out = tmp_path / "hf"
+    out.mkdir()
+    if kind.export_hf is None:
+        with pytest.raises(TokenizerError, match="no Hugging Face form"):
+            export_tokenizer(again, out, max_len=64)
+        return
+    written = export_tokenizer(again, out, max_len=64)
+    assert "tokenizer_config.json" in written and "special_tokens_map.json" in written
+    if (out / "tokenizer.json").is_file():  # the fast form: the same ids from the exported file
+        core = HFCoreTokenizer.from_file(str(out / "tokenizer.json"))
+        for text_, want in zip(TEXTS, ids, strict=True):
+            assert core.encode(text_, add_special_tokens=False).ids == list(want)
+    else:  # SentencePiece: the model itself, byte for byte
+        assert (out / "tokenizer.model").read_bytes() == Path(files[0]).read_bytes()

@@ -61,9 +61,17 @@ def _train(cfg, until: int | None = None) -> None:
 
 def test_wandb_offline_and_mlflow_file_store_follow_metrics_and_resume(tmp_path: Path, corpus_dir: Path) -> None:
     run, store = tmp_path / "run", (tmp_path / "mlruns").as_uri()
-    over = [*SMALL, f"run.dir={run}", "data.source=files", f"data.path={corpus_dir}", "train.steps=6",
-            "logging.wandb.project=hpcdist-test", "logging.wandb.mode=offline", f"logging.mlflow.tracking_uri={store}",
-            "logging.mlflow.experiment=tests"]  # fmt: skip
+    over = [
+        *SMALL,
+        f"run.dir={run}",
+        "data.source=files",
+        f"data.path={corpus_dir}",
+        "train.steps=6",
+        "logging.wandb.project=hpcdist-test",
+        "logging.wandb.mode=offline",
+        f"logging.mlflow.tracking_uri={store}",
+        "logging.mlflow.experiment=tests",
+    ]
     cfg = config_mod.load(None, over)
     _train(cfg, until=3)  # an interruption: checkpoint at step 3
     ids = json.loads(RunDir(run).trackers.read_text())

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpcdist import config as config_mod
-from hpcdist.config import vocab
-from hpcdist.data import ByteTokenizer, shards
+from hpcdist.data import ByteTokenizer
 from tests.unit.test_cli import hpcdist
 
 
@@ -18,14 +17,21 @@ def _dataset(root: Path, vocab_size: int) -> Path:
     root.mkdir(parents=True)
     (root / "shard-00000.bin").write_bytes(b"\0\0" * 64)
     shard = {"name": "shard-00000.bin", "tokens": 64}
-    meta = {"format": 1, "dtype": "uint16", "vocab_size": vocab_size, "eos_id": 0, "num_tokens": 64,
-            "num_documents": 1, "shards": [shard], "tokenizer": {"kind": "hf"}}  # fmt: skip
+    meta = {
+        "format": 1,
+        "dtype": "uint16",
+        "vocab_size": vocab_size,
+        "eos_id": 0,
+        "num_tokens": 64,
+        "num_documents": 1,
+        "shards": [shard],
+        "tokenizer": {"kind": "hf"},
+    }
     (root / "meta.json").write_text(json.dumps(meta))
     return root
 
 
 def test_the_torch_free_copies_agree_with_hpcdist_data() -> None:
-    assert vocab.META_NAME == shards.META_NAME
     assert ByteTokenizer.vocab_size == config_mod.BYTE_VOCAB
 
 
@@ -88,8 +94,10 @@ def test_cli_vocab_mismatch_exits_with_one_line_before_any_rank(tmp_path: Path) 
 def test_cli_missing_data_refuses_to_train_but_dry_runs_warn(tmp_path: Path) -> None:
     missing = tmp_path / "not-prepared"
     over = ("data.source=files", f"data.path={missing}", f"run.dir={tmp_path / 'run'}")
-    line = (f"data.path {missing}: no prepared dataset there (no complete meta.json); make it with "
-            f"`hpcdist prepare INPUT... --tokenizer SPEC --out {missing}`")  # fmt: skip
+    line = (
+        f"data.path {missing}: no prepared dataset there (no complete meta.json); make it with "
+        f"`hpcdist prepare INPUT... --tokenizer SPEC --out {missing}`"
+    )
     proc = hpcdist("train", "configs/demo.yaml", *over)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [f"hpcdist: {line}"]
     dry = hpcdist("train", "configs/demo.yaml", *over, "--dry-run", "--world-size", "2")

@@ -94,8 +94,10 @@ def test_the_backstop_fires_when_a_hang_holds_the_gil(tmp_path: Path) -> None:
 
 
 def test_culprits_from_heartbeats(tmp_path: Path) -> None:
-    dogs = [HangWatchdog(rank=r, world_size=3, host=f"n{r}", run_dir=tmp_path, timeout_s=1, heartbeat_s=0.1)
-            for r in range(3)]  # fmt: skip
+    dogs = [
+        HangWatchdog(rank=r, world_size=3, host=f"n{r}", run_dir=tmp_path, timeout_s=1, heartbeat_s=0.1)
+        for r in range(3)
+    ]
     for d in dogs:
         d.beat(5, "forward/backward")
         d._write_heartbeat()
@@ -193,9 +195,18 @@ def test_a_real_run_whose_steps_are_all_slower_than_the_timeout_is_not_killed(tm
         "    return _next(self)\n"
         "BatchLoader.next_batch = next_batch\n"
     )
-    args = ["train", "configs/demo.yaml", *SMALL, "train.steps=2", "data.prefetch=0", "data.source=files",
-            f"data.path={corpus_dir}", f"run.dir={tmp_path / 'run'}", "fault.watchdog_timeout_s=5",
-            "fault.watchdog_slow_phase_s=60"]  # fmt: skip
+    args = [
+        "train",
+        "configs/demo.yaml",
+        *SMALL,
+        "train.steps=2",
+        "data.prefetch=0",
+        "data.source=files",
+        f"data.path={corpus_dir}",
+        f"run.dir={tmp_path / 'run'}",
+        "fault.watchdog_timeout_s=5",
+        "fault.watchdog_slow_phase_s=60",
+    ]
     p = _run(f"{slow_data}import sys\nfrom hpcdist.cli import main\nsys.exit(main({args!r}))")
     assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
     assert "hang watchdog" not in p.stderr and "done: step 2" in p.stdout, p.stdout[-2000:]

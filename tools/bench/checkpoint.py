@@ -37,27 +37,58 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import torch
-from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)
 
-from hpcdist import checkpoint as ckpt_mod
-from hpcdist import config as config_mod
-from hpcdist.checkpoint import CheckpointManager, list_checkpoints
-from hpcdist.config import JobConfig
-from hpcdist.env import destroy_process_group, from_environ, init_process_group
-from hpcdist.models.args import ModelArgs, load_preset, num_params
-from hpcdist.trainer import Trainer
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="125m")
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a new temp dir)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-two-ranks", action="store_true")
+    ap.add_argument("--fs-gbps", type=float, default=5.0, help="parallel FS write GB/s per node, for the 13B line")
+    ap.add_argument("--json", default=None)
+    return ap
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+import torch  # noqa: E402
+from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)  # noqa: E402
+
+from hpcdist import checkpoint as ckpt_mod  # noqa: E402
+from hpcdist import config as config_mod  # noqa: E402
+from hpcdist.atomic import file_sha256  # noqa: E402
+from hpcdist.checkpoint import CheckpointManager, list_checkpoints  # noqa: E402
+from hpcdist.config import JobConfig  # noqa: E402
+from hpcdist.env import destroy_process_group, from_environ, init_process_group  # noqa: E402
+from hpcdist.models.args import ModelArgs, load_preset, num_params  # noqa: E402
+from hpcdist.trainer import Trainer  # noqa: E402
 
 GB = 1e9
 
 
 def job_config(preset: str, run_dir: Path) -> JobConfig:
-    return config_mod.load(None, [
-        f"model.preset={preset}", "data.source=synthetic", "data.seq_len=64", "train.steps=1",
-        "train.global_batch_size=2", "train.micro_batch_size=1", "logging.tensorboard=false",
-        "checkpoint.every_steps=0", "checkpoint.save_final=false", "checkpoint.resume=none", f"run.dir={run_dir}",
-        "fault.watchdog_timeout_s=0", "run.log_level=WARNING",
-    ])  # fmt: skip
+    return config_mod.load(
+        None,
+        [
+            f"model.preset={preset}",
+            "data.source=synthetic",
+            "data.seq_len=64",
+            "train.steps=1",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=1",
+            "logging.tensorboard=false",
+            "checkpoint.every_steps=0",
+            "checkpoint.save_final=false",
+            "checkpoint.resume=none",
+            f"run.dir={run_dir}",
+            "fault.watchdog_timeout_s=0",
+            "run.log_level=WARNING",
+        ],
+    )
 
 
 def dir_bytes(path: Path) -> int:
@@ -68,8 +99,11 @@ def dd_write(directory: Path, nbytes: int) -> float:
     """Seconds for dd to write ``nbytes`` (rounded up to 64 MiB blocks) and fdatasync them; returns GB/s."""
     target, count = directory / "dd.bin", max(1, math.ceil(nbytes / (64 << 20)))
     t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={count}", "conv=fdatasync"],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={count}", "conv=fdatasync"],
+        check=True,
+        capture_output=True,
+    )
     seconds = time.perf_counter() - t0
     target.unlink()
     return count * (64 << 20) / seconds / GB
@@ -78,7 +112,7 @@ def dd_write(directory: Path, nbytes: int) -> float:
 def hash_seconds(path: Path) -> float:
     t0 = time.perf_counter()
     for rel in ckpt_mod._files(path):
-        ckpt_mod._sha256(path / rel)
+        file_sha256(path / rel)
     return time.perf_counter() - t0
 
 
@@ -123,8 +157,14 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------- two ranks
 def _rank_main(rank: int, port: int, preset: str, root: str, q: Any) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     hashed = {"bytes": 0, "seconds": 0.0}
     digest = ckpt_mod._digest
@@ -143,8 +183,9 @@ def _rank_main(rank: int, port: int, preset: str, root: str, q: Any) -> None:
         trainer = Trainer(job_config(preset, Path(root) / "run2"), env)
         trainer.train()
         hashed.update(bytes=0, seconds=0.0)
-        mgr = CheckpointManager(Path(root) / "two", rank=rank, world_size=2, keep_last=1,
-                                write_threads=trainer.ckpt.write_threads)  # fmt: skip
+        mgr = CheckpointManager(
+            Path(root) / "two", rank=rank, world_size=2, keep_last=1, write_threads=trainer.ckpt.write_threads
+        )
         t0 = time.perf_counter()
         assert mgr.save(1, trainer.checkpointable()) is not None
         q.put((rank, "ok", {"save_s": time.perf_counter() - t0, **hashed}))
@@ -205,14 +246,7 @@ def row(name: str, value: Any, note: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="125m")
-    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a new temp dir)")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--skip-two-ranks", action="store_true")
-    ap.add_argument("--fs-gbps", type=float, default=5.0, help="parallel FS write GB/s per node, for the 13B line")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     root = Path(tempfile.mkdtemp(prefix="hpcdist-bench-ckpt-", dir=args.dir))
     try:
@@ -229,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     blocking, complete = min(one["async_blocking_s"]), min(one["async_complete_s"])
     hash_gbps = size / hash_s / GB
     where = args.dir or tempfile.gettempdir()
-    print(f"checkpoint benchmark: preset {args.preset} ({one['params'] / 1e6:.1f}M params) + AdamW, "
-          f"{size / GB:.2f} GB per checkpoint, {args.repeats} repeats (best shown), in {where}")  # fmt: skip
+    print(
+        f"checkpoint benchmark: preset {args.preset} ({one['params'] / 1e6:.1f}M params) + AdamW, "
+        f"{size / GB:.2f} GB per checkpoint, {args.repeats} repeats (best shown), in {where}"
+    )
     print(f"{'quantity':<58} {'value':>12}  note")
     print("-" * 100)
     print(row("dd bs=64M conv=fdatasync (GB/s)", dd, "the disk, same size, same directory"))
@@ -241,8 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     print(row("  sync save without hashing / dd", size / max(sync_s - hash_s, 1e-9) / GB / dd))
     print(row("async save: blocking the loop (s)", blocking))
     print(row("async save: until complete (s)", complete))
-    print(row("  async blocking / sync save", blocking / sync_s,
-              f"goal <= 0.05: {'PASS' if blocking / sync_s <= 0.05 else 'FAIL'}"))  # fmt: skip
+    print(
+        row(
+            "  async blocking / sync save",
+            blocking / sync_s,
+            f"goal <= 0.05: {'PASS' if blocking / sync_s <= 0.05 else 'FAIL'}",
+        )
+    )
     print(row("load: verify (sha256) + DCP load (s)", one["load_s"], f"{size / one['load_s'] / GB:.2f} GB/s"))
     if two:
         print(row("2 ranks (DDP): sync save (s)", max(t["save_s"] for t in two)))
@@ -250,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             print(row(f"  rank {r} hashed for the manifest (GB / s)", f"{t['bytes'] / GB:.2f} / {t['seconds']:.2f}"))
     print()
     eff = min(1.0, sync_gbps / dd)
-    print(f"13B ZeRO-3 flagship on 4 nodes x 8 A100 (a100_ib), parallel FS {args.fs_gbps:g} GB/s per node, written "
-          f"at the sync/dd efficiency measured here ({eff:.2f}), sha256 {hash_gbps:.2f} GB/s per core:")  # fmt: skip
+    print(
+        f"13B ZeRO-3 flagship on 4 nodes x 8 A100 (a100_ib), parallel FS {args.fs_gbps:g} GB/s per node, written "
+        f"at the sync/dd efficiency measured here ({eff:.2f}), sha256 {hash_gbps:.2f} GB/s per core:"
+    )
     prediction = predict_13b(hash_gbps, min(1.0, sync_gbps / dd), args.fs_gbps)
     for name, value in prediction:
         print(row(name, value))
@@ -260,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwall {wall:.0f} s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"single": one, "two_ranks": two, "prediction_13b": prediction,
-                                               "args": vars(args)}, indent=1))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps({"single": one, "two_ranks": two, "prediction_13b": prediction, "args": vars(args)}, indent=1)
+        )
     return 0
 
 

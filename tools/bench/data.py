@@ -43,13 +43,44 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)
 
-from hpcdist import config as config_mod
-from hpcdist.data import load_tokenizer, prepare_corpus, stdlib_corpus, train_bpe
-from hpcdist.env import from_environ
-from hpcdist.trainer import Trainer
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--mb", type=float, default=24.0, help="corpus size in MB of text (default 24)")
+    p.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary (default 8192)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="prepare workers (default: cores)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per side, alternating (default 2)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=16, help="samples per step (default 16)")
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--steps", type=int, default=12, help="timed steps per loader run (default 12)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps per loader run (default 2)")
+    p.add_argument(
+        "--read-latency-ms",
+        type=float,
+        default=2.0,
+        help="simulated shared-filesystem latency per sample read, second loader scenario (default 2)",
+    )
+    p.add_argument("--skip-prepare", action="store_true")
+    p.add_argument("--skip-loader", action="store_true")
+    p.add_argument("--json", type=Path, default=Path("runs/bench/data.json"))
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+import torch  # noqa: E402
+from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)  # noqa: E402
+
+from hpcdist import config as config_mod  # noqa: E402
+from hpcdist.data import load_tokenizer, prepare_corpus, stdlib_corpus, train_bpe  # noqa: E402
+from hpcdist.env import from_environ  # noqa: E402
+from hpcdist.trainer import Trainer  # noqa: E402
 
 
 def write_corpus(path: Path, megabytes: float) -> tuple[list[str], int]:
@@ -96,12 +127,15 @@ def bench_prepare(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     if f.is_file():
                         f.unlink()
                 out_dir = target
-            runs[name].append({"seconds": seconds, "tokens": tokens, "mb_s": nbytes / 1e6 / seconds,
-                               "tokens_s": tokens / seconds})  # fmt: skip
+            runs[name].append(
+                {"seconds": seconds, "tokens": tokens, "mb_s": nbytes / 1e6 / seconds, "tokens_s": tokens / seconds}
+            )
     best = {name: max(v, key=lambda x: x["tokens_s"]) for name, v in runs.items()}
     base = best["library"]["tokens_s"]
-    print(f"\n## prepare: {nbytes / 1e6:.1f} MB of jsonl, {len(docs)} documents, BPE vocab {args.vocab} "
-          f"(trained in {train_s:.1f} s); best of {args.repeats}, {os.cpu_count()} cores")  # fmt: skip
+    print(
+        f"\n## prepare: {nbytes / 1e6:.1f} MB of jsonl, {len(docs)} documents, BPE vocab {args.vocab} "
+        f"(trained in {train_s:.1f} s); best of {args.repeats}, {os.cpu_count()} cores"
+    )
     print(f"{'':32} {'seconds':>8} {'MB/s':>8} {'tokens/s':>12} {'vs library':>11}")
     for name, b in best.items():
         workers = name.split("-")[-1]
@@ -132,14 +166,31 @@ def _loader_run(
     args: argparse.Namespace, dataset: Path, run_dir: Path, prefetch: int, latency_ms: float
 ) -> dict[str, Any]:
     over = [
-        "model.preset=tiny", f"model.dim={args.dim}", f"model.n_layers={args.layers}", "model.n_heads=2",
-        f"model.ffn_dim={4 * args.dim}", f"model.max_seq_len={args.seq_len}", "model.vocab_size=auto",
-        "data.source=files", f"data.path={dataset}", f"data.seq_len={args.seq_len}", "data.val_fraction=0",
-        f"data.prefetch={prefetch}", f"train.steps={args.warmup + args.steps}", f"train.global_batch_size={args.batch}",
-        f"train.micro_batch_size={args.batch}", "optim.warmup_steps=0", "logging.every_steps=1000000",
-        "logging.tensorboard=false", "logging.peak_flops=6.3e10", "checkpoint.every_steps=0",
-        "checkpoint.save_final=false", "checkpoint.resume=none", f"run.dir={run_dir}", "run.log_level=WARNING",
-    ]  # fmt: skip
+        "model.preset=tiny",
+        f"model.dim={args.dim}",
+        f"model.n_layers={args.layers}",
+        "model.n_heads=2",
+        f"model.ffn_dim={4 * args.dim}",
+        f"model.max_seq_len={args.seq_len}",
+        "model.vocab_size=auto",
+        "data.source=files",
+        f"data.path={dataset}",
+        f"data.seq_len={args.seq_len}",
+        "data.val_fraction=0",
+        f"data.prefetch={prefetch}",
+        f"train.steps={args.warmup + args.steps}",
+        f"train.global_batch_size={args.batch}",
+        f"train.micro_batch_size={args.batch}",
+        "optim.warmup_steps=0",
+        "logging.every_steps=1000000",
+        "logging.tensorboard=false",
+        "logging.peak_flops=6.3e10",
+        "checkpoint.every_steps=0",
+        "checkpoint.save_final=false",
+        "checkpoint.resume=none",
+        f"run.dir={run_dir}",
+        "run.log_level=WARNING",
+    ]
     cfg = config_mod.load(None, over)
     drop_page_cache(dataset.glob("shard-*.bin"))
     trainer = Trainer(cfg, from_environ())
@@ -161,8 +212,12 @@ def _loader_run(
     starts = [m[0] for m in marks] + [end]
     steps = [starts[i + 1] - starts[i] for i in range(len(marks))][args.warmup :]
     waits = [m[1] - m[0] for m in marks][args.warmup :]
-    return {"median_step_s": statistics.median(steps), "data_wait_share": sum(waits) / sum(steps),
-            "median_wait_s": statistics.median(waits), "final_loss": result.losses[max(result.losses)]}  # fmt: skip
+    return {
+        "median_step_s": statistics.median(steps),
+        "data_wait_share": sum(waits) / sum(steps),
+        "median_wait_s": statistics.median(waits),
+        "final_loss": result.losses[max(result.losses)],
+    }
 
 
 def bench_loader(args: argparse.Namespace, root: Path, dataset: Path) -> dict[str, Any]:
@@ -180,15 +235,21 @@ def bench_loader(args: argparse.Namespace, root: Path, dataset: Path) -> dict[st
             for name in list(runs) if r % 2 == 0 else list(reversed(runs)):
                 prefetch = int(name.split("=")[1])
                 runs[name].append(_loader_run(args, dataset, root / f"run-{latency}-{name}-{r}", prefetch, latency))
-        summary = {name: {"median_step_s": statistics.median(x["median_step_s"] for x in v),
-                          "data_wait_share": statistics.median(x["data_wait_share"] for x in v),
-                          "median_wait_s": statistics.median(x["median_wait_s"] for x in v)}
-                   for name, v in runs.items()}  # fmt: skip
+        summary = {
+            name: {
+                "median_step_s": statistics.median(x["median_step_s"] for x in v),
+                "data_wait_share": statistics.median(x["data_wait_share"] for x in v),
+                "median_wait_s": statistics.median(x["median_wait_s"] for x in v),
+            }
+            for name, v in runs.items()
+        }
         base = summary["prefetch=0"]["median_step_s"]
         for name, s in summary.items():
             label = f"{scenario}, {name}"
-            print(f"{label:44} {s['median_step_s']:8.3f} {s['median_wait_s']:8.4f} "
-                  f"{s['data_wait_share'] * 100:15.1f}% {s['median_step_s'] / base:18.2f}x")  # fmt: skip
+            print(
+                f"{label:44} {s['median_step_s']:8.3f} {s['median_wait_s']:8.4f} "
+                f"{s['data_wait_share'] * 100:15.1f}% {s['median_step_s'] / base:18.2f}x"
+            )
         out[scenario] = {"runs": runs, "summary": summary}
     losses = {x["final_loss"] for sc in out.values() for v in sc["runs"].values() for x in v}
     print(f"final losses bitwise equal across all runs: {len(losses) == 1}")
@@ -197,31 +258,14 @@ def bench_loader(args: argparse.Namespace, root: Path, dataset: Path) -> dict[st
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--mb", type=float, default=24.0, help="corpus size in MB of text (default 24)")
-    p.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary (default 8192)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="prepare workers (default: cores)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per side, alternating (default 2)")
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=16, help="samples per step (default 16)")
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--steps", type=int, default=12, help="timed steps per loader run (default 12)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed first steps per loader run (default 2)")
-    p.add_argument(
-        "--read-latency-ms",
-        type=float,
-        default=2.0,
-        help="simulated shared-filesystem latency per sample read, second loader scenario (default 2)",
-    )
-    p.add_argument("--skip-prepare", action="store_true")
-    p.add_argument("--skip-loader", action="store_true")
-    p.add_argument("--json", type=Path, default=Path("runs/bench/data.json"))
-    args = p.parse_args()
+    args = build_parser().parse_args()
     out: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count(),
-        "stdlib": sysconfig.get_paths()["stdlib"], "args": {**vars(args), "json": str(args.json)},
-    }  # fmt: skip
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cores": os.cpu_count(),
+        "stdlib": sysconfig.get_paths()["stdlib"],
+        "args": {**vars(args), "json": str(args.json)},
+    }
     with tempfile.TemporaryDirectory(prefix="hpcdist-bench-data-") as tmp:
         root = Path(tmp)
         if not args.skip_prepare:

@@ -22,14 +22,32 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", default="tiny,125m", help="comma-separated model presets (default tiny,125m)")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="cache / no-cache pairs per preset")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--json", type=Path, default=Path("runs/bench/generate.json"))
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hpcdist.models.args import ModelArgs, load_preset, num_params
-from hpcdist.models.generation import generate
-from hpcdist.models.llama import build_model
-from tools.bench.overhead import CpuShare, machine, table
+from hpcdist.models.args import ModelArgs, load_preset, num_params  # noqa: E402
+from hpcdist.models.generation import generate  # noqa: E402
+from hpcdist.models.llama import build_model  # noqa: E402
+from tools.bench.overhead import CpuShare, machine, table  # noqa: E402
 
 
 def bench_preset(preset: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -62,14 +80,7 @@ def bench_preset(preset: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--presets", default="tiny,125m", help="comma-separated model presets (default tiny,125m)")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="cache / no-cache pairs per preset")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--json", type=Path, default=Path("runs/bench/generate.json"))
-    a = p.parse_args(argv)
+    a = build_parser().parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     rows = [["preset", "params", "new tokens", "cache tok/s", "no cache tok/s", "cache / no cache"]]
@@ -79,17 +90,28 @@ def main(argv: list[str] | None = None) -> int:
             r = bench_preset(preset.strip(), a)
             results.append(r)
             speeds = [f"{r['cache_tokens_per_s']:.1f}", f"{r['no_cache_tokens_per_s']:.1f}", f"{r['ratio']:.2f}x"]
-            print(f"{r['preset']}: cache {speeds[0]} tok/s, no cache {speeds[1]} tok/s ({speeds[2]})", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"{r['preset']}: cache {speeds[0]} tok/s, no cache {speeds[1]} tok/s ({speeds[2]})",
+                file=sys.stderr,
+                flush=True,
+            )
             rows.append([r["preset"], f"{r['params'] / 1e6:.1f}M", str(r["new_tokens"]), *speeds])
     print(f"greedy generation, prompt {a.prompt_tokens} tokens, fp32, {torch.get_num_threads()} threads")
     print(table(rows))
     print(f"CPU used by other processes meanwhile: {load.others:.2f} cores of {machine()['cpu_count']}")
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps({
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(), "machine": machine(), "args": vars(a) | {
-            "json": str(a.json)}, "other_processes_cores": load.others, "results": results,
-    }, indent=2))  # fmt: skip
+    a.json.write_text(
+        json.dumps(
+            {
+                "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "machine": machine(),
+                "args": vars(a) | {"json": str(a.json)},
+                "other_processes_cores": load.others,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -61,23 +61,43 @@ def phase_save(preset: str, out: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build_model(args, "cpu")
     state = {"model": dict(model.state_dict())}
-    trainer_state = {"step": 0, "tokens_seen": 0, "world_size": 1,
-                     "config": {"model": dataclasses.asdict(args), "data": {"source": "stdlib"}}}  # fmt: skip
-    ckpt = Checkpointable(dcp_state=lambda: state, load_dcp_state=lambda _: None,
-                          trainer_state=lambda: trainer_state, load_trainer_state=lambda _: None)  # fmt: skip
+    trainer_state = {
+        "step": 0,
+        "tokens_seen": 0,
+        "world_size": 1,
+        "config": {"model": dataclasses.asdict(args), "data": {"source": "stdlib"}},
+    }
+    ckpt = Checkpointable(
+        dcp_state=lambda: state,
+        load_dcp_state=lambda _: None,
+        trainer_state=lambda: trainer_state,
+        load_trainer_state=lambda _: None,
+    )
     path = CheckpointManager(out, rank=0, world_size=1).save(0, ckpt)
     largest = max(t.nbytes for t in state["model"].values())
-    return {"seconds": time.perf_counter() - t0, "baseline": base, "peak": _peak(), "path": str(path),
-            "weights_bytes": sum(t.nbytes for t in state["model"].values()), "largest_tensor": largest}  # fmt: skip
+    return {
+        "seconds": time.perf_counter() - t0,
+        "baseline": base,
+        "peak": _peak(),
+        "path": str(path),
+        "weights_bytes": sum(t.nbytes for t in state["model"].values()),
+        "largest_tensor": largest,
+    }
 
 
 def phase_export(ckpt: Path, out: Path, dtype: str, max_shard: str) -> dict[str, Any]:
-    from hpcdist.hf.export import export, parse_size
+    from hpcdist.hf.export import export, parse_shard_size
 
     base = _rss_now()
-    res = export(ckpt, out, dtype=dtype, max_shard_size=parse_size(max_shard))
-    return {"seconds": res.seconds, "baseline": base, "peak": _peak(), "largest_shard": res.largest_shard_bytes,
-            "total_bytes": res.total_bytes, "files": res.files}  # fmt: skip
+    res = export(ckpt, out, dtype=dtype, max_shard_size=parse_shard_size(max_shard))
+    return {
+        "seconds": res.seconds,
+        "baseline": base,
+        "peak": _peak(),
+        "largest_shard": res.largest_shard_bytes,
+        "total_bytes": res.total_bytes,
+        "files": res.files,
+    }
 
 
 def phase_import(hf: Path, out: Path) -> dict[str, Any]:
@@ -121,25 +141,38 @@ def main() -> int:
         saved = _child("--phase", "save", "--preset", a.preset, str(work / "ckpt"))
         rows = {"save (DCP, fp32)": saved}
         for dtype in ("bf16", "fp32"):
-            rows[f"export {dtype}"] = _child("--phase", "export", "--max-shard-size", a.max_shard_size,
-                                             saved["path"], str(work / f"hf-{dtype}"), dtype)  # fmt: skip
+            rows[f"export {dtype}"] = _child(
+                "--phase",
+                "export",
+                "--max-shard-size",
+                a.max_shard_size,
+                saved["path"],
+                str(work / f"hf-{dtype}"),
+                dtype,
+            )
         rows["import (bf16 dir)"] = _child("--phase", "import", str(work / "hf-bf16"), str(work / "imported"))
     finally:
         if a.dir is None:
             shutil.rmtree(work, ignore_errors=True)
     bf16_shard = rows["export bf16"]["largest_shard"]
-    print(f"\n{a.preset}: {saved['weights_bytes'] / GB:.2f} GB of fp32 weights, largest tensor "
-          f"{saved['largest_tensor'] / GB:.3f} GB, --max-shard-size {a.max_shard_size}\n")  # fmt: skip
-    head = f"{'phase':<20} {'wall s':>7} {'baseline GB':>12} {'peak GB':>8} {'largest shard GB':>17} " \
-           f"{'(peak-base)/shard':>18} {'goal < 1.5':>10}"  # fmt: skip
+    print(
+        f"\n{a.preset}: {saved['weights_bytes'] / GB:.2f} GB of fp32 weights, largest tensor "
+        f"{saved['largest_tensor'] / GB:.3f} GB, --max-shard-size {a.max_shard_size}\n"
+    )
+    head = (
+        f"{'phase':<20} {'wall s':>7} {'baseline GB':>12} {'peak GB':>8} {'largest shard GB':>17} "
+        f"{'(peak-base)/shard':>18} {'goal < 1.5':>10}"
+    )
     print(head)
     print("-" * len(head))
     for name, r in rows.items():
         shard = r.get("largest_shard") or (bf16_shard if name.startswith("import") else None)
         ratio = (r["peak"] - r["baseline"]) / shard if shard else None
-        print(f"{name:<20} {r['seconds']:>7.1f} {r['baseline'] / GB:>12.2f} {r['peak'] / GB:>8.2f} "
-              f"{(shard or 0) / GB:>17.2f} {'' if ratio is None else f'{ratio:.2f}':>18} "
-              f"{'' if ratio is None else ('yes' if ratio < 1.5 else 'NO'):>10}")  # fmt: skip
+        print(
+            f"{name:<20} {r['seconds']:>7.1f} {r['baseline'] / GB:>12.2f} {r['peak'] / GB:>8.2f} "
+            f"{(shard or 0) / GB:>17.2f} {'' if ratio is None else f'{ratio:.2f}':>18} "
+            f"{'' if ratio is None else ('yes' if ratio < 1.5 else 'NO'):>10}"
+        )
     imp = rows["import (bf16 dir)"]
     print(
         f"\nimport: peak - baseline = {(imp['peak'] - imp['baseline']) / saved['largest_tensor']:.2f} x the "

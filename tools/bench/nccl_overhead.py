@@ -41,20 +41,42 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 # a script run from a checkout: the checkout's hpcdist, and tools.bench for the shared table/process helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hpcdist.diagnostics.cli import parse_size
-from hpcdist.diagnostics.collectives import busbw_factor, group_table, message_sizes, sweep_op
-from hpcdist.diagnostics.faults import Faults
-from hpcdist.diagnostics.rendezvous import join
-from hpcdist.diagnostics.report import human_bytes
-from hpcdist.diagnostics.watchdog import Watchdog
-from hpcdist.env import from_environ
-from tools.bench.overhead import CpuShare, free_port, machine, run_processes, table
+from hpcdist.diagnostics.cli import parse_message_size  # torch-free: the parser needs it
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-size", type=int, default=4, help="gloo ranks (default 4)")
+    p.add_argument("--min-bytes", type=parse_message_size, default=1024, help="smallest message (default 1K)")
+    p.add_argument("--max-bytes", type=parse_message_size, default=64 << 20, help="largest message (default 64M)")
+    p.add_argument("--factor", type=int, default=4, help="size multiplier (default 4)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per size, as nccl_check (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up iterations per size (default 5)")
+    p.add_argument("--repeats", type=int, default=5, help="tool/raw pairs, alternating order (default 5)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before the run is declared hung")
+    p.add_argument("--json", default="runs/bench/nccl_overhead.json", help="where to write every number")
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from hpcdist.diagnostics.collectives import busbw_factor, group_table, message_sizes, sweep_op  # noqa: E402
+from hpcdist.diagnostics.faults import Faults  # noqa: E402
+from hpcdist.diagnostics.rendezvous import join  # noqa: E402
+from hpcdist.diagnostics.report import human_bytes  # noqa: E402
+from hpcdist.diagnostics.watchdog import Watchdog  # noqa: E402
+from hpcdist.env import from_environ  # noqa: E402
+from tools.bench.overhead import CpuShare, free_port, machine, run_processes, table  # noqa: E402
 
 GOAL = 0.95
 OP = "all_reduce"
@@ -74,17 +96,24 @@ def raw_loop(count: int, iters: int, warmup: int) -> float:
 
 def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q: Any) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     try:
         env = from_environ(cuda_available=False)
         joined = join(env, {"rank": rank, "hostname": env.hostname}, 120)  # the tool's rendezvous and store
         dist.init_process_group(
-            "gloo", store=dist.PrefixStore("pg", joined.store), rank=rank, world_size=world,
+            "gloo",
+            store=dist.PrefixStore("pg", joined.store),
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=600),
-        )  # fmt: skip
+        )
         sizes = message_sizes(a.min_bytes, a.max_bytes, a.factor)
         wd = Watchdog(joined.store, rank, joined.hosts, 600, on_hang=lambda hang: None).start()
         out: dict[str, list[Any]] = {"tool": [], "raw": []}
@@ -94,9 +123,17 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, q: Any) -> No
                 for side in ("tool", "raw") if (repeat + i) % 2 == 0 else ("raw", "tool"):
                     if side == "tool":
                         tool_rows += sweep_op(
-                            OP, dist.group.WORLD, [size], dtype=torch.float32, device=torch.device("cpu"),
-                            iters=a.iters, warmup=a.warmup, rank=rank, faults=Faults(), step=wd.step,
-                        )  # fmt: skip
+                            OP,
+                            dist.group.WORLD,
+                            [size],
+                            dtype=torch.float32,
+                            device=torch.device("cpu"),
+                            iters=a.iters,
+                            warmup=a.warmup,
+                            rank=rank,
+                            faults=Faults(),
+                            step=wd.step,
+                        )
                     else:
                         raw_s.append(raw_loop(max(size // 4, 1), a.iters, a.warmup))
             out["tool"].append(tool_rows)
@@ -125,13 +162,18 @@ def summarize(per_rank: list[dict[str, list[Any]]], a: argparse.Namespace) -> li
         pairs = [t / r for t, r in zip(tool_bw, raw_bw, strict=True)]
         out.append(
             {
-                "size": size, "tool_busbw": tool_bw, "raw_busbw": raw_bw,
-                "tool_median": statistics.median(tool_bw), "raw_median": statistics.median(raw_bw),
+                "size": size,
+                "tool_busbw": tool_bw,
+                "raw_busbw": raw_bw,
+                "tool_median": statistics.median(tool_bw),
+                "raw_median": statistics.median(raw_bw),
                 "ratio_of_medians": statistics.median(tool_bw) / statistics.median(raw_bw),
-                "ratio_of_best": max(tool_bw) / max(raw_bw), "pair_ratios": pairs, "ratio": statistics.median(pairs),
+                "ratio_of_best": max(tool_bw) / max(raw_bw),
+                "pair_ratios": pairs,
+                "ratio": statistics.median(pairs),
                 "wrong": sum(tool[k][i]["in"]["wrong"] for k in range(a.repeats)),
             }
-        )  # fmt: skip
+        )
     return out
 
 
@@ -140,9 +182,16 @@ def render(rows: list[dict[str, Any]], a: argparse.Namespace, others: float) -> 
     for r in rows:
         p = r["pair_ratios"]
         cells.append(
-            [human_bytes(r["size"]), f"{r['tool_median']:.4f}", f"{r['raw_median']:.4f}", f"{r['ratio']:.3f}",
-             f"{r['ratio_of_medians']:.3f}", f"{r['ratio_of_best']:.3f}", f"{min(p):.3f} / {max(p):.3f}"]
-        )  # fmt: skip
+            [
+                human_bytes(r["size"]),
+                f"{r['tool_median']:.4f}",
+                f"{r['raw_median']:.4f}",
+                f"{r['ratio']:.3f}",
+                f"{r['ratio_of_medians']:.3f}",
+                f"{r['ratio_of_best']:.3f}",
+                f"{min(p):.3f} / {max(p):.3f}",
+            ]
+        )
     worst = min(r["ratio"] for r in rows)
     median = statistics.median(r["ratio"] for r in rows)
     verdict = "PASS" if worst >= GOAL else "below the goal at some size"
@@ -160,16 +209,7 @@ def render(rows: list[dict[str, Any]], a: argparse.Namespace, others: float) -> 
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=4, help="gloo ranks (default 4)")
-    p.add_argument("--min-bytes", type=parse_size, default=1024, help="smallest message (default 1K)")
-    p.add_argument("--max-bytes", type=parse_size, default=64 << 20, help="largest message (default 64M)")
-    p.add_argument("--factor", type=int, default=4, help="size multiplier (default 4)")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per size, as nccl_check (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="warm-up iterations per size (default 5)")
-    p.add_argument("--repeats", type=int, default=5, help="tool/raw pairs, alternating order (default 5)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before the run is declared hung")
-    p.add_argument("--json", default="runs/bench/nccl_overhead.json", help="where to write every number")
+    p = build_parser()
     a = p.parse_args(argv)
     if a.world_size < 2 or a.iters < 1 or a.repeats < 1 or a.warmup < 0 or a.factor < 2:
         p.error("need --world-size >= 2, --iters >= 1, --repeats >= 1, --warmup >= 0, --factor >= 2")
@@ -180,8 +220,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     started = datetime.datetime.now().astimezone()
     info = machine()
-    print(f"nccl_check overhead benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
-          f"torch {info['torch']}", flush=True)  # fmt: skip
+    print(
+        f"nccl_check overhead benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
+        f"torch {info['torch']}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     port = free_port()
     with CpuShare() as share:
@@ -189,9 +232,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = summarize(per_rank, a)
     print(render(rows, a, share.others))
     doc = {
-        "date": started.isoformat(timespec="seconds"), "machine": info, "args": vars(a), "goal_ratio": GOAL,
-        "rows": rows, "other_processes_cores": share.others, "wall_s": time.perf_counter() - t0,
-    }  # fmt: skip
+        "date": started.isoformat(timespec="seconds"),
+        "machine": info,
+        "args": vars(a),
+        "goal_ratio": GOAL,
+        "rows": rows,
+        "other_processes_cores": share.others,
+        "wall_s": time.perf_counter() - t0,
+    }
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")

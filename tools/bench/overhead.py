@@ -20,8 +20,8 @@ What it measures (both parts in one invocation, so a noisy shared machine affect
 
 2. **MFU** -- one process, all cores (``torch.set_num_threads(os.cpu_count())``), the hpcdist trainer on a model
    big enough to be matmul-bound (``--mfu-preset``, default ``125m``, at ``--mfu-seq-len`` 256). The CPU peak is
-   ``hpcdist.metrics.measure_cpu_peak_flops()`` (best fp32 2048^3 matmul), measured in the same process before
-   the first step and again after every step, so each timed step has a peak taken next to it (the larger of the
+   ``hpcdist.metrics.throughput.measure_cpu_peak_flops()`` (best fp32 2048^3 matmul), measured in the same process
+   before the first step and again after every step, so each timed step has a peak taken next to it (the larger of the
    two around it). MFU of a step = its tokens x ``flops_per_token(args, seq_len)`` / its seconds / its peak; the
    table gives each timed step's MFU and their median (goal >= 50%), and as a lower bound the median step
    against the highest peak seen in the whole run.
@@ -71,19 +71,52 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
-from hpcdist import config as config_mod
-from hpcdist.config import JobConfig
-from hpcdist.data import SyntheticDataset
-from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
-from hpcdist.metrics import measure_cpu_peak_flops
-from hpcdist.models import build_model, flops_per_token, num_params
-from hpcdist.trainer import Trainer
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    g = p.add_argument_group("overhead (part 1)")
+    g.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    g.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
+    g.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, all ranks (default 16)")
+    g.add_argument("--micro-batch", type=int, default=4, help="samples per forward pass per rank (default 4)")
+    g.add_argument("--world-size", type=int, default=2, help="DDP ranks, 1 thread each (default 2)")
+    g.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
+    g.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
+    g.add_argument("--repeats", type=int, default=7, help="A/B pairs, alternating (default 7)")
+    g.add_argument("--skip-overhead", action="store_true", help="skip part 1")
+    g = p.add_argument_group("MFU (part 2)")
+    g.add_argument("--mfu-preset", default="125m", help="model preset (default 125m)")
+    g.add_argument("--mfu-seq-len", type=int, default=256, help="tokens per sample (default 256)")
+    g.add_argument("--mfu-micro-batch", type=int, default=4, help="samples per step, no accumulation (default 4)")
+    g.add_argument("--mfu-steps", type=int, default=3, help="timed steps (default 3)")
+    g.add_argument("--mfu-warmup", type=int, default=2, help="untimed steps before them (default 2)")
+    g.add_argument("--mfu-threads", type=int, default=0, help="torch threads (default 0 = all cores)")
+    g.add_argument("--skip-mfu", action="store_true", help="skip part 2")
+    p.add_argument("--lr", type=float, default=1e-3, help="constant learning rate of every run (default 1e-3)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is declared hung")
+    p.add_argument("--json", default="runs/bench/overhead.json", help="where to write all numbers")
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from hpcdist import config as config_mod  # noqa: E402
+from hpcdist.config import JobConfig  # noqa: E402
+from hpcdist.data import SyntheticDataset  # noqa: E402
+from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group  # noqa: E402
+from hpcdist.metrics.throughput import measure_cpu_peak_flops  # noqa: E402
+from hpcdist.models import build_model, flops_per_token, num_params  # noqa: E402
+from hpcdist.trainer import Trainer  # noqa: E402
 
 # The overhead runs log only at their final step; MFU for them is irrelevant, so a fixed peak spares the ~1 s
 # CPU measurement the trainer would otherwise do at start-up (FACTS.md: ~63 GFLOP/s on 2 threads).
@@ -348,9 +381,13 @@ def free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, side: str, cfg: JobConfig, spec: RunSpec, q: Any) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)  # world ranks share os.cpu_count() cores; both sides alike
     try:
         if side == "hpcdist":
@@ -590,9 +627,13 @@ def overhead_table(o: dict[str, Any]) -> str:
         ("metrics.jsonl step_time_s, median (ms)", f"{o['metrics_step_time_s'] * 1e3:.2f}", "", ""),
         ("pair ratios min / median / max", "", "", f"{pr[0]:.4f} / {statistics.median(pr):.4f} / {pr[-1]:.4f}"),
         ("final loss (last run)", f"{fl['hpcdist']:.6f}", f"{fl['baseline']:.6f}", f"rel diff {fl['rel_diff']:.1e}"),
-        ("final grad norm (last run)", f"{gn['hpcdist']:.6f}", f"{gn['baseline']:.6f}",
-         f"rel diff {gn['rel_diff']:.1e}"),
-    ]  # fmt: skip
+        (
+            "final grad norm (last run)",
+            f"{gn['hpcdist']:.6f}",
+            f"{gn['baseline']:.6f}",
+            f"rel diff {gn['rel_diff']:.1e}",
+        ),
+    ]
     verdict = (
         f"{load_line(o)}\n"
         f"ratio {o['ratio']:.4f} (goal <= {o['goal_ratio_max']}): {'PASS' if o['pass'] else 'FAIL'}; "
@@ -611,20 +652,26 @@ def mfu_table(m: dict[str, Any]) -> str:
     )
     rows = [
         ("quantity", "value"),
-        ("CPU peak, fp32 2048^3 matmul: min / median / max of the run (GFLOP/s)",
-         f"{min(pk):.1f} / {statistics.median(pk):.1f} / {max(pk):.1f}"),
+        (
+            "CPU peak, fp32 2048^3 matmul: min / median / max of the run (GFLOP/s)",
+            f"{min(pk):.1f} / {statistics.median(pk):.1f} / {max(pk):.1f}",
+        ),
         ("step time median / min / max (s)", f"{st['median_s']:.3f} / {st['min_s']:.3f} / {st['max_s']:.3f}"),
-        ("  of which optimizer phase (clip + AdamW + zero_grad), median (s)",
-         f"{m['optimizer_median_s']:.3f} ({m['optimizer_median_s'] / st['median_s'] * 100:.0f}%)"),
+        (
+            "  of which optimizer phase (clip + AdamW + zero_grad), median (s)",
+            f"{m['optimizer_median_s']:.3f} ({m['optimizer_median_s'] / st['median_s'] * 100:.0f}%)",
+        ),
         ("tokens/s (median step)", f"{m['tokens_per_s']:.1f}"),
         ("model FLOPs per token (GFLOP)", f"{m['flops_per_token'] / 1e9:.4f}"),
         ("achieved model FLOP/s (GFLOP/s)", f"{m['achieved_flops'] / 1e9:.1f}"),
-        ("MFU per timed step (vs the peak measured next to it)",
-         " / ".join(f"{v * 100:.1f}%" for v in m["mfu_per_step"])),
+        (
+            "MFU per timed step (vs the peak measured next to it)",
+            " / ".join(f"{v * 100:.1f}%" for v in m["mfu_per_step"]),
+        ),
         ("MFU, median of those", f"{m['mfu'] * 100:.1f}%"),
         ("MFU, median step vs the run's highest peak (lower bound)", f"{m['mfu_vs_max_peak'] * 100:.1f}%"),
         ("peak RSS (GiB)", f"{m['peak_rss_gib']:.2f}"),
-    ]  # fmt: skip
+    ]
     goal = f"(goal >= {m['goal_mfu_min'] * 100:.0f}%): {'PASS' if m['pass'] else 'FAIL'}"
     if m.get("other_processes_cores", 0.0) > 0.25:
         goal += " -- not conclusive on a busy machine: rerun when it is idle"
@@ -652,31 +699,19 @@ def machine() -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    g = p.add_argument_group("overhead (part 1)")
-    g.add_argument("--preset", default="tiny", help="model preset (default tiny)")
-    g.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
-    g.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, all ranks (default 16)")
-    g.add_argument("--micro-batch", type=int, default=4, help="samples per forward pass per rank (default 4)")
-    g.add_argument("--world-size", type=int, default=2, help="DDP ranks, 1 thread each (default 2)")
-    g.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
-    g.add_argument("--warmup", type=int, default=5, help="untimed steps before them (default 5)")
-    g.add_argument("--repeats", type=int, default=7, help="A/B pairs, alternating (default 7)")
-    g.add_argument("--skip-overhead", action="store_true", help="skip part 1")
-    g = p.add_argument_group("MFU (part 2)")
-    g.add_argument("--mfu-preset", default="125m", help="model preset (default 125m)")
-    g.add_argument("--mfu-seq-len", type=int, default=256, help="tokens per sample (default 256)")
-    g.add_argument("--mfu-micro-batch", type=int, default=4, help="samples per step, no accumulation (default 4)")
-    g.add_argument("--mfu-steps", type=int, default=3, help="timed steps (default 3)")
-    g.add_argument("--mfu-warmup", type=int, default=2, help="untimed steps before them (default 2)")
-    g.add_argument("--mfu-threads", type=int, default=0, help="torch threads (default 0 = all cores)")
-    g.add_argument("--skip-mfu", action="store_true", help="skip part 2")
-    p.add_argument("--lr", type=float, default=1e-3, help="constant learning rate of every run (default 1e-3)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is declared hung")
-    p.add_argument("--json", default="runs/bench/overhead.json", help="where to write all numbers")
+    p = build_parser()
     a = p.parse_args(argv)
-    for name in ("seq_len", "global_batch", "micro_batch", "world_size", "steps", "repeats", "mfu_seq_len",
-                 "mfu_micro_batch", "mfu_steps"):  # fmt: skip
+    for name in (
+        "seq_len",
+        "global_batch",
+        "micro_batch",
+        "world_size",
+        "steps",
+        "repeats",
+        "mfu_seq_len",
+        "mfu_micro_batch",
+        "mfu_steps",
+    ):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.warmup < 0 or a.mfu_warmup < 0:
@@ -689,8 +724,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     started = datetime.datetime.now().astimezone()
     info = machine()
-    print(f"hpcdist trainer benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
-          f"torch {info['torch']}, python {info['python']}", flush=True)  # fmt: skip
+    print(
+        f"hpcdist trainer benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
+        f"torch {info['torch']}, python {info['python']}",
+        flush=True,
+    )
     report: dict[str, Any] = {"date": started.isoformat(timespec="seconds"), "machine": info, "args": vars(a)}
     tables: list[str] = []
     try:

@@ -83,10 +83,30 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # `python tools/bench/requeue.py` puts only tools/bench on sys.path
     sys.path.insert(0, str(REPO))
 
+# tests.slurm.conftest owns the lock path; importing it costs pytest, not torch
+from tests.slurm.conftest import LOCK_PATH as _LOCK_PATH  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--repeats", type=int, default=1, help="rounds of all four measurements (default 1)")
+    p.add_argument("--keep-sandbox", action="store_true", help="leave the sandbox running at the end")
+    p.add_argument("--dir", default="/tmp/hpcdist-bench-slurm", help="sandbox directory (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=240, help="seconds a requeue may take before it is an error")
+    p.add_argument("--lock-timeout", type=float, default=1800, help=f"seconds to wait for {_LOCK_PATH}")
+    p.add_argument("--json", default="runs/bench/requeue.json", help="where to write all numbers")
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
 from hpcdist.data import prepare_shards, stdlib_corpus  # noqa: E402
 from tests.slurm.conftest import (  # noqa: E402
     FINAL_STATES,
-    LOCK_PATH,
     SANDBOX,
     Cluster,
     _cluster_env,
@@ -411,8 +431,9 @@ ROWS: list[tuple[str, str, str]] = [
 def report_table(report: dict[str, Any]) -> str:
     n = report["args"]["repeats"]
     s = report["summary"]
-    rows: list[Sequence[str]] = [("seconds" + (", median (min-max)" if n > 1 else ""),
-                                  *(POLICY_TITLES[p] for p in POLICIES))]  # fmt: skip
+    rows: list[Sequence[str]] = [
+        ("seconds" + (", median (min-max)" if n > 1 else ""), *(POLICY_TITLES[p] for p in POLICIES))
+    ]
     for label, source, key in ROWS:
         rows.append((label, *(cell(s[p][source][key], n) for p in POLICIES)))
     verdict = [(f"overhead <= {GOAL_S:g} s", *("PASS" if s[p]["pass"] else "FAIL" for p in POLICIES))]
@@ -451,13 +472,7 @@ def machine() -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--repeats", type=int, default=1, help="rounds of all four measurements (default 1)")
-    p.add_argument("--keep-sandbox", action="store_true", help="leave the sandbox running at the end")
-    p.add_argument("--dir", default="/tmp/hpcdist-bench-slurm", help="sandbox directory (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=240, help="seconds a requeue may take before it is an error")
-    p.add_argument("--lock-timeout", type=float, default=1800, help=f"seconds to wait for {LOCK_PATH}")
-    p.add_argument("--json", default="runs/bench/requeue.json", help="where to write all numbers")
+    p = build_parser()
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -483,8 +498,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.perf_counter()
     started = datetime.datetime.now().astimezone()
     info = machine()
-    print(f"hpcdist requeue benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
-          f"{info['slurm']}, python {info['python']}", flush=True)  # fmt: skip
+    print(
+        f"hpcdist requeue benchmark, {started:%Y-%m-%d %H:%M %Z}: {info['cpu_count']} x {info['cpu']}, "
+        f"{info['slurm']}, python {info['python']}",
+        flush=True,
+    )
     report: dict[str, Any] = {
         "date": started.isoformat(timespec="seconds"),
         "machine": info,
@@ -515,8 +533,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         h = rnd["hpcdist"][policy] = bench_hpcdist(
                             cluster, work / f"r{r + 1}-hpcdist-{policy}", corpus, policy, a.timeout
                         )
-                        log(f"  USR2 -> checkpoint {h['checkpoint_s']:.2f} s, -> first resumed step "
-                            f"{h['total_s']:.2f} s")  # fmt: skip
+                        log(
+                            f"  USR2 -> checkpoint {h['checkpoint_s']:.2f} s, -> first resumed step "
+                            f"{h['total_s']:.2f} s"
+                        )
                     rnd["overhead"] = {
                         p: {"overhead_s": rnd["hpcdist"][p]["total_s"] - rnd["bare"][p]["delay_s"]} for p in POLICIES
                     }

@@ -41,26 +41,70 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: hpcdist, tests.dist.harness
 
-from hpcdist import config as config_mod
-from hpcdist.config import JobConfig
-from hpcdist.env import DistEnv
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the config")
+    p.add_argument("--ranks", default="1,2,4", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--steps", type=int, default=10, help="timed steps per size")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1)")
+    p.add_argument("--per-rank-batch", type=int, default=None, help="samples per rank per step (default micro batch)")
+    p.add_argument("--comm-hook", default="allreduce", help="parallel.ddp.comm_hook of the multi-rank runs")
+    p.add_argument("--real-data", action="store_true", help="keep the config's data (default: synthetic tokens)")
+    p.add_argument("--predict", nargs="*", default=None, help="configs to predict for (default: CONFIG and 13B)")
+    p.add_argument("--predict-at", default="8,32", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--cluster", default="a100_ib")
+    p.add_argument("--json", type=Path, default=Path("runs/bench/scaling.json"))
+    p.add_argument("--png", type=Path, default=Path("runs/bench/scaling.png"))
+    return p
+
+
+if __name__ == "__main__":
+    # --help and a bad flag answer here, before torch (and hpcdist's trainer) is imported: seconds on a
+    # busy node. main() parses again; that costs nothing.
+    build_parser().parse_args()
+
+
+from hpcdist import config as config_mod  # noqa: E402
+from hpcdist.config import JobConfig  # noqa: E402
+from hpcdist.env import DistEnv  # noqa: E402
 
 TARGETS = {8: 0.90, 32: 0.80}  # the guides' weak-scaling targets: > 90% up to 8 GPUs, > 80% at 32
 
 
-def bench_config(cfg_path: str, overrides: list[str], world: int, per_rank: int, steps: int, run_dir: str,
-                 comm_hook: str, warmup: int = 2) -> JobConfig:  # fmt: skip
+def bench_config(
+    cfg_path: str,
+    overrides: list[str],
+    world: int,
+    per_rank: int,
+    steps: int,
+    run_dir: str,
+    comm_hook: str,
+    warmup: int = 2,
+) -> JobConfig:
     """The config at ``world`` ranks: same per-rank micro-batch, global batch = per_rank x world, no checkpoints.
     PowerSGD compresses from the first timed step (its default start_iter, 100, outlasts a bench run); an override
     of parallel.ddp.powersgd.start_iter still wins."""
     compress = [f"parallel.ddp.powersgd.start_iter={max(2, warmup)}"] if comm_hook == "powersgd" else []
-    return config_mod.load(cfg_path, [
-        *compress, *overrides, f"run.dir={run_dir}", f"train.steps={steps}",
-        f"train.global_batch_size={per_rank * world}",
-        f"train.micro_batch_size={per_rank}", "checkpoint.every_steps=0", "checkpoint.save_final=false",
-        "train.eval_every_steps=0", f"logging.every_steps={steps}", "logging.tensorboard=false",
-        "logging.straggler_every_steps=0", f"parallel.ddp.comm_hook={comm_hook if world > 1 else 'none'}",
-    ])  # fmt: skip
+    return config_mod.load(
+        cfg_path,
+        [
+            *compress,
+            *overrides,
+            f"run.dir={run_dir}",
+            f"train.steps={steps}",
+            f"train.global_batch_size={per_rank * world}",
+            f"train.micro_batch_size={per_rank}",
+            "checkpoint.every_steps=0",
+            "checkpoint.save_final=false",
+            "train.eval_every_steps=0",
+            f"logging.every_steps={steps}",
+            "logging.tensorboard=false",
+            "logging.straggler_every_steps=0",
+            f"parallel.ddp.comm_hook={comm_hook if world > 1 else 'none'}",
+        ],
+    )
 
 
 def _rank(env: DistEnv, cfg: JobConfig, warmup: int) -> dict[str, Any]:
@@ -84,8 +128,12 @@ def _rank(env: DistEnv, cfg: JobConfig, warmup: int) -> dict[str, Any]:
     trainer.train()
     timed = [b - a for a, b in zip(stamps[warmup - 1 : -1], stamps[warmup:], strict=True)]
     comm = comm[0]
-    return {"step_s": timed, "comm_busy_s": comm[1] if comm else 0.0, "comm_bytes": comm[0] if comm else 0,
-            "timed_s": stamps[-1] - stamps[warmup - 1]}  # fmt: skip
+    return {
+        "step_s": timed,
+        "comm_busy_s": comm[1] if comm else 0.0,
+        "comm_bytes": comm[0] if comm else 0,
+        "timed_s": stamps[-1] - stamps[warmup - 1],
+    }
 
 
 def measure(cfg_path: str, overrides: list[str], a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -105,12 +153,17 @@ def measure(cfg_path: str, overrides: list[str], a: argparse.Namespace) -> list[
         tokens = per_rank * cfg.data.seq_len
         medians = [statistics.median(o["step_s"]) for o in outs]
         step_s = max(medians)  # a step waits for the slowest rank
-        rows.append({
-            "ranks": world, "step_s": step_s, "tokens_per_s_per_rank": tokens / step_s,
-            "comm_share": statistics.mean(o["comm_busy_s"] / o["timed_s"] for o in outs),
-            "comm_bytes_per_step": statistics.mean(o["comm_bytes"] / a.steps for o in outs),
-            "loadavg_1min_before": load0, "per_rank_step_medians_s": medians,
-        })  # fmt: skip
+        rows.append(
+            {
+                "ranks": world,
+                "step_s": step_s,
+                "tokens_per_s_per_rank": tokens / step_s,
+                "comm_share": statistics.mean(o["comm_busy_s"] / o["timed_s"] for o in outs),
+                "comm_bytes_per_step": statistics.mean(o["comm_bytes"] / a.steps for o in outs),
+                "loadavg_1min_before": load0,
+                "per_rank_step_medians_s": medians,
+            }
+        )
         print(f"  {world} rank(s): {tokens / step_s:,.0f} tokens/s per rank", flush=True)
     ref = rows[0]["tokens_per_s_per_rank"]
     for r in rows:
@@ -137,21 +190,36 @@ def predict(cfg_path: str, at: list[int], cluster_name: str, per_rank: int | Non
     def per_gpu(world: int) -> tuple[float, Any]:
         dims = parallel_dims(cfg, world)
         est = planner.estimate_step(
-            cfg.model_args(), planner.layout_of(cfg, world), seq_len=cfg.data.seq_len,
-            global_batch_size=per_replica * dims.dp, gpus_per_node=cluster.gpus_per_node, hw=hw,
+            cfg.model_args(),
+            planner.layout_of(cfg, world),
+            seq_len=cfg.data.seq_len,
+            global_batch_size=per_replica * dims.dp,
+            gpus_per_node=cluster.gpus_per_node,
+            hw=hw,
             reduce_bytes=planner.grad_reduce_bytes(cfg),
-        )  # fmt: skip
+        )
         return est.tokens_per_s_per_gpu, est
 
     dims = parallel_dims(cfg, top)
     one_replica = top // dims.dp  # pp x tp: the layout with dp = 1
     base, _ = per_gpu(one_replica)
-    out = {"config": cfg_path, "cluster": cluster.name, "strategy": cfg.parallel.strategy,
-           "base_gpus": one_replica, "per_replica_batch": per_replica, "at": {}}  # fmt: skip
+    out = {
+        "config": cfg_path,
+        "cluster": cluster.name,
+        "strategy": cfg.parallel.strategy,
+        "base_gpus": one_replica,
+        "per_replica_batch": per_replica,
+        "at": {},
+    }
     for n in at:
         tps, est = per_gpu(n)
-        out["at"][n] = {"efficiency": tps / base, "tokens_per_s_per_gpu": tps, "step_s": est.step_s,
-                        "dp_exposed_s": est.dp_exposed_s, "target": TARGETS.get(n)}  # fmt: skip
+        out["at"][n] = {
+            "efficiency": tps / base,
+            "tokens_per_s_per_gpu": tps,
+            "step_s": est.step_s,
+            "dp_exposed_s": est.dp_exposed_s,
+            "target": TARGETS.get(n),
+        }
     return out
 
 
@@ -188,33 +256,32 @@ def plot(rows: list[dict[str, Any]], png: Path, title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the config")
-    p.add_argument("--ranks", default="1,2,4", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--steps", type=int, default=10, help="timed steps per size")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1)")
-    p.add_argument("--per-rank-batch", type=int, default=None, help="samples per rank per step (default micro batch)")
-    p.add_argument("--comm-hook", default="allreduce", help="parallel.ddp.comm_hook of the multi-rank runs")
-    p.add_argument("--real-data", action="store_true", help="keep the config's data (default: synthetic tokens)")
-    p.add_argument("--predict", nargs="*", default=None, help="configs to predict for (default: CONFIG and 13B)")
-    p.add_argument("--predict-at", default="8,32", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--cluster", default="a100_ib")
-    p.add_argument("--json", type=Path, default=Path("runs/bench/scaling.json"))
-    p.add_argument("--png", type=Path, default=Path("runs/bench/scaling.png"))
+    p = build_parser()
     a = p.parse_args(argv)
     if a.warmup < 1 or a.steps < 1 or a.ranks[0] != min(a.ranks):
         p.error("--warmup and --steps must be >= 1; --ranks must start with the smallest size (the reference)")
     repo = Path(__file__).resolve().parents[2]
     predict_cfgs = a.predict if a.predict is not None else [a.config, str(repo / "configs" / "train_13b.yaml")]
 
-    print(f"weak scaling of {a.config} on {a.ranks} rank(s), {os.cpu_count()} CPU core(s), 1-min load "
-          f"{os.getloadavg()[0]:.2f} before", flush=True)  # fmt: skip
+    print(
+        f"weak scaling of {a.config} on {a.ranks} rank(s), {os.cpu_count()} CPU core(s), 1-min load "
+        f"{os.getloadavg()[0]:.2f} before",
+        flush=True,
+    )
     rows = measure(a.config, a.overrides, a)
     head = ["ranks", "tokens/s/rank", "efficiency", "comm share", "comm MB/step", "step s", "load(1m)"]
-    body = [[str(r["ranks"]), f"{r['tokens_per_s_per_rank']:,.0f}", f"{100 * r['efficiency']:.1f}%",
-             f"{100 * r['comm_share']:.1f}%", f"{r['comm_bytes_per_step'] / 1e6:.2f}", f"{r['step_s']:.3f}",
-             f"{r['loadavg_1min_before']:.2f}"] for r in rows]  # fmt: skip
+    body = [
+        [
+            str(r["ranks"]),
+            f"{r['tokens_per_s_per_rank']:,.0f}",
+            f"{100 * r['efficiency']:.1f}%",
+            f"{100 * r['comm_share']:.1f}%",
+            f"{r['comm_bytes_per_step'] / 1e6:.2f}",
+            f"{r['step_s']:.3f}",
+            f"{r['loadavg_1min_before']:.2f}",
+        ]
+        for r in rows
+    ]
     print("\nmeasured (CPU, gloo):\n" + table([head, *body]))
 
     predictions = []
@@ -233,12 +300,23 @@ def main(argv: list[str] | None = None) -> int:
                 verdict = "" if t is None else f" ({'PASS' if e >= t else 'MISS'} {100 * t:.0f}%)"
                 cells.append(f"{100 * e:.1f}%{verdict}")
             body.append([Path(pr["config"]).name, pr["strategy"], *cells])
-        print(f"\nplanner prediction ({a.cluster}, weak scaling over one data-parallel replica):\n"
-              + table([head, *body]))  # fmt: skip
+        print(
+            f"\nplanner prediction ({a.cluster}, weak scaling over one data-parallel replica):\n" + table([head, *body])
+        )
     print(plot(rows, a.png, f"weak scaling: {Path(a.config).name}"))
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps({"config": a.config, "overrides": a.overrides, "cpu_count": os.cpu_count(),
-                                  "measured": rows, "predicted": predictions}, indent=1))  # fmt: skip
+    a.json.write_text(
+        json.dumps(
+            {
+                "config": a.config,
+                "overrides": a.overrides,
+                "cpu_count": os.cpu_count(),
+                "measured": rows,
+                "predicted": predictions,
+            },
+            indent=1,
+        )
+    )
     print(f"json: {a.json}")
     return 0
 

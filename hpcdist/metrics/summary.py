@@ -44,8 +44,8 @@ def format_summary(s: Mapping[str, Any]) -> str:
     best = s.get("best_eval_loss")
     lines = [
         "=" * 24 + " run summary " + "=" * 24,
-        f"steps        {s['step']:,} of {s['total_steps']:,}" + (f" (stopped: {s['stop_reason']})"
-                                                                  if s.get("stop_reason") else ""),
+        f"steps        {s['step']:,} of {s['total_steps']:,}"
+        + (f" (stopped: {s['stop_reason']})" if s.get("stop_reason") else ""),
         f"tokens       {s['tokens_seen']:,}",
         f"wall time    {_duration(s['wall_time_s'])} over {s['attempts']} attempt(s); this attempt "
         f"{_duration(s['attempt_s'])}",
@@ -53,10 +53,9 @@ def format_summary(s: Mapping[str, Any]) -> str:
         f"throughput   tps {s['tokens_per_s']:,.0f}" if s.get("tokens_per_s") else "throughput   -",
         f"last loss    {s['last_loss']:.4f}" if isinstance(s.get("last_loss"), float) else "last loss    -",
         f"best eval    {best:.4f}" if isinstance(best, float) else "best eval    - (no evaluation)",
-        f"checkpoint   {s.get('checkpoint') or '- (none saved)'}" + (
-            f" (the save at step {s['save_failed']} FAILED: this is the resume point)" if s.get("save_failed") else ""
-        ),
+        f"checkpoint   {s.get('checkpoint') or '- (none saved)'}"
+        + (f" (the save at step {s['save_failed']} FAILED: this is the resume point)" if s.get("save_failed") else ""),
         f"report       hpcdist report {s['run_dir']}  (writes {s['report']})",
         f"summary      {s['summary_file']}",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)

@@ -63,8 +63,9 @@ class PrometheusExporter:
             "hpcdist_restarts", "Restarts of the job before this attempt (the scheduler's restart count)"
         )
         self.restarts.inc(restarts)
-        self.step_time = Histogram("hpcdist_step_duration_seconds", "Optimizer-step wall time", names,
-                                   buckets=_BUCKETS, registry=r).labels(**labels)  # fmt: skip
+        self.step_time = Histogram(
+            "hpcdist_step_duration_seconds", "Optimizer-step wall time", names, buckets=_BUCKETS, registry=r
+        ).labels(**labels)
         self.gauges = {
             "tokens_per_s": gauge("hpcdist_tokens_per_second", "Job tokens/s over the trainer's window"),
             "samples_per_s": gauge("hpcdist_samples_per_second", "Job samples/s over the trainer's window"),
@@ -73,8 +74,12 @@ class PrometheusExporter:
             "mfu": gauge("hpcdist_mfu_ratio", "Model FLOPs utilisation at the last log step (0-1)"),
             "comm_share": gauge("hpcdist_comm_share_ratio", "Share of step time in communication, when measured"),
         }
-        self.memory = Gauge("hpcdist_memory_bytes", "Memory per local rank (CUDA reserved, else resident set)",
-                            [*names, "local_rank"], registry=r)  # fmt: skip
+        self.memory = Gauge(
+            "hpcdist_memory_bytes",
+            "Memory per local rank (CUDA reserved, else resident set)",
+            [*names, "local_rank"],
+            registry=r,
+        )
         self._labels = labels
         if p.port:
             from prometheus_client import start_http_server
@@ -83,13 +88,19 @@ class PrometheusExporter:
                 # logging.prometheus.addr: 127.0.0.1 unless the user opens it to other hosts (no authentication)
                 start_http_server(p.port, addr=p.addr, registry=r)
             except OSError as e:  # the port is taken (another job on this node): monitoring must not stop training
-                log.warning("Prometheus: cannot serve on %s port %d (%s); no metrics from node %d", p.addr, p.port, e,
-                            node)  # fmt: skip
+                log.warning(
+                    "Prometheus: cannot serve on %s port %d (%s); no metrics from node %d", p.addr, p.port, e, node
+                )
                 self.active = False
                 return
             everyone = p.addr in ("0.0.0.0", "::")
-            log.info("Prometheus metrics on %s port %d (/metrics) from node %d%s", p.addr, p.port, node,
-                     ": readable by anyone who reaches this node" if everyone else "")  # fmt: skip
+            log.info(
+                "Prometheus metrics on %s port %d (/metrics) from node %d%s",
+                p.addr,
+                p.port,
+                node,
+                ": readable by anyone who reaches this node" if everyone else "",
+            )
         self.flush()
 
     def step(self, seconds: float, *, samples: int, tokens: int) -> None:

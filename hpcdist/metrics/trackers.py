@@ -73,9 +73,16 @@ class _Wandb:
         run_id = ids.get("id") or uuid.uuid4().hex[:16]  # W&B ids: [a-z0-9], unique within the project
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True)
         self.run = wandb.init(
-            project=w.project, entity=w.entity, name=w.name or cfg.run.name, mode=w.mode, dir=str(run_dir),
-            id=run_id, resume="allow", config=config, settings=settings,
-        )  # fmt: skip
+            project=w.project,
+            entity=w.entity,
+            name=w.name or cfg.run.name,
+            mode=w.mode,
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow",
+            config=config,
+            settings=settings,
+        )
         if not ids:
             _save_id(run_dir, "wandb", {"id": run_id, "project": w.project})
         log.info("W&B run %s (%s, project %s)%s", run_id, w.mode, w.project, " resumed" if ids else "")
@@ -118,8 +125,9 @@ class _Mlflow:
                 batch = [Param(k, str(flat[k])[:6000]) for k in keys[i : i + 100]]
                 self.client.log_batch(self.run_id, params=batch)
             self.client.log_dict(self.run_id, config, "config.json")
-            _save_id(run_dir, "mlflow", {"run_id": self.run_id, "experiment_id": exp_id,
-                                         "tracking_uri": m.tracking_uri})  # fmt: skip
+            _save_id(
+                run_dir, "mlflow", {"run_id": self.run_id, "experiment_id": exp_id, "tracking_uri": m.tracking_uri}
+            )
         log.info("MLflow run %s at %s%s", self.run_id, m.tracking_uri, " resumed" if ids else "")
 
     def log(self, step: int, values: dict[str, float]) -> None:

@@ -1,0 +1,232 @@
+"""The launch commands of ``hpcdist``: ``train`` (hpcdist.run under this job's scheduler), ``submit``, ``status``,
+``logs`` and ``cancel``. Each takes the parsed arguments and returns the exit status; a refusal is a
+``CommandError`` that ``hpcdist.cli`` prints as one line. Imports stay inside the commands: ``train``'s torch
+imports run while hpcdist.cli holds the stop signals, and ``status`` never loads torch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from hpcdist.atomic import UntrustedFile
+from hpcdist.errors import CommandError, refusing
+from hpcdist.launch.slurm_cli import SlurmError
+from hpcdist.launch.submit import LaunchError
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    given = [f"--{name.replace('_', '-')}" for name in ("world_size", "cluster", "ranks") if getattr(args, name)]
+    if given:
+        raise CommandError(
+            f"train: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --dry-run "
+            "(a real run takes its ranks from torchrun or srun)"
+        )
+    from hpcdist.checkpoint import CheckpointMismatch, CheckpointUnavailable
+    from hpcdist.config import ConfigError
+    from hpcdist.fault.nonfinite import NonFiniteError
+    from hpcdist.hf.source import ConversionError
+    from hpcdist.launch.job import SlurmEnvironment
+    from hpcdist.run import main as run_main
+
+    try:
+        return run_main(args.config, args.overrides, job=SlurmEnvironment()).exit_code
+    except (ConfigError, CheckpointMismatch, ConversionError) as e:  # one readable message, once per job
+        raise _once_per_job(e) from e
+    except CheckpointUnavailable as e:  # storage, not input: recorded in failures.jsonl, retried by the policy
+        raise _once_per_job(e, code=e.EXIT_CODE) from e
+    except NonFiniteError as e:  # every rank stops at the same step (the norm is global): say it once
+        raise _once_per_job(e, code=1) from e
+
+
+def _once_per_job(e: Exception, code: int = 2) -> CommandError:
+    """An error every rank of ``hpcdist train`` has alike (config, checkpoint mismatch, non-finite step), printed
+    once per job rather than by every rank: rank 0 prints it and the others exit with the same status silently.
+    Problems with run.dir / checkpoint.dir depend on the host's mounts, so the first rank of every node prints
+    those, naming its host."""
+    from hpcdist.env import from_environ
+
+    try:
+        env = from_environ(cuda_available=False)  # rank, local rank and host only: no CUDA initialization
+    except ValueError:  # a garbled launcher environment: print, as a single process would
+        return CommandError(str(e), code=code)
+    if env.rank == 0:
+        return CommandError(str(e), code=code)
+    if getattr(e, "per_host", False) and env.local_rank == 0:
+        return CommandError(f"rank {env.rank} on {env.hostname}: {e}", code=code)
+    return CommandError(None, code=code)  # every rank exits alike
+
+
+@refusing("submit", LaunchError, SlurmError)
+def cmd_submit(args: argparse.Namespace) -> int:
+    try:
+        return _submit(args)
+    except KeyboardInterrupt:
+        raise CommandError("submit: stopped waiting; the job keeps running", code=130) from None
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from hpcdist.launch import load_cluster
+    from hpcdist.launch.submit import submit_chain
+
+    names = ("nodes", "gpus_per_node", "time", "partition", "account", "qos", "constraint", "exclude", "job_name")
+    params = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.sbatch_args:  # added to the cluster's own extra flags, not instead of them
+        params["extra_sbatch"] = [*load_cluster(args.cluster).extra_sbatch, *args.sbatch_args]
+    common = dict(
+        cluster=args.cluster, dry_run=args.dry_run, force=args.force, after=args.after, snapshot=args.snapshot, **params
+    )
+    sweep = bool(args.sweep or args.sweep_file)
+    if sweep and args.chain > 1:
+        raise CommandError("submit: --chain and --sweep do not combine; chain each task's run separately")
+    if sweep:
+        from hpcdist.launch.sweep import submit_sweep
+
+        out: Any = submit_sweep(
+            args.config,
+            args.overrides,
+            sweep=args.sweep,
+            sweep_file=args.sweep_file,
+            max_parallel=args.max_parallel,
+            **common,
+        )
+    else:
+        out = submit_chain(args.config, args.overrides, args.chain, **common)
+        out = out[0] if args.dry_run else out
+    if isinstance(out, str):
+        print(out, end="" if out.endswith("\n") else "\n")  # the shell prompt then starts on a line of its own
+        return 0
+    first = out[0]
+    logs = first.paths[0]
+    if sweep:
+        array = first.job_id.split("_")[0]
+        print(
+            f"submitted sweep as job array {array} ({len(out)} tasks, {first.num_tasks} ranks each)\n"
+            f"  logs:   {first.folder}/{array}_<task>_<rank>_log.out|err\n"
+            f"  follow: hpcdist status {array}",
+            flush=True,
+        )
+    else:
+        chained = f"; then {', '.join(h.job_id for h in out[1:])} (chained, afterany)" if len(out) > 1 else ""
+        code = f"\n  code:   {first.snapshot}" if first.snapshot else ""
+        print(
+            f"submitted job {first.job_id} ({first.executor}, {first.num_tasks} ranks){chained}{code}\n"
+            f"  logs:   {logs.stdout}\n          {logs.stderr}\n"
+            f"  follow: hpcdist status {first.job_id}; hpcdist logs {first.job_id} --rank R",
+            flush=True,
+        )
+    if not args.wait:
+        return 0
+    if not sweep:
+        from hpcdist.launch.follow import follow
+
+        # rank 0's log streams while the (first) job runs, through requeues; its end stops the stream
+        print(f"--- {logs.stdout} (until the job ends; Ctrl-C stops waiting, not the job)", flush=True)
+        follow(lambda: logs.stdout, first.done, sys.stdout, poll_s=2.0)
+    states = [h.wait() for h in out]
+    for handle, state in zip(out, states, strict=True):
+        print(f"job {handle.job_id} finished: {state}")
+    return 0 if all(state == "COMPLETED" for state in states) else 1
+
+
+def _local_record(job: str | None, run_dir: Path | None) -> dict[str, Any] | None:
+    """The run dir's record of a local-executor job (None: not local, or no --run-dir)."""
+    if job is None or run_dir is None:
+        return None
+    from hpcdist.launch.records import find_job
+
+    entry = find_job(job, run_dir)
+    return entry if entry is not None and entry.get("executor") == "local" else None
+
+
+@refusing("status", SlurmError, UntrustedFile)  # UntrustedFile: another user's jobs.jsonl names pids and folders
+def cmd_status(args: argparse.Namespace) -> int:
+    from hpcdist.launch import records, slurm_cli
+    from hpcdist.launch.sweep import sweep_status
+
+    table = sweep_status(args.job, args.run_dir) if args.job else None
+    if table is not None:
+        print(table)
+        return 0
+    local = _local_record(args.job, args.run_dir)
+    if local is not None:
+        print(
+            f"job {args.job} (local executor on {local.get('host')}, {local.get('num_tasks')} ranks): "
+            f"{records.local_state(local)}\n{records.run_summary(args.run_dir)}\n"
+            f"logs: {local.get('folder')}/{args.job}_<rank>_log.out|err"
+        )
+        return 0
+    try:
+        print(slurm_cli.status_text(args.job))
+    except SlurmError:
+        if args.run_dir is None:
+            raise
+        # SLURM forgot the job (or cannot answer): what the run dir knows, plain sbatch jobs included
+        print(f"job {args.job}: SLURM does not know it now; from the run dir:")
+    if args.run_dir is not None:
+        print(records.run_summary(args.run_dir, args.job))
+    return 0
+
+
+@refusing("logs", SlurmError, UntrustedFile)
+def cmd_logs(args: argparse.Namespace) -> int:
+    import shutil
+
+    from hpcdist.launch import slurm_cli
+
+    try:
+        if args.follow:
+            return _follow_log(args)
+        local = _local_record(args.job, args.run_dir)
+        if local is not None:  # a local job's log folder is recorded in the run dir (it may be a log_dir)
+            path = Path(local["folder"]) / f"{args.job}_{args.rank}_log.{'err' if args.err else 'out'}"
+        else:
+            path = slurm_cli.log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
+        with path.open(encoding="utf-8", errors="replace") as f:
+            shutil.copyfileobj(f, sys.stdout)
+    except (UntrustedFile, BrokenPipeError):
+        raise  # UntrustedFile: its own message; a closed stdout: hpcdist.cli's
+    except OSError as e:
+        raise CommandError(f"logs: cannot read {e.filename}: {e.strerror}") from e
+    return 0
+
+
+def _follow_log(args: argparse.Namespace) -> int:
+    """`logs --follow`: the log may not exist yet (the job is pending); the job's state ends the stream."""
+    from hpcdist.launch import slurm_cli
+    from hpcdist.launch.follow import follow
+
+    slurm_cli.check_job_id(args.job)
+
+    def path() -> Path | None:
+        try:
+            return slurm_cli.log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
+        except SlurmError:
+            return None  # pending: no log yet
+
+    def finished() -> bool:
+        try:
+            state = slurm_cli.job_state(args.job)
+        except SlurmError:
+            return False  # the controller is busy: ask again
+        return state is None or state.split()[0].rstrip("+") in slurm_cli.TERMINAL_STATES
+
+    try:
+        follow(path, finished, sys.stdout, poll_s=2.0)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+@refusing("cancel", SlurmError, OSError)  # OSError: UntrustedFile, a record's process gone or not ours
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from hpcdist.launch import records, slurm_cli
+
+    local = _local_record(args.job, args.run_dir)
+    if local is not None:
+        records.cancel_local(local, args.run_dir)
+    else:
+        slurm_cli.cancel(args.job)
+    print(f"cancelled job {args.job}")
+    return 0

@@ -1,0 +1,120 @@
+"""The planner's commands: ``hpcdist plan`` (memory per strategy, layouts ranked by modelled step time, what
+``parallel.strategy=auto`` would take) and ``hpcdist train --dry-run`` (the real parallelize on a meta model).
+Refusals are ``CommandError`` lines printed by hpcdist.cli; torch loads only in the dry run."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from hpcdist import config as config_mod
+from hpcdist.config.command import warn_data
+from hpcdist.errors import CommandError, refusing
+from hpcdist.planning.memory import GIB
+
+
+@refusing("train --dry-run", ValueError, RuntimeError, passing=(config_mod.ConfigError,))
+def cmd_dry_run(args: argparse.Namespace) -> int:
+    from hpcdist.planning.dryrun import dry_run, parse_ranks
+
+    cfg = config_mod.load(args.config, args.overrides)
+    warn_data(cfg)
+    world = args.world_size or 8
+    ranks = None if args.ranks is None else parse_ranks(args.ranks, world)  # None: the dry run's default
+    report = dry_run(cfg, world, cluster=args.cluster or "a100_ib", ranks=ranks)
+    print(report.text(), end="", flush=True)
+    if report.fits is False:
+        raise CommandError(
+            f"train --dry-run: the memory estimate ({report.memory.total / GIB:.1f} GiB per GPU) does not fit; "
+            "see hpcdist plan for layouts that do",
+            code=1,
+        )
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hpcdist.config.cluster import load_cluster
+    from hpcdist.planning import layouts as planner
+    from hpcdist.planning.memory import plan_table
+
+    cfg = config_mod.load(args.config, args.overrides)
+    shape = {k: v for k, v in (("nodes", args.nodes), ("gpus_per_node", args.gpus_per_node)) if v is not None}
+    cluster = load_cluster(args.cluster, **shape)
+    if cluster.gpus_per_node < 1:
+        raise CommandError(f"plan: cluster {cluster.name!r} has no GPUs; pass --gpus-per-node or a GPU --cluster")
+    try:
+        hw = planner.cluster_hardware(
+            cluster, gpu_mem_gb=args.gpu_mem, efficiency=args.efficiency, margin_gib=args.mem_margin
+        )
+    except ValueError as e:
+        raise CommandError(f"plan: {e}") from e
+    args_model, world = cfg.model_args(), cluster.nodes * cluster.gpus_per_node
+    print(
+        plan_table(
+            args_model,
+            nodes=cluster.nodes,
+            gpus_per_node=cluster.gpus_per_node,
+            gpu_mem_gb=hw.gpu_mem_gb,
+            micro_batch_size=cfg.train.micro_batch_size,
+            seq_len=cfg.data.seq_len,
+            activation_checkpointing=cfg.train.activation_checkpointing,
+        )
+    )
+    t = cfg.train
+    estimates = planner.rank_layouts(
+        args_model,
+        world_size=world,
+        gpus_per_node=cluster.gpus_per_node,
+        global_batch_size=t.global_batch_size,
+        seq_len=cfg.data.seq_len,
+        hw=hw,
+        reduce_bytes=planner.grad_reduce_bytes(cfg),
+    )
+    if not estimates:
+        raise CommandError(
+            f"plan: no layout splits train.global_batch_size={t.global_batch_size} over {world} GPUs; "
+            f"make it a multiple of {world}"
+        )
+    tokens = args.tokens if args.tokens is not None else t.steps * t.global_batch_size * cfg.data.seq_len
+    print(
+        planner.layout_table(
+            estimates,
+            args=args_model,
+            gpus_per_node=cluster.gpus_per_node,
+            seq_len=cfg.data.seq_len,
+            global_batch_size=t.global_batch_size,
+            hw=hw,
+            tokens=tokens,
+            top=args.top,
+            show_all=args.all,
+        ),
+        end="",
+        flush=True,  # before the error line on stderr
+    )
+    if args.plot:
+        from hpcdist.planning.plot import write_memory_plot
+        from hpcdist.report.plots import MissingMatplotlib
+
+        fitting = [e for e in estimates if e.fits]  # the table's rows: the top fitting, with --all the top others
+        shown = [*fitting[: args.top], *([e for e in estimates if not e.fits][: args.top] if args.all else [])]
+        try:
+            print(f"plot: {write_memory_plot(shown, args.plot, gpu_mem_gb=hw.gpu_mem_gb, margin_gib=hw.margin_gib)}")
+        except MissingMatplotlib as e:
+            raise CommandError(f"plan --plot: {e}") from e
+    if not any(e.fits for e in estimates):
+        smallest = min(e.memory.total for e in estimates) / GIB
+        raise CommandError(
+            f"plan: none of {len(estimates)} layouts fits: the smallest needs {smallest:.1f} GiB per GPU, "
+            f"{hw.gpu_mem_gb - hw.margin_gib:g} GiB usable (--gpu-mem minus --mem-margin); add nodes, shorten "
+            "data.seq_len or lower train.global_batch_size (--all lists them)",
+            code=1,
+        )
+    try:
+        _, chosen, reason = planner.pick(cfg, estimates, world, cluster.gpus_per_node)
+    except config_mod.ConfigError as e:
+        print(f"auto: {e}")
+        return 0
+    keys = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in planner.layout_overrides(chosen.layout)]
+    print(textwrap.fill(f"auto would take {reason}", width=118, subsequent_indent="  "))
+    print(textwrap.fill(f"as overrides: {' '.join(keys)}", width=118, initial_indent="  ", subsequent_indent="    "))
+    return 0
