@@ -20,6 +20,8 @@ been exported, so a later call in the same process (or in a child, even a task o
 launcher again instead of taking hpcdist's own export for torchrun's.
 """
 
+from __future__ import annotations
+
 import datetime
 import json
 import logging
@@ -30,12 +32,13 @@ import time
 import zlib
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hpcdist import schedulers
 from hpcdist.schedulers import EnvReader, JobFacts
+
+if TYPE_CHECKING:  # torch is imported where it is used: reading the environment needs none (a refusal answers
+    import torch  # before torch loads)
 
 __all__ = [
     "DistEnv",
@@ -125,6 +128,8 @@ class DistEnv:
         return self.world_size > 1
 
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device)
 
 
@@ -179,6 +184,8 @@ def from_environ(environ: Mapping[str, str] | None = None, *, cuda_available: bo
     job = schedulers.job_facts(env_map)
     device_count: int | None = None
     if cuda_available is None:
+        import torch
+
         cuda_available = torch.cuda.is_available()
         device_count = torch.cuda.device_count() if cuda_available else None
 
@@ -332,6 +339,8 @@ def init_process_group(env: DistEnv, *, timeout_s: float = 1800) -> None:
     export_environ(env)
     if not env.is_distributed:
         return
+    import torch
+
     if not torch.distributed.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
     if torch.distributed.is_initialized():
@@ -370,5 +379,7 @@ def _wait_for_master(addr: str, port: int, timeout_s: float) -> None:
 
 def destroy_process_group() -> None:
     """Leave the default process group; safe when there is none."""
+    import torch
+
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -23,6 +23,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"train: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --dry-run "
             "(a real run takes its ranks from torchrun or srun)"
         )
+    from hpcdist import config as config_mod  # torch-free
+
+    # A config mistake is refused here, in a second, before torch and the trainer are imported (5-25 s on a busy
+    # node); run.main loads the config again (milliseconds) and checks what needs the job and the data.
+    try:
+        config_mod.load(args.config, args.overrides)
+    except config_mod.ConfigError as e:
+        raise _once_per_job(e) from e
     from hpcdist.checkpoint import CheckpointMismatch, CheckpointUnavailable
     from hpcdist.config import ConfigError
     from hpcdist.fault.nonfinite import NonFiniteError

@@ -36,7 +36,7 @@ def local_rank_environ(environ: MutableMapping[str, str]) -> None:
     """
     if environ.get("SUBMITIT_EXECUTOR") != "local":
         return
-    from hpcdist.env import port_from_job_id  # imports torch: only in a local task, never on the submitting side
+    from hpcdist.env import port_from_job_id  # only in a local task: the submitting side needs no rank facts
 
     for name in [n for n in environ if n.startswith("SLURM_")]:
         del environ[name]

@@ -363,3 +363,21 @@ def test_refusing_turns_the_named_errors_into_one_line_and_lets_others_pass() ->
     for passes in (ConfigError("its own line"), BrokenPipeError(), KeyError("a bug"), KeyboardInterrupt()):
         with pytest.raises(type(passes)):
             raising(passes)()
+
+
+def test_a_config_mistake_in_train_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
+    """``hpcdist train`` validates the config before importing torch and the trainer: a mistake costs a fraction of
+    a second, not the 5-25 s of torch's import on a busy node (and the tests that check refusals run that fast
+    too). Before, cmd_train imported hpcdist.run (torch, the trainer) first and let run.main validate."""
+    code = (
+        "import sys\n"
+        "from hpcdist import cli\n"
+        "rc = cli.main(['train', 'configs/demo.yaml', 'train.steps=-1', 'run.dir=" + str(tmp_path / "run") + "'])\n"
+        "print('TORCH', 'torch' in sys.modules, 'RC', rc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert "TORCH False RC 2" in out.stdout, out.stdout + out.stderr
+    assert "train.steps" in out.stderr and len([line for line in out.stderr.splitlines() if line.strip()]) == 2
+    assert not (tmp_path / "run").exists()  # nothing written for a refused config
