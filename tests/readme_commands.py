@@ -232,7 +232,7 @@ CHECKS: dict[str, Check] = {
 DERIVED: dict[str, Check] = {
     "hpcdist train configs/demo.yaml": Check("local", added=TINY, expect=(DONE,), reason="tiny overrides appended"),
     "hpcdist train configs/train_13b.yaml --dry-run --world-size 32": Check(
-        "local", expect=("13.02B params", "on 32 ranks", "zero stage 3", "fits in")
+        "local", expect=("13.02B params", "on 32 ranks", "zero3 x 32 ranks", "fits in")
     ),
 }
 

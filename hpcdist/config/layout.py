@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -47,9 +47,10 @@ STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero", "3d", "auto")
 _AUTO = "auto"
 
 
-class LayoutKind(StrEnum):
+class LayoutKind(str, Enum):
     """A layout's name, derived from its degrees and ZeRO stage (never read from parallel.strategy): the planner's
-    rows, the memory table, the start-up log and the dry run all say these."""
+    rows, the memory table, the start-up log and the dry run all say these. (``str, Enum`` with ``__str__`` rather
+    than 3.11's StrEnum: Python 3.10 is supported.)"""
 
     DDP = "ddp"
     ZERO1 = "zero1"
@@ -58,6 +59,9 @@ class LayoutKind(StrEnum):
     FSDP = "fsdp"
     HSDP = "hsdp"
     THREE_D = "3d"
+
+    def __str__(self) -> str:  # "zero3", as StrEnum prints it (f-strings and format() included, 3.10 to 3.13)
+        return str(self.value)
 
     @classmethod
     def of(cls, *, pp: int, dp: int, tp: int, dp_replicate: int, zero_stage: int) -> LayoutKind:

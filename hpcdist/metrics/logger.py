@@ -98,7 +98,7 @@ class MetricsLogger:
         every_steps: int = 1,
         trackers: Any = None,
     ) -> None:
-        """``trackers``: a hpcdist.trackers.Trackers (W&B / MLflow) that gets every logged line too."""
+        """``trackers``: a hpcdist.metrics.trackers.Trackers (W&B / MLflow) that gets every logged line too."""
         self.enabled, self.every_steps = enabled, max(1, every_steps)
         self._trackers = trackers
         self.path = RunDir(run_dir).metrics
