@@ -593,16 +593,7 @@ class CheckpointManager:
                 if not problems:
                     return path
                 self._demote(path, problems)
-            damaged = [d for d in list_checkpoints(self.root)[1] if (d / DAMAGED).is_file()]
-            if damaged:  # starting from step 0 would silently drop the progress they hold
-                raise ConfigError(
-                    [
-                        f"checkpoint.resume=auto: no intact checkpoint in {self.root}, only damaged ones ("
-                        f"{', '.join(d.name for d in damaged)}; the warnings above say which file); nothing was "
-                        "deleted. Set checkpoint.resume=none to start from step 0 anyway (they are kept), or repair "
-                        f"one, rename its {DAMAGED} file back to {MARKER} and set checkpoint.resume=<its path>"
-                    ]
-                )
+            self._refuse_if_only_damaged()
             return None
         return self._named(Path(resume), "checkpoint.resume")
 
@@ -743,8 +734,14 @@ class CheckpointManager:
                 self.saved_step = int(saved["step"])
                 return path
             self._demote(path, problems[1:] if problems[0] == "verify" else [f"loading failed: {problems[1]}"])
+        self._refuse_if_only_damaged()
+        return None
+
+    def _refuse_if_only_damaged(self) -> None:
+        """resume=auto found no intact checkpoint: refuse while damaged ones exist, since starting from step 0 would
+        silently drop the progress they hold (none is ever deleted)."""
         damaged = [d for d in list_checkpoints(self.root)[1] if (d / DAMAGED).is_file()]
-        if damaged:  # starting from step 0 would silently drop the progress they hold
+        if damaged:
             raise ConfigError(
                 [
                     f"checkpoint.resume=auto: no intact checkpoint in {self.root}, only damaged ones ("
@@ -753,7 +750,6 @@ class CheckpointManager:
                     f"its {DAMAGED} file back to {MARKER} and set checkpoint.resume=<its path>"
                 ]
             )
-        return None
 
     def _read(self, path: Path, state: Checkpointable, saved: dict[str, Any]) -> tuple[int, list[str]]:
         """Collective: verify ``path`` and load it into ``state`` (its trainer state into ``saved``). Returns (_OK,
