@@ -117,18 +117,31 @@ _SLURM_IDS = pytest.StashKey[set[str]]()
 
 @pytest.hookimpl(trylast=True)  # after tests/slurm/conftest.py has marked its tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    config.stash[_SLURM_IDS] = {item.nodeid for item in items if item.get_closest_marker("slurm")}
+    slurm = [item for item in items if item.get_closest_marker("slurm")]
+    config.stash[_SLURM_IDS] = {item.nodeid for item in slurm}
+    # Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command): the SLURM tier is one group, so one
+    # worker runs it in order against the one sandbox (node names and ports are machine-wide), and it goes first, so
+    # its jobs' waits (scheduling, requeue holds) overlap with the other worker's tests instead of ending the run.
+    for item in slurm:
+        item.add_marker(pytest.mark.xdist_group("slurm"))
+    ids = {id(item) for item in slurm}
+    items[:] = slurm + [item for item in items if id(item) not in ids]
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
     """Say in one line, last, whether the real-SLURM tier ran: a skipped tier must not pass unnoticed in `-q`."""
+    # under xdist the workers collect, not this process: a report is a SLURM test's by its path
     slurm_ids = config.stash.get(_SLURM_IDS, set())
+
+    def in_tier(nodeid: str) -> bool:
+        return nodeid in slurm_ids or nodeid.startswith("tests/slurm/")
+
     reports = [
         r
         for kind in ("passed", "failed", "skipped", "error")
         for r in terminalreporter.stats.get(kind, [])
-        if getattr(r, "nodeid", None) in slurm_ids and getattr(r, "when", "call") in ("setup", "call")
+        if in_tier(getattr(r, "nodeid", "")) and getattr(r, "when", "call") in ("setup", "call")
     ]
     if not reports:
         return  # the tier was not selected (-m "not slurm", a single file): nothing to say

@@ -518,8 +518,10 @@ def test_files_source_needs_a_path(tmp_path: Path) -> None:
         check_data(cfg)
 
 
-def test_resume_from_missing_directory(tmp_path: Path) -> None:
-    missing = tmp_path / "step-00000100"
+def test_resume_from_missing_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a relative path: the message shows a long value shortened (a tmp_path under pytest-xdist is long enough)
+    monkeypatch.chdir(tmp_path)
+    missing = Path("step-00000100")
     _one_problem([f"checkpoint.resume={missing}"], "checkpoint.resume:", str(missing), "auto, none")
     missing.mkdir()  # a directory that is no checkpoint (issue 14.5: /etc failed only after the process group)
     _one_problem([f"checkpoint.resume={missing}"], "is not a complete checkpoint (no COMPLETE marker")
