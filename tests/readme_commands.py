@@ -218,7 +218,13 @@ CHECKS: dict[str, Check] = {
         reason="--nodes=2 after --nodes=8 (the sandbox has 2 nodes), 2 ranks per node, "
         f"{ONE_CPU}; QUICK_NCCL appended (small messages, few iterations, slow-rank threshold 0.1: timing noise)",
     ),
-    "tools/nccl_check --nproc 4": Check("local", expect=("# Verdict: PASS",)),
+    "tools/nccl_check --nproc 4": Check(
+        "local",
+        added=QUICK_NCCL,
+        expect=("# Verdict: PASS",),
+        reason="QUICK_NCCL appended (small messages, few iterations, slow-rank threshold 0.1): the CPU defaults "
+        "sweep to 16 MiB x 20 iterations, 25 s of the suite for the same verdict",
+    ),
     # ------------------------------------------------------------------------------------------------- plan
     "hpcdist plan configs/train_13b.yaml --nodes 4 --gpus-per-node 8 --gpu-mem 80GB --tokens 1T": Check(
         "cli", expect=("auto would take row 1", "zero3", "2,142 tokens/s/GPU, 59.8% MFU")
