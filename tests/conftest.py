@@ -115,6 +115,13 @@ def _hpcdist_logs_reach_caplog(caplog: pytest.LogCaptureFixture) -> Iterator[Non
 _SLURM_IDS = pytest.StashKey[set[str]]()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # `-n N` alone distributes test by test (xdist's "load"): the SLURM tests would be spread over workers that each
+    # start the one machine-wide sandbox in turn. "loadgroup" is "load" plus the xdist_group marker set below.
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
 @pytest.hookimpl(trylast=True)  # after tests/slurm/conftest.py has marked its tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slurm = [item for item in items if item.get_closest_marker("slurm")]

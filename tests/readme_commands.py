@@ -99,7 +99,8 @@ CHECKS: dict[str, Check] = {
         "test_quick_start_lines_share_the_ci_setup), which .ci/run executes from README.md itself; pip inside pytest "
         "would reinstall the package under test. Its training command runs in the slow tier with tiny overrides.",
     ),
-    'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[test]" && python -m pytest -q': (
+    'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[test]" && python -m pytest -q '
+    "-n 2": (
         Check(
             "none",
             reason=".ci/run reads this line from README.md and runs it (CI runs exactly this line); inside pytest "
