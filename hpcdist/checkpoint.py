@@ -372,7 +372,7 @@ class CheckpointManager:
                 state.dcp_state(), storage_writer=self._writer(path), process_group=self._async_pg
             ).add_done_callback(shards_written)
             return
-        with _single_process_ok(), _writer_thread_errors() as thread_errors:
+        with single_process_dcp(), _writer_thread_errors() as thread_errors:
             dcp.save(state.dcp_state(), storage_writer=self._writer(path), planner=state.save_planner)
         if thread_errors:  # DCP drops a writer thread's failure: its files are missing from the checkpoint
             raise thread_errors[0]
@@ -688,7 +688,7 @@ class CheckpointManager:
         diff = self._model_diff(metadata, model)
         skip = set(diff["missing"]) | set(diff["shape"])
         matching = {k: v for k, v in model.items() if k not in skip}
-        with _single_process_ok():
+        with single_process_dcp():
             dcp.load({"model": matching}, checkpoint_id=str(path))
         state.load_dcp_state({"model": model})
         return diff
@@ -850,7 +850,7 @@ class CheckpointManager:
             log.warning("%s holds no %r state: it is not restored (starts fresh)", path, part)
             del dest[part]
         self._check_model_shapes(path, metadata, dest.get("model", {}))
-        with _single_process_ok():
+        with single_process_dcp():
             dcp.load(dest, checkpoint_id=str(path))
         state.load_dcp_state(dest)
         state.load_trainer_state(trainer_state)
@@ -861,8 +861,11 @@ class CheckpointManager:
 
 
 @contextlib.contextmanager
-def _single_process_ok() -> Iterator[None]:
-    # a one-process run uses DCP without a process group on purpose; DCP warns about that on every call
+def single_process_dcp() -> Iterator[None]:
+    """Around a ``dcp.save`` / ``dcp.load`` that runs without a process group on purpose (a one-process run, a
+    conversion, ``init_from`` of a Hugging Face directory): DCP warns "assuming the intent is to ... in a single
+    process" on every such call, even with ``no_dist=True``. The one place that says so. (An async save without a
+    process group warns from DCP's worker thread, after this would have returned: nothing here can scope that.)"""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
         yield

@@ -354,6 +354,7 @@ class Trainer:
             self.loader.close()
             self.watchdog.stop()
             self.stop_flag.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
+            self.observer.abort()
             self.run_lock.release()
             raise
         self.loader.close()  # prefetched batches are dropped: the saved sampler state never counted them

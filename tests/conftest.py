@@ -19,6 +19,14 @@ import pytest
 #   corpus fixtures do both), and the threads stay.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# - tqdm starts a monitor thread with its first progress bar (transformers' and datasets' bars in the reference
+#   comparisons) and keeps it for the life of the process; it only redraws stalled bars, which a test never looks at.
+try:
+    import tqdm
+except ImportError:  # an optional dependency's dependency
+    pass
+else:
+    tqdm.tqdm.monitor_interval = 0
 
 from hpcdist import config as config_mod
 from hpcdist.data import load_tokenizer, prepare_corpus, prepare_shards, stdlib_corpus, train_bpe

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from hpcdist.checkpoint import Checkpointable, CheckpointManager, describe_error
+from hpcdist.checkpoint import Checkpointable, CheckpointManager, describe_error, single_process_dcp
 from hpcdist.config import ConfigError
 from hpcdist.data.tokenizers import TokenizerError, load_tokenizer
 from hpcdist.hf.convert import fqn_names, fqn_to_hf, from_hf_tensor
@@ -173,7 +173,8 @@ def load_into(path: str | Path, state: Checkpointable, args: ModelArgs) -> None:
         raise ConfigError([f"checkpoint.init_from: {problem}"])
     model = state.dcp_state()["model"]
     try:
-        dcp.load({"model": model}, storage_reader=HFStorageReader(weights))
+        with single_process_dcp():  # one process (a conversion, a 1-rank run): no process group on purpose
+            dcp.load({"model": model}, storage_reader=HFStorageReader(weights))
     except CheckpointException as e:  # a BaseException: it would pass every `except Exception` up to the CLI
         raise ConversionError(
             f"checkpoint.init_from: {path}: its weights cannot be loaded into this model: {describe_error(e)}"

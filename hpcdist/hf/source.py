@@ -10,9 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hpcdist.checkpoint import MARKER, STATE_FILE, CheckpointManager, describe_error, latest
+from hpcdist.checkpoint import MARKER, STATE_FILE, CheckpointManager, describe_error, latest, single_process_dcp
 from hpcdist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, recorded_tokenizer
 from hpcdist.models.args import ModelArgs
 from hpcdist.rundir import RunDir
@@ -119,18 +116,10 @@ def return_freed_memory() -> None:
         ctypes.CDLL(name).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = -3 (malloc.h); setting it ends the dynamic rise
 
 
-@contextmanager
-def _no_dist_warning() -> Iterator[None]:
-    # conversions read DCP in one process without a process group on purpose; DCP warns about that on every call
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
-        yield
-
-
 def load_fqn(step: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Fill the preallocated ``tensors`` (FQN -> tensor of the saved shape) from the checkpoint ``step``: DCP reads
     just their bytes, whatever strategy and world size wrote them (ZeRO partitions, FSDP / TP shards)."""
-    with _no_dist_warning():
+    with single_process_dcp():
         try:
             dcp.load({"model": tensors}, checkpoint_id=str(step))
         except CheckpointException as e:  # a BaseException: it would pass every `except Exception` up to the CLI

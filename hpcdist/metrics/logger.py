@@ -145,8 +145,9 @@ class MetricsLogger:
         if self._trackers is not None:
             self._trackers.log(step, values, prefix)
 
-    def close(self) -> None:
-        """Flush and close both sinks; safe to call more than once."""
+    def close(self, *, failed: bool = False) -> None:
+        """Flush and close the sinks; safe to call more than once. ``failed``: the training raised (the trackers
+        record a failed run)."""
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -154,7 +155,7 @@ class MetricsLogger:
             self._tb.close()  # close() flushes
             self._tb = None
         if self._trackers is not None:
-            self._trackers.close()
+            self._trackers.close(failed=failed)
             self._trackers = None
 
     def __enter__(self) -> MetricsLogger:
@@ -163,4 +164,4 @@ class MetricsLogger:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        self.close(failed=exc_type is not None)

@@ -278,6 +278,15 @@ class Observer:
         if self.env.is_main:
             self._report_summary(step, tokens_seen, stop_reason, losses, eval_losses, save_failed)
         self.metrics.close()
+        self.prom.close()
+
+    def abort(self) -> None:
+        """The training raised: the sinks are closed (metrics.jsonl's handle, TensorBoard's writer thread, the
+        trackers, which record a failed run) without the end-of-run reports. Left open, the file and the thread
+        outlived the Trainer in the process that goes on (a test session, an in-process caller), and a later fork
+        copied that thread (Python >= 3.12 warns at such a fork). Prometheus stops serving likewise."""
+        self.metrics.close(failed=True)
+        self.prom.close()
 
     def _report_goodput(self, step: int) -> None:
         """The effective-training-time ratio of the run."""

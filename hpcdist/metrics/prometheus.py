@@ -41,6 +41,7 @@ class PrometheusExporter:
     def __init__(self, cfg: Any, *, enabled: bool, node: int, job: str, restarts: int) -> None:
         p = cfg.logging.prometheus
         self.active = enabled and bool(p.port or p.textfile)
+        self._server: tuple[Any, Any] | None = None  # (the HTTP server, its thread) while serving
         if not self.active:
             return
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -84,9 +85,9 @@ class PrometheusExporter:
         if p.port:
             from prometheus_client import start_http_server
 
-            try:  # a daemon thread: it ends with the process
+            try:  # a daemon thread, shut down by close() (a process that goes on must not keep the port and thread)
                 # logging.prometheus.addr: 127.0.0.1 unless the user opens it to other hosts (no authentication)
-                start_http_server(p.port, addr=p.addr, registry=r)
+                self._server = start_http_server(p.port, addr=p.addr, registry=r)
             except OSError as e:  # the port is taken (another job on this node): monitoring must not stop training
                 log.warning(
                     "Prometheus: cannot serve on %s port %d (%s); no metrics from node %d", p.addr, p.port, e, node
@@ -124,6 +125,16 @@ class PrometheusExporter:
         for local_rank, gib in enumerate(local_memory):
             self.memory.labels(**self._labels, local_rank=str(local_rank)).set(gib * 2**30)
         self.flush()
+
+    def close(self) -> None:
+        """Stop serving (the end of train(), normal or raised): the port is free and the server's thread gone for
+        whatever this process does next (another Trainer on the same port, a fork). Safe to call more than once."""
+        if self._server is not None:
+            server, thread = self._server
+            self._server = None
+            server.shutdown()
+            server.server_close()
+            thread.join()
 
     def flush(self) -> None:
         """Textfile mode: rewrite the .prom file (prometheus_client writes a temporary and renames it)."""

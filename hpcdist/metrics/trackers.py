@@ -72,6 +72,11 @@ class _Wandb:
         ids = load_ids(run_dir).get("wandb", {})
         run_id = ids.get("id") or uuid.uuid4().hex[:16]  # W&B ids: [a-z0-9], unique within the project
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True)
+        if w.mode == "offline":
+            # offline means nothing leaves the machine: W&B's process-wide settings (not the run's) decide whether
+            # its usage analytics start two OpenTelemetry export threads, which wandb.teardown() leaves running
+            # (posting to the server, and copied by every later fork of this process)
+            wandb.setup(settings=wandb.Settings(mode="offline"))
         self.run = wandb.init(
             project=w.project,
             entity=w.entity,
@@ -90,10 +95,10 @@ class _Wandb:
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         import wandb
 
-        self.run.finish()
+        self.run.finish(exit_code=1 if failed else 0)
         # and stop W&B's service process and its threads: a later fork (the next test's ranks, a prefetch worker)
         # must not copy a thread that holds a lock
         wandb.teardown()
@@ -136,8 +141,8 @@ class _Mlflow:
         now = int(1000 * time.time())
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, *, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 class Trackers:
@@ -171,10 +176,11 @@ class Trackers:
                 log.warning("%s disabled after an error: %s: %s", type(sink).__name__.strip("_"), type(e).__name__, e)
                 self._sinks.remove(sink)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """``failed``: the training raised; each tracker records its run as failed, not finished."""
         for sink in self._sinks:
             try:
-                sink.close()
+                sink.close(failed=failed)
             except Exception as e:
                 log.warning("closing %s: %s", type(sink).__name__.strip("_"), e)
         self._sinks = []

@@ -284,3 +284,4 @@ def test_supervisor_passes_exit_status_and_signals_through(tmp_path: Path) -> No
     time.sleep(0.2)
     os.kill(p.pid, signal.SIGUSR2)  # to the supervisor only: it forwards to the rank
     assert p.wait(60) == 0 and flag.exists()
+    p.stdout.close()

@@ -510,6 +510,8 @@ def _commands(directory: Path, work: Path) -> dict[str, Callable[[], str | None]
     }
 
 
+# every single-process DCP call here (import, init_from) says it is meant: hpcdist.checkpoint.single_process_dcp
+@pytest.mark.filterwarnings("error:torch.distributed is .*assuming the intent is to (save|load) in a single process")
 def test_the_valid_directory_passes_every_command(
     bases: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

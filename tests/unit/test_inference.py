@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from hpcdist import cli
 from hpcdist import config as config_mod
+from hpcdist.checkpoint import single_process_dcp
 from hpcdist.config import ConfigError
 from hpcdist.data import TokenDataset, load_tokenizer, prepare_corpus, stdlib_corpus
 from hpcdist.hf.source import ConversionError, find_checkpoint
@@ -115,7 +116,8 @@ def _reference_loss(run: dict, seq_len: int, batches: int, batch_size: int) -> f
     cfg = run["cfg"]
     model = build_model(cfg.model_args(), device="cpu")
     sd = model.state_dict()
-    dcp.load({"model": sd}, checkpoint_id=str(run["dir"] / "checkpoints" / f"step-{STEPS:08d}"))
+    with single_process_dcp():  # one process, no process group: on purpose
+        dcp.load({"model": sd}, checkpoint_id=str(run["dir"] / "checkpoints" / f"step-{STEPS:08d}"))
     ds = TokenDataset(run["heldout"], seq_len)
     losses = []
     with torch.no_grad():

@@ -3,7 +3,9 @@ step. An LR of 1e20 turns every parameter NaN in the first update, so step 2 is 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +27,15 @@ def _train(env, cfg):
     return Trainer(cfg, env).train().losses
 
 
+def _open_files() -> set[Path]:
+    """The files this process has open (/proc/self/fd)."""
+    paths = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own fd is gone by now
+            paths.add(Path(os.readlink(f"/proc/self/fd/{fd}")))
+    return paths
+
+
 def test_stop_names_the_step_and_never_checkpoints_it(small_cfg) -> None:
     cfg = small_cfg(*BLOW_UP, "checkpoint.every_steps=1", "checkpoint.keep_last=1", "logging.every_steps=3")
     with pytest.raises(NonFiniteError, match=r"^step 2: the gradient norm was NaN/Inf") as err:
@@ -35,15 +46,20 @@ def test_stop_names_the_step_and_never_checkpoints_it(small_cfg) -> None:
     assert [s for s, _ in complete] == [1] and not incomplete
     state = torch.load(complete[0][1] / "rng" / "rank-00000.pt", weights_only=True)
     assert state  # the checkpoint is whole
-    norms = [json.loads(line).get("grad_norm") for line in (Path(cfg.run.dir) / "metrics.jsonl").open()]
+    lines = (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()
+    norms = [json.loads(line).get("grad_norm") for line in lines]
     assert norms[:1] and norms[0] is not None  # step 1's norm was finite
+    # the raising Trainer closed its sinks: `err` keeps its frames (and the Trainer) alive, as any caller that holds
+    # the error does; before, metrics.jsonl stayed open (and TensorBoard's writer thread ran) until garbage collection
+    assert (Path(cfg.run.dir) / "metrics.jsonl").resolve() not in _open_files(), "metrics.jsonl left open"
 
 
 def test_skip_drops_updates_and_stops_after_too_many_in_a_row(small_cfg) -> None:
     cfg = small_cfg(*BLOW_UP, "train.nonfinite=skip", "train.max_nonfinite_skips=3")
     with pytest.raises(NonFiniteError, match=r"^step 5: 4 updates in a row were non-finite and skipped"):
         single(_train, cfg)
-    skips = [json.loads(line).get("nonfinite_skips") for line in (Path(cfg.run.dir) / "metrics.jsonl").open()]
+    lines = (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()
+    skips = [json.loads(line).get("nonfinite_skips") for line in lines]
     assert skips[:4] == [0.0, 1.0, 2.0, 3.0]
 
 

@@ -38,6 +38,13 @@ def _holder(run: Path, job_id: str = "", seconds: float = 600) -> subprocess.Pop
     return proc
 
 
+def _reap(proc: subprocess.Popen[str]) -> None:
+    """Wait for a holder and close its pipe (an unreaped child and an open pipe are ResourceWarnings)."""
+    proc.wait()
+    assert proc.stdout is not None
+    proc.stdout.close()
+
+
 def test_a_second_holder_is_refused_naming_the_first_and_a_killed_one_frees_it(tmp_path: Path) -> None:
     other = _holder(tmp_path, job_id="4242")
     try:
@@ -48,7 +55,7 @@ def test_a_second_holder_is_refused_naming_the_first_and_a_killed_one_frees_it(t
         assert "scancel 4242" in msg and "choose another run.dir" in msg
     finally:
         other.send_signal(signal.SIGKILL)  # no clean-up runs: the lock must still go away
-        other.wait()
+        _reap(other)
     lock = RunDirLock(tmp_path, job_id="7")
     lock.acquire()
     assert lock.held and '"job_id": "7"' in (tmp_path / LOCK_FILE).read_text()
@@ -58,19 +65,20 @@ def test_a_second_holder_is_refused_naming_the_first_and_a_killed_one_frees_it(t
 
 
 def test_a_requeue_of_the_same_job_waits_for_its_old_step(tmp_path: Path) -> None:
-    _holder(tmp_path, job_id="55", seconds=2)  # the old attempt, still exiting
+    old = _holder(tmp_path, job_id="55", seconds=2)  # the old attempt, still exiting
     t0 = time.monotonic()
     lock = RunDirLock(tmp_path, job_id="55")
     lock.acquire(same_job_wait_s=30)
     assert lock.held and time.monotonic() - t0 >= 1
     lock.release()
+    _reap(old)
     other = _holder(tmp_path, job_id="55")
     try:
         with pytest.raises(RunDirInUse):
             RunDirLock(tmp_path, job_id="55").acquire(same_job_wait_s=1.5)  # ... but not forever
     finally:
         other.kill()
-        other.wait()
+        _reap(other)
 
 
 def test_hpcdist_train_on_a_run_dir_in_use_exits_2_and_touches_nothing(tmp_path: Path, corpus_dir: Path) -> None:
@@ -101,7 +109,7 @@ def test_hpcdist_train_on_a_run_dir_in_use_exits_2_and_touches_nothing(tmp_path:
         )
     finally:
         other.kill()
-        other.wait()
+        _reap(other)
     out = again.stdout + again.stderr
     assert again.returncode == 2, out[-3000:]
     assert out.count("is in use by SLURM job 4242") == 1 and "Traceback" not in out, out[-3000:]

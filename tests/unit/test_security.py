@@ -95,13 +95,14 @@ def test_supervisor_task_info_is_private_and_gone_afterwards(tmp_path: Path) -> 
 
 
 class _Payload:
-    """What a planted .metadata holds: unpickling it calls open(path, "w"), i.e. runs the planter's code."""
+    """What a planted .metadata holds: unpickling it calls os.mkdir(path), i.e. runs the planter's code (mkdir, not
+    open: the trusted case does unpickle it, and an open file left to the garbage collector is a ResourceWarning)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (open, (str(self.path), "w"))
+        return (os.mkdir, (str(self.path),))
 
 
 def _plant(step: Path, pwned: Path, uid: int) -> Path:

@@ -11,6 +11,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -156,6 +157,8 @@ def test_prometheus_listens_on_localhost_by_default(small_cfg, tmp_path: Path) -
     assert exporter.active
     bound = {c.laddr for c in _listening(port)}
     assert bound == {("127.0.0.1", port)}, bound
+    exporter.close()  # the end of train(): the port and the server's thread are gone for what the process does next
+    assert not _listening(port) and not [t for t in threading.enumerate() if "serve_forever" in t.name]
     with pytest.raises(ConfigError, match=r"logging.prometheus.addr: .*not an IP address"):
         small_cfg("logging.prometheus.addr=no such host; rm -rf", run_dir=tmp_path)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -94,6 +95,9 @@ def test_wandb_offline_and_mlflow_file_store_follow_metrics_and_resume(tmp_path:
     first, second = (_wandb_history(next(r.glob("run-*.wandb"))) for r in runs)
     assert sorted(first) == [1, 2, 3] and sorted(second) == [4, 5, 6]
     assert {**first, **second} == pytest.approx(losses, rel=1e-6)
+    # offline: W&B's usage analytics did not start (its two OpenTelemetry export threads outlived wandb.teardown(),
+    # posted to the server and were copied by every later fork of this process)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("Otel")]
 
 
 def test_a_tracker_without_its_package_is_one_line_before_start(monkeypatch: pytest.MonkeyPatch) -> None:
