@@ -212,7 +212,7 @@ def _add_health_parser(sub: argparse._SubParsersAction) -> None:
     h = sub.add_parser(
         "health",
         help="check this node before training on it: GPUs, a matmul, ECC/Xid errors, InfiniBand ports, disk, /dev/shm",
-        description="The health gate (hpcdist.fault.gate), run on one node: visible GPUs vs --gpus, a short matmul on "
+        description="The health gate (hpcdist.diagnostics.gate) on one node: visible GPUs vs --gpus, a short matmul on "
         "every GPU (on the CPU without one), uncorrectable ECC errors / pending page retirement / row remapping "
         "(nvidia-smi), hardware Xid errors (kernel log), InfiniBand ports ACTIVE when the NCCL profile uses IB, "
         "--run-dir writable with free space, /dev/shm free space. All checks together end within --timeout. "
@@ -543,7 +543,7 @@ COMMANDS: dict[str, str | Callable[[argparse.Namespace], int]] = {
     "cancel": "hpcdist.launch.commands:cmd_cancel",
     "plan": "hpcdist.planning.commands:cmd_plan",
     "report": "hpcdist.report.command:cmd_report",
-    "health": "hpcdist.fault.gate:cmd_health",
+    "health": "hpcdist.diagnostics.gate:cmd_health",
     "export": "hpcdist.hf.command:cmd_export",
     "import": "hpcdist.hf.command:cmd_import",
     "generate": "hpcdist.inference:cmd_generate",

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from hpcdist.atomic import UntrustedFile, append_line, read_tail, read_trusted
+from hpcdist.fault.failures import unhealthy_hosts
 from hpcdist.rundir import RunDir
 
 __all__ = ["UntrustedFile", "cancel_local", "find_job", "last_step", "local_state", "record_job", "run_summary"]
@@ -124,4 +125,6 @@ def run_summary(run_dir: str | os.PathLike[str], job_id: str | None = None) -> s
             f"restart ledger of job {ledger.get('job_id')}: {len(attempts)} attempt(s)"
             + (f", stopped: {stopped}" if stopped else "")
         )
+    for host, cause in unhealthy_hosts(run_dir, job_id=job_id).items():  # the gate kept these hosts out
+        lines.append(f"unhealthy node {host}: {cause}")
     return "\n".join(lines)

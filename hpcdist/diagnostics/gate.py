@@ -345,7 +345,7 @@ def _check_run_dir(run_dir: str | os.PathLike[str] | None, min_free_gb: float) -
             os.close(fd)
             os.unlink(name)
     except OSError as e:
-        raise _Fail(f"{probe} is not writable: {e.strerror or e}") from None
+        raise _Fail(f"{probe}: cannot create a file there: {e.strerror or e}") from None
     free = _free_gb(probe)
     if free < min_free_gb:
         raise _Fail(f"{probe} has {free:.2f} GiB free, less than {min_free_gb:g} GiB (--min-free-gb)")
