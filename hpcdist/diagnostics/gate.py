@@ -131,7 +131,9 @@ def _shown(text: str | bytes) -> str:
 # ------------------------------------------------------------------------------------------------ tools
 
 
-def run_tool(argv: Sequence[str], *, timeout_s: float, cap: int = _OUTPUT_CAP) -> tuple[int, bytes]:
+def run_tool(
+    argv: Sequence[str], *, timeout_s: float, cap: int = _OUTPUT_CAP, environ: Mapping[str, str] | None = None
+) -> tuple[int, bytes]:
     """(exit status, stdout + stderr) of a command, bounded: killed with its children (its own session) after
     ``timeout_s`` (_Fail "did not answer") or once it printed more than ``cap`` bytes (_Fail "printed more").
     Never waits on a grandchild that kept the pipe open."""
@@ -142,7 +144,7 @@ def run_tool(argv: Sequence[str], *, timeout_s: float, cap: int = _OUTPUT_CAP) -
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # one killpg ends the tool and whatever it started
-            env={**os.environ, "LC_ALL": "C"},  # numbers and words in the format the parsers expect
+            env={**(os.environ if environ is None else environ), "LC_ALL": "C"},  # the format the parsers expect
         )
     except OSError as e:
         raise _Fail(f"cannot run {argv[0]}: {e.strerror or e}") from None
@@ -278,14 +280,16 @@ def parse_xids(text: bytes) -> list[str]:
 # ------------------------------------------------------------------------------------------------ checks
 
 
-def _check_nvidia_smi(exe: str | None, timeout_s: float) -> str:
+def _check_nvidia_smi(exe: str | None, timeout_s: float, environ: Mapping[str, str]) -> str:
     if exe is None:
         raise _Skip("nvidia-smi is not on PATH")
-    rc, out = run_tool([exe, f"--query-gpu={_GPU_QUERY}", "--format=csv,noheader"], timeout_s=timeout_s)
+    query = [exe, f"--query-gpu={_GPU_QUERY}", "--format=csv,noheader"]
+    rc, out = run_tool(query, timeout_s=timeout_s, environ=environ)
     if rc != 0:  # "Unable to determine the device handle for GPU ...: Unknown Error": a GPU off the bus
         raise _Fail(f"nvidia-smi --query-gpu failed (exit {rc}): {_shown(out)}")
     problems = parse_gpu_query(out)
-    rc, out = run_tool([exe, f"--query-remapped-rows={_REMAP_QUERY}", "--format=csv,noheader"], timeout_s=timeout_s)
+    query = [exe, f"--query-remapped-rows={_REMAP_QUERY}", "--format=csv,noheader"]
+    rc, out = run_tool(query, timeout_s=timeout_s, environ=environ)
     if rc == 0:  # older GPUs (V100) and drivers have no row remapping: that query fails, retired pages cover them
         problems += parse_remapped_rows(out)
     if problems:
@@ -293,10 +297,10 @@ def _check_nvidia_smi(exe: str | None, timeout_s: float) -> str:
     return "ok"
 
 
-def _check_xid(exe: str | None, timeout_s: float) -> str:
+def _check_xid(exe: str | None, timeout_s: float, environ: Mapping[str, str]) -> str:
     if exe is None:
         raise _Skip("dmesg is not on PATH (Xids are reported only in the kernel log)")
-    rc, out = run_tool([exe], timeout_s=timeout_s, cap=_DMESG_CAP)
+    rc, out = run_tool([exe], timeout_s=timeout_s, cap=_DMESG_CAP, environ=environ)
     if rc != 0:  # dmesg_restrict: the kernel log is root's on many clusters
         raise _Skip(f"the kernel log is not readable here (dmesg exit {rc}: {_shown(out)})")
     problems = parse_xids(out)
@@ -429,8 +433,8 @@ def check_node(
     def single(name: str, fn: Callable[[], str]) -> None:
         jobs[(name,)] = lambda: results.__setitem__(name, fn())
 
-    single("nvidia_smi", lambda: _check_nvidia_smi(shutil.which("nvidia-smi", path=path), tool_budget()))
-    single("xid", lambda: _check_xid(shutil.which("dmesg", path=path), tool_budget()))
+    single("nvidia_smi", lambda: _check_nvidia_smi(shutil.which("nvidia-smi", path=path), tool_budget(), env))
+    single("xid", lambda: _check_xid(shutil.which("dmesg", path=path), tool_budget(), env))
     single("infiniband", lambda: _check_infiniband(profile, sysfs_root, env))
     single("run_dir", lambda: _check_run_dir(run_dir, min_free_gb))
     single("shm", lambda: _check_shm(shm_dir, min_shm_gb))
@@ -489,6 +493,8 @@ def cmd_health(args: argparse.Namespace) -> int:
     """``hpcdist health``: exit 0 healthy, 1 unhealthy (2, a usage error, is hpcdist.cli's)."""
     from hpcdist.config import ConfigError
 
+    if args.record and args.run_dir is None:
+        raise CommandError("health: --record needs --run-dir (the run dir whose failures.jsonl gets the verdict)")
     skip = [s.strip() for part in args.skip for s in part.split(",") if s.strip()]
     try:
         health = check_node(
@@ -509,13 +515,10 @@ def cmd_health(args: argparse.Namespace) -> int:
     else:
         print("\n".join(health.lines()), flush=True)
     if not health.ok and args.record:
-        if args.run_dir is None:
-            print("hpcdist: health: --record needs --run-dir (where failures.jsonl is)", file=sys.stderr)
-        else:
-            try:
-                record_unhealthy(args.run_dir, health.host, health.reasons)
-            except OSError as e:
-                print(f"hpcdist: health: could not record the verdict in {args.run_dir}: {e}", file=sys.stderr)
+        try:
+            record_unhealthy(args.run_dir, health.host, health.reasons)
+        except OSError as e:  # the run dir may be what is broken: the verdict is printed, the exit status says it
+            print(f"hpcdist: health: could not record the verdict in {args.run_dir}: {e}", file=sys.stderr)
     code = 0 if health.ok else 1
     if any(t.name.startswith("health-") and t.is_alive() for t in threading.enumerate()):
         # a check is stuck in the kernel (a wedged GPU): interpreter shutdown (CUDA's exit handlers) could hang
