@@ -230,6 +230,12 @@ def _add_health_parser(sub: argparse._SubParsersAction) -> None:
         "(default: $HPCDIST_NCCL_PROFILE, set in submitted jobs)",
     )
     h.add_argument(
+        "--xid-hours",
+        type=_positive_float,
+        default=24.0,
+        help="hardware Xid errors logged in the kernel log this many hours back fail the node (default 24)",
+    )
+    h.add_argument(
         "--skip",
         action="append",
         default=[],

@@ -11,8 +11,9 @@ never the gate hang. Each check answers ``ok``, ``fail: <why>`` or ``skipped: <w
                 there is none: the path runs everywhere
     nvidia_smi  uncorrectable ECC errors (volatile), pending page retirement, pending row remapping and row
                 remapping failures, from ``nvidia-smi --query-gpu`` / ``--query-remapped-rows``
-    xid         hardware Xid errors (GPU fell off the bus, double-bit ECC, NVLink, ...) in the kernel log
-                (``dmesg``): the driver reports Xids only there, nvidia-smi has no query for them
+    xid         hardware Xid errors (GPU fell off the bus, double-bit ECC, NVLink, ...) of the last
+                ``xid_window_s`` in the kernel log (``dmesg``): the driver reports Xids only there, nvidia-smi has
+                no query for them
     infiniband  every InfiniBand port under /sys/class/infiniband ACTIVE, when the NCCL profile relies on IB
     run_dir     the run dir (or its nearest existing parent) writable, with ``min_free_gb`` free
     shm         /dev/shm with ``min_shm_gb`` free (NCCL's intra-node buffers, data-loader workers)
@@ -62,11 +63,14 @@ _SHOWN = 80  # characters of untrusted text quoted in a reason
 
 # Xids that mean the GPU (or its memory / NVLink) is broken until a reset or a repair, after NVIDIA's Xid
 # catalogue: 48 double-bit ECC, 61/62 internal micro-controller halt, 64 row-remapping failure, 74 NVLink error,
-# 79 fell off the bus, 92 high single-bit ECC rate, 94/95 contained/uncontained ECC error, 119/120 GSP error.
-# Application faults (13, 31, 43, 45: a bad kernel, an illegal address, a killed context) are left out: they
-# say nothing about the node.
-HARDWARE_XIDS = frozenset({48, 61, 62, 64, 74, 79, 92, 94, 95, 119, 120})
-_XID_LINE = re.compile(r"NVRM: Xid \(([^)]{1,64})\): (\d{1,5})\b")
+# 79 fell off the bus, 95 uncontained ECC error, 119/120 GSP error. Left out: application faults (13, 31, 43,
+# 45: a bad kernel, an illegal address, a killed context say nothing about the node), and 63/92/94 (a row remap
+# recorded, a high corrected-error rate, a contained ECC error): the pending row remapping they lead to is
+# nvidia_smi's check, and it clears with the reset that repairs it, while the kernel log keeps the Xid until reboot.
+HARDWARE_XIDS = frozenset({48, 61, 62, 64, 74, 79, 95, 119, 120})
+DEFAULT_XID_WINDOW_S = 24 * 3600.0  # "recent": an Xid older than this is taken as dealt with (reset, drained, back)
+# "[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 79, pid=..., ...": the bracket is seconds since boot (dmesg's default)
+_XID_LINE = re.compile(r"^(?:\[\s*(\d{1,10})(?:\.\d+)?\])?.*?NVRM: Xid \(([^)]{1,64})\): (\d{1,5})\b", re.MULTILINE)
 
 _NA = {"[N/A]", "N/A", "[Not Supported]", "Not Supported", "[Unknown Error]"}
 _YES = {"yes", "1", "true"}
@@ -266,15 +270,31 @@ def parse_remapped_rows(text: bytes) -> list[str]:
     return problems
 
 
-def parse_xids(text: bytes) -> list[str]:
-    """Hardware Xid errors in kernel log text (``NVRM: Xid (PCI:0000:3b:00): 79, pid=...``), one per GPU and Xid."""
+def parse_xids(text: bytes, *, uptime_s: float | None = None, window_s: float = DEFAULT_XID_WINDOW_S) -> list[str]:
+    """Hardware Xid errors in kernel log text, one line per GPU and Xid: those logged in the last ``window_s``
+    seconds when the line has dmesg's seconds-since-boot stamp and ``uptime_s`` is known, else all of them."""
     seen: dict[tuple[str, int], int] = {}
     for match in _XID_LINE.finditer(text.decode("utf-8", "replace")):
-        xid = int(match.group(2))
-        if xid in HARDWARE_XIDS:
-            key = (match.group(1), xid)
-            seen[key] = seen.get(key, 0) + 1
-    return [f"Xid {xid} on {where} ({n} time(s) in the kernel log)" for (where, xid), n in sorted(seen.items())]
+        stamp, where, xid = match.group(1), match.group(2), int(match.group(3))
+        if xid not in HARDWARE_XIDS:
+            continue
+        if stamp is not None and uptime_s is not None and uptime_s - int(stamp) > window_s:
+            continue  # logged long ago: the GPU was reset or repaired since, or the other checks see it
+        seen[(where, xid)] = seen.get((where, xid), 0) + 1
+    hours = f"{window_s / 3600:g} h"
+    return [
+        f"Xid {xid} on {where} ({n} time(s) in the kernel log's last {hours})"
+        for (where, xid), n in sorted(seen.items())
+    ]
+
+
+def _uptime_s(proc_root: str | os.PathLike[str] = "/proc") -> float | None:
+    """Seconds since boot (/proc/uptime's first field), None when unreadable."""
+    try:
+        with open(Path(proc_root) / "uptime", "rb") as f:
+            return float(f.read(64).split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -297,13 +317,13 @@ def _check_nvidia_smi(exe: str | None, timeout_s: float, environ: Mapping[str, s
     return "ok"
 
 
-def _check_xid(exe: str | None, timeout_s: float, environ: Mapping[str, str]) -> str:
+def _check_xid(exe: str | None, timeout_s: float, environ: Mapping[str, str], window_s: float) -> str:
     if exe is None:
         raise _Skip("dmesg is not on PATH (Xids are reported only in the kernel log)")
     rc, out = run_tool([exe], timeout_s=timeout_s, cap=_DMESG_CAP, environ=environ)
     if rc != 0:  # dmesg_restrict: the kernel log is root's on many clusters
         raise _Skip(f"the kernel log is not readable here (dmesg exit {rc}: {_shown(out)})")
-    problems = parse_xids(out)
+    problems = parse_xids(out, uptime_s=_uptime_s(), window_s=window_s)
     if problems:
         raise _Fail("; ".join(problems))
     return "ok"
@@ -399,6 +419,7 @@ def check_node(
     min_shm_gb: float = DEFAULT_MIN_SHM_GB,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     nccl_profile: str | None = None,
+    xid_window_s: float = DEFAULT_XID_WINDOW_S,
     skip: Sequence[str] = (),
     sysfs_root: str | os.PathLike[str] = "/sys",
     shm_dir: str | os.PathLike[str] = "/dev/shm",
@@ -434,7 +455,7 @@ def check_node(
         jobs[(name,)] = lambda: results.__setitem__(name, fn())
 
     single("nvidia_smi", lambda: _check_nvidia_smi(shutil.which("nvidia-smi", path=path), tool_budget(), env))
-    single("xid", lambda: _check_xid(shutil.which("dmesg", path=path), tool_budget(), env))
+    single("xid", lambda: _check_xid(shutil.which("dmesg", path=path), tool_budget(), env, xid_window_s))
     single("infiniband", lambda: _check_infiniband(profile, sysfs_root, env))
     single("run_dir", lambda: _check_run_dir(run_dir, min_free_gb))
     single("shm", lambda: _check_shm(shm_dir, min_shm_gb))
@@ -504,6 +525,7 @@ def cmd_health(args: argparse.Namespace) -> int:
             min_shm_gb=args.min_shm_gb,
             timeout_s=args.timeout,
             nccl_profile=args.nccl_profile,
+            xid_window_s=args.xid_hours * 3600,
             skip=skip,
         )
     except ConfigError as e:  # before ValueError: a ConfigError is one

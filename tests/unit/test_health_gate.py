@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpcdist import cli
-from hpcdist.diagnostics.gate import CHECKS, check_node, record_unhealthy
+from hpcdist.diagnostics.gate import CHECKS, check_node, parse_xids, record_unhealthy
 from hpcdist.fault.failures import primary_failure, read_failures
 from hpcdist.launch import records
 
@@ -22,7 +22,7 @@ TOOLS_ONLY = ("gpus", "matmul", "infiniband", "run_dir", "shm")
 BUS = "00000000:3B:00.0"
 HEALTHY_GPU = f"0, {BUS}, 0, No"
 HEALTHY_REMAP = f"{BUS}, 0, 0"
-XID_79 = "[ 12.3] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus."
+XID_79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus."  # a stamp: ``[  12.3] ``
 
 
 def stand_in(bin_dir: Path, name: str, body: str) -> None:
@@ -91,11 +91,20 @@ def test_unsupported_fields_are_not_failures(tmp_path: Path) -> None:
 
 
 def test_a_hardware_xid_in_the_kernel_log_makes_the_node_unhealthy(tmp_path: Path) -> None:
-    app_fault = "[ 9.0] NVRM: Xid (PCI:0000:3b:00): 13, pid=99, Graphics Exception"  # a user's bad kernel
+    app_fault = "[    9.0] NVRM: Xid (PCI:0000:3b:00): 13, pid=99, Graphics Exception"  # a user's bad kernel
     ok, _, reasons = gate(tools(tmp_path, dmesg=app_fault))
     assert ok, reasons
-    ok, _, reasons = gate(tools(tmp_path / "b", dmesg=f"{app_fault}\n{XID_79}\n{XID_79}"))
-    assert not ok and reasons == ["xid: Xid 79 on PCI:0000:3b:00 (2 time(s) in the kernel log)"]
+    now = int(float(Path("/proc/uptime").read_text().split()[0]))
+    log = f"{app_fault}\n[{now - 60:>5}.1] {XID_79}\n[{now - 30:>5}.2] {XID_79}"
+    ok, _, reasons = gate(tools(tmp_path / "b", dmesg=log))
+    assert not ok and reasons == ["xid: Xid 79 on PCI:0000:3b:00 (2 time(s) in the kernel log's last 24 h)"]
+
+
+def test_an_old_xid_is_not_recent() -> None:
+    old, recent = f"[  100.5] {XID_79}", f"[ 90000.0] {XID_79}"
+    assert parse_xids(old.encode(), uptime_s=100_000.0) == []  # a day and more ago: reset or repaired since
+    assert len(parse_xids(f"{old}\n{recent}".encode(), uptime_s=100_000.0)) == 1
+    assert len(parse_xids(XID_79.encode(), uptime_s=100_000.0)) == 1  # no stamp (dmesg -T): counted
 
 
 @pytest.mark.parametrize(
