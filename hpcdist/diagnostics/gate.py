@@ -162,7 +162,7 @@ def run_tool(
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                why = f"did not answer within {timeout_s:.0f} s"
+                why = f"did not answer within {timeout_s:.1f} s"
                 break
             if not sel.select(timeout=left):
                 continue
@@ -181,9 +181,11 @@ def run_tool(
         rc = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
     except subprocess.TimeoutExpired:  # closed its output but does not exit
         _kill(proc)
-        raise _Fail(f"{Path(argv[0]).name} did not exit within {timeout_s:.0f} s") from None
+        raise _Fail(f"{Path(argv[0]).name} did not exit within {timeout_s:.1f} s") from None
     finally:
         proc.stdout.close()
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # what it left behind in its session
+        os.killpg(proc.pid, signal.SIGKILL)
     return rc, b"".join(chunks)
 
 
@@ -300,16 +302,16 @@ def _uptime_s(proc_root: str | os.PathLike[str] = "/proc") -> float | None:
 # ------------------------------------------------------------------------------------------------ checks
 
 
-def _check_nvidia_smi(exe: str | None, timeout_s: float, environ: Mapping[str, str]) -> str:
+def _check_nvidia_smi(exe: str | None, budget: Callable[[], float], environ: Mapping[str, str]) -> str:
     if exe is None:
         raise _Skip("nvidia-smi is not on PATH")
     query = [exe, f"--query-gpu={_GPU_QUERY}", "--format=csv,noheader"]
-    rc, out = run_tool(query, timeout_s=timeout_s, environ=environ)
+    rc, out = run_tool(query, timeout_s=budget(), environ=environ)
     if rc != 0:  # "Unable to determine the device handle for GPU ...: Unknown Error": a GPU off the bus
         raise _Fail(f"nvidia-smi --query-gpu failed (exit {rc}): {_shown(out)}")
     problems = parse_gpu_query(out)
     query = [exe, f"--query-remapped-rows={_REMAP_QUERY}", "--format=csv,noheader"]
-    rc, out = run_tool(query, timeout_s=timeout_s, environ=environ)
+    rc, out = run_tool(query, timeout_s=budget(), environ=environ)
     if rc == 0:  # older GPUs (V100) and drivers have no row remapping: that query fails, retired pages cover them
         problems += parse_remapped_rows(out)
     if problems:
@@ -317,10 +319,10 @@ def _check_nvidia_smi(exe: str | None, timeout_s: float, environ: Mapping[str, s
     return "ok"
 
 
-def _check_xid(exe: str | None, timeout_s: float, environ: Mapping[str, str], window_s: float) -> str:
+def _check_xid(exe: str | None, budget: Callable[[], float], environ: Mapping[str, str], window_s: float) -> str:
     if exe is None:
         raise _Skip("dmesg is not on PATH (Xids are reported only in the kernel log)")
-    rc, out = run_tool([exe], timeout_s=timeout_s, cap=_DMESG_CAP, environ=environ)
+    rc, out = run_tool([exe], timeout_s=budget(), cap=_DMESG_CAP, environ=environ)
     if rc != 0:  # dmesg_restrict: the kernel log is root's on many clusters
         raise _Skip(f"the kernel log is not readable here (dmesg exit {rc}: {_shown(out)})")
     problems = parse_xids(out, uptime_s=_uptime_s(), window_s=window_s)
@@ -454,8 +456,8 @@ def check_node(
     def single(name: str, fn: Callable[[], str]) -> None:
         jobs[(name,)] = lambda: results.__setitem__(name, fn())
 
-    single("nvidia_smi", lambda: _check_nvidia_smi(shutil.which("nvidia-smi", path=path), tool_budget(), env))
-    single("xid", lambda: _check_xid(shutil.which("dmesg", path=path), tool_budget(), env, xid_window_s))
+    single("nvidia_smi", lambda: _check_nvidia_smi(shutil.which("nvidia-smi", path=path), tool_budget, env))
+    single("xid", lambda: _check_xid(shutil.which("dmesg", path=path), tool_budget, env, xid_window_s))
     single("infiniband", lambda: _check_infiniband(profile, sysfs_root, env))
     single("run_dir", lambda: _check_run_dir(run_dir, min_free_gb))
     single("shm", lambda: _check_shm(shm_dir, min_shm_gb))
