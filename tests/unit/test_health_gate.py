@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpcdist import cli
-from hpcdist.diagnostics.gate import CHECKS, check_node, parse_xids, record_unhealthy
+from hpcdist.diagnostics.gate import CHECKS, check_node, health_argv, parse_xids, read_verdicts, record_unhealthy
 from hpcdist.fault.failures import primary_failure, read_failures
 from hpcdist.launch import records
 
@@ -265,3 +265,16 @@ def test_an_unhealthy_host_is_recorded_blamed_and_shown_by_status(tmp_path: Path
     assert primary is not None and primary["blame"][0]["host"] == "node-b"
     summary = records.run_summary(tmp_path)
     assert f"unhealthy node node-b: failed the health gate: {reasons[0]}" in summary, summary
+
+
+def test_verdicts_of_an_srun_are_read_per_host_and_a_silent_host_is_unhealthy(tmp_path: Path) -> None:
+    argv = health_argv(gpus=8, run_dir=tmp_path, timeout_s=20)
+    assert argv[1:7] == ["-m", "hpcdist", "health", "--json", "--timeout", "20"] and "--gpus" in argv
+    good = json.dumps({"host": "a", "ok": True, "reasons": [], "checks": {}, "seconds": 1.0})
+    bad = json.dumps({"host": "b", "ok": False, "reasons": ["xid: Xid 79"], "checks": {}, "seconds": 1.0})
+    output = f"srun: warning: something\n{good}\n{{not json\n{bad}\n" + '{"host": 3, "ok": "yes"}\n'
+    assert read_verdicts(output, ["a", "b", "c"]) == {
+        "a": [],
+        "b": ["xid: Xid 79"],
+        "c": ["no verdict from the health gate (node down, not started or timed out)"],
+    }
