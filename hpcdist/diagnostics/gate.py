@@ -388,7 +388,7 @@ def _check_shm(shm_dir: str | os.PathLike[str], min_gb: float) -> str:
     return "ok"
 
 
-def _check_devices(gpus: int | None, results: dict[str, str]) -> None:
+def _check_devices(gpus: int | None, results: dict[str, str], *, matmul: bool = True) -> None:
     """gpus and matmul together: both need torch (imported here, inside the deadline: seconds on a busy node)."""
     import torch
 
@@ -401,6 +401,8 @@ def _check_devices(gpus: int | None, results: dict[str, str]) -> None:
         results["gpus"] = f"fail: {count} GPU(s) visible, {gpus} requested"
     else:
         results["gpus"] = f"ok ({count} visible)"
+    if not matmul:
+        return
     devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
     bad = []
     for device in devices:
@@ -461,7 +463,7 @@ def check_node(
     single("infiniband", lambda: _check_infiniband(profile, sysfs_root, env))
     single("run_dir", lambda: _check_run_dir(run_dir, min_free_gb))
     single("shm", lambda: _check_shm(shm_dir, min_shm_gb))
-    jobs[("gpus", "matmul")] = lambda: _check_devices(gpus, results)
+    jobs[("gpus", "matmul")] = lambda: _check_devices(gpus, results, matmul="matmul" not in skip)
 
     threads = []
     for names, job in jobs.items():
