@@ -92,6 +92,9 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "fault.max_failures": (2**20, ""),
     "fault.max_same_failure": (2**20, ""),
     "fault.max_excluded_nodes": (2**20, ""),
+    "fault.spare_nodes": (2**20, "nodes"),
+    "fault.min_nodes": (2**20, "nodes"),
+    "fault.restart_backoff_s": (3600.0, "an hour"),
     "fault.watchdog_timeout_s": (604_800.0, "a week"),
     "fault.watchdog_slow_phase_s": (604_800.0, "a week"),
     "logging.every_steps": (_BIG, ""),
@@ -477,11 +480,13 @@ def _check_checkpoint(cfg: JobConfig, kind: LayoutKind | None, bad_paths: set[st
 def _check_fault(cfg: JobConfig, bad_paths: set[str]) -> list[str]:
     f = cfg.fault
     p = _requeue_signal(f.requeue_signal)
-    for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes"):
+    for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes", "spare_nodes", "min_nodes"):
         if getattr(f, key) < 0:
             p.append(f"fault.{key}: must be >= 0, got {getattr(f, key)}")
     if f.max_same_failure == 0:
         p.append("fault.max_same_failure: must be >= 1 (1 = never requeue the same failure twice)")
+    if not (math.isfinite(f.restart_backoff_s) and f.restart_backoff_s >= 0):
+        p.append(f"fault.restart_backoff_s: must be a number of seconds >= 0, got {f.restart_backoff_s}")
     if f.max_preemptions < -1:
         p.append(f"fault.max_preemptions: must be >= 0, or -1 for unlimited, got {f.max_preemptions}")
     exclude = f.exclude_nodes_file
