@@ -44,7 +44,7 @@ from hpcdist.launch import restarts
 from hpcdist.schedulers import JobFacts, job_facts
 from hpcdist.schedulers.slurm import ATTEMPT_ENV, expand_nodelist
 
-__all__ = ["AttemptPlan", "choose_nodes", "main", "run_gate", "srun_for"]
+__all__ = ["AttemptPlan", "choose_nodes", "describe_spares", "main", "run_gate", "shrink_problems", "srun_for"]
 
 GATE_UNAVAILABLE = "gate unavailable"
 _MAX_BACKOFF_S = 60.0
@@ -147,6 +147,39 @@ def plan_from_env(environ: dict[str, str] | os._Environ[str], spare: int, min_no
         return f"fault.spare_nodes={spare} leaves no training node of the {len(allocated)} allocated"
     floor = min_nodes if 0 < min_nodes <= train else train
     return AttemptPlan(allocated, train, floor, max(1, tpn))
+
+
+def shrink_problems(cfg: Any, nodes: int, ranks_per_node: int) -> list[str]:
+    """At submit: refusals of fault.spare_nodes / fault.min_nodes for a job training on ``nodes`` nodes of
+    ``ranks_per_node`` ranks: min_nodes above the nodes, or a layout that cannot run on min_nodes (tp x pp per replica
+    larger than what remains, a global batch that does not divide), checked by the config's own world-size rules."""
+    from hpcdist.config import ConfigError, check_world
+
+    f = cfg.fault
+    if f.min_nodes > nodes:
+        return [f"fault.min_nodes={f.min_nodes}: more than the job's {nodes} training node(s); at most {nodes}"]
+    if 0 < f.min_nodes < nodes:
+        try:
+            check_world(cfg, f.min_nodes * ranks_per_node, ranks_per_node=ranks_per_node)
+        except ConfigError as e:
+            return [
+                f"fault.min_nodes={f.min_nodes}: the layout cannot shrink to {f.min_nodes} node(s) "
+                f"({f.min_nodes * ranks_per_node} ranks): {p}; raise fault.min_nodes or set it to 0 (never shrink)"
+                for p in e.problems
+            ]
+    return []
+
+
+def describe_spares(cfg: Any, nodes: int) -> str | None:
+    """One line for plan / the dry run: the nodes asked for with spares and how far in-job restarts may shrink."""
+    f = cfg.fault
+    if not f.spare_nodes and not f.min_nodes:
+        return None
+    floor = f.min_nodes if 0 < f.min_nodes < nodes else nodes
+    return (
+        f"nodes: {nodes} training + {f.spare_nodes} spare (fault.spare_nodes) = {nodes + f.spare_nodes} asked for; "
+        f"in-job restarts continue on >= {floor} node(s) (fault.min_nodes), else the job requeues"
+    )
 
 
 def choose_nodes(plan: AttemptPlan, bad: set[str]) -> list[str] | None:
