@@ -14,8 +14,8 @@ daemons' logs stay after the session), so its `Cluster` (slurm.conf path, env, n
 a restart, and an autouse fixture restarts the shape a test asks for whenever it is not running (another
 shape ran in between, or a test stopped or broke it). Tests that use `slurm_cluster2` are moved after
 the other tests so a session starts each shape once. (The multi-node shape grew from two hosts to three for the
-spare-node tests instead of a third shape: every swap restarts the cluster.) Sessions on the same machine take turns through
-the lock file /tmp/hpcdist-slurm-tests.lock, and a session first stops what a killed one left running.
+spare-node tests instead of a third shape: every swap restarts the cluster.) Sessions on the same machine take
+turns through the lock file /tmp/hpcdist-slurm-tests.lock, and a session first stops what a killed one left running.
 
 A job's output file is truncated when a requeued job starts again, unless it was submitted with
 `--open-mode=append`.
