@@ -103,7 +103,7 @@ def test_killed_rank_restarts_in_the_job_on_the_spare(
     assert first["excluded"] == ["node2"] and first["blame"] == [{"rank": 1, "host": "node2"}]
     assert second["path"] == "in-job" and second["nodes"] == ["node1", "node3"]
     (rec,) = [r for r in read_failures(run, job_id=job) if r["kind"] == "killed"]
-    assert (rec["restart"], rec["host"], rec["pid"] != victim["pid"]) == (0, "node2", True)
+    assert (rec["restart"], rec["rank"], rec["host"], rec["pid"]) == (0, 1, "node2", victim["pid"])
     text = out.read_text()
     assert "restarting in the allocation" in text and "attempt 1 (in-job) on node1,node3" in text
     assert back <= 60
@@ -141,7 +141,7 @@ def test_no_spare_left_min_nodes_shrinks_to_one_host_through_submit(
     for key, value in slurm_cluster2.env.items():  # this process is the login node
         monkeypatch.setenv(key, value)
     run = tmp_path / "shrink"
-    over = _over(run, corpus_dir, "fault.min_nodes=1")[1:]
+    over = _over(run, corpus_dir, "fault.min_nodes=1", "checkpoint.keep_last=100")[1:]  # the resume point stays
     job = hpcdist.submit("configs/demo.yaml", over, cluster="sandbox", nodes=2, gpus_per_node=1)
     wait_for_step(run, 6)
     _, t_kill = _kill_rank_on(run, 1, restart=0)
