@@ -204,11 +204,16 @@ def srun_for(cmd: Sequence[str], plan: AttemptPlan, chosen: Sequence[str]) -> li
 
 
 class _Step:
-    """The running srun, with USR2 / TERM forwarded to it; remembers a stop request (TERM / INT)."""
+    """The running srun, with USR1 / USR2 / TERM / INT forwarded to it; remembers a stop request (TERM / INT), and a
+    USR1 / USR2 that came while no step ran (during the gate or the backoff): the next step gets it once its
+    tasks had time to start (srun relays a signal only to launched tasks; hpcdist holds it from its first line)."""
+
+    RELAY_AFTER_S = 3.0
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
+        self.pending: list[int] = []
         for sig in (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
 
@@ -218,13 +223,22 @@ class _Step:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(OSError):  # it ended meanwhile
                 self.proc.send_signal(signum)
+        elif signum in (signal.SIGUSR1, signal.SIGUSR2) and signum not in self.pending:
+            self.pending.append(signum)
 
     def run(self, cmd: Sequence[str], env: dict[str, str]) -> int:
-        self.proc = subprocess.Popen(list(cmd), env=env)
+        self.proc = proc = subprocess.Popen(list(cmd), env=env)
+        started = time.monotonic()
         while True:
             try:
-                rc = self.proc.wait()
+                rc = proc.wait(timeout=0.5 if self.pending else None)
                 break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - started >= self.RELAY_AFTER_S:
+                    for signum in self.pending:
+                        with contextlib.suppress(OSError):
+                            proc.send_signal(signum)
+                    self.pending.clear()
             except InterruptedError:
                 continue
         self.proc = None
@@ -283,6 +297,9 @@ def loop(cmd: Sequence[str], run_dir: Path, spare: int, min_nodes: int, backoff:
         if chosen is None:
             restarts.save_ledger(run_dir, data)
             return _too_few(run_dir, plan, bad, job, data, attempt)
+        if step.stopping:  # cancelled or preempted during the gate: no new step
+            restarts.save_ledger(run_dir, data)
+            return 0
         entry.update(nodes=chosen, launched=time.time())
         restarts.save_ledger(run_dir, data)
         if len(chosen) < plan.train_nodes:

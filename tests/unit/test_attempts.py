@@ -208,3 +208,22 @@ def test_fault_keys_are_validated() -> None:
         config_mod.load("configs/demo.yaml", ["fault.restart_backoff_s=-1"])
     with pytest.raises(config_mod.ConfigError, match=r"fault\.spare_nodes: must be >= 0"):
         config_mod.load("configs/demo.yaml", ["fault.spare_nodes=-1"])
+
+
+def test_a_requeue_signal_between_steps_reaches_the_next_step(tmp_path: Path) -> None:
+    """USR2 (the time-limit warning) that arrives during the gate or the backoff is not lost: the next srun gets it."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
+    try:
+        step = attempts._Step()
+        step.RELAY_AFTER_S = 0.3
+        os.kill(os.getpid(), signal.SIGUSR2)  # no step running: remembered
+        assert step.pending == [signal.SIGUSR2] and not step.stopping
+        got = tmp_path / "got"
+        script = f"trap 'echo USR2 > {got}; exit 0' USR2; for i in $(seq 100); do sleep 0.1; done; exit 9"
+        assert step.run(["sh", "-c", script], dict(os.environ)) == 0
+        assert got.read_text().strip() == "USR2" and step.pending == []
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
