@@ -44,14 +44,14 @@ from hpcdist.launch import restarts
 from hpcdist.schedulers import JobFacts, job_facts
 from hpcdist.schedulers.slurm import ATTEMPT_ENV, expand_nodelist
 
-__all__ = ["AttemptPlan", "choose_nodes", "describe_spares", "main", "run_gate", "shrink_problems", "srun_for"]
+__all__ = ["AttemptPlan", "choose_nodes", "main", "run_gate", "srun_for"]
 
 GATE_UNAVAILABLE = "gate unavailable"
 _MAX_BACKOFF_S = 60.0
 _GATE_TIMEOUT_S = 30.0
 
 
-def _say(msg: str) -> None:
+def _announce(msg: str) -> None:
     print(f"[hpcdist attempts {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
@@ -149,39 +149,6 @@ def plan_from_env(environ: dict[str, str] | os._Environ[str], spare: int, min_no
     return AttemptPlan(allocated, train, floor, max(1, tpn))
 
 
-def shrink_problems(cfg: Any, nodes: int, ranks_per_node: int) -> list[str]:
-    """At submit: refusals of fault.spare_nodes / fault.min_nodes for a job training on ``nodes`` nodes of
-    ``ranks_per_node`` ranks: min_nodes above the nodes, or a layout that cannot run on min_nodes (tp x pp per replica
-    larger than what remains, a global batch that does not divide), checked by the config's own world-size rules."""
-    from hpcdist.config import ConfigError, check_world
-
-    f = cfg.fault
-    if f.min_nodes > nodes:
-        return [f"fault.min_nodes={f.min_nodes}: more than the job's {nodes} training node(s); at most {nodes}"]
-    if 0 < f.min_nodes < nodes:
-        try:
-            check_world(cfg, f.min_nodes * ranks_per_node, ranks_per_node=ranks_per_node)
-        except ConfigError as e:
-            return [
-                f"fault.min_nodes={f.min_nodes}: the layout cannot shrink to {f.min_nodes} node(s) "
-                f"({f.min_nodes * ranks_per_node} ranks): {p}; raise fault.min_nodes or set it to 0 (never shrink)"
-                for p in e.problems
-            ]
-    return []
-
-
-def describe_spares(cfg: Any, nodes: int) -> str | None:
-    """One line for plan / the dry run: the nodes asked for with spares and how far in-job restarts may shrink."""
-    f = cfg.fault
-    if not f.spare_nodes and not f.min_nodes:
-        return None
-    floor = f.min_nodes if 0 < f.min_nodes < nodes else nodes
-    return (
-        f"nodes: {nodes} training + {f.spare_nodes} spare (fault.spare_nodes) = {nodes + f.spare_nodes} asked for; "
-        f"in-job restarts continue on >= {floor} node(s) (fault.min_nodes), else the job requeues"
-    )
-
-
 def choose_nodes(plan: AttemptPlan, bad: set[str]) -> list[str] | None:
     """The next attempt's nodes in allocation order (spares last by position): the first N good ones, fewer down to
     plan.min_nodes; None when fewer good nodes remain."""
@@ -256,14 +223,14 @@ def loop(cmd: Sequence[str], run_dir: Path, spare: int, min_nodes: int, backoff:
     plan = plan_from_env(os.environ, spare, min_nodes) if base.job_id else "not a SLURM job"
     if isinstance(plan, str):
         if base.job_id and spare:
-            _say(f"running the step unchanged: {plan}")
+            _announce(f"running the step unchanged: {plan}")
         return subprocess.run(list(cmd), check=False).returncode
     data = restarts.load_ledger(run_dir, base.job_id)
     try:  # the ledger records every attempt from here on; the trainer creates run.dir alike
         run_dir.mkdir(parents=True, exist_ok=True)
         restarts.save_ledger(run_dir, data)
     except OSError as e:  # another user's or a read-only run dir: the trainer refuses it in one line
-        _say(f"cannot write the restart ledger in {run_dir} ({e.strerror or e}): running the step once")
+        _announce(f"cannot write the restart ledger in {run_dir} ({e.strerror or e}): running the step once")
         return subprocess.run(list(cmd), check=False).returncode
     step = _Step()
     attempt = next_attempt(data, base)
@@ -290,7 +257,7 @@ def loop(cmd: Sequence[str], run_dir: Path, spare: int, min_nodes: int, backoff:
                     blame=[{"rank": None, "host": host}],
                     job=job,
                 )
-                _say(f"{host} failed the health gate: {'; '.join(reasons)}: not using it in this job")
+                _announce(f"{host} failed the health gate: {'; '.join(reasons)}: not using it in this job")
         chosen = choose_nodes(plan, bad)
         entry = data["attempts"].setdefault(str(attempt), {"restart": attempt})
         entry.update(path=path, gate_s=round(gate_s, 3), gate_start=t_gate)
@@ -303,11 +270,11 @@ def loop(cmd: Sequence[str], run_dir: Path, spare: int, min_nodes: int, backoff:
         entry.update(nodes=chosen, launched=time.time())
         restarts.save_ledger(run_dir, data)
         if len(chosen) < plan.train_nodes:
-            _say(
+            _announce(
                 f"continuing on {len(chosen)} of {plan.train_nodes} nodes (fault.min_nodes={plan.min_nodes}): "
                 "fewer data-parallel replicas, the same global batch"
             )
-        _say(
+        _announce(
             f"attempt {attempt} ({path}) on {','.join(chosen)}" + (f", excluded {','.join(sorted(bad))}" if bad else "")
         )
         env = {**os.environ, ATTEMPT_ENV: str(attempt)}
@@ -316,27 +283,27 @@ def loop(cmd: Sequence[str], run_dir: Path, spare: int, min_nodes: int, backoff:
         data = restarts.load_ledger(run_dir, base.job_id)
         data["attempts"].setdefault(str(attempt), {"restart": attempt})["step_end"] = ended
         restarts.save_ledger(run_dir, data)
-        _say(f"srun exited with status {rc}")
+        _announce(f"srun exited with status {rc}")
         if rc == 0:
             return rc
         if step.stopping:  # scancel, preemption, or rank 0's time-limit requeue: never restart what was stopped
             return 0 if data["attempts"][str(attempt)].get("requeued") else rc
         if data["attempts"][str(attempt)].get("requeued"):
-            _say(f"srun exited with {rc} after job {job.job_id} was requeued: nothing to decide")
+            _announce(f"srun exited with {rc} after job {job.job_id} was requeued: nothing to decide")
             return 0
         d = restarts.decide_failure(run_dir, rc, None, job)
         if d.stop:
             return rc
         bad |= set(d.blamed_hosts)
         if choose_nodes(plan, bad) is None:
-            _say(f"{len(plan.allocated) - len(bad)} usable node(s) left, {plan.min_nodes} needed: requeueing")
+            _announce(f"{len(plan.allocated) - len(bad)} usable node(s) left, {plan.min_nodes} needed: requeueing")
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             return restarts.requeue_after_failure(run_dir, d, job, exit_code=rc, bad_hosts=sorted(bad))
         wait = min(_MAX_BACKOFF_S, backoff * 2 ** max(0, d.streak - 1))
         d.entry.update(restarted="in-job", decided=time.time(), excluded=sorted(bad))
         restarts.save_ledger(run_dir, d.data)
         restarted_in_job += 1
-        _say(
+        _announce(
             f"restarting in the allocation in {wait:.1f} s (in-job restart {restarted_in_job}, "
             f"restart {d.done + 1} of {d.policy.max_failures} after a failure)"
         )
@@ -353,7 +320,7 @@ def _too_few(run_dir: Path, plan: AttemptPlan, bad: set[str], job: JobFacts, dat
         f"{len(plan.allocated) - len(bad)} healthy node(s) of {len(plan.allocated)} allocated, "
         f"{plan.min_nodes} needed ({','.join(sorted(bad))} out)"
     )
-    _say(msg + ": requeueing")
+    _announce(msg + ": requeueing")
     record(run_dir, kind="health", cause=f"too few healthy nodes: {msg}", job=job)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     d = restarts.decide_failure(run_dir, 1, None, job)
@@ -385,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             cfg = config_mod.load(args.config[0], list(args.config[1:]))
         except ValueError as e:  # the trainer refuses the same config with the same message: let it say so
-            _say(f"config: {e}")
+            _announce(f"config: {e}")
             return subprocess.run(cmd, check=False).returncode
         run_dir = Path(cfg.run.dir)
         spare, min_nodes, backoff = cfg.fault.spare_nodes, cfg.fault.min_nodes, cfg.fault.restart_backoff_s

@@ -105,7 +105,7 @@ def _extra_flags(cluster: ClusterConfig) -> dict[str, Any]:
     return flags
 
 
-def _attempt_lines(cluster: ClusterConfig, run_dir: str | Sequence[str], fault: Any | None) -> list[str]:
+def _attempt_loop_lines(cluster: ClusterConfig, run_dir: str | Sequence[str], fault: Any | None) -> list[str]:
     """Setup lines that route submitit's srun line through the attempt loop (hpcdist.launch.attempts): a shell
     function ``srun`` runs ``python -m hpcdist.launch.attempts ... -- srun <submitit's arguments>``; the loop calls
     the real srun (a program on PATH: functions are the shell's own). The loop gates the nodes, chooses them, and
@@ -207,7 +207,7 @@ def slurm_parameters(
         "signal_delay_s": cluster.signal_lead_s,
         "setup": _setup_lines(cluster)
         + _snapshot_lines(snapshot)
-        + (_attempt_lines(cluster, run_dir, fault) if run_dir is not None else []),
+        + (_attempt_loop_lines(cluster, run_dir, fault) if run_dir is not None else []),
         # --kill-on-bad-exit: one dead rank ends the step instead of leaving the others in a collective forever.
         # --cpus-per-task: srun of SLURM 22.05 no longer inherits it from sbatch.
         "srun_args": [
@@ -467,9 +467,7 @@ def _check_job(cfg: config_mod.JobConfig, cluster: ClusterConfig, job_name: str,
         problems += e.problems
     fault = getattr(cfg, "fault", None)
     if fault is not None:
-        from hpcdist.launch.attempts import shrink_problems
-
-        problems += shrink_problems(cfg, cluster.nodes, cluster.ntasks_per_node)
+        problems += config_mod.shrink_problems(cfg, cluster.nodes, cluster.ntasks_per_node)
     wanted = getattr(fault, "requeue_signal", None)
     if wanted and _signal_name(wanted) != _signal_name(cluster.signal):
         problems.append(
@@ -709,9 +707,7 @@ def submit_chain(
         print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
     if dry_run:
         print(f"hpcdist: {describe_executor(prep.cluster)}", file=sys.stderr, flush=True)
-        from hpcdist.launch.attempts import describe_spares
-
-        spares = describe_spares(prep.cfg, prep.cluster.nodes)
+        spares = config_mod.describe_spares(prep.cfg, prep.cluster.nodes)
         if spares:
             print(f"hpcdist: {spares}", file=sys.stderr, flush=True)
         if n > 1:

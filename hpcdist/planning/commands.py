@@ -91,10 +91,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         end="",
         flush=True,  # before the error line on stderr
     )
-    from hpcdist.launch.attempts import describe_spares, shrink_problems
-
-    spares = describe_spares(cfg, cluster.nodes)
-    for line in ([spares] if spares else []) + shrink_problems(cfg, cluster.nodes, cluster.gpus_per_node):
+    spares = config_mod.describe_spares(cfg, cluster.nodes)
+    for line in ([spares] if spares else []) + config_mod.shrink_problems(cfg, cluster.nodes, cluster.gpus_per_node):
         print(line, flush=True)
     if args.plot:
         from hpcdist.planning.plot import write_memory_plot

@@ -196,11 +196,11 @@ def test_a_min_nodes_the_layout_cannot_shrink_to_is_refused(extra: list[str], no
     cfg = config_mod.load(
         "configs/demo.yaml", [*SMALL, "train.global_batch_size=8", "train.micro_batch_size=1", *extra]
     )
-    (problem,) = attempts.shrink_problems(cfg, nodes, 1)
+    (problem,) = config_mod.shrink_problems(cfg, nodes, 1)
     assert fragment in problem
     ok = config_mod.load("configs/demo.yaml", [*SMALL, "train.global_batch_size=8", "fault.min_nodes=2"])
-    assert attempts.shrink_problems(ok, nodes, 1) == []
-    assert "4 training + 0 spare" in (attempts.describe_spares(ok, nodes) or "")
+    assert config_mod.shrink_problems(ok, nodes, 1) == []
+    assert "4 training + 0 spare" in (config_mod.describe_spares(ok, nodes) or "")
 
 
 def test_fault_keys_are_validated() -> None:
