@@ -227,3 +227,25 @@ def test_a_requeue_signal_between_steps_reaches_the_next_step(tmp_path: Path) ->
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def test_the_report_shows_each_attempts_path_nodes_and_recovery(tmp_path: Path) -> None:
+    from hpcdist.report import page
+    from hpcdist.report.rundata import RunData
+
+    ledger = {
+        "job_id": "7",
+        "attempts": {
+            "0": {"path": "first", "ended": "failure", "restarted": "in-job", "nodes": ["node1", "node2"]},
+            "1": {"path": "in-job", "nodes": ["node1", "node3"]},
+        },
+        "gate_failed": {"node4": ["gpus: 3 of 4 visible"]},
+    }
+    (tmp_path / "restarts.json").write_text(json.dumps(ledger))
+    rec = {"path": "in-job", "total": 17.1, "detection": 3.2, "gate": 0.3, "init": 12.5}
+    attempts_ = [{"start": 1.0, "end": 2.0}, {"start": 3.0, "last": 4.0, "recovery": rec}]
+    (tmp_path / "goodput.json").write_text(json.dumps({"attempts": attempts_}))
+    data = RunData.load(tmp_path)
+    html = page._attempts(data) + page._restarts(data)
+    assert "<td>attempt 2</td><td>in-job</td><td>17.1</td><td>3.2</td>" in html
+    assert "<td>in-job</td><td></td><td></td><td>node1,node3</td>" in html and "node4: gpus: 3 of 4 visible" in html
