@@ -101,12 +101,14 @@ def _restarts(data: RunData) -> str:
                 a.get("ended", ""),
                 a.get("path", ""),
                 a.get("ended", ""),
-                f"requeue ({a['requeued']})" if a.get("requeued") else a.get("restarted") or "",
+                a.get("requeued") or a.get("restarted") or "",
                 ",".join(map(str, a.get("nodes") or [])) or a.get("host", ""),
             ]
             for k, a in sorted(attempts.items(), key=lambda kv: int(kv[0]))
         ]
-        out.append(_table(["SLURM attempt", "start", "started as", "ended", "then", "nodes"], rows))
+        out.append(
+            _table(["SLURM attempt", "start", "started as", "ended", "then (requeued for / in-job)", "nodes"], rows)
+        )
         if isinstance(ledger.get("gate_failed"), dict) and ledger["gate_failed"]:
             gate = "; ".join(f"{h}: {', '.join(map(str, r))}" for h, r in dict(ledger["gate_failed"]).items())
             out.append(f'<p class="bad">failed the health gate: {html.escape(gate)}</p>')
