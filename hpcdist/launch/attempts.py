@@ -218,7 +218,16 @@ def next_attempt(data: dict[str, Any], job: JobFacts) -> int:
     return max([job.restart_count, *(k + 1 for k in keys)])
 
 
-def loop(cmd: Sequence[str], run_dir: Path, spare: int, min_nodes: int, backoff: float) -> int:
+def loop(
+    cmd: Sequence[str],
+    run_dir: Path,
+    spare: int,
+    min_nodes: int,
+    backoff: float,
+    policy: restarts.RestartPolicy | None = None,
+) -> int:
+    """Run the attempts of this job (see the module docstring); the batch script's exit status. ``policy`` is the
+    config's fault.* when the loop was given the config; else the ledger's (rank 0 stores it) or the defaults."""
     base = job_facts()
     plan = plan_from_env(os.environ, spare, min_nodes) if base.job_id else "not a SLURM job"
     if isinstance(plan, str):
@@ -263,7 +272,7 @@ def loop(cmd: Sequence[str], run_dir: Path, spare: int, min_nodes: int, backoff:
         entry.update(path=path, gate_s=round(gate_s, 3), gate_start=t_gate)
         if chosen is None:
             restarts.save_ledger(run_dir, data)
-            return _too_few(run_dir, plan, bad, job, data, attempt)
+            return _too_few(run_dir, plan, bad, job, policy)
         if step.stopping:  # cancelled or preempted during the gate: no new step
             restarts.save_ledger(run_dir, data)
             return 0
@@ -291,7 +300,7 @@ def loop(cmd: Sequence[str], run_dir: Path, spare: int, min_nodes: int, backoff:
         if data["attempts"][str(attempt)].get("requeued"):
             _announce(f"srun exited with {rc} after job {job.job_id} was requeued: nothing to decide")
             return 0
-        d = restarts.decide_failure(run_dir, rc, None, job)
+        d = restarts.decide_failure(run_dir, rc, policy, job)
         if d.stop:
             return rc
         bad |= set(d.blamed_hosts)
@@ -314,7 +323,9 @@ def loop(cmd: Sequence[str], run_dir: Path, spare: int, min_nodes: int, backoff:
         path = "in-job"
 
 
-def _too_few(run_dir: Path, plan: AttemptPlan, bad: set[str], job: JobFacts, data: dict[str, Any], attempt: int) -> int:
+def _too_few(
+    run_dir: Path, plan: AttemptPlan, bad: set[str], job: JobFacts, policy: restarts.RestartPolicy | None
+) -> int:
     """Before any step of this attempt: fewer healthy nodes than fault.min_nodes. Requeue without the bad ones."""
     msg = (
         f"{len(plan.allocated) - len(bad)} healthy node(s) of {len(plan.allocated)} allocated, "
@@ -323,7 +334,7 @@ def _too_few(run_dir: Path, plan: AttemptPlan, bad: set[str], job: JobFacts, dat
     _announce(msg + ": requeueing")
     record(run_dir, kind="health", cause=f"too few healthy nodes: {msg}", job=job)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    d = restarts.decide_failure(run_dir, 1, None, job)
+    d = restarts.decide_failure(run_dir, 1, policy, job)
     if d.stop:
         return 1
     return restarts.requeue_after_failure(run_dir, d, job, exit_code=1, bad_hosts=sorted(bad))
@@ -345,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(ours)
     if not cmd:
         p.error("no command after --")
-    spare, min_nodes, backoff = 0, 0, 3.0
+    spare, min_nodes, backoff, policy = 0, 0, 3.0, None
     if args.config:
         from hpcdist import config as config_mod
 
@@ -356,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return subprocess.run(cmd, check=False).returncode
         run_dir = Path(cfg.run.dir)
         spare, min_nodes, backoff = cfg.fault.spare_nodes, cfg.fault.min_nodes, cfg.fault.restart_backoff_s
+        policy = restarts.RestartPolicy.from_fault(cfg.fault)
     elif args.run_dir:
         run_dir = Path(args.run_dir)
     else:
@@ -365,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     backoff = args.restart_backoff_s if args.restart_backoff_s is not None else backoff
     if spare < 0 or min_nodes < 0 or not backoff >= 0:
         p.error("--spare-nodes, --min-nodes and --restart-backoff-s must be >= 0")
-    return loop(cmd, run_dir, spare, min_nodes, backoff)
+    return loop(cmd, run_dir, spare, min_nodes, backoff, policy)
 
 
 if __name__ == "__main__":

@@ -249,3 +249,17 @@ def test_the_report_shows_each_attempts_path_nodes_and_recovery(tmp_path: Path) 
     html = page._attempts(data) + page._restarts(data)
     assert "<td>attempt 2</td><td>in-job</td><td>17.1</td><td>3.2</td>" in html
     assert "<td>in-job</td><td></td><td></td><td>node1,node3</td>" in html and "node4: gpus: 3 of 4 visible" in html
+
+
+def test_the_failure_budget_stops_in_job_restarts_too(fake_slurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fault.max_failures counts in-job restarts: with 1, the second failure ends the job with the reason."""
+    from hpcdist.launch.restarts import RestartPolicy
+
+    run, calls, scontrol = fake_slurm
+    allocation(monkeypatch, 4)
+    monkeypatch.setenv("FAKE_STEPS", "1,1,0")
+    policy = RestartPolicy(True, 10, -1, 1, 3, True, 2, None)
+    assert attempts.loop(CMD, run, spare=2, min_nodes=0, backoff=0, policy=policy) == 1
+    assert len(calls()) == 2 and scontrol() == ""
+    ledger = load_ledger(run, "7")
+    assert "1 restart(s) after a failure already (fault.max_failures=1)" in ledger["stopped"]["reason"]
