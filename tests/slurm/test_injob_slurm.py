@@ -36,21 +36,28 @@ def _over(run: Path, corpus: Path, *extra: str) -> list[str]:
     return ["configs/demo.yaml", *tiny_overrides(run, corpus, STEPS, *COMMON, *extra)]
 
 
+class Reference:
+    """The uninterrupted run of the same layout (2 ranks, ddp), submitted once for the module and waited for only
+    where its losses are compared: it trains beside the first scenario instead of before it."""
+
+    def __init__(self, cluster: Cluster, corpus: Path, d: Path) -> None:
+        self.cluster, self.d = cluster, d
+        args = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"]
+        self.job = submit(cluster, "train.sh", args, _over(d / "run", corpus), d / "out.txt")
+        self._losses: dict[int, float] | None = None
+
+    def losses(self) -> dict[int, float]:
+        if self._losses is None:
+            state = wait_job(self.cluster, self.job, timeout=240)
+            assert state == "COMPLETED", (self.d / "out.txt").read_text()[-3000:]
+            self._losses = step_losses(self.d / "run")
+            assert sorted(self._losses) == list(range(1, STEPS + 1))
+        return self._losses
+
+
 @pytest.fixture(scope="module")
-def reference(slurm_cluster2: Cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """The uninterrupted run of the same layout (2 ranks, ddp): per-step losses, computed once for the module."""
-    d = tmp_path_factory.mktemp("injob_ref")
-    job = submit(
-        slurm_cluster2,
-        "train.sh",
-        ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"],
-        _over(d / "run", corpus_dir),
-        d / "out.txt",
-    )
-    assert wait_job(slurm_cluster2, job, timeout=240) == "COMPLETED", (d / "out.txt").read_text()[-3000:]
-    losses = step_losses(d / "run")
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    return losses
+def reference(slurm_cluster2: Cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    return Reference(slurm_cluster2, corpus_dir, tmp_path_factory.mktemp("injob_ref"))
 
 
 def _kill_rank_on(run: Path, rank: int, restart: int) -> tuple[dict, float]:
@@ -79,7 +86,7 @@ def _recovery_line(run: Path, what: str, t_kill: float) -> float:
 
 
 def test_killed_rank_restarts_in_the_job_on_the_spare(
-    slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path, reference: dict[int, float]
+    slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path, reference: Reference
 ) -> None:
     """SIGKILL of rank 1 on node2: no requeue (Restarts=0), the next attempt on node1 + node3, node2 excluded, the
     time to the next completed step <= 60 s, every step's loss equal to the uninterrupted run's."""
@@ -107,12 +114,12 @@ def test_killed_rank_restarts_in_the_job_on_the_spare(
     text = out.read_text()
     assert "restarting in the allocation" in text and "attempt 1 (in-job) on node1,node3" in text
     assert back <= 60
-    got = step_losses(run)
-    assert [got[s] for s in range(1, STEPS + 1)] == [reference[s] for s in range(1, STEPS + 1)]
+    got, ref = step_losses(run), reference.losses()
+    assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
 
 
 def test_too_few_healthy_nodes_requeue_as_before_with_the_bad_host_excluded(
-    slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path, reference: dict[int, float]
+    slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path, reference: Reference
 ) -> None:
     """Two training nodes, no spare, no shrinking: a killed rank on node2 leaves too few -> requeue without node2."""
     run, out = tmp_path / "run", tmp_path / "out.txt"
@@ -129,8 +136,8 @@ def test_too_few_healthy_nodes_requeue_as_before_with_the_bad_host_excluded(
     assert ledger["attempts"]["0"]["requeued"] == "failure" and "restarted" not in ledger["attempts"]["0"]
     assert ledger["excluded"] == ["node2"] and ledger["attempts"]["1"]["path"] == "requeue"
     assert "usable node(s) left, 2 needed: requeueing" in out.read_text()
-    got = step_losses(run)
-    assert [got[s] for s in range(1, STEPS + 1)] == [reference[s] for s in range(1, STEPS + 1)]
+    got, ref = step_losses(run), reference.losses()
+    assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
 
 
 def test_no_spare_left_min_nodes_shrinks_to_one_host_through_submit(
