@@ -101,8 +101,15 @@ def load_ledger(run_dir: str | os.PathLike[str], job_id: str | None) -> dict[str
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
-    if not isinstance(data, dict) or data.get("job_id") != job_id:
+    if not isinstance(data, dict) or data.get("job_id") != job_id or not isinstance(data.get("attempts"), dict):
         data = {"job_id": job_id, "attempts": {}, "excluded": [], "stopped": None, "policy": None}
+    # the attempt loop reads these back as host names: anything else in them is dropped, not trusted
+    excluded = data.get("excluded")
+    data["excluded"] = [h for h in excluded if isinstance(h, str)] if isinstance(excluded, list) else []
+    gate = data.get("gate_failed")
+    if gate is not None:
+        data["gate_failed"] = {h: r for h, r in gate.items() if isinstance(r, list)} if isinstance(gate, dict) else {}
+    data["attempts"] = {k: a for k, a in data["attempts"].items() if str(k).isdigit() and isinstance(a, dict)}
     return data
 
 

@@ -263,3 +263,12 @@ def test_the_failure_budget_stops_in_job_restarts_too(fake_slurm, monkeypatch: p
     assert len(calls()) == 2 and scontrol() == ""
     ledger = load_ledger(run, "7")
     assert "1 restart(s) after a failure already (fault.max_failures=1)" in ledger["stopped"]["reason"]
+
+
+def test_a_garbled_ledger_is_not_trusted_for_host_names(tmp_path: Path) -> None:
+    ledger = {"job_id": "7", "attempts": {"0": {"path": "first"}, "x": 1}, "excluded": "node1", "gate_failed": [1]}
+    (tmp_path / "restarts.json").write_text(json.dumps(ledger))
+    data = load_ledger(tmp_path, "7")
+    assert data["excluded"] == [] and data["gate_failed"] == {} and list(data["attempts"]) == ["0"]
+    (tmp_path / "restarts.json").write_text(json.dumps({"job_id": "7", "attempts": []}))
+    assert load_ledger(tmp_path, "7")["attempts"] == {}
