@@ -22,10 +22,11 @@ import pytest
 
 import hpcdist
 from hpcdist.fault.failures import read_failures
+from hpcdist.fault.hang import read_heartbeats
 from hpcdist.launch.restarts import load_ledger
-from tests.slurm.conftest import REPO, Cluster, job_info, release_requeue_hold, wait_job
+from tests.slurm.conftest import REPO, Cluster, job_info, release_requeue_hold, run_cmd, wait_job
 from tests.slurm.test_faults_slurm import _first_step_after, _rank_in_restart
-from tests.slurm.test_train_slurm import step_losses, submit, tiny_overrides, wait_for_step
+from tests.slurm.test_train_slurm import JOB_ENV, step_losses, submit, tiny_overrides, wait_for_step
 
 STEPS = 16
 ONE_TASK = ["--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1"]
@@ -180,3 +181,41 @@ def test_no_spare_left_min_nodes_shrinks_to_one_host_through_submit(
     assert sorted(want) == list(range(resumed + 1, STEPS + 1))
     for s in range(resumed + 1, STEPS + 1):
         assert got[s] == pytest.approx(want[s], rel=1e-5, abs=1e-6), s
+
+
+STAND_IN_NVIDIA_SMI = """#!/bin/sh
+# a stand-in nvidia-smi: node2 has 3 uncorrectable ECC errors, every other node is clean
+case "$1" in
+  --query-gpu=*) if [ "$(hostname)" = node2 ]; then n=3; else n=0; fi; echo "0, 00000000:07:00.0, $n, No" ;;
+  --query-remapped-rows=*) echo "00000000:07:00.0, No, No" ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+def _gate_command_exists() -> bool:
+    p = subprocess.run([sys.executable, "-m", "hpcdist", "health", "--help"], capture_output=True, cwd=REPO)
+    return p.returncode == 0
+
+
+@pytest.mark.skipif(not _gate_command_exists(), reason="no `hpcdist health` in this tree (issue 27 item 3)")
+def test_a_node_that_fails_the_gate_at_the_first_start_runs_no_rank(
+    slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path
+) -> None:
+    """node2's (stand-in) nvidia-smi reports uncorrectable ECC errors: no rank starts on it, training starts on
+    node1 + the spare node3, the reason is in failures.jsonl and in `hpcdist status`."""
+    bindir, run, out = tmp_path / "bin", tmp_path / "run", tmp_path / "out.txt"
+    bindir.mkdir()
+    (bindir / "nvidia-smi").write_text(STAND_IN_NVIDIA_SMI)
+    (bindir / "nvidia-smi").chmod(0o755)
+    env = {**slurm_cluster2.env, **JOB_ENV, "PATH": f"{bindir}:{slurm_cluster2.env['PATH']}"}
+    over = ["configs/demo.yaml", *tiny_overrides(run, corpus_dir, 4, "fault.spare_nodes=1")]
+    args = ["--nodes=3", *ONE_TASK, f"--output={out}", str(REPO / "sbatch" / "train.sh"), *over]
+    job = run_cmd(slurm_cluster2, "sbatch", "--parsable", *args, cwd=REPO, env=env).stdout.strip().split(";")[0]
+    assert wait_job(slurm_cluster2, job, timeout=240) == "COMPLETED", out.read_text()[-4000:]
+    assert sorted(b["host"] for b in read_heartbeats(run, 2).values()) == ["node1", "node3"]
+    (rec,) = [r for r in read_failures(run, job_id=job) if r["kind"] == "health"]
+    assert rec["host"] == "node2" and "3 uncorrectable ECC error(s)" in rec["cause"]
+    assert load_ledger(run, job)["attempts"]["0"]["nodes"] == ["node1", "node3"]
+    status = run_cmd(slurm_cluster2, sys.executable, "-m", "hpcdist", "status", job, "--run-dir", str(run), cwd=REPO)
+    assert "node2 failed the health gate" in status.stdout and "uncorrectable ECC" in status.stdout
