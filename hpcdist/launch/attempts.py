@@ -332,7 +332,8 @@ def _too_few(
         f"{plan.min_nodes} needed ({','.join(sorted(bad))} out)"
     )
     _announce(msg + ": requeueing")
-    record(run_dir, kind="health", cause=f"too few healthy nodes: {msg}", job=job)
+    # kind "nodes", not "health": that one is a node's own gate verdict, and this is the job's
+    record(run_dir, kind="nodes", cause=f"too few healthy nodes: {msg}", job=job)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     d = restarts.decide_failure(run_dir, 1, policy, job)
     if d.stop:
