@@ -48,11 +48,11 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.errors import CommandError
+from hpcdist.fault.health import DEFAULT_TIMEOUT_S, record_unhealthy
 
-__all__ = ["CHECKS", "NodeHealth", "check_node", "cmd_health", "health_argv", "read_verdicts", "record_unhealthy"]
+__all__ = ["CHECKS", "NodeHealth", "check_node", "cmd_health"]
 
 CHECKS = ("gpus", "matmul", "nvidia_smi", "xid", "infiniband", "run_dir", "shm")
-DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MIN_FREE_GB = 1.0
 DEFAULT_MIN_SHM_GB = 1.0
 
@@ -124,7 +124,7 @@ class _Skip(Exception):
     """A check that cannot run here: its message says why."""
 
 
-def _shown(text: str | bytes) -> str:
+def _quoted_untrusted(text: str | bytes) -> str:
     """Untrusted text quoted in a reason: one line, printable, at most _SHOWN characters."""
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
@@ -175,12 +175,12 @@ def run_tool(
                 why = f"printed more than {cap >> 10} KiB"
                 break
     if why:
-        _kill(proc)
+        _kill_tool_session(proc)
         raise _Fail(f"{Path(argv[0]).name} {why}")
     try:
         rc = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
     except subprocess.TimeoutExpired:  # closed its output but does not exit
-        _kill(proc)
+        _kill_tool_session(proc)
         raise _Fail(f"{Path(argv[0]).name} did not exit within {timeout_s:.1f} s") from None
     finally:
         proc.stdout.close()
@@ -189,7 +189,7 @@ def run_tool(
     return rc, b"".join(chunks)
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
+def _kill_tool_session(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (D state): left to the kernel, the gate goes on
@@ -203,14 +203,14 @@ def _csv_rows(text: bytes, what: str, columns: int) -> list[list[str]]:
     try:
         decoded = text.decode("ascii")
     except UnicodeDecodeError:
-        raise _Fail(f"{what}: output is not text: {_shown(text)}") from None
+        raise _Fail(f"{what}: output is not text: {_quoted_untrusted(text)}") from None
     rows = []
     for n, line in enumerate(decoded.splitlines(), 1):
         if not line.strip():
             continue
         fields = [f.strip() for f in line.split(",")]
         if len(fields) != columns:
-            raise _Fail(f"{what} line {n}: {columns} fields expected, got {len(fields)}: {_shown(line)}")
+            raise _Fail(f"{what} line {n}: {columns} fields expected, got {len(fields)}: {_quoted_untrusted(line)}")
         rows.append(fields)
         if len(rows) > _MAX_GPUS:
             raise _Fail(f"{what}: more than {_MAX_GPUS} lines (one per GPU expected)")
@@ -222,7 +222,7 @@ def _count(value: str, what: str) -> int | None:
     if value in _NA:
         return None
     if not re.fullmatch(r"\d{1,12}", value):
-        raise _Fail(f"{what}: not a count: {_shown(value)}")
+        raise _Fail(f"{what}: not a count: {_quoted_untrusted(value)}")
     return int(value)
 
 
@@ -235,7 +235,7 @@ def _flag(value: str, what: str) -> bool | None:
         return True
     if low in _NO:
         return False
-    raise _Fail(f"{what}: not Yes/No: {_shown(value)}")
+    raise _Fail(f"{what}: not Yes/No: {_quoted_untrusted(value)}")
 
 
 _GPU_QUERY = "index,pci.bus_id,ecc.errors.uncorrected.volatile.total,retired_pages.pending"
@@ -251,7 +251,7 @@ def parse_gpu_query(text: bytes) -> list[str]:
     for index, bus, ecc, pending in rows:
         gpu = f"GPU {index} ({bus})" if re.fullmatch(r"[\w:.]{1,32}", bus) else f"GPU {index}"
         if not re.fullmatch(r"\d{1,3}", index):
-            raise _Fail(f"nvidia-smi --query-gpu: not a GPU index: {_shown(index)}")
+            raise _Fail(f"nvidia-smi --query-gpu: not a GPU index: {_quoted_untrusted(index)}")
         errors = _count(ecc, f"{gpu} ecc.errors.uncorrected.volatile.total")
         if errors:
             problems.append(f"{gpu}: {errors} uncorrectable ECC error(s) since the driver loaded")
@@ -308,7 +308,7 @@ def _check_nvidia_smi(exe: str | None, budget: Callable[[], float], environ: Map
     query = [exe, f"--query-gpu={_GPU_QUERY}", "--format=csv,noheader"]
     rc, out = run_tool(query, timeout_s=budget(), environ=environ)
     if rc != 0:  # "Unable to determine the device handle for GPU ...: Unknown Error": a GPU off the bus
-        raise _Fail(f"nvidia-smi --query-gpu failed (exit {rc}): {_shown(out)}")
+        raise _Fail(f"nvidia-smi --query-gpu failed (exit {rc}): {_quoted_untrusted(out)}")
     problems = parse_gpu_query(out)
     query = [exe, f"--query-remapped-rows={_REMAP_QUERY}", "--format=csv,noheader"]
     rc, out = run_tool(query, timeout_s=budget(), environ=environ)
@@ -324,7 +324,7 @@ def _check_xid(exe: str | None, budget: Callable[[], float], environ: Mapping[st
         raise _Skip("dmesg is not on PATH (Xids are reported only in the kernel log)")
     rc, out = run_tool([exe], timeout_s=budget(), cap=_DMESG_CAP, environ=environ)
     if rc != 0:  # dmesg_restrict: the kernel log is root's on many clusters
-        raise _Skip(f"the kernel log is not readable here (dmesg exit {rc}: {_shown(out)})")
+        raise _Skip(f"the kernel log is not readable here (dmesg exit {rc}: {_quoted_untrusted(out)})")
     problems = parse_xids(out, uptime_s=_uptime_s(), window_s=window_s)
     if problems:
         raise _Fail("; ".join(problems))
@@ -500,58 +500,6 @@ def _guarded(names: tuple[str, ...], job: Callable[[], None], results: dict[str,
         answer = f"fail: {type(e).__name__}: {text[:300]}"
     for name in names:
         results.setdefault(name, answer)
-
-
-def record_unhealthy(run_dir: str | os.PathLike[str], host: str, reasons: Sequence[str]) -> dict[str, Any]:
-    """Append the gate's verdict on ``host`` to <run_dir>/failures.jsonl: kind ``health``, blaming the host (not a
-    rank: none started there), so the restart policy excludes it and ``hpcdist status`` shows why."""
-    from hpcdist.fault.failures import record
-
-    cause = "failed the health gate: " + ("; ".join(reasons) or "no reason given")
-    return record(run_dir, kind="health", cause=cause, host=host, blame=[{"rank": None, "host": host}])
-
-
-def health_argv(
-    *,
-    gpus: int | None = None,
-    run_dir: str | os.PathLike[str] | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    python: str = sys.executable,
-) -> list[str]:
-    """The gate's command line for one task per node (``srun --ntasks-per-node=1 <this>``), with ``--json``."""
-    argv = [python, "-m", "hpcdist", "health", "--json", "--timeout", f"{timeout_s:g}"]
-    if gpus is not None:
-        argv += ["--gpus", str(gpus)]
-    if run_dir is not None:
-        argv += ["--run-dir", str(run_dir)]
-    return argv
-
-
-_VERDICT_BYTES = 1 << 20  # one JSON line per node; srun's own lines and the tasks' stderr in between
-
-
-def read_verdicts(output: str, hosts: Sequence[str]) -> dict[str, list[str]]:
-    """host -> reasons ([] = healthy) from the JSON lines ``srun ... hpcdist health --json`` printed (untrusted:
-    other lines, cut lines and odd values are skipped). A host of ``hosts`` with no verdict is unhealthy: its
-    gate did not answer (the node is down, srun could not start it, or it was killed at srun's time limit)."""
-    verdicts: dict[str, list[str]] = {}
-    for line in output[-_VERDICT_BYTES:].splitlines():
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(doc, dict) or not isinstance(doc.get("host"), str) or not isinstance(doc.get("ok"), bool):
-            continue
-        reasons = doc.get("reasons")
-        reasons = [str(r)[:500] for r in reasons[:20]] if isinstance(reasons, list) else []
-        verdicts[doc["host"]] = [] if doc["ok"] else (reasons or ["the health gate said unhealthy, without a reason"])
-    return {
-        host: verdicts.get(host, ["no verdict from the health gate (node down, not started or timed out)"])
-        for host in hosts
-    }
 
 
 # ------------------------------------------------------------------------------------------------ command

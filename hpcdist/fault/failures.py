@@ -11,7 +11,7 @@ file system, like the checkpoints), one JSON object per event, appended by whoev
                 alike (hpcdist.run), or a checkpoint could not be read through the retries (CheckpointUnavailable):
                 exit 74; attributed to nobody (storage).
     exit        the step failed and no rank said why (recorded by after-step, hpcdist.launch.restarts).
-    health      a node failed the health gate before an attempt (hpcdist.diagnostics.gate.record_unhealthy): no rank
+    health      a node failed the health gate before an attempt (hpcdist.fault.health.record_unhealthy): no rank
                 ran there; attributed to the host (rank None), which the restart policy then excludes.
     straggler   a warning, not a failure (hpcdist.fault.stragglers).
   Fields: time, job_id, restart (SLURM_RESTART_COUNT), rank, host, pid, kind, cause (one line), blame (the

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from hpcdist import cli
-from hpcdist.diagnostics.gate import CHECKS, check_node, health_argv, parse_xids, read_verdicts, record_unhealthy
+from hpcdist.diagnostics.gate import CHECKS, check_node, parse_xids
 from hpcdist.fault.failures import primary_failure, read_failures
+from hpcdist.fault.health import health_argv, read_verdicts, record_unhealthy
 from hpcdist.launch import records
 
 # the tool checks only: gpus/matmul import torch (seconds) and are covered once, below
