@@ -17,9 +17,9 @@ from tests.slurm.conftest import REPO, Cluster
 
 def test_chaos_short_form_loses_nothing(slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
+    args = ["--workdir", str(tmp_path / "w"), "--json", str(out), "--timeout", "120"]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "chaos"), "--short", "--seed", "1", "--data", str(corpus_dir)]
-        + ["--workdir", str(tmp_path / "w"), "--json", str(out), "--timeout", "120"],
+        [sys.executable, str(REPO / "tools" / "chaos"), "--short", "--seed", "1", "--data", str(corpus_dir), *args],
         cwd=REPO,
         env={**slurm_cluster2.env, "PYTHONPATH": str(REPO)},
         capture_output=True,
