@@ -194,8 +194,12 @@ def primary_failure(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] |
 
     Ranks that lose a peer record ``collective`` errors within milliseconds, sometimes before the culprit's own
     record; ranks killed when srun ends the step may be recorded as ``killed`` later. Blame decides first, then time.
+    A ``health`` record is the gate's verdict on a node, written before the attempt's step started (that node then
+    ran no rank): it is the failure only when the step left none of its own (the gate left too few nodes), else a
+    rank frozen after the gate would be blamed on the node the gate already took out.
     """
     failures = [r for r in records if r.get("kind") != "straggler"]
+    failures = [r for r in failures if r.get("kind") != "health"] or failures
     blamed = [r for r in failures if r.get("blame")]
     pool = blamed or failures
     return min(pool, key=lambda r: r.get("time") or 0.0) if pool else None
