@@ -15,7 +15,8 @@ entries:
     other            the rest (evaluation, logging, clean shutdown)
 
 Recovery (issue 27): an attempt after a failure or a requeue carries ``recovery`` once its first step is done:
-from the failure (its record in failures.jsonl; a time-limit stop's end) to that first completed step, split into
+from the failure (its record in failures.jsonl; a time-limit stop's end; the stop signal of a requeue by someone
+else, `scontrol requeue` or a preemption) to that first completed step, split into
 detection (failure -> the failed step ended), wait (the in-job backoff; for a requeue the requeue hold and the
 queue), gate (the health gate), step_start (srun -> rank 0 up), checkpoint_load, init (the rest of start-up:
 imports, rendezvous, model, data) and first_step; ``path`` says in-job or requeue. The attempt loop
@@ -58,7 +59,11 @@ def recovery(entry: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any] | 
         return None
     this, prev = attempts.get(str(restart)) or {}, attempts.get(str(restart - 1)) or {}
     first = _num(entry.get("first_step_at"))
-    failed = _num(prev.get("failed_at")) or _num(prev.get("end"))
+    # a failure's record, a time-limit stop's end, else the stop signal of a requeue by someone else (`scontrol
+    # requeue`, a preemption: the attempt loop stamps it) or, without one, the step's end
+    failed = next(
+        (t for t in map(_num, (prev.get(k) for k in ("failed_at", "end", "stopped_at", "step_end"))) if t), None
+    )
     if first is None or failed is None:
         return None
     step_end, decided = _num(prev.get("step_end")), _num(prev.get("decided"))

@@ -154,6 +154,7 @@ class _Step:
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = False
+        self.stopped_at: float | None = None  # when the stop signal came: a requeue's recovery starts there
         self.pending: list[int] = []
         for sig in (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward)
@@ -161,6 +162,7 @@ class _Step:
     def _forward(self, signum: int, _frame: Any) -> None:
         if signum in (signal.SIGTERM, signal.SIGINT):
             self.stopping = True
+            self.stopped_at = self.stopped_at or time.time()
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(OSError):  # it ended meanwhile
                 self.proc.send_signal(signum)
@@ -257,7 +259,10 @@ def loop(
         rc = step.run(srun_for(cmd, plan, chosen), env)
         ended = time.time()
         data = restarts.load_ledger(run_dir, base.job_id)
-        data["attempts"].setdefault(str(attempt), {"restart": attempt})["step_end"] = ended
+        entry = data["attempts"].setdefault(str(attempt), {"restart": attempt})
+        entry["step_end"] = ended
+        if step.stopped_at is not None:  # scancel, preemption, `scontrol requeue`: nothing else marks its time
+            entry["stopped_at"] = step.stopped_at
         restarts.save_ledger(run_dir, data)
         _announce(f"srun exited with status {rc}")
         if rc == 0:

@@ -185,6 +185,23 @@ def test_recovery_is_split_from_the_failure_to_the_first_step() -> None:
     assert recovery({**entry, "restart": 0}, ledger) is None
 
 
+def test_recovery_after_a_requeue_by_someone_else_counts_from_its_stop_signal() -> None:
+    """Found by tools/chaos: after `scontrol requeue` the next attempt had no recovery (the stopped attempt has no
+    failure record and no time-limit end); the attempt loop stamps when the stop signal came."""
+    ledger = {
+        "attempts": {
+            "0": {"stopped_at": 100.0, "step_end": 102.0},
+            "1": {"path": "requeue", "gate_start": 134.0, "gate_s": 0.5, "launched": 134.5},
+        }
+    }
+    entry = {"restart": 1, "start": 135.0, "restore_s": 0.5, "loop_start": 138.0, "first_step_at": 139.0}
+    rec = recovery(entry, ledger)
+    assert rec is not None and rec["total"] == 39.0 and rec["detection"] == 2.0 and rec["wait"] == 32.0
+    assert rec["path"] == "requeue"
+    del ledger["attempts"]["0"]["stopped_at"]  # no signal seen (the loop was killed): from the step's end
+    assert recovery(entry, ledger)["total"] == 37.0
+
+
 @pytest.mark.parametrize(
     ("extra", "nodes", "fragment"),
     [
