@@ -35,6 +35,7 @@ EPILOG = """examples:
   hpcdist submit configs/demo.yaml --sweep optim.lr=1e-4,3e-4 --sweep train.global_batch_size=256,512  # 1 array
   hpcdist submit configs/demo.yaml --chain 3                         # 3 jobs, each resuming the previous one
   hpcdist status 1234; hpcdist logs 1234 --rank 3 --err; hpcdist cancel 1234
+  srun --ntasks-per-node=1 hpcdist health --json --gpus 8 --run-dir runs/x   # the health gate, once per node
   hpcdist export runs/demo --out hf/demo             # newest checkpoint -> Hugging Face Llama directory
   hpcdist import hf/llama --out ckpt/llama           # Hugging Face Llama -> step-0 checkpoint
   hpcdist generate runs/demo --prompt "def main(" --max-new-tokens 64   # text from the newest checkpoint
@@ -200,10 +201,54 @@ def _parser() -> argparse.ArgumentParser:
     tt.add_argument("--text-field", default="text", help="jsonl key / parquet or datasets column (default: text)")
     _add_launch_parsers(sub)
     _add_plan_parser(sub)
+    _add_health_parser(sub)
     _add_report_parser(sub)
     _add_hf_parsers(sub)
     _add_model_parsers(sub)
     return p
+
+
+def _add_health_parser(sub: argparse._SubParsersAction) -> None:
+    h = sub.add_parser(
+        "health",
+        help="check this node before training on it: GPUs, a matmul, ECC/Xid errors, InfiniBand ports, disk, /dev/shm",
+        description="The health gate (hpcdist.diagnostics.gate) on one node: visible GPUs vs --gpus, a short matmul on "
+        "every GPU (on the CPU without one), uncorrectable ECC errors / pending page retirement / row remapping "
+        "(nvidia-smi), hardware Xid errors (kernel log), InfiniBand ports ACTIVE when the NCCL profile uses IB, "
+        "--run-dir writable with free space, /dev/shm free space. All checks together end within --timeout. "
+        "A check that cannot run here is skipped, never failed. Exit 0 healthy, 1 unhealthy, 2 bad arguments. "
+        "On an allocation: srun --ntasks-per-node=1 hpcdist health --json --gpus 8 --run-dir RUN_DIR",
+    )
+    h.add_argument("--gpus", type=_nonnegative_int, help="GPUs this node must show (default: not checked)")
+    h.add_argument("--run-dir", type=Path, help="the run's run.dir: must be writable with --min-free-gb free")
+    h.add_argument("--min-free-gb", type=_at_least_zero, default=1.0, help="GiB free needed in --run-dir (default 1)")
+    h.add_argument("--min-shm-gb", type=_at_least_zero, default=1.0, help="GiB free needed in /dev/shm (default 1)")
+    h.add_argument("--timeout", type=_positive_float, default=30.0, help="seconds for all checks together (default 30)")
+    h.add_argument(
+        "--nccl-profile",
+        help="the job's NCCL profile (name or YAML path): InfiniBand ports are checked when it uses IB "
+        "(default: $HPCDIST_NCCL_PROFILE, set in submitted jobs)",
+    )
+    h.add_argument(
+        "--xid-hours",
+        type=_positive_float,
+        default=24.0,
+        help="hardware Xid errors logged in the kernel log this many hours back fail the node (default 24)",
+    )
+    h.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="CHECK[,CHECK]",
+        help="checks not to run: gpus, matmul, nvidia_smi, xid, infiniband, run_dir, shm",
+    )
+    h.add_argument("--json", action="store_true", help='one JSON line: {"host", "ok", "reasons", "checks", "seconds"}')
+    h.add_argument(
+        "--record",
+        action="store_true",
+        help="when unhealthy, append the reasons to --run-dir's failures.jsonl (kind health: the restart policy "
+        "excludes this host, hpcdist status shows why)",
+    )
 
 
 def _add_report_parser(sub: argparse._SubParsersAction) -> None:
@@ -354,6 +399,17 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    """A number > 0 (seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def _at_least_zero(text: str) -> float:
     """A number >= 0 (GiB of margin, a sampling temperature)."""
     try:
@@ -493,6 +549,7 @@ COMMANDS: dict[str, str | Callable[[argparse.Namespace], int]] = {
     "cancel": "hpcdist.launch.commands:cmd_cancel",
     "plan": "hpcdist.planning.commands:cmd_plan",
     "report": "hpcdist.report.command:cmd_report",
+    "health": "hpcdist.diagnostics.gate:cmd_health",
     "export": "hpcdist.hf.command:cmd_export",
     "import": "hpcdist.hf.command:cmd_import",
     "generate": "hpcdist.inference:cmd_generate",

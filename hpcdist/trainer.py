@@ -152,7 +152,9 @@ class Trainer:
         )
         log.info("layout: %s", describe_layout(cfg, self.dims))
         # rank 0 accounts the run's wall time (training, checkpoints, restarts) across attempts in goodput.json
-        self.goodput = Goodput(self.run_dir, enabled=env.is_main)
+        self.goodput = Goodput(
+            self.run_dir, enabled=env.is_main, restart=env.job.restart_count if env.job.job_id else None
+        )
         try:
             self.resumed_from = self._resume()
         except BaseException:

@@ -23,36 +23,46 @@ hpcdist_log() { echo "[hpcdist sbatch $(date +%H:%M:%S)] $*"; }
 hpcdist_log "job ${SLURM_JOB_ID:-?} (${SLURM_JOB_NAME:-?}) restart ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST:-?}:" \
   "${SLURM_NNODES:-?} nodes x ${SLURM_NTASKS_PER_NODE:-?} tasks, NCCL profile $HPCDIST_NCCL_PROFILE"
 
-# hpcdist_srun CMD...: one task per GPU through srun, with the batch shell forwarding SLURM's signals.
-#   --signal=B:USR2@<lead> delivers USR2 to this shell only; srun relays it to every task, whose trainer sets a
-#   flag, agrees with the other ranks at the next step boundary, checkpoints, and rank 0 requeues the job.
-#   --kill-on-bad-exit=1: if one rank dies the others are killed instead of waiting forever in a collective.
-hpcdist_srun() {
-  srun --kill-on-bad-exit=1 --unbuffered "$@" &
-  local srun_pid=$! rc=0
-  trap 'hpcdist_log "got USR2: forwarding to the tasks"; kill -USR2 "$srun_pid" 2>/dev/null || true' USR2
-  trap 'hpcdist_log "got TERM: forwarding to the tasks"; kill -TERM "$srun_pid" 2>/dev/null || true' TERM
+# hpcdist_forward CMD...: run CMD with the batch shell forwarding SLURM's signals to it.
+#   --signal=B:USR2@<lead> delivers USR2 to this shell only; CMD (srun, or the attempt loop, which passes it on to
+#   its srun) relays it to every task, whose trainer sets a flag, agrees with the other ranks at the next step
+#   boundary, checkpoints, and rank 0 requeues the job.
+hpcdist_forward() {
+  "$@" &
+  local child=$! rc=0
+  trap 'hpcdist_log "got USR2: forwarding to the tasks"; kill -USR2 "$child" 2>/dev/null || true' USR2
+  trap 'hpcdist_log "got TERM: forwarding to the tasks"; kill -TERM "$child" 2>/dev/null || true' TERM
   while :; do
-    # `wait` returns early (status > 128) whenever a trap runs: keep waiting until srun itself has exited
-    wait "$srun_pid" && rc=0 || rc=$?
-    kill -0 "$srun_pid" 2>/dev/null || break
+    # `wait` returns early (status > 128) whenever a trap runs: keep waiting until the child itself has exited
+    wait "$child" && rc=0 || rc=$?
+    kill -0 "$child" 2>/dev/null || break
   done
   trap - USR2 TERM
+  return "$rc"
+}
+
+# hpcdist_srun CMD...: one task per GPU through srun, signals forwarded.
+#   --kill-on-bad-exit=1: if one rank dies the others are killed instead of waiting forever in a collective.
+hpcdist_srun() {
+  local rc=0
+  hpcdist_forward srun --kill-on-bad-exit=1 --unbuffered "$@" || rc=$?
   hpcdist_log "srun exited with status $rc"
   return "$rc"
 }
 
-# hpcdist_train CONFIG [section.key=value ...]: the training step, then the failure policy if it failed.
+# hpcdist_train CONFIG [section.key=value ...]: the training step under the attempt loop (hpcdist.launch.attempts).
 #   Every task runs under `python -m hpcdist.fault.supervise`, which records a rank killed by a signal (OOM killer,
-#   segfault) in <run.dir>/failures.jsonl before srun can notice. If srun fails, `hpcdist.launch.restarts
-#   after-step` attributes the failure (rank, host, cause), excludes the host (ExcNodeList, within limits) and
-#   requeues the job, or stops with the reason (fault.max_failures, fault.max_same_failure). It exits 0 after a
-#   requeue (SLURM ends this run and starts the next) and with srun's status otherwise (the job ends FAILED).
+#   segfault) in <run.dir>/failures.jsonl before srun can notice. The loop gates the nodes (health check), starts
+#   the step on the chosen ones, and if it fails applies the failure policy (hpcdist.launch.restarts): attribute the
+#   failure (rank, host, cause), then restart in the allocation (fault.spare_nodes, fault.min_nodes), requeue with
+#   the bad hosts excluded (ExcNodeList, within limits), or stop with the reason (fault.max_failures,
+#   fault.max_same_failure). It exits 0 after a requeue (SLURM ends this run and starts the next) and with srun's
+#   status otherwise (the job ends FAILED).
 hpcdist_train() {
   local rc=0
-  hpcdist_srun "$HPCDIST_PYTHON" -m hpcdist.fault.supervise -- "$HPCDIST_PYTHON" -m hpcdist train "$@" || rc=$?
-  if [ "$rc" -ne 0 ]; then
-    "$HPCDIST_PYTHON" -m hpcdist.launch.restarts after-step --exit-code "$rc" -- "$@" && rc=0 || rc=$?
-  fi
+  hpcdist_forward "$HPCDIST_PYTHON" -m hpcdist.launch.attempts "$@" -- \
+    srun --kill-on-bad-exit=1 --unbuffered \
+    "$HPCDIST_PYTHON" -m hpcdist.fault.supervise -- "$HPCDIST_PYTHON" -m hpcdist train "$@" || rc=$?
+  hpcdist_log "the attempt loop exited with status $rc"
   return "$rc"
 }

@@ -24,7 +24,9 @@ from hpcdist.config.rules import (
     VERIFY_MODES,
     check,
     check_world,
+    describe_spares,
     grad_accum_steps,
+    shrink_problems,
 )
 from hpcdist.config.schema import (
     CheckpointConfig,
@@ -71,10 +73,12 @@ __all__ = [
     "check_data",
     "check_run_dir",
     "check_world",
+    "describe_spares",
     "dump",
     "grad_accum_steps",
     "load",
     "needs_planner",
     "parse_overrides",
     "save",
+    "shrink_problems",
 ]

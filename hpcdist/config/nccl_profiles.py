@@ -7,6 +7,7 @@ the preemption signal with it; :mod:`hpcdist.launch.nccl` resolves a profile in 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
@@ -15,7 +16,7 @@ from hpcdist import resources, safe_yaml
 from hpcdist.config.loader import ConfigError
 from hpcdist.signals import parse_signal
 
-__all__ = ["AUTO", "AUTO_VARS", "Profile", "load_profile", "profile_names", "signal_conflict"]
+__all__ = ["AUTO", "AUTO_VARS", "Profile", "expects_infiniband", "load_profile", "profile_names", "signal_conflict"]
 
 AUTO = "auto"
 AUTO_VARS = ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
@@ -106,6 +107,20 @@ def load_profile(name: str) -> Profile:
     if problems:
         raise ConfigError(problems)
     return merged
+
+
+def expects_infiniband(profile: Profile, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a job run with ``profile`` relies on InfiniBand: the profile (or the job's environment, which wins
+    as it does when the profile is applied) names NCCL_IB_HCA, and NCCL_IB_DISABLE is not 1. The health gate
+    checks the IB ports only then: on an Ethernet cluster a DOWN port is nobody's concern."""
+    env = environ or {}
+
+    def value(var: str) -> str | None:
+        if env.get(var, "").strip():
+            return env[var].strip()
+        return profile[var][0] if var in profile else None
+
+    return value("NCCL_IB_DISABLE") != "1" and value("NCCL_IB_HCA") is not None
 
 
 # --------------------------------------------------------------------------------------------- signals

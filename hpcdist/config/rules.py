@@ -36,7 +36,9 @@ __all__ = [
     "VERIFY_MODES",
     "check",
     "check_world",
+    "describe_spares",
     "grad_accum_steps",
+    "shrink_problems",
 ]
 
 VERIFY_MODES: tuple[str, ...] = ("checksum", "size", "none")
@@ -92,6 +94,9 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "fault.max_failures": (2**20, ""),
     "fault.max_same_failure": (2**20, ""),
     "fault.max_excluded_nodes": (2**20, ""),
+    "fault.spare_nodes": (2**20, "nodes"),
+    "fault.min_nodes": (2**20, "nodes"),
+    "fault.restart_backoff_s": (3600.0, "an hour"),
     "fault.watchdog_timeout_s": (604_800.0, "a week"),
     "fault.watchdog_slow_phase_s": (604_800.0, "a week"),
     "logging.every_steps": (_BIG, ""),
@@ -477,11 +482,13 @@ def _check_checkpoint(cfg: JobConfig, kind: LayoutKind | None, bad_paths: set[st
 def _check_fault(cfg: JobConfig, bad_paths: set[str]) -> list[str]:
     f = cfg.fault
     p = _requeue_signal(f.requeue_signal)
-    for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes"):
+    for key in ("max_restarts", "max_failures", "max_same_failure", "max_excluded_nodes", "spare_nodes", "min_nodes"):
         if getattr(f, key) < 0:
             p.append(f"fault.{key}: must be >= 0, got {getattr(f, key)}")
     if f.max_same_failure == 0:
         p.append("fault.max_same_failure: must be >= 1 (1 = never requeue the same failure twice)")
+    if not (math.isfinite(f.restart_backoff_s) and f.restart_backoff_s >= 0):
+        p.append(f"fault.restart_backoff_s: must be a number of seconds >= 0, got {f.restart_backoff_s}")
     if f.max_preemptions < -1:
         p.append(f"fault.max_preemptions: must be >= 0, or -1 for unlimited, got {f.max_preemptions}")
     exclude = f.exclude_nodes_file
@@ -650,6 +657,37 @@ def check_world(cfg: JobConfig, world_size: int, *, ranks_per_node: int | None =
         )
     if problems:
         raise ConfigError(problems)
+
+
+def shrink_problems(cfg: Any, nodes: int, ranks_per_node: int) -> list[str]:
+    """At submit: refusals of fault.spare_nodes / fault.min_nodes for a job training on ``nodes`` nodes of
+    ``ranks_per_node`` ranks: min_nodes above the nodes, or a layout that cannot run on min_nodes (tp x pp per replica
+    larger than what remains, a global batch that does not divide), checked by the config's own world-size rules."""
+    f = cfg.fault
+    if f.min_nodes > nodes:
+        return [f"fault.min_nodes={f.min_nodes}: more than the job's {nodes} training node(s); at most {nodes}"]
+    if 0 < f.min_nodes < nodes:
+        try:
+            check_world(cfg, f.min_nodes * ranks_per_node, ranks_per_node=ranks_per_node)
+        except ConfigError as e:
+            return [
+                f"fault.min_nodes={f.min_nodes}: the layout cannot shrink to {f.min_nodes} node(s) "
+                f"({f.min_nodes * ranks_per_node} ranks): {p}; raise fault.min_nodes or set it to 0 (never shrink)"
+                for p in e.problems
+            ]
+    return []
+
+
+def describe_spares(cfg: Any, nodes: int) -> str | None:
+    """One line for plan / the dry run: the nodes asked for with spares and how far in-job restarts may shrink."""
+    f = cfg.fault
+    if not f.spare_nodes and not f.min_nodes:
+        return None
+    floor = f.min_nodes if 0 < f.min_nodes < nodes else nodes
+    return (
+        f"nodes: {nodes} training + {f.spare_nodes} spare (fault.spare_nodes) = {nodes + f.spare_nodes} asked for; "
+        f"in-job restarts continue on >= {floor} node(s) (fault.min_nodes), else the job requeues"
+    )
 
 
 def _data_parallel_size(cfg: JobConfig, world_size: int) -> int:

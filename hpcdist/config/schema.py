@@ -343,6 +343,17 @@ class FaultConfig:
     exclude_nodes_file: str | None = None
     """Hosts to exclude at the next requeue too: one per line, comma-separated, or the `--exclude=...` line the
     nccl_check finder prints (same limits)."""
+    spare_nodes: int = 0
+    """Hot spares: the job asks SLURM for this many nodes more than it trains on (``hpcdist submit`` adds them to
+    ``nodes``; with plain sbatch, ask for them in --nodes). When a training node fails or fails the health gate, the
+    next attempt starts at once inside the allocation on a spare (in-job restart) instead of a requeue."""
+    min_nodes: int = 0
+    """In-job restarts may continue on fewer nodes than the layout's (fewer data-parallel replicas, the same global
+    batch through more gradient accumulation) down to this many; 0 = the layout's node count (never shrink). When
+    fewer healthy nodes remain the job requeues as before."""
+    restart_backoff_s: float = 3.0
+    """Pause before an in-job restart (the failed step's processes release ports and files); doubled for each
+    further in-job restart of the same failure, at most 60 s."""
     watchdog_timeout_s: float = 90.0
     """Hang watchdog: a rank whose training step makes no progress for this long (or 4x its slowest step so far,
     if longer) dumps every thread's Python stack to its log, records the failure in <run.dir>/failures.jsonl and

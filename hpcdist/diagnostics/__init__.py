@@ -14,6 +14,7 @@ Modules, in the order a run uses them:
 - ``runner``      one rank from start to verdict; ``cli`` the command line and local launcher
 - ``faults``      TEST-ONLY fault injection (HPCDIST_NCCL_CHECK_* variables)
 - ``names``       the torch-free names the parser offers (collectives, dtypes), so ``--help`` imports no torch
+- ``gate``        the per-node health gate (``hpcdist health``): GPUs, ``health``'s matmul, ECC/Xid, IB ports, disk
 
 Needs only ``hpcdist.env`` (and, when an NCCL profile is named, ``hpcdist.launch.nccl`` to apply it).
 """

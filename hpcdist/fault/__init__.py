@@ -8,7 +8,9 @@
 - ``nonfinite``: the NaN/Inf gradient-norm guard (``train.nonfinite``: stop before any save of that state, or skip
   the update);
 - ``rundir_lock``: one run per run directory (a flock on <run.dir>/run.lock held by rank 0);
-- ``supervise``: the per-rank supervisor that records a death by signal (standard library only).
+- ``supervise``: the per-rank supervisor that records a death by signal (standard library only);
+- ``health``: the health gate's protocol (its command line, the verdicts read back, the record of an unhealthy
+  node); the checks are ``hpcdist.diagnostics.gate``.
 
 Nothing here knows the scheduler: requeueing, the restart ledger and node exclusion are ``hpcdist.launch``'s, which
 may import this package (never the other way round). The job's facts (id, restarts) come as ``DistEnv.job``, read by

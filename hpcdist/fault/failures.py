@@ -11,6 +11,8 @@ file system, like the checkpoints), one JSON object per event, appended by whoev
                 alike (hpcdist.run), or a checkpoint could not be read through the retries (CheckpointUnavailable):
                 exit 74; attributed to nobody (storage).
     exit        the step failed and no rank said why (recorded by after-step, hpcdist.launch.restarts).
+    health      a node failed the health gate before an attempt (hpcdist.fault.health.record_unhealthy): no rank
+                ran there; attributed to the host (rank None), which the restart policy then excludes.
     straggler   a warning, not a failure (hpcdist.fault.stragglers).
   Fields: time, job_id, restart (SLURM_RESTART_COUNT), rank, host, pid, kind, cause (one line), blame (the
   [{"rank", "host"}] it is attributed to), step, signature (the cause without numbers: "the same failure" means the
@@ -32,7 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import append_line, atomic_write
+from hpcdist.atomic import append_line, atomic_write, read_tail
 from hpcdist.fault.supervise import TASK_INFO_ENV  # the supervisor names a file there; the rank says who it is in it
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
@@ -47,6 +49,7 @@ __all__ = [
     "record",
     "record_exception",
     "signature",
+    "unhealthy_hosts",
 ]
 
 log = get_logger(__name__)
@@ -136,6 +139,30 @@ def read_failures(
     return out
 
 
+_HEALTH_TAIL_BYTES = 4 << 20  # the newest records: a gate verdict is one short line per node and attempt
+
+
+def unhealthy_hosts(run_dir: str | os.PathLike[str], *, job_id: str | None = None) -> dict[str, str]:
+    """host -> the cause of its newest ``health`` record (of job ``job_id`` when given), from the last
+    _HEALTH_TAIL_BYTES of failures.jsonl (never through a link, never more however large the file grew)."""
+    try:
+        text = read_tail(_failures_path(run_dir), _HEALTH_TAIL_BYTES).decode("utf-8", "replace")
+    except OSError:  # none yet, a link, not a regular file: nothing to show
+        return {}
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash mid-write, or the tail's first, partial line
+        if not isinstance(rec, dict) or rec.get("kind") != "health" or not isinstance(rec.get("host"), str):
+            continue
+        if job_id is not None and str(rec.get("job_id")) != str(job_id):
+            continue
+        out[rec["host"][:200]] = str(rec.get("cause", ""))[:500]
+    return out
+
+
 def classify_exception(exc: BaseException) -> str:
     """``collective`` when the error says another rank is gone or stuck, else ``exception`` (this rank's own)."""
     text = f"{type(exc).__name__}: {exc}"
@@ -167,8 +194,12 @@ def primary_failure(records: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] |
 
     Ranks that lose a peer record ``collective`` errors within milliseconds, sometimes before the culprit's own
     record; ranks killed when srun ends the step may be recorded as ``killed`` later. Blame decides first, then time.
+    A ``health`` record is the gate's verdict on a node, written before the attempt's step started (that node then
+    ran no rank): it is the failure only when the step left none of its own (the gate left too few nodes), else a
+    rank frozen after the gate would be blamed on the node the gate already took out.
     """
     failures = [r for r in records if r.get("kind") != "straggler"]
+    failures = [r for r in failures if r.get("kind") != "health"] or failures
     blamed = [r for r in failures if r.get("blame")]
     pool = blamed or failures
     return min(pool, key=lambda r: r.get("time") or 0.0) if pool else None

@@ -14,6 +14,14 @@ entries:
     queue_wait       between the end of one attempt and the start of the next (requeue hold, queue)
     other            the rest (evaluation, logging, clean shutdown)
 
+Recovery (issue 27): an attempt after a failure or a requeue carries ``recovery`` once its first step is done:
+from the failure (its record in failures.jsonl; a time-limit stop's end; the stop signal of a requeue by someone
+else, `scontrol requeue` or a preemption) to that first completed step, split into
+detection (failure -> the failed step ended), wait (the in-job backoff; for a requeue the requeue hold and the
+queue), gate (the health gate), step_start (srun -> rank 0 up), checkpoint_load, init (the rest of start-up:
+imports, rendezvous, model, data) and first_step; ``path`` says in-job or requeue. The attempt loop
+(hpcdist.launch.attempts) stamps its side in restarts.json; :func:`recovery` joins the two.
+
 goodput = train / (last end - first start). The first attempt's wait in the queue before it started is not in the
 total (the job does not know its submit time); everything after the first start is.
 """
@@ -30,10 +38,51 @@ from typing import Any
 from hpcdist.atomic import atomic_write
 from hpcdist.rundir import RunDir
 
-__all__ = ["CATEGORIES", "Goodput", "mark_attempt_end", "process_start_time", "summarize"]
+__all__ = ["CATEGORIES", "RECOVERY_PARTS", "Goodput", "mark_attempt_end", "process_start_time", "recovery", "summarize"]
 
 CATEGORIES = ("train", "checkpoint_save", "restore", "startup", "lost", "queue_wait", "other")
 _FLUSH_EVERY_S = 1.0
+RECOVERY_PARTS = ("detection", "wait", "gate", "step_start", "checkpoint_load", "init", "first_step")
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def recovery(entry: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any] | None:
+    """The recovery of the attempt ``entry`` (goodput.json, with ``restart`` and ``first_step_at``) from the attempt
+    before it, joined with the restart ledger (restarts.json); None for a first attempt or where the facts are
+    missing. Seconds per part of :data:`RECOVERY_PARTS`, ``total`` and ``path`` (in-job / requeue)."""
+    attempts = ledger.get("attempts") if isinstance(ledger, dict) else None
+    restart = entry.get("restart")
+    if not isinstance(attempts, dict) or not isinstance(restart, int) or restart < 1:
+        return None
+    this, prev = attempts.get(str(restart)) or {}, attempts.get(str(restart - 1)) or {}
+    first = _num(entry.get("first_step_at"))
+    # a failure's record, a time-limit stop's end, else the stop signal of a requeue by someone else (`scontrol
+    # requeue`, a preemption: the attempt loop stamps it) or, without one, the step's end
+    failed = next(
+        (t for t in map(_num, (prev.get(k) for k in ("failed_at", "end", "stopped_at", "step_end"))) if t), None
+    )
+    if first is None or failed is None:
+        return None
+    step_end, decided = _num(prev.get("step_end")), _num(prev.get("decided"))
+    gate_start, gate, launched = _num(this.get("gate_start")), _num(this.get("gate_s")), _num(this.get("launched"))
+    start, loop_start = _num(entry.get("start")), _num(entry.get("loop_start"))
+    restore = _num(entry.get("restore_s")) or 0.0
+    parts: dict[str, float | None] = {
+        "detection": step_end - failed if step_end is not None else None,
+        "wait": gate_start - (decided or step_end or failed) if gate_start is not None else None,
+        "gate": gate,
+        "step_start": start - launched if start is not None and launched is not None else None,
+        "checkpoint_load": restore,
+        "init": loop_start - start - restore if loop_start is not None and start is not None else None,
+        "first_step": first - loop_start if loop_start is not None else None,
+    }
+    out: dict[str, Any] = {k: round(max(0.0, v), 3) for k, v in parts.items() if v is not None}
+    out["total"] = round(first - failed, 3)
+    out["path"] = this.get("path") or ("in-job" if prev.get("restarted") == "in-job" else "requeue")
+    return out
 
 
 def process_start_time() -> float:
@@ -98,12 +147,22 @@ def mark_attempt_end(run_dir: str | os.PathLike[str], when: float | None = None)
 class Goodput:
     """One attempt's accounting; a no-op unless ``enabled`` (rank 0). Thread-safe (the watchdog flushes it)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], *, enabled: bool, start: float | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        enabled: bool,
+        start: float | None = None,
+        restart: int | None = None,
+    ) -> None:
         self.enabled = enabled
         self.path = RunDir(run_dir).goodput
+        self._ledger_path = RunDir(run_dir).restarts
         self._lock = threading.Lock()
         self._data: dict[str, Any] = {"attempts": []}
         self._entry: dict[str, Any] = {"start": process_start_time() if start is None else start, "last_step": None}
+        if restart is not None:
+            self._entry["restart"] = restart  # the job's attempt number: the restart ledger's key
         self._pending = 0.0  # seconds of save/eval inside the current step, not train time
         self._flushed = 0.0
 
@@ -151,6 +210,10 @@ class Goodput:
             self._pending = 0.0
             self._entry["train_s"] = self._entry.get("train_s", 0.0) + train
             self._entry["last_step"] = step
+            if "first_step_at" not in self._entry:
+                self._entry["first_step_at"] = time.time()
+                self._recovery_locked()
+                self._flush_locked(force=True)
             self._flush_locked()
 
     def flush(self, *, clean: bool = False) -> None:
@@ -162,6 +225,24 @@ class Goodput:
                 self._entry["end"] = time.time()
                 self._entry["clean"] = True
             self._flush_locked(force=True)
+
+    def _recovery_locked(self) -> None:
+        try:
+            ledger = json.loads(self._ledger_path.read_text())
+        except (OSError, ValueError):
+            return  # not a SLURM job, or its ledger is unreadable: no recovery to measure
+        rec = recovery(self._entry, ledger) if isinstance(ledger, dict) else None
+        if rec is not None:
+            self._entry["recovery"] = rec
+
+    def recoveries(self) -> list[dict[str, Any]]:
+        """The recovery of every attempt that came after a failure or a requeue (goodput.json's ``recovery``)."""
+        with self._lock:
+            return [
+                {"restart": a.get("restart"), **a["recovery"]}
+                for a in self._data["attempts"]
+                if isinstance(a.get("recovery"), dict)
+            ]
 
     def attempt_seconds(self) -> float:
         """Wall time of this attempt so far (process start to now)."""

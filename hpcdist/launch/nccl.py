@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import struct
 import subprocess
 from collections.abc import Callable, Mapping, MutableMapping
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from hpcdist.config.nccl_profiles import AUTO, load_profile
 
-__all__ = ["PROFILE_ENV", "NetLookup", "apply_to_environ", "resolve_env", "resolve_host"]
+__all__ = ["PROFILE_ENV", "IbPort", "NetLookup", "apply_to_environ", "ib_ports", "resolve_env", "resolve_host"]
 
 PROFILE_ENV = "HPCDIST_NCCL_PROFILE"
 _IP_TIMEOUT_S = 5.0
@@ -187,34 +188,96 @@ def auto_ifname(master_addr: str, net: NetLookup) -> tuple[str | None, str]:
     return None, f"no route to master {shown}"
 
 
-def _hca_ports(dev: Path) -> list[tuple[str, str]]:
-    """(state, link_layer) of each port of an HCA; [] when sysfs does not list ports."""
-    ports = []
-    for port in sorted((dev / "ports").glob("*")):
-        try:
-            state = (port / "state").read_text().strip()
-        except OSError:
-            state = ""
-        try:
-            layer = (port / "link_layer").read_text().strip()
-        except OSError:
-            layer = ""
-        ports.append((state, layer))
-    return ports
+_SYSFS_VALUE_BYTES = 256  # a sysfs attribute such as "4: ACTIVE" or "InfiniBand" is a few bytes
+_MAX_HCAS = 256  # a node has a handful; a planted tree of thousands is not walked
+
+
+@dataclass(frozen=True)
+class IbPort:
+    """One port of an HCA as sysfs describes it: ``state`` reads ``4: ACTIVE``; ``link_layer`` is ``InfiniBand``
+    or ``Ethernet`` (RoCE); "" when the attribute could not be read. ``port`` is None for an HCA without a
+    ports directory (an unknown layout)."""
+
+    hca: str
+    port: str | None
+    state: str
+    link_layer: str
+
+    @property
+    def active(self) -> bool:
+        return "ACTIVE" in self.state
+
+    @property
+    def infiniband(self) -> bool:
+        """An InfiniBand port, or one whose link layer sysfs does not say (kept: NCCL decides)."""
+        return self.link_layer in ("InfiniBand", "")
+
+
+def _within(path: Path, root: Path) -> bool:
+    """Whether ``path``, its links resolved, stays inside ``root`` (/sys/class/infiniband/X links into
+    /sys/devices/...: followed; a link out of the sysfs tree: not)."""
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # a link loop
+        return False
+
+
+def _read_sysfs_value(path: Path, root: Path) -> str:
+    """One short sysfs attribute, stripped; "" when it is missing, outside ``root``, not a regular file (a FIFO
+    in a fake tree never blocks: O_NONBLOCK) or unreadable. Never more than _SYSFS_VALUE_BYTES."""
+    if not _within(path, root):
+        return ""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.read(fd, _SYSFS_VALUE_BYTES).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+
+
+def ib_ports(sysfs_root: str | os.PathLike[str] = "/sys") -> list[IbPort]:
+    """Every port of every HCA under ``<sysfs_root>/class/infiniband`` (sorted; [] when there is none), read
+    boundedly, never following a link out of ``sysfs_root``. An HCA without a ports directory is one
+    ``IbPort(port=None)`` with empty state."""
+    root = Path(sysfs_root)
+    base = root / "class" / "infiniband"
+    if not base.is_dir():
+        return []
+    out: list[IbPort] = []
+    for dev in sorted(base.iterdir())[:_MAX_HCAS]:
+        if not _within(dev, root):
+            continue
+        ports_dir = dev / "ports"
+        names = sorted(p.name for p in ports_dir.iterdir())[:_MAX_HCAS] if ports_dir.is_dir() else []
+        if not names:
+            out.append(IbPort(dev.name, None, "", ""))
+        for name in names:
+            port = ports_dir / name
+            state, layer = (_read_sysfs_value(port / attr, root) for attr in ("state", "link_layer"))
+            out.append(IbPort(dev.name, name, state, layer))
+    return out
 
 
 def auto_hcas(sysfs_root: str | os.PathLike[str] = "/sys") -> tuple[str | None, str]:
     """(NCCL_IB_HCA value naming the HCAs with an active InfiniBand port, or None; a note)."""
     root = Path(sysfs_root) / "class" / "infiniband"
-    devices = sorted(p for p in root.glob("*")) if root.is_dir() else []
-    if not devices:
+    ports = ib_ports(sysfs_root)
+    if not ports:
         return None, f"no HCAs under {root}"
+    by_hca: dict[str, list[IbPort]] = {}
+    for port in ports:
+        by_hca.setdefault(port.hca, []).append(port)
     chosen, skipped = [], []
-    for dev in devices:
-        ports = _hca_ports(dev)
+    for hca, its in by_hca.items():
         # a port reads "4: ACTIVE"; link_layer "InfiniBand" or "Ethernet" (RoCE). Unknown layouts are kept.
-        usable = not ports or any("ACTIVE" in state and layer in ("InfiniBand", "") for state, layer in ports)
-        (chosen if usable else skipped).append(dev.name)
+        usable = any(p.port is None or (p.active and p.infiniband) for p in its)
+        (chosen if usable else skipped).append(hca)
     note = f"active InfiniBand HCAs under {root}"
     if skipped:
         note += f" (skipped, no active IB port: {', '.join(skipped)})"

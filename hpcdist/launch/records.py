@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from hpcdist.atomic import UntrustedFile, append_line, read_tail, read_trusted
+from hpcdist.fault.failures import unhealthy_hosts
 from hpcdist.rundir import RunDir
 
 __all__ = ["UntrustedFile", "cancel_local", "find_job", "last_step", "local_state", "record_job", "run_summary"]
@@ -120,8 +121,33 @@ def run_summary(run_dir: str | os.PathLike[str], job_id: str | None = None) -> s
         ledger = None
     if isinstance(ledger, dict) and (job_id is None or str(ledger.get("job_id")) == str(job_id)):
         attempts, stopped = ledger.get("attempts") or {}, ledger.get("stopped")
+        attempts = attempts if isinstance(attempts, dict) else {}
+        in_job = sum(1 for a in attempts.values() if isinstance(a, dict) and a.get("restarted") == "in-job")
         lines.append(
             f"restart ledger of job {ledger.get('job_id')}: {len(attempts)} attempt(s)"
+            + (f" ({in_job} restarted in the job)" if in_job else "")
             + (f", stopped: {stopped}" if stopped else "")
         )
+        lines += _excluded_lines(ledger, attempts)
+    for host, cause in unhealthy_hosts(run_dir, job_id=job_id).items():  # the gate kept these hosts out
+        lines.append(f"unhealthy node {host}: {cause}")
     return "\n".join(lines)
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = " ".join(str(value).split())  # one line, whatever the file holds
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _excluded_lines(ledger: dict[str, Any], attempts: dict[str, Any]) -> list[str]:
+    """Nodes this job stopped using (why a node failed the health gate is failures.jsonl's: unhealthy_hosts)."""
+    out = []
+    excluded: set[str] = set()
+    for a in attempts.values():
+        if isinstance(a, dict) and isinstance(a.get("excluded"), list):
+            excluded |= {_short(h, 80) for h in a["excluded"][:100]}
+    if isinstance(ledger.get("excluded"), list):
+        excluded |= {_short(h, 80) for h in ledger["excluded"][:100]}
+    if excluded:
+        out.append(f"  not used by this job: {', '.join(sorted(excluded)[:50])}")
+    return out

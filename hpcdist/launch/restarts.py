@@ -44,11 +44,15 @@ from hpcdist.schedulers import JobFacts, job_facts
 from hpcdist.schedulers.slurm import expand_nodelist
 
 __all__ = [
+    "FailureDecision",
     "RestartPolicy",
     "after_step",
     "after_stop",
     "begin_attempt",
+    "decide_failure",
+    "in_job_restarts",
     "plan_exclusion",
+    "requeue_after_failure",
 ]
 
 log = get_logger(__name__)
@@ -97,8 +101,15 @@ def load_ledger(run_dir: str | os.PathLike[str], job_id: str | None) -> dict[str
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
-    if not isinstance(data, dict) or data.get("job_id") != job_id:
+    if not isinstance(data, dict) or data.get("job_id") != job_id or not isinstance(data.get("attempts"), dict):
         data = {"job_id": job_id, "attempts": {}, "excluded": [], "stopped": None, "policy": None}
+    # the attempt loop reads these back as host names: anything else in them is dropped, not trusted
+    excluded = data.get("excluded")
+    data["excluded"] = [h for h in excluded if isinstance(h, str)] if isinstance(excluded, list) else []
+    gate = data.get("gate_failed")
+    if gate is not None:
+        data["gate_failed"] = {h: r for h, r in gate.items() if isinstance(r, list)} if isinstance(gate, dict) else {}
+    data["attempts"] = {k: a for k, a in data["attempts"].items() if str(k).isdigit() and isinstance(a, dict)}
     return data
 
 
@@ -124,7 +135,11 @@ def preemptions(data: Mapping[str, Any], restart: int) -> int:
     already written this attempt's entry.
     """
     attempts = data["attempts"]
-    return sum(1 for k in range(1, restart + 1) if not attempts.get(str(k - 1), {}).get("requeued"))
+    return sum(
+        1
+        for k in range(1, restart + 1)
+        if not (attempts.get(str(k - 1), {}).get("requeued") or attempts.get(str(k - 1), {}).get("restarted"))
+    )
 
 
 def failure_streak(data: Mapping[str, Any], restart: int, sig: str) -> int:
@@ -349,20 +364,29 @@ def _say(msg: str) -> None:
     print(f"[hpcdist after-step {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartPolicy | None, job: JobFacts) -> int:
-    """Decide, after the training step failed, whether the job is requeued. Returns the batch script's exit code:
-    0 after a requeue (SLURM is ending this run anyway), else ``exit_code`` so the job ends FAILED."""
-    if exit_code == 0:
-        return 0
-    # `scontrol requeue` makes SLURM send TERM to this batch script and its children: finish the ledger and the
-    # ExcNodeList update first (SIGKILL follows only after KillWait)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+@dataclass
+class FailureDecision:
+    """What the failure policy concluded about a failed attempt (:func:`decide_failure`): ``stop`` is the reason not
+    to train again (None: restart, in the allocation or by a requeue); ``blamed_hosts`` the hosts it blames."""
+
+    data: dict[str, Any]
+    entry: dict[str, Any]
+    primary: Mapping[str, Any]
+    blamed_hosts: list[str]
+    streak: int
+    done: int
+    policy: RestartPolicy
+    stop: str | None
+
+
+def decide_failure(
+    run_dir: str | os.PathLike[str], exit_code: int, policy: RestartPolicy | None, job: JobFacts
+) -> FailureDecision:
+    """Attribute a failed attempt (failures.jsonl, or an ``exit`` record when no rank said why), record it in the
+    ledger and apply the budgets: fault.max_failures (restarts after a failure, in-job ones included) and
+    fault.max_same_failure (a failure loop). The one failure policy of both paths, in-job restart and requeue."""
     run_dir = Path(run_dir)
     data = load_ledger(run_dir, job.job_id)
-    if data["attempts"].get(str(job.restart_count), {}).get("requeued"):
-        # rank 0 requeued this attempt (time limit) and SLURM then ended the step while the ranks were exiting
-        _say(f"srun exited with {exit_code} after job {job.job_id} was requeued: nothing to decide")
-        return 0
     if policy is None:
         policy = RestartPolicy(**data["policy"]) if data.get("policy") else RestartPolicy.defaults()
     records = read_failures(run_dir, job_id=job.job_id, restart=job.restart_count)
@@ -380,9 +404,17 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
     _say(f"step failed (exit {exit_code}): {primary['kind']}: {primary['cause']} [{who}]")
 
     entry = _attempt_record(data, job.restart_count)
-    entry.update(ended="failure", end=time.time(), signature=sig, cause=primary["cause"], blame=blamed, requeued=None)
+    entry.update(
+        ended="failure",
+        end=time.time(),
+        failed_at=primary.get("time"),
+        signature=sig,
+        cause=primary["cause"],
+        blame=blamed,
+        requeued=None,
+    )
     streak = failure_streak(data, job.restart_count, sig)
-    done = requeues(data, "failure")
+    done = requeues(data, "failure") + in_job_restarts(data)
     reason = None
     if job.job_id is None:
         reason = "not a SLURM job"
@@ -391,26 +423,41 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
     elif not policy.requeue:
         reason = "fault.requeue is off"
     elif done >= policy.max_failures:
-        reason = f"{done} failure requeue(s) already (fault.max_failures={policy.max_failures})"
+        reason = f"{done} restart(s) after a failure already (fault.max_failures={policy.max_failures})"
     elif streak >= policy.max_same_failure:
         reason = (
             f"failure loop: the same failure happened {streak} time(s) in a row (fault.max_same_failure="
-            f"{policy.max_same_failure}): {sig}; requeueing will not fix it"
+            f"{policy.max_same_failure}): {sig}; restarting will not fix it"
         )
     if reason:
         data["stopped"] = data.get("stopped") or {"time": time.time(), "restart": job.restart_count, "reason": reason}
         save_ledger(run_dir, data)
-        _say(f"not requeueing job {job.job_id}: {reason}; see {RunDir(run_dir).failures}")
+        _say(f"not restarting job {job.job_id}: {reason}; see {RunDir(run_dir).failures}")
         _mark_goodput_end(run_dir)
-        return exit_code
+    hosts = [b["host"] for b in blamed] if policy.exclude_failed_nodes else []
+    return FailureDecision(data, entry, primary, hosts, streak, done, policy, reason)
 
-    excluded = _exclusions(data, policy, job, blamed_hosts=[b["host"] for b in blamed])
-    entry.update(requeued="failure", excluded=excluded)
+
+def in_job_restarts(data: Mapping[str, Any]) -> int:
+    """How many attempts of this job ended in a failure that hpcdist.launch.attempts restarted in the allocation."""
+    return sum(1 for a in data["attempts"].values() if a.get("restarted") == "in-job")
+
+
+def requeue_after_failure(
+    run_dir: str | os.PathLike[str], d: FailureDecision, job: JobFacts, *, exit_code: int, bad_hosts: Sequence[str] = ()
+) -> int:
+    """Requeue the job after the failure ``d`` (not stopped), excluding its blamed hosts and ``bad_hosts`` (failed the
+    health gate) within the limits. 0 when requeued, else ``exit_code``."""
+    run_dir = Path(run_dir)
+    data, entry = d.data, d.entry
+    blamed = list(dict.fromkeys([*d.blamed_hosts, *bad_hosts]))
+    excluded = _exclusions(data, d.policy, job, blamed_hosts=blamed)
+    entry.update(requeued="failure", excluded=excluded, decided=time.time())
     save_ledger(run_dir, data)  # before the requeue: SLURM may end this script right after it
     _mark_goodput_end(run_dir)
     _say(
-        f"requeueing job {job.job_id} (failure requeue {done + 1} of {policy.max_failures}, this failure "
-        f"{streak} time(s) in a row)" + (f", excluding {','.join(excluded)}" if excluded else "")
+        f"requeueing job {job.job_id} (restart {d.done + 1} of {d.policy.max_failures} after a failure, this "
+        f"failure {d.streak} time(s) in a row)" + (f", excluding {','.join(excluded)}" if excluded else "")
     )
     rc = requeue(str(job.job_id), exclude=excluded)
     if rc != 0:
@@ -418,6 +465,26 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
         save_ledger(run_dir, data)
         return exit_code
     return 0
+
+
+def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartPolicy | None, job: JobFacts) -> int:
+    """Decide, after the training step failed, whether the job is requeued. Returns the batch script's exit code:
+    0 after a requeue (SLURM is ending this run anyway), else ``exit_code`` so the job ends FAILED."""
+    if exit_code == 0:
+        return 0
+    # `scontrol requeue` makes SLURM send TERM to this batch script and its children: finish the ledger and the
+    # ExcNodeList update first (SIGKILL follows only after KillWait)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    run_dir = Path(run_dir)
+    data = load_ledger(run_dir, job.job_id)
+    if data["attempts"].get(str(job.restart_count), {}).get("requeued"):
+        # rank 0 requeued this attempt (time limit) and SLURM then ended the step while the ranks were exiting
+        _say(f"srun exited with {exit_code} after job {job.job_id} was requeued: nothing to decide")
+        return 0
+    d = decide_failure(run_dir, exit_code, policy, job)
+    if d.stop:
+        return exit_code
+    return requeue_after_failure(run_dir, d, job, exit_code=exit_code)
 
 
 def _mark_goodput_end(run_dir: Path) -> None:

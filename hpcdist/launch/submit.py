@@ -6,6 +6,7 @@ The job is the same trainer ``hpcdist train`` runs, one task (rank) per GPU thro
       #SBATCH --nodes, --ntasks-per-node=<gpus>, --gpus-per-node, --cpus-per-task, --requeue,
       #SBATCH --signal=USR2@<lead>, resources and site flags
       export HPCDIST_NCCL_PROFILE=<profile>       (applied inside every task: interface names differ per host)
+      srun() { <python> -m hpcdist.launch.attempts --run-dir <run.dir> ... -- srun "$@"; }   (the attempt loop)
       srun ... --kill-on-bad-exit=1 <python> -u -m submitit.core._submit <folder>   -> TrainTask() per rank
 
 Where no SLURM client is installed at all (no sbatch on PATH), ``executor: auto`` runs the same TrainTask under
@@ -104,23 +105,29 @@ def _extra_flags(cluster: ClusterConfig) -> dict[str, Any]:
     return flags
 
 
-def _teardown_lines(cluster: ClusterConfig, run_dir: str | Sequence[str]) -> list[str]:
-    """After srun (first line: $? is srun's status): if the step failed, the failure policy records the cause,
-    excludes the culprit's node and requeues the job, or ends it with the reason (hpcdist.launch.restarts).
-    A job array (a sweep) passes one run dir per array task: the task picks its own by SLURM_ARRAY_TASK_ID."""
-    # the failure policy needs hpcdist: inside the container where the tasks run in one (apptainer, wrapper);
-    # pyxis containers exist only under srun, so there it runs with the host's python
+def _attempt_loop_lines(cluster: ClusterConfig, run_dir: str | Sequence[str], fault: Any | None) -> list[str]:
+    """Setup lines that route submitit's srun line through the attempt loop (hpcdist.launch.attempts): a shell
+    function ``srun`` runs ``python -m hpcdist.launch.attempts ... -- srun <submitit's arguments>``; the loop calls
+    the real srun (a program on PATH: functions are the shell's own). The loop gates the nodes, chooses them, and
+    after a failed step restarts it in the allocation, requeues the job (bad hosts excluded) or ends it with the
+    reason, as for ``sbatch sbatch/train.sh``. A job array (a sweep) passes one run dir per array task: the task
+    picks its own by SLURM_ARRAY_TASK_ID."""
+    # the loop needs hpcdist: inside the container where the tasks run in one (apptainer, wrapper); pyxis containers
+    # exist only under srun, so there it runs with the host's python
     python = _container_prefix(cluster) + shlex.quote(cluster.interpreter)
-    lines = ["hpcdist_rc=$?"]
+    lines = []
     if isinstance(run_dir, str):
         where = shlex.quote(run_dir)
     else:
         lines.append(f"hpcdist_run_dirs=({' '.join(shlex.quote(d) for d in run_dir)})")
         where = '"${hpcdist_run_dirs[$SLURM_ARRAY_TASK_ID]}"'
-    lines.append(
-        f'if [ "$hpcdist_rc" -ne 0 ]; then {python} -m hpcdist.launch.restarts after-step --exit-code "$hpcdist_rc" '
-        f"--run-dir {where}; exit $?; fi"
-    )
+    opts = ""
+    if fault is not None:
+        opts = (
+            f" --spare-nodes {int(fault.spare_nodes)} --min-nodes {int(fault.min_nodes)}"
+            f" --restart-backoff-s {float(fault.restart_backoff_s)!r}"
+        )
+    lines.append(f'srun() {{ {python} -m hpcdist.launch.attempts --run-dir {where}{opts} -- srun "$@"; }}')
     return lines
 
 
@@ -169,9 +176,12 @@ def slurm_parameters(
     job_name: str,
     run_dir: str | Sequence[str] | None = None,
     snapshot: str | os.PathLike[str] | None = None,
+    fault: Any | None = None,
 ) -> dict[str, Any]:
     """submitit SlurmExecutor parameters (the keyword arguments of its _make_sbatch_string) for ``cluster``;
-    with ``run_dir``, the failure policy runs after a failed step (teardown)."""
+    with ``run_dir``, the step runs under the attempt loop (in-job restarts, the failure policy); ``fault`` (the
+    training config's fault section) adds its fault.spare_nodes to the nodes asked for."""
+    spares = int(getattr(fault, "spare_nodes", 0) or 0)
     additional: dict[str, Any] = {"requeue": True, **_extra_flags(cluster)}
     sig = _signal_name(cluster.signal)
     from submitit.slurm.slurm import SlurmJobEnvironment
@@ -181,7 +191,7 @@ def slurm_parameters(
         additional["signal"] = f"{sig}@{cluster.signal_lead_s}"
     params: dict[str, Any] = {
         "job_name": job_name,
-        "nodes": cluster.nodes,
+        "nodes": cluster.nodes + spares,  # the spares idle until a training node fails
         "ntasks_per_node": cluster.ntasks_per_node,
         "cpus_per_task": cluster.cpus_per_task,
         "gpus_per_node": cluster.gpus_per_node or None,  # no --gpus-per-node on CPU partitions
@@ -195,7 +205,9 @@ def slurm_parameters(
         "exclude": cluster.exclude,
         "exclusive": True if cluster.exclusive else None,
         "signal_delay_s": cluster.signal_lead_s,
-        "setup": _setup_lines(cluster) + _snapshot_lines(snapshot),
+        "setup": _setup_lines(cluster)
+        + _snapshot_lines(snapshot)
+        + (_attempt_loop_lines(cluster, run_dir, fault) if run_dir is not None else []),
         # --kill-on-bad-exit: one dead rank ends the step instead of leaving the others in a collective forever.
         # --cpus-per-task: srun of SLURM 22.05 no longer inherits it from sbatch.
         "srun_args": [
@@ -204,7 +216,6 @@ def slurm_parameters(
             *_container_srun_args(cluster),
         ],
         "additional_parameters": additional,
-        "teardown": _teardown_lines(cluster, run_dir) if run_dir is not None else None,
     }
     return {k: v for k, v in params.items() if v is not None}
 
@@ -236,13 +247,14 @@ def render_sbatch(
     array: int | None = None,
     max_parallel: int | None = None,
     snapshot: str | os.PathLike[str] | None = None,
+    fault: Any | None = None,
 ) -> str:
     """The exact sbatch script submitit writes for this job (deterministic: no ids, no temp names); ``array``
     tasks (a sweep) with at most ``max_parallel`` at once, their run dirs in ``run_dir``."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     path = Path(folder).expanduser().absolute()
-    params = slurm_parameters(cluster, job_name=job_name, run_dir=run_dir, snapshot=snapshot)
+    params = slurm_parameters(cluster, job_name=job_name, run_dir=run_dir, snapshot=snapshot, fault=fault)
     if dependency:
         params["dependency"] = dependency
     if array is not None:
@@ -454,6 +466,8 @@ def _check_job(cfg: config_mod.JobConfig, cluster: ClusterConfig, job_name: str,
     except ConfigError as e:
         problems += e.problems
     fault = getattr(cfg, "fault", None)
+    if fault is not None:
+        problems += config_mod.shrink_problems(cfg, cluster.nodes, cluster.ntasks_per_node)
     wanted = getattr(fault, "requeue_signal", None)
     if wanted and _signal_name(wanted) != _signal_name(cluster.signal):
         problems.append(
@@ -595,7 +609,9 @@ def launch(
         if kind == "slurm":
             executor: Any = submitit.SlurmExecutor(folder=prep.folder, python=_supervised_python(cluster))
             dirs: str | Sequence[str] = run_dirs if run_dirs is not None and len(tasks) > 1 else prep.run_dir
-            params = slurm_parameters(cluster, job_name=prep.job_name, run_dir=dirs, snapshot=code)
+            params = slurm_parameters(
+                cluster, job_name=prep.job_name, run_dir=dirs, snapshot=code, fault=getattr(prep.cfg, "fault", None)
+            )
             if after:
                 params["dependency"] = after
             if max_parallel:
@@ -691,6 +707,9 @@ def submit_chain(
         print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
     if dry_run:
         print(f"hpcdist: {describe_executor(prep.cluster)}", file=sys.stderr, flush=True)
+        spares = config_mod.describe_spares(prep.cfg, prep.cluster.nodes)
+        if spares:
+            print(f"hpcdist: {spares}", file=sys.stderr, flush=True)
         if n > 1:
             print(
                 f"hpcdist: --chain {n}: this script, then {n - 1} more job(s) of it, each with "
@@ -709,6 +728,7 @@ def submit_chain(
                 run_dir=prep.run_dir,
                 dependency=dep,
                 snapshot=code,
+                fault=getattr(prep.cfg, "fault", None),
             )
         ]
     task = TrainTask(str(config), tuple(overrides))

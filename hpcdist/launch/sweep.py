@@ -156,6 +156,7 @@ def submit_sweep(
             array=len(tasks),
             max_parallel=max_parallel,
             snapshot=snapshot_placeholder(base.run_dir) if snapshot else None,
+            fault=getattr(base.cfg, "fault", None),
         )
     # one code snapshot for the whole array, in the sweep's base run dir
     handles = launch(base, tasks, run_dirs=run_dirs, after=dep, max_parallel=max_parallel, snapshot=snapshot)

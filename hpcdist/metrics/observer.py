@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hpcdist.fault import failures
+from hpcdist.fault.goodput import RECOVERY_PARTS
 from hpcdist.fault.stragglers import StragglerMonitor
 from hpcdist.logging_utils import get_logger
 from hpcdist.metrics.logger import MetricsLogger, format_line
@@ -302,6 +303,15 @@ class Observer:
             "goodput %.1f%% of %.1fs over %d attempt(s): %s", 100 * g["goodput"], g["total_s"], g["attempts"], parts
         )
         self.metrics.log(step, g, prefix="goodput")
+        for r in self.goodput.recoveries():
+            split = ", ".join(f"{k.replace('_', ' ')} {r[k]:.1f}s" for k in RECOVERY_PARTS if k in r)
+            log.info(
+                "recovery of attempt %s (%s): %.1fs from the failure to its first step: %s",
+                r.get("restart"),
+                r.get("path"),
+                r["total"],
+                split,
+            )
 
     def _report_summary(
         self,

@@ -91,6 +91,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         end="",
         flush=True,  # before the error line on stderr
     )
+    spares = config_mod.describe_spares(cfg, cluster.nodes)
+    for line in ([spares] if spares else []) + config_mod.shrink_problems(cfg, cluster.nodes, cluster.gpus_per_node):
+        print(line, flush=True)
     if args.plot:
         from hpcdist.planning.plot import write_memory_plot
         from hpcdist.report.plots import MissingMatplotlib

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hpcdist.fault.goodput import RECOVERY_PARTS
 from hpcdist.report.rundata import RunData
 
 __all__ = ["write_report"]
@@ -69,7 +70,23 @@ def _attempts(data: RunData) -> str:
         ]
         for a in data.attempts
     ]
-    return _table(["attempt", "start", "end (or last seen)", "steps", "outcome", *(f"{k} s" for k in keys)], rows)
+    table = _table(["attempt", "start", "end (or last seen)", "steps", "outcome", *(f"{k} s" for k in keys)], rows)
+    return table + _recoveries(data)
+
+
+def _recoveries(data: RunData) -> str:
+    """Recovery after each failure or requeue: from the failure to the next completed step, split (goodput.json)."""
+    recs = [(a.number, a.recovery) for a in data.attempts if a.recovery]
+    if not recs:
+        return ""
+    parts = list(RECOVERY_PARTS)
+
+    def sec(value: Any) -> str:
+        return f"{value:.1f}" if isinstance(value, (int, float)) else ""
+
+    rows = [[f"attempt {n}", r.get("path", ""), sec(r.get("total")), *(sec(r.get(k)) for k in parts)] for n, r in recs]
+    header = ["recovery", "path", "total s", *(f"{k.replace('_', ' ')} s" for k in parts)]
+    return _table(header, rows)
 
 
 def _restarts(data: RunData) -> str:
@@ -82,12 +99,19 @@ def _restarts(data: RunData) -> str:
                 f"job {ledger.get('job_id')} restart {k}",
                 _when(a.get("start")),
                 a.get("ended", ""),
-                a.get("requeued", ""),
-                a.get("host", ""),
+                a.get("path", ""),
+                a.get("ended", ""),
+                a.get("requeued") or a.get("restarted") or "",
+                ",".join(map(str, a.get("nodes") or [])) or a.get("host", ""),
             ]
             for k, a in sorted(attempts.items(), key=lambda kv: int(kv[0]))
         ]
-        out.append(_table(["SLURM attempt", "start", "ended", "requeued for", "host"], rows))
+        out.append(
+            _table(["SLURM attempt", "start", "started as", "ended", "then (requeued for / in-job)", "nodes"], rows)
+        )
+        if isinstance(ledger.get("gate_failed"), dict) and ledger["gate_failed"]:
+            gate = "; ".join(f"{h}: {', '.join(map(str, r))}" for h, r in dict(ledger["gate_failed"]).items())
+            out.append(f'<p class="bad">failed the health gate: {html.escape(gate)}</p>')
         if ledger.get("excluded"):
             out.append(f"<p>excluded nodes: {html.escape(', '.join(map(str, ledger['excluded'])))}</p>")
         if ledger.get("stopped"):

@@ -66,6 +66,7 @@ class Attempt:
     clean: bool
     ended: bool  # an end time was written (by the trainer, or by the batch script after a failed step)
     seconds: dict[str, float]
+    recovery: dict[str, Any] | None = None  # after a failure or requeue: goodput.recovery's split (seconds, path)
 
     @property
     def outcome(self) -> str:
@@ -126,6 +127,7 @@ class RunData:
                     clean=bool(e.get("clean")),
                     ended=bool(e.get("end")),
                     seconds={k: float(e.get(f"{k}_s", 0.0)) for k in keys},
+                    recovery=e["recovery"] if isinstance(e.get("recovery"), dict) else None,
                 )
             )
         return data

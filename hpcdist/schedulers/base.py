@@ -25,7 +25,8 @@ class JobFacts:
     """The id the scheduler requeues, and that restart ledgers, failure records, heartbeats and the run-dir lock
     name: an array task's is its array id (SLURM: ``<array job>_<task>``), which ``scontrol requeue`` needs."""
     restart_count: int = 0
-    """How often the scheduler restarted (requeued) this job before this attempt."""
+    """The attempt number of this job: how often it was restarted before this attempt, by the scheduler (a
+    requeue) or inside its allocation (an in-job restart, hpcdist.launch.attempts)."""
     _: KW_ONLY
     scheduler: str | None = None
     """Which scheduler's table entry read these facts ("slurm"); None outside any scheduler."""

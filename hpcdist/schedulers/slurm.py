@@ -21,7 +21,7 @@ from typing import Any
 
 from hpcdist.schedulers.base import EnvReader, JobFacts, Scheduler
 
-__all__ = ["SCHEDULER", "expand_nodelist", "hostnames", "in_step", "read_job_facts", "read_step_layout"]
+__all__ = ["ATTEMPT_ENV", "SCHEDULER", "expand_nodelist", "hostnames", "in_step", "read_job_facts", "read_step_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,9 @@ _SEPARATORS = (",", " ", "\t")
 # SLURM's special step ids (batch script, extern, interactive, pending) are 0xFFFFFFFA..0xFFFFFFFD; some
 # versions print them signed (-5), some unsigned. Real srun steps count up from 0.
 _FIRST_SPECIAL_STEP_ID = 0xFFFFFFF0
+
+# Set by hpcdist.launch.attempts in each step it starts: the attempt number (JobFacts.restart_count).
+ATTEMPT_ENV = "HPCDIST_ATTEMPT"
 
 # What read_step_layout reads, echoed in errors so a bad value is easy to trace to its variable.
 READS = (
@@ -76,7 +79,9 @@ def read_job_facts(environ: Mapping[str, str]) -> JobFacts | None:
         # An array task is requeued by its array id (<array job>_<task>); scontrol needs the array job's own id.
         if job_id is not None and array_job is not None:
             job_id = f"{array_job}_{task}"
-    restart_count = v.integer("SLURM_RESTART_COUNT", default=0)
+    # The attempt loop (hpcdist.launch.attempts) numbers every attempt of the job, in-job restarts included, and
+    # hands the number to the step: SLURM_RESTART_COUNT counts only the requeues.
+    restart_count = v.integer(v.first(ATTEMPT_ENV, "SLURM_RESTART_COUNT"), default=0)
     nodes_name = v.first("SLURM_JOB_NUM_NODES", "SLURM_NNODES")
     num_nodes = v.integer(nodes_name, minimum=1) if nodes_name else None
     v.check("SLURM job")

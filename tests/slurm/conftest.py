@@ -2,8 +2,10 @@
 
 Fixtures (session scope; each returns a `Cluster`):
     slurm_cluster    one node `node1` with 8 fake GPUs, slurmctld and slurmd on this host
-    slurm_cluster2   two nodes `node1`, `node2` (4 fake GPUs each), each in its own network namespace;
-                     `node["ifname"]` is the interface to give GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
+    slurm_cluster2   three nodes `node1`, `node2`, `node3` (4 fake GPUs each), each in its own network namespace;
+                     `node["ifname"]` is the interface to give GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME. Two-node
+                     tests ask for --nodes=2 (SLURM takes node1 and node2 on an idle sandbox); the third host is
+                     the hot spare of the in-job restart tests (tests/slurm/test_injob_slurm.py)
 
 Only one sandbox runs at a time: both shapes use the node names node1/node2 (in /etc/hosts) and the
 same slurm ports. A session-wide manager holds the running one; asking for the other shape stops it
@@ -11,8 +13,9 @@ first. Each shape always lives in the same directory (/tmp/hpcdist-slurm-tests/n
 daemons' logs stay after the session), so its `Cluster` (slurm.conf path, env, nodes) stays valid across
 a restart, and an autouse fixture restarts the shape a test asks for whenever it is not running (another
 shape ran in between, or a test stopped or broke it). Tests that use `slurm_cluster2` are moved after
-the other tests so a session starts each shape once. Sessions on the same machine take turns through
-the lock file /tmp/hpcdist-slurm-tests.lock, and a session first stops what a killed one left running.
+the other tests so a session starts each shape once. (The multi-node shape grew from two hosts to three for the
+spare-node tests instead of a third shape: every swap restarts the cluster.) Sessions on the same machine take
+turns through the lock file /tmp/hpcdist-slurm-tests.lock, and a session first stops what a killed one left running.
 
 A job's output file is truncated when a requeued job starts again, unless it was submitted with
 `--open-mode=append`.
@@ -61,8 +64,10 @@ INSTALL_SCRIPT = REPO / ".ci" / "install-slurm"
 # HPCDIST_NO_SLURM_INSTALL=1 stops the tier from installing slurm-wlm/munge with apt-get by itself.
 REQUIRE_ENV = "HPCDIST_REQUIRE_SLURM"
 NO_INSTALL_ENV = "HPCDIST_NO_SLURM_INSTALL"
+MULTI_NODES = 3  # the multi-node shape: two training hosts and a spare
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-_SHAPE_FIXTURES = {"slurm_cluster": 1, "slurm_cluster2": 2}
+# fixture -> node count of its shape
+_SHAPE_FIXTURES = {"slurm_cluster": 1, "slurm_cluster2": MULTI_NODES}
 
 
 @dataclass(frozen=True)
@@ -290,7 +295,7 @@ def _slurm_sandbox():
         # Fixed dirs (short: slurmstepd puts unix sockets under the spool dir, 108-byte limit), so that a
         # session killed before its teardown leaves daemons this one can find and stop; the logs of the
         # last session stay there for a look. The lock makes this session the only user of those dirs.
-        for nodes in (1, 2):
+        for nodes in (1, 2, MULTI_NODES):
             if (SANDBOX_ROOT / f"n{nodes}" / "state.json").exists():
                 subprocess.run([sys.executable, str(SANDBOX), "stop", "--dir", str(SANDBOX_ROOT / f"n{nodes}")])
         manager = _SandboxManager(SANDBOX_ROOT)
@@ -333,8 +338,8 @@ def slurm_cluster(_slurm_sandbox: _SandboxManager) -> Cluster:
 
 @pytest.fixture(scope="session")
 def slurm_cluster2(_slurm_sandbox: _SandboxManager) -> Cluster:
-    """Two nodes `node1`, `node2` in network namespaces, 4 fake GPUs each, partition `debug`."""
-    return _slurm_sandbox.use(2)
+    """Three nodes `node1`, `node2`, `node3` in network namespaces, 4 fake GPUs each, partition `debug`."""
+    return _slurm_sandbox.use(MULTI_NODES)
 
 
 @pytest.fixture(autouse=True)

@@ -112,7 +112,7 @@ ALL_REDUCE = textwrap.dedent(
 
 
 def test_two_nodes_run_four_tasks_each(slurm_cluster2: Cluster) -> None:
-    assert slurm_cluster2.node_names == ["node1", "node2"]
+    assert slurm_cluster2.node_names == ["node1", "node2", "node3"]  # the third: the spare of the in-job tests
     out = run_cmd(slurm_cluster2, "srun", "-N2", "--ntasks-per-node=4", "hostname", timeout=60).stdout
     assert Counter(out.split()) == {"node1": 4, "node2": 4}
 
@@ -143,7 +143,7 @@ srun --kill-on-bad-exit=1 {PY} all_reduce.py
 def test_stop_removes_everything_it_started(slurm_cluster2: Cluster) -> None:
     state = json.loads((slurm_cluster2.dir / "state.json").read_text())
     daemons = [rec["pid"] for rec in state["pids"].values()] + [state["supervisor"]["pid"]]
-    assert sorted(state["netns"]) == ["hpcd-n1", "hpcd-n2"]
+    assert sorted(state["netns"]) == ["hpcd-n1", "hpcd-n2", "hpcd-n3"]
     assert "node2" in Path("/etc/hosts").read_text()
 
     proc = _sandbox("stop", "--dir", str(slurm_cluster2.dir))
@@ -157,7 +157,7 @@ def test_stop_removes_everything_it_started(slurm_cluster2: Cluster) -> None:
     names = {ln.split(": ")[1].split("@")[0] for ln in links.splitlines()}  # "3: hpcd-v1@if6: <...>"
     assert state["links"] and not set(state["links"]) & names
     hosts = Path("/etc/hosts").read_text().splitlines()
-    assert not [ln for ln in hosts if "slurm_sandbox" in ln or ln.split()[1:] in (["node1"], ["node2"])]
+    assert not [ln for ln in hosts if "slurm_sandbox" in ln or ln.split()[1:] in (["node1"], ["node2"], ["node3"])]
     # The next test that asks for a cluster gets a fresh one (the autouse fixture restarts it).
 
 

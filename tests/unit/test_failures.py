@@ -25,6 +25,7 @@ from hpcdist.fault.failures import (
     record_exception,
     signature,
 )
+from hpcdist.fault.health import record_unhealthy
 from hpcdist.launch import restarts
 from hpcdist.launch.restarts import (
     RestartPolicy,
@@ -99,6 +100,28 @@ def test_primary_failure_prefers_the_culprit_over_earlier_peer_errors() -> None:
     assert primary_failure(recs)["blame"] == [{"rank": 2, "host": "n1"}]
     assert primary_failure(recs[:1])["kind"] == "collective"
     assert primary_failure(recs[3:]) is None
+
+
+def test_a_gate_verdict_is_not_the_failure_of_the_step_that_ran_after_it(tmp_path: Path) -> None:
+    """Found by tools/chaos: node2 failed the gate of attempt 5, node1 + node3 trained, rank 1 on node3 froze. The
+    gate's record (blaming node2, earlier) was taken as the step's failure: the hang went unblamed, node2 was blamed
+    again, and the recovery time was counted from the gate instead of the hang."""
+    job = JobFacts("7", 5)
+    record_unhealthy(tmp_path, "node2", ["nvidia_smi: GPU 0: 3 uncorrectable ECC error(s)"], job=job)
+    hang = record(
+        tmp_path,
+        kind="hang",
+        cause="no progress for 6 s",
+        rank=0,
+        host="node1",
+        blame=[{"rank": 1, "host": "node3"}],
+        job=job,
+    )
+    d = restarts.decide_failure(tmp_path, 124, _policy(), job)
+    assert d.primary["kind"] == "hang" and d.blamed_hosts == ["node3"]
+    assert d.entry["failed_at"] == hang["time"] and d.entry["signature"] == hang["signature"]
+    # with no step failure (the gate left too few nodes), the verdict is still what the job has to go on
+    assert primary_failure(read_failures(tmp_path, job_id="7", restart=5)[:1])["kind"] == "health"
 
 
 def _append_many(run_dir: str, rank: int) -> None:

@@ -1,0 +1,357 @@
+"""The attempt loop of a SLURM job: ``python -m hpcdist.launch.attempts [--run-dir DIR | CONFIG ...] -- srun ...``.
+
+Run by the batch shell in place of its training srun, on both entry points: ``sbatch sbatch/*.sh``
+(sbatch/common.sh hpcdist_train) and ``hpcdist submit`` (a shell function ``srun`` in the generated script's setup
+lines routes submitit's srun line here). Each attempt:
+
+    gate        the health gate on every allocated node not yet excluded (:func:`run_gate`: ``python -m hpcdist
+                health --json`` once per node through srun); a node that fails it is out for this job
+    choose      N training nodes: healthy, not blamed; N = allocated - fault.spare_nodes, or fewer down to
+                fault.min_nodes (fewer data-parallel replicas, the same global batch: the resharding resume)
+    step        ``srun --nodes=N --ntasks=N*tasks_per_node --nodelist=<chosen> ...``: the step's
+                SLURM_STEP_NODELIST names the chosen nodes, so rank 0 (the rendezvous) is the first chosen node;
+                HPCDIST_ATTEMPT numbers the attempt (JobFacts.restart_count: ledgers, failure records, heartbeats)
+    on failure  the failure policy (hpcdist.launch.restarts.decide_failure: attribution, fault.max_failures,
+                fault.max_same_failure) decides: stop, or restart. A restart is in-job (after
+                fault.restart_backoff_s) while enough healthy nodes remain, else a requeue as before (bad hosts
+                excluded)
+
+A stop signal (TERM: scancel, preemption, ``scontrol requeue``) and the time-limit path (the trainer checkpoints and
+rank 0 requeues) end the loop as before: it never restarts a step it was asked to stop. USR2 / TERM sent to this
+process are forwarded to the running srun (sbatch's ``--signal=B:USR2@lead`` reaches the batch shell only).
+
+Outside SLURM (no job, or no node list) the command runs once, unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcdist.fault.failures import record
+from hpcdist.fault.health import health_argv, read_verdicts, record_unhealthy
+from hpcdist.launch import restarts
+from hpcdist.schedulers import JobFacts, job_facts
+from hpcdist.schedulers.slurm import ATTEMPT_ENV, expand_nodelist
+
+__all__ = ["AttemptPlan", "choose_nodes", "main", "run_gate", "srun_for"]
+
+GATE_UNAVAILABLE = "gate unavailable"
+_MAX_BACKOFF_S = 60.0
+_GATE_TIMEOUT_S = 30.0
+
+
+def _announce(msg: str) -> None:
+    print(f"[hpcdist attempts {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ the gate
+
+
+def run_gate(
+    nodes: Sequence[str], *, run_dir: str | None = None, timeout: float = _GATE_TIMEOUT_S, python: str | None = None
+) -> dict[str, tuple[bool, list[str]]]:
+    """The health gate on ``nodes``: ``hpcdist health --json`` once per node through srun (hpcdist.fault.health
+    owns its command line and reads its answers). {host: (ok, reasons)}. Where the gate command does not exist (exit
+    2 without a verdict: an hpcdist without it), every node counts as healthy with the reason "gate unavailable"; a
+    node that gave no verdict in time is unhealthy."""
+    if not nodes:
+        return {}
+    python = python or os.environ.get("HPCDIST_PYTHON") or sys.executable
+    srun = shutil.which("srun")
+    if srun is None:
+        return {n: (True, [GATE_UNAVAILABLE]) for n in nodes}
+    cmd = [
+        srun,
+        f"--nodes={len(nodes)}",
+        f"--ntasks={len(nodes)}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}",
+        "--kill-on-bad-exit=0",
+        "--cpus-per-task=1",
+        *health_argv(run_dir=run_dir, timeout_s=timeout, python=python),
+    ]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30, check=False)
+        out, rc = p.stdout, p.returncode
+    except subprocess.TimeoutExpired as e:
+        raw = e.stdout or b""
+        out, rc = raw.decode(errors="replace") if isinstance(raw, bytes) else raw, None
+    if rc == 2 and '"host"' not in out:
+        return {n: (True, [GATE_UNAVAILABLE]) for n in nodes}
+    return {host: (not reasons, reasons) for host, reasons in read_verdicts(out, list(nodes)).items()}
+
+
+# ------------------------------------------------------------------------------------------------ nodes
+
+
+@dataclass(frozen=True)
+class AttemptPlan:
+    """The allocation and what the job trains on: ``train_nodes`` (N), at least ``min_nodes``."""
+
+    allocated: list[str]
+    train_nodes: int
+    min_nodes: int
+    tasks_per_node: int
+
+
+def plan_from_env(environ: dict[str, str] | os._Environ[str], spare: int, min_nodes: int) -> AttemptPlan | str:
+    """The plan of this allocation, or why the loop cannot choose nodes (then the command runs unchanged)."""
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return "no SLURM node list"
+    allocated = expand_nodelist(nodelist)
+    tpn_raw = environ.get("SLURM_NTASKS_PER_NODE") or (environ.get("SLURM_TASKS_PER_NODE") or "").split("(")[0]
+    try:
+        tpn = int(tpn_raw.split(",")[0])
+    except ValueError:
+        return f"tasks per node unknown (SLURM_NTASKS_PER_NODE={tpn_raw!r})"
+    train = len(allocated) - spare
+    if train < 1:
+        return f"fault.spare_nodes={spare} leaves no training node of the {len(allocated)} allocated"
+    floor = min_nodes if 0 < min_nodes <= train else train
+    return AttemptPlan(allocated, train, floor, max(1, tpn))
+
+
+def choose_nodes(plan: AttemptPlan, bad: set[str]) -> list[str] | None:
+    """The next attempt's nodes in allocation order (spares last by position): the first N good ones, fewer down to
+    plan.min_nodes; None when fewer good nodes remain."""
+    good = [n for n in plan.allocated if n not in bad]
+    if len(good) < plan.min_nodes:
+        return None
+    return good[: plan.train_nodes]
+
+
+def srun_for(cmd: Sequence[str], plan: AttemptPlan, chosen: Sequence[str]) -> list[str]:
+    """``cmd`` (an srun command line) restricted to ``chosen`` when that is not the whole allocation."""
+    cmd = list(cmd)
+    if sorted(chosen) == sorted(plan.allocated) or not cmd or os.path.basename(cmd[0]) != "srun":
+        return cmd
+    n = len(chosen)
+    return [cmd[0], f"--nodes={n}", f"--ntasks={n * plan.tasks_per_node}", f"--nodelist={','.join(chosen)}", *cmd[1:]]
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+
+
+class _Step:
+    """The running srun, with USR1 / USR2 / TERM / INT forwarded to it; remembers a stop request (TERM / INT), and a
+    USR1 / USR2 that came while no step ran (during the gate or the backoff): the next step gets it once its
+    tasks had time to start (srun relays a signal only to launched tasks; hpcdist holds it from its first line)."""
+
+    RELAY_AFTER_S = 3.0
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stopping = False
+        self.stopped_at: float | None = None  # when the stop signal came: a requeue's recovery starts there
+        self.pending: list[int] = []
+        for sig in (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._forward)
+
+    def _forward(self, signum: int, _frame: Any) -> None:
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            self.stopping = True
+            self.stopped_at = self.stopped_at or time.time()
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                self.proc.send_signal(signum)
+        elif signum in (signal.SIGUSR1, signal.SIGUSR2) and signum not in self.pending:
+            self.pending.append(signum)
+
+    def run(self, cmd: Sequence[str], env: dict[str, str]) -> int:
+        self.proc = proc = subprocess.Popen(list(cmd), env=env)
+        started = time.monotonic()
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5 if self.pending else None)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - started >= self.RELAY_AFTER_S:
+                    for signum in self.pending:
+                        with contextlib.suppress(OSError):
+                            proc.send_signal(signum)
+                    self.pending.clear()
+            except InterruptedError:
+                continue
+        self.proc = None
+        return rc if rc >= 0 else 128 - rc
+
+
+def next_attempt(data: dict[str, Any], job: JobFacts) -> int:
+    """The number of the next attempt: after every attempt the ledger knows, and never below SLURM's restart count."""
+    keys = [int(k) for k in data.get("attempts", {}) if str(k).isdigit()]
+    return max([job.restart_count, *(k + 1 for k in keys)])
+
+
+def loop(
+    cmd: Sequence[str],
+    run_dir: Path,
+    spare: int,
+    min_nodes: int,
+    backoff: float,
+    policy: restarts.RestartPolicy | None = None,
+) -> int:
+    """Run the attempts of this job (see the module docstring); the batch script's exit status. ``policy`` is the
+    config's fault.* when the loop was given the config; else the ledger's (rank 0 stores it) or the defaults."""
+    base = job_facts()
+    plan = plan_from_env(os.environ, spare, min_nodes) if base.job_id else "not a SLURM job"
+    if isinstance(plan, str):
+        if base.job_id and spare:
+            _announce(f"running the step unchanged: {plan}")
+        return subprocess.run(list(cmd), check=False).returncode
+    data = restarts.load_ledger(run_dir, base.job_id)
+    try:  # the ledger records every attempt from here on; the trainer creates run.dir alike
+        run_dir.mkdir(parents=True, exist_ok=True)
+        restarts.save_ledger(run_dir, data)
+    except OSError as e:  # another user's or a read-only run dir: the trainer refuses it in one line
+        _announce(f"cannot write the restart ledger in {run_dir} ({e.strerror or e}): running the step once")
+        return subprocess.run(list(cmd), check=False).returncode
+    step = _Step()
+    attempt = next_attempt(data, base)
+    bad: set[str] = set(data.get("excluded", []))  # hosts this job excluded before (requeues) stay out
+    bad |= set(data.get("gate_failed", {}))
+    path = "requeue" if attempt > 0 else "first"
+    restarted_in_job = 0
+    while True:
+        t_gate = time.time()
+        candidates = [n for n in plan.allocated if n not in bad]
+        verdicts = run_gate(candidates, run_dir=str(run_dir))
+        gate_s = time.time() - t_gate
+        job = JobFacts(**{**base.__dict__, "restart_count": attempt})
+        data = restarts.load_ledger(run_dir, base.job_id)
+        for host, (ok, reasons) in verdicts.items():
+            if not ok:
+                bad.add(host)
+                data.setdefault("gate_failed", {})[host] = reasons
+                record_unhealthy(run_dir, host, reasons, job=job)
+                _announce(f"{host} failed the health gate: {'; '.join(reasons)}: not using it in this job")
+        chosen = choose_nodes(plan, bad)
+        entry = data["attempts"].setdefault(str(attempt), {"restart": attempt})
+        entry.update(path=path, gate_s=round(gate_s, 3), gate_start=t_gate)
+        if chosen is None:
+            restarts.save_ledger(run_dir, data)
+            return _too_few(run_dir, plan, bad, job, policy)
+        if step.stopping:  # cancelled or preempted during the gate: no new step
+            restarts.save_ledger(run_dir, data)
+            return 0
+        entry.update(nodes=chosen, launched=time.time())
+        restarts.save_ledger(run_dir, data)
+        if len(chosen) < plan.train_nodes:
+            _announce(
+                f"continuing on {len(chosen)} of {plan.train_nodes} nodes (fault.min_nodes={plan.min_nodes}): "
+                "fewer data-parallel replicas, the same global batch"
+            )
+        _announce(
+            f"attempt {attempt} ({path}) on {','.join(chosen)}" + (f", excluded {','.join(sorted(bad))}" if bad else "")
+        )
+        env = {**os.environ, ATTEMPT_ENV: str(attempt)}
+        rc = step.run(srun_for(cmd, plan, chosen), env)
+        ended = time.time()
+        data = restarts.load_ledger(run_dir, base.job_id)
+        entry = data["attempts"].setdefault(str(attempt), {"restart": attempt})
+        entry["step_end"] = ended
+        if step.stopped_at is not None:  # scancel, preemption, `scontrol requeue`: nothing else marks its time
+            entry["stopped_at"] = step.stopped_at
+        restarts.save_ledger(run_dir, data)
+        _announce(f"srun exited with status {rc}")
+        if rc == 0:
+            return rc
+        if step.stopping:  # scancel, preemption, or rank 0's time-limit requeue: never restart what was stopped
+            return 0 if data["attempts"][str(attempt)].get("requeued") else rc
+        if data["attempts"][str(attempt)].get("requeued"):
+            _announce(f"srun exited with {rc} after job {job.job_id} was requeued: nothing to decide")
+            return 0
+        d = restarts.decide_failure(run_dir, rc, policy, job)
+        if d.stop:
+            return rc
+        bad |= set(d.blamed_hosts)
+        if choose_nodes(plan, bad) is None:
+            _announce(f"{len(plan.allocated) - len(bad)} usable node(s) left, {plan.min_nodes} needed: requeueing")
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            return restarts.requeue_after_failure(run_dir, d, job, exit_code=rc, bad_hosts=sorted(bad))
+        wait = min(_MAX_BACKOFF_S, backoff * 2 ** max(0, d.streak - 1))
+        d.entry.update(restarted="in-job", decided=time.time(), excluded=sorted(bad))
+        restarts.save_ledger(run_dir, d.data)
+        restarted_in_job += 1
+        _announce(
+            f"restarting in the allocation in {wait:.1f} s (in-job restart {restarted_in_job}, "
+            f"restart {d.done + 1} of {d.policy.max_failures} after a failure)"
+        )
+        time.sleep(wait)
+        if step.stopping:
+            return rc
+        attempt += 1
+        path = "in-job"
+
+
+def _too_few(
+    run_dir: Path, plan: AttemptPlan, bad: set[str], job: JobFacts, policy: restarts.RestartPolicy | None
+) -> int:
+    """Before any step of this attempt: fewer healthy nodes than fault.min_nodes. Requeue without the bad ones."""
+    msg = (
+        f"{len(plan.allocated) - len(bad)} healthy node(s) of {len(plan.allocated)} allocated, "
+        f"{plan.min_nodes} needed ({','.join(sorted(bad))} out)"
+    )
+    _announce(msg + ": requeueing")
+    # kind "nodes", not "health": that one is a node's own gate verdict, and this is the job's
+    record(run_dir, kind="nodes", cause=f"too few healthy nodes: {msg}", job=job)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    d = restarts.decide_failure(run_dir, 1, policy, job)
+    if d.stop:
+        return 1
+    return restarts.requeue_after_failure(run_dir, d, job, exit_code=1, bad_hosts=sorted(bad))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: python -m hpcdist.launch.attempts [--run-dir DIR | CONFIG ...] -- srun ...", file=sys.stderr)
+        return 2
+    i = argv.index("--")
+    ours, cmd = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(prog="python -m hpcdist.launch.attempts", description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir")
+    p.add_argument("--spare-nodes", type=int)
+    p.add_argument("--min-nodes", type=int)
+    p.add_argument("--restart-backoff-s", type=float)
+    p.add_argument("config", nargs="*", help="CONFIG [section.key=value ...], as given to hpcdist train")
+    args = p.parse_args(ours)
+    if not cmd:
+        p.error("no command after --")
+    spare, min_nodes, backoff, policy = 0, 0, 3.0, None
+    if args.config:
+        from hpcdist import config as config_mod
+
+        try:
+            cfg = config_mod.load(args.config[0], list(args.config[1:]))
+        except ValueError as e:  # the trainer refuses the same config with the same message: let it say so
+            _announce(f"config: {e}")
+            return subprocess.run(cmd, check=False).returncode
+        run_dir = Path(cfg.run.dir)
+        spare, min_nodes, backoff = cfg.fault.spare_nodes, cfg.fault.min_nodes, cfg.fault.restart_backoff_s
+        policy = restarts.RestartPolicy.from_fault(cfg.fault)
+    elif args.run_dir:
+        run_dir = Path(args.run_dir)
+    else:
+        p.error("needs --run-dir or CONFIG")
+    spare = args.spare_nodes if args.spare_nodes is not None else spare
+    min_nodes = args.min_nodes if args.min_nodes is not None else min_nodes
+    backoff = args.restart_backoff_s if args.restart_backoff_s is not None else backoff
+    if spare < 0 or min_nodes < 0 or not backoff >= 0:
+        p.error("--spare-nodes, --min-nodes and --restart-backoff-s must be >= 0")
+    return loop(cmd, run_dir, spare, min_nodes, backoff, policy)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The per-node health gate, ``hpcdist health`` (issue 27 item 3): stand-in ``nvidia-smi`` / ``dmesg`` scripts on
+PATH, a fake sysfs tree, real run dirs. The gate must fail a sick node with the reason, pass a healthy one, and end
+within its timeout whatever the tools do (hang, flood, print garbage)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcdist import cli
+from hpcdist.diagnostics.gate import CHECKS, check_node, parse_xids
+from hpcdist.fault.failures import primary_failure, read_failures
+from hpcdist.fault.health import health_argv, read_verdicts, record_unhealthy
+from hpcdist.launch import records
+
+# the tool checks only: gpus/matmul import torch (seconds) and are covered once, below
+TOOLS_ONLY = ("gpus", "matmul", "infiniband", "run_dir", "shm")
+BUS = "00000000:3B:00.0"
+HEALTHY_GPU = f"0, {BUS}, 0, No"
+HEALTHY_REMAP = f"{BUS}, 0, 0"
+XID_79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus."  # a stamp: ``[  12.3] ``
+
+
+def stand_in(bin_dir: Path, name: str, body: str) -> None:
+    """An executable ``bin_dir/name`` (a /bin/sh script) that answers like the real tool."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    path = bin_dir / name
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def nvidia_smi(bin_dir: Path, gpu: str = HEALTHY_GPU, remap: str = HEALTHY_REMAP, rc: int = 0) -> None:
+    stand_in(
+        bin_dir,
+        "nvidia-smi",
+        f'case "$1" in\n  --query-gpu=*) echo "{gpu}"; exit {rc};;\n'
+        f'  --query-remapped-rows=*) echo "{remap}";;\n  *) exit 9;;\nesac',
+    )
+
+
+def tools(tmp_path: Path, *, dmesg: str = "[ 1.0] Linux version 6.1", **smi: str | int) -> dict[str, str]:
+    """An environment whose PATH finds the stand-ins first (a healthy kernel log unless told otherwise)."""
+    bin_dir = tmp_path / "bin"
+    nvidia_smi(bin_dir, **smi)  # type: ignore[arg-type]
+    stand_in(bin_dir, "dmesg", f"echo '{dmesg}'")
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
+
+
+def gate(env: dict[str, str], **kw: object) -> tuple[bool, dict[str, str], list[str]]:
+    health = check_node(environ=env, skip=kw.pop("skip", TOOLS_ONLY), **kw)  # type: ignore[arg-type]
+    return health.ok, health.checks, health.reasons
+
+
+# ------------------------------------------------------------------------------------------------ nvidia-smi
+
+
+def test_a_healthy_stand_in_passes(tmp_path: Path) -> None:
+    ok, checks, reasons = gate(tools(tmp_path))
+    assert ok and reasons == []
+    assert checks["nvidia_smi"] == "ok" and checks["xid"] == "ok"
+    assert checks["gpus"].startswith("skipped") and list(checks) == list(CHECKS)
+
+
+@pytest.mark.parametrize(
+    "smi, expected",
+    [
+        ({"gpu": f"0, {BUS}, 2, No"}, f"GPU 0 ({BUS}): 2 uncorrectable ECC error(s)"),
+        ({"gpu": f"0, {BUS}, 0, Yes"}, "a retired memory page is pending"),
+        ({"remap": f"{BUS}, Yes, No"}, "a row remapping is pending"),
+        ({"remap": f"{BUS}, 0, 1"}, "row remapping failed"),
+        # a GPU off the bus: nvidia-smi itself fails
+        ({"gpu": f"Unable to determine the device handle for GPU {BUS}: Unknown Error", "rc": 15}, "exit 15"),
+    ],
+)
+def test_a_stand_in_reporting_a_memory_error_makes_the_node_unhealthy(
+    tmp_path: Path, smi: dict[str, str | int], expected: str
+) -> None:
+    ok, _, reasons = gate(tools(tmp_path, **smi))
+    assert not ok
+    assert len(reasons) == 1 and reasons[0].startswith("nvidia_smi: ") and expected in reasons[0], reasons
+
+
+def test_unsupported_fields_are_not_failures(tmp_path: Path) -> None:
+    # a GPU without ECC / row remapping prints [N/A]: nothing is known to be wrong
+    ok, checks, _ = gate(tools(tmp_path, gpu=f"0, {BUS}, [N/A], [N/A]", remap=f"{BUS}, [N/A], [N/A]"))
+    assert ok and checks["nvidia_smi"] == "ok"
+
+
+def test_a_hardware_xid_in_the_kernel_log_makes_the_node_unhealthy(tmp_path: Path) -> None:
+    app_fault = "[    9.0] NVRM: Xid (PCI:0000:3b:00): 13, pid=99, Graphics Exception"  # a user's bad kernel
+    ok, _, reasons = gate(tools(tmp_path, dmesg=app_fault))
+    assert ok, reasons
+    now = int(float(Path("/proc/uptime").read_text().split()[0]))
+    log = f"{app_fault}\n[{now - 60:>5}.1] {XID_79}\n[{now - 30:>5}.2] {XID_79}"
+    ok, _, reasons = gate(tools(tmp_path / "b", dmesg=log))
+    assert not ok and reasons == ["xid: Xid 79 on PCI:0000:3b:00 (2 time(s) in the kernel log's last 24 h)"]
+
+
+def test_an_old_xid_is_not_recent() -> None:
+    old, recent = f"[  100.5] {XID_79}", f"[ 90000.0] {XID_79}"
+    assert parse_xids(old.encode(), uptime_s=100_000.0) == []  # a day and more ago: reset or repaired since
+    assert len(parse_xids(f"{old}\n{recent}".encode(), uptime_s=100_000.0)) == 1
+    assert len(parse_xids(XID_79.encode(), uptime_s=100_000.0)) == 1  # no stamp (dmesg -T): counted
+
+
+@pytest.mark.parametrize(
+    "gpu, expected",
+    [
+        ("garbage", "4 fields expected, got 1: 'garbage'"),
+        (f"0, {BUS}, lots, No", "not a count: 'lots'"),
+        (f"0, {BUS}, 0, maybe", "not Yes/No: 'maybe'"),
+    ],
+)
+def test_garbage_output_is_a_clear_reason(tmp_path: Path, gpu: str, expected: str) -> None:
+    ok, _, reasons = gate(tools(tmp_path, gpu=gpu))
+    assert not ok and expected in reasons[0], reasons
+
+
+def test_huge_output_is_cut_and_named(tmp_path: Path) -> None:
+    env = tools(tmp_path)
+    stand_in(tmp_path / "bin", "nvidia-smi", "yes '0, 1, 2, 3'")  # never stops printing
+    start = time.monotonic()
+    ok, _, reasons = gate(env, timeout_s=20)
+    assert not ok and "nvidia-smi printed more than 256 KiB" in reasons[0], reasons
+    assert time.monotonic() - start < 15  # cut at the cap, not at the timeout
+
+
+def test_a_hanging_stand_in_is_bounded_by_the_timeout(tmp_path: Path) -> None:
+    env = tools(tmp_path)
+    # the child keeps the output pipe open after the script is killed: the whole session is killed
+    stand_in(tmp_path / "bin", "nvidia-smi", "sleep 60 &\nwait")
+    start = time.monotonic()
+    ok, checks, _ = gate(env, timeout_s=2)
+    elapsed = time.monotonic() - start
+    assert not ok and "nvidia-smi did not answer within" in checks["nvidia_smi"], checks
+    assert elapsed < 4, elapsed
+    assert checks["xid"] == "ok"  # the other checks still answer
+
+
+# ------------------------------------------------------------------------------------------------ InfiniBand
+
+
+def fake_port(root: Path, hca: str, state: str, layer: str = "InfiniBand") -> None:
+    port = root / "class" / "infiniband" / hca / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "state").write_text(f"{state}\n")
+    (port / "link_layer").write_text(f"{layer}\n")
+
+
+def test_a_down_infiniband_port_fails_when_the_profile_uses_infiniband(tmp_path: Path) -> None:
+    sysfs = tmp_path / "sys"
+    fake_port(sysfs, "mlx5_0", "4: ACTIVE")
+    fake_port(sysfs, "mlx5_1", "1: DOWN")
+    fake_port(sysfs, "mlx5_2", "1: DOWN", layer="Ethernet")  # a RoCE storage NIC: not NCCL's
+    env = {"PATH": os.environ.get("PATH", "")}
+    skip = tuple(c for c in CHECKS if c != "infiniband")
+    ok, _, reasons = gate(env, skip=skip, sysfs_root=sysfs, nccl_profile="ib_a100")
+    assert not ok and reasons == ["infiniband: InfiniBand port(s) not ACTIVE: mlx5_1 port 1: 1: DOWN"]
+    # an Ethernet profile expects no IB; neither does a job that turned IB off in its environment
+    assert gate(env, skip=skip, sysfs_root=sysfs, nccl_profile="ethernet")[1]["infiniband"].startswith("skipped")
+    off = {**env, "NCCL_IB_DISABLE": "1"}
+    assert gate(off, skip=skip, sysfs_root=sysfs, nccl_profile="ib_a100")[1]["infiniband"].startswith("skipped")
+    (sysfs / "class" / "infiniband" / "mlx5_1" / "ports" / "1" / "state").write_text("4: ACTIVE\n")
+    assert gate(env, skip=skip, sysfs_root=sysfs, nccl_profile="ib_a100")[0]
+
+
+def test_the_ib_reader_follows_no_link_out_of_sysfs(tmp_path: Path) -> None:
+    sysfs, elsewhere = tmp_path / "sys", tmp_path / "elsewhere"
+    fake_port(elsewhere, "mlx5_0", "4: ACTIVE")
+    (sysfs / "class" / "infiniband").mkdir(parents=True)
+    (sysfs / "class" / "infiniband" / "mlx5_0").symlink_to(elsewhere / "class" / "infiniband" / "mlx5_0")
+    env = {"PATH": os.environ.get("PATH", "")}
+    skip = tuple(c for c in CHECKS if c != "infiniband")
+    ok, _, reasons = gate(env, skip=skip, sysfs_root=sysfs, nccl_profile="ib_a100")
+    assert not ok and "lists no InfiniBand port" in reasons[0], reasons
+
+
+# ------------------------------------------------------------------------------------------------ disk, GPUs
+
+
+def test_a_run_dir_that_cannot_be_written_or_is_full_fails(tmp_path: Path) -> None:
+    env = {"PATH": os.environ.get("PATH", "")}
+    skip = tuple(c for c in CHECKS if c not in ("run_dir", "shm"))
+    # /proc takes no new files, even from root (a chmod'ed directory would not stop root)
+    ok, _, reasons = gate(env, skip=skip, run_dir="/proc/hpcdist-run")
+    assert not ok and reasons[0].startswith("run_dir: /proc: cannot create a file there"), reasons
+    ok, _, reasons = gate(env, skip=skip, run_dir=tmp_path, min_free_gb=1e9)
+    assert not ok and "less than 1e+09 GiB (--min-free-gb)" in reasons[0], reasons
+    ok, checks, _ = gate(env, skip=skip, run_dir=tmp_path / "new" / "run")
+    assert ok and checks["run_dir"].startswith("ok (does not exist yet"), checks
+    assert not list(tmp_path.iterdir())  # the probe left nothing behind, created nothing
+    ok, _, reasons = gate(env, skip=skip, run_dir=tmp_path, min_shm_gb=1e9)
+    assert not ok and reasons[0].startswith("shm: /dev/shm has"), reasons
+
+
+def test_gpu_count_and_the_matmul_run_here(tmp_path: Path) -> None:
+    """The one test importing torch: the matmul path runs everywhere (on the CPU without a GPU)."""
+    import torch
+
+    visible = torch.cuda.device_count()
+    env = {"PATH": os.environ.get("PATH", "")}
+    skip = ("nvidia_smi", "xid", "infiniband", "run_dir", "shm")
+    ok, checks, reasons = gate(env, skip=skip, gpus=visible + 1, timeout_s=120)
+    assert not ok and reasons == [f"gpus: {visible} GPU(s) visible, {visible + 1} requested"]
+    assert checks["matmul"].startswith("ok (") and ("cpu" in checks["matmul"] or "cuda:0" in checks["matmul"])
+
+
+# ------------------------------------------------------------------------------------------------ command
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(["health", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_prints_one_json_line_and_exits_0_1_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = tools(tmp_path)
+    monkeypatch.setenv("PATH", env["PATH"])
+    monkeypatch.delenv("HPCDIST_NCCL_PROFILE", raising=False)
+    base = ["--json", "--skip", "gpus,matmul", "--run-dir", str(tmp_path / "run")]
+    code, out, _ = run_cli(base, capsys)
+    assert code == 0 and len(out.splitlines()) == 1
+    doc = json.loads(out)
+    assert set(doc) == {"host", "ok", "reasons", "checks", "seconds"} and doc["ok"] is True
+    assert set(doc["checks"]) == set(CHECKS) and isinstance(doc["seconds"], float)
+
+    nvidia_smi(tmp_path / "bin", gpu=f"0, {BUS}, 5, No")
+    code, out, _ = run_cli([*base, "--record"], capsys)
+    doc = json.loads(out)
+    assert code == 1 and doc["ok"] is False and "5 uncorrectable ECC error(s)" in doc["reasons"][0]
+    assert doc["checks"]["nvidia_smi"].startswith("fail: ")
+    assert read_failures(tmp_path / "run")[0]["kind"] == "health"  # --record wrote the verdict
+
+    code, out, _ = run_cli(["--skip", "gpus,matmul"], capsys)  # human lines
+    assert code == 1 and "UNHEALTHY (1 check(s) failed)" in out and "nvidia_smi  fail: GPU 0" in out
+
+    for bad, says in (
+        (["--skip", "bogus"], "unknown check(s) bogus"),
+        (["--nccl-profile", "nope"], "nccl profile 'nope': unknown"),
+        (["--record"], "--record needs --run-dir"),
+    ):
+        code, out, err = run_cli(bad, capsys)
+        assert code == 2 and out == "" and says in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["health", "--timeout", "0"])
+    assert exit_info.value.code == 2
+
+
+# ------------------------------------------------------------------------------------------------ record
+
+
+def test_an_unhealthy_host_is_recorded_blamed_and_shown_by_status(tmp_path: Path) -> None:
+    reasons = ["nvidia_smi: GPU 3: 2 uncorrectable ECC error(s) since the driver loaded"]
+    rec = record_unhealthy(tmp_path, "node-b", reasons)
+    assert rec["kind"] == "health" and rec["blame"] == [{"rank": None, "host": "node-b"}]
+    # the restart policy excludes the blamed hosts of the primary failure: this record is it
+    primary = primary_failure(read_failures(tmp_path))
+    assert primary is not None and primary["blame"][0]["host"] == "node-b"
+    summary = records.run_summary(tmp_path)
+    assert f"unhealthy node node-b: failed the health gate: {reasons[0]}" in summary, summary
+
+
+def test_verdicts_of_an_srun_are_read_per_host_and_a_silent_host_is_unhealthy(tmp_path: Path) -> None:
+    argv = health_argv(gpus=8, run_dir=tmp_path, timeout_s=20)
+    assert argv[1:7] == ["-m", "hpcdist", "health", "--json", "--timeout", "20"] and "--gpus" in argv
+    good = json.dumps({"host": "a", "ok": True, "reasons": [], "checks": {}, "seconds": 1.0})
+    bad = json.dumps({"host": "b", "ok": False, "reasons": ["xid: Xid 79"], "checks": {}, "seconds": 1.0})
+    output = f"srun: warning: something\n{good}\n{{not json\n{bad}\n" + '{"host": 3, "ok": "yes"}\n'
+    assert read_verdicts(output, ["a", "b", "c"]) == {
+        "a": [],
+        "b": ["xid: Xid 79"],
+        "c": ["no verdict from the health gate (node down, not started or timed out)"],
+    }
