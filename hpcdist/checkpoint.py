@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
@@ -59,6 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.config.dirs import tree_trust_problems, trusted_uids
@@ -239,6 +241,7 @@ class CheckpointManager:
         self.write_threads = max(1, write_threads)
         self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
         self._pending_path: Path | None = None  # that save's directory
+        self._last_writer: HashingWriter | None = None  # the last sync save's writer: its files' digests
         self._not_io = False  # the last agreement saw an error that is not I/O (save() raises)
         self._pg = self._async_pg = None
         if dist.is_initialized():
@@ -378,17 +381,23 @@ class CheckpointManager:
             raise thread_errors[0]
         _test_kill_point(step)
 
-    def _own_digests(self, path: Path) -> dict[str, dict[str, Any]]:
-        """Size and sha256 of the files this rank wrote (``_owner``): read back while they are still in this node's
-        page cache, and the work spread over the ranks as the writing was."""
+    def _own_digests(self, path: Path, written: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+        """Size and sha256 of the files this rank wrote (``_owner``), the work spread over the ranks as the writing
+        was: the shards' from ``written`` (hashed while DCP wrote them, :class:`HashingWriter`), the few small
+        others read back while they are still in this node's page cache."""
+        written = written if written is not None else self._last_writer.digests() if self._last_writer else {}
         return {
-            rel: _digest(path / rel, checksum=True) for rel in _files(path) if _owner(rel, self.world_size) == self.rank
+            rel: written[rel] if rel in written else _digest(path / rel, checksum=True)
+            for rel in _files(path)
+            if _owner(rel, self.world_size) == self.rank
         }
 
-    def _writer(self, path: Path) -> dcp.FileSystemWriter:
+    def _writer(self, path: Path) -> HashingWriter:
         # DCP serializes and writes with one thread by default: 0.29 GB/s here against dd's 1.07 for a 1.5 GB
-        # state; two threads halve the save (tools/bench/checkpoint.py)
-        return dcp.FileSystemWriter(str(path), thread_count=self.write_threads)
+        # state; two threads halve the save (tools/bench/checkpoint.py). The writer hashes what it writes, so the
+        # manifest needs no second pass over the shards (docs/CHECKPOINTS.md: that pass was ~20% of a save)
+        self._last_writer = HashingWriter(str(path), thread_count=self.write_threads)
+        return self._last_writer
 
     def _write_manifest(self, path: Path, *, distributed: bool) -> None:
         """MANIFEST.json: size and sha256 of every file, each hashed by the rank that wrote it, written by rank 0.
@@ -974,6 +983,82 @@ def _writer_thread_errors() -> Iterator[list[BaseException]]:
     finally:
         if (err := _take_thread_error()) is not None:
             errors.append(err)
+
+
+class _HashingFile:
+    """A file DCP writes through: every byte written goes into a sha256 as well, so the manifest's digest costs no
+    read-back (the hash runs on DCP's writer thread while the kernel is busy flushing the previous write)."""
+
+    def __init__(self, raw: Any):
+        self._raw, self._hash, self.size = raw, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        self._hash.update(view)
+        self.size += len(view)
+        return written
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self) -> _HashingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, its written files' sizes and sha256 recorded by path ({path: {size, sha256}})."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, dict[str, Any]] = {}  # DCP's writer threads add to it: dict item set is atomic
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as raw:
+            stream = _HashingFile(raw)
+            yield stream
+        # only a file whose writing finished has a digest (an error above leaves none)
+        self.written[os.fspath(path)] = {"size": stream.size, "sha256": stream.hexdigest()}
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)  # DCP writes .metadata.tmp, then renames it
+        if (entry := self.written.pop(os.fspath(path), None)) is not None:
+            self.written[os.fspath(new_path)] = entry
+
+
+class HashingWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter (same format, same files) that hashes every file while writing it: ``digests()``
+    gives the manifest entries of the files this rank wrote. (A pickled copy, e.g. in a checkpoint process,
+    records its own.)"""
+
+    def __init__(self, path: str, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem()
+
+    def digests(self) -> dict[str, dict[str, Any]]:
+        """{path relative to the checkpoint: {size, sha256}} of every file this writer finished."""
+        root = Path(self.path)
+        return {os.path.relpath(p, root): e for p, e in list(self.fs.written.items())}
 
 
 def _read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
