@@ -43,6 +43,8 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
+import multiprocessing as mp
 import os
 import re
 import shutil
@@ -51,7 +53,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,8 +61,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save (FACTS.md)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.config.dirs import tree_trust_problems, trusted_uids
@@ -73,6 +77,7 @@ MANIFEST = "MANIFEST.json"
 PARTS_DIR = ".manifest"  # async save: each rank's part of the manifest, merged by rank 0, then removed
 ASYNC_PARTS_TIMEOUT_S = 3600.0
 KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_kill_point
+KILL_WRITER_ENV = "HPCDIST_TEST_KILL_WRITER"  # test-only: the checkpoint process dies writing that step (_PartSpec)
 STATE_FILE = "trainer_state.json"
 RANK_DIR = "rank"  # rank/rank-<r>.pt: each rank's own state (Checkpointable.rank_state)
 _STEP_RE = re.compile(r"^step-(\d{8})$")
@@ -242,6 +247,8 @@ class CheckpointManager:
         self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
         self._pending_path: Path | None = None  # that save's directory
         self._last_writer: HashingWriter | None = None  # the last sync save's writer: its files' digests
+        self._stager: DefaultStager | None = None  # async save: staging buffers, allocated once, reused
+        self._process: _CheckpointProcess | None = None  # async save: the process that writes them
         self._not_io = False  # the last agreement saw an error that is not I/O (save() raises)
         self._pg = self._async_pg = None
         if dist.is_initialized():
@@ -368,12 +375,25 @@ class CheckpointManager:
                 finally:
                     done.set_result(ok)
 
+            # staged into buffers allocated by the first save and reused (shared memory, pinned on CUDA): the only
+            # part that blocks the loop; the checkpoint process serialises, hashes and writes from them
+            if self._stager is None:
+                self._stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=torch.cuda.is_available(),
+                        use_shared_memory=True,
+                        use_async_staging=False,
+                        use_non_blocking_copy=False,
+                    )
+                )
+            staged = self._stager.stage(state.dcp_state())
+            if self._process is None:
+                self._process = _CheckpointProcess(self._async_pg)
+            writer = self._writer(path)
+            kill = os.environ.get(KILL_WRITER_ENV) == str(step)
+            writer.part = _PartSpec(self.rank, self.world_size, step if kill else -1, os.getpid())
             self._pending, self._pending_path = done, path
-            _take_thread_error()  # a stale one from an earlier save is not this save's
-            _install_thread_hook()  # the writer threads run after this returns: their errors are collected globally
-            dcp.async_save(
-                state.dcp_state(), storage_writer=self._writer(path), process_group=self._async_pg
-            ).add_done_callback(shards_written)
+            self._process.submit(staged, writer).add_done_callback(shards_written)
             return
         with _single_process_ok(), _writer_thread_errors() as thread_errors:
             dcp.save(state.dcp_state(), storage_writer=self._writer(path), planner=state.save_planner)
@@ -455,9 +475,9 @@ class CheckpointManager:
         # runs in DCP's background thread on every rank once its shards are written (rank 0: and .metadata): each
         # rank hashes its own files and leaves its part in .manifest/ (no collectives off the main thread); rank 0
         # merges the parts into MANIFEST.json and writes the marker
-        err = fut.exception() or _take_thread_error()
-        if err is None:
-            err = _error_of(lambda: self._write_part(path))
+        err = fut.exception()
+        if err is None and not (path / PARTS_DIR / f"rank-{self.rank:05d}.json").is_file():
+            err = _error_of(lambda: self._write_part(path))  # the checkpoint process writes it; else hash here
         if err is not None:
             log.error(
                 "async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank, describe_error(err)
@@ -501,9 +521,25 @@ class CheckpointManager:
             ok = int(flag) == 0
         else:
             _barrier()
+        if not ok and self._process is not None:
+            # a failed background save may have killed a checkpoint process or broken their group: every rank starts
+            # new ones at the next save (a fresh port), so that save works
+            self._process.close()
+            self._process = None
         if not ok and path is not None and self.rank == 0 and not (path / MARKER).exists():
             shutil.rmtree(path, ignore_errors=True)
         return ok
+
+    def close(self) -> None:
+        """Collective: wait for an async save in flight, then stop the checkpoint process and free the staging
+        buffers. The manager can still save afterwards (they are made again)."""
+        self.wait()
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _prune(self) -> None:
         complete, incomplete = list_checkpoints(self.root)
@@ -538,8 +574,15 @@ class CheckpointManager:
         return usage.free < 64 << 20
 
     def _spread(self, items: list[str], fn: Callable[[str], Any]) -> dict[str, Any]:
-        """{item: fn(item)}, the work split over the ranks (each reads its share once) and gathered to all."""
-        mine = {item: fn(item) for item in items[self.rank :: self.world_size]}
+        """{item: fn(item)}, the work split over the ranks (each reads its share once) and gathered to all. A rank
+        runs its share on ``write_threads`` threads: one sha256 thread reads a cold file at ~0.5 of the disk's
+        speed here (hashlib and reads release the GIL, so threads overlap the reading with the hashing)."""
+        share = items[self.rank :: self.world_size]
+        if self.write_threads > 1 and len(share) > 1:
+            with ThreadPoolExecutor(max_workers=min(self.write_threads, len(share))) as pool:
+                mine = dict(zip(share, pool.map(fn, share), strict=True))
+        else:
+            mine = {item: fn(item) for item in share}
         if self._pg is None:
             return mine
         parts: list[dict[str, Any]] = [{} for _ in range(self.world_size)]
@@ -1046,6 +1089,16 @@ class _HashingFileSystem(FileSystem):
             self.written[os.fspath(new_path)] = entry
 
 
+@dataclass
+class _PartSpec:
+    """What the checkpoint process needs to leave this rank's part of the manifest (async save)."""
+
+    rank: int
+    world_size: int
+    kill_step: int = -1  # tests: SIGKILL the checkpoint process after its shards of this step (KILL_WRITER_ENV)
+    trainer_pid: int = 0  # the training process: the checkpoint process dies with it
+
+
 class HashingWriter(dcp.FileSystemWriter):
     """DCP's FileSystemWriter (same format, same files) that hashes every file while writing it: ``digests()``
     gives the manifest entries of the files this rank wrote. (A pickled copy, e.g. in a checkpoint process,
@@ -1055,10 +1108,119 @@ class HashingWriter(dcp.FileSystemWriter):
         super().__init__(path, **kwargs)
         self.fs = _HashingFileSystem()
 
+        self.part: _PartSpec | None = None  # async save: write this rank's manifest part after the shards
+
     def digests(self) -> dict[str, dict[str, Any]]:
         """{path relative to the checkpoint: {size, sha256}} of every file this writer finished."""
         root = Path(self.path)
         return {os.path.relpath(p, root): e for p, e in list(self.fs.written.items())}
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if self.part is not None and os.getpid() != self.part.trainer_pid:
+            _die_with_parent(
+                self.part.trainer_pid
+            )  # in the checkpoint process: never outlive the trainer, writing into a step dir
+        with _writer_thread_errors() as thread_errors:  # DCP drops a writer thread's failure: its files are missing
+            fut = super().write_data(plan, planner)
+        if thread_errors:
+            raise thread_errors[0]
+        if self.part is not None:  # (DCP's writer joined its threads: the future is done)
+            if self.part.kill_step >= 0 and Path(self.path).name == f"step-{self.part.kill_step:08d}":
+                os.kill(os.getpid(), signal.SIGKILL)
+            # this rank's part of the manifest: its shards' digests from the writing, its small files read here
+            root, written = Path(self.path), self.digests()
+            part = dict(written)
+            for rel in _files(root):
+                if rel.startswith(("rng/", f"{RANK_DIR}/")) and _owner(rel, self.part.world_size) == self.part.rank:
+                    part[rel] = _digest(root / rel, checksum=True)
+            atomic_write(root / PARTS_DIR / f"rank-{self.part.rank:05d}.json", json.dumps(part))
+        return fut
+
+
+class _CheckpointProcess:
+    """This training process's checkpoint process: DCP's process-based async checkpointer (a spawned daemon in a
+    gloo group of its own over the job's ranks) that serialises, hashes and writes a staged state while training
+    goes on, so the training process keeps its CPU and its GIL. Started in the background by the first save
+    (spawning and joining the group take seconds); ``close`` stops it."""
+
+    def __init__(self, group: Any):
+        self._ape, self._group = ape, group
+        # a daemonic process (a test harness's rank) may not start one: DCP's thread-based way, same writer
+        self.in_thread = mp.current_process().daemon
+        if self.in_thread:
+            log.warning(
+                "checkpoint.async_save: this daemonic process cannot start a checkpoint process; writing "
+                "from a background thread instead"
+            )
+        elif dist.is_initialized():
+            self._info = ape._ProcessGroupInitInfo(group)  # collective: rank 0 picks the group's port for everyone
+        else:  # one process without a process group: its checkpoint process makes a group of one
+            info = ape._ProcessGroupInitInfo.__new__(ape._ProcessGroupInitInfo)
+            info.local_rank = info.global_rank = 0
+            info.world_size = 1
+            info.tcp_store_master_addr, info.tcp_store_master_port = "127.0.0.1", _free_port()
+            info.use_prefix_store = info.disable_automatic_gc = info.disable_manual_gc = False
+            self._info = info
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcdist-checkpoint")
+        self._proc: Any = None
+
+    def submit(self, staged: dict[str, Any], writer: HashingWriter) -> Future[Any]:
+        return self._pool.submit(self._save, staged, writer)
+
+    def _save(self, staged: dict[str, Any], writer: HashingWriter) -> Any:
+        if self.in_thread:
+            with _single_process_ok():
+                return dcp.save(staged, storage_writer=writer, process_group=self._group)
+        if self._proc is None:
+            self._proc = _QuietCheckpointProcess(self._info)
+        return self._proc.save(staged, storage_writer=writer)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        child = proc._save_process
+        with contextlib.suppress(Exception):
+            if child.is_alive():
+                proc._send(self._ape._CheckpointSaveProcessControlOpts.TERMINATE)
+                child.join(5)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+
+
+class _QuietCheckpointProcess(ape._AsyncCheckpointProcess):
+    """DCP's checkpoint process without its root-logger chatter: it logs every request at INFO and a failure with
+    every rank's traceback on stderr; the trainer reports a failed save itself, in one line (describe_error)."""
+
+    @staticmethod
+    def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
+        ape._init_logger = lambda rank: None  # in the checkpoint process only
+        root = logging.getLogger()
+        root.addHandler(logging.NullHandler())  # no "last resort" printing either
+        root.setLevel(logging.CRITICAL + 1)
+        ape._AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent(trainer_pid: int) -> None:
+    """Linux: this process gets SIGKILL when its parent (the trainer) dies, so no orphan writes on into a checkpoint
+    a restarted job may be saving again."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != trainer_pid:  # the parent died before the call
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
