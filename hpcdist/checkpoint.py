@@ -1203,6 +1203,51 @@ class _QuietCheckpointProcess(ape._AsyncCheckpointProcess):
         ape._AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
 
 
+def staging_bytes(state: Any) -> int:
+    """Bytes of host memory an async save stages ``state`` (a DCP state dict) into: every tensor this rank holds
+    (a DTensor's local shard). AdamW's moments do not exist before the first step: a model whose optimizer holds
+    no tensors yet is counted with two moments per parameter, as it will be."""
+
+    def tensors(obj: Any) -> int:
+        if isinstance(obj, torch.Tensor):
+            local = obj.to_local() if hasattr(obj, "to_local") else obj
+            return local.numel() * local.element_size()
+        if isinstance(obj, dict):
+            return sum(tensors(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(tensors(v) for v in obj)
+        return 0
+
+    total = tensors(state)
+    if isinstance(state, dict) and "model" in state and "optim" in state and tensors(state["optim"]) == 0:
+        total += 2 * tensors(state["model"])
+    return total
+
+
+def size_text(n: float) -> str:
+    """Bytes for a person: GB from 0.1 GB up, MB below."""
+    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def check_staging_memory(need: int, ranks_per_node: int, available: int | None, shm_free: int | None) -> None:
+    """Start-up refusal (ConfigError, one line) when this node's ranks' staging buffers cannot fit: the host
+    memory the process may still take (MemAvailable, lowered by the cgroup's limit) and, since the buffers are
+    shared memory, /dev/shm's free space. An OOM kill in the middle of a run is the alternative."""
+    node = need * ranks_per_node
+    limits = [(available, "available host memory (MemAvailable / the job's cgroup limit)")]
+    limits.append((shm_free, "free space in /dev/shm, where shared memory lives"))
+    for limit, what in limits:
+        if limit is not None and node > limit:
+            raise ConfigError(
+                [
+                    f"checkpoint.async_save: staging a checkpoint needs {size_text(need)} of host memory per rank"
+                    f" ({size_text(node)} for this node's {ranks_per_node} rank(s)), more than the "
+                    f"{size_text(limit)} of {what}; set checkpoint.async_save=false (a sync save stages "
+                    "nothing), or run fewer ranks per node"
+                ]
+            )
+
+
 def _free_port() -> int:
     import socket
 

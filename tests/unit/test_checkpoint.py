@@ -552,3 +552,27 @@ def test_the_manifest_hashes_the_shards_while_writing_them(
     for rel, entry in files.items():  # every digest is the file's, as a re-read computes it
         assert entry == {"size": (path / rel).stat().st_size, "sha256": atomic.file_sha256(path / rel)}, rel
     assert mgr.verify(path) == []
+
+
+def test_async_staging_that_cannot_fit_is_refused_at_start_up(small_cfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28.2: the staging buffers an async save allocates at its first save are counted up front (model +
+    AdamW's two moments, which do not exist before the first step) and a need above the host's available memory is
+    refused at start-up in one line naming both, never an OOM kill mid-run."""
+    from hpcdist import trainer as trainer_mod
+    from hpcdist.env import from_environ
+
+    cfg = small_cfg("checkpoint.async_save=true", "train.steps=1", "checkpoint.save_final=false")
+    env = from_environ({}, cuda_available=False)
+    t = Trainer(cfg, env)  # fits here
+    before = checkpoint.staging_bytes(t.strategy.dcp_state())
+    t.train()
+    assert checkpoint.staging_bytes(t.strategy.dcp_state()) == before > 0  # the estimate is the real staged size
+    t.ckpt.close()
+
+    monkeypatch.setattr(trainer_mod, "available_memory", lambda: before // 2)
+    with pytest.raises(ConfigError) as e:
+        Trainer(cfg, env)
+    (line,) = [ln.strip(" -") for ln in str(e.value).splitlines() if "checkpoint.async_save" in ln]
+    assert line.startswith("checkpoint.async_save: staging a checkpoint needs") and "available host memory" in line
+    size = checkpoint.size_text
+    assert f"needs {size(before)} of host memory per rank" in line and f"than the {size(before // 2)} of" in line
