@@ -1205,23 +1205,26 @@ class _QuietCheckpointProcess(ape._AsyncCheckpointProcess):
 
 def staging_bytes(state: Any) -> int:
     """Bytes of host memory an async save stages ``state`` (a DCP state dict) into: every tensor this rank holds
-    (a DTensor's local shard). AdamW's moments do not exist before the first step: a model whose optimizer holds
-    no tensors yet is counted with two moments per parameter, as it will be."""
+    (a DTensor's local shard)."""
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    if isinstance(state, dict):
+        return sum(staging_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(staging_bytes(v) for v in state)
+    return 0
 
-    def tensors(obj: Any) -> int:
-        if isinstance(obj, torch.Tensor):
-            local = obj.to_local() if hasattr(obj, "to_local") else obj
-            return local.numel() * local.element_size()
-        if isinstance(obj, dict):
-            return sum(tensors(v) for v in obj.values())
-        if isinstance(obj, (list, tuple)):
-            return sum(tensors(v) for v in obj)
-        return 0
 
-    total = tensors(state)
-    if isinstance(state, dict) and "model" in state and "optim" in state and tensors(state["optim"]) == 0:
-        total += 2 * tensors(state["model"])
-    return total
+def staging_estimate(module: torch.nn.Module) -> int:
+    """What ``staging_bytes`` will find in a save of ``module`` with AdamW, counted before the first step (asking
+    DCP for the optimizer's state dict then would run a fake optimizer step: AdamW's step counter moves and the
+    losses change): each parameter's local shard in fp32 with its two fp32 moments, plus the buffers."""
+    total = 0
+    for param in module.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        total += 12 * local.numel()
+    return total + sum(b.numel() * b.element_size() for b in module.buffers())
 
 
 def size_text(n: float) -> str:

@@ -27,7 +27,7 @@ from hpcdist.checkpoint import (
     CheckpointMismatch,
     check_staging_memory,
     latest,
-    staging_bytes,
+    staging_estimate,
 )
 from hpcdist.config import JobConfig
 from hpcdist.data import BatchLoader, PrefetchLoader, make_sampler
@@ -146,7 +146,7 @@ class Trainer:
             # cannot fit, not with an OOM kill hours into the run
             shm = Path("/dev/shm")
             check_staging_memory(
-                staging_bytes(self.strategy.dcp_state()),
+                staging_estimate(self.strategy.model),
                 env.local_world_size,
                 available_memory(),
                 shutil.disk_usage(shm).free if shm.is_dir() else None,

@@ -106,6 +106,7 @@ def test_killed_during_save_resumes_from_previous(small_cfg, tmp_path) -> None:
     assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [2, 4, 6, 8]
 
 
+@pytest.mark.slow  # ~60 s on 2 busy cores: torchrun + 2 checkpoint processes spawned twice
 def test_a_checkpoint_process_killed_while_writing_leaves_nothing_trusted(small_cfg, tmp_path) -> None:
     """Issue 28.2, torchrun, 2 ranks, async save in checkpoint processes: both ranks' checkpoint processes are
     SIGKILLed after writing step 4's shards (test-only hook). Step 4 gets no marker and is removed; training goes

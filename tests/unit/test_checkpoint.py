@@ -564,9 +564,10 @@ def test_async_staging_that_cannot_fit_is_refused_at_start_up(small_cfg, monkeyp
     cfg = small_cfg("checkpoint.async_save=true", "train.steps=1", "checkpoint.save_final=false")
     env = from_environ({}, cuda_available=False)
     t = Trainer(cfg, env)  # fits here
-    before = checkpoint.staging_bytes(t.strategy.dcp_state())
+    before = checkpoint.staging_estimate(t.strategy.model)
     t.train()
-    assert checkpoint.staging_bytes(t.strategy.dcp_state()) == before > 0  # the estimate is the real staged size
+    staged = checkpoint.staging_bytes(t.strategy.dcp_state())  # what a save stages, AdamW's moments now there
+    assert before >= staged >= 0.97 * before, (before, staged)  # (the estimate counts the RoPE buffers too)
     t.ckpt.close()
 
     monkeypatch.setattr(trainer_mod, "available_memory", lambda: before // 2)
