@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-two-ranks", action="store_true")
     ap.add_argument("--fs-gbps", type=float, default=5.0, help="parallel FS write GB/s per node, for the 13B line")
+    ap.add_argument("--local-gbps", type=float, default=3.0, help="node-local disk GB/s, for the local tier line")
     ap.add_argument("--json", default=None)
     return ap
 
@@ -64,6 +65,7 @@ from hpcdist import config as config_mod  # noqa: E402
 from hpcdist.atomic import file_sha256  # noqa: E402
 from hpcdist.checkpoint import CheckpointManager  # noqa: E402
 from hpcdist.config import JobConfig  # noqa: E402
+from hpcdist.config.cluster import load_cluster  # noqa: E402
 from hpcdist.env import destroy_process_group, from_environ, init_process_group  # noqa: E402
 from hpcdist.models.args import ModelArgs, load_preset, num_params  # noqa: E402
 from hpcdist.trainer import Trainer  # noqa: E402
@@ -235,27 +237,45 @@ def two_ranks(preset: str, root: Path) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------- 13B prediction
-def predict_13b(hash_gbps: float, write_eff: float, fs_gbps: float) -> list[tuple[str, float]]:
+def predict_13b(
+    *, hash_gbps: float, write_eff: float, load_eff: float, fs_gbps: float, threads: int, local_gbps: float
+) -> list[tuple[str, float]]:
     """Seconds per part of one 13B ZeRO-3 save on 4 nodes x 8 ranks with today's code (hpcdist/checkpoint.py,
     parallel/zero.py), a rough model: the checkpoint is ZeRO's fp32 master + AdamW moments (4 + 8 = 12 bytes/param;
     no 16-bit copy, no gather), each rank writing its own 1/32 through DCP. Each rank first copies its share
-    device-to-host (assumed 20 GB/s per GPU, all in parallel): with async_save that staging copy is all that
-    blocks the loop. Then the 4 nodes write at ``fs_gbps`` per node x the write efficiency measured here, and each
-    rank hashes the files it wrote (one core per rank, in parallel)."""
+    device-to-host into its reused pinned staging buffer (assumed 20 GB/s per GPU, all in parallel): with
+    async_save that copy is all that blocks the loop; the checkpoint process does the rest. The 4 nodes write at
+    ``fs_gbps`` per node x the sync/dd efficiency measured here; each rank hashes while writing, on ``threads``
+    writer threads at the sha256 speed measured here, overlapped with the I/O (the save takes the longer of the
+    two). A load reads at ``fs_gbps`` x the load/read efficiency measured here.
+
+    The node-local tier (issue 28.3, not built yet) is predicted too: each node's share to its own NVMe at
+    ``local_gbps``, and the same bytes copied to its peer node over the inter-node links of the a100_ib profile
+    (the copy runs in the background; the slower of the link and the peer's disk sets its pace)."""
     n = num_params(ModelArgs(**load_preset("13b")))
-    share = 12 * n / 32  # bytes per rank
+    size, nodes, ranks = 12 * n, 4, 32
+    share = size / ranks
     staging_s = share / (20 * GB)
-    write_s = 12 * n / (4 * fs_gbps * write_eff * GB)
-    hash_s = share / (hash_gbps * GB)
+    write_s = size / (nodes * fs_gbps * write_eff * GB)
+    hash_s = share / (hash_gbps * threads * GB)
+    sync_s = staging_s + max(write_s, hash_s)
+    inter = load_cluster("a100_ib").hardware.inter_node_busbw_gbps or 0.0
+    per_node = size / nodes
+    local_s = per_node / (local_gbps * GB)
+    copy_s = per_node / (min(inter, local_gbps) * GB) if inter else math.nan
     return [
         ("params (B)", n / 1e9),
-        ("checkpoint size (GB)", 12 * n / GB),
+        ("checkpoint size (GB)", size / GB),
         ("each rank's share copied device-to-host (s)", staging_s),
         ("fp32 master + moments, 4 nodes writing (s)", write_s),
-        ("manifest: sha256 of one rank's share (s)", hash_s),
-        ("predicted sync save (s)", staging_s + write_s + hash_s),
+        (f"sha256 while writing, {threads} threads per rank, overlapped (s)", hash_s),
+        ("predicted sync save (s)", sync_s),
         ("predicted async save: blocking the loop (s)", staging_s),
-        ("predicted async save: until complete (s)", staging_s + write_s + hash_s),
+        ("predicted async save: until complete (s)", sync_s),
+        ("predicted load (s)", size / (nodes * fs_gbps * load_eff * GB)),
+        ("local tier: size per node (GB)", per_node / GB),
+        (f"local tier: write to node-local disk at {local_gbps:g} GB/s (s)", local_s),
+        (f"local tier: peer copy, {inter:g} GB/s links, peer disk {local_gbps:g} GB/s (s)", copy_s),
     ]
 
 
@@ -317,12 +337,21 @@ def main(argv: list[str] | None = None) -> int:
         for r, t in enumerate(two):
             print(row(f"  rank {r} hashed for the manifest (GB / s)", f"{t['bytes'] / GB:.2f} / {t['seconds']:.2f}"))
     print()
-    eff = min(1.0, sync_ratio)
+    eff, load_eff = min(1.0, sync_ratio), min(1.0, load_ratio)
+    threads = one["write_threads"]
     print(
         f"13B ZeRO-3 flagship on 4 nodes x 8 A100 (a100_ib), parallel FS {args.fs_gbps:g} GB/s per node, written "
-        f"at the sync/dd efficiency measured here ({eff:.2f}), sha256 {hash_gbps:.2f} GB/s per core:"
+        f"at the sync/dd efficiency measured here ({eff:.2f}), read at the load/read one ({load_eff:.2f}), sha256 "
+        f"{hash_gbps:.2f} GB/s per thread:"
     )
-    prediction = predict_13b(hash_gbps, eff, args.fs_gbps)
+    prediction = predict_13b(
+        hash_gbps=hash_gbps,
+        write_eff=eff,
+        load_eff=load_eff,
+        fs_gbps=args.fs_gbps,
+        threads=threads,
+        local_gbps=args.local_gbps,
+    )
     for name, value in prediction:
         print(row(name, value))
     predicted = dict(prediction)["predicted sync save (s)"]
