@@ -249,6 +249,7 @@ class CheckpointManager:
         self._last_writer: HashingWriter | None = None  # the last sync save's writer: its files' digests
         self._stager: DefaultStager | None = None  # async save: staging buffers, allocated once, reused
         self._process: _CheckpointProcess | None = None  # async save: the process that writes them
+        self._process_failed = False  # the last async save failed in the checkpoint process (wait() restarts it)
         self._not_io = False  # the last agreement saw an error that is not I/O (save() raises)
         self._pg = self._async_pg = None
         if dist.is_initialized():
@@ -370,6 +371,7 @@ class CheckpointManager:
 
             def shards_written(fut: Future[Any]) -> None:
                 ok = False
+                self._process_failed = fut.exception() is not None  # the checkpoint process's save itself failed
                 try:
                     ok = self._finish_async(fut, path, step, t0)
                 finally:
@@ -388,7 +390,7 @@ class CheckpointManager:
                 )
             staged = self._stager.stage(state.dcp_state())
             if self._process is None:
-                self._process = _CheckpointProcess(self._async_pg)
+                self._process = _checkpoint_process(self._async_pg)
             writer = self._writer(path)
             kill = os.environ.get(KILL_WRITER_ENV) == str(step)
             writer.part = _PartSpec(self.rank, self.world_size, step if kill else -1, os.getpid())
@@ -515,16 +517,19 @@ class CheckpointManager:
         if self._pending is not None:
             ok, path = self._pending.result(), self._pending_path
             self._pending = None
+        restart, self._process_failed = self._process_failed, False
         if self._pg is not None:  # agreed, so every rank reports the same outcome (a failed final save's exit status)
-            flag = torch.tensor([0 if ok else 1])
+            flag = torch.tensor([0 if ok else 1, int(restart)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
-            ok = int(flag) == 0
+            ok, restart = int(flag[0]) == 0, bool(flag[1])
         else:
             _barrier()
-        if not ok and self._process is not None:
-            # a failed background save may have killed a checkpoint process or broken their group: every rank starts
-            # new ones at the next save (a fresh port), so that save works
+        if restart and self._process is not None:
+            # a failed background write may have killed a checkpoint process or broken their group: every rank
+            # starts new ones at the next save (a fresh port), so that save works
             self._process.close()
+            if self._process is _SOLO.get("process"):
+                del _SOLO["process"]
             self._process = None
         if not ok and path is not None and self.rank == 0 and not (path / MARKER).exists():
             shutil.rmtree(path, ignore_errors=True)
@@ -535,7 +540,8 @@ class CheckpointManager:
         buffers. The manager can still save afterwards (they are made again)."""
         self.wait()
         if self._process is not None:
-            self._process.close()
+            if self._process is not _SOLO.get("process"):  # a one-process run's is shared: it stays for the next
+                self._process.close()
             self._process = None
         if self._stager is not None:
             self._stager.close()
@@ -1188,6 +1194,20 @@ class _CheckpointProcess:
         if child.is_alive():
             child.kill()
             child.join(5)
+
+
+_SOLO: dict[str, _CheckpointProcess] = {}  # a process without a process group: one checkpoint process for all
+
+
+def _checkpoint_process(group: Any) -> _CheckpointProcess:
+    """The checkpoint process for a manager's saves: per manager in a job (its group is the manager's), one per
+    training process without a process group (a second manager in it, ``hpcdist import`` or the tests, reuses it
+    instead of spawning and importing torch again)."""
+    if dist.is_initialized():
+        return _CheckpointProcess(group)
+    if "process" not in _SOLO:
+        _SOLO["process"] = _CheckpointProcess(group)
+    return _SOLO["process"]
 
 
 class _QuietCheckpointProcess(ape._AsyncCheckpointProcess):
