@@ -61,10 +61,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save (FACTS.md)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.config.dirs import tree_trust_problems, trusted_uids
@@ -247,7 +247,7 @@ class CheckpointManager:
         self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
         self._pending_path: Path | None = None  # that save's directory
         self._last_writer: HashingWriter | None = None  # the last sync save's writer: its files' digests
-        self._stager: DefaultStager | None = None  # async save: staging buffers, allocated once, reused
+        self._stager: _Staging | None = None  # async save: staging buffers, allocated once, reused
         self._process: _CheckpointProcess | None = None  # async save: the process that writes them
         self._process_failed = False  # the last async save failed in the checkpoint process (wait() restarts it)
         self._not_io = False  # the last agreement saw an error that is not I/O (save() raises)
@@ -380,14 +380,7 @@ class CheckpointManager:
             # staged into buffers allocated by the first save and reused (shared memory, pinned on CUDA): the only
             # part that blocks the loop; the checkpoint process serialises, hashes and writes from them
             if self._stager is None:
-                self._stager = DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=torch.cuda.is_available(),
-                        use_shared_memory=True,
-                        use_async_staging=False,
-                        use_non_blocking_copy=False,
-                    )
-                )
+                self._stager = _Staging()
             staged = self._stager.stage(state.dcp_state())
             if self._process is None:
                 self._process = _checkpoint_process(self._async_pg)
@@ -1093,6 +1086,28 @@ class _HashingFileSystem(FileSystem):
         super().rename(path, new_path)  # DCP writes .metadata.tmp, then renames it
         if (entry := self.written.pop(os.fspath(path), None)) is not None:
             self.written[os.fspath(new_path)] = entry
+
+
+class _Staging:
+    """An async save's host copy of the state: allocated by the first save (shared memory, so the checkpoint
+    process maps it without a copy; pinned on CUDA, for fast device-to-host copies) and refilled by every later
+    one. DCP's own state-dict helpers, as its BlockingAsyncStager uses them (they take DTensors and ZeRO's
+    ShardedTensors, which DCP's newer StateDictStager refuses)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] | None = None
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        if self._cache is not None:
+            try:
+                return _copy_state_dict(state, self._cache)
+            except (KeyError, ValueError, RuntimeError, AssertionError):  # another structure (a state part added)
+                self._cache = None
+        self._cache = _create_cpu_state_dict(state, pin_memory=torch.cuda.is_available(), share_memory=True)
+        return _copy_state_dict(state, self._cache)
+
+    def close(self) -> None:
+        self._cache = None
 
 
 @dataclass
