@@ -65,10 +65,12 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save (FACTS.md)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.config.dirs import tree_trust_problems, trusted_uids
 from hpcdist.config.loader import ConfigError
+from hpcdist.fault.supervise import _die_with_parent
 from hpcdist.logging_utils import get_logger
 
 MARKER = "COMPLETE"
@@ -1137,10 +1139,8 @@ class HashingWriter(dcp.FileSystemWriter):
         return {os.path.relpath(p, root): e for p, e in list(self.fs.written.items())}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        if self.part is not None and os.getpid() != self.part.trainer_pid:
-            _die_with_parent(
-                self.part.trainer_pid
-            )  # in the checkpoint process: never outlive the trainer, writing into a step dir
+        if self.part is not None and os.getpid() != self.part.trainer_pid:  # in the checkpoint process
+            _die_with_trainer(self.part.trainer_pid)
         with _writer_thread_errors() as thread_errors:  # DCP drops a writer thread's failure: its files are missing
             fut = super().write_data(plan, planner)
         if thread_errors:
@@ -1179,7 +1179,7 @@ class _CheckpointProcess:
             info = ape._ProcessGroupInitInfo.__new__(ape._ProcessGroupInitInfo)
             info.local_rank = info.global_rank = 0
             info.world_size = 1
-            info.tcp_store_master_addr, info.tcp_store_master_port = "127.0.0.1", _free_port()
+            info.tcp_store_master_addr, info.tcp_store_master_port = "127.0.0.1", get_free_port()
             info.use_prefix_store = info.disable_automatic_gc = info.disable_manual_gc = False
             self._info = info
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcdist-checkpoint")
@@ -1286,24 +1286,12 @@ def check_staging_memory(need: int, ranks_per_node: int, available: int | None, 
             )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent(trainer_pid: int) -> None:
-    """Linux: this process gets SIGKILL when its parent (the trainer) dies, so no orphan writes on into a checkpoint
+def _die_with_trainer(trainer_pid: int) -> None:
+    """The checkpoint process gets SIGKILL when the trainer dies (Linux), so no orphan writes on into a checkpoint
     a restarted job may be saving again."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != trainer_pid:  # the parent died before the call
-            os.kill(os.getpid(), signal.SIGKILL)
+    _die_with_parent()
+    if os.getppid() != trainer_pid:  # the trainer died before the call
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
