@@ -41,7 +41,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
+import logging
+import multiprocessing as mp
 import os
 import re
 import shutil
@@ -50,7 +53,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,11 +61,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save (FACTS.md)
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.config.dirs import tree_trust_problems, trusted_uids
 from hpcdist.config.loader import ConfigError
+from hpcdist.fault.supervise import _die_with_parent
 from hpcdist.logging_utils import get_logger
 
 MARKER = "COMPLETE"
@@ -71,6 +79,7 @@ MANIFEST = "MANIFEST.json"
 PARTS_DIR = ".manifest"  # async save: each rank's part of the manifest, merged by rank 0, then removed
 ASYNC_PARTS_TIMEOUT_S = 3600.0
 KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_kill_point
+KILL_WRITER_ENV = "HPCDIST_TEST_KILL_WRITER"  # test-only: the checkpoint process dies writing that step (_PartSpec)
 STATE_FILE = "trainer_state.json"
 RANK_DIR = "rank"  # rank/rank-<r>.pt: each rank's own state (Checkpointable.rank_state)
 _STEP_RE = re.compile(r"^step-(\d{8})$")
@@ -239,6 +248,10 @@ class CheckpointManager:
         self.write_threads = max(1, write_threads)
         self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
         self._pending_path: Path | None = None  # that save's directory
+        self._last_writer: HashingWriter | None = None  # the last sync save's writer: its files' digests
+        self._stager: _Staging | None = None  # async save: staging buffers, allocated once, reused
+        self._process: _CheckpointProcess | None = None  # async save: the process that writes them
+        self._process_failed = False  # the last async save failed in the checkpoint process (wait() restarts it)
         self._not_io = False  # the last agreement saw an error that is not I/O (save() raises)
         self._pg = self._async_pg = None
         if dist.is_initialized():
@@ -360,17 +373,24 @@ class CheckpointManager:
 
             def shards_written(fut: Future[Any]) -> None:
                 ok = False
+                self._process_failed = fut.exception() is not None  # the checkpoint process's save itself failed
                 try:
                     ok = self._finish_async(fut, path, step, t0)
                 finally:
                     done.set_result(ok)
 
+            # staged into buffers allocated by the first save and reused (shared memory, pinned on CUDA): the only
+            # part that blocks the loop; the checkpoint process serialises, hashes and writes from them
+            if self._stager is None:
+                self._stager = _Staging()
+            staged = self._stager.stage(state.dcp_state())
+            if self._process is None:
+                self._process = _checkpoint_process(self._async_pg)
+            writer = self._writer(path)
+            kill = os.environ.get(KILL_WRITER_ENV) == str(step)
+            writer.part = _PartSpec(self.rank, self.world_size, step if kill else -1, os.getpid())
             self._pending, self._pending_path = done, path
-            _take_thread_error()  # a stale one from an earlier save is not this save's
-            _install_thread_hook()  # the writer threads run after this returns: their errors are collected globally
-            dcp.async_save(
-                state.dcp_state(), storage_writer=self._writer(path), process_group=self._async_pg
-            ).add_done_callback(shards_written)
+            self._process.submit(staged, writer).add_done_callback(shards_written)
             return
         with single_process_dcp(), _writer_thread_errors() as thread_errors:
             dcp.save(state.dcp_state(), storage_writer=self._writer(path), planner=state.save_planner)
@@ -378,17 +398,23 @@ class CheckpointManager:
             raise thread_errors[0]
         _test_kill_point(step)
 
-    def _own_digests(self, path: Path) -> dict[str, dict[str, Any]]:
-        """Size and sha256 of the files this rank wrote (``_owner``): read back while they are still in this node's
-        page cache, and the work spread over the ranks as the writing was."""
+    def _own_digests(self, path: Path, written: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+        """Size and sha256 of the files this rank wrote (``_owner``), the work spread over the ranks as the writing
+        was: the shards' from ``written`` (hashed while DCP wrote them, :class:`HashingWriter`), the few small
+        others read back while they are still in this node's page cache."""
+        written = written if written is not None else self._last_writer.digests() if self._last_writer else {}
         return {
-            rel: _digest(path / rel, checksum=True) for rel in _files(path) if _owner(rel, self.world_size) == self.rank
+            rel: written[rel] if rel in written else _digest(path / rel, checksum=True)
+            for rel in _files(path)
+            if _owner(rel, self.world_size) == self.rank
         }
 
-    def _writer(self, path: Path) -> dcp.FileSystemWriter:
+    def _writer(self, path: Path) -> HashingWriter:
         # DCP serializes and writes with one thread by default: 0.29 GB/s here against dd's 1.07 for a 1.5 GB
-        # state; two threads halve the save (tools/bench/checkpoint.py)
-        return dcp.FileSystemWriter(str(path), thread_count=self.write_threads)
+        # state; two threads halve the save (tools/bench/checkpoint.py). The writer hashes what it writes, so the
+        # manifest needs no second pass over the shards (docs/CHECKPOINTS.md: that pass was ~20% of a save)
+        self._last_writer = HashingWriter(str(path), thread_count=self.write_threads)
+        return self._last_writer
 
     def _write_manifest(self, path: Path, *, distributed: bool) -> None:
         """MANIFEST.json: size and sha256 of every file, each hashed by the rank that wrote it, written by rank 0.
@@ -446,9 +472,9 @@ class CheckpointManager:
         # runs in DCP's background thread on every rank once its shards are written (rank 0: and .metadata): each
         # rank hashes its own files and leaves its part in .manifest/ (no collectives off the main thread); rank 0
         # merges the parts into MANIFEST.json and writes the marker
-        err = fut.exception() or _take_thread_error()
-        if err is None:
-            err = _error_of(lambda: self._write_part(path))
+        err = fut.exception()
+        if err is None and not (path / PARTS_DIR / f"rank-{self.rank:05d}.json").is_file():
+            err = _error_of(lambda: self._write_part(path))  # the checkpoint process writes it; else hash here
         if err is not None:
             log.error(
                 "async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank, describe_error(err)
@@ -486,15 +512,35 @@ class CheckpointManager:
         if self._pending is not None:
             ok, path = self._pending.result(), self._pending_path
             self._pending = None
+        restart, self._process_failed = self._process_failed, False
         if self._pg is not None:  # agreed, so every rank reports the same outcome (a failed final save's exit status)
-            flag = torch.tensor([0 if ok else 1])
+            flag = torch.tensor([0 if ok else 1, int(restart)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
-            ok = int(flag) == 0
+            ok, restart = int(flag[0]) == 0, bool(flag[1])
         else:
             _barrier()
+        if restart and self._process is not None:
+            # a failed background write may have killed a checkpoint process or broken their group: every rank
+            # starts new ones at the next save (a fresh port), so that save works
+            self._process.close()
+            if self._process is _SOLO.get("process"):
+                del _SOLO["process"]
+            self._process = None
         if not ok and path is not None and self.rank == 0 and not (path / MARKER).exists():
             shutil.rmtree(path, ignore_errors=True)
         return ok
+
+    def close(self) -> None:
+        """Collective: wait for an async save in flight, then stop the checkpoint process and free the staging
+        buffers. The manager can still save afterwards (they are made again)."""
+        self.wait()
+        if self._process is not None:
+            if self._process is not _SOLO.get("process"):  # a one-process run's is shared: it stays for the next
+                self._process.close()
+            self._process = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _prune(self) -> None:
         complete, incomplete = list_checkpoints(self.root)
@@ -529,8 +575,15 @@ class CheckpointManager:
         return usage.free < 64 << 20
 
     def _spread(self, items: list[str], fn: Callable[[str], Any]) -> dict[str, Any]:
-        """{item: fn(item)}, the work split over the ranks (each reads its share once) and gathered to all."""
-        mine = {item: fn(item) for item in items[self.rank :: self.world_size]}
+        """{item: fn(item)}, the work split over the ranks (each reads its share once) and gathered to all. A rank
+        runs its share on ``write_threads`` threads: one sha256 thread reads a cold file at ~0.5 of the disk's
+        speed here (hashlib and reads release the GIL, so threads overlap the reading with the hashing)."""
+        share = items[self.rank :: self.world_size]
+        if self.write_threads > 1 and len(share) > 1:
+            with ThreadPoolExecutor(max_workers=min(self.write_threads, len(share))) as pool:
+                mine = dict(zip(share, pool.map(fn, share), strict=True))
+        else:
+            mine = {item: fn(item) for item in share}
         if self._pg is None:
             return mine
         parts: list[dict[str, Any]] = [{} for _ in range(self.world_size)]
@@ -977,6 +1030,271 @@ def _writer_thread_errors() -> Iterator[list[BaseException]]:
     finally:
         if (err := _take_thread_error()) is not None:
             errors.append(err)
+
+
+class _HashingFile:
+    """A file DCP writes through: every byte written goes into a sha256 as well, so the manifest's digest costs no
+    read-back (the hash runs on DCP's writer thread while the kernel is busy flushing the previous write)."""
+
+    def __init__(self, raw: Any):
+        self._raw, self._hash, self.size = raw, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        self._hash.update(view)
+        self.size += len(view)
+        return written
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self) -> _HashingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, its written files' sizes and sha256 recorded by path ({path: {size, sha256}})."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, dict[str, Any]] = {}  # DCP's writer threads add to it: dict item set is atomic
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as raw:
+            stream = _HashingFile(raw)
+            yield stream
+        # only a file whose writing finished has a digest (an error above leaves none)
+        self.written[os.fspath(path)] = {"size": stream.size, "sha256": stream.hexdigest()}
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)  # DCP writes .metadata.tmp, then renames it
+        if (entry := self.written.pop(os.fspath(path), None)) is not None:
+            self.written[os.fspath(new_path)] = entry
+
+
+class _Staging:
+    """An async save's host copy of the state: allocated by the first save (shared memory, so the checkpoint
+    process maps it without a copy; pinned on CUDA, for fast device-to-host copies) and refilled by every later
+    one. DCP's own state-dict helpers, as its BlockingAsyncStager uses them (they take DTensors and ZeRO's
+    ShardedTensors, which DCP's newer StateDictStager refuses)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] | None = None
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        if self._cache is not None:
+            try:
+                return _copy_state_dict(state, self._cache)
+            except (KeyError, ValueError, RuntimeError, AssertionError):  # another structure (a state part added)
+                self._cache = None
+        self._cache = _create_cpu_state_dict(state, pin_memory=torch.cuda.is_available(), share_memory=True)
+        return _copy_state_dict(state, self._cache)
+
+    def close(self) -> None:
+        self._cache = None
+
+
+@dataclass
+class _PartSpec:
+    """What the checkpoint process needs to leave this rank's part of the manifest (async save)."""
+
+    rank: int
+    world_size: int
+    kill_step: int = -1  # tests: SIGKILL the checkpoint process after its shards of this step (KILL_WRITER_ENV)
+    trainer_pid: int = 0  # the training process: the checkpoint process dies with it
+
+
+class HashingWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter (same format, same files) that hashes every file while writing it: ``digests()``
+    gives the manifest entries of the files this rank wrote. (A pickled copy, e.g. in a checkpoint process,
+    records its own.)"""
+
+    def __init__(self, path: str, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem()
+
+        self.part: _PartSpec | None = None  # async save: write this rank's manifest part after the shards
+
+    def digests(self) -> dict[str, dict[str, Any]]:
+        """{path relative to the checkpoint: {size, sha256}} of every file this writer finished."""
+        root = Path(self.path)
+        return {os.path.relpath(p, root): e for p, e in list(self.fs.written.items())}
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if self.part is not None and os.getpid() != self.part.trainer_pid:  # in the checkpoint process
+            _die_with_trainer(self.part.trainer_pid)
+        with _writer_thread_errors() as thread_errors:  # DCP drops a writer thread's failure: its files are missing
+            fut = super().write_data(plan, planner)
+        if thread_errors:
+            raise thread_errors[0]
+        if self.part is not None:  # (DCP's writer joined its threads: the future is done)
+            if self.part.kill_step >= 0 and Path(self.path).name == f"step-{self.part.kill_step:08d}":
+                os.kill(os.getpid(), signal.SIGKILL)
+            # this rank's part of the manifest: its shards' digests from the writing, its small files read here
+            root, written = Path(self.path), self.digests()
+            part = dict(written)
+            for rel in _files(root):
+                if rel.startswith(("rng/", f"{RANK_DIR}/")) and _owner(rel, self.part.world_size) == self.part.rank:
+                    part[rel] = _digest(root / rel, checksum=True)
+            atomic_write(root / PARTS_DIR / f"rank-{self.part.rank:05d}.json", json.dumps(part))
+        return fut
+
+
+class _CheckpointProcess:
+    """This training process's checkpoint process: DCP's process-based async checkpointer (a spawned daemon in a
+    gloo group of its own over the job's ranks) that serialises, hashes and writes a staged state while training
+    goes on, so the training process keeps its CPU and its GIL. Started in the background by the first save
+    (spawning and joining the group take seconds); ``close`` stops it."""
+
+    def __init__(self, group: Any):
+        self._ape, self._group = ape, group
+        # a daemonic process (a test harness's rank) may not start one: DCP's thread-based way, same writer
+        self.in_thread = mp.current_process().daemon
+        if self.in_thread:
+            log.warning(
+                "checkpoint.async_save: this daemonic process cannot start a checkpoint process; writing "
+                "from a background thread instead"
+            )
+        elif dist.is_initialized():
+            self._info = ape._ProcessGroupInitInfo(group)  # collective: rank 0 picks the group's port for everyone
+        else:  # one process without a process group: its checkpoint process makes a group of one
+            info = ape._ProcessGroupInitInfo.__new__(ape._ProcessGroupInitInfo)
+            info.local_rank = info.global_rank = 0
+            info.world_size = 1
+            info.tcp_store_master_addr, info.tcp_store_master_port = "127.0.0.1", get_free_port()
+            info.use_prefix_store = info.disable_automatic_gc = info.disable_manual_gc = False
+            self._info = info
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcdist-checkpoint")
+        self._proc: Any = None
+
+    def submit(self, staged: dict[str, Any], writer: HashingWriter) -> Future[Any]:
+        return self._pool.submit(self._save, staged, writer)
+
+    def _save(self, staged: dict[str, Any], writer: HashingWriter) -> Any:
+        if self.in_thread:
+            with _single_process_ok():
+                return dcp.save(staged, storage_writer=writer, process_group=self._group)
+        if self._proc is None:
+            self._proc = _QuietCheckpointProcess(self._info)
+        return self._proc.save(staged, storage_writer=writer)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        child = proc._save_process
+        with contextlib.suppress(Exception):
+            if child.is_alive():
+                proc._send(self._ape._CheckpointSaveProcessControlOpts.TERMINATE)
+                child.join(5)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+
+
+_SOLO: dict[str, _CheckpointProcess] = {}  # a process without a process group: one checkpoint process for all
+
+
+def _checkpoint_process(group: Any) -> _CheckpointProcess:
+    """The checkpoint process for a manager's saves: per manager in a job (its group is the manager's), one per
+    training process without a process group (a second manager in it, ``hpcdist import`` or the tests, reuses it
+    instead of spawning and importing torch again)."""
+    if dist.is_initialized():
+        return _CheckpointProcess(group)
+    if "process" not in _SOLO:
+        _SOLO["process"] = _CheckpointProcess(group)
+    return _SOLO["process"]
+
+
+class _QuietCheckpointProcess(ape._AsyncCheckpointProcess):
+    """DCP's checkpoint process without its root-logger chatter: it logs every request at INFO and a failure with
+    every rank's traceback on stderr; the trainer reports a failed save itself, in one line (describe_error)."""
+
+    @staticmethod
+    def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
+        ape._init_logger = lambda rank: None  # in the checkpoint process only
+        root = logging.getLogger()
+        root.addHandler(logging.NullHandler())  # no "last resort" printing either
+        root.setLevel(logging.CRITICAL + 1)
+        ape._AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
+
+
+def staging_bytes(state: Any) -> int:
+    """Bytes of host memory an async save stages ``state`` (a DCP state dict) into: every tensor this rank holds
+    (a DTensor's local shard)."""
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    if isinstance(state, dict):
+        return sum(staging_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(staging_bytes(v) for v in state)
+    return 0
+
+
+def staging_estimate(module: torch.nn.Module) -> int:
+    """What ``staging_bytes`` will find in a save of ``module`` with AdamW, counted before the first step (asking
+    DCP for the optimizer's state dict then would run a fake optimizer step: AdamW's step counter moves and the
+    losses change): each parameter's local shard in fp32 with its two fp32 moments, plus the buffers."""
+    total = 0
+    for param in module.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        total += 12 * local.numel()
+    return total + sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+def size_text(n: float) -> str:
+    """Bytes for a person: GB from 0.1 GB up, MB below."""
+    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def check_staging_memory(need: int, ranks_per_node: int, available: int | None, shm_free: int | None) -> None:
+    """Start-up refusal (ConfigError, one line) when this node's ranks' staging buffers cannot fit: the host
+    memory the process may still take (MemAvailable, lowered by the cgroup's limit) and, since the buffers are
+    shared memory, /dev/shm's free space. An OOM kill in the middle of a run is the alternative."""
+    node = need * ranks_per_node
+    limits = [(available, "available host memory (MemAvailable / the job's cgroup limit)")]
+    limits.append((shm_free, "free space in /dev/shm, where shared memory lives"))
+    for limit, what in limits:
+        if limit is not None and node > limit:
+            raise ConfigError(
+                [
+                    f"checkpoint.async_save: staging a checkpoint needs {size_text(need)} of host memory per rank"
+                    f" ({size_text(node)} for this node's {ranks_per_node} rank(s)), more than the "
+                    f"{size_text(limit)} of {what}; set checkpoint.async_save=false (a sync save stages "
+                    "nothing), or run fewer ranks per node"
+                ]
+            )
+
+
+def _die_with_trainer(trainer_pid: int) -> None:
+    """The checkpoint process gets SIGKILL when the trainer dies (Linux), so no orphan writes on into a checkpoint
+    a restarted job may be saving again."""
+    _die_with_parent()
+    if os.getppid() != trainer_pid:  # the trainer died before the call
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:

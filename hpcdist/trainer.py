@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,15 @@ from typing import Any
 import torch.distributed as dist
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import STATE_FILE, Checkpointable, CheckpointManager, CheckpointMismatch, latest
+from hpcdist.checkpoint import (
+    STATE_FILE,
+    Checkpointable,
+    CheckpointManager,
+    CheckpointMismatch,
+    check_staging_memory,
+    latest,
+    staging_estimate,
+)
 from hpcdist.config import JobConfig
 from hpcdist.data import BatchLoader, PrefetchLoader, make_sampler
 from hpcdist.data.build import build_datasets
@@ -35,6 +44,7 @@ from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics.observer import Observer, StepRecord
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.models.hf_config import is_hf_dir
+from hpcdist.models.hf_directory import available_memory
 from hpcdist.optim import optim_hparams, set_optim_hparams
 from hpcdist.parallel.dims import describe_layout
 from hpcdist.parallel.parallelize import build_strategy
@@ -132,6 +142,15 @@ class Trainer:
             save_final=cfg.checkpoint.save_final,
             total_steps=cfg.train.steps,
         )
+        if cfg.checkpoint.async_save:  # the staging buffers are allocated at the first save: refuse now if they
+            # cannot fit, not with an OOM kill hours into the run
+            shm = Path("/dev/shm")
+            check_staging_memory(
+                staging_estimate(self.strategy.model),
+                env.local_world_size,
+                available_memory(),
+                shutil.disk_usage(shm).free if shm.is_dir() else None,
+            )
         self.evaluator = Evaluator(
             self.val_ds,
             every_steps=cfg.train.eval_every_steps,

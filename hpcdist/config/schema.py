@@ -296,7 +296,9 @@ class CheckpointConfig:
     Face Llama directory (config.json + safetensors, e.g. from `hpcdist export`): its weights, every one; the model
     section must equal config.json's (checked at load, key by key; docs/HF.md)."""
     async_save: bool = False
-    """Write checkpoints in the background while training continues."""
+    """Write checkpoints in the background while training continues: the state is copied into host staging buffers
+    (shared memory, pinned on CUDA; allocated at the first save, reused; refused at start-up when the node cannot
+    hold them) and a checkpoint process per rank writes them."""
     save_final: bool = True
     """Save a checkpoint when training ends."""
     write_threads: int = 0

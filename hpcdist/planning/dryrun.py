@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcdist import config as config_mod
+from hpcdist.checkpoint import size_text
 from hpcdist.config import JobConfig
 from hpcdist.config.cluster import ClusterConfig, load_cluster
 from hpcdist.models.args import num_params
@@ -110,6 +111,14 @@ class DryRunReport:
             usable = self.gpu_mem_gib - DEFAULT_MARGIN_GIB
             verdict = "fits" if self.fits else "does NOT fit"
             lines[-1] += f" -> {verdict} in {usable:g} GiB ({self.gpu_mem_gib:g} GiB less the planner's margin)"
+        if self.cfg.checkpoint.async_save:  # the trainer refuses at start-up when this does not fit the node
+            per_rank = max(4 * c.params + 8 * c.optimizer_params for c in self.counts)
+            ranks = min(self.gpus_per_node, self.world_size)
+            lines.append(
+                f"async checkpoint staging (host shared memory, allocated at the first save): up to "
+                f"{size_text(per_rank)} per rank (fp32 weights + AdamW's 2 moments), {size_text(per_rank * ranks)} "
+                f"per node of {ranks} rank(s)"
+            )
         if self.prediction:
             lines.append(self.prediction)
         lines += [f"note: {n}" for n in self.notes]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import torch
 
 from hpcdist import config as config_mod
 from hpcdist import run
-from hpcdist.checkpoint import DAMAGED, KILL_ENV, MANIFEST, MARKER, list_checkpoints
+from hpcdist.checkpoint import DAMAGED, KILL_ENV, KILL_WRITER_ENV, MANIFEST, MARKER, list_checkpoints
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.fault.stop import StopFlag, StopReason
@@ -103,6 +104,33 @@ def test_killed_during_save_resumes_from_previous(small_cfg, tmp_path) -> None:
     assert resumed["resumed"].endswith("step-00000002")
     assert resumed["losses"] == {s: v for s, v in straight["losses"].items() if s > 2}
     assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [2, 4, 6, 8]
+
+
+@pytest.mark.slow  # ~60 s on 2 busy cores: torchrun + 2 checkpoint processes spawned twice
+def test_a_checkpoint_process_killed_while_writing_leaves_nothing_trusted(small_cfg, tmp_path) -> None:
+    """Issue 28.2, torchrun, 2 ranks, async save in checkpoint processes: both ranks' checkpoint processes are
+    SIGKILLed after writing step 4's shards (test-only hook). Step 4 gets no marker and is removed; training goes
+    on unharmed (same losses as a sync run), the next saves (6, 8) start new processes and are complete, and a
+    resume takes step 8."""
+    straight = run_ranks(2, _train, small_cfg(*OVER, run_dir=tmp_path / "straight"))[0]
+    cfg = small_cfg(*OVER, "checkpoint.async_save=true", run_dir=tmp_path / "run")
+    config_file = config_mod.save(cfg, tmp_path / "config.yaml")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "hpcdist.cli", "train", str(config_file)]
+    env = {**os.environ, KILL_WRITER_ENV: "4", "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "step-00000004 failed" in out and "Traceback" not in out, out[-3000:]
+    complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
+    assert [s for s, _ in complete] == [2, 6, 8] and incomplete == []
+    summary = json.loads((Path(cfg.run.dir) / "run_summary.json").read_text())
+    assert summary["checkpoint"].endswith("step-00000008")
+    logged = {int(m[0]): float(m[1]) for m in re.findall(r"step (\d+)/8 \| loss ([0-9.]+)", out)}
+    assert logged == {s: round(v, 4) for s, v in straight["losses"].items()}  # training never noticed
+    resumed = run_ranks(2, _train, cfg)[0]
+    assert resumed["resumed"].endswith("step-00000008") and resumed["step"] == 8
 
 
 @contextlib.contextmanager

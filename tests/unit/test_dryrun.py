@@ -147,3 +147,15 @@ def test_cli_dry_run_exit_status_and_errors(capsys: pytest.CaptureFixture[str]):
     assert "--world-size applies only with --dry-run" in capsys.readouterr().err
     assert main(["train", "configs/demo.yaml", "--dry-run", "--ranks", "9"]) == 2
     assert "--ranks '9'" in capsys.readouterr().err
+
+
+def test_the_dry_run_shows_the_async_checkpoint_staging_need():
+    """Issue 28.2: the host memory an async save stages into is shown before the run (the trainer refuses it at
+    start-up when the node cannot hold it): fp32 weights + AdamW's two moments of what each rank holds."""
+    from hpcdist.checkpoint import size_text
+
+    report = dry_run(cfg("parallel.strategy=fsdp", "checkpoint.async_save=true"), 4)
+    per_rank = max(4 * c.params + 8 * c.optimizer_params for c in report.counts)
+    assert f"async checkpoint staging (host shared memory, allocated at the first save): up to {size_text(per_rank)}" \
+        " per rank" in report.text()
+    assert "async checkpoint staging" not in dry_run(cfg("parallel.strategy=fsdp"), 4).text()
