@@ -27,6 +27,7 @@ from hpcdist.config.rules import (
     grad_accum_steps,
 )
 from hpcdist.config.schema import (
+    ACTIVATION_CHECKPOINTING,
     CheckpointConfig,
     DataConfig,
     DataSourceConfig,
@@ -44,6 +45,7 @@ from hpcdist.config.schema import (
 from hpcdist.config.vocab import VOCAB_MULTIPLE, DataError, check_data
 
 __all__ = [
+    "ACTIVATION_CHECKPOINTING",
     "BYTE_VOCAB",
     "DATA_SOURCES",
     "DTYPES",
