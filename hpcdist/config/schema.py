@@ -154,9 +154,9 @@ class TrainConfig:
     """auto = bf16 autocast on GPU, fp32 on CPU."""
     activation_checkpointing: str | bool = "none"
     """none; full = keep each block's input only and recompute the whole block in backward (least memory, ~1/3 more
-    compute); selective = op-level: keep the outputs of the expensive ops (q/k/v and MLP-input matmuls, attention),
-    recompute the cheap ones and the two residual-branch output matmuls (most of the saving, a few % more compute).
-    true/false are accepted as full/none."""
+    compute); selective = op-level: keep the outputs of the expensive ops (every matmul, attention) and recompute the
+    cheap ones (norms, RoPE, SiLU, products): about half of none's memory for no recomputed matmul. true/false are
+    accepted as full/none."""
     compile: bool = False
     """torch.compile each transformer block (one graph reused for all blocks)."""
     eval_every_steps: int = 0

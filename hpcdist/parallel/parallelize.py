@@ -45,27 +45,18 @@ _SAC_SAVE_OPS = {
 _CUDNN_SDPA = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
 if _CUDNN_SDPA is not None:
     _SAC_SAVE_OPS.add(_CUDNN_SDPA.default)
-# A TransformerBlock runs 7 matmuls in this order: wq, wk, wv, wo, w1, w3, w2. wo's and w2's outputs only feed the
-# residual adds (backward never reads them), so keeping them would cost 2*s*b*dim per layer for nothing but their
-# recompute; they are recomputed instead (hpcdist.planning.memory counts exactly this set).
-_BLOCK_MATMULS, _RECOMPUTED_MATMULS = 7, (3, 6)
+
+
+def _save_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context_fn() -> tuple[Any, Any]:
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    counts = {"forward": 0, "recompute": 0}  # one per context pair: each block call gets fresh counters
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op is torch.ops.aten.mm.default:
-            phase = "recompute" if ctx.is_recompute else "forward"
-            index = counts[phase] % _BLOCK_MATMULS
-            counts[phase] += 1
-            if index in _RECOMPUTED_MATMULS:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+    return create_selective_checkpoint_contexts(_save_expensive_ops)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:

@@ -270,7 +270,8 @@ def estimate_step(
     c_bwd = 2 * c_fwd + c_fwd * recompute_flops_fraction(args, layout.activation_checkpointing, seq_len)
     layers = -(-args.n_layers // pp)
     act_bytes = b * seq_len * args.dim * 2  # one bf16 hidden-state tensor of the micro-batch
-    # either mode re-runs the block's forward collectives (selective recomputes wo/w2 and the gathers before wq/w1)
+    # either mode re-runs the block's forward collectives (selective: the gathers before wq / w1, the reductions after
+    # wo / w2 are not on its save list)
     t_tp = (4 + 2 * recomputes) * layers * _ring("all_reduce", act_bytes, tp, intra)
     t_p2p = 0.0
     if pp > 1:
@@ -420,7 +421,15 @@ def rank_layouts(
         for layout in layouts
     ]
     estimates.sort(
-        key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu, e.memory.total, _SIMPLER[e.layout.strategy], e.layout.pp)
+        key=lambda e: (
+            not e.fits,
+            -e.tokens_per_s_per_gpu,
+            # at equal modelled speed no recompute beats selective's unmodelled elementwise recompute
+            ACTIVATION_CHECKPOINTING.index(e.layout.activation_checkpointing),
+            e.memory.total,
+            _SIMPLER[e.layout.strategy],
+            e.layout.pp,
+        )
     )
     return estimates
 
@@ -507,9 +516,9 @@ def layout_table(
         f"{len(estimates)} layouts considered, {len(fitting)} fit; showing "
         f"{min(top, len(fitting))} fitting{' and the best that do not' if show_all else ''} (--top, --all).",
         "Model (formulas: docs/PLANNER.md): compute = tokens x flops_per_token (6N + 12*L*h*s; + the recomputed",
-        "  forward: ~x4/3 for AC full, wo+w2 matmuls for sel) / (peak x efficiency). Data-parallel collectives: ring",
-        "  all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n of the bytes over bus bandwidth (in-node if the",
-        "  group fits in a node),",
+        "  forward: ~x4/3 for AC full, none for sel: its matmuls are saved) / (peak x efficiency). Data-parallel",
+        "  collectives: ring all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n of the bytes over bus bandwidth",
+        "  (in-node if the group fits in a node),",
         "  hidden behind each micro-batch's forward/backward except one layer's share; the ZeRO-1/2 parameter",
         "  all-gather after the optimizer step is exposed. tp: sequence parallel, 4 all-reduce volumes per layer and",
         "  micro-batch (+2 recomputed), in-node, not overlapped. pp: 1F1B, bubble (pp-1)/(m+pp-1), p2p not overlapped.",

@@ -117,11 +117,12 @@ def layer_saved_bytes(
       roped q, k (or the repeated k, v copies under GQA), v, the SDPA output (wo reads it as a view) and the fp32
       log-sum-exp (4H); SwiGLU keeps w1's, w3's, silu's and the product's outputs (4eF).
     * full: the block's input (eD); the block is recomputed in backward.
-    * selective: the input, the outputs of wq, wk, wv, SDPA (+ log-sum-exp), w1 and w3
-      (hpcdist.parallel.parallelize's policy: wo and w2 feed only the residual adds and are recomputed).
+    * selective: the input and the outputs of every matmul (wq, wk, wv, wo, w1, w3, w2) and of SDPA (+ log-sum-exp):
+      hpcdist.parallel.parallelize's policy; norms, RoPE, SiLU and products are recomputed.
 
     Tensor parallelism shards heads and the MLP hidden size; sequence parallelism also shards the norms' and the
-    residual stream's tensors, else those stay whole on every tp rank.
+    residual stream's tensors, else those stay whole on every tp rank. wo's and w2's outputs are kept before the
+    row-parallel reduction: whole (s x D partial sums) on every tp rank.
     """
     mode = activation_checkpointing_mode(mode)
     e, d, hd = element_bytes, args.dim, args.head_dim
@@ -133,6 +134,7 @@ def layer_saved_bytes(
     if mode == "selective":
         stream = e * d
         sharded = e * (q + 2 * kv) + e * q + 4 * args.n_heads + 2 * e * ffn
+        return tokens * (stream // stream_div + sharded // tp + 2 * e * d)
     elif mode == "none":
         stream = 2 * (4 * d + 2 * e * d)  # two RMSNorms
         kv_saved = 2 * e * q if q != kv else 2 * e * kv  # repeat_kv copies k and v under GQA; else k', v
@@ -165,15 +167,14 @@ def saved_activation_bytes(
 
 def recompute_flops_fraction(args: ModelArgs, mode: str | bool, seq_len: int) -> float:
     """Extra forward FLOPs backward spends recomputing, as a fraction of the forward's: full recomputes every block
-    (the forward less the output head), selective only wo's and w2's matmuls."""
+    (the forward less the output head); selective keeps every matmul's and attention's output, so it recomputes no
+    FLOPs this model counts (the norms', RoPE's and SiLU's elementwise work is memory-bound and, like in
+    flops_per_token, not counted: the planner ranks none before selective at equal speed)."""
     mode = activation_checkpointing_mode(mode)
-    if mode == "none":
+    if mode in ("none", "selective"):
         return 0.0
     forward = flops_per_token(args, seq_len) / 3  # 2N + attention per token
-    d, q = args.dim, args.n_heads * args.head_dim
-    if mode == "selective":
-        return args.n_layers * 2 * (q * d + args.ffn_dim * d) / forward
-    return (forward - 2 * args.vocab_size * d) / forward
+    return (forward - 2 * args.vocab_size * args.dim) / forward
 
 
 def activation_bytes(
