@@ -81,6 +81,17 @@ def test_zero_matches_single_process(small_cfg, ref, tmp_path: Path, stage: int,
         torch.testing.assert_close(p, ref["model"][name], rtol=0, atol=1e-4, msg=name)
 
 
+def test_zero3_selective_checkpointing_matches_single_process(small_cfg, ref, tmp_path: Path) -> None:
+    """configs/train_13b.yaml's combination: op-level checkpointing wraps the blocks before DeepSpeed partitions them;
+    ZeRO-3 gathers each block's parameters again for the recompute and the fp32 losses stay the reference's."""
+    cfg = small_cfg(
+        f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4", "parallel.strategy=zero",
+        "parallel.zero.stage=3", "train.activation_checkpointing=selective", *NO_CKPT, run_dir=tmp_path / "zero",
+    )
+    out = run_ranks(2, _train, cfg)[0]
+    torch.testing.assert_close(_losses(out), _losses(ref), rtol=RTOL, atol=0)
+
+
 @pytest.mark.parametrize(
     "offload",
     [("parallel.zero.stage=2", "parallel.zero.offload_optimizer=true"),
