@@ -114,3 +114,24 @@ def test_a_wrong_mode_is_refused_naming_the_key_and_the_choices():
     with pytest.raises(ConfigError) as e:
         load("configs/demo.yaml", ["train.activation_checkpointing=partial"])
     assert "train.activation_checkpointing: 'partial' is not one of none, full, selective" in str(e.value)
+
+
+def test_trainer_runs_selective_and_logs_the_first_step_with_its_watchdog_allowance(small_cfg, caplog) -> None:
+    """The trainer's own path (parallelize -> DDP strategy) with selective checkpointing; the first step's time
+    (torch.compile's, with train.compile) is logged with the allowance the watchdog gives it."""
+    from hpcdist.trainer import Trainer
+    from tests.dist.harness import single
+
+    cfg = small_cfg(
+        "train.steps=2",
+        "train.micro_batch_size=4",
+        "train.activation_checkpointing=selective",
+        "fault.watchdog_slow_phase_s=321",
+        "checkpoint.every_steps=0",
+        "checkpoint.save_final=false",
+    )
+    with caplog.at_level("INFO", logger="hpcdist"):
+        losses = single(lambda env, c: Trainer(c, env).train().losses, cfg)
+    assert sorted(losses) == [1, 2]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("first step of this attempt")]
+    assert len(lines) == 1 and "(warm-up; the watchdog allows up to 321 s for it" in lines[0], lines
