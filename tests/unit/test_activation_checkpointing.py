@@ -135,3 +135,25 @@ def test_trainer_runs_selective_and_logs_the_first_step_with_its_watchdog_allowa
     assert sorted(losses) == [1, 2]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("first step of this attempt")]
     assert len(lines) == 1 and "(warm-up; the watchdog allows up to 321 s for it" in lines[0], lines
+
+
+@pytest.mark.parametrize("wrap", ["compile", "full", "selective"])
+def test_a_wrapped_whole_model_materializes_like_the_plain_one(wrap):
+    """ZeRO's path: the whole model is wrapped (compile, checkpointing) and then materialized as its own reference.
+    Wrapping is lazy (nothing compiles until a forward), so this runs in milliseconds."""
+    from hpcdist.parallel.materialize import materialize
+    from hpcdist.parallel.mesh import clean_fqn
+    from hpcdist.parallel.parallelize import apply_compile
+
+    args = ModelArgs(**load_preset("tiny"))
+    model = build_model(args)
+    if wrap == "compile":
+        apply_compile(model)
+    else:
+        apply_activation_checkpointing(model, wrap)
+    materialize([model], reference=model, device=torch.device("cpu"), seed=7)
+    torch.manual_seed(7)
+    plain = build_model(args, "cpu")
+    got = {clean_fqn(n): p for n, p in model.named_parameters()}
+    for name, p in plain.named_parameters():
+        assert torch.equal(got[name], p), name
