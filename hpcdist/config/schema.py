@@ -126,6 +126,8 @@ class OptimConfig:
     """Max global gradient norm; 0 disables clipping (the norm is still measured)."""
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""train.compile_backend's choices (torchtitan's compile.backend): torch.compile backends that train on CPU and GPU."""
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 """train.activation_checkpointing's modes (hpcdist.parallel.parallelize applies them, hpcdist.planning.memory models
 them)."""
@@ -159,6 +161,10 @@ class TrainConfig:
     accepted as full/none."""
     compile: bool = False
     """torch.compile each transformer block (one graph reused for all blocks)."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend: inductor (generated kernels: the speed-up; the default), aot_eager (the same dynamo
+    and AOTAutograd graphs run with eager kernels: compiles in seconds; to tell a numerics difference of inductor's
+    kernels from a tracing problem), eager (dynamo's capture only)."""
     eval_every_steps: int = 0
     """0 disables periodic evaluation."""
     eval_batches: int = 4

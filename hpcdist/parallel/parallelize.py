@@ -73,10 +73,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **extra))
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """Compile block by block: blocks are identical, so one graph is reused and compile time stays flat in depth."""
     for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+        model.layers.register_module(name, torch.compile(block, fullgraph=True, backend=backend))
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
@@ -154,7 +154,7 @@ def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy
     export_environ(env)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
-        apply_compile(model)
+        apply_compile(model, cfg.train.compile_backend)
     materialize([model], reference=model, device=device, seed=cfg.run.seed)
     return ZeroStrategy(
         model,
@@ -212,7 +212,7 @@ def parallelize(
             apply_tp(part, meshes["tp"], loss_parallel=True)
         apply_activation_checkpointing(part, cfg.train.activation_checkpointing)
         if compile_blocks:
-            apply_compile(part)
+            apply_compile(part, cfg.train.compile_backend)
         if dims.fsdp_enabled:
             apply_fsdp(
                 part,
