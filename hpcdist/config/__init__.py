@@ -29,6 +29,7 @@ from hpcdist.config.rules import (
     shrink_problems,
 )
 from hpcdist.config.schema import (
+    ACTIVATION_CHECKPOINTING,
     CheckpointConfig,
     DataConfig,
     DataSourceConfig,
@@ -46,6 +47,7 @@ from hpcdist.config.schema import (
 from hpcdist.config.vocab import VOCAB_MULTIPLE, DataError, check_data
 
 __all__ = [
+    "ACTIVATION_CHECKPOINTING",
     "BYTE_VOCAB",
     "DATA_SOURCES",
     "DTYPES",

@@ -19,7 +19,7 @@ from typing import Any
 from hpcdist.config import layout
 from hpcdist.config.layout import STRATEGIES, LayoutKind
 from hpcdist.config.loader import ConfigError, echo
-from hpcdist.config.schema import JobConfig, ParallelConfig
+from hpcdist.config.schema import ACTIVATION_CHECKPOINTING, COMPILE_BACKENDS, JobConfig, ParallelConfig
 from hpcdist.models import hf_config
 from hpcdist.models.args import MODEL_MAXIMA
 from hpcdist.models.hf_directory import open_hf_dir
@@ -415,6 +415,8 @@ def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
     if t.max_nonfinite_skips < 1:
         p.append(f"train.max_nonfinite_skips: must be >= 1, got {t.max_nonfinite_skips}")
     p += _choice("train.dtype", t.dtype, DTYPES)
+    p += _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+    p += _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
     p += _positive_problems(
         cfg, ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches"]
     )

@@ -16,6 +16,7 @@ from hpcdist.models.args import ModelArgs
 from hpcdist.rundir import RunDir
 
 __all__ = [
+    "ACTIVATION_CHECKPOINTING",
     "CheckpointConfig",
     "DataConfig",
     "FSDPConfig",
@@ -31,6 +32,7 @@ __all__ = [
     "TrainConfig",
     "WandbConfig",
     "ZeroConfig",
+    "activation_checkpointing_mode",
 ]
 
 
@@ -124,6 +126,22 @@ class OptimConfig:
     """Max global gradient norm; 0 disables clipping (the norm is still measured)."""
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""train.compile_backend's choices (torchtitan's compile.backend): torch.compile backends that train on CPU and GPU."""
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+"""train.activation_checkpointing's modes (hpcdist.parallel.parallelize applies them, hpcdist.planning.memory models
+them)."""
+_AC_ALIASES: dict[Any, str] = {True: "full", False: "none", "true": "full", "false": "none"}
+
+
+def activation_checkpointing_mode(value: str | bool) -> str:
+    """The mode a train.activation_checkpointing value names: booleans (YAML true/false, the key's old type) map to
+    full/none; anything else is returned unchanged for the rules to accept or refuse."""
+    if isinstance(value, bool):
+        return _AC_ALIASES[value]
+    return _AC_ALIASES.get(value.lower(), value) if isinstance(value, str) else value
+
+
 @dataclass
 class TrainConfig:
     """The training loop (``train:``): length, batch sizes, precision, evaluation."""
@@ -136,10 +154,17 @@ class TrainConfig:
     """Samples per forward pass per rank; accumulation = global / (micro * data-parallel size)."""
     dtype: str = "auto"
     """auto = bf16 autocast on GPU, fp32 on CPU."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward (less memory, ~1/3 more compute)."""
+    activation_checkpointing: str | bool = "none"
+    """none; full = keep each block's input only and recompute the whole block in backward (least memory, ~1/3 more
+    compute); selective = op-level: keep the outputs of the expensive ops (every matmul, attention) and recompute the
+    cheap ones (norms, RoPE, SiLU, products): about half of none's memory for no recomputed matmul. true/false are
+    accepted as full/none."""
     compile: bool = False
     """torch.compile each transformer block (one graph reused for all blocks)."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend: inductor (generated kernels: the speed-up; the default), aot_eager (the same dynamo
+    and AOTAutograd graphs run with eager kernels: compiles in seconds; to tell a numerics difference of inductor's
+    kernels from a tracing problem), eager (dynamo's capture only)."""
     eval_every_steps: int = 0
     """0 disables periodic evaluation."""
     eval_batches: int = 4
@@ -152,6 +177,10 @@ class TrainConfig:
     (the update is dropped, the LR schedule not advanced; one device sync per step; not with parallel.strategy=zero)."""
     max_nonfinite_skips: int = 10
     """With nonfinite=skip: more non-finite steps than this in a row stop the run like nonfinite=stop."""
+
+    def __post_init__(self) -> None:
+        # one spelling downstream: every reader compares against ACTIVATION_CHECKPOINTING
+        self.activation_checkpointing = activation_checkpointing_mode(self.activation_checkpointing)
 
 
 @dataclass

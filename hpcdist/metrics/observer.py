@@ -122,6 +122,7 @@ class Observer:
         self.peak = peak_flops(env.torch_device(), configured=cfg.logging.peak_flops)
         self.throughput = Throughput(env.world_size)
         self._timing = _Timing()
+        self.first_step_s: float | None = None  # this attempt's first step (compile and warm-up included)
         # each node's local rank 0 exports Prometheus metrics (logging.prometheus); a no-op otherwise
         self.prom = PrometheusExporter(
             cfg, enabled=env.local_rank == 0, node=env.node_rank, job=env.job_id or cfg.run.name, restarts=restarts
@@ -164,6 +165,8 @@ class Observer:
         self.throughput.update(self.tokens_per_step, r.step_s)
         self.prom.step(r.step_s, samples=self.cfg.train.global_batch_size, tokens=self.tokens_per_step)
         self.watchdog.step_time(r.step_s)
+        if self.first_step_s is None:
+            self._first_step(r.step_s)
         loss = eval_loss = None
         if self.metrics.due(r.step, last=r.last):
             with self.watchdog.phase(r.step, "logging (loss all-reduce)"):
@@ -174,6 +177,20 @@ class Observer:
         if self.stragglers.due(r.step):
             self._check_stragglers(r.step)
         return StepReport(loss=loss, eval_loss=eval_loss)
+
+    def _first_step(self, seconds: float) -> None:
+        """Say once what the attempt's first step cost: with train.compile it holds the block's torch.compile, which
+        the watchdog allows up to its slow-phase allowance (later steps get STEP_FACTOR x the slowest later one)."""
+        self.first_step_s = seconds
+        if self.env.is_main:
+            what = "torch.compile of the transformer block and warm-up" if self.cfg.train.compile else "warm-up"
+            log.info(
+                "first step of this attempt: %.1f s (%s; the watchdog allows up to %.0f s for it: "
+                "fault.watchdog_slow_phase_s)",
+                seconds,
+                what,
+                self.watchdog.slow_phase_s,
+            )
 
     def end_step(self, step: int) -> None:
         """After the step's checkpoint decision: the straggler window and goodput get the whole iteration's time

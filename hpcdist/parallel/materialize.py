@@ -34,7 +34,8 @@ __all__ = ["materialize"]
 def materialize(parts: Sequence[nn.Module], *, reference: Transformer, device: torch.device, seed: int) -> None:
     """Allocate this rank's ``parts`` on ``device`` and give them the single-process init of ``seed``.
 
-    ``reference`` is the unsplit model (names, shapes, dtypes); it may be ``parts[0]`` itself when nothing is split.
+    ``reference`` is the unsplit model (names, shapes, dtypes); it may be ``parts[0]`` itself when nothing is split,
+    wrapped by activation checkpointing or compile (ZeRO's path): its names are read through ``clean_fqn``.
     Collective when the layout shards or splits (every rank calls it); purely local otherwise.
     """
     if _whole_and_plain(parts, reference):
@@ -63,7 +64,9 @@ def materialize(parts: Sequence[nn.Module], *, reference: Transformer, device: t
         ref.init_weights()  # draws from the RNG just seeded, like the in-place path
         ref.tie_weights()
         full = ref.state_dict()
-    for name, meta in reference.state_dict().items():
+    for wrapped, meta in reference.state_dict().items():
+        # torch.compile's wrapper keeps its '_orig_mod.' component in state_dict keys (checkpoint_wrapper drops its own)
+        name = clean_fqn(wrapped)
         if distributed:
             value = full[name].to(device) if is_src else torch.empty(meta.shape, dtype=meta.dtype, device=device)
             dist.broadcast(value, src=0)
@@ -89,7 +92,8 @@ def _whole_and_plain(parts: Sequence[nn.Module], reference: nn.Module) -> bool:
     The same answer on every rank (it depends on the layout only), so the collective branch is taken by all."""
     if len(parts) != 1 or any(isinstance(p, DTensor) for p in parts[0].parameters()):
         return False
-    return {clean_fqn(n) for n, _ in parts[0].named_parameters()} == {n for n, _ in reference.named_parameters()}
+    names = {clean_fqn(n) for n, _ in reference.named_parameters()}
+    return {clean_fqn(n) for n, _ in parts[0].named_parameters()} == names
 
 
 def _init_in_place(model: nn.Module, *, device: torch.device, seed: int) -> None:

@@ -33,17 +33,50 @@ from hpcdist.parallel.pp import part_costs, schedule_stages_per_rank, split_laye
 from hpcdist.parallel.tp import apply_tp
 from hpcdist.parallel.zero import ZeroStrategy, deepspeed_config
 
+# Ops whose outputs selective checkpointing keeps (torchtitan's op-level list, less its float8 and collective
+# entries): the matmuls and every SDPA backend. Whatever else a block computes (norms, RoPE, SiLU, products,
+# reshapes) is cheap and recomputed in backward.
+_SAC_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+_CUDNN_SDPA = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+if _CUDNN_SDPA is not None:
+    _SAC_SAVE_OPS.add(_CUDNN_SDPA.default)
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each transformer block in backward: activation memory per block drops to its input."""
+
+def _save_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context_fn() -> tuple[Any, Any]:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_expensive_ops)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """train.activation_checkpointing per transformer block: ``full`` keeps only each block's input and recomputes
+    the block in backward; ``selective`` (op-level) also keeps the outputs of the ops in ``_SAC_SAVE_OPS`` and
+    recomputes the rest; ``none`` changes nothing. Non-reentrant checkpointing either way (the one form that
+    composes with FSDP2, DTensor and compile)."""
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"train.activation_checkpointing: {mode!r} is not one of none, full, selective")
+    extra = {"context_fn": _selective_context_fn} if mode == "selective" else {}
     for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False, **extra))
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """Compile block by block: blocks are identical, so one graph is reused and compile time stays flat in depth."""
     for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+        model.layers.register_module(name, torch.compile(block, fullgraph=True, backend=backend))
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
@@ -119,10 +152,9 @@ def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy
     # DeepSpeed asserts LOCAL_RANK even for one process; hpcdist.run exports it with the process group, a
     # Trainer built directly (the Python API, one process, no init_process_group) did not
     export_environ(env)
-    if cfg.train.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
-        apply_compile(model)
+        apply_compile(model, cfg.train.compile_backend)
     materialize([model], reference=model, device=device, seed=cfg.run.seed)
     return ZeroStrategy(
         model,
@@ -178,10 +210,9 @@ def parallelize(
     for part in parts:
         if dims.tp_enabled:
             apply_tp(part, meshes["tp"], loss_parallel=True)
-        if cfg.train.activation_checkpointing:
-            apply_activation_checkpointing(part)
+        apply_activation_checkpointing(part, cfg.train.activation_checkpointing)
         if compile_blocks:
-            apply_compile(part)
+            apply_compile(part, cfg.train.compile_backend)
         if dims.fsdp_enabled:
             apply_fsdp(
                 part,

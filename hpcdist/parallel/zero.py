@@ -28,6 +28,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 
 from hpcdist.parallel.base import Strategy, cross_entropy
+from hpcdist.parallel.mesh import clean_fqn
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,9 @@ class ZeroStrategy(Strategy):
         self._attach_optimizer(model)
         # each param group's FQNs, taken before DeepSpeed swaps the groups' parameters for its flat partitions:
         # checkpoints list groups by FQN, as the torch strategies' optimizer state dicts do
-        names = {id(p): n for n, p in model.named_parameters()}
+        # (the unwrapped model's FQNs: activation checkpointing and compile insert path components a run without them,
+        # or another strategy, would not find)
+        names = {id(p): clean_fqn(n) for n, p in model.named_parameters()}
         self._fqn_groups = [[names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
         self._shard_layout: dict[str, list[ShardMetadata]] | None = None  # built at the first checkpoint
         _ensure_process_group(self.device, _dp_size(ds_config))
@@ -203,7 +206,8 @@ class ZeroStrategy(Strategy):
         """Where this rank's fp32 master of each parameter lies: DeepSpeed's flat partition, the offset in it and
         the flat range of the parameter it covers (empty on a rank holding none of it). Views, never copies."""
         opt, out = self.ds_optimizer, []
-        for fqn, p in self.module.named_parameters():
+        for name, p in self.module.named_parameters():
+            fqn = clean_fqn(name)  # as every other strategy names it (wrappers dropped)
             shape = tuple(getattr(p, "ds_shape", p.shape))
             if self.stage == 3:
                 # every rank holds [rank * k, (rank + 1) * k) of the flat parameter, the last one padded

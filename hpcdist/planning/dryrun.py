@@ -89,7 +89,7 @@ class DryRunReport:
             f"{self.world_size} ranks ({nodes} node(s) x {min(self.gpus_per_node, self.world_size)})",
             f"layout: {self.layout}; micro batch {t.micro_batch_size} x {accum} micro-batch(es) per step x "
             f"{self._dp()} data-parallel = global batch {t.global_batch_size}; seq {self.cfg.data.seq_len}; "
-            f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}",
+            f"activation checkpointing {t.activation_checkpointing}",
             "",
             f"{'rank':>5}  {'node':>4}  {'mesh':<22}  {'params':>15}  {'share':>7}  {'optimizer state':>15}  how",
         ]
@@ -157,10 +157,10 @@ def _count_rank(cfg: JobConfig, rank: int, node: int, world_size: int) -> RankCo
     with _fake_group(rank, world_size):
         model = build_model(cfg.model_args())  # meta: shapes only
         if parallel_dims(cfg, world_size).zero_enabled:
-            if cfg.train.activation_checkpointing:  # the trainer's order: checkpointing before DeepSpeed
-                from hpcdist.parallel.parallelize import apply_activation_checkpointing
+            # the trainer's order: checkpointing before DeepSpeed
+            from hpcdist.parallel.parallelize import apply_activation_checkpointing
 
-                apply_activation_checkpointing(model)
+            apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
             resident, optim = _zero_count(cfg, model, world_size)
             how = f"DeepSpeed ZeRO-{cfg.parallel.zero.stage} partition rule"
             return RankCount(rank, node, f"dp {rank}", resident, optim, how)

@@ -27,9 +27,17 @@ from hpcdist.config.cluster import (
     load_cluster,
 )
 from hpcdist.config.layout import LayoutDegrees, requested_kind, strategy_of
+from hpcdist.config.schema import ACTIVATION_CHECKPOINTING, activation_checkpointing_mode
 from hpcdist.models.args import ModelArgs, flops_per_token, num_params
 from hpcdist.parallel.dims import ParallelDims, parallel_dims
-from hpcdist.planning.memory import GIB, MemoryEstimate, estimate_3d_memory, estimate_memory, stage_params
+from hpcdist.planning.memory import (
+    GIB,
+    MemoryEstimate,
+    estimate_3d_memory,
+    estimate_memory,
+    recompute_flops_fraction,
+    stage_params,
+)
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -57,6 +65,7 @@ __all__ = [
 LAYOUT_STRATEGIES: tuple[LayoutKind, ...] = tuple(LayoutKind)  # every kind is a planner row
 TP_DEGREES = (1, 2, 4, 8)
 _K = LayoutKind
+_AC_SHORT = {"none": "off", "full": "full", "selective": "sel"}  # the table's AC column (width 4)
 # ties in the ranking go to the simpler layout
 _SIMPLER = {kind: i for i, kind in enumerate((_K.DDP, _K.FSDP, _K.HSDP, _K.ZERO1, _K.ZERO2, _K.ZERO3, _K.THREE_D))}
 _REDUCE_BYTES = {"fp32": 4, "bf16": 2}
@@ -74,7 +83,8 @@ class Layout(LayoutDegrees):
     dp: int
     tp: int
     micro_batch_size: int
-    activation_checkpointing: bool
+    activation_checkpointing: str
+    """none, full or selective (train.activation_checkpointing; a bool is read as full / none)."""
     dp_replicate: int = 1
     """HSDP replicas (dp = dp_replicate x dp_shard); dp_replicate == dp without pp/tp is DDP (ParallelDims)."""
     zero_stage: int = 0
@@ -105,8 +115,12 @@ class Layout(LayoutDegrees):
         # hsdp: replicas x shard, the way the mesh is built
         return f"{self.dp_replicate}x{self.dp_shard}" if self.kind is LayoutKind.HSDP else str(self.dp)
 
+    def __post_init__(self) -> None:
+        mode = activation_checkpointing_mode(self.activation_checkpointing)
+        object.__setattr__(self, "activation_checkpointing", mode)  # frozen: a bool (the old type) read as a mode
+
     def describe(self, *notes: str) -> str:
-        ac = "on" if self.activation_checkpointing else "off"
+        ac = self.activation_checkpointing
         return super().describe(f"micro batch {self.micro_batch_size}", f"activation checkpointing {ac}", *notes)
 
 
@@ -252,10 +266,13 @@ def estimate_step(
     rate = hw.peak_flops * hw.efficiency
 
     c_fwd = b * seq_len * flops / 3 / (tp * pp) / rate
-    c_bwd = 2 * c_fwd + (c_fwd if layout.activation_checkpointing else 0.0)
+    recomputes = layout.activation_checkpointing != "none"
+    c_bwd = 2 * c_fwd + c_fwd * recompute_flops_fraction(args, layout.activation_checkpointing, seq_len)
     layers = -(-args.n_layers // pp)
     act_bytes = b * seq_len * args.dim * 2  # one bf16 hidden-state tensor of the micro-batch
-    t_tp = (4 + 2 * layout.activation_checkpointing) * layers * _ring("all_reduce", act_bytes, tp, intra)
+    # either mode re-runs the block's forward collectives (selective: the gathers before wq / w1, the reductions after
+    # wo / w2 are not on its save list)
+    t_tp = (4 + 2 * recomputes) * layers * _ring("all_reduce", act_bytes, tp, intra)
     t_p2p = 0.0
     if pp > 1:
         p2p_bw = intra if world <= per_node else inter / per_node
@@ -343,7 +360,7 @@ def enumerate_layouts(
         for b in _micro_batches(global_batch_size, dp, micro_batch_sizes):
             if pp > 1 and global_batch_size // (b * dp) < pp:
                 continue  # 1F1B keeps every stage busy only with at least pp micro-batches
-            for ac in (False, True):
+            for ac in ACTIVATION_CHECKPOINTING:
                 out.append(Layout(pp, dp, tp, b, ac, dp_replicate=dp_replicate, zero_stage=zero_stage))
 
     for kind in wanted:
@@ -404,7 +421,15 @@ def rank_layouts(
         for layout in layouts
     ]
     estimates.sort(
-        key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu, e.memory.total, _SIMPLER[e.layout.strategy], e.layout.pp)
+        key=lambda e: (
+            not e.fits,
+            -e.tokens_per_s_per_gpu,
+            # at equal modelled speed no recompute beats selective's unmodelled elementwise recompute
+            ACTIVATION_CHECKPOINTING.index(e.layout.activation_checkpointing),
+            e.memory.total,
+            _SIMPLER[e.layout.strategy],
+            e.layout.pp,
+        )
     )
     return estimates
 
@@ -467,7 +492,7 @@ def layout_table(
     ]
     cols: tuple[str, ...] = ("rank", "strategy", "tp", "pp", "dp", "mbs", "AC", "mem GiB", "fits", "tok/s/GPU")
     cols += ("MFU %", "step s", "days")
-    widths = (4, 8, 2, 2, 5, 3, 3, 7, 4, 9, 5, 7, 7)
+    widths = (4, 8, 2, 2, 5, 3, 4, 7, 4, 9, 5, 7, 7)
     lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True)))
     for i, e in enumerate(shown, 1):
         lay = e.layout
@@ -478,7 +503,7 @@ def layout_table(
             str(lay.pp),
             lay.dp_label,
             str(lay.micro_batch_size),
-            "on" if lay.activation_checkpointing else "off",
+            _AC_SHORT[lay.activation_checkpointing],
             f"{e.memory.total / GIB:.1f}",
             "yes" if e.fits else "no",
             f"{e.tokens_per_s_per_gpu:,.0f}",
@@ -490,16 +515,17 @@ def layout_table(
     lines += [
         f"{len(estimates)} layouts considered, {len(fitting)} fit; showing "
         f"{min(top, len(fitting))} fitting{' and the best that do not' if show_all else ''} (--top, --all).",
-        "Model (formulas: docs/PLANNER.md): compute = tokens x flops_per_token (6N + 12*L*h*s; x4/3 with",
-        "  activation checkpointing) / (peak x efficiency). Data-parallel collectives: ring all-reduce 2(n-1)/n,",
-        "  all-gather / reduce-scatter (n-1)/n of the bytes over bus bandwidth (in-node if the group fits in a node),",
+        "Model (formulas: docs/PLANNER.md): compute = tokens x flops_per_token (6N + 12*L*h*s; + the recomputed",
+        "  forward: ~x4/3 for AC full, none for sel: its matmuls are saved) / (peak x efficiency). Data-parallel",
+        "  collectives: ring all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n of the bytes over bus bandwidth",
+        "  (in-node if the group fits in a node),",
         "  hidden behind each micro-batch's forward/backward except one layer's share; the ZeRO-1/2 parameter",
         "  all-gather after the optimizer step is exposed. tp: sequence parallel, 4 all-reduce volumes per layer and",
         "  micro-batch (+2 recomputed), in-node, not overlapped. pp: 1F1B, bubble (pp-1)/(m+pp-1), p2p not overlapped.",
         "  Not modelled: optimizer step, data loading, launch gaps, efficiency varying with micro-batch or tp.",
         "Memory: planning/memory.py; fsdp / hsdp / 3d rows add FSDP2's unsharded gradients kept while accumulating",
         "  micro-batches (so they differ from the per-strategy table when accumulation > 1). AC = activation",
-        "  checkpointing; mbs = micro batch size; hsdp dp = replicas x shard.",
+        "  checkpointing (off / full / sel = selective); mbs = micro batch size; hsdp dp = replicas x shard.",
     ]
     return "\n".join(lines) + "\n"
 

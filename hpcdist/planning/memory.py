@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpcdist.config.layout import LayoutKind
-from hpcdist.models.args import ModelArgs, num_params
+from hpcdist.config.schema import activation_checkpointing_mode
+from hpcdist.models.args import ModelArgs, flops_per_token, num_params
 
 __all__ = [
     "GIB",
@@ -34,9 +35,13 @@ __all__ = [
     "activation_bytes_3d",
     "estimate_3d_memory",
     "estimate_memory",
+    "head_saved_bytes",
     "largest_layer_params",
     "largest_unit_params",
+    "layer_saved_bytes",
     "plan_table",
+    "recompute_flops_fraction",
+    "saved_activation_bytes",
     "stage_params",
 ]
 
@@ -94,29 +99,110 @@ def largest_unit_params(args: ModelArgs) -> int:
     return max(block, total - args.n_layers * block)
 
 
+def layer_saved_bytes(
+    args: ModelArgs,
+    mode: str | bool,
+    *,
+    tokens: int,
+    element_bytes: int = 2,
+    tp: int = 1,
+    sequence_parallel: bool = True,
+) -> int:
+    """Bytes one TransformerBlock keeps from its forward for its backward, for ``tokens`` = s*b tokens, counted
+    from what hpcdist.models.llama saves (measured with saved-tensor hooks and malloc on CPU: tests/unit/
+    test_activation_checkpointing.py) rather than Korthikanti's GPT count. ``element_bytes``: the compute dtype
+    (2 = bf16, 4 = fp32); RMSNorm and RoPE compute in fp32 whatever it is.
+
+    * none: per RMSNorm its fp32 input (4D) + the normed output and its weighted product (2eD); attention keeps the
+      roped q, k (or the repeated k, v copies under GQA), v, the SDPA output (wo reads it as a view) and the fp32
+      log-sum-exp (4H); SwiGLU keeps w1's, w3's, silu's and the product's outputs (4eF).
+    * full: the block's input (eD); the block is recomputed in backward.
+    * selective: the input and the outputs of every matmul (wq, wk, wv, wo, w1, w3, w2) and of SDPA (+ log-sum-exp):
+      hpcdist.parallel.parallelize's policy; norms, RoPE, SiLU and products are recomputed.
+
+    Tensor parallelism shards heads and the MLP hidden size; sequence parallelism also shards the norms' and the
+    residual stream's tensors, else those stay whole on every tp rank. wo's and w2's outputs are kept before the
+    row-parallel reduction: whole (s x D partial sums) on every tp rank.
+    """
+    mode = activation_checkpointing_mode(mode)
+    e, d, hd = element_bytes, args.dim, args.head_dim
+    q, kv, ffn = args.n_heads * hd, args.kv_heads * hd, args.ffn_dim
+    sharded_stream = sequence_parallel and tp > 1  # norms and residual stream split over tp ranks
+    stream_div = tp if sharded_stream else 1
+    if mode == "full":
+        return tokens * e * d // stream_div
+    if mode == "selective":
+        stream = e * d
+        sharded = e * (q + 2 * kv) + e * q + 4 * args.n_heads + 2 * e * ffn
+        return tokens * (stream // stream_div + sharded // tp + 2 * e * d)
+    elif mode == "none":
+        stream = 2 * (4 * d + 2 * e * d)  # two RMSNorms
+        kv_saved = 2 * e * q if q != kv else 2 * e * kv  # repeat_kv copies k and v under GQA; else k', v
+        sharded = e * q + kv_saved + e * q + 4 * args.n_heads + 4 * e * ffn
+    else:
+        raise ValueError(f"activation checkpointing mode {mode!r} is not one of none, full, selective")
+    return tokens * (stream // stream_div + sharded // tp)
+
+
+def head_saved_bytes(args: ModelArgs, *, tokens: int, element_bytes: int = 2, tp: int = 1) -> int:
+    """The final RMSNorm's saved tensors and the fp32 log-softmax of the logits the loss keeps (vocabulary-sharded
+    under tp: hpcdist's loss-parallel cross-entropy)."""
+    return tokens * ((4 * args.dim + 2 * element_bytes * args.dim) + 4 * args.vocab_size // tp)
+
+
+def saved_activation_bytes(
+    args: ModelArgs,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    activation_checkpointing: str | bool,
+    element_bytes: int = 2,
+) -> int:
+    """What one micro-batch's forward leaves alive for its backward (one process, no tp/pp): every layer's saved
+    bytes plus the head's. The peak adds the one layer recomputed at a time (:func:`activation_bytes`)."""
+    tokens = micro_batch_size * seq_len
+    per_layer = layer_saved_bytes(args, activation_checkpointing, tokens=tokens, element_bytes=element_bytes)
+    return args.n_layers * per_layer + head_saved_bytes(args, tokens=tokens, element_bytes=element_bytes)
+
+
+def recompute_flops_fraction(args: ModelArgs, mode: str | bool, seq_len: int) -> float:
+    """Extra forward FLOPs backward spends recomputing, as a fraction of the forward's: full recomputes every block
+    (the forward less the output head); selective keeps every matmul's and attention's output, so it recomputes no
+    FLOPs this model counts (the norms', RoPE's and SiLU's elementwise work is memory-bound and, like in
+    flops_per_token, not counted: the planner ranks none before selective at equal speed)."""
+    mode = activation_checkpointing_mode(mode)
+    if mode in ("none", "selective"):
+        return 0.0
+    forward = flops_per_token(args, seq_len) / 3  # 2N + attention per token
+    return (forward - 2 * args.vocab_size * args.dim) / forward
+
+
 def activation_bytes(
     args: ModelArgs,
     *,
     micro_batch_size: int,
     seq_len: int,
-    activation_checkpointing: bool,
+    activation_checkpointing: str | bool,
     flash_attention: bool = True,
+    element_bytes: int = 2,
 ) -> int:
-    """Activation memory per GPU (data parallelism does not divide it), Korthikanti et al. 2022, 16-bit.
+    """Peak activation memory per GPU (data parallelism does not divide it), 16-bit by default.
 
-    Per layer without recomputation: ``s*b*h*(34 + 5*a*s/h)`` bytes. hpcdist uses SDPA (flash / memory-
-    efficient kernels), which never materializes the a*s*s score matrix, so the ``5as/h`` term vanishes
-    (``flash_attention=True``). The 34 is the paper's GPT count (4h MLP, dropout masks); for Llama's SwiGLU
-    without dropout it is close enough and errs high. With activation checkpointing each layer keeps only its
-    input (2*s*b*h bytes) and one layer's full activations exist at a time during its recomputation.
-    Plus the logits: s*b*vocab*4 bytes (fp32 for the loss).
+    :func:`saved_activation_bytes` (every layer's :func:`layer_saved_bytes` + the head), plus, with checkpointing
+    (full or selective), one layer recomputed in full at a time during backward. hpcdist uses SDPA (flash / memory-
+    efficient kernels), which never materializes the a*s*s score matrix; ``flash_attention=False`` adds
+    Korthikanti et al.'s ``5*a*s^2*b`` bytes per materialized layer (scores, softmax, dropout mask).
     """
-    s, b, h, a = seq_len, micro_batch_size, args.dim, args.n_heads
-    per_layer = s * b * h * 34 + (0 if flash_attention else 5 * a * s * s * b)  # sbh*5as/h = 5*a*s^2*b
-    # checkpointing: every layer's input stays (2*s*b*h bytes), plus one layer recomputed in full at a time
-    layers = args.n_layers * 2 * s * b * h + per_layer if activation_checkpointing else args.n_layers * per_layer
-    logits = s * b * args.vocab_size * 4
-    return layers + logits
+    s, b = seq_len, micro_batch_size
+    scores = 0 if flash_attention else 5 * args.n_heads * s * s * b
+    full_layer = layer_saved_bytes(args, "none", tokens=s * b, element_bytes=element_bytes) + scores
+    mode = activation_checkpointing_mode(activation_checkpointing)
+    saved = saved_activation_bytes(
+        args, micro_batch_size=b, seq_len=s, activation_checkpointing=mode, element_bytes=element_bytes
+    )
+    if mode == "none":
+        return saved + args.n_layers * scores
+    return saved + full_layer
 
 
 def _deepspeed_zero2_gpu(p: int, n: int, offload: bool) -> int:
@@ -142,7 +228,7 @@ def estimate_memory(
     gpus_per_node: int,
     micro_batch_size: int,
     seq_len: int,
-    activation_checkpointing: bool,
+    activation_checkpointing: str | bool,
     zero_stage: int = 0,
     offload_optimizer: bool = False,
     offload_params: bool = False,
@@ -250,7 +336,7 @@ def activation_bytes_3d(
     *,
     micro_batch_size: int,
     seq_len: int,
-    activation_checkpointing: bool,
+    activation_checkpointing: str | bool,
     tp: int = 1,
     pp: int = 1,
     microbatches: int = 1,
@@ -258,11 +344,9 @@ def activation_bytes_3d(
 ) -> int:
     """Activation memory of the heaviest pipeline stage under tensor and pipeline parallelism (SDPA, 16-bit).
 
-    Korthikanti et al. 2022 per layer and micro-batch: with tensor + sequence parallelism every term of
-    ``34*s*b*h`` is split over the tp ranks (``34*s*b*h/tp``); tensor parallelism alone leaves the 10*s*b*h of
-    norms, dropout-free residuals and layer inputs replicated (``s*b*h*(10 + 24/tp)``). With activation
-    checkpointing a layer keeps only its input (``2*s*b*h``, divided by tp under sequence parallelism) and one
-    layer is recomputed in full at a time.
+    Per layer and micro-batch :func:`layer_saved_bytes` of the mode (tensor parallelism splits the heads' and the
+    MLP's tensors, sequence parallelism also the norms' and the residual stream's); with checkpointing (full or
+    selective) one layer is recomputed in full at a time.
 
     A stage holds ``ceil(n_layers / pp)`` layers. Under 1F1B the first stage has up to ``min(pp,
     microbatches)`` micro-batches in flight (its warm-up forwards), the last stage one, plus the fp32 logits
@@ -272,22 +356,20 @@ def activation_bytes_3d(
     """
     if tp < 1 or pp < 1 or microbatches < 1:
         raise ValueError(f"tp, pp and microbatches must be >= 1, got {tp}, {pp}, {microbatches}")
-    sbh = seq_len * micro_batch_size * args.dim
-    if sequence_parallel:
-        per_layer, layer_input = 34 * sbh // tp, 2 * sbh // tp
-    else:
-        per_layer, layer_input = 10 * sbh + 24 * sbh // tp, 2 * sbh
+    tokens = seq_len * micro_batch_size
+    kw = {"tokens": tokens, "tp": tp, "sequence_parallel": sequence_parallel}
+    mode = activation_checkpointing_mode(activation_checkpointing)
+    per_layer = layer_saved_bytes(args, mode, **kw)
+    recompute = 0 if mode == "none" else layer_saved_bytes(args, "none", **kw)  # one layer rebuilt at a time
     layers = -(-args.n_layers // pp)
 
     def stage(in_flight: int) -> int:
-        if activation_checkpointing:
-            return in_flight * layers * layer_input + per_layer
-        return in_flight * layers * per_layer
+        return in_flight * layers * per_layer + recompute
 
-    logits = seq_len * micro_batch_size * args.vocab_size * 4 // tp
+    head = head_saved_bytes(args, tokens=tokens, tp=tp)
     if pp == 1:
-        return stage(1) + logits
-    return max(stage(min(pp, microbatches)), stage(1) + logits)
+        return stage(1) + head
+    return max(stage(min(pp, microbatches)), stage(1) + head)
 
 
 def estimate_3d_memory(
@@ -298,7 +380,7 @@ def estimate_3d_memory(
     dp: int,
     micro_batch_size: int,
     seq_len: int,
-    activation_checkpointing: bool,
+    activation_checkpointing: str | bool,
     microbatches: int = 1,
     dp_shard: int | None = None,
     sequence_parallel: bool = True,
@@ -392,7 +474,7 @@ def plan_table(
     gpu_mem_gb: float,
     micro_batch_size: int,
     seq_len: int,
-    activation_checkpointing: bool,
+    activation_checkpointing: str | bool,
 ) -> str:
     """One row per strategy: GiB per GPU by category, total, whether it fits ``gpu_mem_gb`` (GiB), and the
     DeepSpeed-estimator model states beside the 16-bytes/param ideal. hsdp replicates across nodes and shards
@@ -402,7 +484,7 @@ def plan_table(
     header = (
         f"{num_params(args) / 1e9:.2f}B params, {nodes} node(s) x {gpus_per_node} GPU(s) = {world}, "
         f"{gpu_mem_gb:g} GiB/GPU, micro batch {micro_batch_size}, seq {seq_len}, activation checkpointing "
-        f"{'on' if activation_checkpointing else 'off'}; per GPU"
+        f"{activation_checkpointing_mode(activation_checkpointing)}; per GPU"
     )
     cols: tuple[str, ...]
     cols = ("strategy", "params GiB", "grads GiB", "optim GiB", "activ GiB", "buffers GiB", "total GiB", "fits")
@@ -428,8 +510,8 @@ def plan_table(
         row += [f"{'yes' if e.fits(mem) else 'no':>4}", f"{ds:>13}", f"{e.model_states_ideal / GIB:13.1f}"]
         lines.append("  ".join(row))
     lines += [
-        "activations: Korthikanti et al. with SDPA (no a*s^2 scores) + fp32 logits; buffers: 10% margin + 1 GiB "
-        "CUDA context",
+        "activations: the model's saved tensors per layer (SDPA: no a*s^2 scores) + fp32 logits; buffers: 10% margin "
+        "+ 1 GiB CUDA context",
         "model states (params + grads + optimizer): DS states = DeepSpeed's zero2/zero3 estimator (GPU side); "
         "16B/param = the",
         "  ZeRO paper's 16 bytes/param, sharded",

@@ -23,7 +23,7 @@ def _label(e: StepEstimate) -> str:
     lay = e.layout
     return (
         f"{lay.strategy} tp{lay.tp} pp{lay.pp} dp{lay.dp_label}\nmbs {lay.micro_batch_size} "
-        f"AC {'on' if lay.activation_checkpointing else 'off'}"
+        f"AC {lay.activation_checkpointing}"
     )
 
 

@@ -99,9 +99,13 @@ def test_async_checkpoint_resume(small_cfg, tmp_path: Path) -> None:
     assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [4, 6]
 
 
-@pytest.mark.parametrize("option", ["train.activation_checkpointing=true", "train.dtype=bf16"])
+@pytest.mark.parametrize(
+    "option",
+    ["train.activation_checkpointing=true", "train.activation_checkpointing=selective", "train.dtype=bf16"],
+)
 def test_training_options_on_two_ranks(small_cfg, reference, tmp_path: Path, option: str) -> None:
-    """Activation checkpointing recomputes the same math (fp32: equal to round-off); bf16 autocast trains too
+    """Activation checkpointing, full or selective, recomputes the same math (fp32: equal to round-off); bf16 autocast
+    trains too
     (its losses follow the fp32 run to bf16 precision)."""
     cfg = small_cfg(f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4", option,
                     run_dir=tmp_path / "opt")

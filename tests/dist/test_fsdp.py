@@ -90,11 +90,11 @@ def test_fsdp_matches_single_process(
 @pytest.mark.parametrize(
     "option",
     ["parallel.fsdp.cpu_offload=true", "parallel.fsdp.reshard_after_forward=false",
-     "train.activation_checkpointing=true", "parallel.fsdp.param_dtype=bf16"],
+     "train.activation_checkpointing=selective", "parallel.fsdp.param_dtype=bf16"],
 )
 def test_fsdp_options(small_cfg, reference, tmp_path: Path, option: str) -> None:
-    """Offload, no resharding and activation checkpointing recompute the same fp32 math; bf16 parameters (the
-    MixedPrecisionPolicy) follow the fp32 run to bf16 precision."""
+    """Offload, no resharding and (selective, op-level) activation checkpointing recompute the same fp32 math; bf16
+    parameters (the MixedPrecisionPolicy) follow the fp32 run to bf16 precision."""
     cfg = small_cfg(f"train.steps={STEPS}", *BATCH, "train.micro_batch_size=2", FSDP, option, run_dir=tmp_path / "o")
     out = run_ranks(2, _train, cfg)[0]
     rtol = 3e-2 if "bf16" in option else RTOL

@@ -903,8 +903,8 @@ def test_local_executor_trains_two_ranks(
 
 
 def test_submit_refuses_a_layout_predicted_not_to_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """configs/train_13b.yaml (zero3, micro batch 2, no checkpointing) on the default 1 node of a100_ib: the planner
-    predicts 91.2 GiB/GPU of 78 usable; submit refuses and names the layouts that fit; --force renders it."""
+    """configs/train_13b.yaml (zero3, micro batch 2) without checkpointing on the default 1 node of a100_ib: the planner
+    predicts 111.5 GiB/GPU of 78 usable; submit refuses and names the layouts that fit; --force renders it."""
     base = [
         "submit",
         str(REPO / "configs" / "train_13b.yaml"),
@@ -912,14 +912,15 @@ def test_submit_refuses_a_layout_predicted_not_to_fit(tmp_path: Path, capsys: py
         "a100_ib",
         "--dry-run",
         f"run.dir={tmp_path / 'run'}",
+        "train.activation_checkpointing=none",
     ]
     assert cli.main(base) == 2
     out, err = capsys.readouterr()
-    assert out == "" and "91.2 GiB per GPU, 78 GiB usable" in err
-    assert "zero3 x 8 ranks, micro batch 1, activation checkpointing off, 61.4 GiB/GPU" in err  # the planner's best row
-    assert "(overrides: train.micro_batch_size=1)" in err and "--nodes 2 fits this layout" in err
-    assert cli.main([*base, "train.micro_batch_size=1"]) == 0  # the named fix passes the check
-    assert cli.main([*base, "--nodes", "2"]) == 0
+    assert out == "" and "111.5 GiB per GPU, 78 GiB usable" in err
+    # the planner's best row
+    assert "zero3 x 8 ranks, micro batch 2, activation checkpointing selective, 77.7 GiB/GPU" in err
+    assert "(overrides: train.activation_checkpointing=selective)" in err
+    assert cli.main([*base, "train.activation_checkpointing=selective"]) == 0  # the named fix passes the check
     capsys.readouterr()
     assert cli.main([*base, "--force"]) == 0
     out, err = capsys.readouterr()
