@@ -110,6 +110,8 @@ class BlendSampler(ResumableSampler):
     """Consecutive global positions (epoch * len + position): the blend does the shuffling, per source, so the
     position only counts. Same state and resume rules as :class:`ResumableSampler`."""
 
+    ids_bounded = False  # a sample id is a global position, epoch * len + position
+
     def __init__(self, num_samples: int, *, seed: int = 0) -> None:
         super().__init__(num_samples, seed=seed, shuffle=False)
 

@@ -23,6 +23,8 @@ log = get_logger(__name__)
 class NonFiniteError(RuntimeError):
     """Training produced a non-finite gradient norm and stopped without saving that state."""
 
+    failure_kind = "nonfinite"  # failures.jsonl: a numeric failure blames no host (the NaN triage's hardware does)
+
 
 class NonFiniteGuard:
     def __init__(self, *, mode: str, max_skips: int, device: torch.device, last_checkpoint: str | None = None):

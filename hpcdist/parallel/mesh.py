@@ -184,10 +184,11 @@ class MeshStrategy(Strategy):
             squared = norm.float() ** 2
             dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.pp_group)
             norm = squared.sqrt()
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm, foreach=True)
-        self._update(norm.detach(), skip_nonfinite)
+        self._update(norm.detach(), skip_nonfinite)  # clips with the global norm unless it skips the step
         return norm.detach()
+
+    def sample_losses(self, batch: torch.Tensor) -> torch.Tensor | None:
+        return None  # a sharded or pipelined forward is a collective: one rank cannot run it alone
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> torch.Tensor:
