@@ -439,9 +439,10 @@ class Trainer:
                 data_s = time.perf_counter() - t0
                 loss = self.strategy.forward_backward(batch)
             with phase(self.step, "optimizer step (grad-norm all-reduce)"):
-                skip = cfg.train.nonfinite == "skip" or self.triage is not None
+                # the triage re-runs a non-finite step from the state before it: that step's update is dropped
+                skip = cfg.train.nonfinite == "skip" or cfg.train.nonfinite_triage
                 grad_norm = self.strategy.optimizer_step(skip_nonfinite=skip)
-            if self.triage is not None and self.strategy.last_step_skipped:
+            if cfg.train.nonfinite_triage and self.strategy.last_step_skipped:
                 with phase(self.step, "NaN triage: the step re-run on the same inputs", slow=True):
                     grad_norm = self._triage(batch, loss)
             self.step += 1

@@ -107,9 +107,9 @@ class Strategy:
     def optimizer_step(self, *, skip_nonfinite: bool = False) -> torch.Tensor:
         """Clip, step, advance the LR schedule, zero grads. Returns the pre-clip global gradient norm.
 
-        ``skip_nonfinite``: when that norm is NaN/Inf, drop the update (grads zeroed, optimizer and LR schedule
-        untouched) and set ``last_step_skipped``; costs one device sync. The norm is global, so every rank
-        decides alike."""
+        ``skip_nonfinite``: when that norm is NaN/Inf on any rank, drop the update (grads zeroed, optimizer and LR
+        schedule untouched) and set ``last_step_skipped``; costs one device sync and a one-element all-reduce, so
+        every rank decides alike even where the norm is a replica's own (DDP)."""
         if self._params is None:  # built once: the parameter set never changes after wrapping
             self._params = [p for p in self.model.parameters() if p.requires_grad]
         # clip_grad_norm_ is these two calls; split so a skipped step can look at its gradients before clipping
@@ -124,7 +124,14 @@ class Strategy:
         (``skip_nonfinite`` and a NaN/Inf norm) touches neither the parameters nor the optimizer or LR state: that is
         what lets the NaN triage re-run the step from the state before it (hpcdist.fault.triage)."""
         assert self._params is not None
-        self.last_step_skipped = skip_nonfinite and not bool(torch.isfinite(norm))
+        self.last_step_skipped = False
+        if skip_nonfinite:
+            # agreed by every rank: DDP's norm is each replica's own, and a replica that went bad after the reduce
+            # (a bit flip) would otherwise skip alone: replicas diverge, and the NaN triage hangs in its re-run
+            bad = (~torch.isfinite(norm)).to(torch.int32)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            self.last_step_skipped = bool(bad)
         if self.last_step_skipped:
             # this rank's own evidence, for the triage's blame (after the gradient reduce: DDP spreads a NaN)
             self.last_local_grads_finite = all(
