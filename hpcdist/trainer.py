@@ -237,7 +237,7 @@ class Trainer:
                 f"hardware ({hosts}); recorded in {RunDir(self.run_dir).failures} so a restart excludes the host"
             )
         where = getattr(self.train_ds, "where", None)
-        named = ", ".join(f"{i} ({where(i)})" if where and self.sampler.ids_bounded else str(i) for i in verdict.ids)
+        named = ", ".join(f"{i} ({where(i)})" if where else str(i) for i in verdict.ids)
         log.error("step %d: NaN triage: data, sample(s) %s: %s", step, named, verdict.why)
         if self.cfg.train.nonfinite != "skip":
             raise NonFiniteError(

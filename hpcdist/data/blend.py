@@ -98,6 +98,12 @@ class BlendedDataset:
             self._perms[k] = cached
         return k, int(cached[1][pos])
 
+    def where(self, g: int) -> str:
+        """Where global position g's sample lives, for messages (the NaN triage names a bad sample)."""
+        k, i = self.locate(g)
+        inner = getattr(self.datasets[k], "where", None)
+        return f"source {k}, " + (inner(i) if inner else f"sample {i}")
+
     def __getitem__(self, g: int) -> np.ndarray:
         k, i = self.locate(g)
         return self.datasets[k][i]

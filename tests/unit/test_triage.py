@@ -15,7 +15,10 @@ import torch
 
 from hpcdist.config import ConfigError
 from hpcdist.data import make_sampler
+from hpcdist.data.blend import BlendedDataset, BlendSampler
 from hpcdist.data.build import build_datasets
+from hpcdist.data.sampler import ResumableSampler
+from hpcdist.data.shards import SyntheticDataset
 from hpcdist.fault.failures import primary_failure, read_failures
 from hpcdist.fault.triage import HardwareFault, SkippedSamples
 from hpcdist.trainer import Trainer
@@ -125,3 +128,26 @@ def test_the_skip_file_is_validated(tmp_path: Path, small_cfg) -> None:
 def test_triage_is_refused_with_zero(small_cfg) -> None:
     with pytest.raises(ConfigError, match=r"train\.nonfinite_triage: DeepSpeed applies the update"):
         small_cfg("parallel.strategy=zero", "train.nonfinite_triage=true")
+
+
+def test_the_sampler_passes_over_skipped_ids_and_resumes_alike() -> None:
+    plain = ResumableSampler(10, seed=1)
+    order = plain.next_indices(10)
+    a = ResumableSampler(10, seed=1)
+    a.skip({order[1], order[5]})
+    first = a.next_indices(3)
+    state = a.state_dict()
+    assert first == [order[0], order[2], order[3]] and state["position"] == 4  # positions count the skipped ones
+    b = ResumableSampler(10, seed=1)
+    b.skip({order[1], order[5]})
+    b.load_state_dict(state)
+    assert b.next_indices(4) == a.next_indices(4) == [order[4], *order[6:9]]
+    with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
+        a.skip({10})
+    with pytest.raises(ValueError, match="all 10 samples would be skipped"):
+        a.skip(set(range(10)))
+    blend = BlendSampler(4)  # a blend's ids are global positions: past len(), never repeated
+    blend.skip({5})
+    assert blend.next_indices(6) == [0, 1, 2, 3, 4, 6]
+    ds = BlendedDataset([SyntheticDataset(4, 8, 32), SyntheticDataset(4, 8, 32)], [1, 1])
+    assert ds.where(5).startswith("source ") and "sample " in ds.where(5)
