@@ -5,7 +5,7 @@ untouched, gradients zeroed; Strategy._update), so forward and backward run agai
 rank, from the state before the step. The re-run's gradient norm is global, so every rank sees the same outcome:
 
 * non-finite again (reproducible): **data**. The suspects are the samples whose own loss is non-finite (each row
-  run alone, where the strategy can: Strategy.sample_losses), else the batches of the ranks whose loss was,
+  run alone, every strategy but a pipeline: Strategy.sample_losses), else the batches of the ranks whose loss was,
   else the whole step's batch. With ``train.nonfinite=skip`` they are skipped from then on (the sampler passes over
   them) and listed in <run.dir>/skipped_samples.json, read at start-up, so a resume skips them too; with ``stop``
   the run stops naming them.
@@ -116,12 +116,13 @@ class Triage:
         # [flags per rank | narrowed suspects (id + 1) | this rank's whole batch (id + 1)], reduced with MAX
         vec = torch.zeros(self.world_size + 2 * self.global_batch_size, dtype=torch.int64)
         lo = self.dp_rank * local
-        if reproduced and not bool(torch.isfinite(loss2)):
-            flags |= _LOSS2
+        if reproduced:  # every rank alike: a sharded strategy's per-row forward is a collective
             per_row = self.strategy.sample_losses(batch)
-            bad_rows = [j for j in range(local) if not bool(torch.isfinite(per_row[j]))] if per_row is not None else []
-            for j in bad_rows or range(local):
-                vec[self.world_size + lo + j] = int(ids[j]) + 1
+            if not bool(torch.isfinite(loss2)):
+                flags |= _LOSS2
+                bad_rows = [j for j in range(local) if per_row is not None and not bool(torch.isfinite(per_row[j]))]
+                for j in bad_rows or range(local):
+                    vec[self.world_size + lo + j] = int(ids[j]) + 1
         for j in range(local):
             vec[self.world_size + self.global_batch_size + lo + j] = int(ids[j]) + 1
         vec[self.rank] = flags

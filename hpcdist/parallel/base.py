@@ -146,8 +146,9 @@ class Strategy:
 
     @torch.no_grad()
     def sample_losses(self, batch: torch.Tensor) -> torch.Tensor | None:
-        """Each row's loss, one row at a time through this rank's whole model (no collective), for the NaN triage
-        to name the bad sample; None where the model is sharded or pipelined (a forward is a collective there)."""
+        """Each row's loss, one row at a time, for the NaN triage to name the bad sample; None where a strategy cannot
+        (a pipeline). Called by every rank alike: here through this rank's whole model (no collective), sharded
+        strategies run their forward in lock step."""
         losses = []
         for row in batch.to(self.device):
             with self._autocast():

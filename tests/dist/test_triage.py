@@ -36,7 +36,8 @@ def _both(env: DistEnv, data_cfg: JobConfig, hw_cfg: JobConfig, tokens: torch.Te
         loss = real(batch)
         calls.append(1)
         if env.rank == 1 and len(calls) == 2:  # step 2, after DDP's reduce: only this replica goes bad
-            next(trainer.strategy.module.parameters()).grad.view(-1)[0] = float("nan")
+            grad = next(p for p in trainer.strategy.module.parameters() if p.grad is not None).grad
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")  # fsdp: own shard
         return loss
 
     trainer.strategy.forward_backward = flaky

@@ -35,7 +35,8 @@ def _poison(trainer: Trainer, tokens: torch.Tensor) -> None:
         rows = (args[0] == tokens[: args[0].shape[1]].to(args[0].device)).all(dim=1)
         return torch.where(rows[:, None, None], torch.full_like(out, float("nan")), out)
 
-    emb.register_forward_hook(hook)
+    if emb is not None:  # a pipeline's first stage only
+        emb.register_forward_hook(hook)
 
 
 def _drawn(cfg, steps: int) -> list[list[int]]:
