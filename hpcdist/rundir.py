@@ -56,6 +56,11 @@ class RunDir:
         return self.root / "failures.jsonl"
 
     @property
+    def skipped_samples(self) -> Path:
+        """skipped_samples.json: sample ids the NaN triage found bad (train.nonfinite=skip), skipped on resume too."""
+        return self.root / "skipped_samples.json"
+
+    @property
     def restarts(self) -> Path:
         """The restart ledger: requeue / preemption / failure budgets and excluded nodes (launch/restarts.py)."""
         return self.root / "restarts.json"

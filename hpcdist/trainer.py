@@ -30,6 +30,7 @@ from hpcdist.checkpoint import (
     staging_estimate,
 )
 from hpcdist.config import JobConfig
+from hpcdist.config.loader import ConfigError
 from hpcdist.data import BatchLoader, PrefetchLoader, make_sampler
 from hpcdist.data.build import build_datasets
 from hpcdist.data.sampler import SamplerMismatch
@@ -37,9 +38,10 @@ from hpcdist.env import DistEnv
 from hpcdist.evaluate import Evaluator
 from hpcdist.fault.goodput import Goodput
 from hpcdist.fault.hang import HangWatchdog
-from hpcdist.fault.nonfinite import NonFiniteGuard
+from hpcdist.fault.nonfinite import NonFiniteError, NonFiniteGuard
 from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
 from hpcdist.fault.stop import StopFlag, StopReason
+from hpcdist.fault.triage import HardwareFault, SkippedSamples, Triage
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics.observer import Observer, StepRecord
 from hpcdist.models import build_model, flops_per_token, num_params
@@ -109,6 +111,17 @@ class Trainer:
 
         train_ds, self.val_ds = build_datasets(cfg, is_main=env.is_main)
         self.sampler = make_sampler(train_ds, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+        self.train_ds = train_ds
+        # samples an earlier attempt's NaN triage found bad (train.nonfinite=skip): skipped again, the same way
+        self.skipped_samples = SkippedSamples(self.run_dir)
+        try:
+            self.skipped = self.skipped_samples.load(len(train_ds))
+            self.sampler.skip(set(self.skipped))
+        except ValueError as e:
+            self.run_lock.release()
+            raise ConfigError([f"train.nonfinite: {e}"]) from None
+        if self.skipped:
+            log.info("skipping %d sample(s) listed in %s", len(self.skipped), self.skipped_samples.path)
         loader = BatchLoader(
             train_ds,
             self.sampler,
@@ -194,6 +207,20 @@ class Trainer:
             slow_phase_s=f.watchdog_slow_phase_s,
             on_fire=self.goodput.flush,
         )
+        self.triage = (
+            Triage(
+                strategy=self.strategy,
+                rank=env.rank,
+                world_size=env.world_size,
+                dp_rank=self.dp_rank,
+                global_batch_size=cfg.train.global_batch_size,
+                hosts=self.hosts,
+                device=env.torch_device(),
+                run_dir=self.run_dir,
+            )
+            if cfg.train.nonfinite_triage
+            else None
+        )
         self.nonfinite = NonFiniteGuard(
             mode=cfg.train.nonfinite,
             max_skips=cfg.train.max_nonfinite_skips,
@@ -215,6 +242,37 @@ class Trainer:
             resumed_step=self.step if self.resumed_from else None,
             restarts=env.job.restart_count,
         )
+
+    def _triage(self, batch: Any, loss: Any) -> Any:
+        """A skipped (non-finite) step re-run once by hpcdist.fault.triage; acts on its verdict. Returns the grad norm
+        the loop goes on with (the re-run's: non-finite, its update skipped, for data; never returns for hardware)."""
+        assert self.triage is not None
+        step = self.step + 1
+        verdict, grad_norm = self.triage.rerun(step, batch, self.loader.last_indices(), loss)
+        if verdict.kind == "hardware":
+            self.triage.record_hardware(step, verdict)
+            hosts = ", ".join(f"rank {r} on {self.hosts[r]}" for r in verdict.blamed) or "no rank in particular"
+            log.error("step %d: NaN triage: hardware (%s): %s", step, hosts, verdict.why)
+            raise HardwareFault(
+                f"step {step}: a non-finite gradient norm that a re-run on the same inputs did not reproduce: "
+                f"hardware ({hosts}); recorded in {RunDir(self.run_dir).failures} so a restart excludes the host"
+            )
+        where = getattr(self.train_ds, "where", None)
+        named = ", ".join(f"{i} ({where(i)})" if where else str(i) for i in verdict.ids)
+        log.error("step %d: NaN triage: data, sample(s) %s: %s", step, named, verdict.why)
+        if self.cfg.train.nonfinite != "skip":
+            raise NonFiniteError(
+                f"step {step}: non-finite loss/gradient reproduced on re-run: bad data, sample(s) {named}; "
+                "set train.nonfinite=skip to skip them (listed in the run dir so a resume skips them too)"
+            )
+        for i in verdict.ids:
+            self.skipped[i] = f"step {step}: {verdict.why}"
+        # prefetched batches may hold them: dropped (the loader rewinds to the consumed state) before the set grows
+        self.loader.close()
+        self.sampler.skip(set(verdict.ids))
+        if self.env.is_main:
+            self.skipped_samples.save(len(self.train_ds), self.skipped)
+        return grad_norm
 
     def _record_layout(self) -> None:
         """Which host runs which rank, logged once and kept in <run.dir>/ranks.json (debugging slow or dead nodes)."""
@@ -403,7 +461,12 @@ class Trainer:
                 data_s = time.perf_counter() - t0
                 loss = self.strategy.forward_backward(batch)
             with phase(self.step, "optimizer step (grad-norm all-reduce)"):
-                grad_norm = self.strategy.optimizer_step(skip_nonfinite=cfg.train.nonfinite == "skip")
+                # the triage re-runs a non-finite step from the state before it: that step's update is dropped
+                skip = cfg.train.nonfinite == "skip" or cfg.train.nonfinite_triage
+                grad_norm = self.strategy.optimizer_step(skip_nonfinite=skip)
+            if cfg.train.nonfinite_triage and self.strategy.last_step_skipped:
+                with phase(self.step, "NaN triage: the step re-run on the same inputs", slow=True):
+                    grad_norm = self._triage(batch, loss)
             self.step += 1
             self.nonfinite.after_step(self.step, grad_norm, skipped=self.strategy.last_step_skipped)
             self.tokens_seen += self.tokens_per_step

@@ -412,6 +412,11 @@ def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
             "train.nonfinite=skip: DeepSpeed applies the update before the norm is known; use "
             "train.nonfinite=stop with parallel.strategy=zero"
         )
+    if t.nonfinite_triage and kind is not None and kind.zero_stage:
+        p.append(
+            "train.nonfinite_triage: DeepSpeed applies the update before the norm is known, so the step cannot be "
+            "re-run from the state before it; set train.nonfinite_triage=false with parallel.strategy=zero"
+        )
     if t.max_nonfinite_skips < 1:
         p.append(f"train.max_nonfinite_skips: must be >= 1, got {t.max_nonfinite_skips}")
     p += _choice("train.dtype", t.dtype, DTYPES)

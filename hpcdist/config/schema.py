@@ -175,6 +175,11 @@ class TrainConfig:
     nonfinite: str = "stop"
     """A NaN/Inf gradient norm: stop (exit 1 naming the first bad step; that state is never checkpointed) or skip
     (the update is dropped, the LR schedule not advanced; one device sync per step; not with parallel.strategy=zero)."""
+    nonfinite_triage: bool = False
+    """On a NaN/Inf gradient norm, re-run the step once on the same inputs from the state before it: reproducible =
+    bad data (the samples are named; with nonfinite=skip they are skipped from then on and on resume, listed in
+    <run.dir>/skipped_samples.json), not reproducible = bad hardware (a "hardware" failure blaming the rank's host in
+    failures.jsonl, so a restart excludes it; the run stops). One device sync per step; not with strategy=zero."""
     max_nonfinite_skips: int = 10
     """With nonfinite=skip: more non-finite steps than this in a row stop the run like nonfinite=stop."""
 

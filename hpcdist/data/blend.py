@@ -98,6 +98,12 @@ class BlendedDataset:
             self._perms[k] = cached
         return k, int(cached[1][pos])
 
+    def where(self, g: int) -> str:
+        """Where global position g's sample lives, for messages (the NaN triage names a bad sample)."""
+        k, i = self.locate(g)
+        inner = getattr(self.datasets[k], "where", None)
+        return f"source {k}, " + (inner(i) if inner else f"sample {i}")
+
     def __getitem__(self, g: int) -> np.ndarray:
         k, i = self.locate(g)
         return self.datasets[k][i]
@@ -109,6 +115,8 @@ class BlendedDataset:
 class BlendSampler(ResumableSampler):
     """Consecutive global positions (epoch * len + position): the blend does the shuffling, per source, so the
     position only counts. Same state and resume rules as :class:`ResumableSampler`."""
+
+    ids_bounded = False  # a sample id is a global position, epoch * len + position
 
     def __init__(self, num_samples: int, *, seed: int = 0) -> None:
         super().__init__(num_samples, seed=seed, shuffle=False)

@@ -24,7 +24,14 @@ class ResumableSampler:
 
     `position` counts global samples consumed in the current epoch, independent of how many data-parallel ranks
     split them, so state saved at one dp size resumes exactly at another.
+
+    ``skip(ids)``: sample ids never handed out again (the NaN triage's bad samples, hpcdist.fault.triage). They are
+    passed over where the order reaches them and still count in ``position``, so the state stays layout-independent
+    and a resume with the same skip set draws exactly the same batches.
     """
+
+    ids_bounded = True
+    """Sample ids lie in [0, num_samples) (a blend's are global positions, unbounded)."""
 
     def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True) -> None:
         if num_samples < 1:
@@ -36,6 +43,21 @@ class ResumableSampler:
         self.position = 0
         self._order: torch.Tensor | None = None
         self._order_epoch = -1
+        self._skip: frozenset[int] = frozenset()
+
+    @property
+    def skipped(self) -> frozenset[int]:
+        return self._skip
+
+    def skip(self, ids: frozenset[int] | set[int]) -> None:
+        """Never hand out these sample ids from now on (added to those already skipped)."""
+        new = self._skip | {int(i) for i in ids}
+        bad = [i for i in new if i < 0 or (self.ids_bounded and i >= self.num_samples)]
+        if bad:
+            raise ValueError(f"sample ids {sorted(bad)[:5]} lie outside [0, {self.num_samples})")
+        if self.ids_bounded and len(new) >= self.num_samples:
+            raise ValueError(f"all {self.num_samples} samples would be skipped: no data is left to train on")
+        self._skip = frozenset(new)
 
     def _epoch_order(self) -> torch.Tensor:
         if self._order_epoch != self.epoch:
@@ -55,7 +77,8 @@ class ResumableSampler:
         out: list[int] = []
         while len(out) < n:
             take = min(n - len(out), self.num_samples - self.position)
-            out.extend(self._epoch_order()[self.position : self.position + take].tolist())
+            chunk = self._epoch_order()[self.position : self.position + take].tolist()
+            out.extend([i for i in chunk if i not in self._skip] if self._skip else chunk)
             self.position += take
             # Roll over eagerly so a saved state is canonical: (epoch + 1, 0), never (epoch, num_samples).
             if self.position == self.num_samples:

@@ -202,6 +202,12 @@ class TokenDataset:
             )
         return window
 
+    def where(self, i: int) -> str:
+        """Where sample ``i`` lives on disk, for messages (the NaN triage names a bad sample's shard and offset)."""
+        g = self._offset + _check_index(int(i), self._len)
+        k = int(np.searchsorted(self._starts, g, side="right")) - 1
+        return f"{self._shard_names[k]} token {(g - int(self._starts[k])) * (self.seq_len + 1):,}"
+
     def __getstate__(self) -> dict[str, Any]:
         # np.memmap would pickle as a full in-memory copy; reopen in the receiving process instead.
         return {**self.__dict__, "_maps": {}}

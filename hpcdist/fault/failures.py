@@ -10,6 +10,10 @@ file system, like the checkpoints), one JSON object per event, appended by whoev
     checkpoint  the final checkpoint, or the stop checkpoint before a requeue, failed (disk full) on every rank
                 alike (hpcdist.run), or a checkpoint could not be read through the retries (CheckpointUnavailable):
                 exit 74; attributed to nobody (storage).
+    hardware    a NaN/Inf step that a re-run on the same inputs did not reproduce (hpcdist.fault.triage): attributed
+                to the rank whose own loss or gradients were non-finite, so the restart policy excludes its host.
+    nonfinite   the run stopped on a NaN/Inf (hpcdist.fault.nonfinite): attributed to nobody (data or numerics; the
+                triage's ``hardware`` record is what blames a host).
     exit        the step failed and no rank said why (recorded by after-step, hpcdist.launch.restarts).
     health      a node failed the health gate before an attempt (hpcdist.fault.health.record_unhealthy): no rank
                 ran there; attributed to the host (rank None), which the restart policy then excludes.

@@ -6,7 +6,9 @@ saved and never replaces a finite checkpoint through pruning; the run ends with 
 the step. ``skip``: the strategy drops the update when the global norm is not finite (one sync per step), the
 skips are counted, and more than ``train.max_nonfinite_skips`` in a row stop the run the same way.
 
-The gradient norm is global (reduced over every rank, stage and shard), so every rank decides alike.
+The skip decision is agreed by a one-element MAX all-reduce (Strategy._update): the norm is global over stages and
+shards, but DDP's is each replica's own, and one replica going bad alone must not skip alone. With
+``train.nonfinite_triage`` the skipped step is re-run to tell bad data from bad hardware (hpcdist.fault.triage).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ log = get_logger(__name__)
 
 class NonFiniteError(RuntimeError):
     """Training produced a non-finite gradient norm and stopped without saving that state."""
+
+    failure_kind = "nonfinite"  # failures.jsonl: a numeric failure blames no host (the NaN triage's hardware does)
 
 
 class NonFiniteGuard:

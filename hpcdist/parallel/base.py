@@ -69,6 +69,7 @@ class Strategy:
         self._build_optimizer = build_optimizer
         self._params: list[torch.Tensor] | None = None
         self.last_step_skipped = False  # the last optimizer_step dropped a non-finite update
+        self.last_local_grads_finite = True  # when it did: this rank's gradients were finite (hpcdist.fault.triage)
 
     def _attach_optimizer(self, module: nn.Module) -> None:
         """Build the optimizer and LR schedule over ``module`` (the wrapped model, or what DeepSpeed will wrap);
@@ -106,23 +107,53 @@ class Strategy:
     def optimizer_step(self, *, skip_nonfinite: bool = False) -> torch.Tensor:
         """Clip, step, advance the LR schedule, zero grads. Returns the pre-clip global gradient norm.
 
-        ``skip_nonfinite``: when that norm is NaN/Inf, drop the update (grads zeroed, optimizer and LR schedule
-        untouched) and set ``last_step_skipped``; costs one device sync. The norm is global, so every rank
-        decides alike."""
+        ``skip_nonfinite``: when that norm is NaN/Inf on any rank, drop the update (grads zeroed, optimizer and LR
+        schedule untouched) and set ``last_step_skipped``; costs one device sync and a one-element all-reduce, so
+        every rank decides alike even where the norm is a replica's own (DDP)."""
         if self._params is None:  # built once: the parameter set never changes after wrapping
             self._params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm, foreach=True)
+        # clip_grad_norm_ is these two calls; split so a skipped step can look at its gradients before clipping
+        # (a NaN norm makes the clip coefficient NaN, which would spread to every gradient)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self._params if p.grad is not None], foreach=True)
         norm = norm.detach().full_tensor() if hasattr(norm, "full_tensor") else norm.detach()
         self._update(norm, skip_nonfinite)
         return norm
 
     def _update(self, norm: torch.Tensor, skip_nonfinite: bool) -> None:
-        self.last_step_skipped = skip_nonfinite and not bool(torch.isfinite(norm))
-        if not self.last_step_skipped:
+        """Clip with the global ``norm``, step the optimizer and the LR schedule, zero the gradients; a skipped step
+        (``skip_nonfinite`` and a NaN/Inf norm) touches neither the parameters nor the optimizer or LR state: that is
+        what lets the NaN triage re-run the step from the state before it (hpcdist.fault.triage)."""
+        assert self._params is not None
+        self.last_step_skipped = False
+        if skip_nonfinite:
+            # agreed by every rank: DDP's norm is each replica's own, and a replica that went bad after the reduce
+            # (a bit flip) would otherwise skip alone: replicas diverge, and the NaN triage hangs in its re-run
+            bad = (~torch.isfinite(norm)).to(torch.int32)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            self.last_step_skipped = bool(bad)
+        if self.last_step_skipped:
+            # this rank's own evidence, for the triage's blame (after the gradient reduce: DDP spreads a NaN)
+            self.last_local_grads_finite = all(
+                bool(torch.isfinite(_local(p.grad)).all()) for p in self._params if p.grad is not None
+            )
+        else:
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm, foreach=True)
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def sample_losses(self, batch: torch.Tensor) -> torch.Tensor | None:
+        """Each row's loss, one row at a time, for the NaN triage to name the bad sample; None where a strategy cannot
+        (a pipeline). Called by every rank alike: here through this rank's whole model (no collective), sharded
+        strategies run their forward in lock step."""
+        losses = []
+        for row in batch.to(self.device):
+            with self._autocast():
+                losses.append(cross_entropy(self.module(row[None, :-1]), row[None, 1:]).float())
+        return torch.stack(losses)
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> torch.Tensor:

@@ -184,10 +184,20 @@ class MeshStrategy(Strategy):
             squared = norm.float() ** 2
             dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.pp_group)
             norm = squared.sqrt()
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm, foreach=True)
-        self._update(norm.detach(), skip_nonfinite)
+        self._update(norm.detach(), skip_nonfinite)  # clips with the global norm unless it skips the step
         return norm.detach()
+
+    @torch.no_grad()
+    def sample_losses(self, batch: torch.Tensor) -> torch.Tensor | None:
+        """Collective here (every rank calls it, in lock step: the dp ranks' batches have equal rows): FSDP and TP
+        forwards gather shards. None with a pipeline, whose schedule needs its micro-batch count."""
+        if self.schedule is not None:
+            return None
+        losses = []
+        for row in batch.to(self.device):
+            with self._autocast(), self._loss_context():
+                losses.append(self._scalar(cross_entropy(self.model(row[None, :-1]), row[None, 1:])).float())
+        return torch.stack(losses)
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> torch.Tensor:
