@@ -233,8 +233,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
     local = _local_record(args.job, args.run_dir)
     if local is not None:
-        records.cancel_local(local, args.run_dir)
-    else:
-        slurm_cli.cancel(args.job)
-    print(f"cancelled job {args.job}")
+        print(f"cancelled job {args.job}: {records.cancel_local(local, args.run_dir)}")
+        return 0
+    print(f"cancelled job {args.job}: {slurm_cli.cancel(args.job)}")
     return 0

@@ -410,9 +410,11 @@ class JobHandle:
             time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
     def cancel(self) -> None:
-        """Cancel the job (scancel; on the LocalExecutor, interrupt its controller)."""
+        """Cancel the job (scancel; on the LocalExecutor, stop its ranks and wait until they have ended)."""
         if self.executor == "local":
-            self.job.cancel()
+            from hpcdist.launch.records import end_local_job
+
+            end_local_job(int(self.job_id))
         else:
             slurm_cli.cancel(self.job_id)
 
