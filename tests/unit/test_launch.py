@@ -1119,6 +1119,52 @@ def test_code_snapshot_copies_the_tracked_files_and_records_the_commit(tmp_path:
     assert snap.map(DEMO) == str(snap.path / "configs" / "demo.yaml") and snap.map("/etc/x.yaml") == "/etc/x.yaml"
 
 
+def _checkout(root: Path) -> Path:
+    """A git checkout like a user's: the package, a prepared dataset and a virtualenv git does not ignore, runs."""
+    for rel, size in {
+        "hpcdist/__init__.py": 10,
+        "hpcdist/data/loader.py": 10,  # a package folder named data/ is source
+        "configs/demo.yaml": 10,
+        "data/corpus/shard_00000.bin": 4096,  # `hpcdist prepare ... --out data/corpus` (README)
+        ".venv/lib/site.py": 10,
+        "venv2/pyvenv.cfg": 10,
+        "runs/demo/metrics.jsonl": 10,
+        "notes/big.bin": 0,
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x" * size)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    return root
+
+
+def test_code_snapshot_copies_only_source(tmp_path: Path) -> None:
+    """Prepared data, virtualenvs and runs in the checkout are not code: a snapshot per submit must not copy them."""
+    from hpcdist.launch.snapshot import create_snapshot
+
+    root = _checkout(tmp_path / "repo")
+    snap = create_snapshot(root / "runs" / "demo", root=root)
+    copied = sorted(str(p.relative_to(snap.path)) for p in snap.path.rglob("*") if p.is_file())
+    assert copied == [
+        "configs/demo.yaml",
+        "hpcdist/__init__.py",
+        "hpcdist/data/loader.py",
+        "notes/big.bin",
+        "snapshot.json",
+    ]
+
+
+def test_code_snapshot_over_the_cap_is_refused_naming_the_largest_files(tmp_path: Path) -> None:
+    from hpcdist.launch.snapshot import create_snapshot
+
+    root = _checkout(tmp_path / "repo")
+    (root / "notes" / "big.bin").write_bytes(b"x" * 3000)
+    with pytest.raises(LaunchError) as e:
+        create_snapshot(tmp_path / "run", root=root, max_bytes=2000)
+    msg = str(e.value)
+    assert "notes/big.bin (2.9 KiB)" in msg and "HPCDIST_SNAPSHOT_MAX_MB" in msg and "--no-snapshot" in msg
+    assert "\n" not in msg and not (tmp_path / "run" / "code").exists()  # one line, nothing copied
+
+
 def _children(pid: int) -> list[int]:
     """The pids whose parent is ``pid`` (Linux /proc)."""
     found = []
