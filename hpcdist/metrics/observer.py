@@ -279,6 +279,12 @@ class Observer:
             self._report_summary(step, tokens_seen, stop_reason, losses, eval_losses, save_failed)
         self.metrics.close()
 
+    def close(self) -> None:
+        """End without a report: nothing was trained (a rerun of a finished run), so goodput.json and
+        run_summary.json keep the run's own."""
+        self.profiler.close()
+        self.metrics.close()
+
     def _report_goodput(self, step: int) -> None:
         """The effective-training-time ratio of the run."""
         self.goodput.flush(clean=True)

@@ -525,3 +525,23 @@ def test_a_save_never_deletes_a_complete_checkpoint_of_its_step(tmp_path: Path) 
     assert second == first and (second / MARKER).is_file()
     (aside,) = tmp_path.glob("step-00000005.abandoned-*")
     assert _tree(aside) == files
+
+
+def test_rerunning_a_finished_run_says_so_and_changes_nothing(
+    tmp_path: Path, corpus_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 31.3: the same command again after the last step resumed, trained nothing, exited 0 in silence, booked
+    the time between the runs as queue wait and overwrote run_summary.json. Now: one line, nothing rewritten."""
+    from hpcdist import run
+    from tests.conftest import SMALL
+
+    over = [*SMALL, f"run.dir={tmp_path}", "data.source=files", f"data.path={corpus_dir}", "train.steps=2"]
+    over.append("checkpoint.save_final=true")
+    assert run.main(None, over).step == 2
+    kept = {name: (tmp_path / name).read_bytes() for name in ("run_summary.json", "goodput.json", "metrics.jsonl")}
+    capsys.readouterr()
+    time.sleep(0.05)  # a rerun that booked its gap would change goodput.json
+    again = run.main(None, over)
+    assert (again.step, again.exit_code, again.losses) == (2, 0, {})
+    assert "already finished at step 2 (train.steps=2); train.steps=4 to continue" in capsys.readouterr().out
+    assert {name: (tmp_path / name).read_bytes() for name in kept} == kept
