@@ -254,6 +254,8 @@ def build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[str]) 
                 continue
             kwargs[name] = [build(item, v, f"{key}[{i}].", problems) for i, v in enumerate(raw)]
         elif dataclasses.is_dataclass(tp):
+            if isinstance(value, _Typed) and isinstance(value.value, Mapping):
+                value = value.value  # the flow-YAML form of an override, `logging.profile={steps: 3}`, as data.sources
             if not isinstance(value, Mapping):
                 problems.append(f"{key}: must be a section (a mapping of keys), got {echo(value)}")
                 continue

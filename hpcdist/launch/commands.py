@@ -6,6 +6,7 @@ imports run while hpcdist.cli holds the stop signals, and ``status`` never loads
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -118,10 +119,12 @@ def _submit(args: argparse.Namespace) -> int:
     else:
         chained = f"; then {', '.join(h.job_id for h in out[1:])} (chained, afterany)" if len(out) > 1 else ""
         code = f"\n  code:   {first.snapshot}" if first.snapshot else ""
+        # a local job is known only to its run dir's jobs.jsonl: without --run-dir, status asks SLURM and fails
+        where = f" --run-dir {shlex.quote(first.run_dir)}" if first.executor == "local" and first.run_dir else ""
         print(
             f"submitted job {first.job_id} ({first.executor}, {first.num_tasks} ranks){chained}{code}\n"
             f"  logs:   {logs.stdout}\n          {logs.stderr}\n"
-            f"  follow: hpcdist status {first.job_id}; hpcdist logs {first.job_id} --rank R",
+            f"  follow: hpcdist status {first.job_id}{where}; hpcdist logs {first.job_id}{where} --rank R",
             flush=True,
         )
     if not args.wait:

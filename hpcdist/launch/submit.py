@@ -329,8 +329,11 @@ class JobHandle:
         num_tasks: int,
         snapshot: str | None = None,
         task: TrainTask | None = None,
+        run_dir: str | None = None,
     ) -> None:
         self.job = job  # the submitit Job, for anything not wrapped here
+        self.run_dir = run_dir
+        """The run dir whose jobs.jsonl records the job (what status/logs/cancel of a local job need)."""
         self.executor = executor
         self.folder = folder
         self.num_tasks = num_tasks
@@ -617,7 +620,15 @@ def launch(
         text = str(e).strip().splitlines()
         raise LaunchError(f"submission with the {kind} executor failed: {' | '.join(text[-3:])}") from e
     handles = [
-        JobHandle(job, executor=kind, folder=prep.folder, num_tasks=cluster.world_size, snapshot=code, task=task)
+        JobHandle(
+            job,
+            executor=kind,
+            folder=prep.folder,
+            num_tasks=cluster.world_size,
+            snapshot=code,
+            task=task,
+            run_dir=prep.run_dir,
+        )
         for job, task in zip(jobs, tasks, strict=True)
     ]
     from hpcdist.launch.records import record_job

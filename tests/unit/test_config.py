@@ -812,3 +812,13 @@ def test_every_numeric_key_has_a_maximum() -> None:
         problems = _problems(None, [f"{key}={over}"])
         assert any(p.startswith(f"{key}: must be at most ") for p in problems), (key, problems)
     _one_problem([f"train.steps={10**400}"], "train.steps: must be at most 1,000,000,000,000, got an integer of")
+
+
+def test_a_section_override_takes_the_flow_yaml_form() -> None:
+    """Issue 31.7: `data.sources=[{path: ..., weight: ...}]` worked where `logging.profile={steps: 2}` was refused."""
+    cfg = load(None, ["logging.profile={steps: 2, start_step: 3}"])
+    assert (cfg.logging.profile.steps, cfg.logging.profile.start_step) == (2, 3)
+    with pytest.raises(ConfigError, match=r"logging\.profile\.stepz: unknown key"):
+        load(None, ["logging.profile={stepz: 2}"])
+    with pytest.raises(ConfigError, match=r"logging\.profile: must be a section"):
+        load(None, ["logging.profile=3"])

@@ -884,23 +884,34 @@ def test_cluster_config_defaults_are_valid() -> None:
 def test_local_executor_trains_two_ranks(
     tmp_path: Path, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """hpcdist.submit with the LocalExecutor: two real ranks (started like spawn: ~10 s) train to the end."""
-    import hpcdist
-
-    handle = hpcdist.submit(DEMO, [*TINY, f"run.dir={tmp_path}", "train.steps=4"], cluster="local", time="5")
-    assert isinstance(handle, JobHandle) and handle.executor == "local"
-    assert handle.wait(timeout=120) == "COMPLETED", handle.paths[0].stderr.read_text()
-    results = handle.results()
-    assert len(results) == 2 and results[0] == results[1] and results[0]["step"] == 4
-    log = handle.paths[0].stdout.read_text()
-    assert "ddp on 2 rank(s)" in log and "done: step 4" in log
-    # status and logs of a local job come from the run dir's record (SLURM knows nothing of it)
-    capsys.readouterr()
-    assert cli.main(["status", handle.job_id, "--run-dir", str(tmp_path)]) == 0
+    """hpcdist submit with the LocalExecutor: two real ranks (started like spawn: ~10 s) train to the end, and the
+    follow commands submit prints work as printed (issue 31.7: `hpcdist status N` without --run-dir failed)."""
+    argv = ["submit", DEMO, *TINY, f"run.dir={tmp_path}", "train.steps=4", "--cluster", "local", "--time", "5"]
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"job {handle.job_id} (local executor" in out and ": COMPLETED" in out and "step 4, loss" in out
-    assert cli.main(["logs", handle.job_id, "--rank", "1", "--run-dir", str(tmp_path)]) == 0
-    assert capsys.readouterr().out == handle.paths[1].stdout.read_text()
+    found = re.search(
+        r"submitted job (\d+) \(local, 2 ranks\).*follow: (hpcdist status .*); (hpcdist logs .*)", out, re.S
+    )
+    assert found, out
+    job, status, logs = (
+        found.group(1),
+        shlex.split(found.group(2))[1:],
+        shlex.split(found.group(3).replace(" R", " 1"))[1:],
+    )
+    assert status == ["status", job, "--run-dir", str(tmp_path)]
+    deadline = time.monotonic() + 120
+    text = ""
+    while ": RUNNING" in text or not text:
+        assert time.monotonic() < deadline, text
+        assert cli.main(status) == 0
+        text = capsys.readouterr().out
+        time.sleep(0.5)
+    # status and logs of a local job come from the run dir's record (SLURM knows nothing of it)
+    assert f"job {job} (local executor" in text and ": COMPLETED" in text and "step 4, loss" in text, text
+    log0 = (tmp_path / "slurm" / f"{job}_0_log.out").read_text()
+    assert "ddp on 2 rank(s)" in log0 and "done: step 4" in log0
+    assert cli.main(logs) == 0
+    assert capsys.readouterr().out == (tmp_path / "slurm" / f"{job}_1_log.out").read_text()
 
 
 # --------------------------------------------------------------------------------------------- memory check
