@@ -156,10 +156,10 @@ CHECKS: dict[str, Check] = {
         reason=f'cluster="sandbox" (the README\'s instruction for the throwaway cluster); {SANDBOX_ADDED}',
     ),
     # ------------------------------------------------------------------------------------------------ usage
-    "hpcdist train configs/demo.yaml optim.lr=0.001 train.steps=100": Check(
+    "hpcdist train configs/demo.yaml optim.lr=0.001 train.steps=100 run.dir=runs/lr": Check(
         "local", added=TINY, expect=(DONE,), reason="tiny overrides appended (train.steps=2 replaces 100)"
     ),
-    "torchrun --nproc_per_node=4 -m hpcdist train configs/demo.yaml": Check(
+    "torchrun --nproc_per_node=4 -m hpcdist train configs/demo.yaml run.dir=runs/ddp4": Check(
         "local", added=TINY, expect=("ddp on 4 rank(s)", DONE), reason="tiny overrides appended"
     ),
     "srun --ntasks-per-node=8 hpcdist train configs/demo.yaml": Check(
@@ -170,11 +170,11 @@ CHECKS: dict[str, Check] = {
     ),
     "hpcdist prepare my_texts/ --glob '*.txt' --out data/mycorpus": Check("cli", expect=("files into data/mycorpus",)),
     "hpcdist --version": Check("cli", expect=("hpcdist 0.1.0",)),
-    "hpcdist train configs/demo.yaml train.steps=20 && hpcdist export runs/demo --out runs/demo-hf && hpcdist import "
-    "runs/demo-hf --out runs/demo-imported": Check(
+    "hpcdist train configs/demo.yaml train.steps=20 run.dir=runs/hf20 && hpcdist export runs/hf20 --out runs/hf20-hf "
+    "&& hpcdist import runs/hf20-hf --out runs/hf20-imported": Check(
         "local",
         replace=(("train.steps=20", " ".join(TINY)),),
-        expect=(DONE, "to runs/demo-hf", "as runs/demo-imported/step-00000000"),
+        expect=(DONE, "to runs/hf20-hf", "as runs/hf20-imported/step-00000000"),
         reason="tiny overrides replace train.steps=20 in the train step (the first command of the chain)",
     ),
     "hpcdist tokenizer train my_docs/ --vocab-size 512 --out data/tok && hpcdist prepare my_docs/ --tokenizer data/tok "

@@ -3,6 +3,7 @@ checkout-like scratch directory, with the tiny overrides tests/readme_commands.p
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ def test_local_command(text: str, tmp_path: Path) -> None:
     proc = run_bash(command, cwd, timeout=300)
     assert_output(command, proc, check)
     if text.startswith(("hpcdist train configs/demo.yaml", "torchrun ")) and "--dry-run" not in text:
-        # configs/demo.yaml's run.dir, relative to where the command ran: metrics and the final checkpoint
-        run = cwd / "runs" / "demo"
+        # the run dir the command names, else configs/demo.yaml's, relative to where it ran: metrics, final checkpoint
+        run = cwd / (re.findall(r"run\.dir=(\S+)", text) or ["runs/demo"])[-1]
         assert (run / "checkpoints" / "step-00000002" / "COMPLETE").is_file(), proc.stdout[-3000:]
         assert len((run / "metrics.jsonl").read_text().splitlines()) >= 1
