@@ -29,8 +29,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     # A config mistake is refused here, in a second, before torch and the trainer are imported (5-25 s on a busy
     # node); run.main loads the config again (milliseconds) and checks what needs the job and the data.
     try:
-        config_mod.load(args.config, args.overrides)
-    except config_mod.ConfigError as e:
+        cfg = config_mod.load(args.config, args.overrides)
+        _check_before_torch(cfg)
+    except config_mod.ConfigError as e:  # DataError included
         raise _once_per_job(e) from e
     from hpcdist.checkpoint import CheckpointMismatch, CheckpointUnavailable
     from hpcdist.config import ConfigError
@@ -47,6 +48,27 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise _once_per_job(e, code=e.EXIT_CODE) from e
     except NonFiniteError as e:  # every rank stops at the same step (the norm is global): say it once
         raise _once_per_job(e, code=1) from e
+
+
+def _check_before_torch(cfg: Any) -> None:
+    """run.main's torch-free start-up checks, run before torch is imported: this job's batch split on its ranks,
+    run.dir / checkpoint.dir, the prepared data (each refusal used to wait 5-90 s for torch on a busy node). run.main
+    runs them again (milliseconds), as an API caller needs them."""
+    from hpcdist import config as config_mod
+    from hpcdist.env import from_environ
+
+    try:
+        env = from_environ(cuda_available=False)  # ranks from torchrun / SLURM / one process: no CUDA, no torch
+    except ValueError:
+        return  # a garbled launcher environment: run.main says so in its own words
+    if not config_mod.needs_planner(cfg.parallel.strategy):  # auto: the planner (torch) resolves the layout first
+        config_mod.check_world(cfg, env.world_size, ranks_per_node=env.local_world_size)
+    try:
+        config_mod.check_run_dir(cfg)
+    except config_mod.ConfigError as e:
+        e.per_host = True  # type: ignore[attr-defined]  # as this host sees them: printed per node, as run.main does
+        raise
+    config_mod.check_data(cfg)
 
 
 def _once_per_job(e: Exception, code: int = 2) -> CommandError:
