@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,11 +27,15 @@ from tests.readme_commands import (
 pytestmark = pytest.mark.slow
 
 
+# The commands that had one test each (600 s apiece) run in one: a reader's order needs one directory. About 4 min
+# on a quiet 2-core machine; the limit leaves room for a loaded one.
+@pytest.mark.timeout(1800)
 def test_local_commands_in_reading_order(tmp_path: Path) -> None:
     cwd = workdir(tmp_path)
     for command in reading_order("local"):
         check = check_for(command.text)
         where = f"{command.source} line {command.line}"
+        print(f"[{time.strftime('%H:%M:%S')}] {where}: {command.text.splitlines()[0][:100]}", flush=True)
         before = tree_state(cwd)
         if command.kind == "python":  # a snippet: this interpreter, in the scratch directory
             proc = run_bash(f"{sys.executable} - <<'PY'\n{command.text}\nPY", cwd, env=local_env(), timeout=300)
