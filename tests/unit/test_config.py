@@ -326,7 +326,7 @@ def test_string_key_takes_the_typed_text(value: str) -> None:
 
 def test_missing_config_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
-    _one_problem([], str(missing), "does not exist", "configs/demo.yaml", path=missing)
+    _one_problem([], str(missing), "does not exist", "a shipped example: demo, train_13b", path=missing)
 
 
 def test_directory_instead_of_config_file(tmp_path: Path) -> None:
@@ -777,6 +777,8 @@ def _validate_any(path: Path) -> None:
             assert load_cluster(path) == load_cluster(path.stem)
         elif kind == "nccl":
             assert load_profile(path.stem) == load_profile(str(path))
+        elif kind == "examples":  # job configs, loaded by path and by the name `hpcdist train NAME` takes
+            assert load(path) == load(path.stem)
         else:
             raise AssertionError(f"no validator for shipped resources of kind {kind!r}: add one here")
     elif path.parent == CONFIGS:
