@@ -25,7 +25,37 @@ from pathlib import Path
 
 from hpcdist.owners import user_name, writer_problem
 
-__all__ = ["UntrustedFile", "append_line", "atomic_write", "file_sha256", "open_append", "read_tail", "read_trusted"]
+__all__ = [
+    "UntrustedFile",
+    "append_line",
+    "atomic_write",
+    "file_sha256",
+    "follow_umask",
+    "open_append",
+    "read_tail",
+    "read_trusted",
+]
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask can only set it: a set-and-restore would race with
+    other threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)  # no /proc (macOS): the classic way
+    os.umask(old)
+    return old
+
+
+def follow_umask(path: str | os.PathLike[str]) -> None:
+    """Give a file another library created (safetensors writes 0600) the mode ``open(path, "w")`` would have: 0666
+    minus the umask, as every other file of a run."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes | memoryview, *, durable: bool = True) -> Path:

@@ -191,6 +191,11 @@ def main(
             file=sys.stderr,
             flush=True,
         )
+    elif env.is_main and result.already_finished:
+        print(
+            f"already finished at step {result.step} (train.steps={cfg.train.steps}); "
+            f"train.steps={2 * result.step} to continue, or run.dir=DIR to start another run"
+        )
     elif env.is_main and result.stop_reason != StopReason.NONE and result.step < cfg.train.steps:
         ckpt = step_dir(cfg.checkpoint_dir, result.step)
         saved = "complete" if (ckpt / MARKER).is_file() else "NOT saved (see the errors above)"

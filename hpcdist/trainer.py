@@ -72,6 +72,8 @@ class TrainResult:
     none was due. hpcdist.run then exits non-zero instead of reporting success or requeueing."""
     resume_point: str | None = None
     """The newest complete checkpoint when ``save_failed``: where the next run resumes (None: from step 0)."""
+    already_finished: bool = False
+    """Resumed at train.steps or beyond: nothing trained, nothing recorded (a rerun of a finished run)."""
 
     def record(self, step: int, loss: float | None, eval_loss: float | None) -> None:
         """A step's logged loss and evaluation loss, where it had them."""
@@ -422,6 +424,13 @@ class Trainer:
         """Train to ``train.steps``; ``until`` stops earlier (an interruption: a checkpoint is saved there)."""
         cfg, result = self.cfg, TrainResult(step=self.step, resumed_from=self.resumed_from)
         end = min(cfg.train.steps, until) if until is not None else cfg.train.steps
+        if self.resumed_from and self.step >= cfg.train.steps:
+            # the run was finished already: no attempt to account (the time since it ended is no queue wait) and no
+            # summary to replace (its losses are the run's, this call has none); the caller says so
+            result.already_finished = True
+            self.observer.close()
+            self.run_lock.release()
+            return result
         self._lock_run_dir()  # held already unless an earlier train() returned
         self.stop_flag.install()  # if the caller has not; close() restores the previous handlers
         self.ckpt.restart_clock()  # checkpoint.every_minutes counts from here

@@ -61,6 +61,7 @@ class Command:
     text: str
     line: int  # 1-based line of README.md where it starts
     expected: tuple[str, ...] = ()  # console: the output lines shown after the command
+    source: str = "README.md"  # the file, relative to the checkout (README.md or docs/X.md)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class Check:
     expect: tuple[str, ...] = ()  # fragments its output must contain
     returncode: int = 0
     reason: str = ""
+    # run in reading order (tests/test_readme_slow.py), every local command must change the scratch directory (a
+    # run, a file) unless this says why it changes nothing (a dry run, a check that only prints)
+    unchanged: str = ""
 
     @property
     def as_written(self) -> bool:
@@ -157,10 +161,10 @@ CHECKS: dict[str, Check] = {
         reason=f'cluster="sandbox" (the README\'s instruction for the throwaway cluster); {SANDBOX_ADDED}',
     ),
     # ------------------------------------------------------------------------------------------------ usage
-    "hpcdist train configs/demo.yaml optim.lr=0.001 train.steps=100": Check(
+    "hpcdist train configs/demo.yaml optim.lr=0.001 train.steps=100 run.dir=runs/lr": Check(
         "local", added=TINY, expect=(DONE,), reason="tiny overrides appended (train.steps=2 replaces 100)"
     ),
-    "torchrun --nproc_per_node=4 -m hpcdist train configs/demo.yaml": Check(
+    "torchrun --nproc_per_node=4 -m hpcdist train configs/demo.yaml run.dir=runs/ddp4": Check(
         "local", added=TINY, expect=("ddp on 4 rank(s)", DONE), reason="tiny overrides appended"
     ),
     "srun --ntasks-per-node=8 hpcdist train configs/demo.yaml": Check(
@@ -171,11 +175,11 @@ CHECKS: dict[str, Check] = {
     ),
     "hpcdist prepare my_texts/ --glob '*.txt' --out data/mycorpus": Check("cli", expect=("files into data/mycorpus",)),
     "hpcdist --version": Check("cli", expect=("hpcdist 0.1.0",)),
-    "hpcdist train configs/demo.yaml train.steps=20 && hpcdist export runs/demo --out runs/demo-hf && hpcdist import "
-    "runs/demo-hf --out runs/demo-imported": Check(
+    "hpcdist train configs/demo.yaml train.steps=20 run.dir=runs/hf20 && hpcdist export runs/hf20 --out runs/hf20-hf "
+    "&& hpcdist import runs/hf20-hf --out runs/hf20-imported": Check(
         "local",
         replace=(("train.steps=20", " ".join(TINY)),),
-        expect=(DONE, "to runs/demo-hf", "as runs/demo-imported/step-00000000"),
+        expect=(DONE, "to runs/hf20-hf", "as runs/hf20-imported/step-00000000"),
         reason="tiny overrides replace train.steps=20 in the train step (the first command of the chain)",
     ),
     "hpcdist tokenizer train my_docs/ --vocab-size 512 --out data/tok && hpcdist prepare my_docs/ --tokenizer data/tok "
@@ -191,7 +195,8 @@ CHECKS: dict[str, Check] = {
     "runs/demo --data data/heldout --json runs/demo/eval.json": Check(
         "local",
         replace=(("configs/demo.yaml && ", f"configs/demo.yaml {' '.join(TINY)} && "),),
-        expect=(DONE, "def main(", "new tokens in", "step-00000002 on data/heldout: loss"),
+        # in reading order the quick start trained runs/demo already: the train step says so and changes nothing
+        expect=("already finished at step 2", "def main(", "new tokens in", "step-00000002 on data/heldout: loss"),
         reason="tiny overrides inserted into the train step (the first command of the chain)",
     ),
     "lm_eval --model hf --model_args pretrained=runs/demo/hf,dtype=float32 --tasks hellaswag,arc_easy --batch_size 8 "
@@ -225,13 +230,39 @@ CHECKS: dict[str, Check] = {
         expect=("# Verdict: PASS",),
         reason="QUICK_NCCL appended (small messages, few iterations, slow-rank threshold 0.1): the CPU defaults "
         "sweep to 16 MiB x 20 iterations, 25 s of the suite for the same verdict",
+        unchanged="a check: it prints its report and verdict (--json / --plot would write files)",
     ),
     # ------------------------------------------------------------------------------------------------- plan
     "hpcdist plan configs/train_13b.yaml --nodes 4 --gpus-per-node 8 --gpu-mem 80GB --tokens 1T": Check(
         "cli", expect=("auto would take row 1", "zero3", "2,142 tokens/s/GPU, 59.8% MFU")
     ),
     "hpcdist train configs/train_13b.yaml --dry-run --world-size 32 --ranks 0,9,31": Check(
-        "local", expect=("13.02B params", "on 32 ranks", "fits in")
+        "local",
+        expect=("13.02B params", "on 32 ranks", "fits in"),
+        unchanged="a dry run: the plan on a meta model, printed; nothing trains, nothing is written",
+    ),
+    # ------------------------------------------------------------------------------------------------ docs/
+    # docs/HF.md: the Python API, on the run the quick start trained (runs/demo)
+    "from hpcdist.inference import load_for_inference  # a checkpoint (step / checkpoints / run dir) or HF dir\n\n"
+    'model, tokenizer, loaded = load_for_inference("runs/demo")  # Transformer (eval, fp32), Tokenizer|None, where '
+    "from\nfrom hpcdist.hf.convert import to_hf_state_dict, from_hf_state_dict  # full state dicts, names + "
+    "permutation": Check("local", unchanged="it loads a checkpoint into memory: reads only"),
+    # docs/PROFILING.md
+    "python tools/bench/scaling.py configs/demo.yaml --ranks 1,2,4": Check(
+        "local",
+        replace=(("--ranks 1,2,4", "--ranks 1,2"),),
+        added=("--steps", "1", "--warmup", "1"),
+        expect=("scaling",),
+        reason="1 and 2 ranks, 1 timed step after 1 warm-up: 4 ranks of 2-core CPU time per step are the "
+        "benchmark's job, not the suite's",
+    ),
+    "torchfrtrace <run.dir>/hangs --prefix nccl_trace_rank_": Check(
+        "none",
+        reason="it reads NCCL flight-recorder dumps, which only an NCCL (GPU) run that hung writes; gloo here writes "
+        "none (tests/dist/test_watchdog.py checks the dump path and the variables hpcdist sets)",
+    ),
+    "torchfrtrace <run.dir>/hangs --prefix nccl_trace_rank_ --allow-incomplete-ranks": Check(
+        "none", reason="as the line above: needs an NCCL run's flight-recorder dumps"
     ),
 }
 
@@ -239,7 +270,9 @@ CHECKS: dict[str, Check] = {
 DERIVED: dict[str, Check] = {
     "hpcdist train configs/demo.yaml": Check("local", added=TINY, expect=(DONE,), reason="tiny overrides appended"),
     "hpcdist train configs/train_13b.yaml --dry-run --world-size 32": Check(
-        "local", expect=("13.02B params", "on 32 ranks", "zero3 x 32 ranks", "fits in")
+        "local",
+        expect=("13.02B params", "on 32 ranks", "zero3 x 32 ranks", "fits in"),
+        unchanged="a dry run: the plan on a meta model, printed; nothing trains, nothing is written",
     ),
 }
 
@@ -279,6 +312,47 @@ def commands(readme: Path = README) -> list[Command]:
         elif lang is not None:
             block.append((number, line))
     return out
+
+
+DOCS = sorted((REPO / "docs").glob("*.md"))
+
+
+def documented() -> list[Command]:
+    """Every command a reader meets: README.md's, then each docs/*.md's (alphabetical, as the README lists them)."""
+    out = commands(README)
+    for doc in DOCS:
+        source = str(doc.relative_to(REPO))
+        out += [Command(c.kind, c.text, c.line, c.expected, source) for c in commands(doc)]
+    return out
+
+
+def reading_order(runner: str = "local") -> list[Command]:
+    """The commands of ``runner`` in the order a reader meets them; a command that does not run stands aside for
+    the DERIVED commands that run in its place, at its place (the quick start's training runs first)."""
+    out: list[Command] = []
+    for c in documented():
+        check = CHECKS.get(c.text)
+        if check is None:
+            continue
+        if check.runner == runner:
+            out.append(c)
+        out += [Command("bash", t, c.line, (), c.source) for t in check.instead if DERIVED[t].runner == runner]
+    return out
+
+
+def tree_state(root: Path) -> dict[str, tuple[int, int]]:
+    """{path: (size, mtime_ns)} of every file under ``root``, not following links (configs/ etc. are the checkout's):
+    what a command changed."""
+    state: dict[str, tuple[int, int]] = {}
+    for dirpath, _, files in os.walk(root, followlinks=False):
+        for name in files:
+            path = Path(dirpath, name)
+            try:
+                st = path.lstat()
+            except OSError:
+                continue  # removed meanwhile
+            state[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return state
 
 
 def _block_commands(lang: str, block: list[tuple[int, str]]) -> list[Command]:

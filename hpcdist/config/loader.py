@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from hpcdist import safe_yaml
+from hpcdist import resources, safe_yaml
 
 __all__ = [
     "ConfigError",
@@ -133,11 +133,23 @@ def merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def config_file(path: str | os.PathLike[str]) -> Path:
+    """A job config argument -> its file: the path as given, or, when no such file exists and the argument is a bare
+    name, the shipped example of that name (``demo``, ``train_13b``: hpcdist.resources ``examples``), so a wheel
+    install without the checkout's configs/ can start from one. A file of that name in the directory wins."""
+    p = Path(path).expanduser()
+    name = str(path)
+    if not p.exists() and name == p.name and name in resources.names("examples"):
+        return resources.path("examples", name)
+    return p
+
+
 def read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
     """A YAML mapping file -> (data, problems); a missing, unreadable, non-UTF-8, invalid or non-mapping file is a
     problem (worded "config file ...") and gives ``{}``; an empty file is ``{}``."""
     if not path.is_file():
-        return {}, [f"config file {str(path)!r} does not exist (pass a YAML file such as configs/demo.yaml)"]
+        shipped = ", ".join(resources.names("examples"))
+        return {}, [f"config file {str(path)!r} does not exist (pass a YAML file, or a shipped example: {shipped})"]
     try:
         data = safe_yaml.load_file(path)
     except safe_yaml.RefusedYAML as e:
@@ -242,6 +254,8 @@ def build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[str]) 
                 continue
             kwargs[name] = [build(item, v, f"{key}[{i}].", problems) for i, v in enumerate(raw)]
         elif dataclasses.is_dataclass(tp):
+            if isinstance(value, _Typed) and isinstance(value.value, Mapping):
+                value = value.value  # the flow-YAML form of an override, `logging.profile={steps: 3}`, as data.sources
             if not isinstance(value, Mapping):
                 problems.append(f"{key}: must be a section (a mapping of keys), got {echo(value)}")
                 continue
@@ -268,6 +282,6 @@ def load_tree(path: str | os.PathLike[str] | None, overrides: Iterable[str] = ()
     data: dict[str, Any] = {}
     problems: list[str] = []
     if path is not None:
-        data, problems = read_yaml(Path(path))
+        data, problems = read_yaml(config_file(path))
     over, over_problems = _parse_typed(overrides)
     return merge(data, over), problems + over_problems

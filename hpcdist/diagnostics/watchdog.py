@@ -38,6 +38,7 @@ _FOREVER = datetime.timedelta(days=365)
 _PING_WAIT_S = 3.0  # a live process answers a ping within milliseconds; this is generous for a loaded host
 _GRACE_S = 15.0  # how long a waiting rank that is not the reporter waits for the report before it exits anyway
 _FAREWELL_S = 10.0  # at a normal end, how long rank 0 waits for the others before it takes the store down
+_REPORT_WAIT_S = 300.0  # at a normal end, how long the others wait for rank 0's report (and its "bye")
 
 
 @dataclass
@@ -118,9 +119,16 @@ class Watchdog:
                 while self._store.add(key("done"), 0) < world and time.monotonic() < until:
                     time.sleep(0.05)
                 self._store.set(key("alert"), "bye")
-        # The others leave only after rank 0's "bye", which it sends after its report: under srun
-        # --kill-on-bad-exit a rank exiting 1 (verdict FAIL) first would kill rank 0 while it writes the JSON.
-        self._responder.join(timeout=_FAREWELL_S)
+                # rank 0 holds the store: it leaves only once every responder has read the "bye". Leaving while one
+                # was still between its wait and its get printed c10d's "recvValueWithTimeout failed ... Connection
+                # reset by peer" with a C++ stack trace after "Verdict: PASS" (issue 31.7)
+                until = time.monotonic() + _FAREWELL_S
+                while self._store.add(key("left"), 0) < world and time.monotonic() < until:
+                    time.sleep(0.02)
+        # The others leave only after rank 0's "bye", which it sends after its report (verdict, JSON, plot: matplotlib
+        # can take seconds): under srun --kill-on-bad-exit a rank exiting 1 (verdict FAIL) first would kill rank 0
+        # while it writes them. Rank 0 dying ends the wait at once (the responder's store call fails).
+        self._responder.join(timeout=_FAREWELL_S if self.rank == 0 else _REPORT_WAIT_S)
 
     @contextlib.contextmanager
     def step(self, name: str, timeout_s: float | None = None) -> Iterator[None]:
@@ -175,6 +183,7 @@ class Watchdog:
         try:
             store.wait([key("alert")], _FOREVER)
             if store.get(key("alert")) == b"bye":
+                store.add(key("left"), 1)  # the last call on rank 0's store: rank 0 may close it now
                 return
             store.set(key("pong", self.rank), "1")
             store.wait([key("abort")], _FOREVER)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hpcdist.atomic import atomic_write
+from hpcdist.atomic import atomic_write, follow_umask
 from hpcdist.hf.convert import fqn_names, fqn_to_hf, to_hf_tensor
 from hpcdist.hf.source import (
     ConversionError,
@@ -143,6 +143,7 @@ def export(
                 del t  # the saved-dtype copy goes before the next tensor is loaded
                 weight_map[fqn_to_hf(fqn)] = name
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            follow_umask(tmp / name)  # safetensors creates 0600: the run's other files follow the umask
             nbytes = sum(t.nbytes for t in shard.values())
             result.total_bytes += nbytes
             result.largest_shard_bytes = max(result.largest_shard_bytes, nbytes)

@@ -6,6 +6,7 @@ imports run while hpcdist.cli holds the stop signals, and ``status`` never loads
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     # A config mistake is refused here, in a second, before torch and the trainer are imported (5-25 s on a busy
     # node); run.main loads the config again (milliseconds) and checks what needs the job and the data.
     try:
-        config_mod.load(args.config, args.overrides)
-    except config_mod.ConfigError as e:
+        cfg = config_mod.load(args.config, args.overrides)
+        _check_before_torch(cfg)
+    except config_mod.ConfigError as e:  # DataError included
         raise _once_per_job(e) from e
     from hpcdist.checkpoint import CheckpointMismatch, CheckpointUnavailable
     from hpcdist.config import ConfigError
@@ -46,6 +48,27 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise _once_per_job(e, code=e.EXIT_CODE) from e
     except NonFiniteError as e:  # every rank stops at the same step (the norm is global): say it once
         raise _once_per_job(e, code=1) from e
+
+
+def _check_before_torch(cfg: Any) -> None:
+    """run.main's torch-free start-up checks, run before torch is imported: this job's batch split on its ranks,
+    run.dir / checkpoint.dir, the prepared data (each refusal used to wait 5-90 s for torch on a busy node). run.main
+    runs them again (milliseconds), as an API caller needs them."""
+    from hpcdist import config as config_mod
+    from hpcdist.env import from_environ
+
+    try:
+        env = from_environ(cuda_available=False)  # ranks from torchrun / SLURM / one process: no CUDA, no torch
+    except ValueError:
+        return  # a garbled launcher environment: run.main says so in its own words
+    if not config_mod.needs_planner(cfg.parallel.strategy):  # auto: the planner (torch) resolves the layout first
+        config_mod.check_world(cfg, env.world_size, ranks_per_node=env.local_world_size)
+    try:
+        config_mod.check_run_dir(cfg)
+    except config_mod.ConfigError as e:
+        e.per_host = True  # type: ignore[attr-defined]  # as this host sees them: printed per node, as run.main does
+        raise
+    config_mod.check_data(cfg)
 
 
 def _once_per_job(e: Exception, code: int = 2) -> CommandError:
@@ -118,10 +141,12 @@ def _submit(args: argparse.Namespace) -> int:
     else:
         chained = f"; then {', '.join(h.job_id for h in out[1:])} (chained, afterany)" if len(out) > 1 else ""
         code = f"\n  code:   {first.snapshot}" if first.snapshot else ""
+        # a local job is known only to its run dir's jobs.jsonl: without --run-dir, status asks SLURM and fails
+        where = f" --run-dir {shlex.quote(first.run_dir)}" if first.executor == "local" and first.run_dir else ""
         print(
             f"submitted job {first.job_id} ({first.executor}, {first.num_tasks} ranks){chained}{code}\n"
             f"  logs:   {logs.stdout}\n          {logs.stderr}\n"
-            f"  follow: hpcdist status {first.job_id}; hpcdist logs {first.job_id} --rank R",
+            f"  follow: hpcdist status {first.job_id}{where}; hpcdist logs {first.job_id}{where} --rank R",
             flush=True,
         )
     if not args.wait:
@@ -233,8 +258,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
     local = _local_record(args.job, args.run_dir)
     if local is not None:
-        records.cancel_local(local, args.run_dir)
-    else:
-        slurm_cli.cancel(args.job)
-    print(f"cancelled job {args.job}")
+        print(f"cancelled job {args.job}: {records.cancel_local(local, args.run_dir)}")
+        return 0
+    print(f"cancelled job {args.job}: {slurm_cli.cancel(args.job)}")
     return 0

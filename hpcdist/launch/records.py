@@ -7,6 +7,7 @@ metrics and restart ledger give its progress. Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,10 +19,20 @@ from hpcdist.atomic import UntrustedFile, append_line, read_tail, read_trusted
 from hpcdist.fault.failures import unhealthy_hosts
 from hpcdist.rundir import RunDir
 
-__all__ = ["UntrustedFile", "cancel_local", "find_job", "last_step", "local_state", "record_job", "run_summary"]
+__all__ = [
+    "UntrustedFile",
+    "cancel_local",
+    "end_local_job",
+    "find_job",
+    "last_step",
+    "local_state",
+    "record_job",
+    "run_summary",
+]
 
 _JOBS_MAX_BYTES = 64 << 20  # one short line per submission: hundreds of thousands of jobs
 _TAIL_BYTES = 16 << 20  # the newest lines of metrics.jsonl: thousands of steps
+_CONTROLLER = "submitit.local._local"  # in the command line of submitit's local controller (and of its /bin/sh)
 
 
 def record_job(run_dir: str | os.PathLike[str], entry: dict[str, Any]) -> None:
@@ -54,13 +65,15 @@ def find_job(job_id: str, run_dir: str | os.PathLike[str]) -> dict[str, Any] | N
 
 
 def _alive(pid: int) -> bool:
+    """The process exists and has not ended (a zombie has: only its parent has not collected its status yet)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    state = _proc_table([pid]).get(pid)
+    return state is None or state[1] != "Z"  # None: no /proc here, or it ended just now (then the next poll sees it)
 
 
 def local_state(entry: dict[str, Any]) -> str:
@@ -78,15 +91,101 @@ def local_state(entry: dict[str, Any]) -> str:
     return "CANCELLED" if entry.get("cancelled") else "FAILED"
 
 
-def cancel_local(entry: dict[str, Any], run_dir: str | os.PathLike[str]) -> None:
-    """Interrupt a local job's controller (what submitit's LocalJob.cancel sends); OSError when it is not ours."""
+def _proc_table(only: list[int] | None = None) -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) of every process now, or of ``only`` (Linux /proc; empty elsewhere)."""
+    table: dict[int, tuple[int, str]] = {}
+    try:
+        entries = [str(p) for p in only] if only is not None else os.listdir("/proc")
+    except OSError:
+        return table
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:  # a kernel file: small, never a FIFO
+                fields = f.read(4096).decode("ascii", errors="replace").rpartition(")")[2].split()
+            table[int(name)] = (int(fields[1]), fields[0])
+        except (OSError, ValueError, IndexError):
+            continue  # it ended while we looked
+    return table
+
+
+def _tree(root: int, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
+    """``root`` and every live descendant (zombies have ended: only their parent has not collected them)."""
+    table = _proc_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table and table[pid][1] != "Z":
+            found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read(1 << 16).replace(b"\0", b" ").decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def cancel_local(entry: dict[str, Any], run_dir: str | os.PathLike[str], grace_s: float = 60.0) -> str:
+    """End a local-executor job recorded in the run dir and wait until it has ended: what ended (OSError: not ours,
+    already gone, or still running after SIGKILL)."""
     if entry.get("host") != socket.gethostname():
         raise OSError(f"job {entry['job_id']} runs on {entry.get('host')}; cancel it there")
     pid = int(entry["job_id"])
     if not _alive(pid):
         raise OSError(f"job {pid} has already ended")
-    os.kill(pid, signal.SIGINT)
-    record_job(run_dir, {"job_id": entry["job_id"], "cancelled": True})
+    if os.path.isdir("/proc") and _CONTROLLER not in _cmdline(pid):  # the job ended and its pid went to another
+        raise OSError(f"job {pid} has already ended (pid {pid} now belongs to another program)")
+    record_job(run_dir, {"job_id": entry["job_id"], "cancelled": True})  # first: status then says why it ended
+    return end_local_job(pid, grace_s)
+
+
+def end_local_job(pid: int, grace_s: float = 60.0, kill_wait_s: float = 10.0) -> str:
+    """Stop the local-executor job whose controller (or the controller's ``/bin/sh`` wrapper) is ``pid``; wait until
+    every process of it has ended; return what ended, or raise OSError naming what still runs after SIGKILL.
+
+    A signal to the recorded pid is not enough: with setup lines it is a ``/bin/sh -c`` that passes nothing on, and
+    the ranks trained on. So the ranks (the controller's children) get SIGINT, the trainer's "checkpoint and stop";
+    not the controller: it SIGKILLs its ranks one second after its own SIGINT, mid-save. The controller leaves when
+    they have. What still lives after ``grace_s`` gets SIGKILL, as scancel does after KillWait."""
+    table = _proc_table()
+    processes = _tree(pid, table) or [pid]
+    controllers = {p for p in processes if _CONTROLLER in _cmdline(p)}
+    ranks = [p for p in processes if table.get(p, (0, ""))[0] in controllers]
+    for p in ranks or [pid]:  # no rank yet (or no /proc): the controller, as submitit's LocalJob.cancel does
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGINT)
+    how = f"SIGINT to {len(ranks)} rank(s)" if ranks else f"SIGINT to {pid}"
+    left = _wait_gone(pid, processes, grace_s)
+    if left:
+        for p in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        how += f", SIGKILL to {len(left)} still running after {grace_s:g} s"
+        left = _wait_gone(pid, left, kill_wait_s)
+        if left:
+            raise OSError(f"job {pid}: process(es) {', '.join(map(str, left))} still run after SIGKILL ({how})")
+    return f"{len(processes)} process(es) ended ({how})"
+
+
+def _wait_gone(root: int, pids: list[int], timeout_s: float) -> list[int]:
+    """Poll until none of ``pids`` (nor a new descendant of ``root``) lives; those still alive at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        table = _proc_table()
+        left = sorted({p for p in pids if p in table and table[p][1] != "Z"} | set(_tree(root, table)))
+        if not table:  # no /proc: the root's liveness is all we can see
+            left = [root] if _alive(root) else []
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
 
 
 def last_step(run_dir: str | os.PathLike[str]) -> tuple[int | None, float | None]:

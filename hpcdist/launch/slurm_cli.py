@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -149,9 +150,31 @@ def job_state(job_id: str) -> str | None:
     return _sacct_state(job_id)
 
 
-def cancel(job_id: str) -> None:
-    """scancel the job (all its steps and tasks)."""
-    _run(["scancel", check_job_id(job_id)])
+def cancel(job_id: str, wait_s: float = 120.0, poll_s: float = 1.0) -> str:
+    """scancel the job (all its steps and tasks) and wait until SLURM says it has ended: its final state.
+
+    scancel returns once the request is queued; the tasks get SIGTERM, then SIGKILL after KillWait (30 s by default),
+    and the job passes through COMPLETING. SlurmError when it has not ended after ``wait_s``: "cancelled" is said only
+    of a job that has ended."""
+    job_id = check_job_id(job_id)
+    _run(["scancel", job_id])
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            state = job_state(job_id)
+        except SlurmError:
+            state = "UNKNOWN (the controller did not answer)"
+        if state is None:
+            return "ended (SLURM no longer knows it)"
+        base = state.split()[0].rstrip("+")
+        if base in TERMINAL_STATES:
+            return base
+        if time.monotonic() >= deadline:
+            raise SlurmError(
+                f"scancel {job_id} was sent, but the job is still {state} after {wait_s:g} s; "
+                f"see `hpcdist status {job_id}`"
+            )
+        time.sleep(poll_s)
 
 
 def status_text(job_id: str | None = None) -> str:

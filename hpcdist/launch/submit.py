@@ -341,8 +341,11 @@ class JobHandle:
         num_tasks: int,
         snapshot: str | None = None,
         task: TrainTask | None = None,
+        run_dir: str | None = None,
     ) -> None:
         self.job = job  # the submitit Job, for anything not wrapped here
+        self.run_dir = run_dir
+        """The run dir whose jobs.jsonl records the job (what status/logs/cancel of a local job need)."""
         self.executor = executor
         self.folder = folder
         self.num_tasks = num_tasks
@@ -422,9 +425,11 @@ class JobHandle:
             time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
     def cancel(self) -> None:
-        """Cancel the job (scancel; on the LocalExecutor, interrupt its controller)."""
+        """Cancel the job (scancel; on the LocalExecutor, stop its ranks and wait until they have ended)."""
         if self.executor == "local":
-            self.job.cancel()
+            from hpcdist.launch.records import end_local_job
+
+            end_local_job(int(self.job_id))
         else:
             slurm_cli.cancel(self.job_id)
 
@@ -631,7 +636,15 @@ def launch(
         text = str(e).strip().splitlines()
         raise LaunchError(f"submission with the {kind} executor failed: {' | '.join(text[-3:])}") from e
     handles = [
-        JobHandle(job, executor=kind, folder=prep.folder, num_tasks=cluster.world_size, snapshot=code, task=task)
+        JobHandle(
+            job,
+            executor=kind,
+            folder=prep.folder,
+            num_tasks=cluster.world_size,
+            snapshot=code,
+            task=task,
+            run_dir=prep.run_dir,
+        )
         for job, task in zip(jobs, tasks, strict=True)
     ]
     from hpcdist.launch.records import record_job

@@ -22,6 +22,7 @@ from typing import Any
 from hpcdist.atomic import atomic_write
 from hpcdist.config import ConfigError
 from hpcdist.config.cluster import ClusterConfig
+from hpcdist.config.loader import config_file
 from hpcdist.launch import slurm_cli
 from hpcdist.launch.records import last_step
 from hpcdist.launch.submit import JobHandle, describe_executor, launch, prepare, render_sbatch, snapshot_placeholder
@@ -162,7 +163,7 @@ def submit_sweep(
     handles = launch(base, tasks, run_dirs=run_dirs, after=dep, max_parallel=max_parallel, snapshot=snapshot)
     record = {
         "job_id": handles[0].job_id.split("_")[0],
-        "config": str(Path(config).expanduser().absolute()),
+        "config": str(config_file(config).absolute()),
         "overrides": list(overrides),
         "snapshot": handles[0].snapshot,
         "tasks": [

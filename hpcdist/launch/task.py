@@ -129,8 +129,11 @@ class TrainTask:
     overrides: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        # absolute: the job may start in another working directory than the one it was submitted from
-        object.__setattr__(self, "config_path", str(Path(self.config_path).expanduser().absolute()))
+        # absolute: the job may start in another working directory than the one it was submitted from; a shipped
+        # example's name (``demo``) is its file inside the package
+        from hpcdist.config.loader import config_file
+
+        object.__setattr__(self, "config_path", str(config_file(self.config_path).absolute()))
         object.__setattr__(self, "overrides", tuple(self.overrides))
 
     def __call__(self) -> dict[str, Any]:

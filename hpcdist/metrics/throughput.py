@@ -24,6 +24,8 @@ __all__ = [
     "memory_stats",
     "mfu",
     "peak_flops",
+    "peak_is_measured",
+    "remeasure_peak_flops",
 ]
 
 logger = logging.getLogger("hpcdist.metrics")
@@ -93,6 +95,26 @@ def measure_cpu_peak_flops(*, n: int = 2048, repeats: int = 5, dtype: torch.dtyp
 _measured_peaks: dict[str, float] = {}
 
 
+def peak_is_measured(device: torch.device | str, *, configured: float | None = None) -> bool:
+    """True when :func:`peak_flops` measures the peak (a CPU, an unknown GPU) instead of taking a stated one."""
+    device = torch.device(device)
+    if configured is not None:
+        return False
+    return device.type == "cpu" or (
+        device.type == "cuda" and gpu_peak_flops(torch.cuda.get_device_name(device)) is None
+    )
+
+
+def remeasure_peak_flops(device: torch.device | str) -> float:
+    """Measure a measured peak again and keep the higher one: a peak taken once, while other work loaded the machine,
+    is too low for the rest of the run (MFU above 100% when the load went away)."""
+    device = torch.device(device)
+    key = f"cuda:{torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"cpu:{torch.get_num_threads()}"
+    old = _measured_peaks.pop(key, 0.0)
+    _measured_peaks[key] = max(old, peak_flops(device))
+    return _measured_peaks[key]
+
+
 def peak_flops(device: torch.device | str, *, configured: float | None = None) -> float:
     """Peak FLOP/s of one device for MFU: ``configured`` if given, else datasheet (GPU) or measured (CPU)."""
     if configured is not None:
@@ -143,12 +165,20 @@ class Throughput:
         self.world_size = world_size
         self.window = window
         self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._total_tokens, self._total_s = 0, 0.0
 
     def update(self, tokens: int, seconds: float) -> None:
         """Record one optimizer step: global tokens (all ranks) and its wall time."""
         if tokens < 0 or not seconds >= 0:
             raise ValueError(f"tokens and seconds must be >= 0, got tokens={tokens}, seconds={seconds}")
         self._steps.append((tokens, seconds))
+        self._total_tokens += tokens
+        self._total_s += seconds
+
+    @property
+    def run_tokens_per_s(self) -> float:
+        """Job-wide tokens/s over every step recorded (this process's part of the run): the end-of-run number."""
+        return self._total_tokens / self._total_s if self._total_s > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:

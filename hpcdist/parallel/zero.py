@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,16 @@ def _skip_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+# DeepSpeed 0.19's TorchBackend calls the torch 2.13 names that torch deprecated for ``*_single``: a FutureWarning per
+# call site and rank, re-shown each time a warnings.catch_warnings elsewhere resets the registry (50 lines in a
+# 3-step ZeRO-3 run on 2 ranks, issue 31.7). They are DeepSpeed's calls, not the user's to fix: filtered by message.
+_DEEPSPEED_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def _quiet_deepspeed_deprecations() -> None:
+    warnings.filterwarnings("ignore", message=_DEEPSPEED_DEPRECATIONS, category=FutureWarning)
+
+
 def _ensure_process_group(device: torch.device, dp_size: int) -> None:
     """A one-rank process group when the job has one process: hpcdist joins none then (hpcdist.env's
     init_process_group), but DeepSpeed works only inside one (``initialize(dist_init_required=False)`` asserts it;
@@ -114,6 +125,7 @@ class ZeroStrategy(Strategy):
     ):
         super().__init__(**kwargs)
         _skip_shm_comm_build()
+        _quiet_deepspeed_deprecations()
         import deepspeed
 
         self.stage = stage

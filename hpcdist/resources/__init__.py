@@ -1,4 +1,6 @@
-"""The one locator of the YAML files shipped inside the package: model presets, cluster and NCCL profiles.
+"""The one locator of the YAML files shipped inside the package: model presets, cluster and NCCL profiles, and
+the example job configs (``examples/``: byte copies of the checkout's ``configs/demo.yaml`` and ``train_13b.yaml``,
+a test fails on drift) that ``hpcdist train demo`` names.
 
 They live here, as package data, rather than under the checkout's ``configs/`` so that a wheel or a plain
 ``pip install .`` finds them too; ``configs/`` keeps only user-facing example jobs. Each kind is a directory
@@ -25,8 +27,9 @@ if TYPE_CHECKING:  # only the annotation needs it; importlib.resources.abc is 3.
 
 __all__ = ["KINDS", "Kind", "names", "path", "paths"]
 
-Kind = Literal["models", "cluster", "nccl"]
-"""models: ModelArgs presets (``model.preset``); cluster: ClusterConfig profiles; nccl: NCCL/GLOO env profiles."""
+Kind = Literal["models", "cluster", "nccl", "examples"]
+"""models: ModelArgs presets (``model.preset``); cluster: ClusterConfig profiles; nccl: NCCL/GLOO env profiles;
+examples: job configs a command may name instead of a path (``hpcdist train demo``)."""
 KINDS: tuple[Kind, ...] = get_args(Kind)
 SUFFIX = ".yaml"
 

@@ -586,3 +586,23 @@ def test_async_staging_that_cannot_fit_is_refused_at_start_up(small_cfg, monkeyp
     assert line.startswith("checkpoint.async_save: staging a checkpoint needs") and "available host memory" in line
     size = checkpoint.size_text
     assert f"needs {size(before)} of host memory per rank" in line and f"than the {size(before // 2)} of" in line
+
+
+def test_rerunning_a_finished_run_says_so_and_changes_nothing(
+    tmp_path: Path, corpus_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 31.3: the same command again after the last step resumed, trained nothing, exited 0 in silence, booked
+    the time between the runs as queue wait and overwrote run_summary.json. Now: one line, nothing rewritten."""
+    from hpcdist import run
+    from tests.conftest import SMALL
+
+    over = [*SMALL, f"run.dir={tmp_path}", "data.source=files", f"data.path={corpus_dir}", "train.steps=2"]
+    over.append("checkpoint.save_final=true")
+    assert run.main(None, over).step == 2
+    kept = {name: (tmp_path / name).read_bytes() for name in ("run_summary.json", "goodput.json", "metrics.jsonl")}
+    capsys.readouterr()
+    time.sleep(0.05)  # a rerun that booked its gap would change goodput.json
+    again = run.main(None, over)
+    assert (again.step, again.exit_code, again.losses) == (2, 0, {})
+    assert "already finished at step 2 (train.steps=2); train.steps=4 to continue" in capsys.readouterr().out
+    assert {name: (tmp_path / name).read_bytes() for name in kept} == kept

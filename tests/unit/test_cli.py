@@ -365,6 +365,38 @@ def test_refusing_turns_the_named_errors_into_one_line_and_lets_others_pass() ->
             raising(passes)()
 
 
+_TORCHRUN_3 = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
+_TORCHRUN_3 |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "launcher", "named"),
+    [
+        (["data.source=files", "data.path=/nonexistent/corpus"], {}, "no prepared dataset"),
+        (["run.dir=/proc/hpcdist-run"], {}, "run.dir"),
+        ([], _TORCHRUN_3, "data-parallel size (3)"),  # demo's 16 samples per step do not split over 3 torchrun ranks
+    ],
+    ids=["data", "run-dir", "world"],
+)
+def test_a_data_run_dir_or_world_mistake_in_train_is_refused_before_torch_is_imported(
+    overrides: list[str], launcher: dict[str, str], named: str
+) -> None:
+    """Issue 31 (item 5's rest): run.main's other torch-free checks (the prepared data, run.dir, the batch split on
+    this job's ranks) waited for torch's import too: 63-88 s on this machine under load, for a one-line refusal."""
+    code = (
+        "import sys\n"
+        "from hpcdist import cli\n"
+        f"rc = cli.main(['train', 'configs/demo.yaml', *{overrides!r}])\n"
+        "print('TORCH', 'torch' in sys.modules, 'RC', rc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in _TORCHRUN_3}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env={**env, **launcher}, capture_output=True, text=True, timeout=120
+    )
+    assert "TORCH False RC 2" in out.stdout, out.stdout + out.stderr
+    assert named in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_a_config_mistake_in_train_is_refused_before_torch_is_imported(tmp_path: Path) -> None:
     """``hpcdist train`` validates the config before importing torch and the trainer: a mistake costs a fraction of
     a second, not the 5-25 s of torch's import on a busy node (and the tests that check refusals run that fast

@@ -326,7 +326,7 @@ def test_string_key_takes_the_typed_text(value: str) -> None:
 
 def test_missing_config_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
-    _one_problem([], str(missing), "does not exist", "configs/demo.yaml", path=missing)
+    _one_problem([], str(missing), "does not exist", "a shipped example: demo, train_13b", path=missing)
 
 
 def test_directory_instead_of_config_file(tmp_path: Path) -> None:
@@ -779,6 +779,8 @@ def _validate_any(path: Path) -> None:
             assert load_cluster(path) == load_cluster(path.stem)
         elif kind == "nccl":
             assert load_profile(path.stem) == load_profile(str(path))
+        elif kind == "examples":  # job configs, loaded by path and by the name `hpcdist train NAME` takes
+            assert load(path) == load(path.stem)
         else:
             raise AssertionError(f"no validator for shipped resources of kind {kind!r}: add one here")
     elif path.parent == CONFIGS:
@@ -814,3 +816,13 @@ def test_every_numeric_key_has_a_maximum() -> None:
         problems = _problems(None, [f"{key}={over}"])
         assert any(p.startswith(f"{key}: must be at most ") for p in problems), (key, problems)
     _one_problem([f"train.steps={10**400}"], "train.steps: must be at most 1,000,000,000,000, got an integer of")
+
+
+def test_a_section_override_takes_the_flow_yaml_form() -> None:
+    """Issue 31.7: `data.sources=[{path: ..., weight: ...}]` worked where `logging.profile={steps: 2}` was refused."""
+    cfg = load(None, ["logging.profile={steps: 2, start_step: 3}"])
+    assert (cfg.logging.profile.steps, cfg.logging.profile.start_step) == (2, 3)
+    with pytest.raises(ConfigError, match=r"logging\.profile\.stepz: unknown key"):
+        load(None, ["logging.profile={stepz: 2}"])
+    with pytest.raises(ConfigError, match=r"logging\.profile: must be a section"):
+        load(None, ["logging.profile=3"])

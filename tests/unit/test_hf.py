@@ -8,6 +8,7 @@ weights and hpcdist's own forward."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -188,7 +189,14 @@ def test_bf16_and_sharded_export(run: dict[str, Any], tmp_path: Path) -> None:
     tensors are the trained weights rounded to bf16 (read back through the inverse permutation), and import reads
     the shards back to those values in float32."""
     out = tmp_path / "bf16"
-    assert cli.main(["export", str(run["step"]), "--out", str(out), "--max-shard-size", "100KB"]) == 0
+    old = os.umask(0o027)  # docs/SECURITY.md: every file follows the umask (issue 31.8: the safetensors were 0600)
+    try:
+        assert cli.main(["export", str(run["step"]), "--out", str(out), "--max-shard-size", "100KB"]) == 0
+    finally:
+        os.umask(old)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir() if p.is_file()} == {
+        p.name: "0o640" for p in out.iterdir() if p.is_file()
+    }
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and files == sorted(p.name for p in out.glob("model-*.safetensors"))

@@ -13,6 +13,7 @@ and review the diff.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -24,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -90,7 +92,8 @@ def write_exe(path: Path, body: str) -> Path:
 @pytest.fixture
 def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """sbatch/srun/scontrol/scancel/sacct stand-ins first on PATH. Returns their directory, where they record
-    what they were given (submitted.sh, scancel.args). FAKE_STATE / FAKE_STDOUT shape `scontrol show job`."""
+    what they were given (submitted.sh, scancel.args). FAKE_STATE / FAKE_STDOUT shape `scontrol show job`; after
+    scancel the job is CANCELLED."""
     bindir = tmp_path / "fakebin"
     bindir.mkdir()
     write_exe(bindir / "sbatch", f'cp "$1" {bindir}/submitted.sh\necho "Submitted batch job 4242"')
@@ -104,7 +107,8 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         '  ping) echo "Slurmctld(primary) at ctl is UP" ;;\n'
         '  show) if [ "${FAKE_STATE:-RUNNING}" = GONE ]; then\n'
         '          echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; fi\n'
-        '        echo "JobId=$4 JobName=my job JobState=${FAKE_STATE:-RUNNING} Reason=None '
+        f"        state=${{FAKE_STATE:-RUNNING}}; [ -f {bindir}/scancel.args ] && state=CANCELLED\n"
+        '        echo "JobId=$4 JobName=my job JobState=$state Reason=None '
         'RunTime=00:00:05 StdOut=${FAKE_STDOUT:-/nonexistent/x}" ;;\n'
         "  *) exit 1 ;;\n"
         "esac",
@@ -807,6 +811,7 @@ def test_status_and_cancel(fake_slurm: Path, capsys: pytest.CaptureFixture[str])
     assert "JobState: RUNNING" in out and "JobName: my job" in out
     assert cli.main(["cancel", "4242"]) == 0
     assert (fake_slurm / "scancel.args").read_text().strip() == "4242"
+    assert capsys.readouterr().out == "cancelled job 4242: CANCELLED\n"  # said once the controller says it ended
     assert cli.main(["cancel", "4242; rm -rf /"]) == 2
     assert "is not a job id" in capsys.readouterr().err
 
@@ -880,23 +885,34 @@ def test_cluster_config_defaults_are_valid() -> None:
 def test_local_executor_trains_two_ranks(
     tmp_path: Path, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """hpcdist.submit with the LocalExecutor: two real ranks (started like spawn: ~10 s) train to the end."""
-    import hpcdist
-
-    handle = hpcdist.submit(DEMO, [*TINY, f"run.dir={tmp_path}", "train.steps=4"], cluster="local", time="5")
-    assert isinstance(handle, JobHandle) and handle.executor == "local"
-    assert handle.wait(timeout=120) == "COMPLETED", handle.paths[0].stderr.read_text()
-    results = handle.results()
-    assert len(results) == 2 and results[0] == results[1] and results[0]["step"] == 4
-    log = handle.paths[0].stdout.read_text()
-    assert "ddp on 2 rank(s)" in log and "done: step 4" in log
-    # status and logs of a local job come from the run dir's record (SLURM knows nothing of it)
-    capsys.readouterr()
-    assert cli.main(["status", handle.job_id, "--run-dir", str(tmp_path)]) == 0
+    """hpcdist submit with the LocalExecutor: two real ranks (started like spawn: ~10 s) train to the end, and the
+    follow commands submit prints work as printed (issue 31.7: `hpcdist status N` without --run-dir failed)."""
+    argv = ["submit", DEMO, *TINY, f"run.dir={tmp_path}", "train.steps=4", "--cluster", "local", "--time", "5"]
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"job {handle.job_id} (local executor" in out and ": COMPLETED" in out and "step 4, loss" in out
-    assert cli.main(["logs", handle.job_id, "--rank", "1", "--run-dir", str(tmp_path)]) == 0
-    assert capsys.readouterr().out == handle.paths[1].stdout.read_text()
+    found = re.search(
+        r"submitted job (\d+) \(local, 2 ranks\).*follow: (hpcdist status .*); (hpcdist logs .*)", out, re.S
+    )
+    assert found, out
+    job, status, logs = (
+        found.group(1),
+        shlex.split(found.group(2))[1:],
+        shlex.split(found.group(3).replace(" R", " 1"))[1:],
+    )
+    assert status == ["status", job, "--run-dir", str(tmp_path)]
+    deadline = time.monotonic() + 120
+    text = ""
+    while ": RUNNING" in text or not text:
+        assert time.monotonic() < deadline, text
+        assert cli.main(status) == 0
+        text = capsys.readouterr().out
+        time.sleep(0.5)
+    # status and logs of a local job come from the run dir's record (SLURM knows nothing of it)
+    assert f"job {job} (local executor" in text and ": COMPLETED" in text and "step 4, loss" in text, text
+    log0 = (tmp_path / "slurm" / f"{job}_0_log.out").read_text()
+    assert "ddp on 2 rank(s)" in log0 and "done: step 4" in log0
+    assert cli.main(logs) == 0
+    assert capsys.readouterr().out == (tmp_path / "slurm" / f"{job}_1_log.out").read_text()
 
 
 # --------------------------------------------------------------------------------------------- memory check
@@ -1119,33 +1135,114 @@ def test_code_snapshot_copies_the_tracked_files_and_records_the_commit(tmp_path:
     assert snap.map(DEMO) == str(snap.path / "configs" / "demo.yaml") and snap.map("/etc/x.yaml") == "/etc/x.yaml"
 
 
+def _checkout(root: Path) -> Path:
+    """A git checkout like a user's: the package, a prepared dataset and a virtualenv git does not ignore, runs."""
+    for rel, size in {
+        "hpcdist/__init__.py": 10,
+        "hpcdist/data/loader.py": 10,  # a package folder named data/ is source
+        "configs/demo.yaml": 10,
+        "data/corpus/shard_00000.bin": 4096,  # `hpcdist prepare ... --out data/corpus` (README)
+        ".venv/lib/site.py": 10,
+        "venv2/pyvenv.cfg": 10,
+        "runs/demo/metrics.jsonl": 10,
+        "notes/big.bin": 0,
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x" * size)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    return root
+
+
+def test_code_snapshot_copies_only_source(tmp_path: Path) -> None:
+    """Prepared data, virtualenvs and runs in the checkout are not code: a snapshot per submit must not copy them."""
+    from hpcdist.launch.snapshot import create_snapshot
+
+    root = _checkout(tmp_path / "repo")
+    snap = create_snapshot(root / "runs" / "demo", root=root)
+    copied = sorted(str(p.relative_to(snap.path)) for p in snap.path.rglob("*") if p.is_file())
+    assert copied == [
+        "configs/demo.yaml",
+        "hpcdist/__init__.py",
+        "hpcdist/data/loader.py",
+        "notes/big.bin",
+        "snapshot.json",
+    ]
+
+
+def test_code_snapshot_over_the_cap_is_refused_naming_the_largest_files(tmp_path: Path) -> None:
+    from hpcdist.launch.snapshot import create_snapshot
+
+    root = _checkout(tmp_path / "repo")
+    (root / "notes" / "big.bin").write_bytes(b"x" * 3000)
+    with pytest.raises(LaunchError) as e:
+        create_snapshot(tmp_path / "run", root=root, max_bytes=2000)
+    msg = str(e.value)
+    assert "notes/big.bin (2.9 KiB)" in msg and "HPCDIST_SNAPSHOT_MAX_MB" in msg and "--no-snapshot" in msg
+    assert "\n" not in msg and not (tmp_path / "run" / "code").exists()  # one line, nothing copied
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # ended while we looked
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie has ended: only its parent has not read its status)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_status_and_cancel_of_a_local_job_from_its_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A real LocalExecutor job with setup lines (what submit makes: a /bin/sh wrapper around the controller, which
+    does not pass a signal on): cancel must end the ranks, wait for them, and say so; status then says CANCELLED."""
     from hpcdist.launch.records import record_job
 
-    controller = subprocess.Popen([SLEEP, "30"])  # stands in for the LocalExecutor's controller process
+    executor = submitit.LocalExecutor(folder=tmp_path / "slurm")
+    executor.update_parameters(timeout_min=5, tasks_per_node=2, setup=["true"])
+    job = executor.submit(time.sleep, 600)  # two ranks that would run for ten minutes
+    record_job(
+        tmp_path,
+        {
+            "job_id": job.job_id,
+            "executor": "local",
+            "folder": str(tmp_path / "slurm"),
+            "num_tasks": 2,
+            "snapshot": None,
+        },
+    )
     try:
-        record_job(
-            tmp_path,
-            {
-                "job_id": str(controller.pid),
-                "executor": "local",
-                "folder": str(tmp_path / "slurm"),
-                "num_tasks": 2,
-                "snapshot": None,
-            },
-        )
-        argv = [str(controller.pid), "--run-dir", str(tmp_path)]
+        deadline = time.monotonic() + 30
+        ranks: list[int] = []
+        while len(ranks) < 2 and time.monotonic() < deadline:  # the controller (the shell's child) starts the ranks
+            ranks = [r for c in _children(int(job.job_id)) for r in _children(c)]
+            time.sleep(0.05)
+        assert len(ranks) == 2, "the local job's two ranks did not start"
+        argv = [job.job_id, "--run-dir", str(tmp_path)]
         assert cli.main(["status", *argv]) == 0
         assert ": RUNNING" in capsys.readouterr().out
         assert cli.main(["cancel", *argv]) == 0
-        assert controller.wait(timeout=10) == -signal.SIGINT
+        out = capsys.readouterr().out
+        assert not any(_running(r) for r in ranks), f"cancel returned while a rank still runs: {out}"
+        assert f"cancelled job {job.job_id}" in out and "ended" in out
         assert cli.main(["status", *argv]) == 0
         assert ": CANCELLED" in capsys.readouterr().out
         assert cli.main(["cancel", *argv]) == 2
         assert "has already ended" in capsys.readouterr().err
     finally:
-        controller.kill()
-        controller.wait()
+        job.cancel(check=False)
+        for pid in (int(job.job_id), *ranks):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_status_of_a_job_slurm_forgot_reads_the_run_dir(

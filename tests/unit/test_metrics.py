@@ -334,3 +334,35 @@ def test_setup_logging_level_and_validation(clean_logger: logging.Logger) -> Non
     assert clean_logger.getEffectiveLevel() == logging.WARNING
     with pytest.raises(ValueError, match="log level"):
         setup_logging(0, level="LOUD")
+
+
+def test_throughput_run_average_is_every_step_not_the_window() -> None:
+    """Issue 31.7: the end-of-run "throughput" was the last window's; the run's is every step's tokens over time."""
+    tp = Throughput(world_size=1, window=2)
+    for tokens, seconds in ((100, 10.0), (400, 1.0), (400, 1.0)):
+        tp.update(tokens, seconds)
+    assert tp.tokens_per_s == pytest.approx(400.0) and tp.run_tokens_per_s == pytest.approx(900 / 12)
+
+
+@pytest.mark.parametrize("second_peak", [1e12, 1e3], ids=["measured-again", "capped"])
+def test_mfu_over_a_peak_measured_under_load_is_measured_again_or_capped(
+    tmp_path: Path, corpus_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, second_peak
+) -> None:
+    """Issue 31.7: MFU read 126% when the CPU peak, measured once at start while the machine was loaded, was too low.
+    A run that beats its measured peak measures it again (the higher one kept); still beaten: capped at 100%."""
+    from hpcdist import run
+    from tests.conftest import SMALL
+
+    peaks = iter([1e3, second_peak])  # 1 kFLOP/s: a peak measured while something else had the machine
+    monkeypatch.setattr(throughput, "_measured_peaks", {})
+    monkeypatch.setattr(throughput, "measure_cpu_peak_flops", lambda **kw: next(peaks))
+    over = [*SMALL, f"run.dir={tmp_path}", "data.source=files", f"data.path={corpus_dir}", "train.steps=3"]
+    run.main(None, [*over, "logging.peak_flops=null"])
+    mfus = [
+        json.loads(line)["mfu"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"mfu"' in line
+    ]
+    assert len(mfus) == 3 and all(0 < m <= 1.0 for m in mfus), mfus
+    capped = [r for r in caplog.records if "capped at 100%" in r.getMessage()]
+    assert len(capped) == (1 if second_peak == 1e3 else 0)
+    if second_peak == 1e12:
+        assert max(mfus) < 0.5  # against the peak measured again, not the cap

@@ -138,3 +138,31 @@ def test_wheel_contains_every_resource_file(tmp_path: Path) -> None:
     modules = {f for f in files if f.endswith(".py")}
     assert modules <= in_wheel, sorted(modules - in_wheel)
     assert not [f for f in in_wheel if f.startswith("configs/")]
+
+
+def test_shipped_examples_are_the_checkouts_configs() -> None:
+    """hpcdist/resources/examples/ ships byte copies of configs/demo.yaml and train_13b.yaml: a test fails on drift."""
+    assert resources.names("examples") == ["demo", "train_13b"]
+    for name in resources.names("examples"):
+        assert resources.path("examples", name).read_bytes() == (REPO / "configs" / f"{name}.yaml").read_bytes(), (
+            f"cp configs/{name}.yaml hpcdist/resources/examples/"
+        )
+
+
+def test_a_shipped_example_is_named_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 31.6: a wheel user has no configs/demo.yaml; `hpcdist train demo` names the shipped one (a file called
+    demo in the directory would win), and a wrong name lists the examples."""
+    from hpcdist import cli
+    from hpcdist.launch.task import TrainTask
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["config", "demo", "train.steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "name: demo" in out and "steps: 7" in out
+    assert TrainTask("demo").config_path == str(resources.path("examples", "demo"))  # what submit sends
+    assert cli.main(["config", "dmeo"]) == 2
+    assert "or a shipped example: demo, train_13b" in capsys.readouterr().err
+    (tmp_path / "demo").write_text("run: {name: mine}\n")
+    assert cli.main(["config", "demo"]) == 0 and "name: mine" in capsys.readouterr().out

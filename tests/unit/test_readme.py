@@ -24,6 +24,7 @@ from tests.readme_commands import (
     check_for,
     command_id,
     commands,
+    documented,
     matches,
     run_bash,
     runnable,
@@ -34,7 +35,7 @@ from tests.readme_commands import (
 # runner -> the test function that runs its commands (file, function)
 RUNNER_TESTS = {
     "cli": ("tests/unit/test_readme.py", "test_cli_command"),
-    "local": ("tests/test_readme_slow.py", "test_local_command"),
+    "local": ("tests/test_readme_slow.py", "test_local_commands_in_reading_order"),
     "sbatch": ("tests/slurm/test_readme_slurm.py", "test_sbatch_command"),
     "sbatch2": ("tests/slurm/test_readme_slurm.py", "test_sbatch2_command"),
     "srun": ("tests/slurm/test_readme_slurm.py", "test_srun_command"),
@@ -54,18 +55,22 @@ HOW_TO_ADD = (
 
 
 def test_every_readme_command_has_a_check() -> None:
-    missing = [c for c in commands() if c.text not in CHECKS]
+    """README.md's and docs/*.md's commands (issue 31: the docs' too)."""
+    missing = [c for c in documented() if c.text not in CHECKS]
     assert not missing, "\n".join(
-        [f"README.md commands with no check ({HOW_TO_ADD}):"]
-        + [f"  line {c.line} ({c.kind}): {c.text!r}" for c in missing]
+        [f"commands with no check ({HOW_TO_ADD}):"]
+        + [f"  {c.source} line {c.line} ({c.kind}): {c.text!r}" for c in missing]
     )
 
 
 def test_no_check_without_its_readme_command() -> None:
-    texts = {c.text for c in commands()}
+    texts = {c.text for c in documented()}
     stale = [t for t in CHECKS if t not in texts]
     assert not stale, "\n".join(
-        ["CHECKS entries whose command is no longer in README.md (update the key to the new text, or remove it):"]
+        [
+            "CHECKS entries whose command is no longer in README.md or docs/ (update the key to the new text, or "
+            "remove it):"
+        ]
         + [f"  {t!r}" for t in stale]
     )
 
@@ -73,7 +78,16 @@ def test_no_check_without_its_readme_command() -> None:
 def test_readme_has_commands_of_every_kind() -> None:
     kinds = [c.kind for c in commands()]
     assert {"bash", "console", "python"} <= set(kinds), kinds
-    assert len(kinds) == len(set(c.text for c in commands())), "a command appears twice in README.md"
+    everywhere = [c.text for c in documented()]
+    assert len(everywhere) == len(set(everywhere)), "a command appears twice in README.md and docs/"
+
+
+def test_docs_command_blocks_are_tagged() -> None:
+    """A docs/ block that holds a command is a bash block (so the table above sees it); untagged blocks are
+    diagrams, formulas, tables and the export/import synopsis (docs/HF.md, its placeholders in capitals)."""
+    for doc in [REPO / "docs" / "PROFILING.md"]:
+        assert "```bash\npython tools/bench/scaling.py" in doc.read_text(encoding="utf-8")
+    assert {c.source for c in documented()} >= {"README.md", "docs/HF.md", "docs/PROFILING.md"}
 
 
 @pytest.mark.parametrize("text", [*CHECKS, *DERIVED], ids=command_id)
