@@ -1193,7 +1193,7 @@ class _CheckpointProcess:
 
     def _save(self, staged: dict[str, Any], writer: HashingWriter) -> Any:
         if self.in_thread:
-            with _single_process_ok():
+            with single_process_dcp():
                 return dcp.save(staged, storage_writer=writer, process_group=self._group)
         if self._proc is None:
             self._proc = _QuietCheckpointProcess(self._info)
