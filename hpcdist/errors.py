@@ -13,9 +13,14 @@ import traceback
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["CommandError", "keep_traceback", "refusing"]
+__all__ = ["CommandError", "LaunchError", "keep_traceback", "refusing"]
 
 F = TypeVar("F", bound=Callable[..., int])
+
+
+class LaunchError(RuntimeError):
+    """Submission failed (no executor, sbatch refused the job, a code snapshot refused) or a job ended without a
+    result. Here, not in hpcdist.launch.submit: the snapshot that submit imports raises it too."""
 
 
 class CommandError(Exception):

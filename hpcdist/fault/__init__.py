@@ -7,6 +7,8 @@
 - ``stragglers``: slow-rank detection;
 - ``nonfinite``: the NaN/Inf gradient-norm guard (``train.nonfinite``: stop before any save of that state, or skip
   the update);
+- ``triage``: NaN triage (``train.nonfinite_triage``): re-run a non-finite step once on the same inputs and tell bad
+  data (reproducible: name and skip the samples) from bad hardware (not reproducible: blame the host);
 - ``rundir_lock``: one run per run directory (a flock on <run.dir>/run.lock held by rank 0);
 - ``supervise``: the per-rank supervisor that records a death by signal (standard library only);
 - ``health``: the health gate's protocol (its command line, the verdicts read back, the record of an unhealthy

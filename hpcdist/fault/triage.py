@@ -34,7 +34,7 @@ from hpcdist.fault.nonfinite import NonFiniteError
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
 
-__all__ = ["SkippedSamples", "Triage", "Verdict"]
+__all__ = ["SkippedSamples", "Triage", "TriageVerdict"]
 
 log = get_logger(__name__)
 
@@ -44,7 +44,7 @@ _LOSS, _GRADS = 1, 2  # flag bits, first attempt
 _LOSS2 = 4  # flag bit, re-run
 
 
-class Verdict:
+class TriageVerdict:
     def __init__(self, kind: str, ids: list[int], blamed: list[int], why: str):
         self.kind, self.ids, self.blamed, self.why = kind, ids, blamed, why
 
@@ -105,7 +105,9 @@ class Triage:
         self.strategy, self.rank, self.world_size, self.dp_rank = strategy, rank, world_size, dp_rank
         self.global_batch_size, self.hosts, self.device, self.run_dir = global_batch_size, hosts, device, run_dir
 
-    def rerun(self, step: int, batch: torch.Tensor, ids: Sequence[int], loss: torch.Tensor) -> tuple[Verdict, Any]:
+    def rerun(
+        self, step: int, batch: torch.Tensor, ids: Sequence[int], loss: torch.Tensor
+    ) -> tuple[TriageVerdict, Any]:
         """Called on every rank when ``optimizer_step(skip_nonfinite=True)`` skipped ``step``. Returns the verdict
         and the re-run's gradient norm (the re-run's update is applied when it was finite)."""
         flags = (0 if bool(torch.isfinite(loss)) else _LOSS) | (0 if self.strategy.last_local_grads_finite else _GRADS)
@@ -138,7 +140,7 @@ class Triage:
                 why = "the loss of these samples is non-finite again when the step is re-run on the same inputs"
             else:
                 why = "the gradient norm is non-finite again when the step is re-run on the same inputs"
-            return Verdict("data", sorted(set(narrowed or whole)), [], why), norm2
+            return TriageVerdict("data", sorted(set(narrowed or whole)), [], why), norm2
         by_loss = [r for r, f in enumerate(rank_flags) if f & _LOSS]
         by_grads = [r for r, f in enumerate(rank_flags) if f & _GRADS]
         if by_loss:
@@ -148,9 +150,9 @@ class Triage:
         else:
             blamed, evidence = [], "no rank's own values show where (the gradient reduce spread it)"
         why = f"the re-run of the same step on the same inputs is finite; {evidence}"
-        return Verdict("hardware", [], blamed, why), norm2
+        return TriageVerdict("hardware", [], blamed, why), norm2
 
-    def record_hardware(self, step: int, verdict: Verdict) -> None:
+    def record_hardware(self, step: int, verdict: TriageVerdict) -> None:
         """Rank 0 appends the one ``hardware`` record (the restart policy excludes the blamed hosts)."""
         if self.rank != 0:
             return

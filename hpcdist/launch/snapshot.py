@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcdist.atomic import atomic_write
-from hpcdist.launch.submit import LaunchError
+from hpcdist.errors import LaunchError
 from hpcdist.rundir import RunDir
 
 __all__ = ["IGNORED_DIRS", "MAX_MB_ENV", "Snapshot", "create_snapshot", "package_source"]

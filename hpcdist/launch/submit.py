@@ -32,6 +32,7 @@ from typing import Any
 from hpcdist import config as config_mod
 from hpcdist.config import ConfigError
 from hpcdist.config.cluster import ClusterConfig, _one_line, load_cluster
+from hpcdist.errors import LaunchError
 from hpcdist.launch import slurm_cli
 from hpcdist.launch.nccl import PROFILE_ENV
 from hpcdist.launch.task import TrainTask
@@ -51,10 +52,6 @@ log = logging.getLogger(__name__)
 
 # submitit's default preemption signal (its SlurmJobEnvironment.USR_SIG unless SUBMITIT_PREEMPT_SIGNAL is set).
 _SUBMITIT_DEFAULT_SIGNAL = "USR2"
-
-
-class LaunchError(RuntimeError):
-    """Submission failed (no executor, sbatch refused the job) or a job ended without a result."""
 
 
 @dataclasses.dataclass(frozen=True)
