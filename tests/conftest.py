@@ -123,24 +123,36 @@ def _hpcdist_logs_reach_caplog(caplog: pytest.LogCaptureFixture) -> Iterator[Non
 _SLURM_IDS = pytest.StashKey[set[str]]()
 
 
+class _SlurmTierOnOneWorker:
+    """pytest-xdist's scheduler for `-n N` (the README's test command): the SLURM tier is one unit of work, so one
+    worker runs it, in order, against the one sandbox (node names and ports are machine-wide), and it goes first, so
+    its jobs' waits (scheduling, requeue holds) overlap with the other workers' tests instead of ending the run.
+    (xdist's own `--dist loadgroup` cannot group here: with pytest >= 9.2 it no longer renames an item's id.)"""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: object) -> object | None:
+        if config.getvalue("dist") not in ("load", "loadgroup"):
+            return None  # another mode was asked for (loadfile, worksteal, ...): xdist's own
+        from xdist.scheduler import LoadScopeScheduling
+
+        class SlurmTierTogether(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return "tests/slurm" if nodeid.startswith("tests/slurm/") else nodeid
+
+        return SlurmTierTogether(config, log)  # type: ignore[arg-type]
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    # `-n N` alone distributes test by test (xdist's "load"): the SLURM tests would be spread over workers that each
-    # start the one machine-wide sandbox in turn. "loadgroup" is "load" plus the xdist_group marker set below.
-    if getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
+    if config.pluginmanager.hasplugin("xdist"):  # its hook exists only with the plugin
+        config.pluginmanager.register(_SlurmTierOnOneWorker(), "hpcdist-slurm-tier-scheduler")
 
 
-@pytest.hookimpl(trylast=True)  # after tests/slurm/conftest.py has marked its tests
+@pytest.hookimpl(trylast=True)  # after tests/slurm/conftest.py has marked (and ordered) its tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slurm = [item for item in items if item.get_closest_marker("slurm")]
     config.stash[_SLURM_IDS] = {item.nodeid for item in slurm}
-    # Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command): the SLURM tier is one group, so one
-    # worker runs it in order against the one sandbox (node names and ports are machine-wide), and it goes first, so
-    # its jobs' waits (scheduling, requeue holds) overlap with the other worker's tests instead of ending the run.
-    for item in slurm:
-        item.add_marker(pytest.mark.xdist_group("slurm"))
     ids = {id(item) for item in slurm}
-    items[:] = slurm + [item for item in items if id(item) not in ids]
+    items[:] = slurm + [item for item in items if id(item) not in ids]  # the SLURM tier first: see above
 
 
 @pytest.hookimpl(trylast=True)
