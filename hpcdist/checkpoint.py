@@ -473,8 +473,11 @@ class CheckpointManager:
         # rank hashes its own files and leaves its part in .manifest/ (no collectives off the main thread); rank 0
         # merges the parts into MANIFEST.json and writes the marker
         err = fut.exception()
-        if err is None and not (path / PARTS_DIR / f"rank-{self.rank:05d}.json").is_file():
-            err = _error_of(lambda: self._write_part(path))  # the checkpoint process writes it; else hash here
+        # the checkpoint process writes this rank's part; else hash here. MANIFEST.json there means rank 0 has merged
+        # every part (ours included) and removed .manifest/: writing it again would put the directory back
+        written = (path / PARTS_DIR / f"rank-{self.rank:05d}.json").is_file() or (path / MANIFEST).is_file()
+        if err is None and not written:
+            err = _error_of(lambda: self._write_part(path))
         if err is not None:
             log.error(
                 "async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank, describe_error(err)

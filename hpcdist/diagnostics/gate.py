@@ -331,6 +331,9 @@ def _check_xid(exe: str | None, budget: Callable[[], float], environ: Mapping[st
     return "ok"
 
 
+DEV = Path("/dev")  # where a GPU node has its nvidia0, nvidia1, ... device files
+
+
 def _check_infiniband(nccl_profile: str | None, sysfs_root: str | os.PathLike[str], environ: Mapping[str, str]) -> str:
     from hpcdist.config.nccl_profiles import expects_infiniband, load_profile
     from hpcdist.launch.nccl import ib_ports
@@ -341,6 +344,9 @@ def _check_infiniband(nccl_profile: str | None, sysfs_root: str | os.PathLike[st
         raise _Skip(f"the NCCL profile {nccl_profile} does not use InfiniBand")
     where = Path(sysfs_root) / "class" / "infiniband"
     ports = [p for p in ib_ports(sysfs_root) if p.infiniband]
+    if not ports and not any(DEV.glob("nvidia[0-9]*")):
+        # no GPU device here: ranks talk gloo over TCP, NCCL (and the profile's InfiniBand) is never used
+        raise _Skip(f"no InfiniBand port and no GPU device ({DEV}/nvidia*): NCCL does not run on this node")
     if not ports:
         raise _Fail(f"the NCCL profile {nccl_profile} expects InfiniBand but {where} lists no InfiniBand port")
     down = [f"{p.hca} port {p.port}: {p.state or 'state unreadable'}" for p in ports if p.port and not p.active]

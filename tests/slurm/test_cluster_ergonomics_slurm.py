@@ -217,8 +217,10 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     assert sorted(step_losses(chain_run)) == list(range(1, steps + 1))
     assert "site setup ran: node1" in log_first and "site setup ran: node1" in log_second
     used = (tmp_path / "apptainer.log").read_text().splitlines()
-    assert len(used) == 2 and all(line.startswith("image=/images/train.sif bind=") for line in used), used
-    assert all("-m hpcdist.fault.supervise --" in line for line in used)  # the supervisor runs inside
+    assert all(line.startswith("image=/images/train.sif bind=") for line in used), used
+    # per chain job, both inside the image: the attempt loop (issue 27) and the ranks' supervisor (the trainer in it)
+    modules = [line.partition("cmd=")[2].split()[1:3] for line in used]  # `<python> -m <module> ...`
+    assert sorted(m[1] for m in modules) == ["hpcdist.fault.supervise"] * 2 + ["hpcdist.launch.attempts"] * 2, used
 
 
 def _record(base: Path) -> dict:

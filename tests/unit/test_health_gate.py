@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpcdist import cli
+from hpcdist.diagnostics import gate as gate_mod
 from hpcdist.diagnostics.gate import CHECKS, check_node, parse_xids
 from hpcdist.fault.failures import primary_failure, read_failures
 from hpcdist.fault.health import health_argv, read_verdicts, record_unhealthy
@@ -169,7 +170,26 @@ def test_a_down_infiniband_port_fails_when_the_profile_uses_infiniband(tmp_path:
     assert gate(env, skip=skip, sysfs_root=sysfs, nccl_profile="ib_a100")[0]
 
 
-def test_the_ib_reader_follows_no_link_out_of_sysfs(tmp_path: Path) -> None:
+def test_no_infiniband_is_a_failure_on_a_gpu_node_and_skipped_on_a_cpu_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU-only node (the sandbox, a laptop) runs gloo over TCP: the ib_a100 profile's InfiniBand is never used
+    there (the README's sbatch lines with the default profile failed the gate on the sandbox before)."""
+    env = {"PATH": os.environ.get("PATH", ""), "HPCDIST_NCCL_PROFILE": "ib_a100"}
+    skip = tuple(c for c in CHECKS if c != "infiniband")
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    monkeypatch.setattr(gate_mod, "DEV", dev)
+    sysfs = tmp_path / "sys"  # no class/infiniband at all
+    assert gate(env, skip=skip, sysfs_root=sysfs, nccl_profile="ib_a100")[1]["infiniband"].startswith("skipped")
+    (dev / "nvidia0").touch()
+    assert gate(env, skip=skip, sysfs_root=sysfs, nccl_profile="ib_a100")[1]["infiniband"].startswith("fail")
+
+
+def test_the_ib_reader_follows_no_link_out_of_sysfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidia0").touch()  # a GPU node: there, no InfiniBand port is a failure
+    monkeypatch.setattr(gate_mod, "DEV", tmp_path / "dev")
     sysfs, elsewhere = tmp_path / "sys", tmp_path / "elsewhere"
     fake_port(elsewhere, "mlx5_0", "4: ACTIVE")
     (sysfs / "class" / "infiniband").mkdir(parents=True)

@@ -929,6 +929,7 @@ def test_submit_refuses_a_layout_predicted_not_to_fit(tmp_path: Path, capsys: py
         "--dry-run",
         f"run.dir={tmp_path / 'run'}",
         "train.activation_checkpointing=none",
+        "train.micro_batch_size=2",
     ]
     assert cli.main(base) == 2
     out, err = capsys.readouterr()

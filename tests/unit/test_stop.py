@@ -80,12 +80,15 @@ def test_signal_number() -> None:  # the job's facts from SLURM's variables: tes
     assert signal_number("usr1") == signal.SIGUSR1 and signal_number("SIGTERM") == signal.SIGTERM
 
 
-def test_a_held_signal_is_taken_over_by_the_stop_flag_or_given_back() -> None:
+def test_a_held_signal_is_taken_over_by_the_stop_flag_or_given_back(request: pytest.FixtureRequest) -> None:
     """Issue 25.10, in one process with real signals: while the entry point holds them (hpcdist.signals.hold), a stop
     signal neither kills nor raises; the stop flag acts on it once installed; a command without a stop flag gets
     Ctrl-C's KeyboardInterrupt back at release."""
     from hpcdist import signals
 
+    # a command starts with Python's own Ctrl-C handler (a pytest-xdist worker ignores SIGINT: restored afterwards)
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, prev))
     before = signal.getsignal(signal.SIGINT)
     signals.hold()
     try:
