@@ -193,12 +193,6 @@ esac
 """
 
 
-def _gate_command_exists() -> bool:
-    p = subprocess.run([sys.executable, "-m", "hpcdist", "health", "--help"], capture_output=True, cwd=REPO)
-    return p.returncode == 0
-
-
-@pytest.mark.skipif(not _gate_command_exists(), reason="no `hpcdist health` in this tree (issue 27 item 3)")
 def test_a_node_that_fails_the_gate_at_the_first_start_runs_no_rank(
     slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path
 ) -> None:
