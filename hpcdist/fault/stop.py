@@ -31,13 +31,15 @@ import os
 import signal
 from collections.abc import Iterable
 from types import FrameType
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from hpcdist.logging_utils import get_logger
 from hpcdist.schedulers import JobFacts, job_facts
 from hpcdist.signals import abort, parse_signal, previous_handler, release, stop_exit_code
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 log = get_logger(__name__)
 
@@ -144,6 +146,11 @@ class StopFlag:
         The MAX all-reduce runs asynchronously on a CPU (gloo) group and is read one step later, so it never
         stalls the step or forces a GPU sync; the stop comes one step after the signal, on every rank alike.
         """
+        # torch here, not at the top: the batch script's attempt loop (hpcdist.launch.restarts) imports StopReason
+        # from this module, and importing torch there cost every job (and every requeue) 2+ s of CPU for nothing
+        import torch
+        import torch.distributed as dist
+
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             self.save_requested = request_save
             return self._local

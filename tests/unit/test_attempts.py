@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -290,3 +291,12 @@ def test_a_garbled_ledger_is_not_trusted_for_host_names(tmp_path: Path) -> None:
     assert data["excluded"] == [] and data["gate_failed"] == {} and list(data["attempts"]) == ["0"]
     (tmp_path / "restarts.json").write_text(json.dumps({"job_id": "7", "attempts": []}))
     assert load_ledger(tmp_path, "7")["attempts"] == {}
+
+
+def test_the_attempt_loop_does_not_import_torch() -> None:
+    """The batch script starts `python -m hpcdist.launch.attempts` once per job and per requeue, before any rank:
+    it decides nodes and restarts, never computes. Importing torch there (through fault.stop's StopReason) cost 2 s
+    of CPU on an idle machine, 10+ s under load, on every job of the SLURM tier."""
+    code = "import sys, hpcdist.launch.attempts; print('TORCH', 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert "TORCH False" in out.stdout, out.stdout + out.stderr
