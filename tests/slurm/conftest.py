@@ -32,6 +32,7 @@ Helpers, importable as `from tests.slurm.conftest import sbatch, wait_job, ...`:
     job_output(cluster, job_id) -> the job's StdOut file as text
     release_requeue_hold(cluster, job_id, min_restarts=1) -> job_info once the requeued job may run again
     run_cmd(cluster, *cmd, ...) -> subprocess.CompletedProcess with cluster.env
+    side_by_side(**drives) -> {name: Future}: several tests' jobs at once (see its docstring)
 
 Finished jobs stay visible to `scontrol show job` for MinJobAge=600 s (there is no accounting database,
 so no sacct): wait_job and job_info work for 10 minutes after a job ends.
@@ -48,8 +49,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -175,6 +179,21 @@ def release_requeue_hold(cluster: Cluster, job_id: str, min_restarts: int = 1, t
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} still held after {timeout:.0f} s: {info}")
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def side_by_side(**drives: Callable[[], Any]) -> Iterator[dict[str, Future[Any]]]:
+    """Run the driving parts of several tests at once, each in a thread; -> {name: Future}, for a module fixture.
+
+    A scenario that signals or kills its job at a given step must be driven while the job runs, so a module fixture
+    cannot simply submit every job first and let each test wait for its own (as test_strategies_slurm does). Each
+    drive (submit, wait for a step, signal, release the requeue hold, wait for the end) returns what its test asserts
+    on; the test calls ``.result()``, and whatever the drive raised (an assertion, a timeout) is raised there, in that
+    test. The jobs then train side by side on the sandbox instead of one test after another: the tier's time is
+    mostly jobs starting (torch imports) and waiting for steps, which overlap. Leaving the block waits for every
+    drive to end (each bounds its own waits)."""
+    with ThreadPoolExecutor(max_workers=len(drives), thread_name_prefix="slurm-drive") as pool:
+        yield {name: pool.submit(drive) for name, drive in drives.items()}
 
 
 # ------------------------------------------------------------------------------------------- sandbox

@@ -1,7 +1,8 @@
 """Fault injection on the real SLURM sandbox: a frozen rank (SIGSTOP) and a killed rank (SIGKILL).
 
 Each test prints what the issue's note asks for (time to detect, time to resume, steps lost, goodput); the
-assertions are about behaviour only: who was blamed, what was requeued or excluded, where training resumed.
+assertions are about behaviour only: who was blamed, what was requeued or excluded, where training resumed. The two
+one-node scenarios (2 ranks each) run side by side, driven by one module fixture (conftest.side_by_side).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import re
 import signal
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ import hpcdist
 from hpcdist.fault.failures import read_failures
 from hpcdist.fault.hang import read_heartbeats
 from hpcdist.launch.restarts import load_ledger
-from tests.slurm.conftest import Cluster, job_info, release_requeue_hold, run_cmd, wait_job
+from tests.slurm.conftest import Cluster, job_info, release_requeue_hold, run_cmd, side_by_side, wait_job
 from tests.slurm.test_train_slurm import step_losses, submit, tiny_overrides, wait_for_step
 
 TWO_RANKS = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"]
@@ -54,35 +57,58 @@ def _goodput(run: Path) -> dict[str, Any]:
     return json.loads((run / "goodput.json").read_text())
 
 
-def test_preemption_then_frozen_rank_watchdog_requeues_and_resumes(
-    slurm_cluster: Cluster, corpus_dir: Path, tmp_path: Path
-) -> None:
-    run, out, steps = tmp_path / "stop", tmp_path / "out.txt", 40
+@pytest.fixture(scope="module")
+def one_node(slurm_cluster: Cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """The one-node scenarios at once; this test process acts as the login node (SLURM_CONF and PATH of the
+    sandbox) for hpcdist.submit and its handle."""
+    root = tmp_path_factory.mktemp("faults")
+    for name in ("frozen", "submitit"):
+        (root / name).mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in slurm_cluster.env.items():
+            mp.setenv(key, value)
+        with side_by_side(
+            frozen=lambda: _drive_preemption_then_frozen_rank(slurm_cluster, corpus_dir, root / "frozen"),
+            submitit=lambda: _drive_submitit_killed_rank(slurm_cluster, corpus_dir, root / "submitit"),
+        ) as futures:
+            yield futures
+
+
+FROZEN_STEPS = 40
+
+
+def _drive_preemption_then_frozen_rank(cluster: Cluster, corpus: Path, tmp_path: Path) -> dict[str, Any]:
+    run, out, steps = tmp_path / "stop", tmp_path / "out.txt", FROZEN_STEPS
     # slow phase 10 s too: the frozen rank may leave rank 0 waiting in the attempt's first save (every 5 steps)
     over = tiny_overrides(
         run,
-        corpus_dir,
+        corpus,
         steps,
         "checkpoint.every_steps=5",
         "fault.watchdog_timeout_s=10",
         "fault.watchdog_slow_phase_s=10",
         "logging.straggler_every_steps=0",
     )
-    job = submit(slurm_cluster, "train.sh", TWO_RANKS, ["configs/demo.yaml", *over], out)
+    job = submit(cluster, "train.sh", TWO_RANKS, ["configs/demo.yaml", *over], out)
 
     # 1. a preemption notice (the time-limit signal): checkpoint, requeue, resume
     wait_for_step(run, 6)
-    run_cmd(slurm_cluster, "scancel", "--signal=USR2", "--batch", job)
-    release_requeue_hold(slurm_cluster, job, min_restarts=1, timeout=120)
+    run_cmd(cluster, "scancel", "--signal=USR2", "--batch", job)
+    release_requeue_hold(cluster, job, min_restarts=1, timeout=120)
 
     # 2. freeze rank 1 of the resumed attempt: rank 0's watchdog fires, after-step requeues, training resumes
     frozen = _rank_in_restart(run, 1, restart=1)
     wait_for_step(run, 14)
     t_stop = time.time()
     os.kill(frozen["pid"], signal.SIGSTOP)
-    release_requeue_hold(slurm_cluster, job, min_restarts=2, timeout=180)
-    assert wait_job(slurm_cluster, job, timeout=300) == "COMPLETED", out.read_text()[-5000:]
+    release_requeue_hold(cluster, job, min_restarts=2, timeout=180)
+    assert wait_job(cluster, job, timeout=300) == "COMPLETED", out.read_text()[-5000:]
+    return {"run": run, "out": out, "job": job, "t_stop": t_stop}
 
+
+def test_preemption_then_frozen_rank_watchdog_requeues_and_resumes(one_node: dict[str, Future]) -> None:
+    driven = one_node["frozen"].result()
+    run, out, job, t_stop, steps = driven["run"], driven["out"], driven["job"], driven["t_stop"], FROZEN_STEPS
     text = out.read_text()
     assert "stop requested (TIME_LIMIT)" in text
     assert "[hpcdist watchdog] rank 0 on node1" in text and "suspects: rank 1 on node1: no heartbeat for" in text
@@ -180,20 +206,25 @@ def test_killed_rank_is_blamed_excluded_requeued_and_a_failure_loop_stops(
     )
 
 
-def test_submitit_job_requeues_after_a_killed_rank(
-    slurm_cluster: Cluster, corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same policy on the `hpcdist submit` path: supervised ranks, after-step in the script's teardown."""
-    for key, value in slurm_cluster.env.items():  # this process is the login node
-        monkeypatch.setenv(key, value)
-    run, steps = tmp_path / "sub", 30
-    over = tiny_overrides(run, corpus_dir, steps, "checkpoint.every_steps=5", "logging.straggler_every_steps=0")
+SUBMITIT_STEPS = 30
+
+
+def _drive_submitit_killed_rank(cluster: Cluster, corpus: Path, tmp_path: Path) -> tuple[Any, Path]:
+    run, steps = tmp_path / "sub", SUBMITIT_STEPS
+    over = tiny_overrides(run, corpus, steps, "checkpoint.every_steps=5", "logging.straggler_every_steps=0")
     job = hpcdist.submit("configs/demo.yaml", over, cluster="sandbox", nodes=1, gpus_per_node=2)
     wait_for_step(run, 7)
     victim = _rank_in_restart(run, 1, restart=0)
     os.kill(victim["pid"], signal.SIGKILL)
-    assert release_requeue_hold(slurm_cluster, job.job_id)["Restarts"] == "1"
+    assert release_requeue_hold(cluster, job.job_id)["Restarts"] == "1"
     assert job.wait(timeout=300) == "COMPLETED", job.paths[0].stderr.read_text()[-3000:]
+    return job, run
+
+
+def test_submitit_job_requeues_after_a_killed_rank(one_node: dict[str, Future]) -> None:
+    """The same policy on the `hpcdist submit` path: supervised ranks, after-step in the script's teardown."""
+    job, run = one_node["submitit"].result()
+    steps = SUBMITIT_STEPS
     assert sorted(step_losses(run)) == list(range(1, steps + 1))
     (rec,) = [r for r in read_failures(run, job_id=job.job_id) if r["kind"] == "killed"]
     assert (rec["restart"], rec["rank"], rec["host"]) == (0, 1, "node1")

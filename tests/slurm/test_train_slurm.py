@@ -6,15 +6,27 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
+import pytest
 import torch
 
 from hpcdist import config as config_mod
 from hpcdist.trainer import Trainer
 from tests.conftest import SMALL
 from tests.dist.harness import single
-from tests.slurm.conftest import REPO, Cluster, job_info, job_output, release_requeue_hold, run_cmd, wait_job
+from tests.slurm.conftest import (
+    REPO,
+    Cluster,
+    job_info,
+    job_output,
+    release_requeue_hold,
+    run_cmd,
+    side_by_side,
+    wait_job,
+)
 
 # every rank on CPU; the sandbox's "GPUs" are fake devices, so torch picks gloo. ethernet profile: gloo's
 # interface is auto-detected per host (needed across the namespaced hosts).
@@ -66,54 +78,78 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 180) -> None:
         time.sleep(0.1)
 
 
-def test_train_13b_script_runs_with_sbatch_overrides(slurm_cluster: Cluster, corpus_dir: Path, tmp_path: Path) -> None:
-    """`sbatch --nodes=1 --ntasks-per-node=4 --gpus-per-node=4 sbatch/train_13b.sh <tiny overrides>`."""
+@pytest.fixture(scope="module")
+def one_node(slurm_cluster: Cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """This file's one-node scenarios driven side by side (conftest.side_by_side): the 13B script's 4 ranks and the
+    preemption's two 2-rank jobs fill the node's 8 GPUs at once; the killed-rank job (4 ranks) queues behind them."""
+    root = tmp_path_factory.mktemp("train")
+    dirs = {name: root / name for name in ("13b", "preemption", "killed")}
+    for d in dirs.values():
+        d.mkdir()
+    with side_by_side(
+        train_13b=lambda: _drive_13b(slurm_cluster, corpus_dir, dirs["13b"]),
+        preemption=lambda: _drive_preemption(slurm_cluster, corpus_dir, dirs["preemption"]),
+        killed=lambda: _drive_killed_rank(slurm_cluster, corpus_dir, dirs["killed"]),
+    ) as futures:
+        yield futures
+
+
+def _drive_13b(cluster: Cluster, corpus: Path, tmp_path: Path) -> tuple[str, str, Path]:
     run = tmp_path / "13b"
     job = submit(
-        slurm_cluster,
+        cluster,
         "train_13b.sh",
         ["--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4"],
-        tiny_overrides(run, corpus_dir, 6, "checkpoint.save_final=true"),
+        tiny_overrides(run, corpus, 6, "checkpoint.save_final=true"),
         tmp_path / "out.txt",
     )
-    state = wait_job(slurm_cluster, job, timeout=240)
-    out = (tmp_path / "out.txt").read_text()
+    state = wait_job(cluster, job, timeout=300)  # from submission: it may queue behind this file's other jobs
+    return state, (tmp_path / "out.txt").read_text(), run
+
+
+def test_train_13b_script_runs_with_sbatch_overrides(one_node: dict[str, Future]) -> None:
+    """`sbatch --nodes=1 --ntasks-per-node=4 --gpus-per-node=4 sbatch/train_13b.sh <tiny overrides>`."""
+    state, out, run = one_node["train_13b"].result()
     assert state == "COMPLETED", out[-4000:]
     assert "ddp on 4 rank(s)" in out and "NCCL profile ethernet" in out
     assert sorted(step_losses(run)) == list(range(1, 7))
     assert (run / "checkpoints" / "step-00000006" / "COMPLETE").is_file()
 
 
-def test_preemption_checkpoints_requeues_and_resumes_exactly(
-    slurm_cluster: Cluster, corpus_dir: Path, tmp_path: Path
-) -> None:
+PREEMPT_STEPS = 60
+
+
+def _drive_preemption(cluster: Cluster, corpus: Path, tmp_path: Path) -> tuple[Cluster, str, Path, Path, Path]:
     # 2 ranks: bitwise equality across a restart needs the same gradient summation order. DDP re-buckets its
     # gradients after the first iteration (autograd's ready order) and a fresh DDP after a resume starts from the
     # registration order once more, so the first resumed step sums in another order; with 2 ranks a + b is
     # order-free, with 4+ ranks that one step differs by ~1 ulp (tests/dist shows bitwise resume at 2 ranks too).
-    steps, args = 60, ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"]
+    steps, args = PREEMPT_STEPS, ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"]
     straight_run, pre_run = tmp_path / "straight", tmp_path / "pre"
     # both jobs fit on the 8-GPU node at once
     demo = "configs/demo.yaml"
     straight = submit(
-        slurm_cluster, "train.sh", args, [demo, *tiny_overrides(straight_run, corpus_dir, steps)], tmp_path / "a.txt"
+        cluster, "train.sh", args, [demo, *tiny_overrides(straight_run, corpus, steps)], tmp_path / "a.txt"
     )
-    job = submit(
-        slurm_cluster, "train.sh", args, [demo, *tiny_overrides(pre_run, corpus_dir, steps)], tmp_path / "pre.txt"
-    )
+    job = submit(cluster, "train.sh", args, [demo, *tiny_overrides(pre_run, corpus, steps)], tmp_path / "pre.txt")
 
-    wait_for_step(pre_run, 5)
-    run_cmd(slurm_cluster, "scancel", "--signal=USR2", "--batch", job)  # what --signal=B:USR2@lead delivers
-    info = release_requeue_hold(slurm_cluster, job)  # skip SLURM's ~150 s BeginTime hold after a requeue
+    wait_for_step(pre_run, 5, timeout=300)  # from submission: it may queue behind this file's other jobs
+    run_cmd(cluster, "scancel", "--signal=USR2", "--batch", job)  # what --signal=B:USR2@lead delivers
+    info = release_requeue_hold(cluster, job)  # skip SLURM's ~150 s BeginTime hold after a requeue
     assert info["Restarts"] == "1"
-    assert wait_job(slurm_cluster, job, timeout=300) == "COMPLETED", (tmp_path / "pre.txt").read_text()[-4000:]
-    assert wait_job(slurm_cluster, straight, timeout=300) == "COMPLETED"
+    assert wait_job(cluster, job, timeout=300) == "COMPLETED", (tmp_path / "pre.txt").read_text()[-4000:]
+    assert wait_job(cluster, straight, timeout=300) == "COMPLETED"
+    return cluster, job, tmp_path / "pre.txt", straight_run, pre_run
 
-    out = (tmp_path / "pre.txt").read_text()
+
+def test_preemption_checkpoints_requeues_and_resumes_exactly(one_node: dict[str, Future]) -> None:
+    cluster, job, out_file, straight_run, pre_run = one_node["preemption"].result()
+    out = out_file.read_text()
     assert "forwarding to the tasks" in out and "stop requested (TIME_LIMIT)" in out
     assert "restart 1" in out and "resumed from" in out  # SLURM_RESTART_COUNT=1 in the second run
-    assert job_info(slurm_cluster, job)["Restarts"] == "1"
+    assert job_info(cluster, job)["Restarts"] == "1"
     ref, got = step_losses(straight_run), step_losses(pre_run)
+    steps = PREEMPT_STEPS
     assert sorted(got) == list(range(1, steps + 1))
     assert [got[s] for s in range(1, steps + 1)] == [ref[s] for s in range(1, steps + 1)]  # bitwise on CPU
 
@@ -132,21 +168,27 @@ def _rank_pid(job: str, rank: int) -> int | None:
     return None
 
 
-def test_killed_rank_fails_the_job_fast(slurm_cluster: Cluster, corpus_dir: Path, tmp_path: Path) -> None:
+def _drive_killed_rank(cluster: Cluster, corpus: Path, tmp_path: Path) -> tuple[str, float]:
     run = tmp_path / "kill"
     args = ["--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=1"]
     # fault.max_failures=0: no failure requeue (tests/slurm/test_faults_slurm.py has the requeue after a kill)
-    over = tiny_overrides(run, corpus_dir, 100_000, "fault.max_failures=0")
-    job = submit(slurm_cluster, "train.sh", args, ["configs/demo.yaml", *over], tmp_path / "out.txt")
-    wait_for_step(run, 3)
+    over = tiny_overrides(run, corpus, 100_000, "fault.max_failures=0")
+    job = submit(cluster, "train.sh", args, ["configs/demo.yaml", *over], tmp_path / "out.txt")
+    wait_for_step(run, 3, timeout=420)  # from submission: it queues behind this file's other jobs (8 GPUs)
     pid = _rank_pid(job, 2)
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
-    state = wait_job(slurm_cluster, job, timeout=120)
-    print(f"job {job} ended {state} {time.monotonic() - t0:.1f}s after SIGKILL of rank 2")
+    state = wait_job(cluster, job, timeout=120)
+    took = time.monotonic() - t0
+    print(f"job {job} ended {state} {took:.1f}s after SIGKILL of rank 2")
+    return state, took
+
+
+def test_killed_rank_fails_the_job_fast(one_node: dict[str, Future]) -> None:
+    state, took = one_node["killed"].result()
     assert state == "FAILED"
-    assert time.monotonic() - t0 < 90  # fail fast: no rank waits out a collective timeout
+    assert took < 90  # fail fast: no rank waits out a collective timeout
 
 
 def test_two_hosts_ddp_matches_one_process(slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path) -> None:
