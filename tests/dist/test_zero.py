@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,29 +168,51 @@ def _run(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
     return {"losses": result.losses, "model": model, "step": result.step, "resumed": result.resumed_from}
 
 
+RESUME_STEPS = 6
+# the resume tests' layout: 2 ranks, 2 micro-batches of 2 per step, no periodic checkpoint (each split run saves at
+# its `until` step and at its end)
+RESUME = (
+    f"train.steps={RESUME_STEPS}",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "parallel.strategy=zero",
+    "checkpoint.every_steps=0",
+)
+
+
+@pytest.fixture(scope="module")
+def straight(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
+    """The uninterrupted 2-rank run of RESUME per ZeRO stage (and extra overrides), trained once per module and
+    shared by the resume tests that compare with it (exact resume, elastic 2-4-2): the same config computes the same
+    losses and weights. It writes no checkpoint (every_steps=0, and SMALL has no final save), so whether saves are
+    asynchronous changes nothing in it: the async-save split is compared with the synchronous straight run."""
+    cache: dict[tuple[int, tuple[str, ...]], dict] = {}
+
+    def get(stage: int, extra: tuple[str, ...] = ()) -> dict:
+        if (stage, extra) not in cache:
+            run_dir = tmp_path_factory.mktemp(f"zero{stage}_straight") / "run"
+            cfg = small_config(run_dir, corpus_dir, *RESUME, f"parallel.zero.stage={stage}", *extra)
+            cache[stage, extra] = run_ranks(2, _run, cfg)[0]
+        return cache[stage, extra]
+
+    return get
+
+
 @pytest.mark.parametrize("stage", [2, 3])
-def test_exact_resume(small_cfg, tmp_path: Path, stage: int) -> None:
+def test_exact_resume(small_cfg, straight: Callable[..., dict], tmp_path: Path, stage: int) -> None:
     """N steps, checkpoint, a new job resumes: bitwise the same losses and weights as 2N uninterrupted steps.
     The fp32 master partitions, Adam moments and step count in DCP are what make it exact."""
-    n = 4
-    over = (
-        f"train.steps={2 * n}",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=2",
-        "parallel.strategy=zero",
-        f"parallel.zero.stage={stage}",
-        "checkpoint.every_steps=0",
-    )
-    straight = run_ranks(2, _run, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
-    cfg = small_cfg(*over, run_dir=tmp_path / "split")
+    n = RESUME_STEPS // 2
+    cfg = small_cfg(*RESUME, f"parallel.zero.stage={stage}", run_dir=tmp_path / "split")
     first = run_ranks(2, _run, cfg, n)[0]
     assert first["step"] == n and first["resumed"] is None
     assert not (Path(cfg.checkpoint_dir) / f"step-{n:08d}" / "native").exists()  # one DCP write, nothing else
     second = run_ranks(2, _run, cfg)[0]
     assert second["resumed"].endswith(f"step-{n:08d}") and second["step"] == 2 * n
     losses = {**first["losses"], **second["losses"]}
-    assert losses == straight["losses"]  # exact equality, every step
-    for name, p in straight["model"].items():
+    ref = straight(stage)
+    assert losses == ref["losses"]  # exact equality, every step
+    for name, p in ref["model"].items():
         assert torch.equal(second["model"][name], p), name
 
 
@@ -216,7 +239,13 @@ OFFLOAD = ("parallel.zero.offload_optimizer=true", "parallel.zero.offload_params
     ids=["zero1", "zero2", "zero3", "zero3-async", "zero3-offload"],
 )
 def test_elastic_resume_2_4_2(
-    small_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: int, async_save: bool, extra: tuple[str, ...]
+    small_cfg,
+    straight: Callable[..., dict],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stage: int,
+    async_save: bool,
+    extra: tuple[str, ...],
 ) -> None:
     """Issue 13.3: 2 steps on 2 ranks, resumed on 4 for 2 steps, resumed on 2 to the end: the same losses and fp32
     weights as an uninterrupted 2-rank run (each rank saved and loaded only its own partition, no gather; the async
@@ -224,24 +253,15 @@ def test_elastic_resume_2_4_2(
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     monkeypatch.setattr(DeepSpeedEngine, "_zero3_consolidated_16bit_state_dict", _no_gather)  # forked ranks too
-    over = (
-        "train.steps=6",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=2",
-        "parallel.strategy=zero",
-        f"parallel.zero.stage={stage}",
-        "checkpoint.every_steps=0",
-        f"checkpoint.async_save={str(async_save).lower()}",
-        *extra,
-    )
-    straight = run_ranks(2, _run, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
+    over = (*RESUME, f"parallel.zero.stage={stage}", f"checkpoint.async_save={str(async_save).lower()}", *extra)
     cfg = small_cfg(*over, run_dir=tmp_path / "split")
     first = run_ranks(2, _run, cfg, 2)[0]
     second = run_ranks(4, _run, cfg, 4)[0]
     third = run_ranks(2, _run, cfg)[0]
     assert second["resumed"].endswith("step-00000002") and third["resumed"].endswith("step-00000004")
-    _assert_losses({**first["losses"], **second["losses"], **third["losses"]}, straight["losses"])
-    for name, p in straight["model"].items():
+    ref = straight(stage, extra)
+    _assert_losses({**first["losses"], **second["losses"], **third["losses"]}, ref["losses"])
+    for name, p in ref["model"].items():
         torch.testing.assert_close(third["model"][name], p, rtol=ELASTIC_RTOL, atol=1e-7, msg=name)
 
 

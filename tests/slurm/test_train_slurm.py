@@ -201,14 +201,14 @@ def test_two_hosts_ddp_matches_one_process(slurm_cluster2: Cluster, corpus_dir: 
         ["configs/demo.yaml", *over],
         tmp_path / "out.txt",
     )
+    # the same config (same global batch) in one process here is the reference: trained while the job runs
+    cfg = config_mod.load(REPO / "configs/demo.yaml", tiny_overrides(tmp_path / "ref", corpus_dir, steps))
+    ref = single(lambda env, c: Trainer(c, env).train().losses, cfg)
+
     state = wait_job(slurm_cluster2, job, timeout=300)
     assert state == "COMPLETED", (tmp_path / "out.txt").read_text()[-4000:]
     hosts = json.loads((run / "ranks.json").read_text())["hosts"]
     assert hosts == ["node1"] * 4 + ["node2"] * 4
-
-    # the same config (same global batch) in one process here is the reference
-    cfg = config_mod.load(REPO / "configs/demo.yaml", tiny_overrides(tmp_path / "ref", corpus_dir, steps))
-    ref = single(lambda env, c: Trainer(c, env).train().losses, cfg)
     got = step_losses(run)
     # 8 ranks vs 1: summation order differs, so equal to fp32 round-off (same tolerance as tests/dist)
     torch.testing.assert_close(
