@@ -17,7 +17,10 @@ from tests.conftest import SMALL
 from tests.slurm.conftest import REPO, Cluster, job_info, release_requeue_hold, run_cmd, wait_job
 from tests.slurm.test_train_slurm import step_losses, submit, wait_for_step
 
-TWO_RANKS = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"]
+# --exclusive=user: the script's `#SBATCH --exclusive` (a whole node per job, right for 13B) kept the uninterrupted
+# reference job and the preempted one from sharing the sandbox's one node, so they ran one after the other; =user
+# still keeps other users' jobs off the node
+TWO_RANKS = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1", "--exclusive=user"]
 
 
 def _flagship_overrides(run: Path, corpus: Path, steps: int) -> list[str]:

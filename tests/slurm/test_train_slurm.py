@@ -99,7 +99,8 @@ def _drive_13b(cluster: Cluster, corpus: Path, tmp_path: Path) -> tuple[str, str
     job = submit(
         cluster,
         "train_13b.sh",
-        ["--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4"],
+        # --exclusive=user: the script's `#SBATCH --exclusive` would keep this file's other jobs off the node
+        ["--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=4", "--exclusive=user"],
         tiny_overrides(run, corpus, 6, "checkpoint.save_final=true"),
         tmp_path / "out.txt",
     )
@@ -108,7 +109,7 @@ def _drive_13b(cluster: Cluster, corpus: Path, tmp_path: Path) -> tuple[str, str
 
 
 def test_train_13b_script_runs_with_sbatch_overrides(one_node: dict[str, Future]) -> None:
-    """`sbatch --nodes=1 --ntasks-per-node=4 --gpus-per-node=4 sbatch/train_13b.sh <tiny overrides>`."""
+    """`sbatch --nodes=1 --ntasks-per-node=4 --gpus-per-node=4 --exclusive=user sbatch/train_13b.sh <tiny overrides>`."""
     state, out, run = one_node["train_13b"].result()
     assert state == "COMPLETED", out[-4000:]
     assert "ddp on 4 rank(s)" in out and "NCCL profile ethernet" in out
