@@ -109,7 +109,7 @@ def _drive_13b(cluster: Cluster, corpus: Path, tmp_path: Path) -> tuple[str, str
 
 
 def test_train_13b_script_runs_with_sbatch_overrides(one_node: dict[str, Future]) -> None:
-    """`sbatch --nodes=1 --ntasks-per-node=4 --gpus-per-node=4 --exclusive=user sbatch/train_13b.sh <tiny overrides>`."""
+    """`sbatch --nodes=1 --ntasks-per-node=4 --gpus-per-node=4 --exclusive=user sbatch/train_13b.sh <tiny>`."""
     state, out, run = one_node["train_13b"].result()
     assert state == "COMPLETED", out[-4000:]
     assert "ddp on 4 rank(s)" in out and "NCCL profile ethernet" in out
