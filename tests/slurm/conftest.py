@@ -373,11 +373,20 @@ def _slurm_shape(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("_slurm_sandbox").use(wanted.pop())
 
 
+# Tests that stop the running sandbox themselves: last of all, so no test after them waits for a fresh start.
+_STOPS_THE_SANDBOX = ("test_stop_removes_everything_it_started",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test here `slurm`; run the two-node tests after the one-node ones (one swap per session)."""
+    """Mark every test here `slurm`; run the two-node tests after the one-node ones (one swap per session), and the
+    test that stops the sandbox last (before, the multi-node shape was started a second time after it)."""
     ours = [item for item in items if HERE in Path(item.path).resolve().parents]
     for item in ours:
         item.add_marker(pytest.mark.slurm)
     two = {id(item) for item in ours if "slurm_cluster2" in getattr(item, "fixturenames", ())}
-    if two:
-        items[:] = [i for i in items if id(i) not in two] + [i for i in items if id(i) in two]
+    stops = {id(item) for item in ours if getattr(item, "originalname", item.name) in _STOPS_THE_SANDBOX}
+
+    def rank(item: pytest.Item) -> int:
+        return 2 if id(item) in stops else 1 if id(item) in two else 0
+
+    items.sort(key=rank)  # stable: the order within each group stays
