@@ -1464,7 +1464,9 @@ class _QuietCheckpointProcess(ape._AsyncCheckpointProcess):
 
 def staging_bytes(state: Any) -> int:
     """Bytes of host memory an async save stages ``state`` (a DCP state dict) into: every tensor this rank holds
-    (a DTensor's local shard)."""
+    (a DTensor's local shard, a ZeRO ShardedTensor's local shards)."""
+    if hasattr(state, "local_shards"):  # ShardedTensor: numel() would ask for the whole tensor
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in state.local_shards())
     if isinstance(state, torch.Tensor):
         local = state.to_local() if hasattr(state, "to_local") else state
         return local.numel() * local.element_size()
@@ -1478,10 +1480,13 @@ def staging_bytes(state: Any) -> int:
 def staging_estimate(module: torch.nn.Module) -> int:
     """What ``staging_bytes`` will find in a save of ``module`` with AdamW, counted before the first step (asking
     DCP for the optimizer's state dict then would run a fake optimizer step: AdamW's step counter moves and the
-    losses change): each parameter's local shard in fp32 with its two fp32 moments, plus the buffers."""
+    losses change): each parameter's local shard in fp32 with its two fp32 moments, plus the buffers. Under ZeRO-3 a
+    parameter's own tensor is an empty placeholder between gathers: its shard is DeepSpeed's ``ds_tensor``. (ZeRO 1
+    and 2 keep whole 16-bit parameters while the master and moments are partitioned: counted whole, an overcount.)"""
     total = 0
     for param in module.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
+        shard = getattr(param, "ds_tensor", None)  # ZeRO-3: this rank's partition of the parameter
+        local = shard if isinstance(shard, torch.Tensor) else param.to_local() if hasattr(param, "to_local") else param
         total += 12 * local.numel()
     return total + sum(b.numel() * b.element_size() for b in module.buffers())
 
