@@ -15,8 +15,9 @@ Layout of one checkpoint, ``<dir>/step-00001234/``:
 
 A directory without ``COMPLETE`` is a crashed or in-flight save: resume ignores it (with a warning) and
 pruning never deletes a complete checkpoint before a newer one is complete. Resume verifies the newest complete
-checkpoint against its manifest; a damaged one (missing, truncated or altered file) is demoted (``COMPLETE``
-renamed ``DAMAGED``) with a warning naming the file, and the previous one is used. Damaged directories are never
+checkpoint against its manifest (the shards while the load reads them, :class:`HashingReader`); a damaged one
+(missing, truncated or altered file) is demoted (``COMPLETE`` renamed ``DAMAGED``) with a warning naming the file,
+and the previous one is loaded whole. Damaged directories are never
 deleted: pruning skips them, a new save of the same step moves the old one aside (``step-N.damaged-<time>``), and
 when every checkpoint is damaged resume refuses to start from step 0 unless ``checkpoint.resume=none`` says so.
 Resuming an explicitly named step sets the run's newer checkpoints aside (``step-N.abandoned-<time>``, kept), so a

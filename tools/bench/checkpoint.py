@@ -15,8 +15,9 @@ the median of the repeats' ratios:
 3. Async save: the time ``save()`` blocks the training loop (staging into the reused shared-memory buffers) vs
    the same repeat's sync save (goal <= 5%), and the time until ``wait()`` says the checkpoint is complete
    (written by the checkpoint process).
-4. Load: ``CheckpointManager.restore`` (verify against the manifest + DCP load), page cache dropped, vs a
-   sequential read of the same files, page cache dropped (goal >= 80%).
+4. Load: ``CheckpointManager.restore`` with verification on (the default, sha256 taken while DCP reads the shards),
+   page cache dropped, vs a sequential read of the same files, page cache dropped (goal >= 80%); and the same load
+   with ``verify=none``, to show what the hashing costs.
 5. Two ranks (gloo, fork-started, DDP): one sync save, and how many bytes each rank hashed for the manifest.
 6. From those, the predicted save and load times of the 13B ZeRO-3 flagship checkpoint (configs/train_13b.yaml) on
    4 nodes, for a parallel file system of ``--fs-gbps`` GB/s per node, against the 2-minute target, and the
@@ -37,9 +38,11 @@ thread, a shared disk doing ~0.2 GB/s that day):
 
 What changed: the shards are hashed while DCP writes them (``HashingWriter``: no read-back), a rank verifies its
 files on ``write_threads`` threads, and an async save stages into buffers allocated once and hands them to a
-checkpoint process (DCP's process-based async checkpointer). Not changed: DCP's torch.save per tensor (its zip
-CRC32 is ~7% of a save; the format stays DCP's), and the load still reads each file twice (verify, then DCP; the
-second from the page cache), so a load is bound by sha256 on a CPU-starved node.
+checkpoint process (DCP's process-based async checkpointer), and a load reads each shard once, hashing it on the
+way (``HashingReader``: items in offset order, the kernel asked to read 128 MiB ahead). Not changed: DCP's torch.save
+per tensor (its zip CRC32 is ~7% of a save; the format stays DCP's); a load's CPU work (a copy out of the page
+cache, torch.load's copy into a new storage, the copy into the model, sha256) is ~1.5 CPU-seconds per GB here, so on
+a CPU-starved node a load stays below a plain read however the I/O overlaps.
 
 Numbers go to stdout as a table and to ``--json``. Timing goals are reported, never enforced.
 """
