@@ -680,3 +680,39 @@ def test_a_shard_damaged_inside_a_tensor_is_loaded_then_replaced_whole_by_the_pr
     _, reference = single(_train, small_cfg(*over, run_dir=ref_dir))
     assert reference.resumed_from.endswith("step-00000002")
     assert resumed.losses == reference.losses and sorted(resumed.losses) == [3, 4, 5, 6]
+
+
+def test_a_damaged_load_whose_fallback_lacks_a_part_refuses_rather_than_keep_its_values(tmp_path: Path) -> None:
+    """Issue 28.1: the shards' verdict comes after DCP wrote them into the live tensors. When the previous checkpoint
+    has no optimizer state (a weights-only one), the moments read from the damaged checkpoint would have stayed:
+    the resume refuses instead (CheckpointTainted), keeps the fallback complete, and a new process resumes from it."""
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, keep_last=5)
+    weights, moments = torch.zeros(256), torch.zeros(1 << 16)
+
+    def state(with_optim: bool, step: int) -> checkpoint.Checkpointable:
+        return checkpoint.Checkpointable(
+            dcp_state=lambda: {"model": {"w": weights}, **({"optim": {"m": moments}} if with_optim else {})},
+            load_dcp_state=lambda s: None,
+            trainer_state=lambda: {"step": step},
+            load_trainer_state=lambda s: None,
+        )
+
+    mgr.save(1, state(False, 1))  # weights only
+    moments.fill_(1.0)
+    newest = mgr.save(2, state(True, 2))
+    moments.fill_(7.0)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(newest)).read_metadata().storage_data
+    info = max(storage.values(), key=lambda i: i.length)  # the moments' record
+    shard = newest / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+
+    with pytest.raises(checkpoint.CheckpointTainted, match="holds no 'optim' state"):
+        CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", state(True, 0))
+    assert (newest / checkpoint.DAMAGED).is_file() and (tmp_path / "step-00000001" / MARKER).is_file()
+    moments.fill_(7.0)  # a new process: nothing read before; the weights-only checkpoint loads, the moments stay
+    assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", state(True, 0)).name == "step-00000001"
+    assert bool((moments == 7.0).all())
