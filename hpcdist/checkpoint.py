@@ -964,7 +964,8 @@ class CheckpointManager:
         shards this rank owns (``_owner``: as ``verify`` spreads them), agreed by every rank."""
         checksum = self.verify_mode == "checksum"
         manifest = _read_manifest(path / MANIFEST, checksum=True) if checksum else {}
-        mine = sorted(rel for rel in manifest if _is_shard(rel) and _owner(rel, self.world_size) == self.rank)
+        owners = _shard_owners([rel for rel in manifest if _is_shard(rel)], self.world_size)
+        mine = sorted(rel for rel, rank in owners.items() if rank == self.rank)
         reader = HashingReader(str(path), hash_files=set(mine), threads=self.write_threads)
         planner = DefaultLoadPlanner()
         self._tainted |= set(dest)  # DCP writes into the live tensors: until the verdict, not trusted
@@ -1576,6 +1577,16 @@ def _owner(rel: str, world_size: int) -> int:
     m = _OWNER.search(Path(rel).name)
     rank = int(m.group(1) or m.group(2)) if m else 0
     return rank if rank < world_size else 0
+
+
+def _shard_owners(shards: list[str], world_size: int) -> dict[str, int]:
+    """The rank of ``world_size`` that verifies each DCP shard at a load: its writer's rank mapped contiguously onto
+    this world (writer w of W -> w * world_size // W). On the same world size a rank verifies its own files; on
+    another one, the files holding the part of the model a rank loads (FSDP and ZeRO shard contiguously), so a
+    resharded load still hashes most bytes while reading them, and every rank gets a share."""
+    writers = {rel: _owner(rel, 1 << 30) for rel in shards}
+    saved_world = max(writers.values(), default=0) + 1
+    return {rel: w * world_size // saved_world for rel, w in writers.items()}
 
 
 def _digest(file: Path, checksum: bool) -> dict[str, Any]:
