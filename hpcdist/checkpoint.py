@@ -1284,19 +1284,23 @@ class HashingReader(dcp.FileSystemReader):
         with open(os.path.join(self.path, rel), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             pos = hashed = ahead = 0
+            record = bytearray()
             for info, item in items:
                 offset, length = info.offset, info.length
                 # values from a file: checked before anything is allocated for them
                 if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset <= offset + length <= size):
                     raise ValueError(f"{rel}: .metadata names bytes {offset}+{length} of a {size}-byte file")
                 ahead = _read_ahead(f, max(ahead, offset), offset + length + self.READ_AHEAD, size)
+                if len(record) < length:  # one buffer per file, as big as its biggest item: no page faults per item
+                    record = bytearray(length)
+                data = memoryview(record)[:length]
                 if offset < pos:  # overlaps what was read already (hashed once): read it again
                     f.seek(offset)
-                    data = _read_exact(f, length, rel)
+                    _read_into(f, data, rel)
                     f.seek(pos)
                 else:
                     hashed += self._skip(f, hasher, offset - pos, rel)
-                    data = _read_exact(f, length, rel)
+                    _read_into(f, data, rel)
                     if hasher is not None:
                         hasher.update(data)
                         hashed += length
@@ -1325,11 +1329,12 @@ class HashingReader(dcp.FileSystemReader):
             left -= len(chunk)
         return n
 
-    def _load_item(self, item: Any, info: Any, data: bytes, planner: Any) -> None:
-        # as DCP's FileSystemReader.read_data does with each item, from bytes instead of a file view
-        stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), io.BytesIO(data))
+    def _load_item(self, item: Any, info: Any, data: memoryview, planner: Any) -> None:
+        # as DCP's FileSystemReader.read_data does with each item, from bytes read already instead of a file view
+        # (torch.load reads a seekable view with readinto: straight into the new tensor's storage)
+        stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), _ViewStream(data))
         if item.type == LoadItemType.BYTE_IO:
-            self.deferred.append((item, stream.read(-1)))
+            self.deferred.append((item, bytes(stream.read(-1))))  # a copy: the buffer is reused
             return
         seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
         tensor = torch.load(seekable, map_location="cpu", weights_only=True)
@@ -1359,6 +1364,44 @@ def _read_ahead(f: Any, start: int, end: int, size: int) -> int:
             os.posix_fadvise(f.fileno(), start, min(16 << 20, end - start), os.POSIX_FADV_WILLNEED)
         start += 16 << 20
     return max(start, end)
+
+
+class _ViewStream(io.RawIOBase):
+    """A read-only, seekable file over a memoryview (io.BytesIO would copy it)."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        memoryview(b).cast("B")[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def _read_into(f: Any, view: memoryview, rel: str) -> None:
+    """Fill ``view`` from an unbuffered file, or ValueError (damage: the file ends early)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise ValueError(f"{rel}: ends {len(view) - got} bytes early (truncated)")
+        got += n
 
 
 def _read_exact(f: Any, n: int, rel: str) -> bytes:
