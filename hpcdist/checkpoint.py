@@ -15,8 +15,9 @@ Layout of one checkpoint, ``<dir>/step-00001234/``:
 
 A directory without ``COMPLETE`` is a crashed or in-flight save: resume ignores it (with a warning) and
 pruning never deletes a complete checkpoint before a newer one is complete. Resume verifies the newest complete
-checkpoint against its manifest; a damaged one (missing, truncated or altered file) is demoted (``COMPLETE``
-renamed ``DAMAGED``) with a warning naming the file, and the previous one is used. Damaged directories are never
+checkpoint against its manifest (the shards while the load reads them, :class:`HashingReader`); a damaged one
+(missing, truncated or altered file) is demoted (``COMPLETE`` renamed ``DAMAGED``) with a warning naming the file,
+and the previous one is loaded whole. Damaged directories are never
 deleted: pruning skips them, a new save of the same step moves the old one aside (``step-N.damaged-<time>``), and
 when every checkpoint is damaged resume refuses to start from step 0 unless ``checkpoint.resume=none`` says so.
 Resuming an explicitly named step sets the run's newer checkpoints aside (``step-N.abandoned-<time>``, kept), so a
@@ -42,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import logging
 import multiprocessing as mp
@@ -61,10 +63,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save (FACTS.md)
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from hpcdist.atomic import atomic_write, file_sha256
@@ -161,6 +166,24 @@ class CheckpointUnavailable(OSError):
         self.path = path
 
 
+class CheckpointTainted(CheckpointMismatch):
+    """A fallback checkpoint lacks a part of the state (a weights-only one: no optimizer state) that a damaged
+    checkpoint's load had already written into this process: that part cannot be made fresh here, so the resume
+    stops (the fallback is kept as it is); a new process resumes from it cleanly, the damaged one being demoted."""
+
+    def __init__(self, message: str, path: Path | None = None):
+        super().__init__(message, path, what="tainted")
+
+
+class _ShardsDamaged(ValueError):
+    """The shards read by a load differ from the manifest (``problems``: one line per file); raised on every rank
+    alike (agreed), so ``_read`` demotes the checkpoint as it would after ``verify``."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
 class UntrustedCheckpoint(ConfigError):
     """A checkpoint someone else could have written (issue 14.1): refused before any of it is read, with the fix;
     a config problem (exit 2 at the CLI), never a damaged checkpoint to demote."""
@@ -253,6 +276,7 @@ class CheckpointManager:
         self._process: _CheckpointProcess | None = None  # async save: the process that writes them
         self._process_failed = False  # the last async save failed in the checkpoint process (wait() restarts it)
         self._not_io = False  # the last agreement saw an error that is not I/O (save() raises)
+        self._tainted: set[str] = set()  # state parts a load wrote into from a checkpoint that did not verify
         self._pg = self._async_pg = None
         if dist.is_initialized():
             # CPU groups of their own: agreement flags and manifest gathers work on NCCL jobs too; async DCP runs
@@ -594,9 +618,10 @@ class CheckpointManager:
         return {k: v for part in parts for k, v in part.items()}
 
     # ------------------------------------------------------------------------------------------ load
-    def verify(self, path: Path, mode: str | None = None) -> list[str]:
+    def verify(self, path: Path, mode: str | None = None, *, shards: bool = True) -> list[str]:
         """Collective: what is wrong with ``path`` against its manifest (empty = intact). ``mode``: checksum,
-        size or none (default: the manager's)."""
+        size or none (default: the manager's). ``shards=False``: the DCP shards (``*.distcp``) are checked by size
+        only; their sha256 is taken while the load reads them (:class:`HashingReader`, ``_shard_verdict``)."""
         mode = mode or self.verify_mode
         if mode == "none":
             return []
@@ -616,7 +641,7 @@ class CheckpointManager:
 
         def digest(rel: str) -> dict[str, Any]:
             try:
-                return _digest(path / rel, mode == "checksum")
+                return _digest(path / rel, mode == "checksum" and (shards or not _is_shard(rel)))
             except (OSError, MemoryError) as e:
                 return {"missing": True} if _read_kind(e) == _DAMAGE else {"transient": describe_error(e)}
 
@@ -632,7 +657,7 @@ class CheckpointManager:
                 problems.append(f"{rel}: missing")
             elif got["size"] != want["size"]:
                 problems.append(f"{rel}: {got['size']} bytes, the manifest says {want['size']} (truncated or altered)")
-            elif mode == "checksum" and got["sha256"] != want["sha256"]:
+            elif mode == "checksum" and "sha256" in got and got["sha256"] != want["sha256"]:
                 problems.append(f"{rel}: sha256 differs from the manifest (altered)")
         return problems
 
@@ -814,12 +839,17 @@ class CheckpointManager:
         problems: list[str] = []
         for delay in (*READ_RETRY_DELAYS_S, None):
             problems.clear()
-            err = _error_of(lambda: problems.extend(self.verify(path)))
+            # the shards' sha256 is taken while the load reads them (each byte read once): here their sizes, and
+            # every other file whole (small; .metadata is unpickled by the load)
+            err = _error_of(lambda: problems.extend(self.verify(path, shards=False)))
             phase = "verify"
             kind = self._agree(_read_kind(err) if err is not None else _DAMAGE if problems else _OK)
             if kind == _OK:
                 phase = "load"
                 err = _error_of(lambda: saved.update(self.load(path, state)))
+                if isinstance(err, _ShardsDamaged):  # the shards' verdict, agreed by every rank inside load()
+                    phase = "verify"
+                    problems.extend(err.problems)
                 kind = self._agree(_read_kind(err) if err is not None else _OK)
             why = describe_error(err) if err is not None else f"{phase} failed on another rank: see its log"
             if kind == _MISMATCH:
@@ -887,7 +917,14 @@ class CheckpointManager:
 
     def load(self, path: Path, state: Checkpointable) -> dict[str, Any]:
         """Collective: restore ``path`` into ``state``; the trainer state as saved. Raises on any problem; the
-        per-rank files are read first, so a rank that fails there fails before the collective part."""
+        per-rank files are read first, so a rank that fails there fails before the collective part.
+
+        With ``verify=checksum`` the shards are hashed while DCP reads them (:class:`HashingReader`: each byte read
+        once) and their verdict is agreed by every rank after DCP's read and before anything is applied: the
+        trainer state, the RNG, a rank's own state and the pickled (non-tensor) entries of the optimizer state are
+        taken only from a checkpoint that verified. Damage raises :class:`_ShardsDamaged` on every rank; the DCP
+        tensors of ``state`` then hold values of the damaged checkpoint, so the caller loads another checkpoint
+        whole (a part it lacks refuses, :class:`CheckpointTainted`) or stops."""
         trainer_state = json.loads((path / STATE_FILE).read_bytes())
         if not isinstance(trainer_state, dict):
             raise ValueError(f"{STATE_FILE} holds {type(trainer_state).__name__}, not the trainer's state")
@@ -903,17 +940,53 @@ class CheckpointManager:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
         saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
         for part in [k for k in dest if k not in saved]:  # e.g. a weights-only checkpoint has no "optim"
+            if part in self._tainted:
+                raise CheckpointTainted(
+                    f"{path} holds no {part!r} state, and this process's {part!r} state holds values read from a "
+                    "checkpoint found damaged after the load read it: start the run again (the damaged one is "
+                    f"marked {DAMAGED} now, so the new process resumes from {path.name} with a fresh {part!r} state)",
+                    path=path,
+                )
             log.warning("%s holds no %r state: it is not restored (starts fresh)", path, part)
             del dest[part]
         self._check_model_shapes(path, metadata, dest.get("model", {}))
-        with single_process_dcp():
-            dcp.load(dest, checkpoint_id=str(path))
+        self._load_shards(path, dest)
         state.load_dcp_state(dest)
         state.load_trainer_state(trainer_state)
         state.load_rank_state(own)
         if rng is not None:
             _set_rng_state(rng)
+        self._tainted -= set(dest)  # every part this checkpoint holds replaced what a damaged one left
         return trainer_state
+
+    def _load_shards(self, path: Path, dest: dict[str, Any]) -> None:
+        """Collective: DCP's load of ``dest`` (in place) through a :class:`HashingReader`, then the verdict of the
+        shards this rank owns (``_owner``: as ``verify`` spreads them), agreed by every rank."""
+        checksum = self.verify_mode == "checksum"
+        manifest = _read_manifest(path / MANIFEST, checksum=True) if checksum else {}
+        owners = _shard_owners([rel for rel in manifest if _is_shard(rel)], self.world_size)
+        mine = sorted(rel for rel, rank in owners.items() if rank == self.rank)
+        reader = HashingReader(str(path), hash_files=set(mine), threads=self.write_threads)
+        planner = DefaultLoadPlanner()
+        self._tainted |= set(dest)  # DCP writes into the live tensors: until the verdict, not trusted
+        with single_process_dcp():
+            failed = _error_of(lambda: dcp.load(dest, storage_reader=reader, planner=planner))
+        # a load that failed is judged too: damage that broke a record (a MemoryError from a garbled size) is
+        # damage, not a transient error to retry; dcp.load fails on every rank alike, so all reach the agreement
+        problems: list[str] = []
+        verdict_err: BaseException | None = None
+        try:
+            problems = _shard_verdict(path, manifest, mine, reader.digests)
+        except (OSError, MemoryError) as e:
+            verdict_err = e
+        kind = self._agree(_DAMAGE if problems else _read_kind(verdict_err) if verdict_err is not None else _OK)
+        if kind == _DAMAGE:
+            raise _ShardsDamaged(problems or ["a shard differs from the manifest (found by another rank: see its log)"])
+        if kind != _OK:
+            raise verdict_err or CheckpointUnavailable(f"verifying {path} failed on another rank: see its log", path)
+        if failed is not None:
+            raise failed
+        reader.apply_deferred(planner)  # the pickled entries, now that their files verified
 
 
 @contextlib.contextmanager
@@ -1164,6 +1237,214 @@ class HashingWriter(dcp.FileSystemWriter):
         return fut
 
 
+class HashingReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader (same files, same results) that reads each file it loads from once, in order, and
+    hashes the files named in ``hash_files`` on the way, the load's mirror of :class:`HashingWriter`: ``digests``
+    holds {relative path: {size, sha256}} of each such file, so the manifest's verdict needs no second pass.
+
+    DCP's own reader takes a file's items in plan order, each through a file view that torch.load seeks around in.
+    Here a file's items are sorted by offset and read whole, each handed to torch.load as bytes already read and
+    hashed; bytes no item here needs (another rank's tensors, on a resharded load) are read and hashed too when the
+    file is hashed (else skipped), and so is the rest of the file after its last item. Files are read on ``threads``
+    threads (reads, hashlib and torch's copies release the GIL). The pickled (``BYTE_IO``) items are kept as bytes
+    until ``apply_deferred``: nothing from a file is unpickled before its verdict."""
+
+    _CHUNK = 16 << 20
+    # the kernel is asked to read this far ahead of the item being loaded (posix_fadvise WILLNEED): the disk reads
+    # on while this thread hashes and deserialises, so a load takes the longer of the two, not their sum
+    READ_AHEAD = 128 << 20
+
+    def __init__(self, path: str, *, hash_files: set[str], threads: int = 1):
+        super().__init__(path)
+        self.hash_files, self.threads = hash_files, max(1, threads)
+        self.digests: dict[str, dict[str, Any]] = {}  # reader threads add to it: dict item set is atomic
+        self.deferred: list[tuple[Any, bytes]] = []  # (ReadItem, bytes) of the pickled items, list append is atomic
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        per_file: dict[str, list[tuple[Any, Any]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, []).append((info, item))
+        jobs = [(rel, sorted(items, key=lambda x: x[0].offset)) for rel, items in sorted(per_file.items())]
+        if self.threads > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(min(self.threads, len(jobs)), thread_name_prefix="hpcdist-load") as pool:
+                for fut in [pool.submit(self._read_file, rel, items, planner) for rel, items in jobs]:
+                    fut.result()
+        else:
+            for rel, items in jobs:
+                self._read_file(rel, items, planner)
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, rel: str, items: list[tuple[Any, Any]], planner: Any) -> None:
+        if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", ".."):
+            raise ValueError(f"{rel!r}: .metadata names a file outside the checkpoint")
+        hasher = hashlib.sha256() if rel in self.hash_files else None
+        with open(os.path.join(self.path, rel), "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            pos = hashed = ahead = 0
+            record = bytearray()
+            for info, item in items:
+                offset, length = info.offset, info.length
+                # values from a file: checked before anything is allocated for them
+                if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset <= offset + length <= size):
+                    raise ValueError(f"{rel}: .metadata names bytes {offset}+{length} of a {size}-byte file")
+                ahead = _read_ahead(f, max(ahead, offset), offset + length + self.READ_AHEAD, size)
+                if len(record) < length:  # one buffer per file, as big as its biggest item: no page faults per item
+                    record = bytearray(length)
+                data = memoryview(record)[:length]
+                if offset < pos:  # overlaps what was read already (hashed once): read it again
+                    f.seek(offset)
+                    _read_into(f, data, rel)
+                    f.seek(pos)
+                else:
+                    hashed += self._skip(f, hasher, offset - pos, rel)
+                    _read_into(f, data, rel)
+                    if hasher is not None:
+                        hasher.update(data)
+                        hashed += length
+                    pos = offset + length
+                self._load_item(item, info, data, planner)
+            if hasher is not None:  # the rest of the file, to its end (a file longer than its records is damage too)
+                buf = bytearray(self._CHUNK)
+                view = memoryview(buf)
+                at = pos
+                while n := f.readinto(buf):
+                    at += n
+                    ahead = _read_ahead(f, ahead, at + self.READ_AHEAD, size)
+                    hasher.update(view[:n])
+                    hashed += n
+                self.digests[rel] = {"size": hashed, "sha256": hasher.hexdigest()}
+
+    def _skip(self, f: Any, hasher: Any, n: int, rel: str) -> int:
+        """Move ``n`` bytes on: read and hash them when the file is hashed, else seek. Returns the bytes hashed."""
+        if hasher is None or n == 0:
+            f.seek(n, os.SEEK_CUR)
+            return 0
+        left = n
+        while left:
+            chunk = _read_exact(f, min(left, self._CHUNK), rel)
+            hasher.update(chunk)
+            left -= len(chunk)
+        return n
+
+    def _load_item(self, item: Any, info: Any, data: memoryview, planner: Any) -> None:
+        # as DCP's FileSystemReader.read_data does with each item, from bytes read already instead of a file view
+        # (torch.load reads a seekable view with readinto: straight into the new tensor's storage)
+        stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), _ViewStream(data))
+        if item.type == LoadItemType.BYTE_IO:
+            self.deferred.append((item, bytes(stream.read(-1))))  # a copy: the buffer is reused
+            return
+        seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
+        tensor = torch.load(seekable, map_location="cpu", weights_only=True)
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise ValueError(
+                f"{info.relative_path}: {item.storage_index} holds {tuple(tensor.size())}, the model "
+                f"{tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+    def apply_deferred(self, planner: Any) -> None:
+        """The pickled items (e.g. the optimizer's param_groups) into the state, once their files verified."""
+        for item, data in self.deferred:
+            planner.load_bytes(item, io.BytesIO(data))
+        self.deferred.clear()
+
+
+def _read_ahead(f: Any, start: int, end: int, size: int) -> int:
+    """Ask the kernel to start reading ``[start, end)`` of ``f`` (clipped to ``size``) into the page cache, in
+    16 MiB requests, without waiting for it; returns where the requested range now ends."""
+    end = min(end, size)
+    while start < end:
+        with contextlib.suppress(OSError, AttributeError):  # a file system without fadvise: plain reads
+            os.posix_fadvise(f.fileno(), start, min(16 << 20, end - start), os.POSIX_FADV_WILLNEED)
+        start += 16 << 20
+    return max(start, end)
+
+
+class _ViewStream(io.RawIOBase):
+    """A read-only, seekable file over a memoryview (io.BytesIO would copy it)."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        memoryview(b).cast("B")[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def _read_into(f: Any, view: memoryview, rel: str) -> None:
+    """Fill ``view`` from an unbuffered file, or ValueError (damage: the file ends early)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise ValueError(f"{rel}: ends {len(view) - got} bytes early (truncated)")
+        got += n
+
+
+def _read_exact(f: Any, n: int, rel: str) -> bytes:
+    """``n`` bytes from an unbuffered file, or ValueError (damage: the file ends early)."""
+    data = f.read(n)
+    if len(data) == n:
+        return data
+    parts, got = [data], len(data)
+    while got < n and (more := f.read(n - got)):
+        parts.append(more)
+        got += len(more)
+    if got < n:
+        raise ValueError(f"{rel}: ends {n - got} bytes early (truncated)")
+    return b"".join(parts)
+
+
+def _is_shard(rel: str) -> bool:
+    return rel.endswith(".distcp")
+
+
+def _shard_verdict(path: Path, manifest: dict[str, dict[str, Any]], mine: list[str], read: dict[str, Any]) -> list[str]:
+    """What is wrong with this rank's shards (``mine``) against the manifest: the digests the load took while
+    reading (``read``), a shard it did not read whole hashed now (a resharded load). OSError other than a missing
+    file, and MemoryError, are raised (nothing said about the file)."""
+    problems = []
+    for rel in mine:
+        got = read.get(rel)
+        if got is None:
+            try:
+                got = _digest(path / rel, checksum=True)
+            except OSError as e:
+                if _read_kind(e) != _DAMAGE:
+                    raise
+                problems.append(f"{rel}: missing")
+                continue
+        want = manifest[rel]
+        if got["size"] != want["size"]:
+            problems.append(f"{rel}: {got['size']} bytes, the manifest says {want['size']} (truncated or altered)")
+        elif got["sha256"] != want["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the manifest (altered)")
+    return problems
+
+
 class _CheckpointProcess:
     """This training process's checkpoint process: DCP's process-based async checkpointer (a spawned daemon in a
     gloo group of its own over the job's ranks) that serialises, hashes and writes a staged state while training
@@ -1246,7 +1527,9 @@ class _QuietCheckpointProcess(ape._AsyncCheckpointProcess):
 
 def staging_bytes(state: Any) -> int:
     """Bytes of host memory an async save stages ``state`` (a DCP state dict) into: every tensor this rank holds
-    (a DTensor's local shard)."""
+    (a DTensor's local shard, a ZeRO ShardedTensor's local shards)."""
+    if hasattr(state, "local_shards"):  # ShardedTensor: numel() would ask for the whole tensor
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in state.local_shards())
     if isinstance(state, torch.Tensor):
         local = state.to_local() if hasattr(state, "to_local") else state
         return local.numel() * local.element_size()
@@ -1260,10 +1543,13 @@ def staging_bytes(state: Any) -> int:
 def staging_estimate(module: torch.nn.Module) -> int:
     """What ``staging_bytes`` will find in a save of ``module`` with AdamW, counted before the first step (asking
     DCP for the optimizer's state dict then would run a fake optimizer step: AdamW's step counter moves and the
-    losses change): each parameter's local shard in fp32 with its two fp32 moments, plus the buffers."""
+    losses change): each parameter's local shard in fp32 with its two fp32 moments, plus the buffers. Under ZeRO-3 a
+    parameter's own tensor is an empty placeholder between gathers: its shard is DeepSpeed's ``ds_tensor``. (ZeRO 1
+    and 2 keep whole 16-bit parameters while the master and moments are partitioned: counted whole, an overcount.)"""
     total = 0
     for param in module.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
+        shard = getattr(param, "ds_tensor", None)  # ZeRO-3: this rank's partition of the parameter
+        local = shard if isinstance(shard, torch.Tensor) else param.to_local() if hasattr(param, "to_local") else param
         total += 12 * local.numel()
     return total + sum(b.numel() * b.element_size() for b in module.buffers())
 
@@ -1334,6 +1620,16 @@ def _owner(rel: str, world_size: int) -> int:
     m = _OWNER.search(Path(rel).name)
     rank = int(m.group(1) or m.group(2)) if m else 0
     return rank if rank < world_size else 0
+
+
+def _shard_owners(shards: list[str], world_size: int) -> dict[str, int]:
+    """The rank of ``world_size`` that verifies each DCP shard at a load: its writer's rank mapped contiguously onto
+    this world (writer w of W -> w * world_size // W). On the same world size a rank verifies its own files; on
+    another one, the files holding the part of the model a rank loads (FSDP and ZeRO shard contiguously), so a
+    resharded load still hashes most bytes while reading them, and every rank gets a share."""
+    writers = {rel: _owner(rel, 1 << 30) for rel in shards}
+    saved_world = max(writers.values(), default=0) + 1
+    return {rel: w * world_size // saved_world for rel, w in writers.items()}
 
 
 def _digest(file: Path, checksum: bool) -> dict[str, Any]:

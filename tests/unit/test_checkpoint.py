@@ -606,3 +606,113 @@ def test_rerunning_a_finished_run_says_so_and_changes_nothing(
     assert (again.step, again.exit_code, again.losses) == (2, 0, {})
     assert "already finished at step 2 (train.steps=2); train.steps=4 to continue" in capsys.readouterr().out
     assert {name: (tmp_path / name).read_bytes() for name in kept} == kept
+
+
+def test_a_resume_reads_each_shard_once_and_hashes_it_while_loading(small_cfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28.1: with verify=checksum a load read every shard twice: verify hashed each file whole, then DCP read it
+    again (load was 0.25 of a sequential read). Now the shards' sha256 is taken while DCP reads them: no shard is
+    hashed by a separate pass, and the digests the load took are the manifest's."""
+    _, newest = _two_checkpoints(small_cfg, "checkpoint.write_threads=2")
+    hashed_apart: list[str] = []
+    real = checkpoint._digest
+
+    def counting(file: Path, checksum: bool) -> dict:
+        if checksum:
+            hashed_apart.append(file.name)
+        return real(file, checksum)
+
+    monkeypatch.setattr(checkpoint, "_digest", counting)
+    readers: list = []
+    real_read = checkpoint.HashingReader.read_data
+
+    def spy(self, plan, planner):
+        readers.append(self)
+        return real_read(self, plan, planner)
+
+    monkeypatch.setattr(checkpoint.HashingReader, "read_data", spy)
+    over = ("train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=4")
+    resumed = single(_build, small_cfg(*over, "checkpoint.write_threads=2"))
+    assert resumed.resumed_from == str(newest) and resumed.step == 4
+    assert not [n for n in hashed_apart if n.endswith(".distcp")], hashed_apart
+    (reader,) = readers
+    manifest = json.loads((newest / MANIFEST).read_text())["files"]
+    shards = sorted(p.name for p in newest.glob("*.distcp"))
+    assert len(shards) == 2 and sorted(reader.digests) == shards
+    for rel in shards:
+        assert reader.digests[rel] == manifest[rel], rel
+
+
+def test_a_shard_damaged_inside_a_tensor_is_loaded_then_replaced_whole_by_the_previous_checkpoint(
+    small_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 28.1: the verdict on the shards now comes after DCP has read them into the model and optimizer. A byte
+    flipped inside a tensor's data loads without error; the verdict must still demote the checkpoint, and the
+    fallback must load the older one whole: every loss equals a run resumed from the older checkpoint."""
+    cfg, newest = _two_checkpoints(small_cfg)
+    ref_dir = tmp_path / "ref"
+    shutil.copytree(cfg.run.dir, ref_dir)
+    shutil.rmtree(small_cfg(run_dir=ref_dir).checkpoint_dir / newest.name)  # the reference resumes from step 2
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(newest)).read_metadata().storage_data
+    biggest = max(storage.values(), key=lambda info: info.length)  # a big tensor record: its middle is data
+    shard = newest / biggest.relative_path
+    data = bytearray(shard.read_bytes())
+    data[biggest.offset + biggest.length // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    loaded_from: list[str] = []
+    real_read = checkpoint.HashingReader.read_data
+
+    def spy(self, plan, planner):
+        loaded_from.append(Path(self.path).name)
+        return real_read(self, plan, planner)
+
+    monkeypatch.setattr(checkpoint.HashingReader, "read_data", spy)
+    capsys.readouterr()
+
+    over = ("train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=4")
+    _, resumed = single(_train, small_cfg(*over))
+    out = capsys.readouterr().out
+    assert loaded_from == ["step-00000004", "step-00000002"]  # step 4's tensors were read in before its verdict
+    assert "step-00000004 is damaged" in out and f"{shard.name}: sha256 differs" in out, out[-2000:]
+    assert resumed.resumed_from.endswith("step-00000002")
+    _, reference = single(_train, small_cfg(*over, run_dir=ref_dir))
+    assert reference.resumed_from.endswith("step-00000002")
+    assert resumed.losses == reference.losses and sorted(resumed.losses) == [3, 4, 5, 6]
+
+
+def test_a_damaged_load_whose_fallback_lacks_a_part_refuses_rather_than_keep_its_values(tmp_path: Path) -> None:
+    """Issue 28.1: the shards' verdict comes after DCP wrote them into the live tensors. When the previous checkpoint
+    has no optimizer state (a weights-only one), the moments read from the damaged checkpoint would have stayed:
+    the resume refuses instead (CheckpointTainted), keeps the fallback complete, and a new process resumes from it."""
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, keep_last=5)
+    weights, moments = torch.zeros(256), torch.zeros(1 << 16)
+
+    def state(with_optim: bool, step: int) -> checkpoint.Checkpointable:
+        return checkpoint.Checkpointable(
+            dcp_state=lambda: {"model": {"w": weights}, **({"optim": {"m": moments}} if with_optim else {})},
+            load_dcp_state=lambda s: None,
+            trainer_state=lambda: {"step": step},
+            load_trainer_state=lambda s: None,
+        )
+
+    mgr.save(1, state(False, 1))  # weights only
+    moments.fill_(1.0)
+    newest = mgr.save(2, state(True, 2))
+    moments.fill_(7.0)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(newest)).read_metadata().storage_data
+    info = max(storage.values(), key=lambda i: i.length)  # the moments' record
+    shard = newest / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+
+    with pytest.raises(checkpoint.CheckpointTainted, match="holds no 'optim' state"):
+        CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", state(True, 0))
+    assert (newest / checkpoint.DAMAGED).is_file() and (tmp_path / "step-00000001" / MARKER).is_file()
+    moments.fill_(7.0)  # a new process: nothing read before; the weights-only checkpoint loads, the moments stay
+    assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", state(True, 0)).name == "step-00000001"
+    assert bool((moments == 7.0).all())
