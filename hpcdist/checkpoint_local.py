@@ -377,11 +377,13 @@ class LocalTier:
         keep: int,
         record: Path | None = None,
         template: str = "",
+        shared_dir: str = "",
     ):
         self.root, self.rank, self.world_size, self.keep = root, rank, world_size, keep
         self.peer = peers(hosts)
         self.hosts = list(hosts)
-        self.record, self.template = record, template  # rank 0 writes the record after each save
+        # rank 0 writes the record after each save (`hpcdist status`, the report: the login node cannot look here)
+        self.record, self.template, self.shared_dir = record, template, shared_dir
         self.last_step: int | None = None  # the newest complete local step (this rank's and its copy)
         self.bytes_per_node = 0
         self._pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -615,6 +617,7 @@ class LocalTier:
                         "dir": self.template,
                         "time": time.time(),
                         "seconds": round(seconds, 3),
+                        "shared_dir": self.shared_dir,
                         "bytes_per_node": self.bytes_per_node,
                     }
                 ),

@@ -406,6 +406,7 @@ class Trainer:
             keep=loc.keep,
             record=RunDir(self.run_dir).local_checkpoints if self.env.is_main else None,
             template=loc.dir,
+            shared_dir=str(self.cfg.checkpoint_dir),
         )
 
     def _resume_local(self) -> Path | None:

@@ -14,6 +14,8 @@ import pytest
 from hpcdist.checkpoint import MARKER
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
+from hpcdist.launch.records import checkpoint_tiers_text
+from hpcdist.report.rundata import RunData
 from hpcdist.rundir import RunDir
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
@@ -73,6 +75,13 @@ def test_a_lost_nodes_files_come_from_its_peer_and_both_lost_falls_back_to_share
             assert sorted(p.name for p in (node / d).glob("step-*")) == ["step-00000002", "step-00000004"], node
             assert (node / d / "step-00000004" / MARKER).is_file()
     assert json.loads(RunDir(cfg.run.dir).local_checkpoints.read_text())["step"] == 4
+    # what `hpcdist status` and the report show of both tiers
+    status = checkpoint_tiers_text(cfg.run.dir)
+    assert status.startswith(
+        f"checkpoints: shared step 3 ({cfg.checkpoint_dir}); node-local step 4 (with peer copies, "
+    )
+    tiers = RunData.load(cfg.run.dir).checkpoints
+    assert (tiers["shared_step"], tiers["local_step"], tiers["local_copies"]) == (3, 4, True)
 
     shutil.rmtree(node1)  # node 1 replaced: its disk is empty
     first = run_ranks(2, _run, cfg, 5)

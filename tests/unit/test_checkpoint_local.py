@@ -64,7 +64,7 @@ def test_the_tier_config_is_checked_one_line_per_mistake() -> None:
         "checkpoint.local: no cadence; set checkpoint.local.every_steps or checkpoint.local.every_minutes (or drop "
         "checkpoint.local.dir)",
     ]
-    with pytest.raises(ConfigError, match="every_steps / every_minutes set without checkpoint.local.dir"):
+    with pytest.raises(ConfigError, match=r"every_steps / every_minutes set without checkpoint\.local\.dir"):
         config_mod.load(None, ["checkpoint.local.every_minutes=5"])
     cfg = config_mod.load(None, ["checkpoint.local.dir=/dev/shm/x-{job_id}-{host}", "checkpoint.local.every_steps=2"])
     assert expand_dir(cfg.checkpoint.local.dir, host="n1", job_id="77") == Path("/dev/shm/x-77-n1")
