@@ -386,6 +386,7 @@ class LocalTier:
         self.record, self.template, self.shared_dir = record, template, shared_dir
         self.last_step: int | None = None  # the newest complete local step (this rank's and its copy)
         self.bytes_per_node = 0
+        self.foreign = False  # restore found another run's step here (another run.dir / model sharing the directory)
         self._pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
         if all(p < 0 for p in self.peer):
             log.warning(
@@ -421,14 +422,15 @@ class LocalTier:
         written: list[int] = []
 
         def write() -> None:
-            written.append(self._write(partial, step, state))
-            if final.exists():  # a step saved again (after a resume to an older one): ours, replaced
+            if final.exists():  # saved again: the old files go first, so a failed save leaves no step of two runs
                 shutil.rmtree(final)
+            written.append(self._write(partial, step, state))
             partial.rename(final)
 
         err = _error_of(write)
         if not self._all_ok(err, f"saving step {step}"):
             shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)  # complete here, failed on another rank: not a step
             return False
         copied = self._replicate(step)
         self._prune()
@@ -509,7 +511,7 @@ class LocalTier:
             recv = next(((s, d) for s, d in batch if d == self.rank), None)
             try:
                 origin = (send[1] if restore else send[0]) if send is not None else -1
-                self._exchange(step, send, recv, origin, source, dest)
+                self._exchange(step, send, recv, origin, source, dest, restore=restore)
             except Exception as e:
                 err = err or e
         return self._all_ok(err, f"copying step {step} between nodes")
@@ -522,6 +524,8 @@ class LocalTier:
         origin: int,
         source: Callable[[int], Path],
         dest: Callable[[int], Path],
+        *,
+        restore: bool,
     ) -> None:
         """One round: send one step directory and/or receive one, in chunks. The sender posts every message
         before waiting for it; the receiver always drains what the sender announced, even after a problem, so the
@@ -548,7 +552,10 @@ class LocalTier:
         rhdr = torch.zeros(announced, dtype=torch.uint8)
         self._round(g, send, recv, hdr, rhdr)
         total = int(got[1]) if recv is not None else 0
-        sink = _Sink(dest, rhdr.numpy().tobytes(), total, step, self.world_size) if recv is not None else None
+        sink = None
+        if recv is not None:  # whose files may come: the sender's own (a copy), or ours back (a restore)
+            expect = self.rank if restore else recv[0]
+            sink = _Sink(dest, rhdr.numpy().tobytes(), total, step, self.world_size, expect)
         sent_total = int(sizes[1])
         sent_chunks = _chunks(src_dir, files) if files else iter(())
         n_send = -(-sent_total // CHUNK) if send is not None else 0
@@ -603,6 +610,19 @@ class LocalTier:
                         p = d / n
                         if stat.S_ISDIR(os.lstat(p).st_mode):
                             shutil.rmtree(p, ignore_errors=True)
+
+    def discard_newer(self, step: int) -> None:
+        """After a resume at ``step`` (0: a fresh start): this node's steps of the tier newer than it are of the line
+        the run turned back from; removed (own and copy directories, the tier's names only), so no later resume can
+        take them together with the new line's files of the same step."""
+        with contextlib.suppress(OSError):
+            for e in list(os.scandir(self.root)):
+                if not _TIER_DIR.match(e.name) or not e.is_dir(follow_symlinks=False):
+                    continue
+                for s in list(os.scandir(e.path)):
+                    m = _STEP.match(s.name.removesuffix(".partial"))
+                    if m and int(m.group(1)) > step and s.is_dir(follow_symlinks=False):
+                        shutil.rmtree(s.path, ignore_errors=True)
 
     def _write_record(self, step: int, copied: bool, seconds: float) -> None:
         if self.record is None:
@@ -679,6 +699,7 @@ class LocalTier:
         if err is None:
             why = _same_run(json.loads(_read_small(path / STATE_FILE)), state.trainer_state())
             err = ValueError(f"{path} is another run's ({why})") if why else None
+            self.foreign = bool(why)  # then nothing here is discarded (discard_newer): it is not ours to drop
         if not self._all_ok(err, f"checking step {step}"):
             log.warning("checkpoint.local: step %d is not usable on every rank: resuming from the shared tier", step)
             return None
@@ -737,7 +758,7 @@ class _Sink:
     with them, writes COMPLETE and renames the directory. After a problem it still takes every announced byte
     (the channel stays in step) and raises at ``finish``."""
 
-    def __init__(self, dest: Callable[[int], Path], header: bytes, total: int, step: int, world_size: int):
+    def __init__(self, dest: Callable[[int], Path], header: bytes, total: int, step: int, world_size: int, origin: int):
         self.error: BaseException | None = None
         self.files: list[tuple[str, int]] = []
         self.hashes: dict[str, Any] = {}
@@ -746,9 +767,9 @@ class _Sink:
         self.step, self.world_size = step, world_size
         try:
             h = json.loads(header)
-            files = h["files"]
+            files, want = h["files"], origin
             origin = h["origin"]
-            if h.get("step") != step or not isinstance(origin, int) or not 0 <= origin < world_size:
+            if h.get("step") != step or origin != want or not 0 <= origin < world_size:
                 raise ValueError("a header for another step or rank")
             if not isinstance(files, list) or len(files) > MAX_FILES:
                 raise ValueError("no file list")
@@ -770,8 +791,9 @@ class _Sink:
             free = shutil.disk_usage(parent).free
             if total > free:
                 raise OSError(f"{size_text(total)} to copy, {size_text(free)} free in {parent}")
-            if self.partial.exists():
-                shutil.rmtree(self.partial)
+            for old in (self.partial, self.final):  # an older copy of this step is never left beside a failed one
+                if old.exists():
+                    shutil.rmtree(old)
             self.partial.mkdir(mode=0o700)
             self._next_file()
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -835,8 +857,6 @@ class _Sink:
                 raise ValueError(f"{name}: the copy does not match the manifest")
         marker = {"step": self.step, "rank": self.origin, "world_size": self.world_size}
         atomic_write(self.partial / MARKER, json.dumps(marker), durable=False)
-        if self.final.exists():
-            shutil.rmtree(self.final)
         self.partial.rename(self.final)
 
 

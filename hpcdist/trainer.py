@@ -420,6 +420,13 @@ class Trainer:
             self.ckpt.saved_step = self.ckpt.local_saved_step = self.step  # neither tier saves this step again
         return path
 
+    def _discard_newer_local_steps(self) -> None:
+        """After any resume (either tier, or a fresh start): the node-local steps newer than the resumed one belong
+        to the line the run turned back from (an incomplete set, or older than a newer shared checkpoint): dropped,
+        so a later resume never mixes them with the new line's files of the same step."""
+        if self.local is not None and not self.local.foreign:
+            self.local.discard_newer(self.step)
+
     def _resume(self) -> str | None:
         t0 = time.perf_counter()
         try:
@@ -445,7 +452,9 @@ class Trainer:
                 log.info("starting fresh from the weights of %s (%s)", init, _describe_diff(diff))
             elif self.cfg.checkpoint.resume != "none":
                 log.info("starting fresh (no complete checkpoint in %s)", self.cfg.checkpoint_dir)
+            self._discard_newer_local_steps()
             return None
+        self._discard_newer_local_steps()
         seconds = time.perf_counter() - t0
         self.goodput.add("restore", seconds)
         log.info("resumed from %s at step %d (%.2fs)", path, self.step, seconds)

@@ -122,6 +122,11 @@ def test_a_save_restores_and_only_keep_steps_stay(tmp_path: Path) -> None:
     path = tier.restore(fresh.checkpointable(), shared_step=5)
     assert path == mine / step_name(6) and fresh.step == 6 and torch.equal(fresh.w.weight, weights[6])
     assert tier.restore(_State().checkpointable(), shared_step=7) is None  # the shared one is newer
+    # resumed at step 4 (from the shared tier, say): step 6 is of the line the run turned back from
+    (tier.root / "not-the-tiers" / "step-00000009").mkdir(parents=True)
+    tier.discard_newer(4)
+    assert sorted(p.name for p in mine.iterdir()) == ["step-00000004"]
+    assert (tier.root / "not-the-tiers" / "step-00000009").is_dir()  # only the tier's own directories
 
 
 @pytest.mark.parametrize("damage", ["flip-byte", "link", "foreign-file", "no-marker", "other-run"])
@@ -158,7 +163,7 @@ def test_a_local_step_that_fails_its_checks_is_never_loaded(tmp_path: Path, dama
     ],
 )
 def test_a_copy_with_a_bad_file_list_writes_nothing_but_takes_every_byte(tmp_path: Path, header: Any) -> None:
-    sink = _Sink(lambda origin: tmp_path / f"replica-of-rank-{origin:05d}", json.dumps(header).encode(), 3, 4, 2)
+    sink = _Sink(lambda origin: tmp_path / f"replica-of-rank-{origin:05d}", json.dumps(header).encode(), 3, 4, 2, 0)
     sink.write(b"abc")  # drained, not written
     with pytest.raises((ValueError, OSError)):
         sink.finish()
@@ -168,7 +173,7 @@ def test_a_copy_with_a_bad_file_list_writes_nothing_but_takes_every_byte(tmp_pat
 def test_a_copy_that_does_not_match_its_manifest_is_not_kept(tmp_path: Path) -> None:
     manifest = json.dumps({"files": {"a": {"size": 3, "sha256": "0" * 64}}}).encode()
     header = {"origin": 1, "step": 4, "files": [[MANIFEST, len(manifest)], ["a", 3]]}
-    sink = _Sink(lambda o: tmp_path / f"r{o}", json.dumps(header).encode(), len(manifest) + 3, 4, 2)
+    sink = _Sink(lambda o: tmp_path / f"r{o}", json.dumps(header).encode(), len(manifest) + 3, 4, 2, 1)
     sink.write(manifest + b"abc")
     with pytest.raises(ValueError, match="does not match the manifest"):
         sink.finish()
