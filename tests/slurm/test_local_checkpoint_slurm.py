@@ -25,6 +25,18 @@ from tests.slurm.test_train_slurm import step_losses, submit
 LOCAL = ("checkpoint.every_steps=5", "checkpoint.local.every_steps=1", "fault.exclude_failed_nodes=false")
 
 
+def _wait_for(out: Path, pattern: str, timeout: float = 30) -> tuple[str, re.Match[str]]:
+    """The job's output once ``pattern`` is in it (srun forwards the ranks' lines with a delay)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = out.read_text()
+        found = re.search(pattern, text)
+        if found:
+            return text, found
+        assert time.monotonic() < deadline, text[-4000:]
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def reference(slurm_cluster2: Cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
     """test_injob_slurm's uninterrupted run (2 ranks, ddp, the same steps): it trains beside the test's job."""
@@ -58,12 +70,10 @@ def test_a_killed_hosts_files_come_from_its_peer_then_both_lost_resume_the_share
     killed = _kill_after(run, 1, 0, {8, 13})  # rank 1 runs on node2 (host B)
     shutil.rmtree(node_b, ignore_errors=True)  # B's disk lost with it
     second = _rank_in_restart(run, 0, restart=1)
-    text = out.read_text()
-    fetched = re.search(r"rank 1's files of step (\d+) come from rank 0's node", text)
-    assert fetched, text[-4000:]
+    _, fetched = _wait_for(out, r"rank 1's files of step (\d+) come from rank 0's node")
     step = int(fetched.group(1))
     assert 5 * (killed // 5) < step <= killed  # newer than the shared checkpoint
-    assert f"resumed from {node_a}/rank-00000/step-{step:08d}" in text
+    _wait_for(out, re.escape(f"resumed from {node_a}/rank-00000/step-{step:08d}"))
     assert (node_a / "replica-of-rank-00001").is_dir() and second["host"] == "node1"
 
     again = _kill_after(run, 1, 1, {s for s in range(step + 1, STEPS) if s % 5 in (1, 2, 3)})
