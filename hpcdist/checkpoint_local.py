@@ -560,6 +560,7 @@ class LocalTier:
         sent_chunks = _chunks(src_dir, files) if files else iter(())
         n_send = -(-sent_total // CHUNK) if send is not None else 0
         n_recv = -(-total // CHUNK)
+        rbuf: torch.Tensor | None = None
         for i in range(max(n_send, n_recv)):
             work = None
             if send is not None and i < n_send:
@@ -570,9 +571,11 @@ class LocalTier:
                     out = torch.zeros(min(CHUNK, sent_total - i * CHUNK), dtype=torch.uint8)
                 work = dist.isend(out, send[1], group=g)
             if sink is not None and recv is not None and i < n_recv:
-                buf = torch.empty(min(CHUNK, total - i * CHUNK), dtype=torch.uint8)
-                dist.recv(buf, recv[0], group=g)
-                sink.write(buf.numpy())
+                if rbuf is None:
+                    rbuf = torch.empty(min(CHUNK, total), dtype=torch.uint8)  # one buffer, reused
+                part = rbuf[: min(CHUNK, total - i * CHUNK)]
+                dist.recv(part, recv[0], group=g)
+                sink.write(part.numpy())
             if work is not None:
                 work.wait()
         if sink is not None:
@@ -731,25 +734,27 @@ class LocalTier:
 
 
 def _chunks(src: Path | None, files: Sequence[tuple[str, int]]) -> Any:
-    """The files' bytes, concatenated, as uint8 tensors of CHUNK bytes (the last one shorter); one buffer at a
-    time. A file that changed size since it was listed fails the transfer (the receiver's manifest check too)."""
+    """The files' bytes, concatenated, as views of one uint8 tensor of CHUNK bytes (the last one shorter), read
+    straight into it: the caller sends each view and waits for the send before asking for the next. A file that
+    shrank since it was listed raises OSError (the caller sends zeros in its place; the copy fails its manifest)."""
     assert src is not None
-    buf = bytearray(CHUNK)
+    buf = torch.empty(CHUNK, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
     fill = 0
     for name, size in files:
         with open(src / name, "rb", buffering=0) as f:
             left = size
             while left:
-                n = f.readinto(memoryview(buf)[fill : fill + min(CHUNK - fill, left)])
+                n = f.readinto(view[fill : fill + min(CHUNK - fill, left)])
                 if not n:
                     raise OSError(f"{name}: shorter than listed")
                 fill += n
                 left -= n
                 if fill == CHUNK:
-                    yield torch.frombuffer(bytes(buf), dtype=torch.uint8)
+                    yield buf
                     fill = 0
     if fill:
-        yield torch.frombuffer(bytes(buf[:fill]), dtype=torch.uint8)
+        yield buf[:fill]
 
 
 class _Sink:
