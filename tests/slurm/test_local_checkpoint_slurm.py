@@ -65,16 +65,18 @@ def test_a_killed_hosts_files_come_from_its_peer_then_both_lost_resume_the_share
     run, out, local = tmp_path / "run", tmp_path / "out.txt", tmp_path / "local-{host}"
     over = _over(run, corpus_dir, *LOCAL, f"checkpoint.local.dir={local}", "fault.restart_backoff_s=1")
     job = submit(slurm_cluster2, "train.sh", ["--nodes=2", *ONE_TASK], over, out)
-    node_a, node_b = tmp_path / "local-node1", tmp_path / "local-node2"
+    # host A runs rank 0, host B rank 1 (SLURM picks two of the three nodes; the reference job takes one too)
+    host_a, host_b = (_rank_in_restart(run, r, restart=0)["host"] for r in (0, 1))
+    node_a, node_b = tmp_path / f"local-{host_a}", tmp_path / f"local-{host_b}"
 
-    killed = _kill_after(run, 1, 0, {8, 13})  # rank 1 runs on node2 (host B)
+    killed = _kill_after(run, 1, 0, {8, 13})  # host B's rank
     shutil.rmtree(node_b, ignore_errors=True)  # B's disk lost with it
     second = _rank_in_restart(run, 0, restart=1)
     _, fetched = _wait_for(out, r"rank 1's files of step (\d+) come from rank 0's node")
     step = int(fetched.group(1))
     assert 5 * (killed // 5) < step <= killed  # newer than the shared checkpoint
     _wait_for(out, re.escape(f"resumed from {node_a}/rank-00000/step-{step:08d}"))
-    assert (node_a / "replica-of-rank-00001").is_dir() and second["host"] == "node1"
+    assert (node_a / "replica-of-rank-00001").is_dir() and second["host"] == host_a
 
     again = _kill_after(run, 1, 1, {s for s in range(step + 1, STEPS) if s % 5 in (1, 2, 3)})
     shutil.rmtree(node_a, ignore_errors=True)
