@@ -257,12 +257,18 @@ class CheckpointManager:
         save_final: bool = True,
         total_steps: int | None = None,
         trusted_owners: Sequence[str] = (),
+        local_every_steps: int = 0,
+        local_every_minutes: float = 0.0,
     ):
         """The cadence (``should_save``): ``every_steps`` / ``every_minutes`` (0: never), ``save_final`` at
         ``total_steps`` (train.steps; None: every last step is the run's end)."""
         self.root, self.rank, self.world_size = Path(root), rank, world_size
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.save_final, self.total_steps = save_final, total_steps
+        # the node-local tier's cadence (checkpoint.local, hpcdist.checkpoint_local): decided here too, one owner
+        self.local_every_steps, self.local_every_minutes = local_every_steps, local_every_minutes
+        self.local_saved_step = -1
+        self._local_clock = time.perf_counter()
         self.saved_step = -1  # the step of the last save (or failed save) or of the resumed checkpoint
         self.last_ok = True  # the last save succeeded, as far as the save itself knows (an async one: see wait())
         self._clock = time.perf_counter()  # every_minutes counts from the last save (or restart_clock())
@@ -321,7 +327,27 @@ class CheckpointManager:
 
     def restart_clock(self) -> None:
         """checkpoint.every_minutes counts from now (the start of the training loop)."""
-        self._clock = time.perf_counter()
+        self._clock = self._local_clock = time.perf_counter()
+
+    def local_save_due(self, step: int, *, timed: bool = False) -> bool:
+        """Save the node-local tier after ``step``? Asked when ``should_save`` said no (a shared save of the step
+        makes a local one pointless); ``timed``: checkpoint.local.every_minutes's request every rank agreed on
+        (``timed_local_save_due``). Agreed inputs only: the save is collective."""
+        if step in (self.saved_step, self.local_saved_step):
+            return False
+        return (self.local_every_steps > 0 and step % self.local_every_steps == 0) or timed
+
+    def timed_local_save_due(self, step: int) -> bool:
+        """Rank 0's clock for checkpoint.local.every_minutes, like ``timed_save_due``."""
+        if not (self.local_every_minutes and self.rank == 0):
+            return False
+        if self.local_every_steps > 0 and step % self.local_every_steps == 0:
+            self._local_clock = time.perf_counter()
+            return False
+        if time.perf_counter() - self._local_clock < self.local_every_minutes * 60:
+            return False
+        self._local_clock = time.perf_counter()
+        return True
 
     def save(self, step: int, state: Checkpointable) -> Path | None:
         """Write step-N collectively; None when it failed with an I/O error (disk full, EIO, quota): then the partial

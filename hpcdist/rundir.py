@@ -51,6 +51,11 @@ class RunDir:
         return self.root / "checkpoints"
 
     @property
+    def local_checkpoints(self) -> Path:
+        """local_checkpoints.json: the node-local tier's newest step (checkpoint.local; rank 0 after each save)."""
+        return self.root / "local_checkpoints.json"
+
+    @property
     def failures(self) -> Path:
         """failures.jsonl: who, where and why, from the trainer, the watchdog and the per-rank supervisor."""
         return self.root / "failures.jsonl"

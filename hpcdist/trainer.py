@@ -29,6 +29,7 @@ from hpcdist.checkpoint import (
     latest,
     staging_estimate,
 )
+from hpcdist.checkpoint_local import LocalTier, expand_dir, open_local_dir
 from hpcdist.config import JobConfig
 from hpcdist.config.loader import ConfigError
 from hpcdist.data import BatchLoader, PrefetchLoader, make_sampler
@@ -156,7 +157,10 @@ class Trainer:
             every_minutes=cfg.checkpoint.every_minutes,
             save_final=cfg.checkpoint.save_final,
             total_steps=cfg.train.steps,
+            local_every_steps=cfg.checkpoint.local.every_steps,
+            local_every_minutes=cfg.checkpoint.local.every_minutes,
         )
+        self.local = self._local_tier()  # the node-local tier with peer copies (checkpoint.local), or None
         if cfg.checkpoint.async_save:  # the staging buffers are allocated at the first save: refuse now if they
             # cannot fit, not with an OOM kill hours into the run
             shm = Path("/dev/shm")
@@ -374,10 +378,59 @@ class Trainer:
         if problems[0]:
             raise RunDirInUse(problems[0])
 
+    def _local_tier(self) -> LocalTier | None:
+        """checkpoint.local's directory on this node, checked on every rank; one ConfigError on every rank alike
+        when any node's cannot be used (another user's, a link, a shared file system)."""
+        loc = self.cfg.checkpoint.local
+        if not loc.dir:
+            return None
+        root = expand_dir(loc.dir, host=self.env.hostname, job_id=self.env.job.job_id)
+        problems: list[str] = []
+        try:
+            open_local_dir(root)
+        except ConfigError as e:
+            problems = [f"{p} (on {self.env.hostname})" for p in e.problems]
+        every = [problems]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = [[] for _ in range(self.env.world_size)]
+            dist.all_gather_object(every, problems)
+        first = next((p for p in every if p), None)
+        if first:
+            self.run_lock.release()
+            raise ConfigError(first)
+        return LocalTier(
+            root,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            hosts=self.hosts,
+            keep=loc.keep,
+            record=RunDir(self.run_dir).local_checkpoints if self.env.is_main else None,
+            template=loc.dir,
+            shared_dir=str(self.cfg.checkpoint_dir),
+        )
+
+    def _resume_local(self) -> Path | None:
+        """Collective: checkpoint.resume=auto with the node-local tier: its newest step complete on every rank
+        (counting peer copies) when it is at least as new as the newest shared checkpoint; None: the shared tier."""
+        if self.local is None or self.cfg.checkpoint.resume != "auto":
+            return None
+        shared = latest(self.ckpt.root, warn=False)
+        path = self.local.restore(self.checkpointable(), int(shared.name[5:]) if shared else None)
+        if path is not None:
+            self.ckpt.saved_step = self.ckpt.local_saved_step = self.step  # neither tier saves this step again
+        return path
+
+    def _discard_newer_local_steps(self) -> None:
+        """After any resume (either tier, or a fresh start): the node-local steps newer than the resumed one belong
+        to the line the run turned back from (an incomplete set, or older than a newer shared checkpoint): dropped,
+        so a later resume never mixes them with the new line's files of the same step."""
+        if self.local is not None and not self.local.foreign:
+            self.local.discard_newer(self.step)
+
     def _resume(self) -> str | None:
         t0 = time.perf_counter()
         try:
-            path = self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
+            path = self._resume_local() or self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
         except CheckpointMismatch as e:
             changes = _config_changes(e.path, self.cfg)
             if not changes and e.what == "data":
@@ -399,7 +452,9 @@ class Trainer:
                 log.info("starting fresh from the weights of %s (%s)", init, _describe_diff(diff))
             elif self.cfg.checkpoint.resume != "none":
                 log.info("starting fresh (no complete checkpoint in %s)", self.cfg.checkpoint_dir)
+            self._discard_newer_local_steps()
             return None
+        self._discard_newer_local_steps()
         seconds = time.perf_counter() - t0
         self.goodput.add("restore", seconds)
         log.info("resumed from %s at step %d (%.2fs)", path, self.step, seconds)
@@ -418,6 +473,19 @@ class Trainer:
         self.goodput.add("checkpoint_save", time.perf_counter() - t0)
         self.goodput.flush()
         return path is not None
+
+    def local_save(self) -> bool:
+        """Save the node-local tier at this step (every rank; peer copies included); False when it failed (every
+        rank alike: training goes on, the tier's previous step and the shared checkpoint stay)."""
+        assert self.local is not None
+        self.nonfinite.check()
+        self.nonfinite.check_params(self.step, self.strategy.params_finite())
+        self.ckpt.local_saved_step = self.step
+        t0 = time.perf_counter()
+        with self.watchdog.phase(self.step, "node-local checkpoint save + peer copies (gloo send/recv)", slow=True):
+            ok = self.local.save(self.step, self.checkpointable())
+        self.goodput.add("checkpoint_save", time.perf_counter() - t0)
+        return ok
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self, *, until: int | None = None) -> TrainResult:
@@ -494,13 +562,20 @@ class Trainer:
             with phase(self.step, "stop agreement (MAX all-reduce)"):
                 # async two-int all-reduce: every rank leaves after the same step, and saves after the same step
                 # when rank 0's clock asked one step ago (checkpoint.every_minutes)
-                stop = self.stop_flag.agreed(request_save=self.ckpt.timed_save_due(self.step))
+                stop = self.stop_flag.agreed(
+                    request_save=self.ckpt.timed_save_due(self.step),
+                    request_local_save=self.ckpt.timed_local_save_due(self.step),
+                )
             if stop:
                 log.info("stop requested (%s) at step %d: saving a checkpoint", stop.name, self.step)
             if self.ckpt.should_save(
                 self.step, last_step=self.step >= end, stop_requested=bool(stop), timed=self.stop_flag.save_requested
             ):
                 self.save()
+            elif self.local is not None and self.ckpt.local_save_due(
+                self.step, timed=self.stop_flag.local_save_requested
+            ):
+                self.local_save()
             obs.end_step(self.step)
             if stop:
                 result.stop_reason = stop

@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -89,6 +90,9 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "checkpoint.every_minutes": (525_600.0, "a year"),
     "checkpoint.keep_last": (2**20, ""),
     "checkpoint.write_threads": (1024, ""),
+    "checkpoint.local.every_steps": (_BIG, ""),
+    "checkpoint.local.every_minutes": (525_600.0, "a year"),
+    "checkpoint.local.keep": (2**10, ""),
     "fault.max_restarts": (2**20, ""),
     "fault.max_preemptions": (2**20, ""),
     "fault.max_failures": (2**20, ""),
@@ -482,6 +486,45 @@ def _check_checkpoint(cfg: JobConfig, kind: LayoutKind | None, bad_paths: set[st
         p.append(
             "checkpoint.init_from: parallel.zero.stage=3 cannot load weights from another run; start with "
             "parallel.zero.stage=1 or 2 (or fsdp), then resume that run's checkpoints with stage 3"
+        )
+    return p + _check_local_tier(cfg)
+
+
+LOCAL_DIR_PLACEHOLDERS = ("{job_id}", "{user}", "{host}")  # hpcdist.checkpoint_local.expand_dir fills them
+
+
+def _check_local_tier(cfg: JobConfig) -> list[str]:
+    """checkpoint.local: the node-local tier. Its directory's disk checks (owner, links, a node-local file system)
+    run on each node at start-up (hpcdist.checkpoint_local.open_local_dir): the login node cannot see it."""
+    loc = cfg.checkpoint.local
+    p = _positive_problems(cfg, ["checkpoint.local.keep"])
+    p += _positive_problems(cfg, ["checkpoint.local.every_steps", "checkpoint.local.every_minutes"], allow_zero=True)
+    cadence = loc.every_steps > 0 or loc.every_minutes > 0
+    if loc.dir is None:
+        if cadence:
+            p.append(
+                "checkpoint.local: every_steps / every_minutes set without checkpoint.local.dir; set dir to a "
+                "node-local directory (e.g. /dev/shm/hpcdist-{job_id}) or drop them"
+            )
+        return p
+    problem = _path_problem("checkpoint.local.dir", loc.dir)
+    if problem:
+        return [*p, problem]
+    if not loc.dir.startswith("/"):
+        p.append(
+            f"checkpoint.local.dir: {echo(loc.dir)} is relative; give an absolute path on the node's own disk, "
+            "e.g. /dev/shm/hpcdist-{job_id}"
+        )
+    unknown = sorted(set(re.findall(r"\{[^{}]*\}", loc.dir)) - set(LOCAL_DIR_PLACEHOLDERS))
+    if unknown or loc.dir.count("{") != loc.dir.count("}"):
+        p.append(
+            f"checkpoint.local.dir: unknown placeholder {', '.join(unknown) or 'or unbalanced brace'} in "
+            f"{echo(loc.dir)}; use only {', '.join(LOCAL_DIR_PLACEHOLDERS)}"
+        )
+    if not cadence:
+        p.append(
+            "checkpoint.local: no cadence; set checkpoint.local.every_steps or checkpoint.local.every_minutes "
+            "(or drop checkpoint.local.dir)"
         )
     return p
 

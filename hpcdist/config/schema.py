@@ -305,6 +305,27 @@ class ParallelConfig:
 
 
 @dataclass
+class LocalCheckpointConfig:
+    """The node-local checkpoint tier (``checkpoint.local``, hpcdist.checkpoint_local; docs/FAULTS.md): every
+    rank saves its own shard on its node's disk at its own cadence, each node's files are copied to the next node
+    over the job's process group, and a restart takes the newest step complete for every rank (counting those
+    copies) when it is newer than the shared checkpoint."""
+
+    dir: str | None = None
+    """Node-local directory (an absolute path on the node's own disk, e.g. /dev/shm/hpcdist-{job_id} or a local
+    NVMe), yours, never reached through another user's link; unset = no local tier. Placeholders: {job_id} (the
+    SLURM job id, ``nojob`` outside SLURM; the same across requeues and in-job restarts), {user} (your user name),
+    {host} (the node's host name: a file system shared by several nodes still gets one directory per node)."""
+    every_steps: int = 0
+    """Save locally every N steps (0 = by steps never)."""
+    every_minutes: float = 0.0
+    """Save locally when this many minutes passed since the last local save (0 = off); rank 0's clock decides and
+    the ranks agree through the per-step stop agreement, as for checkpoint.every_minutes."""
+    keep: int = 2
+    """Newest complete local steps kept on each node (the peer copies too); older ones are deleted."""
+
+
+@dataclass
 class CheckpointConfig:
     """Saving and resuming (``checkpoint:``)."""
 
@@ -348,6 +369,8 @@ class CheckpointConfig:
     there: before anything is read, every file and directory of the checkpoint must belong to you, root or one of
     these users, and none may be writable by others or by a group other than its owner's private one
     (docs/SECURITY.md)."""
+    local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
+    """The node-local tier with peer copies (off unless ``checkpoint.local.dir`` is set)."""
 
 
 @dataclass

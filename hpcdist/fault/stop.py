@@ -94,6 +94,7 @@ class StopFlag:
         self._group: dist.ProcessGroup | None = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self.save_requested = False  # the last agreement carried a save request (CheckpointManager.should_save)
+        self.local_save_requested = False  # ... a node-local save request (CheckpointManager.local_save_due)
 
     def install(self, extra: Iterable[signal.Signals] = ()) -> StopFlag:
         """Take over the signals (replacing submitit's own rank-0 checkpoint handler: ours saves on all ranks)."""
@@ -138,7 +139,7 @@ class StopFlag:
         """Ask to stop as if a signal had arrived (tests, watchdogs)."""
         self._local = max(self._local, reason)
 
-    def agreed(self, *, request_save: bool = False) -> StopReason:
+    def agreed(self, *, request_save: bool = False, request_local_save: bool = False) -> StopReason:
         """Collective: the strongest stop reason any rank had seen one step ago, and (``save_requested``) whether
         any rank had asked for a save (``request_save``: sent in this agreement, read by every rank in the next).
         Every rank calls it every step.
@@ -152,16 +153,17 @@ class StopFlag:
         import torch.distributed as dist
 
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            self.save_requested = request_save
+            self.save_requested, self.local_save_requested = request_save, request_local_save
             return self._local
-        result, self.save_requested = StopReason.NONE, False
+        result, self.save_requested, self.local_save_requested = StopReason.NONE, False, False
         if self._pending is not None:
             work, flag = self._pending
             work.wait()
             result, self.save_requested = StopReason(int(flag[0])), bool(flag[1])
+            self.local_save_requested = bool(flag[2])
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-        flag = torch.tensor([int(self._local), int(request_save)], dtype=torch.int32)
+        flag = torch.tensor([int(self._local), int(request_save), int(request_local_save)], dtype=torch.int32)
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
         return result
 

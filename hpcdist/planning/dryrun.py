@@ -119,6 +119,19 @@ class DryRunReport:
                 f"{size_text(per_rank)} per rank (fp32 weights + AdamW's 2 moments), {size_text(per_rank * ranks)} "
                 f"per node of {ranks} rank(s)"
             )
+        loc = self.cfg.checkpoint.local
+        if loc.dir:  # what the node-local tier keeps on each node's disk (hpcdist.checkpoint_local)
+            per_rank = max(4 * c.params + 8 * c.optimizer_params for c in self.counts)
+            ranks = min(self.gpus_per_node, self.world_size)
+            copies = 2 if self.world_size > ranks else 1  # one node: no peer copies
+            step_bytes = per_rank * ranks * copies
+            lines.append(
+                f"node-local checkpoint tier ({loc.dir}): {size_text(per_rank)} per rank per step (fp32 weights + "
+                f"AdamW's 2 moments), {size_text(step_bytes)} per node per step"
+                + (" with the peer node's copy" if copies == 2 else " (one node: no peer copies)")
+                + f", up to {size_text(step_bytes * (loc.keep + 1))} per node (checkpoint.local.keep={loc.keep} "
+                "steps and the one being written)"
+            )
         if self.prediction:
             lines.append(self.prediction)
         lines += [f"note: {n}" for n in self.notes]

@@ -49,7 +49,11 @@ def _summary(data: RunData) -> str:
         ["attempts", len(data.attempts)],
         ["goodput", f"{100 * g['goodput']:.1f}% of {g['total_s']:.1f} s" if g else "no goodput ledger"],
         ["failures recorded", sum(1 for f in data.failures if f.get("kind") != "straggler")],
+        ["newest shared checkpoint", data.checkpoints.get("shared_step", "none")],
     ]
+    if "local_step" in data.checkpoints:  # the node-local tier (checkpoint.local)
+        copies = "with peer copies" if data.checkpoints.get("local_copies") else "no peer copies"
+        rows.append(["newest node-local step", f"{data.checkpoints['local_step']} ({copies})"])
     if data.summary:
         rows.append(["run_summary.json", ", ".join(f"{k}={v}" for k, v in data.summary.items() if k != "time")])
     return _table(["", ""], rows)

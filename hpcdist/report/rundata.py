@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.fault.goodput import CATEGORIES, summarize
+from hpcdist.launch.records import checkpoint_tiers
 from hpcdist.rundir import RunDir
 
 __all__ = ["Attempt", "RunData", "read_jsonl"]
@@ -90,6 +91,8 @@ class RunData:
     restarts: dict[str, Any] = field(default_factory=dict)
     hosts: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    checkpoints: dict[str, Any] = field(default_factory=dict)
+    """Both checkpoint tiers' newest steps (hpcdist.launch.records.checkpoint_tiers)."""
 
     @classmethod
     def load(cls, root: str | os.PathLike[str]) -> RunData:
@@ -109,6 +112,7 @@ class RunData:
         ranks = _read_json_or_none(rd.ranks)
         if isinstance(ranks, dict) and isinstance(ranks.get("hosts"), list):
             data.hosts = [str(h) for h in ranks["hosts"]]
+        data.checkpoints = checkpoint_tiers(root)
         summary = _read_json_or_none(rd.summary)
         data.summary = summary if isinstance(summary, dict) else {}
         goodput = _read_json_or_none(rd.goodput)

@@ -78,6 +78,21 @@ def test_the_loop_asks_the_checkpoint_once_per_step() -> None:
     body = next(n for n in ast.walk(loop) if isinstance(n, ast.While))
     calls = [n.func for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
     asked = [f.attr for f in calls if isinstance(f.value, ast.Attribute) and f.value.attr == "ckpt"]
-    assert sorted(asked) == ["should_save", "timed_save_due"]
+    # the node-local tier (checkpoint.local) asks the same owner, in the same place
+    assert sorted(asked) == ["local_save_due", "should_save", "timed_local_save_due", "timed_save_due"]
     own = [f.attr for f in calls if isinstance(f.value, ast.Name) and f.value.id == "self"]  # e.g. save, _triage
-    assert [a for a in own if "save" in a or "checkpoint" in a] == ["save"]
+    assert sorted(a for a in own if "save" in a or "checkpoint" in a) == ["local_save", "save"]
+
+
+def test_the_node_local_tier_saves_at_its_own_cadence_decided_by_the_same_owner(tmp_path: Path) -> None:
+    """checkpoint.local.every_steps / every_minutes: ``local_save_due`` (never at a step saved already by either
+    tier); rank 0's clock asks for the timed one like checkpoint.every_minutes."""
+    ckpt = CheckpointManager(tmp_path / "c", rank=0, world_size=1, every_steps=4, local_every_steps=2)
+    assert [s for s in range(1, 9) if ckpt.local_save_due(s)] == [2, 4, 6, 8]
+    ckpt.saved_step, ckpt.local_saved_step = 4, 6
+    assert not ckpt.local_save_due(4) and not ckpt.local_save_due(6) and ckpt.local_save_due(5, timed=True)
+    timed = CheckpointManager(tmp_path / "t", rank=0, world_size=1, local_every_minutes=1e-9, local_every_steps=3)
+    other = CheckpointManager(tmp_path / "o", rank=1, world_size=2, local_every_minutes=1e-9)
+    time.sleep(0.001)
+    assert timed.timed_local_save_due(1) and not other.timed_local_save_due(1)
+    assert not timed.timed_local_save_due(3) and not timed.timed_save_due(1)  # the shared clock is another one

@@ -161,3 +161,18 @@ def test_the_dry_run_shows_the_async_checkpoint_staging_need():
         " per rank" in report.text()
     )
     assert "async checkpoint staging" not in dry_run(cfg("parallel.strategy=fsdp"), 4).text()
+
+
+def test_the_dry_run_shows_the_node_local_tiers_bytes_per_node():
+    """Issue 28.3: what checkpoint.local keeps on each node's disk: the ranks' own step and the peer node's copy,
+    times the steps kept (plus the one being written)."""
+    from hpcdist.checkpoint import size_text
+
+    local = ("checkpoint.local.dir=/dev/shm/x-{job_id}", "checkpoint.local.every_steps=10", "checkpoint.local.keep=2")
+    report = dry_run(cfg("parallel.strategy=fsdp", *local), 4)
+    per_rank = max(4 * c.params + 8 * c.optimizer_params for c in report.counts)
+    ranks = min(report.gpus_per_node, 4)
+    copies = 2 if ranks < 4 else 1
+    text = report.text()
+    assert f"node-local checkpoint tier (/dev/shm/x-{{job_id}}): {size_text(per_rank)} per rank per step" in text
+    assert f"up to {size_text(per_rank * ranks * copies * 3)} per node (checkpoint.local.keep=2" in text

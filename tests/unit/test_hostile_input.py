@@ -199,6 +199,7 @@ _PATH_KEYS = [
     "data.path",
     "checkpoint.dir",
     "checkpoint.init_from",
+    "checkpoint.local.dir",
     "fault.exclude_nodes_file",
     "model.preset",
     "parallel.auto_cluster",

@@ -1,0 +1,873 @@
+"""The node-local checkpoint tier with peer copies (``checkpoint.local``, issue 28.3; docs/FAULTS.md).
+
+Shared-file-system checkpoints cannot be taken every few minutes by every job; a node's own disk (``/dev/shm``, a
+local NVMe) can. Each rank saves its own state there at the tier's cadence (the one cadence owner,
+``CheckpointManager.local_save_due``), then every node's files are copied to the next node (node i -> node i+1
+mod n) over the job's own process group (gloo point-to-point messages of at most ``CHUNK`` bytes: memory stays
+bounded, no ssh). A restart (a new run, an in-job restart, a requeue onto the same nodes) takes the newest step
+that is complete for every rank counting those copies, when it is at least as new as the newest shared checkpoint;
+a rank whose own files are gone gets them from the rank holding its copy. Otherwise the shared tier resumes.
+
+Layout on each node, under the expanded ``checkpoint.local.dir`` (mode 0700, yours, reached through no link):
+
+    rank-00003/step-00000120/       rank 3's own save of step 120, restorable on its own:
+        __0_0.distcp, .metadata     its DCP state (what this rank holds of model + optimizer), a one-process DCP
+                                    checkpoint (so loading it needs no other rank's files)
+        trainer_state.json rng.pt   its trainer state and RNG; rank.pt: its own state (PowerSGD), when it has some
+        MANIFEST.json               size + sha256 of every file above (hashed while written)
+        COMPLETE                    written last
+    replica-of-rank-00001/step-00000120/   the same files of rank 1 (on the previous node), copied here; their
+                                    COMPLETE is written here once every byte matched the manifest
+    *.partial                       a save or a copy in progress: never trusted, removed by the next save
+
+The directory may have been another job's on a shared node: nothing in it is trusted before it passed the checks
+of the shared tier (owner, permissions, no link leading out: tree_trust_problems; sizes and sha256 against the
+manifest) and every read is bounded. Pruning deletes only ``step-N`` / ``step-N.partial`` directories in the tier's
+own ``rank-*`` and ``replica-of-rank-*`` directories.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from hpcdist.atomic import atomic_write, file_sha256
+from hpcdist.checkpoint import (
+    MANIFEST,
+    MARKER,
+    STATE_FILE,
+    Checkpointable,
+    HashingWriter,
+    _rng_state,
+    _set_rng_state,
+    describe_error,
+    single_process_dcp,
+    size_text,
+)
+from hpcdist.config.loader import ConfigError
+from hpcdist.logging_utils import get_logger
+from hpcdist.owners import user_name, writer_problem
+
+log = get_logger(__name__)
+
+CHUNK = 16 << 20  # bytes per point-to-point message: one send and one receive buffer per rank at a time
+HEADER_MAX = 1 << 20  # a copy's file list, JSON
+SMALL_MAX = 64 << 20  # trainer_state.json, COMPLETE, MANIFEST.json: read whole, so bounded
+MAX_FILES = 10_000
+RNG_FILE, OWN_FILE = "rng.pt", "rank.pt"
+RECORD = "local_checkpoints.json"  # in run.dir (rank 0): what `hpcdist status` and the report show of the tier
+# file systems that are not a node's own disk: the tier on them is a slower shared tier that every job loads
+SHARED_FS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "fuse.sshfs"})
+_STEP = re.compile(r"^step-(\d{8})$")
+_TIER_DIR = re.compile(r"^(rank|replica-of-rank)-(\d{5})$")
+_FILE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}$")
+
+
+def own_dir(root: Path, rank: int) -> Path:
+    return root / f"rank-{rank:05d}"
+
+
+def replica_dir(root: Path, origin: int) -> Path:
+    return root / f"replica-of-rank-{origin:05d}"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def expand_dir(template: str, *, host: str, job_id: str | None) -> Path:
+    """checkpoint.local.dir with its placeholders filled (the rules allow only these three)."""
+    return Path(
+        template.replace("{job_id}", job_id or "nojob").replace("{user}", getpass.getuser()).replace("{host}", host)
+    )
+
+
+# ------------------------------------------------------------------------------------------ who holds what
+def peers(hosts: Sequence[str]) -> list[int]:
+    """peer[r]: the rank that keeps rank r's copy: the rank at r's position among its node's ranks on the next node
+    (nodes in the order of their first rank; a node with fewer ranks: position modulo its count). All -1 on one
+    node: a copy on the same node dies with it."""
+    nodes: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        nodes.setdefault(host, []).append(rank)
+    order = list(nodes.values())
+    if len(order) < 2:
+        return [-1] * len(hosts)
+    out = [-1] * len(hosts)
+    for i, ranks in enumerate(order):
+        nxt = order[(i + 1) % len(order)]
+        for j, rank in enumerate(ranks):
+            out[rank] = nxt[j % len(nxt)]
+    return out
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """What a resume takes from the local tier: ``step`` (None: the shared tier) and, per rank, the rank whose
+    node holds that rank's files of it (itself, or the rank keeping its copy); ``why``: the reason, for the log."""
+
+    step: int | None
+    sources: dict[int, int] = field(default_factory=dict)
+    why: str = ""
+
+
+def agree_step(inventories: Sequence[Mapping[int, Iterable[int]]], world_size: int, shared: int | None) -> LocalPlan:
+    """The newest step complete for every rank counting peer copies. ``inventories[s]``: {rank: complete steps of
+    that rank's files} on rank s's node (its own files and the copies it keeps); ``shared``: the newest complete
+    shared checkpoint's step (None: none). Each rank's files come from itself when it has them, else from the
+    lowest rank holding them. A local step older than ``shared`` loses to it (the shared one is newer progress)."""
+    holders: dict[tuple[int, int], list[int]] = {}
+    for s, inv in enumerate(inventories):
+        for origin, steps in inv.items():
+            if 0 <= origin < world_size:
+                for step in steps:
+                    holders.setdefault((origin, step), []).append(s)
+    candidates = sorted({step for _, step in holders}, reverse=True)
+    for step in candidates:
+        if all((r, step) in holders for r in range(world_size)):
+            if shared is not None and step < shared:
+                return LocalPlan(
+                    None,
+                    why=f"its newest step complete on every rank ({step}) is older than the "
+                    f"shared checkpoint of step {shared}",
+                )
+            sources = {r: r if r in holders[(r, step)] else min(holders[(r, step)]) for r in range(world_size)}
+            return LocalPlan(step, sources, why=f"step {step} is complete for every rank")
+    if not candidates:
+        return LocalPlan(None, why="it holds no complete step")
+    newest = candidates[0]
+    missing = [r for r in range(world_size) if (r, newest) not in holders]
+    return LocalPlan(
+        None,
+        why=f"no step is complete for every rank (step {newest}: rank(s) "
+        f"{', '.join(map(str, missing[:8]))} have neither their files nor a copy)",
+    )
+
+
+def rounds(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """(sender, receiver) pairs split into rounds in which a rank sends at most once and receives at most once:
+    within a round every rank posts its send before it waits on its receive, so a ring cannot deadlock."""
+    out: list[list[tuple[int, int]]] = []
+    for src, dst in pairs:
+        for r in out:
+            if all(src != a and dst != b for a, b in r):
+                r.append((src, dst))
+                break
+        else:
+            out.append([(src, dst)])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the directory
+def _fs_type(path: Path) -> str | None:
+    """The file system type of the mount holding ``path`` (/proc/self/mounts, longest mount point), None if
+    unknown."""
+    best, kind = "", None
+    with contextlib.suppress(OSError), open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+        for line in f.read(4 << 20).splitlines():
+            parts = line.split()
+            if len(parts) < 3:
+                continue
+            mount = parts[1].replace("\\040", " ")
+            inside = str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best):
+                best, kind = mount, parts[2]
+    return kind
+
+
+def open_local_dir(path: Path) -> Path:
+    """Create (mode 0700) or check the tier's directory on this node; ConfigError (one line) when it cannot be
+    ours: reached through a link, owned by another user, writable by others, on a shared file system."""
+    key = "checkpoint.local.dir"
+    for p in (path, *path.parents):  # no link anywhere on the way: the directory is what the path says
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise ConfigError([f"{key}: cannot look at {str(p)!r} ({e.strerror}); choose another directory"]) from None
+        if stat.S_ISLNK(st.st_mode):
+            raise ConfigError(
+                [
+                    f"{key}: {str(p)!r} is a link (to {os.path.realpath(p)!r}); the tier never follows links: give the "
+                    "real directory"
+                ]
+            )
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        raise ConfigError(
+            [f"{key}: cannot create {str(path)!r} ({e.strerror}); choose a writable node-local directory"]
+        ) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError([f"{key}: {str(path)!r} exists and is not a directory; choose another directory"])
+    if st.st_uid != os.getuid():
+        raise ConfigError(
+            [
+                f"{key}: {str(path)!r} belongs to {user_name(st.st_uid)}, not to you; another job's "
+                "directory on this node: choose your own (e.g. with {job_id} or {user} in it)"
+            ]
+        )
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        raise ConfigError(
+            [
+                f"{key}: {str(path)!r} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                f"chmod 700 it or choose another directory"
+            ]
+        )
+    kind = _fs_type(path)
+    if kind in SHARED_FS:
+        raise ConfigError(
+            [
+                f"{key}: {str(path)!r} is on a shared file system ({kind}), not the node's own disk; "
+                "use /dev/shm or a local disk (the shared tier is checkpoint.dir)"
+            ]
+        )
+    return path
+
+
+def _read_small(path: Path, limit: int = SMALL_MAX) -> bytes:
+    """A regular file's bytes, refused when it is a link, not a regular file or larger than ``limit``."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            raise ValueError(f"{path.name}: not a regular file of at most {limit} bytes")
+        return f.read(limit + 1)[:limit]
+
+
+def _listing(path: Path) -> dict[str, int]:
+    """{name: size} of a step directory's regular files; ValueError for anything else in it (a link, a FIFO, a
+    directory, a foreign name): the tier's step directories hold flat regular files only."""
+    out: dict[str, int] = {}
+    with os.scandir(path) as entries:
+        for e in entries:
+            st = e.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or not _FILE.match(e.name):
+                raise ValueError(f"{e.name}: not a regular file of the tier")
+            out[e.name] = st.st_size
+            if len(out) > MAX_FILES:
+                raise ValueError(f"more than {MAX_FILES} files")
+    return out
+
+
+def _complete_marker(path: Path, origin: int, step: int, world_size: int) -> bool:
+    """A step directory whose COMPLETE marker (bounded read) names this rank, step and world size."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or writer_problem(st, {os.getuid()}):
+            return False
+        marker = json.loads(_read_small(path / MARKER, 4096))
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(marker, dict)
+        and marker.get("step") == step
+        and marker.get("rank") == origin
+        and (marker.get("world_size") == world_size)
+    )
+
+
+def verify_step_dir(path: Path) -> list[str]:
+    """What is wrong with a step directory of the tier (empty: every file matches the manifest by size and sha256,
+    nothing else is there, no link, everything yours and writable by you alone)."""
+    try:
+        problems = [f"{n}: {why}" for n, why in _trust(path)]
+        if problems:
+            return problems
+        have = _listing(path)
+        manifest = json.loads(_read_small(path / MANIFEST))
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if not isinstance(files, dict) or len(files) > MAX_FILES:
+            return [f"{MANIFEST}: no files mapping"]
+    except (OSError, ValueError) as e:
+        return [describe_error(e)]
+    problems = [f"{n}: not in the manifest" for n in sorted(set(have) - set(files) - {MANIFEST, MARKER})]
+    for name, want in sorted(files.items()):
+        if not isinstance(want, dict) or not isinstance(want.get("size"), int):
+            problems.append(f"{name}: malformed manifest entry")
+        elif name not in have:
+            problems.append(f"{name}: missing")
+        elif have[name] != want["size"]:
+            problems.append(f"{name}: {have[name]} bytes, the manifest says {want['size']}")
+        elif file_sha256(path / name) != want.get("sha256"):
+            problems.append(f"{name}: sha256 differs from the manifest")
+    return problems
+
+
+def _trust(path: Path) -> list[tuple[str, str]]:
+    from hpcdist.config.dirs import tree_trust_problems
+
+    return tree_trust_problems(path, {os.getuid()})
+
+
+# ------------------------------------------------------------------------------------------ state
+def _localize(obj: Any) -> Any:
+    """The state dict with every DTensor replaced by its local shard (a view: loading into it fills the DTensor):
+    each rank's save is a one-process DCP checkpoint of what it holds."""
+    if hasattr(obj, "to_local") and isinstance(obj, torch.Tensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _localize(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_localize(v) for v in obj]
+    return obj
+
+
+def _merge_back(dest: Any, loaded: Any) -> Any:
+    """``dest`` with what DCP loaded into its localized copy: tensors were filled in place (the same objects, or
+    views of a DTensor's shard); other values (param groups, Python numbers) are taken from ``loaded``."""
+    if isinstance(dest, dict) and isinstance(loaded, dict):
+        for k in dest:
+            if k in loaded:
+                dest[k] = _merge_back(dest[k], loaded[k])
+        return dest
+    if isinstance(dest, list) and isinstance(loaded, list) and len(dest) == len(loaded):
+        return [_merge_back(a, b) for a, b in zip(dest, loaded, strict=True)]
+    if isinstance(dest, torch.Tensor):
+        if not hasattr(dest, "to_local") and loaded is not dest:
+            dest.copy_(loaded)
+        return dest
+    return loaded
+
+
+def _same_run(saved: Any, now: dict[str, Any]) -> str | None:
+    """Why a local step's trainer state is not this run's (another run.dir, model, data, layout or seed that
+    left files in the same node-local directory); None when it is."""
+    cfg, mine = saved.get("config") if isinstance(saved, dict) else None, now.get("config") or {}
+    if not isinstance(cfg, dict):
+        return "no config in its trainer state"
+    for section, keys in (("run", ("dir", "seed")), ("model", None), ("data", None), ("parallel", None)):
+        a, b = cfg.get(section), mine.get(section)
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            return f"no {section} section"
+        for k in keys or sorted(set(a) | set(b)):
+            if json.dumps(a.get(k), sort_keys=True, default=str) != json.dumps(b.get(k), sort_keys=True, default=str):
+                return f"saved with {section}.{k}={a.get(k)!r} (now {b.get(k)!r})"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ the tier
+class LocalTier:
+    """One rank's side of the tier; ``save`` and ``restore`` are collective (every rank calls them)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        rank: int,
+        world_size: int,
+        hosts: Sequence[str],
+        keep: int,
+        record: Path | None = None,
+        template: str = "",
+        shared_dir: str = "",
+    ):
+        self.root, self.rank, self.world_size, self.keep = root, rank, world_size, keep
+        self.peer = peers(hosts)
+        self.hosts = list(hosts)
+        # rank 0 writes the record after each save (`hpcdist status`, the report: the login node cannot look here)
+        self.record, self.template, self.shared_dir = record, template, shared_dir
+        self.last_step: int | None = None  # the newest complete local step (this rank's and its copy)
+        self.bytes_per_node = 0
+        self.foreign = False  # restore found another run's step here (another run.dir / model sharing the directory)
+        self._pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        if all(p < 0 for p in self.peer):
+            log.warning(
+                "checkpoint.local: every rank runs on one node: no peer copies (a lost node loses the tier's steps; "
+                "the shared checkpoint stays the fallback)"
+            )
+
+    # ---------------------------------------------------------------------------------- collectives
+    def _all_ok(self, err: BaseException | None, what: str) -> bool:
+        if err is not None:
+            log.error("rank %d: checkpoint.local: %s failed: %s", self.rank, what, describe_error(err))
+        if self._pg is None:
+            return err is None
+        flag = torch.tensor([0 if err is None else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+        return int(flag) == 0
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self._pg is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._pg)  # the job's own ranks: no file is unpickled
+        return out
+
+    # ---------------------------------------------------------------------------------- save
+    def save(self, step: int, state: Checkpointable) -> bool:
+        """Collective: this rank's files of ``step`` on its node, then every node's to its peer. False when the
+        local save failed on any rank (the step is dropped everywhere, training goes on); a failed copy leaves the
+        step without a copy (logged): it still counts where every rank's own files are there."""
+        t0 = time.perf_counter()
+        final = own_dir(self.root, self.rank) / step_name(step)
+        partial = final.with_name(final.name + ".partial")
+        written: list[int] = []
+
+        def write() -> None:
+            if final.exists():  # saved again: the old files go first, so a failed save leaves no step of two runs
+                shutil.rmtree(final)
+            written.append(self._write(partial, step, state))
+            partial.rename(final)
+
+        err = _error_of(write)
+        if not self._all_ok(err, f"saving step {step}"):
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)  # complete here, failed on another rank: not a step
+            return False
+        copied = self._replicate(step)
+        self._prune()
+        sizes = self._gather(written[0] if written else 0)
+        node_bytes: dict[str, int] = {}
+        for r, n in enumerate(sizes):
+            node_bytes[self.hosts[r]] = node_bytes.get(self.hosts[r], 0) + n
+        self.bytes_per_node = max(node_bytes.values()) * (2 if copied else 1)
+        self.last_step = step
+        seconds = time.perf_counter() - t0
+        if self.rank == 0:
+            log.info(
+                "node-local checkpoint step %d complete%s (%.2fs, %s per node)",
+                step,
+                " with peer copies" if copied else "",
+                seconds,
+                size_text(self.bytes_per_node),
+            )
+            self._write_record(step, copied, seconds)
+        return True
+
+    def _write(self, path: Path, step: int, state: Checkpointable) -> int:
+        """This rank's files of ``step`` into ``path`` (a fresh directory), manifest and marker last; bytes."""
+        if path.exists():
+            shutil.rmtree(path)  # a crashed save's leftover, in our own directory
+        path.mkdir(mode=0o700, parents=True)
+        writer = HashingWriter(str(path), thread_count=1)
+        with single_process_dcp():
+            dcp.save(_localize(state.dcp_state()), storage_writer=writer, no_dist=True)
+        torch.save(_rng_state(), path / RNG_FILE)
+        own = state.rank_state()
+        if own:
+            torch.save(own, path / OWN_FILE)
+        atomic_write(path / STATE_FILE, json.dumps(state.trainer_state()), durable=False)
+        digests = writer.digests()
+        files = {}
+        for name in _listing(path):
+            files[name] = digests.get(name) or {
+                "size": (path / name).stat().st_size,
+                "sha256": file_sha256(path / name),
+            }
+        atomic_write(path / MANIFEST, json.dumps({"files": files, "step": step, "rank": self.rank}), durable=False)
+        atomic_write(path / MARKER, json.dumps({"step": step, "rank": self.rank, "world_size": self.world_size}))
+        return sum(e["size"] for e in files.values())
+
+    def _replicate(self, step: int) -> bool:
+        """Collective: every rank's files of ``step`` to its peer (replica-of-rank-<r>/ there). True when every
+        copy arrived intact."""
+        if all(p < 0 for p in self.peer):
+            return False
+        pairs = [(r, self.peer[r]) for r in range(self.world_size) if self.peer[r] >= 0]
+        ok = self._transfer(
+            pairs,
+            step,
+            lambda origin: own_dir(self.root, origin) / step_name(step),
+            lambda origin: replica_dir(self.root, origin),
+            restore=False,
+        )
+        if not ok:
+            log.warning("checkpoint.local: the peer copies of step %d are incomplete (see the errors above)", step)
+        return ok
+
+    def _transfer(
+        self,
+        pairs: Sequence[tuple[int, int]],
+        step: int,
+        source: Callable[[int], Path],
+        dest: Callable[[int], Path],
+        *,
+        restore: bool,
+    ) -> bool:
+        """Collective: for each (sender, receiver), the sender's ``source(origin)`` step directory lands in the
+        receiver's ``dest(origin)``; ``origin``, the rank whose files they are, is the sender when replicating and
+        the receiver when a restore fetches its files back (it travels in the header)."""
+        err: BaseException | None = None
+        for batch in rounds(pairs):
+            send = next(((s, d) for s, d in batch if s == self.rank), None)
+            recv = next(((s, d) for s, d in batch if d == self.rank), None)
+            try:
+                origin = (send[1] if restore else send[0]) if send is not None else -1
+                self._exchange(step, send, recv, origin, source, dest, restore=restore)
+            except Exception as e:
+                err = err or e
+        return self._all_ok(err, f"copying step {step} between nodes")
+
+    def _exchange(
+        self,
+        step: int,
+        send: tuple[int, int] | None,
+        recv: tuple[int, int] | None,
+        origin: int,
+        source: Callable[[int], Path],
+        dest: Callable[[int], Path],
+        *,
+        restore: bool,
+    ) -> None:
+        """One round: send one step directory and/or receive one, in chunks. The sender posts every message
+        before waiting for it; the receiver always drains what the sender announced, even after a problem, so the
+        next round's messages stay in step."""
+        g = self._pg
+        header, files, src_dir, error = b"", [], None, None
+        if send is not None:
+            try:
+                src_dir = source(origin)
+                files = [(n, s) for n, s in sorted(_listing(src_dir).items()) if n != MARKER]
+                header = json.dumps({"origin": origin, "step": step, "files": files}).encode()
+                if len(header) > HEADER_MAX:
+                    raise ValueError(f"a file list of {len(header)} bytes")
+            except (OSError, ValueError) as e:  # announce nothing: the receiver expects nothing more
+                error, header, files = e, b"", []
+        sizes = torch.tensor([len(header), sum(s for _, s in files)], dtype=torch.int64)
+        got = torch.zeros(2, dtype=torch.int64)
+        self._round(g, send, recv, sizes, got)
+        hdr = torch.frombuffer(bytearray(header), dtype=torch.uint8) if header else torch.zeros(0, dtype=torch.uint8)
+        announced = int(got[0]) if recv is not None else 0
+        if recv is not None and not 0 < announced <= HEADER_MAX:  # our own sender never announces more
+            error = error or ValueError(f"rank {recv[0]} sent no file list (its log says why)")
+            announced, recv = 0, None
+        rhdr = torch.zeros(announced, dtype=torch.uint8)
+        self._round(g, send, recv, hdr, rhdr)
+        total = int(got[1]) if recv is not None else 0
+        sink = None
+        if recv is not None:  # whose files may come: the sender's own (a copy), or ours back (a restore)
+            expect = self.rank if restore else recv[0]
+            sink = _Sink(dest, rhdr.numpy().tobytes(), total, step, self.world_size, expect)
+        sent_total = int(sizes[1])
+        sent_chunks = _chunks(src_dir, files) if files else iter(())
+        n_send = -(-sent_total // CHUNK) if send is not None else 0
+        n_recv = -(-total // CHUNK)
+        rbuf: torch.Tensor | None = None
+        for i in range(max(n_send, n_recv)):
+            work = None
+            if send is not None and i < n_send:
+                try:
+                    out = next(sent_chunks)
+                except (OSError, StopIteration) as e:  # a file shrank: zeros keep the receiver in step; its
+                    error = error or e  # manifest check rejects the copy
+                    out = torch.zeros(min(CHUNK, sent_total - i * CHUNK), dtype=torch.uint8)
+                work = dist.isend(out, send[1], group=g)
+            if sink is not None and recv is not None and i < n_recv:
+                if rbuf is None:
+                    rbuf = torch.empty(min(CHUNK, total), dtype=torch.uint8)  # one buffer, reused
+                part = rbuf[: min(CHUNK, total - i * CHUNK)]
+                dist.recv(part, recv[0], group=g)
+                sink.write(part.numpy())
+            if work is not None:
+                work.wait()
+        if sink is not None:
+            sink.finish()  # raises what went wrong on the receiving side
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def _round(
+        g: Any, send: tuple[int, int] | None, recv: tuple[int, int] | None, out: torch.Tensor, into: torch.Tensor
+    ) -> None:
+        work = dist.isend(out, send[1], group=g) if send is not None and out.numel() else None
+        if recv is not None and into.numel():
+            dist.recv(into, recv[0], group=g)
+        if work is not None:
+            work.wait()
+
+    def _prune(self) -> None:
+        """Keep the ``keep`` newest complete steps of this rank's own directory and of the copy it keeps; remove
+        older ones and every leftover ``.partial`` but the newest complete step's. Only the tier's own names."""
+        mine = [own_dir(self.root, self.rank)]
+        held = [o for o in range(self.world_size) if self.peer[o] == self.rank]
+        mine += [replica_dir(self.root, o) for o in held]
+        for d in mine:
+            with contextlib.suppress(OSError):
+                if not stat.S_ISDIR(os.lstat(d).st_mode):
+                    continue
+                names = sorted(e.name for e in os.scandir(d))
+                complete = [n for n in names if _STEP.match(n) and (d / n / MARKER).is_file()]
+                for n in names:
+                    base = n.removesuffix(".partial")
+                    if not _STEP.match(base):
+                        continue  # not the tier's: never deleted
+                    if n.endswith(".partial") or n not in complete[-self.keep :]:
+                        p = d / n
+                        if stat.S_ISDIR(os.lstat(p).st_mode):
+                            shutil.rmtree(p, ignore_errors=True)
+
+    def discard_newer(self, step: int) -> None:
+        """After a resume at ``step`` (0: a fresh start): this node's steps of the tier newer than it are of the line
+        the run turned back from; removed (own and copy directories, the tier's names only), so no later resume can
+        take them together with the new line's files of the same step."""
+        with contextlib.suppress(OSError):
+            for e in list(os.scandir(self.root)):
+                if not _TIER_DIR.match(e.name) or not e.is_dir(follow_symlinks=False):
+                    continue
+                for s in list(os.scandir(e.path)):
+                    m = _STEP.match(s.name.removesuffix(".partial"))
+                    if m and int(m.group(1)) > step and s.is_dir(follow_symlinks=False):
+                        shutil.rmtree(s.path, ignore_errors=True)
+
+    def _write_record(self, step: int, copied: bool, seconds: float) -> None:
+        if self.record is None:
+            return
+        with contextlib.suppress(OSError):
+            atomic_write(
+                self.record,
+                json.dumps(
+                    {
+                        "step": step,
+                        "peer_copies": copied,
+                        "dir": self.template,
+                        "time": time.time(),
+                        "seconds": round(seconds, 3),
+                        "shared_dir": self.shared_dir,
+                        "bytes_per_node": self.bytes_per_node,
+                    }
+                ),
+                durable=False,
+            )
+
+    # ---------------------------------------------------------------------------------- restore
+    def inventory(self) -> dict[int, dict[int, Path]]:
+        """{rank: {step: directory}} of the complete steps this node's directory holds: own files first, copies
+        second. Anything that is not the tier's (a link, another name, another world size) is ignored."""
+        out: dict[int, dict[int, Path]] = {}
+        with contextlib.suppress(OSError):
+            entries = sorted(os.scandir(self.root), key=lambda e: (e.name.startswith("replica"), e.name))
+            for e in entries:
+                m = _TIER_DIR.match(e.name)
+                if not m or not e.is_dir(follow_symlinks=False):
+                    continue
+                origin = int(m.group(2))
+                if origin >= self.world_size:
+                    continue
+                with contextlib.suppress(OSError):
+                    for s in os.scandir(e.path):
+                        sm = _STEP.match(s.name)
+                        if sm and _complete_marker(Path(s.path), origin, int(sm.group(1)), self.world_size):
+                            out.setdefault(origin, {}).setdefault(int(sm.group(1)), Path(s.path))
+        return out
+
+    def restore(self, state: Checkpointable, shared_step: int | None) -> Path | None:
+        """Collective: load the newest step complete across every rank (counting peer copies) when it is at least
+        as new as ``shared_step`` (rank 0's newest shared checkpoint); None: resume from the shared tier (why is
+        logged). A rank without its own files gets them from the rank keeping its copy; a step that fails its
+        checks on any rank is not used."""
+        inv = self.inventory()
+        gathered = self._gather(({o: sorted(s) for o, s in inv.items()}, shared_step))
+        plan = agree_step([g[0] for g in gathered], self.world_size, gathered[0][1])
+        if plan.step is None:
+            log.info("checkpoint.local: not resuming from %s: %s", self.root, plan.why)
+            return None
+        step = plan.step
+        pairs = sorted((src, r) for r, src in plan.sources.items() if src != r)
+        for src, r in pairs:
+            if self.rank == 0:
+                log.info("checkpoint.local: rank %d's files of step %d come from rank %d's node", r, step, src)
+        ok = self._transfer(
+            pairs, step, lambda origin: inv[origin][step], lambda origin: own_dir(self.root, origin), restore=True
+        )
+        if not ok:
+            log.warning("checkpoint.local: fetching step %d from the peers failed: resuming from the shared tier", step)
+            return None
+        path = (
+            own_dir(self.root, self.rank) / step_name(step)
+            if plan.sources[self.rank] != self.rank
+            else (inv[self.rank][step])
+        )
+        problems: list[str] = []
+        err = _error_of(lambda: problems.extend(verify_step_dir(path)))
+        if err is None and problems:
+            err = ValueError(f"{path}: {'; '.join(problems[:3])}")
+        if err is None:
+            why = _same_run(json.loads(_read_small(path / STATE_FILE)), state.trainer_state())
+            err = ValueError(f"{path} is another run's ({why})") if why else None
+            self.foreign = bool(why)  # then nothing here is discarded (discard_newer): it is not ours to drop
+        if not self._all_ok(err, f"checking step {step}"):
+            log.warning("checkpoint.local: step %d is not usable on every rank: resuming from the shared tier", step)
+            return None
+        err = _error_of(lambda: self._load(path, state))
+        if not self._all_ok(err, f"loading step {step}"):
+            if shared_step is None and gathered[0][1] is None:
+                raise RuntimeError(
+                    f"checkpoint.local: loading step {step} failed after it verified (see the errors above) and "
+                    "there is no shared checkpoint to fall back to; move the node-local directory aside to start "
+                    "from step 0"
+                )
+            log.warning("checkpoint.local: loading step %d failed: resuming from the shared tier", step)
+            return None
+        self.last_step = step
+        return path
+
+    def _load(self, path: Path, state: Checkpointable) -> None:
+        trainer_state = json.loads(_read_small(path / STATE_FILE))
+        rng = torch.load(path / RNG_FILE, weights_only=True)
+        own = torch.load(path / OWN_FILE, weights_only=True) if (path / OWN_FILE).is_file() else {}
+        dest = state.dcp_state()
+        local = _localize(dest)
+        with single_process_dcp():
+            dcp.load(local, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        state.load_dcp_state(_merge_back(dest, local))
+        state.load_trainer_state(trainer_state)
+        state.load_rank_state(own)
+        _set_rng_state(rng)
+
+
+def _chunks(src: Path | None, files: Sequence[tuple[str, int]]) -> Any:
+    """The files' bytes, concatenated, as views of one uint8 tensor of CHUNK bytes (the last one shorter), read
+    straight into it: the caller sends each view and waits for the send before asking for the next. A file that
+    shrank since it was listed raises OSError (the caller sends zeros in its place; the copy fails its manifest)."""
+    assert src is not None
+    buf = torch.empty(CHUNK, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    fill = 0
+    for name, size in files:
+        with open(src / name, "rb", buffering=0) as f:
+            left = size
+            while left:
+                n = f.readinto(view[fill : fill + min(CHUNK - fill, left)])
+                if not n:
+                    raise OSError(f"{name}: shorter than listed")
+                fill += n
+                left -= n
+                if fill == CHUNK:
+                    yield buf
+                    fill = 0
+    if fill:
+        yield buf[:fill]
+
+
+class _Sink:
+    """The receiving side of one copy: checks the header, writes the announced files into ``<dest>/step-N.partial``
+    (new files, no links followed), hashes them, and at ``finish`` checks them against the manifest that came
+    with them, writes COMPLETE and renames the directory. After a problem it still takes every announced byte
+    (the channel stays in step) and raises at ``finish``."""
+
+    def __init__(self, dest: Callable[[int], Path], header: bytes, total: int, step: int, world_size: int, origin: int):
+        self.error: BaseException | None = None
+        self.files: list[tuple[str, int]] = []
+        self.hashes: dict[str, Any] = {}
+        self._fd: int | None = None
+        self._idx, self._left = 0, 0
+        self.step, self.world_size = step, world_size
+        try:
+            h = json.loads(header)
+            files, want = h["files"], origin
+            origin = h["origin"]
+            if h.get("step") != step or origin != want or not 0 <= origin < world_size:
+                raise ValueError("a header for another step or rank")
+            if not isinstance(files, list) or len(files) > MAX_FILES:
+                raise ValueError("no file list")
+            for name, size in files:
+                if not isinstance(name, str) or not _FILE.match(name) or name in (MARKER, ".", ".."):
+                    raise ValueError(f"a file name {name!r} the tier never writes")
+                if not isinstance(size, int) or size < 0:
+                    raise ValueError(f"{name}: size {size!r}")
+                self.files.append((name, size))
+            if sum(s for _, s in self.files) != total:
+                raise ValueError("the announced sizes do not add up")
+            self.origin = origin
+            self.final = dest(origin) / step_name(step)
+            self.partial = self.final.with_name(self.final.name + ".partial")
+            parent = self.final.parent
+            parent.mkdir(mode=0o700, exist_ok=True)
+            if not stat.S_ISDIR(os.lstat(parent).st_mode) or writer_problem(os.lstat(parent), {os.getuid()}):
+                raise ValueError(f"{parent} is not a directory of yours alone")
+            free = shutil.disk_usage(parent).free
+            if total > free:
+                raise OSError(f"{size_text(total)} to copy, {size_text(free)} free in {parent}")
+            for old in (self.partial, self.final):  # an older copy of this step is never left beside a failed one
+                if old.exists():
+                    shutil.rmtree(old)
+            self.partial.mkdir(mode=0o700)
+            self._next_file()
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.error = e
+
+    def _next_file(self) -> None:
+        while self._idx < len(self.files):
+            name, size = self.files[self._idx]
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+            self._fd = os.open(self.partial / name, flags, 0o600)
+            self.hashes[name] = hashlib.sha256()
+            self._left = size
+            if size:
+                return
+            os.close(self._fd)
+            self._fd = None
+            self._idx += 1
+
+    def write(self, data: Any) -> None:
+        if self.error is not None:
+            return
+        view = memoryview(data).cast("B")
+        try:
+            while len(view):
+                assert self._fd is not None
+                n = min(self._left, len(view))
+                os.write(self._fd, view[:n])  # regular files on a local disk: a short write raises ENOSPC
+                self.hashes[self.files[self._idx][0]].update(view[:n])
+                view, self._left = view[n:], self._left - n
+                if self._left == 0:
+                    os.close(self._fd)
+                    self._fd = None
+                    self._idx += 1
+                    self._next_file()
+        except (OSError, AssertionError) as e:
+            self.error = e
+
+    def finish(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        if self.error is None:
+            try:
+                self._check()
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                self.error = e
+        if self.error is not None:
+            if hasattr(self, "partial"):
+                shutil.rmtree(self.partial, ignore_errors=True)
+            raise self.error
+
+    def _check(self) -> None:
+        manifest = json.loads(_read_small(self.partial / MANIFEST))
+        files = manifest["files"]
+        names = {n for n, _ in self.files} - {MANIFEST}
+        if set(files) != names:
+            raise ValueError("the files copied are not the manifest's")
+        for name, size in self.files:
+            if name == MANIFEST:
+                continue
+            if files[name].get("size") != size or files[name].get("sha256") != self.hashes[name].hexdigest():
+                raise ValueError(f"{name}: the copy does not match the manifest")
+        marker = {"step": self.step, "rank": self.origin, "world_size": self.world_size}
+        atomic_write(self.partial / MARKER, json.dumps(marker), durable=False)
+        self.partial.rename(self.final)
+
+
+def _error_of(fn: Callable[[], Any]) -> BaseException | None:
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None

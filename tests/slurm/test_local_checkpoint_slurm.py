@@ -1,0 +1,89 @@
+"""The node-local checkpoint tier on the SLURM sandbox (issue 28.3): two hosts, the in-job restart onto the same
+hosts (fault.exclude_failed_nodes=false). Host B's rank killed and B's local directory wiped: the restart takes B's
+files from its copy on host A, the local tier being newer than the shared checkpoint; then both copies wiped: the
+shared checkpoint. Every step's loss equals the uninterrupted run's (test_injob_slurm's reference: same model,
+data and steps; the checkpoint cadences do not change the losses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.conftest import Cluster, job_info, wait_job
+from tests.slurm.test_faults_slurm import _rank_in_restart
+from tests.slurm.test_injob_slurm import ONE_TASK, STEPS, Reference, _over
+from tests.slurm.test_train_slurm import step_losses, submit
+
+# local every step, shared every 5: a kill after step 5k+3 finds local steps 5k+1.. newer than the shared 5k
+LOCAL = ("checkpoint.every_steps=5", "checkpoint.local.every_steps=1", "fault.exclude_failed_nodes=false")
+
+
+def _wait_for(out: Path, pattern: str, timeout: float = 30) -> tuple[str, re.Match[str]]:
+    """The job's output once ``pattern`` is in it (srun forwards the ranks' lines with a delay)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = out.read_text()
+        found = re.search(pattern, text)
+        if found:
+            return text, found
+        assert time.monotonic() < deadline, text[-4000:]
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster2: Cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    """test_injob_slurm's uninterrupted run (2 ranks, ddp, the same steps): it trains beside the test's job."""
+    return Reference(slurm_cluster2, corpus_dir, tmp_path_factory.mktemp("local_ref"))
+
+
+def _kill_after(run: Path, rank: int, restart: int, steps: set[int], timeout: float = 120) -> int:
+    """SIGKILL ``rank`` of attempt ``restart`` as soon as that attempt logs one of ``steps`` in metrics.jsonl; the
+    step it had logged last."""
+    victim = _rank_in_restart(run, rank, restart=restart)
+    since = victim["time"] if restart else 0.0  # the attempt's own lines: an earlier attempt logged steps too
+    deadline = time.monotonic() + timeout
+    while True:
+        logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        last = max((m["step"] for m in logged if "split" not in m and m["time"] > since), default=0)
+        if last in steps:
+            os.kill(victim["pid"], signal.SIGKILL)
+            return last
+        assert last < max(steps) and time.monotonic() < deadline, f"missed steps {sorted(steps)} (at {last})"
+        time.sleep(0.02)
+
+
+def test_a_killed_hosts_files_come_from_its_peer_then_both_lost_resume_the_shared_checkpoint(
+    slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path, reference: Reference
+) -> None:
+    run, out, local = tmp_path / "run", tmp_path / "out.txt", tmp_path / "local-{host}"
+    over = _over(run, corpus_dir, *LOCAL, f"checkpoint.local.dir={local}", "fault.restart_backoff_s=1")
+    job = submit(slurm_cluster2, "train.sh", ["--nodes=2", *ONE_TASK], over, out)
+    # host A runs rank 0, host B rank 1 (SLURM picks two of the three nodes; the reference job takes one too)
+    host_a, host_b = (_rank_in_restart(run, r, restart=0)["host"] for r in (0, 1))
+    node_a, node_b = tmp_path / f"local-{host_a}", tmp_path / f"local-{host_b}"
+
+    killed = _kill_after(run, 1, 0, {8, 13})  # host B's rank
+    shutil.rmtree(node_b, ignore_errors=True)  # B's disk lost with it
+    second = _rank_in_restart(run, 0, restart=1)
+    _, fetched = _wait_for(out, r"rank 1's files of step (\d+) come from rank 0's node")
+    step = int(fetched.group(1))
+    assert 5 * (killed // 5) < step <= killed  # newer than the shared checkpoint
+    _wait_for(out, re.escape(f"resumed from {node_a}/rank-00000/step-{step:08d}"))
+    assert (node_a / "replica-of-rank-00001").is_dir() and second["host"] == host_a
+
+    again = _kill_after(run, 1, 1, {s for s in range(step + 1, STEPS) if s % 5 in (1, 2, 3)})
+    shutil.rmtree(node_a, ignore_errors=True)
+    shutil.rmtree(node_b, ignore_errors=True)  # both copies gone
+    assert wait_job(slurm_cluster2, job, timeout=240) == "COMPLETED", out.read_text()[-4000:]
+    text = out.read_text()
+    assert f"resumed from {run}/checkpoints/step-{5 * (again // 5):08d}" in text, text[-4000:]
+    assert job_info(slurm_cluster2, job)["Restarts"] == "0"  # both restarts in the job
+    got, ref = step_losses(run), reference.losses()
+    assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
