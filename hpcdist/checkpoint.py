@@ -362,7 +362,7 @@ class CheckpointManager:
         errors: list[BaseException] = []
 
         def phase(fn: Callable[[], Any]) -> bool:
-            err = _error_of(fn)
+            err = error_of(fn)
             if err is not None:
                 errors.append(err)
             return self._all_ok(err)
@@ -527,7 +527,7 @@ class CheckpointManager:
         # every part (ours included) and removed .manifest/: writing it again would put the directory back
         written = (path / PARTS_DIR / f"rank-{self.rank:05d}.json").is_file() or (path / MANIFEST).is_file()
         if err is None and not written:
-            err = _error_of(lambda: self._write_part(path))
+            err = error_of(lambda: self._write_part(path))
         if err is not None:
             log.error(
                 "async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank, describe_error(err)
@@ -536,7 +536,7 @@ class CheckpointManager:
                 self._write_part(path, failed=err)  # rank 0 stops waiting for this rank's part
             return False
         if self.rank == 0:
-            err = _error_of(lambda: (self._write_manifest(path, distributed=False), self._complete(path, step, t0)))
+            err = error_of(lambda: (self._write_manifest(path, distributed=False), self._complete(path, step, t0)))
             if err is not None:
                 log.error("async checkpoint %s failed: %s; it stays incomplete", path, describe_error(err))
                 return False
@@ -867,12 +867,12 @@ class CheckpointManager:
             problems.clear()
             # the shards' sha256 is taken while the load reads them (each byte read once): here their sizes, and
             # every other file whole (small; .metadata is unpickled by the load)
-            err = _error_of(lambda: problems.extend(self.verify(path, shards=False)))
+            err = error_of(lambda: problems.extend(self.verify(path, shards=False)))
             phase = "verify"
             kind = self._agree(_read_kind(err) if err is not None else _DAMAGE if problems else _OK)
             if kind == _OK:
                 phase = "load"
-                err = _error_of(lambda: saved.update(self.load(path, state)))
+                err = error_of(lambda: saved.update(self.load(path, state)))
                 if isinstance(err, _ShardsDamaged):  # the shards' verdict, agreed by every rank inside load()
                     phase = "verify"
                     problems.extend(err.problems)
@@ -928,7 +928,7 @@ class CheckpointManager:
                     )
 
         _barrier(self._pg)  # every rank has finished reading before rank 0 renames
-        err = _error_of(move) if self.rank == 0 else None
+        err = error_of(move) if self.rank == 0 else None
         if not self._all_ok(err):
             raise RuntimeError(f"could not set aside the checkpoints newer than step {step} in {self.root}")
 
@@ -996,7 +996,7 @@ class CheckpointManager:
         planner = DefaultLoadPlanner()
         self._tainted |= set(dest)  # DCP writes into the live tensors: until the verdict, not trusted
         with single_process_dcp():
-            failed = _error_of(lambda: dcp.load(dest, storage_reader=reader, planner=planner))
+            failed = error_of(lambda: dcp.load(dest, storage_reader=reader, planner=planner))
         # a load that failed is judged too: damage that broke a record (a MemoryError from a garbled size) is
         # damage, not a transient error to retry; dcp.load fails on every rank alike, so all reach the agreement
         problems: list[str] = []
@@ -1045,7 +1045,7 @@ def _is_io_error(err: BaseException) -> bool:
     return cause is not None and _is_io_error(cause)
 
 
-def _error_of(fn: Callable[[], Any]) -> BaseException | None:
+def error_of(fn: Callable[[], Any]) -> BaseException | None:
     """Run one local phase of a save; return its error instead of raising (the ranks agree on it next)."""
     try:
         fn()

@@ -56,6 +56,7 @@ from hpcdist.checkpoint import (
     _rng_state,
     _set_rng_state,
     describe_error,
+    error_of,
     single_process_dcp,
     size_text,
 )
@@ -427,7 +428,7 @@ class LocalTier:
             written.append(self._write(partial, step, state))
             partial.rename(final)
 
-        err = _error_of(write)
+        err = error_of(write)
         if not self._all_ok(err, f"saving step {step}"):
             shutil.rmtree(partial, ignore_errors=True)
             shutil.rmtree(final, ignore_errors=True)  # complete here, failed on another rank: not a step
@@ -696,7 +697,7 @@ class LocalTier:
             else (inv[self.rank][step])
         )
         problems: list[str] = []
-        err = _error_of(lambda: problems.extend(verify_step_dir(path)))
+        err = error_of(lambda: problems.extend(verify_step_dir(path)))
         if err is None and problems:
             err = ValueError(f"{path}: {'; '.join(problems[:3])}")
         if err is None:
@@ -706,7 +707,7 @@ class LocalTier:
         if not self._all_ok(err, f"checking step {step}"):
             log.warning("checkpoint.local: step %d is not usable on every rank: resuming from the shared tier", step)
             return None
-        err = _error_of(lambda: self._load(path, state))
+        err = error_of(lambda: self._load(path, state))
         if not self._all_ok(err, f"loading step {step}"):
             if shared_step is None and gathered[0][1] is None:
                 raise RuntimeError(
@@ -863,11 +864,3 @@ class _Sink:
         marker = {"step": self.step, "rank": self.origin, "world_size": self.world_size}
         atomic_write(self.partial / MARKER, json.dumps(marker), durable=False)
         self.partial.rename(self.final)
-
-
-def _error_of(fn: Callable[[], Any]) -> BaseException | None:
-    try:
-        fn()
-    except Exception as e:
-        return e
-    return None

@@ -157,8 +157,9 @@ class Trainer:
             every_minutes=cfg.checkpoint.every_minutes,
             save_final=cfg.checkpoint.save_final,
             total_steps=cfg.train.steps,
-            local_every_steps=cfg.checkpoint.local.every_steps,
-            local_every_minutes=cfg.checkpoint.local.every_minutes,
+            # no tier, no local cadence: local_save_due is then always False
+            local_every_steps=cfg.checkpoint.local.every_steps if cfg.checkpoint.local.dir else 0,
+            local_every_minutes=cfg.checkpoint.local.every_minutes if cfg.checkpoint.local.dir else 0.0,
         )
         self.local = self._local_tier()  # the node-local tier with peer copies (checkpoint.local), or None
         if cfg.checkpoint.async_save:  # the staging buffers are allocated at the first save: refuse now if they
@@ -572,9 +573,7 @@ class Trainer:
                 self.step, last_step=self.step >= end, stop_requested=bool(stop), timed=self.stop_flag.save_requested
             ):
                 self.save()
-            elif self.local is not None and self.ckpt.local_save_due(
-                self.step, timed=self.stop_flag.local_save_requested
-            ):
+            elif self.ckpt.local_save_due(self.step, timed=self.stop_flag.local_save_requested):
                 self.local_save()
             obs.end_step(self.step)
             if stop:

@@ -10,15 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 from hpcdist.atomic import UntrustedFile, append_line, read_tail, read_trusted
 from hpcdist.fault.failures import unhealthy_hosts
+from hpcdist.report.rundata import checkpoint_tiers
 from hpcdist.rundir import RunDir
 
 __all__ = [
@@ -236,42 +235,6 @@ def run_summary(run_dir: str | os.PathLike[str], job_id: str | None = None) -> s
     if tiers:
         lines.append(tiers)
     return "\n".join(lines)
-
-
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-def checkpoint_tiers(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The run's two checkpoint tiers as the run dir knows them: the newest complete shared checkpoint (a step-N
-    directory holding COMPLETE, in the directory the node-local tier's record names, else run.dir/checkpoints) and
-    the node-local tier's newest step (local_checkpoints.json, written by rank 0 after each local save: the login
-    node cannot see the nodes' disks). Missing keys: nothing known. Only lstat and bounded reads."""
-    rd, out = RunDir(run_dir), {}
-    try:
-        record = json.loads(read_tail(rd.local_checkpoints, 64 << 10))
-    except (OSError, ValueError):
-        record = None
-    shared_dir = rd.checkpoints
-    if isinstance(record, dict) and isinstance(record.get("step"), int):
-        out["local_step"] = record["step"]
-        out["local_copies"] = bool(record.get("peer_copies"))
-        for key in ("bytes_per_node", "time"):
-            if isinstance(record.get(key), (int, float)):
-                out[f"local_{key}"] = record[key]
-        if isinstance(record.get("shared_dir"), str) and record["shared_dir"]:
-            shared_dir = Path(record["shared_dir"])
-    steps = []
-    with contextlib.suppress(OSError), os.scandir(shared_dir) as entries:
-        for i, e in enumerate(entries):
-            if i > 100_000:
-                break
-            m = _STEP_DIR.match(e.name)
-            if m and e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, "COMPLETE")):
-                steps.append(int(m.group(1)))
-    if steps:
-        out["shared_step"] = max(steps)
-    out["shared_dir"] = str(shared_dir)
-    return out
 
 
 def checkpoint_tiers_text(run_dir: str | os.PathLike[str]) -> str:

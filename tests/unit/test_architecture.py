@@ -418,7 +418,7 @@ def test_the_strategy_scan_sees_every_form() -> None:
 # what the training loop may touch besides its own plain fields (cfg, step, tokens_seen, ...): model/strategy step,
 # data, checkpoint, the observability entry point, stop and fault guards (issue 26.7; torchtitan's loop has ~5)
 LOOP_COLLABORATORS = {"strategy", "loader", "ckpt", "observer", "stop_flag", "watchdog", "nonfinite"}
-LOOP_OWN = {"cfg", "step", "tokens_seen", "tokens_per_step", "save", "_triage"}  # _triage: the NaN re-run (30.3)
+LOOP_OWN = {"cfg", "step", "tokens_seen", "tokens_per_step", "save", "local_save", "_triage"}  # _triage: NaN re-run
 
 
 def _loop_collaborators(source: str) -> set[str]:
