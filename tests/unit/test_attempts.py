@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,17 @@ if rc:
         f.write(json.dumps(rec) + "\\n")
 sys.exit(rc)
 """
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_given_back():
+    """The attempt loop's relay installs its handlers for good (it is a process of its own in a job); run in this
+    process, it must not leave them to the next test file (test_stop.py saw _forward as SIGTERM's handler)."""
+    sigs = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+    saved = {s: signal.getsignal(s) for s in sigs}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
 
 
 @pytest.fixture
