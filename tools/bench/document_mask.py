@@ -2,9 +2,9 @@
 """Step time and peak memory of data.document_mask on vs off at the same shape, and the attention mechanisms it could
 use (SDPA causal, SDPA with the block-causal mask, flex_attention with a BlockMask, eager and compiled).
 
-    python tools/bench/document_mask.py                                   # 350m-shaped tiny run? no: see --preset
-    python tools/bench/document_mask.py --preset tiny --seq-len 1024 --steps 3
-    python tools/bench/document_mask.py --preset 125m --seq-len 512 --steps 2 --json runs/bench/mask.json
+    python tools/bench/document_mask.py                  # tiny, seq 1024, micro-batch 2: ~1 min on 2 idle cores
+    python tools/bench/document_mask.py --preset 125m --seq-len 512 --micro-batch 1 --skip-attention
+    python tools/bench/document_mask.py --flex-compile --json runs/bench/mask.json
 
 Method. One process, one model (the preset, real init: hpcdist.models.build_model), bf16 autocast on CUDA, fp32 on
 CPU. Tokens: random ids with an EOS every ``--doc-len`` tokens on average (exponential lengths), the same batch for
