@@ -81,6 +81,11 @@ LAYOUTS = {
     "ddp2-accum2": (2, ("parallel.strategy=ddp", "train.micro_batch_size=2")),
     "fsdp2": (2, ("parallel.strategy=fsdp", "train.micro_batch_size=4")),
     "zero3": (2, ("parallel.strategy=zero", "parallel.zero.stage=3", "train.micro_batch_size=4")),
+    # interleaved: two stages per rank, the second one's input from the other rank, doc_ids to both
+    "pp2-interleaved": (
+        2,
+        ("parallel.strategy=3d", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B", "train.micro_batch_size=2"),
+    ),
     "pp2-tp2-1f1b": (
         4,
         (
