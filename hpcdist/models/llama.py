@@ -30,9 +30,9 @@ stage. Nothing is added to the data format; off (``document_eos`` None) the code
 
 Mechanism: SDPA with an additive float mask (0 / -inf, in the compute dtype), built once per forward and shared by
 every layer (each layer's saved-for-backward reference is the same tensor). Chosen over flex_attention's BlockMask
-because SDPA runs eagerly on CPU and GPU with every strategy here (DTensor TP, FSDP2, DeepSpeed, pipelining,
-activation checkpointing, per-block compile) while flex needs torch.compile to be fast and its eager fallback
-materializes the full score matrix per head (tools/bench/document_mask.py measures both on CPU). The price: a
+because SDPA trains on CPU and GPU with every strategy here (DTensor TP, FSDP2, DeepSpeed, pipelining, activation
+checkpointing, per-block compile), while flex_attention cannot train on CPU in torch 2.13, eager or compiled ("does
+not support backward on CPU", tools/bench/document_mask.py). The price: a
 (B, 1, S, S) mask per micro-batch (S = 4096, B = 1, bf16: 32 MiB) and, on GPU, no flash kernel (SDPA falls back
 to the memory-efficient one, which takes a bias); the planner counts the mask's bytes (hpcdist.planning.memory).
 """
