@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpcdist import cli
 from hpcdist import config as config_mod
 from hpcdist.config import JobConfig
-from hpcdist.data import ByteTokenizer, prepare_corpus
+from hpcdist.data import ByteTokenizer, TokenDataset, prepare_corpus
 from hpcdist.env import DistEnv
+from hpcdist.inference import dataset_loss, load_for_inference
 from hpcdist.trainer import Trainer
 from tests.conftest import SMALL
 from tests.dist.harness import run_ranks, single
@@ -66,7 +68,9 @@ def _train(env: DistEnv, cfg: JobConfig) -> dict:
 @pytest.fixture(scope="module")
 def reference(docs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One process, the global batch in one micro-batch, with the mask: the ground truth (trained once)."""
-    return single(_train, _cfg(tmp_path_factory.mktemp("mask_ref"), docs_dir, MASK, "train.micro_batch_size=8"))
+    run_dir = tmp_path_factory.mktemp("mask_ref")
+    out = single(_train, _cfg(run_dir, docs_dir, MASK, "train.micro_batch_size=8", "checkpoint.save_final=true"))
+    return {**out, "dir": run_dir}
 
 
 def test_the_mask_changes_training(reference: dict, docs_dir: Path, tmp_path: Path) -> None:
@@ -75,6 +79,20 @@ def test_the_mask_changes_training(reference: dict, docs_dir: Path, tmp_path: Pa
     # the same batches and init: only the mask differs, and it changes every loss (train and eval)
     assert all(abs(a - b) > 1e-4 for a, b in zip(reference["losses"], off["losses"], strict=True))
     assert all(abs(a - b) > 1e-4 for a, b in zip(reference["eval"].values(), off["eval"].values(), strict=True))
+
+
+def test_hpcdist_eval_honours_the_run_s_mask(reference: dict, docs_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval.json"
+    argv = ["eval", str(reference["dir"]), "--data", str(docs_dir), "--batches", "2", "--batch-size", "4"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    model, _, _ = load_for_inference(reference["dir"])
+    ds = TokenDataset(docs_dir, 32, key="--data")
+    with torch.no_grad():
+        plain = dataset_loss(model, ds, batches=2, batch_size=4).loss
+        model.document_eos = ByteTokenizer.eos_id
+        masked = dataset_loss(model, ds, batches=2, batch_size=4).loss
+    assert abs(masked - plain) > 1e-4
+    assert json.loads(out.read_text())["loss"] == pytest.approx(masked, rel=1e-6)
 
 
 LAYOUTS = {
