@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from hpcdist.checkpoint import STATE_FILE, CheckpointMismatch
 from hpcdist.config import ConfigError, JobConfig
 from hpcdist.config import loader as config_loader
+from hpcdist.config.dataset_meta import load_meta
 from hpcdist.config.vocab import DataError, check_same_tokenizer
 from hpcdist.data import BatchLoader, ResumableSampler, TokenDataset, Tokenizer, load_tokenizer
 from hpcdist.data.tokenizers import TokenizerError
@@ -258,6 +259,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if seq_len > model.args.max_seq_len:
         raise CommandError(f"eval: --seq-len {seq_len} exceeds the model's max_seq_len={model.args.max_seq_len}")
     dataset = TokenDataset(args.data, seq_len, key="--data")  # every shard checked before the first batch
+    if cfg.data.document_mask:  # evaluated as it was trained: documents split at the data's EOS
+        eos = load_meta(args.data, key="--data").raw.get("eos_id")
+        if eos is None:
+            raise CommandError(
+                f"eval: the run trained with data.document_mask, but {args.data}'s meta.json records no eos_id to "
+                "split documents at; prepare it with `hpcdist prepare`"
+            )
+        model.document_eos = int(eos)
     res = dataset_loss(
         model,
         dataset,

@@ -32,6 +32,7 @@ from hpcdist.checkpoint import (
 from hpcdist.checkpoint_local import LocalTier, expand_dir, open_local_dir
 from hpcdist.config import JobConfig
 from hpcdist.config.loader import ConfigError
+from hpcdist.config.vocab import data_eos
 from hpcdist.data import BatchLoader, PrefetchLoader, make_sampler
 from hpcdist.data.build import build_datasets
 from hpcdist.data.sampler import SamplerMismatch
@@ -141,6 +142,8 @@ class Trainer:
 
         args = cfg.model_args()
         model = build_model(args, device="meta")
+        if cfg.data.document_mask:  # before parallelize: every stage copy and wrapper carries it
+            model.document_eos = self._document_eos(cfg)
         self.strategy = build_strategy(cfg, env, model, self.dims)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(args, cfg.data.seq_len)
@@ -249,6 +252,14 @@ class Trainer:
             resumed_step=self.step if self.resumed_from else None,
             restarts=env.job.restart_count,
         )
+
+    @staticmethod
+    def _document_eos(cfg: JobConfig) -> int:
+        eos, why = data_eos(cfg)
+        if eos is None:  # check_data refused it already at start-up; a Trainer given other data meets it here
+            raise ConfigError([f"data.document_mask: {why}: documents are found by their EOS; set it false"])
+        log.info("data: document mask on: attention and RoPE positions restart after each EOS (id %d)", eos)
+        return eos
 
     def _triage(self, batch: Any, loss: Any) -> Any:
         """A skipped (non-finite) step re-run once by hpcdist.fault.triage; acts on its verdict. Returns the grad norm

@@ -28,6 +28,7 @@ from hpcdist.signals import parse_signal
 
 __all__ = [
     "BOUNDED_BY_RULES",
+    "BYTE_EOS",
     "BYTE_VOCAB",
     "DATA_SOURCES",
     "DTYPES",
@@ -47,6 +48,7 @@ DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
+BYTE_EOS = 257  # hpcdist.data.ByteTokenizer.eos_id, likewise
 CHECKPOINT_MARKER = "COMPLETE"  # hpcdist.checkpoint.MARKER, written last by a save (same reason)
 
 # The largest value of every numeric key (the smallest ones are the rules below). A typo (an extra zero, a pasted
@@ -379,6 +381,8 @@ def _check_data(cfg: JobConfig) -> list[str]:
         p.append(f"data.prefetch: must be >= 0 (0 = no background thread), got {d.prefetch}")
     if d.source == "files" and not d.path and not d.sources:
         p.append("data.path: required when data.source=files (a directory made by `hpcdist prepare`)")
+    if d.document_mask and d.source == "synthetic":
+        p.append("data.document_mask: data.source=synthetic has no documents (random ids, no EOS); set it false")
     p += _data_volume(cfg)
     p += _check_sources(cfg)
     return p

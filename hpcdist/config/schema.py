@@ -101,6 +101,11 @@ class DataConfig:
     in the training thread. Resume is exact either way: prefetched batches not yet trained on are not consumed."""
     synthetic_samples: int = 100_000
     """Samples in the synthetic dataset (source=synthetic)."""
+    document_mask: bool = False
+    """Attention never crosses an EOS inside a packed sample (block-causal) and RoPE positions restart at each
+    document (hpcdist.models.llama). Needs data with an EOS id: stdlib, or files whose meta.json records eos_id (every
+    `hpcdist prepare` does); costs a (micro_batch, 1, seq_len, seq_len) mask per forward and, on GPU, the flash
+    kernel (docs/DATA.md)."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from hpcdist.config.dataset_meta import DataError, DatasetMeta, check_shard_files, load_meta
-from hpcdist.config.rules import BYTE_VOCAB, MAXIMA
+from hpcdist.config.rules import BYTE_EOS, BYTE_VOCAB, MAXIMA
 from hpcdist.config.schema import JobConfig
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "DataError",
     "check_data",
     "check_same_tokenizer",
+    "data_eos",
     "data_tokenizer_identity",
     "data_vocab",
     "dataset_paths",
@@ -120,6 +121,31 @@ def data_vocab(cfg: JobConfig) -> tuple[int | None, str]:
     return max(found)
 
 
+def data_eos(cfg: JobConfig) -> tuple[int | None, str]:
+    """(the EOS id that ends the data's documents, or None with the reason): what ``data.document_mask`` splits
+    packed samples at. stdlib: the byte tokenizer's; files: meta.json's ``eos_id`` (every source of a blend must
+    record the same one); synthetic: none."""
+    d = cfg.data
+    if d.source == "stdlib":
+        return BYTE_EOS, ""
+    paths = dataset_paths(cfg)
+    if not paths:
+        return None, f"data.source={d.source} has no documents (random ids, no EOS)"
+    found: dict[str, int] = {}
+    for key, path in paths:
+        meta = _dataset_meta(path)
+        if meta is None:
+            return None, f"{key}={path} holds no prepared dataset"
+        eos = meta.raw.get("eos_id")  # validated by load_meta: an int below vocab_size, or absent
+        if eos is None:
+            return None, f"{key}={path}: its meta.json records no eos_id (prepare it again with `hpcdist prepare`)"
+        found[key] = int(eos)
+    if len(set(found.values())) > 1:
+        listed = ", ".join(f"{k} eos_id={v}" for k, v in found.items())
+        return None, f"the sources end documents with different EOS ids ({listed})"
+    return next(iter(found.values())), ""
+
+
 def round_up(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
     return -(-n // multiple) * multiple
 
@@ -182,6 +208,10 @@ def check_data(cfg: JobConfig, *, strict: bool = True) -> list[str]:
         )
     if cfg.train.eval_data:  # in-training validation on a held-out dataset: the same tokenizer as the training data
         problems += check_same_tokenizer(cfg, "train.eval_data", cfg.train.eval_data)
+    if cfg.data.document_mask and cfg.data.source == "files" and not problems:  # synthetic: refused by the rules
+        eos, why = data_eos(cfg)
+        if eos is None:
+            problems.append(f"data.document_mask: {why}: documents are found by their EOS; set it false")
     if problems and strict:
         raise DataError(problems)
     return problems

@@ -3,6 +3,7 @@
 With the KV cache (the default) the prompt runs once (prefill) and each new token costs one forward of one position
 against the cached keys/values; without it every step re-runs the whole sequence (kept as the reference the cache is
 tested and benchmarked against). Sampling draws from a seeded ``torch.Generator`` only, so a seed reproduces a text.
+A prompt is one document: a model trained with ``data.document_mask`` attends over all of it causally, EOS or not.
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ def generate(
             logits = model(step_input, cache=cache, start_pos=start)[:, -1]  # (1, V)
             start += step_input.shape[1]
         else:
-            logits = model(seq)[:, -1]  # the whole sequence again
+            # the whole sequence again; a prompt is one document even if it holds an EOS (as the cached path, which
+            # never masks): a model trained with data.document_mask gets one document id for all of it
+            one_doc = torch.zeros_like(seq) if model.document_eos is not None else None
+            logits = model(seq, doc_ids=one_doc)[:, -1]
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             logits[:, vocab_limit:] = float("-inf")
         token = sample_next(logits, sampling, generator)  # (1,)

@@ -18,6 +18,23 @@ and ``output`` may be set to None; forward skips whatever is missing.
 Inference: ``forward(tokens, cache=KVCache(...), start_pos=p)`` runs tokens at positions p.. against the keys and
 values cached for positions < p (and appends theirs). Training never passes a cache and runs the same code as
 before it existed (plain causal SDPA over the whole sequence).
+
+Document masking (``data.document_mask``; the trainer sets ``Transformer.document_eos`` to the data's EOS id): a
+packed training sequence holds several documents, each ending with EOS. With ``document_eos`` set, forward derives
+document ids from the token ids (:func:`document_ids`: an EOS belongs to the document it ends), restarts the RoPE
+positions at each document (:func:`document_positions`) and attends block-causally (:func:`block_causal_mask`): a
+token sees only the earlier tokens of its own document, so no logit of a document depends on another document's
+tokens (exactly: masked scores are -inf, whose softmax weight is 0.0). A pipeline stage without the embedding never
+sees token ids: the pipeline passes ``doc_ids`` (computed from the batch on every rank) as a keyword input to every
+stage. Nothing is added to the data format; off (``document_eos`` None) the code path is the plain causal one.
+
+Mechanism: SDPA with an additive float mask (0 / -inf, in the compute dtype), built once per forward and shared by
+every layer (each layer's saved-for-backward reference is the same tensor). Chosen over flex_attention's BlockMask
+because SDPA trains on CPU and GPU with every strategy here (DTensor TP, FSDP2, DeepSpeed, pipelining, activation
+checkpointing, per-block compile), while flex_attention cannot train on CPU in torch 2.13, eager or compiled ("does
+not support backward on CPU", tools/bench/document_mask.py). The price: a
+(B, 1, S, S) mask per micro-batch (S = 4096, B = 1, bf16: 32 MiB) and, on GPU, no flash kernel (SDPA falls back
+to the memory-efficient one, which takes a bias); the planner counts the mask's bytes (hpcdist.planning.memory).
 """
 
 from __future__ import annotations
@@ -38,7 +55,10 @@ __all__ = [
     "Transformer",
     "TransformerBlock",
     "apply_rope",
+    "block_causal_mask",
     "build_model",
+    "document_ids",
+    "document_positions",
     "precompute_rope",
 ]
 
@@ -81,14 +101,48 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs (x[2i], x[2i+1]) of each head by position-dependent angles.
 
     Interleaved pairs are the convention of Meta's original Llama checkpoints (HF's rotate_half splits halves).
-    x: (B, S, heads, Hd); rope: (S, Hd/2, 2), already sliced to S. Math in float32, result in x's dtype.
+    x: (B, S, heads, Hd); rope: (S, Hd/2, 2), already sliced to S, or (B, S, Hd/2, 2) with per-sample positions
+    (document masking). Math in float32, result in x's dtype.
     """
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, S, heads, Hd/2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, S, heads, Hd/2) each
-    cos = rope[:, None, :, 0].float()  # (S, 1, Hd/2), broadcasts over B and heads
-    sin = rope[:, None, :, 1].float()
+    cos = rope[..., None, :, 0].float()  # (S, 1, Hd/2) or (B, S, 1, Hd/2): broadcasts over B and heads
+    sin = rope[..., None, :, 1].float()
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (B, S, heads, Hd/2, 2)
     return rotated.flatten(-2).type_as(x)  # (B, S, heads, Hd)
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, S) token ids -> (B, S) int64 document index within each row: 0 up to and including the first EOS, then 1..
+
+    An EOS belongs to the document it ends (it is that document's last input; its target is the next document's
+    first token, predicted from the ended document alone)."""
+    is_eos = (tokens == eos_id).long()
+    return is_eos.cumsum(dim=1) - is_eos
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) document ids -> (B, S) int64 position of each token inside its document (0 at each document's start).
+
+    The first document of a row usually began before the window: it starts at position 0 all the same (as
+    Megatron's reset_position_ids)."""
+    bsz, seqlen = doc_ids.shape
+    idx = torch.arange(seqlen, device=doc_ids.device).expand(bsz, seqlen)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # start of each token's document
+    return idx - first
+
+
+def block_causal_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, S) document ids -> (B, 1, S, S) additive attention mask: 0 where query i may see key j (same document,
+    j <= i), -inf elsewhere. Float in the compute dtype, not bool: SDPA turns a bool mask into a float one inside
+    every call (a copy per layer, each kept for backward); this one is built once and shared."""
+    seqlen = doc_ids.shape[1]
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=doc_ids.device).tril()
+    allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal  # (B, S, S)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
+    return mask.masked_fill_(~allowed, float("-inf"))[:, None]  # (B, 1, S, S): broadcasts over heads
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -118,9 +172,15 @@ class Attention(nn.Module):
         nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std, a=-3 * out_std, b=3 * out_std)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, cache: LayerKV | None = None, start_pos: int = 0
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        doc_mask: torch.Tensor | None = None,
+        cache: LayerKV | None = None,
+        start_pos: int = 0,
     ) -> torch.Tensor:
-        # x: (B, S, D); rope: (S, Hd/2, 2) for positions start_pos .. start_pos + S - 1
+        # x: (B, S, D); rope: (S, Hd/2, 2) for positions start_pos .. start_pos + S - 1, or (B, S, Hd/2, 2);
+        # doc_mask: None (causal) or (B, 1, S, S) additive block-causal mask (document masking, training only)
         bsz, seqlen, _ = x.shape
         # -1 = local head count, read off the (possibly TP-sharded) projection outputs.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, H, Hd)
@@ -129,6 +189,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         mask: torch.Tensor | None = None
         causal = True
+        if doc_mask is not None:
+            causal = False
+            # the same dtype as q keeps SDPA from converting (copying) it; a no-op unless autocast changed q's dtype
+            mask = doc_mask if doc_mask.dtype == q.dtype else doc_mask.to(q.dtype)
         if cache is not None:
             # cached keys/values are stored before repeat_kv (K heads, not H: GQA's memory saving is kept)
             k, v = cache.update(start_pos, k, v)  # (B, T, K, Hd), T = start_pos + S
@@ -190,13 +254,18 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(init_std, out_std)
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, cache: LayerKV | None = None, start_pos: int = 0
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        doc_mask: torch.Tensor | None = None,
+        cache: LayerKV | None = None,
+        start_pos: int = 0,
     ) -> torch.Tensor:
         # x: (B, S, D) -> (B, S, D)
-        if cache is None:  # training: exactly the positional call the TP plan's PrepareModuleInput expects
-            h = x + self.attention(self.attention_norm(x), rope)
+        if cache is None:  # training: exactly the positional call (x, rope, mask) the TP plan's PrepareModuleInput
+            h = x + self.attention(self.attention_norm(x), rope, doc_mask)
         else:
-            h = x + self.attention(self.attention_norm(x), rope, cache, start_pos)
+            h = x + self.attention(self.attention_norm(x), rope, None, cache, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -214,6 +283,8 @@ class Transformer(nn.Module):
     """
 
     rope_cache: torch.Tensor
+    document_eos: int | None = None
+    """The EOS id that ends documents when ``data.document_mask`` is on (set by the trainer); None: plain causal."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -272,9 +343,18 @@ class Transformer(nn.Module):
         if self.output is not None and not tied:  # a tied head keeps the embedding init
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+        *,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # tokens: (B, S) int64, or hidden states (B, S, D) when this pipeline stage has no tok_embeddings.
         # cache/start_pos (inference only): tokens sit at positions start_pos.., earlier ones are in the cache.
+        # doc_ids: (B, S) document ids (document masking; see the module docstring): given by the pipeline to every
+        # stage, else derived here from the token ids when document_eos is set.
         seqlen = tokens.shape[1]
         end = start_pos + seqlen
         if end > self.rope_cache.shape[0]:
@@ -284,11 +364,25 @@ class Transformer(nn.Module):
             )
         if cache is not None and end > cache.max_seq_len:
             raise ValueError(f"positions up to {end} do not fit a KV cache of {cache.max_seq_len}")
+        if doc_ids is None and self.document_eos is not None and cache is None:
+            if self.tok_embeddings is None:  # hidden states carry no EOS: the pipeline must pass doc_ids
+                raise ValueError("document masking: a pipeline stage without tok_embeddings needs doc_ids")
+            doc_ids = document_ids(tokens, self.document_eos)
+        if doc_ids is not None and cache is not None:
+            raise ValueError("document masking is for training sequences; generation treats a prompt as one document")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, D)
-        rope = self.rope_cache[start_pos:end]  # (S, Hd/2, 2)
+        doc_mask: torch.Tensor | None = None
+        if doc_ids is None:
+            rope = self.rope_cache[start_pos:end]  # (S, Hd/2, 2)
+        else:
+            rope = self.rope_cache[document_positions(doc_ids)]  # (B, S, Hd/2, 2): positions restart per document
+            # the dtype q will have: autocast's where it is on (the embedding's output stays float32 under it)
+            device_type = h.device.type
+            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
+            doc_mask = block_causal_mask(doc_ids, dtype)  # (B, 1, S, S), shared by every layer
         for name, layer in self.layers.items():
-            # (B, S, D); training calls the block exactly as before the cache existed
-            h = layer(h, rope) if cache is None else layer(h, rope, cache.layers[name], start_pos)
+            # (B, S, D); training calls the block with (h, rope, mask), the TP plan's positional inputs
+            h = layer(h, rope, doc_mask) if cache is None else layer(h, rope, None, cache.layers[name], start_pos)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

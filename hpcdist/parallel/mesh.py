@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpcdist.logging_utils import get_logger
+from hpcdist.models.llama import document_ids
 from hpcdist.parallel.base import Strategy, cross_entropy
 from hpcdist.parallel.dims import ParallelDims
 from hpcdist.parallel.pp import build_schedule
@@ -158,12 +159,16 @@ class MeshStrategy(Strategy):
         inputs, targets = batch[:, :-1], batch[:, 1:]
         args = (inputs,) if self.has_first else ()  # other stages receive activations from their predecessor
         target = targets if self.has_last else None
+        # document masking: later stages see hidden states, not token ids; every rank holds the batch, so each
+        # computes the document ids and the schedule hands them, cut into micro-batches, to every stage as a kwarg
+        eos = getattr(self.parts[0], "document_eos", None)
+        kwargs = {"doc_ids": document_ids(inputs, eos)} if eos is not None else {}
         losses: list[torch.Tensor] = []
         with self._autocast(), self._loss_context():
             if train:
-                self.schedule.step(*args, target=target, losses=losses)
+                self.schedule.step(*args, target=target, losses=losses, **kwargs)
             else:
-                self.schedule.eval(*args, target=target, losses=losses)
+                self.schedule.eval(*args, target=target, losses=losses, **kwargs)
         # micro-batches are equal-sized, so the mean of their means is the batch mean (as the dp path's sum / n)
         loss = torch.stack([self._scalar(x) for x in losses]).mean() if self.has_last else torch.zeros(())
         loss = loss.to(self.device, torch.float32)

@@ -44,9 +44,12 @@ def block_plan() -> dict[str, ParallelStyle]:
     """The plan of one TransformerBlock: attention and MLP split by heads / hidden units, norms sequence-parallel."""
     return {
         "attention_norm": SequenceParallel(),
-        # x arrives sequence-sharded and is all-gathered once for the three projections; rope is a plain buffer
+        # x arrives sequence-sharded and is all-gathered once for the three projections; rope is a plain buffer,
+        # the document mask (or None) a plain tensor every tp rank computed alike from the same token ids
         "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_output=True,
         ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),

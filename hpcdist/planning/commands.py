@@ -58,6 +58,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             micro_batch_size=cfg.train.micro_batch_size,
             seq_len=cfg.data.seq_len,
             activation_checkpointing=cfg.train.activation_checkpointing,
+            document_mask=cfg.data.document_mask,
         )
     )
     t = cfg.train
@@ -69,6 +70,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         seq_len=cfg.data.seq_len,
         hw=hw,
         reduce_bytes=planner.grad_reduce_bytes(cfg),
+        document_mask=cfg.data.document_mask,
     )
     if not estimates:
         raise CommandError(

@@ -294,6 +294,7 @@ def _memory(cfg: JobConfig, world_size: int, gpus_per_node: int) -> MemoryEstima
         reduce_bytes=planner.grad_reduce_bytes(cfg),
         offload_optimizer=zero and p.zero.offload_optimizer,
         offload_params=zero and p.zero.offload_params,
+        document_mask=cfg.data.document_mask,
     )
 
 
@@ -311,6 +312,7 @@ def _prediction(cfg: JobConfig, world_size: int, cluster: ClusterConfig) -> str 
             gpus_per_node=cluster.gpus_per_node,
             hw=hw,
             reduce_bytes=planner.grad_reduce_bytes(cfg),
+            document_mask=cfg.data.document_mask,
         )
     except ValueError:
         return None  # no hardware block (a CPU profile): nothing to predict

@@ -69,6 +69,7 @@ def _need(cfg: JobConfig, layout: planner.Layout, gpus_per_node: int) -> float:
         reduce_bytes=planner.grad_reduce_bytes(cfg),
         offload_optimizer=zero and p.zero.offload_optimizer,
         offload_params=zero and p.zero.offload_params,
+        document_mask=cfg.data.document_mask,
     )
     return est.total / GIB
 
@@ -104,6 +105,7 @@ def check_fit(cfg: JobConfig, cluster: ClusterConfig) -> FitCheck | None:
         seq_len=cfg.data.seq_len,
         hw=hw,
         reduce_bytes=planner.grad_reduce_bytes(cfg),
+        document_mask=cfg.data.document_mask,
     )
     try:
         _, chosen, _ = planner.pick(cfg, estimates, cluster.world_size, cluster.gpus_per_node)

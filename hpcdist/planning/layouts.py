@@ -210,12 +210,15 @@ def layout_memory(
     reduce_bytes: int,
     offload_optimizer: bool = False,
     offload_params: bool = False,
+    document_mask: bool = False,
 ) -> MemoryEstimate:
-    """Per-GPU memory of ``layout`` (the planner's rows and the dry run's estimate); offload only for ZeRO."""
+    """Per-GPU memory of ``layout`` (the planner's rows and the dry run's estimate); offload only for ZeRO;
+    ``document_mask``: data.document_mask's mask (hpcdist.planning.memory.document_mask_bytes)."""
     common: dict[str, Any] = {
         "micro_batch_size": layout.micro_batch_size,
         "seq_len": seq_len,
         "activation_checkpointing": layout.activation_checkpointing,
+        "document_mask": document_mask,
     }
     if not layout.kind.fsdp_options_apply:  # ddp and ZeRO: the per-strategy estimator
         return estimate_memory(
@@ -249,6 +252,7 @@ def estimate_step(
     gpus_per_node: int,
     hw: HardwareConfig,
     reduce_bytes: int = 4,
+    document_mask: bool = False,
 ) -> StepEstimate:
     """Memory and step time of ``layout`` by the formulas of the module docstring (nothing else goes in)."""
     b, dp, tp, pp = layout.micro_batch_size, layout.dp, layout.tp, layout.pp
@@ -294,7 +298,13 @@ def estimate_step(
     step = t_pipe + t_dp
     tokens_per_gpu = global_batch_size * seq_len / (step * world)
     memory = layout_memory(
-        args, layout, seq_len=seq_len, microbatches=m, gpus_per_node=per_node, reduce_bytes=reduce_bytes
+        args,
+        layout,
+        seq_len=seq_len,
+        microbatches=m,
+        gpus_per_node=per_node,
+        reduce_bytes=reduce_bytes,
+        document_mask=document_mask,
     )
     return StepEstimate(
         layout=layout,
@@ -396,6 +406,7 @@ def rank_layouts(
     reduce_bytes: int = 4,
     strategies: Iterable[str] = LAYOUT_STRATEGIES,
     micro_batch_sizes: Sequence[int] | None = None,
+    document_mask: bool = False,
 ) -> list[StepEstimate]:
     """Estimates for every layout, best first: fitting ones by tokens/s/GPU (ties: less memory, simpler), then
     the ones that do not fit in the same order."""
@@ -417,6 +428,7 @@ def rank_layouts(
             gpus_per_node=gpus_per_node,
             hw=hw,
             reduce_bytes=reduce_bytes,
+            document_mask=document_mask,
         )
         for layout in layouts
     ]
@@ -675,6 +687,7 @@ def resolve_auto(
             seq_len=cfg.data.seq_len,
             hw=hw,
             reduce_bytes=grad_reduce_bytes(cfg),
+            document_mask=cfg.data.document_mask,
         )
     except ValueError as e:
         raise ConfigError([f"parallel.strategy=auto: {e}"]) from None

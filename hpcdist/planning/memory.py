@@ -33,6 +33,7 @@ __all__ = [
     "MemoryEstimate",
     "activation_bytes",
     "activation_bytes_3d",
+    "document_mask_bytes",
     "estimate_3d_memory",
     "estimate_memory",
     "head_saved_bytes",
@@ -177,6 +178,14 @@ def recompute_flops_fraction(args: ModelArgs, mode: str | bool, seq_len: int) ->
     return (forward - 2 * args.vocab_size * args.dim) / forward
 
 
+def document_mask_bytes(*, micro_batch_size: int, seq_len: int, element_bytes: int = 2) -> int:
+    """``data.document_mask``'s block-causal mask: one (b, 1, s, s) additive mask in the compute dtype per micro-batch
+    in flight, shared by every layer (hpcdist.models.llama.block_causal_mask); its bool temporaries (3 b s^2 bytes
+    while it is built) are freed before the first layer runs. Attention time is unchanged in the model: the PaLM
+    FLOP count already charges the full s^2 scores, which a masked SDPA computes (no block skipping)."""
+    return micro_batch_size * seq_len * seq_len * element_bytes
+
+
 def activation_bytes(
     args: ModelArgs,
     *,
@@ -185,6 +194,7 @@ def activation_bytes(
     activation_checkpointing: str | bool,
     flash_attention: bool = True,
     element_bytes: int = 2,
+    document_mask: bool = False,
 ) -> int:
     """Peak activation memory per GPU (data parallelism does not divide it), 16-bit by default.
 
@@ -192,17 +202,19 @@ def activation_bytes(
     (full or selective), one layer recomputed in full at a time during backward. hpcdist uses SDPA (flash / memory-
     efficient kernels), which never materializes the a*s*s score matrix; ``flash_attention=False`` adds
     Korthikanti et al.'s ``5*a*s^2*b`` bytes per materialized layer (scores, softmax, dropout mask).
+    ``document_mask``: plus :func:`document_mask_bytes`.
     """
     s, b = seq_len, micro_batch_size
     scores = 0 if flash_attention else 5 * args.n_heads * s * s * b
+    mask = document_mask_bytes(micro_batch_size=b, seq_len=s, element_bytes=element_bytes) if document_mask else 0
     full_layer = layer_saved_bytes(args, "none", tokens=s * b, element_bytes=element_bytes) + scores
     mode = activation_checkpointing_mode(activation_checkpointing)
     saved = saved_activation_bytes(
         args, micro_batch_size=b, seq_len=s, activation_checkpointing=mode, element_bytes=element_bytes
     )
     if mode == "none":
-        return saved + args.n_layers * scores
-    return saved + full_layer
+        return saved + args.n_layers * scores + mask
+    return saved + full_layer + mask
 
 
 def _deepspeed_zero2_gpu(p: int, n: int, offload: bool) -> int:
@@ -233,6 +245,7 @@ def estimate_memory(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     fsdp_replicate: int = 1,
+    document_mask: bool = False,
 ) -> MemoryEstimate:
     """Per-GPU memory of one training step under ``strategy`` (ddp, zero1, zero2, zero3, fsdp, hsdp; or
     ``zero`` with ``zero_stage`` 1-3). ``offload_*`` apply to zero2 (optimizer) and zero3 (optimizer, params).
@@ -293,7 +306,11 @@ def estimate_memory(
         ideal = 16 * p // shard
 
     acts = activation_bytes(
-        args, micro_batch_size=micro_batch_size, seq_len=seq_len, activation_checkpointing=activation_checkpointing
+        args,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        activation_checkpointing=activation_checkpointing,
+        document_mask=document_mask,
     )
     rest = params + grads + optim + acts
     buffers = int(BUFFER_FRACTION * rest) + CUDA_CONTEXT_BYTES
@@ -341,6 +358,7 @@ def activation_bytes_3d(
     pp: int = 1,
     microbatches: int = 1,
     sequence_parallel: bool = True,
+    document_mask: bool = False,
 ) -> int:
     """Activation memory of the heaviest pipeline stage under tensor and pipeline parallelism (SDPA, 16-bit).
 
@@ -352,7 +370,8 @@ def activation_bytes_3d(
     microbatches)`` micro-batches in flight (its warm-up forwards), the last stage one, plus the fp32 logits
     (``s*b*V*4``, divided by tp: hpcdist's TP plan keeps the logits vocabulary-sharded for a loss-parallel
     cross-entropy). The result is the larger of the two. With tp = pp = 1 this equals :func:`activation_bytes`
-    (flash attention).
+    (flash attention). ``document_mask``: each micro-batch in flight also holds its :func:`document_mask_bytes` (every
+    tp rank the whole mask: it is replicated).
     """
     if tp < 1 or pp < 1 or microbatches < 1:
         raise ValueError(f"tp, pp and microbatches must be >= 1, got {tp}, {pp}, {microbatches}")
@@ -362,9 +381,10 @@ def activation_bytes_3d(
     per_layer = layer_saved_bytes(args, mode, **kw)
     recompute = 0 if mode == "none" else layer_saved_bytes(args, "none", **kw)  # one layer rebuilt at a time
     layers = -(-args.n_layers // pp)
+    mask = document_mask_bytes(micro_batch_size=micro_batch_size, seq_len=seq_len) if document_mask else 0
 
     def stage(in_flight: int) -> int:
-        return in_flight * layers * per_layer + recompute
+        return in_flight * (layers * per_layer + mask) + recompute
 
     head = head_saved_bytes(args, tokens=tokens, tp=tp)
     if pp == 1:
@@ -386,6 +406,7 @@ def estimate_3d_memory(
     sequence_parallel: bool = True,
     reduce_bytes: int = 4,
     strategy: str = LayoutKind.THREE_D,
+    document_mask: bool = False,
 ) -> MemoryEstimate:
     """Per-GPU memory of a (pp, dp, tp) layout with FSDP2 over dp, for the heaviest pipeline stage.
 
@@ -437,6 +458,7 @@ def estimate_3d_memory(
         pp=pp,
         microbatches=microbatches,
         sequence_parallel=sequence_parallel,
+        document_mask=document_mask,
     )
     rest = params + grads + optim + acts
     buffers = int(BUFFER_FRACTION * rest) + CUDA_CONTEXT_BYTES
@@ -475,6 +497,7 @@ def plan_table(
     micro_batch_size: int,
     seq_len: int,
     activation_checkpointing: str | bool,
+    document_mask: bool = False,
 ) -> str:
     """One row per strategy: GiB per GPU by category, total, whether it fits ``gpu_mem_gb`` (GiB), and the
     DeepSpeed-estimator model states beside the 16-bytes/param ideal. hsdp replicates across nodes and shards
@@ -484,7 +507,14 @@ def plan_table(
     header = (
         f"{num_params(args) / 1e9:.2f}B params, {nodes} node(s) x {gpus_per_node} GPU(s) = {world}, "
         f"{gpu_mem_gb:g} GiB/GPU, micro batch {micro_batch_size}, seq {seq_len}, activation checkpointing "
-        f"{activation_checkpointing_mode(activation_checkpointing)}; per GPU"
+        f"{activation_checkpointing_mode(activation_checkpointing)}"
+        + (
+            f", document mask ({document_mask_bytes(micro_batch_size=micro_batch_size, seq_len=seq_len) / GIB:.2f} "
+            "GiB per micro-batch, in activ)"
+            if document_mask
+            else ""
+        )
+        + "; per GPU"
     )
     cols: tuple[str, ...]
     cols = ("strategy", "params GiB", "grads GiB", "optim GiB", "activ GiB", "buffers GiB", "total GiB", "fits")
@@ -503,6 +533,7 @@ def plan_table(
             offload_optimizer=off_opt,
             offload_params=off_par,
             fsdp_replicate=nodes,
+            document_mask=document_mask,
         )
         ds = "-" if e.model_states_deepspeed is None else f"{e.model_states_deepspeed / GIB:.1f}"
         cells = [e.params, e.grads, e.optimizer, e.activations, e.buffers, e.total]
