@@ -199,6 +199,18 @@ def _parser() -> argparse.ArgumentParser:
     tt.add_argument("--out", type=Path, required=True, help="output directory (tokenizer.json)")
     tt.add_argument("--glob", default=DEFAULT_GLOB, help=f"patterns inside directories (default: {DEFAULT_GLOB})")
     tt.add_argument("--text-field", default="text", help="jsonl key / parquet or datasets column (default: text)")
+    dt = sub.add_parser(
+        "data",
+        help="check a prepared dataset against its meta.json",
+        description="hpcdist data check DIR [--full]: meta.json valid and every shard a regular file of the size it "
+        "records (what training checks at start-up); --full also reads every shard: its sha256 and largest id. "
+        "One line per problem naming the shard; exit status 1 if there is any.",
+    )
+    dt_sub = dt.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    dc = dt_sub.add_parser("check", help="verify a prepared dataset's shards (sizes; --full: checksums and ids)")
+    dc.add_argument("path", type=Path, help="prepared dataset directory (hpcdist prepare --out DIR)")
+    dc.add_argument("--full", action="store_true", help="read every shard: sha256 and largest id against meta.json")
+    dc.add_argument("--workers", type=_positive_int, default=4, help="shards read at once with --full (default: 4)")
     _add_launch_parsers(sub)
     _add_plan_parser(sub)
     _add_health_parser(sub)
@@ -543,6 +555,7 @@ COMMANDS: dict[str, str | Callable[[argparse.Namespace], int]] = {
     "config": "hpcdist.config.command:cmd_config",
     "prepare": "hpcdist.data.command:cmd_prepare",
     "tokenizer": "hpcdist.data.command:cmd_tokenizer",
+    "data": "hpcdist.data.check:cmd_data",
     "submit": "hpcdist.launch.commands:cmd_submit",
     "status": "hpcdist.launch.commands:cmd_status",
     "logs": "hpcdist.launch.commands:cmd_logs",
