@@ -576,11 +576,13 @@ def launch(
     after: str | None = None,
     max_parallel: int | None = None,
     snapshot: bool | str = False,
+    attempt_loop: bool = True,
 ) -> list[JobHandle]:
     """Submit ``tasks`` with ``prep``'s cluster: one job, or (several tasks) one SLURM job array whose task i runs
     tasks[i] (its failure policy reads run_dirs[i]). ``after``: an sbatch dependency (``afterany:123``).
     ``snapshot``: copy the code into prep's run dir first and run the job from the copy (SLURM only); a string
-    is an existing snapshot directory to run from (a chain's later jobs)."""
+    is an existing snapshot directory to run from (a chain's later jobs). ``attempt_loop=False``: the step runs once,
+    without training's in-job restarts and failure policy (a cluster prepare's tasks, hpcdist.data.array)."""
     cluster = prep.cluster
     kind, why = choose_executor(cluster)
     if kind == "local" and (len(tasks) > 1 or after):
@@ -601,7 +603,10 @@ def launch(
                     Path.cwd(),
                 )
             # a config inside the checkout is read from the copy too (it is read when the job starts)
-            tasks = [dataclasses.replace(t, config_path=snap.map(t.config_path)) for t in tasks]
+            tasks = [
+                dataclasses.replace(t, config_path=snap.map(t.config_path)) if hasattr(t, "config_path") else t
+                for t in tasks
+            ]
             log.info("code snapshot %s (git commit %s%s)", code, snap.git_commit, ", dirty" if snap.dirty else "")
     if kind == "local" and cluster.executor != "local":
         log.warning("%s: running the job with submitit's LocalExecutor on this machine", why)
@@ -612,7 +617,11 @@ def launch(
             executor: Any = submitit.SlurmExecutor(folder=prep.folder, python=_supervised_python(cluster))
             dirs: str | Sequence[str] = run_dirs if run_dirs is not None and len(tasks) > 1 else prep.run_dir
             params = slurm_parameters(
-                cluster, job_name=prep.job_name, run_dir=dirs, snapshot=code, fault=getattr(prep.cfg, "fault", None)
+                cluster,
+                job_name=prep.job_name,
+                run_dir=dirs if attempt_loop else None,
+                snapshot=code,
+                fault=getattr(prep.cfg, "fault", None),
             )
             if after:
                 params["dependency"] = after
