@@ -179,6 +179,16 @@ def _parser() -> argparse.ArgumentParser:
         "without it prepare only continues its own preparation there",
     )
     pr.add_argument(
+        "--cluster",
+        metavar="PROFILE",
+        help="prepare on the cluster: one SLURM job array of --tasks tasks (each a slice of the inputs into "
+        "OUT/parts/<i>/) and a merge job after it (afterok) writing OUT/meta.json; the profile's cpus_per_task "
+        "tokenizer processes per task (docs/DATA.md)",
+    )
+    pr.add_argument("--tasks", type=_positive_int, default=None, help="with --cluster: array tasks (slices)")
+    pr.add_argument("--dry-run", action="store_true", help="with --cluster: print the array and the merge job")
+    pr.add_argument("--after", metavar="JOB[:TYPE]", help="with --cluster: start the array after this job")
+    pr.add_argument(
         "--megatron",
         metavar="PREFIX",
         type=Path,

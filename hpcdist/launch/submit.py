@@ -521,9 +521,11 @@ def prepare(
     *,
     dry_run: bool,
     force: bool,
+    data_later: bool = False,
 ) -> tuple[Prepared, list[str]]:
     """Load and check one job (cluster + config + memory); (prepared, data warnings). ConfigError lists every
-    problem of both files at once."""
+    problem of both files at once. ``data_later``: the job waits for another (``--after``), which may make its
+    prepared data (a cluster prepare's merge job): a dataset missing now is a warning, not a refusal."""
     problems: list[str] = []
     cluster_cfg = cfg = None
     try:
@@ -544,8 +546,14 @@ def prepare(
         problems = _check_fit(cfg, cluster_cfg, force=force)
     # the data must exist before a job waits in the queue for it; a dry run only warns
     data_problems = config_mod.check_data(cfg, strict=False)
-    if problems or (data_problems and not dry_run):
-        raise ConfigError(problems + data_problems)
+    refused = data_problems
+    if data_later:
+        from hpcdist.config.vocab import dataset_paths
+
+        later = [f"{key} {path}: no prepared dataset there (no complete meta.json)" for key, path in dataset_paths(cfg)]
+        refused = [p for p in data_problems if not any(p.startswith(m) for m in later)]
+    if problems or (refused and not dry_run):
+        raise ConfigError(problems + refused)
     return Prepared(cluster_cfg, cfg, job_name, folder, run_dir), data_problems
 
 
@@ -721,7 +729,9 @@ def submit_chain(
     except ValueError as e:
         raise ConfigError([str(e)]) from None
     overrides = [*overrides, "fault.requeue=false"] if n > 1 else list(overrides)
-    prep, warnings = prepare(config, overrides, cluster, params, dry_run=dry_run, force=force)
+    prep, warnings = prepare(
+        config, overrides, cluster, params, dry_run=dry_run, force=force, data_later=dep is not None
+    )
     for problem in warnings:
         print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
     if dry_run:
