@@ -132,3 +132,26 @@ def test_killed_part_resumes_and_merge_refuses_missing_or_linked_parts(corpus: l
     np.testing.assert_equal(
         len(report.problems), len(json.loads((tmp_path / "moved" / "meta.json").read_text())["shards"])
     )
+
+
+def test_cli_cluster_options_dry_run_and_status(
+    corpus: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from hpcdist.cli import main
+
+    out = tmp_path / "big"
+    assert main(["prepare", str(corpus[0]), "--out", str(out), "--tasks", "2"]) == 2  # --tasks without --cluster
+    assert "go with --cluster" in capsys.readouterr().err
+    args = ["prepare", *map(str, corpus), "--out", str(out), "--cluster", "a100_ib"]
+    assert main([*args, "--dry-run"]) == 2 and "give --tasks N" in capsys.readouterr().err
+    assert main([*args, "--tasks", "3", "--max-tokens", "10", "--dry-run"]) == 2
+    assert "--max-tokens is a one-machine option" in capsys.readouterr().err
+    assert main([*args, "--tasks", "3", "--dry-run"]) == 0
+    text = capsys.readouterr()
+    assert "--array=0-2" in text.out and "afterok:<array job>" in text.out and "# task 2:" in text.err
+    assert not out.exists()  # a dry run writes nothing
+    write_plan(out, plan_prepare(corpus, out, tasks=2, shard_tokens=SHARD))
+    prepare_part(out, 1)
+    assert main(["status", "--run-dir", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "2 task(s)" in table and "waiting" in table and " done " in table and "merged: not yet" in table
