@@ -582,6 +582,8 @@ COMMANDS: dict[str, str | Callable[[argparse.Namespace], int]] = {
 
 def _dispatch(args: argparse.Namespace) -> int:
     command = COMMANDS["dry-run" if args.command == "train" and args.dry_run else args.command]
+    if args.command == "prepare" and getattr(args, "cluster", None) is not None:
+        command = "hpcdist.launch.prepare_array:cmd_prepare_cluster"  # the SLURM side lives in hpcdist.launch
     if isinstance(command, str):
         import importlib
 

@@ -13,6 +13,9 @@ or after its tokenizing process was killed: the task requeues itself) keeps its 
 The slices concatenated are the corpus in input order (hpcdist.data.slices), so the merged dataset's shards,
 concatenated, are byte for byte the one-machine prepare's stream, and its meta.json is the one-machine one but for
 the shard list (the same fingerprint, counts, tokenizer and options).
+
+This module is what the jobs do, scheduler-free; submitting them and the tasks' SLURM side (requeue) are
+:mod:`hpcdist.launch.prepare_array`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,7 @@ import os
 import shutil
 import signal
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -41,19 +42,21 @@ from hpcdist.config.dataset_meta import (
 from hpcdist.data.slices import Piece, plan_slices
 
 __all__ = [
-    "MergeTask",
-    "PrepareTask",
+    "JOBS_NAME",
+    "claim_plan",
     "merge_parts",
     "plan_prepare",
     "prepare_part",
     "prepare_status",
+    "read_jobs",
     "read_plan",
-    "submit_prepare",
+    "run_part",
     "write_plan",
 ]
 
 PARTS = "parts"
 PLAN_NAME = "plan.json"
+JOBS_NAME = "jobs.json"  # the array's and the merge's job ids (hpcdist status JOB finds the prepare by them)
 MAX_PLAN_BYTES = 64 << 20
 # The test hook of the SLURM acceptance test: "I" kills part I's tokenizing process (SIGKILL) right after its first
 # shard, on the task's first run only (SLURM_RESTART_COUNT 0): a deterministic "killed mid-way".
@@ -234,7 +237,7 @@ def prepare_status(out: Path) -> str:
     parts' progress.jsonl and meta.json (nothing asked of SLURM)."""
     out = Path(out)
     plan = read_plan(out)
-    jobs = _read_jobs(out)
+    jobs = read_jobs(out)
     merged = read_meta_json(out)[0]
     head = f"cluster prepare {out}: {len(plan['slices'])} task(s)"
     if jobs:
@@ -283,9 +286,9 @@ def _progress(part: Path) -> tuple[int, int]:
     return shards, tokens
 
 
-def _read_jobs(out: Path) -> dict[str, Any]:
+def read_jobs(out: Path) -> dict[str, Any]:
     try:
-        fd = open_regular(Path(out) / PARTS / "jobs.json")
+        fd = open_regular(Path(out) / PARTS / JOBS_NAME)
         with os.fdopen(fd, "rb") as fh:
             doc = json.loads(fh.read(1 << 16))
         return doc if isinstance(doc, dict) else {}
@@ -293,35 +296,16 @@ def _read_jobs(out: Path) -> dict[str, Any]:
         return {}
 
 
-def find_prepare(job_id: str | None, run_dir: Path | None) -> Path | None:
-    """The OUT of a cluster prepare: ``run_dir`` itself when it holds a plan, else the one whose parts/jobs.json
-    records ``job_id`` (found beside the job's StdOut, OUT/parts/slurm)."""
-    if run_dir is not None and (Path(run_dir) / PARTS / PLAN_NAME).is_file():
-        return Path(run_dir)
-    if job_id is None:
-        return None
-    from hpcdist.launch import slurm_cli
-
-    try:
-        stdout = slurm_cli.job_info(job_id).get("StdOut")
-    except slurm_cli.SlurmError:
-        return None
-    if not stdout:
-        return None
-    out = Path(stdout).parent.parent.parent  # OUT/parts/slurm/<file>
-    jobs = _read_jobs(out)
-    base = str(job_id).split("_")[0]
-    return out if base in (str(jobs.get("array")), str(jobs.get("merge"))) else None
+# ------------------------------------------------------------------------------------------------ a task's part
 
 
-# ------------------------------------------------------------------------------------------------ the job side
-
-
-def _run_part(out: str, index: int, workers: int) -> None:
-    """The tokenizing process of an array task (forked by PrepareTask)."""
+def run_part(out: str, index: int, workers: int, *, kill_after_first_shard: bool = False) -> None:
+    """The tokenizing process of an array task (hpcdist.launch.prepare_array.PrepareTask forks it): part ``index``,
+    one line on success, exit status 2 with one line on bad input. ``kill_after_first_shard``: the SLURM test's hook
+    (KILL_ENV), a SIGKILL right after the first shard is recorded."""
     from hpcdist.data import prepare as prepare_mod
 
-    if os.environ.get(KILL_ENV) == str(index) and os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0"):
+    if kill_after_first_shard:
         prepare_mod.AFTER_SHARD = lambda n: os.kill(os.getpid(), signal.SIGKILL)
     try:
         res = prepare_part(Path(out), index, workers=workers, progress=sys.stderr)
@@ -332,54 +316,7 @@ def _run_part(out: str, index: int, workers: int) -> None:
     print(f"hpcdist: prepare part {index}: {res.num_tokens:,} tokens{kept}", flush=True)
 
 
-@dataclass(frozen=True)
-class PrepareTask:
-    """Array task ``index`` of a cluster prepare (submitit pickles it by reference to this module). The tokenizing
-    runs in a child process: when it is killed (the OOM killer, a test's SIGKILL), the task requeues itself alone
-    (scontrol requeue <array>_<index>) and the next run keeps the finished shards; preemption and node failures
-    requeue it through SLURM (--requeue)."""
-
-    out: str
-    index: int
-    workers: int = 1
-
-    def __call__(self) -> dict[str, Any]:
-        import multiprocessing
-
-        proc = multiprocessing.get_context("fork").Process(target=_run_part, args=(self.out, self.index, self.workers))
-        proc.start()
-        proc.join()
-        code = proc.exitcode
-        if code == 0:
-            return {"part": self.index}
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-        array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-        if code is not None and code < 0 and array and task and restarts < MAX_REQUEUES:
-            from hpcdist.launch.requeue import requeue
-
-            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-            print(
-                f"hpcdist: prepare part {self.index}: its process was killed ({name}); requeueing the task", flush=True
-            )
-            if requeue(f"{array}_{task}") == 0:
-                time.sleep(60)  # SLURM ends this run now; never return a result for it
-                raise SystemExit(1)
-        raise RuntimeError(f"prepare part {self.index} failed (exit code {code}); see this task's log")
-
-
-@dataclass(frozen=True)
-class MergeTask:
-    """The merge job (afterok the array): OUT/meta.json from the parts."""
-
-    out: str
-
-    def __call__(self) -> dict[str, Any]:
-        meta = merge_parts(Path(self.out))
-        print(f"hpcdist: merged {len(meta.shards)} shards, {meta.num_tokens:,} tokens into {self.out}", flush=True)
-        return {"num_tokens": meta.num_tokens, "shards": len(meta.shards)}
-
-
-def _claim(out: Path, plan: dict[str, Any], overwrite: bool) -> bool:
+def claim_plan(out: Path, plan: dict[str, Any], overwrite: bool) -> bool:
     """May this cluster prepare write OUT? True when OUT already holds its finished result. PrepareRefused for a
     directory holding anything else (unless ``overwrite``: then prepare's own files there go)."""
     from hpcdist.data.prepare import PrepareRefused, own_files
@@ -410,68 +347,3 @@ def _claim(out: Path, plan: dict[str, Any], overwrite: bool) -> bool:
     if parts.is_dir() and not parts.is_symlink():
         shutil.rmtree(parts)
     return False
-
-
-def submit_prepare(
-    inputs: Sequence[Path],
-    out: str | os.PathLike[str],
-    *,
-    tokenizer: str = "byte",
-    tasks: int,
-    cluster: Any = "a100_ib",
-    text_field: str = "text",
-    shard_tokens: int = 2**24,
-    dtype: str = "auto",
-    dry_run: bool = False,
-    overwrite: bool = False,
-    after: str | None = None,
-    snapshot: bool = True,
-    **params: Any,
-) -> dict[str, Any]:
-    """Submit a cluster prepare: one job array of ``tasks`` tasks (one node, one task each; the profile's
-    cpus_per_task tokenizer processes) and a merge job after it (afterok), through the training submit path
-    (profile, setup lines, container, code snapshot). Returns {"array": [JobHandle...], "merge": JobHandle}, or
-    with ``dry_run`` {"array": sbatch text, "merge": sbatch text, "plan": plan} (nothing written)."""
-    from hpcdist.config.cluster import load_cluster
-    from hpcdist.launch.submit import Prepared, dependency, launch, render_sbatch, snapshot_placeholder
-
-    out_dir = Path(out).expanduser().absolute()
-    plan = plan_prepare(
-        inputs,
-        out_dir,
-        tokenizer=tokenizer,
-        tasks=tasks,
-        text_field=text_field,
-        shard_tokens=shard_tokens,
-        dtype=dtype,
-    )
-    cfg = load_cluster(cluster, **{"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 1, **params})
-    dep = dependency(after)
-    parts = out_dir / PARTS
-    name = cfg.job_name or "prepare"
-    folder = cfg.folder(parts)
-    workers = max(1, cfg.cpus_per_task)
-    if dry_run:
-        code = snapshot_placeholder(str(parts)) if snapshot else None
-        array = render_sbatch(cfg, job_name=name, folder=folder, dependency=dep, array=tasks, snapshot=code)
-        merge = render_sbatch(
-            cfg, job_name=f"{name}-merge", folder=folder, dependency="afterok:<array job>", snapshot=code
-        )
-        return {"array": array, "merge": merge, "plan": plan}
-    if _claim(out_dir, plan, overwrite):
-        return {"array": [], "merge": None, "plan": plan, "up_to_date": True}
-    write_plan(out_dir, plan)
-    prep = Prepared(cfg, None, name, folder, str(parts))  # type: ignore[arg-type]
-    todo = [PrepareTask(str(out_dir), i, workers) for i in range(tasks)]
-    handles = launch(prep, todo, after=dep, snapshot=snapshot, attempt_loop=False)  # type: ignore[arg-type]
-    array_id = handles[0].job_id.split("_")[0]
-    merge_prep = Prepared(cfg, None, f"{name}-merge", folder, str(parts))  # type: ignore[arg-type]
-    (merge,) = launch(
-        merge_prep,
-        [MergeTask(str(out_dir))],  # type: ignore[list-item]
-        after=f"afterok:{array_id}",
-        snapshot=handles[0].snapshot or False,
-        attempt_loop=False,
-    )
-    atomic_write(parts / "jobs.json", json.dumps({"array": array_id, "merge": merge.job_id, "tasks": tasks}) + "\n")
-    return {"array": handles, "merge": merge, "plan": plan}

@@ -25,22 +25,32 @@ def _inputs(items: Sequence[Path], globs: str) -> list[Path]:
     return found
 
 
-@refusing("prepare", ValueError, OSError)  # TokenizerError, CorpusError and PrepareRefused are ValueErrors
-def cmd_prepare(args: argparse.Namespace) -> int:
-    from hpcdist.data import load_tokenizer, prepare_corpus, stdlib_corpus
-
-    if args.megatron is not None:
-        if args.cluster is not None:
-            raise CommandError("prepare: --megatron imports on this machine; give no --cluster")
-        return _import_megatron(args)
+def check_prepare_args(args: argparse.Namespace) -> None:
+    """The options that only mean something with --cluster (hpcdist.launch.prepare_array) are refused without it."""
     cluster_only = [o for o, v in (("--tasks", args.tasks), ("--dry-run", args.dry_run), ("--after", args.after)) if v]
-    if args.cluster is None and cluster_only:
+    if getattr(args, "cluster", None) is None and cluster_only:
         raise CommandError(f"prepare: {', '.join(cluster_only)} go with --cluster PROFILE (a SLURM job array)")
+
+
+def input_files(args: argparse.Namespace) -> list[Path]:
+    """prepare's inputs: --stdlib's files, then every input (directories searched with --glob). CommandError if
+    there is none."""
+    from hpcdist.data import stdlib_corpus
+
     files: list[Path] = [*(stdlib_corpus() if args.stdlib else []), *_inputs(args.inputs, args.glob)]
     if not files:
         raise CommandError("prepare: no input files (give files/directories, check --glob, or pass --stdlib)")
-    if args.cluster is not None:
-        return _prepare_on_cluster(args, files)
+    return files
+
+
+@refusing("prepare", ValueError, OSError)  # TokenizerError, CorpusError and PrepareRefused are ValueErrors
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from hpcdist.data import load_tokenizer, prepare_corpus
+
+    if args.megatron is not None:
+        return _import_megatron(args)
+    check_prepare_args(args)
+    files = input_files(args)
     tok = load_tokenizer(args.tokenizer)
     res = prepare_corpus(
         files,
@@ -62,58 +72,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         f"prepared {len(files)} files into {res.path}: {res.num_documents:,} documents, {res.num_tokens:,} tokens "
         f"(tokenizer {tok.kind}, vocab {tok.vocab_size:,}){kept}; {res.mb_per_s:.2f} MB/s, "
         f"{res.tokens_per_s:,.0f} tokens/s with {args.workers} workers"
-    )
-    return 0
-
-
-def _prepare_on_cluster(args: argparse.Namespace, files: list[Path]) -> int:
-    from hpcdist.config import ConfigError
-    from hpcdist.data.array import submit_prepare
-    from hpcdist.errors import LaunchError
-
-    if args.tasks is None:
-        raise CommandError("prepare --cluster: give --tasks N (the array's tasks: slices of the inputs)")
-    if args.max_tokens is not None:
-        raise CommandError(
-            "prepare --cluster: --max-tokens is a one-machine option (the slices are cut before tokenizing)"
-        )
-    try:
-        res = submit_prepare(
-            files,
-            args.out,
-            tokenizer=args.tokenizer,
-            tasks=args.tasks,
-            cluster=args.cluster,
-            text_field=args.text_field,
-            shard_tokens=args.shard_tokens,
-            dtype=args.dtype,
-            dry_run=args.dry_run,
-            overwrite=args.overwrite,
-            after=args.after,
-        )
-    except ConfigError as e:
-        raise CommandError("prepare --cluster: " + "; ".join(e.problems)) from None
-    except LaunchError as e:
-        raise CommandError(f"prepare --cluster: {e}") from None
-    plan = res["plan"]
-    if args.dry_run:
-        for i, pieces in enumerate(plan["slices"]):
-            what = ", ".join(f"{Path(p['path']).name}[{p['kind']} {p['start']}:{p['end']}]" for p in pieces[:4])
-            more = f" and {len(pieces) - 4} more" if len(pieces) > 4 else ""
-            print(f"# task {i}: {len(pieces)} piece(s): {what or 'nothing (an empty part)'}{more}", file=sys.stderr)
-        print(f"# the array ({args.tasks} tasks), each into {args.out}/parts/<task>/:")
-        print(res["array"])
-        print("# the merge job (afterok the array), writing meta.json last:")
-        print(res["merge"])
-        return 0
-    if res.get("up_to_date"):
-        print(f"prepared {len(files)} files into {args.out}: already up to date")
-        return 0
-    merge, array = res["merge"].job_id, res["array"][0].job_id.split("_")[0]
-    print(
-        f"submitted the prepare of {len(files)} files into {args.out}: array job {array} "
-        f"({args.tasks} tasks), merge job {merge} (afterok); follow it with hpcdist status --run-dir {args.out}; "
-        f"train after it with hpcdist submit ... --after {merge}:afterok"
     )
     return 0
 

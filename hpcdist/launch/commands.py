@@ -175,8 +175,9 @@ def _local_record(job: str | None, run_dir: Path | None) -> dict[str, Any] | Non
 
 @refusing("status", SlurmError, UntrustedFile)  # UntrustedFile: another user's jobs.jsonl names pids and folders
 def cmd_status(args: argparse.Namespace) -> int:
-    from hpcdist.data.array import find_prepare, prepare_status
+    from hpcdist.data.array import prepare_status
     from hpcdist.launch import records, slurm_cli
+    from hpcdist.launch.prepare_array import find_prepare
     from hpcdist.launch.sweep import sweep_status
 
     prepare_out = find_prepare(args.job, args.run_dir)
