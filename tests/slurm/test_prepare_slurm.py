@@ -63,10 +63,12 @@ def test_prepare_array_killed_task_requeued_equals_one_machine_and_trains(
         after=f"{merge.job_id}:afterok",
     )
     assert release_requeue_hold(login_env, f"{array}_1", timeout=120)["Restarts"] == "1"
-    assert merge.wait(timeout=180) == "COMPLETED", (out / "parts" / "slurm").iterdir()
+    logs = out / "parts" / "slurm"
+    state = merge.wait(timeout=180)
+    assert state == "COMPLETED", "\n".join(f"{f.name}: {f.read_text()[-800:]}" for f in sorted(logs.glob("*.out")))
     for i in range(4):  # the killed task alone ran again
         assert job_info(login_env, f"{array}_{i}")["Restarts"] == ("1" if i == 1 else "0"), i
-    log1 = (out / "parts" / "slurm" / f"{array}_1_0_log.out").read_text()
+    log1 = (logs / f"{array}_1_0_log.out").read_text()
     assert "was killed (SIGKILL); requeueing it" in log1 and "1 shards kept from an earlier run" in log1, log1
 
     def stream(d: Path) -> bytes:
