@@ -69,7 +69,7 @@ def test_prepare_array_killed_task_requeued_equals_one_machine_and_trains(
     for i in range(4):  # the killed task alone ran again
         assert job_info(login_env, f"{array}_{i}")["Restarts"] == ("1" if i == 1 else "0"), i
     log1 = (logs / f"{array}_1_0_log.out").read_text()
-    assert "was killed (SIGKILL); requeueing it" in log1 and "1 shards kept from an earlier run" in log1, log1
+    assert "was killed (SIGKILL); requeueing" in log1 and "1 shards kept from an earlier run" in log1, log1
 
     def stream(d: Path) -> bytes:
         meta = json.loads((d / "meta.json").read_text())
