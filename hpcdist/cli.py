@@ -179,6 +179,16 @@ def _parser() -> argparse.ArgumentParser:
         "without it prepare only continues its own preparation there",
     )
     pr.add_argument(
+        "--cluster",
+        metavar="PROFILE",
+        help="prepare on the cluster: one SLURM job array of --tasks tasks (each a slice of the inputs into "
+        "OUT/parts/<i>/) and a merge job after it (afterok) writing OUT/meta.json; the profile's cpus_per_task "
+        "tokenizer processes per task (docs/DATA.md)",
+    )
+    pr.add_argument("--tasks", type=_positive_int, default=None, help="with --cluster: array tasks (slices)")
+    pr.add_argument("--dry-run", action="store_true", help="with --cluster: print the array and the merge job")
+    pr.add_argument("--after", metavar="JOB[:TYPE]", help="with --cluster: start the array after this job")
+    pr.add_argument(
         "--megatron",
         metavar="PREFIX",
         type=Path,
@@ -199,6 +209,18 @@ def _parser() -> argparse.ArgumentParser:
     tt.add_argument("--out", type=Path, required=True, help="output directory (tokenizer.json)")
     tt.add_argument("--glob", default=DEFAULT_GLOB, help=f"patterns inside directories (default: {DEFAULT_GLOB})")
     tt.add_argument("--text-field", default="text", help="jsonl key / parquet or datasets column (default: text)")
+    dt = sub.add_parser(
+        "data",
+        help="check a prepared dataset against its meta.json",
+        description="hpcdist data check DIR [--full]: meta.json valid and every shard a regular file of the size it "
+        "records (what training checks at start-up); --full also reads every shard: its sha256 and largest id. "
+        "One line per problem naming the shard; exit status 1 if there is any.",
+    )
+    dt_sub = dt.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    dc = dt_sub.add_parser("check", help="verify a prepared dataset's shards (sizes; --full: checksums and ids)")
+    dc.add_argument("path", type=Path, help="prepared dataset directory (hpcdist prepare --out DIR)")
+    dc.add_argument("--full", action="store_true", help="read every shard: sha256 and largest id against meta.json")
+    dc.add_argument("--workers", type=_positive_int, default=4, help="shards read at once with --full (default: 4)")
     _add_launch_parsers(sub)
     _add_plan_parser(sub)
     _add_health_parser(sub)
@@ -543,6 +565,7 @@ COMMANDS: dict[str, str | Callable[[argparse.Namespace], int]] = {
     "config": "hpcdist.config.command:cmd_config",
     "prepare": "hpcdist.data.command:cmd_prepare",
     "tokenizer": "hpcdist.data.command:cmd_tokenizer",
+    "data": "hpcdist.data.check:cmd_data",
     "submit": "hpcdist.launch.commands:cmd_submit",
     "status": "hpcdist.launch.commands:cmd_status",
     "logs": "hpcdist.launch.commands:cmd_logs",
@@ -559,6 +582,8 @@ COMMANDS: dict[str, str | Callable[[argparse.Namespace], int]] = {
 
 def _dispatch(args: argparse.Namespace) -> int:
     command = COMMANDS["dry-run" if args.command == "train" and args.dry_run else args.command]
+    if args.command == "prepare" and getattr(args, "cluster", None) is not None:
+        command = "hpcdist.launch.prepare_array:cmd_prepare_cluster"  # the SLURM side lives in hpcdist.launch
     if isinstance(command, str):
         import importlib
 

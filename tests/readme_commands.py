@@ -193,6 +193,16 @@ CHECKS: dict[str, Check] = {
         expect=("trained a byte-level BPE of 512 tokens", "tokenizer hf, vocab 512", DONE),
         reason="tiny overrides appended to the train step (the last command of the chain)",
     ),
+    "hpcdist prepare my_docs/ --out data/mydocs-big --cluster a100_ib --tasks 32 --dry-run": Check(
+        "cli",
+        expect=("--array=0-31", "afterok:<array job>", "# task 31:"),
+        unchanged="a dry run: prints the plan and the two sbatch scripts, writes nothing",
+    ),
+    "hpcdist data check data/mydocs --full": Check(
+        "local",
+        expect=("shards intact (sizes, checksums and ids)",),
+        unchanged="a check: reads the dataset the chain above prepared, writes nothing",
+    ),
     "hpcdist train configs/demo.yaml && hpcdist prepare my_texts/ --out data/heldout && hpcdist "
     'generate runs/demo --prompt "def main(" --max-new-tokens 64 --temperature 0.8 --top-k 40 --seed 1 && hpcdist eval '
     "runs/demo --data data/heldout --json runs/demo/eval.json": Check(

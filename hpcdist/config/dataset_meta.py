@@ -39,7 +39,10 @@ __all__ = [
     "check_shard_files",
     "load_meta",
     "open_regular",
+    "open_shard",
     "read_meta_json",
+    "shard_file_problem",
+    "shard_file_problems",
     "withdraw_meta",
     "write_meta",
 ]
@@ -55,6 +58,9 @@ MAX_SHARDS = 1_000_000
 MAX_SHARD_TOKENS = 2**40
 MAX_VOCAB = 2**32
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# The one kind of shard name with a directory: a cluster prepare's part (hpcdist.data.array), listed in place by the
+# merge (no copy of the token bytes). Nothing else may name a path.
+PART_SHARD = re.compile(r"parts/(0|[1-9][0-9]{0,5})/shard-[0-9]{5,7}\.bin")
 
 
 class DataError(ConfigError):
@@ -169,7 +175,15 @@ def _shard(entry: Any, k: int, vocab: int, problems: list[str]) -> ShardInfo | N
         problems.append(f"{where} is {echo(entry)}, not an object with name and tokens")
         return None
     name, tokens = entry.get("name"), entry.get("tokens")
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name or len(name) > 255:
+    plain = isinstance(name, str) and "/" not in name
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or not (plain or PART_SHARD.fullmatch(name))
+        or "\0" in name
+        or len(name) > 255
+    ):
         problems.append(f"{where}.name={echo(name)} is not a plain file name inside the dataset directory")
         return None
     if not _int(tokens, 0, MAX_SHARD_TOKENS):
@@ -231,9 +245,16 @@ def _validate(path: Path, doc: dict[str, Any]) -> tuple[DatasetMeta | None, list
             break
     if len({s.name for s in shards}) != len(shards):
         problems.append("shards names one file twice")
-    per = doc.get("shard_tokens")  # prepare's shards all hold shard_tokens but the last (a count edit shows here)
-    full = _int(per, 1, MAX_SHARD_TOKENS) and shards and all(s.tokens == per for s in shards[:-1])
-    if _int(per, 1, MAX_SHARD_TOKENS) and shards and not (full and shards[-1].tokens <= per):
+    # prepare's shards all hold shard_tokens but the last (a count edit shows here); a cluster prepare's, but the last
+    # of each part
+    per = doc.get("shard_tokens")
+    groups: dict[str, list[ShardInfo]] = {}
+    for s in shards:
+        groups.setdefault(s.name.rpartition("/")[0], []).append(s)
+    full = _int(per, 1, MAX_SHARD_TOKENS) and all(
+        all(s.tokens == per for s in g[:-1]) and g[-1].tokens <= per for g in groups.values()
+    )
+    if _int(per, 1, MAX_SHARD_TOKENS) and shards and not full:
         problems.append(
             f"the shards' token counts do not match shard_tokens={per} (every shard holds that many but the last)"
         )
@@ -269,45 +290,94 @@ def load_meta(path: str | os.PathLike[str], *, key: str = "data.path") -> Datase
     return meta
 
 
+def shard_file_problems(meta: DatasetMeta, *, key: str = "data.path") -> list[str]:
+    """One line per shard meta.json names that is not a regular file (a link, a FIFO, a directory, or reached through
+    a linked part directory) of exactly tokens * itemsize bytes: one lstat per path component, nothing read."""
+    return [p for s in meta.shards if (p := shard_file_problem(meta, s, key=key)) is not None]
+
+
+def shard_file_problem(meta: DatasetMeta, s: ShardInfo, *, key: str = "data.path") -> str | None:
+    """:func:`shard_file_problems` for one shard: the line, or None."""
+    file = meta.path / s.name
+    why = _lstat_problem(meta.path, s.name)
+    if why is not None:
+        return f"{key} {file}{' ' if why.startswith('is ') else ': '}{why}"
+    size = os.lstat(file).st_size
+    want = s.tokens * meta.itemsize
+    if size != want:
+        return (
+            f"{key} {file} holds {size:,} bytes, but meta.json says {s.tokens:,} {meta.dtype} tokens "
+            f"({want:,} bytes): the shard was truncated, grown or replaced; prepare the dataset again "
+            f"(hpcdist prepare ... --out {meta.path})"
+        )
+    return None
+
+
+def _lstat_problem(root: Path, name: str) -> str | None:
+    """Why ``root/name`` is not a regular file reached through real directories, or None (lstat only)."""
+    parts = name.split("/")
+    at = root
+    for k, part in enumerate(parts):
+        at = at / part
+        try:
+            st = os.lstat(at)
+        except OSError as e:
+            return f"{e.strerror or e} (meta.json lists it); the dataset is incomplete: prepare it again"
+        last = k == len(parts) - 1
+        if stat.S_ISLNK(st.st_mode):
+            return (
+                "is a symbolic link: a shard (and its part directory) must lie in the dataset directory "
+                "(links are not followed)"
+            )
+        if not last and not stat.S_ISDIR(st.st_mode):
+            return f"{at} is not a directory"
+        if last and not stat.S_ISREG(st.st_mode):
+            mode = st.st_mode
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a file"
+            return f"is {kind}: a shard must be a regular file in the dataset directory (links are not followed)"
+    return None
+
+
 def check_shard_files(meta: DatasetMeta, *, key: str = "data.path") -> None:
     """Each shard meta.json names is a regular file (no link, FIFO, directory) of exactly tokens * itemsize bytes:
     one lstat each, nothing read. DataError naming the first bad shard."""
-    for s in meta.shards:
-        file = meta.path / s.name
+    problems = shard_file_problems(meta, key=key)
+    if problems:
+        raise DataError(problems[:1])
+
+
+def open_shard(root: Path, name: str) -> int:
+    """A read-only descriptor of shard ``name`` of the dataset in ``root``: a plain name through
+    :func:`open_regular`; a part's shard (``parts/<i>/shard-*.bin``, a cluster prepare's) through its directories
+    opened one by one with O_NOFOLLOW | O_DIRECTORY, so neither a linked part directory nor a linked file is followed
+    (no race between a check and the open)."""
+    if "/" not in name:
+        return open_regular(Path(root) / name)
+    *dirs, last = name.split("/")
+    dflags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(root, dflags)
+    try:
+        for d in dirs:
+            try:
+                nxt = os.open(d, dflags, dir_fd=fd)
+            except OSError as e:
+                if os.path.islink(Path(root) / d):
+                    raise OSError(e.errno, f"{d} is a symbolic link (links inside a dataset are not followed)") from e
+                raise
+            os.close(fd)
+            fd = nxt
+        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            st = os.lstat(file)
+            out = os.open(last, flags, dir_fd=fd)
         except OSError as e:
-            raise DataError(
-                [
-                    f"{key} {file}: {e.strerror or e} (meta.json lists it); the dataset is incomplete: "
-                    f"prepare it again (hpcdist prepare ... --out {meta.path})"
-                ]
-            ) from None
-        if not stat.S_ISREG(st.st_mode):
-            kind = (
-                "a symbolic link"
-                if stat.S_ISLNK(st.st_mode)
-                else "a directory"
-                if stat.S_ISDIR(st.st_mode)
-                else "a FIFO"
-                if stat.S_ISFIFO(st.st_mode)
-                else "not a regular file"
-            )
-            raise DataError(
-                [
-                    f"{key} {file} is {kind}: a shard must be a regular file in the dataset directory "
-                    "(links are not followed)"
-                ]
-            )
-        want = s.tokens * meta.itemsize
-        if st.st_size != want:
-            raise DataError(
-                [
-                    f"{key} {file} holds {st.st_size:,} bytes, but meta.json says {s.tokens:,} {meta.dtype} tokens "
-                    f"({want:,} bytes): the shard was truncated, grown or replaced; prepare the dataset again "
-                    f"(hpcdist prepare ... --out {meta.path})"
-                ]
-            )
+            raise OSError(e.errno, f"{e.strerror} (a symbolic link is not followed)") from e
+    finally:
+        os.close(fd)
+    st = os.fstat(out)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(out)
+        raise OSError("is not a regular file")
+    return out
 
 
 def withdraw_meta(out_dir: Path) -> None:

@@ -25,15 +25,32 @@ def _inputs(items: Sequence[Path], globs: str) -> list[Path]:
     return found
 
 
-@refusing("prepare", ValueError, OSError)  # TokenizerError, CorpusError and PrepareRefused are ValueErrors
-def cmd_prepare(args: argparse.Namespace) -> int:
-    from hpcdist.data import load_tokenizer, prepare_corpus, stdlib_corpus
+def check_prepare_args(args: argparse.Namespace) -> None:
+    """The options that only mean something with --cluster (hpcdist.launch.prepare_array) are refused without it."""
+    cluster_only = [o for o, v in (("--tasks", args.tasks), ("--dry-run", args.dry_run), ("--after", args.after)) if v]
+    if getattr(args, "cluster", None) is None and cluster_only:
+        raise CommandError(f"prepare: {', '.join(cluster_only)} go with --cluster PROFILE (a SLURM job array)")
 
-    if args.megatron is not None:
-        return _import_megatron(args)
+
+def input_files(args: argparse.Namespace) -> list[Path]:
+    """prepare's inputs: --stdlib's files, then every input (directories searched with --glob). CommandError if
+    there is none."""
+    from hpcdist.data import stdlib_corpus
+
     files: list[Path] = [*(stdlib_corpus() if args.stdlib else []), *_inputs(args.inputs, args.glob)]
     if not files:
         raise CommandError("prepare: no input files (give files/directories, check --glob, or pass --stdlib)")
+    return files
+
+
+@refusing("prepare", ValueError, OSError)  # TokenizerError, CorpusError and PrepareRefused are ValueErrors
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from hpcdist.data import load_tokenizer, prepare_corpus
+
+    if args.megatron is not None:
+        return _import_megatron(args)
+    check_prepare_args(args)
+    files = input_files(args)
     tok = load_tokenizer(args.tokenizer)
     res = prepare_corpus(
         files,

@@ -147,7 +147,7 @@ def _json_lines(path: Path, lines: Iterator[bytes], field: str) -> Iterator[tupl
         yield without_surrogates(text), len(line)
 
 
-def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
+def _parquet(path: Path, field: str, row_groups: Sequence[int] | None = None) -> Iterator[tuple[str, int]]:
     # optional dependency, imported only when a parquet file is read
     try:
         import pyarrow.parquet as pq
@@ -157,7 +157,7 @@ def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
     names = pf.schema_arrow.names
     if field not in names:
         raise CorpusError(f"{path}: no column {field!r} (has: {', '.join(names)}); choose one with --text-field")
-    for batch in pf.iter_batches(columns=[field], batch_size=1024):
+    for batch in pf.iter_batches(columns=[field], batch_size=1024, row_groups=row_groups):
         for text in batch.column(0).to_pylist():
             if text is not None:
                 yield text, len(text.encode("utf-8"))

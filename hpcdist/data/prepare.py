@@ -24,7 +24,7 @@ import multiprocessing
 import os
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -45,6 +45,7 @@ from hpcdist.config.dataset_meta import (
 )
 from hpcdist.data import corpora
 from hpcdist.data.shards import DTYPES, SHARD_PATTERN, verify_shard
+from hpcdist.data.slices import Piece, iter_piece
 from hpcdist.data.tokenizers import TOKENIZER_DIR, ByteTokenizer, Tokenizer, copy_files, describe
 
 __all__ = ["PrepareRefused", "PrepareResult", "prepare_corpus", "prepare_shards"]
@@ -68,6 +69,9 @@ DURABLE_SHARD_BYTES = 1 << 20
 DRAIN_TIMEOUT_S = 300.0
 BATCH_BYTES = 1 << 20  # documents per task: large enough to amortize the pipe, small enough to keep workers busy
 BATCH_DOCS = 4096
+# Called with the number of complete shards after each one is recorded (the cluster prepare's kill test hook: a task
+# killed right after its first shard); None in normal runs.
+AFTER_SHARD: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -92,12 +96,14 @@ class PrepareResult:
         return self.bytes_read / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
-def _fingerprint(inputs: Sequence[Path], header: dict[str, Any]) -> str:
+def _fingerprint(inputs: Sequence[Path | Piece], header: dict[str, Any]) -> str:
     """Hash of what determines the output: input paths, sizes, mtimes, the options and the tokenizer files."""
     h = hashlib.sha256()
     h.update(json.dumps({"format": FORMAT_VERSION, **header}, sort_keys=True).encode())
     for item in inputs:
-        for f in corpora.input_files(item):
+        if isinstance(item, Piece):  # a slice of an input (a cluster prepare's part): which part of it too
+            h.update(f"\0{item.kind}\0{item.start}\0{item.end}".encode())
+        for f in corpora.input_files(Path(item.path) if isinstance(item, Piece) else item):
             st = os.stat(f)
             h.update(f"\0{os.fspath(f)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return h.hexdigest()
@@ -140,12 +146,17 @@ def _encode_in_worker(docs: list[str | bytes]) -> tuple[np.ndarray, np.ndarray]:
     return _encode(_WORKER_TOK, docs)
 
 
-def _batches(inputs: Sequence[Path], text_field: str) -> Iterator[tuple[list[str | bytes], int]]:
+def _batches(inputs: Sequence[Path | Piece], text_field: str) -> Iterator[tuple[list[str | bytes], int]]:
     """(documents, input bytes) batches, cut from the documents alone so they are the same on every run."""
     docs: list[str | bytes] = []
     size = 0
     for item in inputs:
-        for doc, n in corpora.iter_documents(item, text_field=text_field):
+        documents = (
+            iter_piece(item, text_field=text_field)
+            if isinstance(item, Piece)
+            else corpora.iter_documents(item, text_field=text_field)
+        )
+        for doc, n in documents:
             docs.append(doc)
             size += n
             if size >= BATCH_BYTES or len(docs) >= BATCH_DOCS:
@@ -182,7 +193,7 @@ class _Progress:
 
 
 def prepare_corpus(
-    inputs: Sequence[Path],
+    inputs: Sequence[Path | Piece],
     out_dir: Path,
     *,
     tokenizer: Tokenizer | None = None,
@@ -203,7 +214,7 @@ def prepare_corpus(
     module). A non-empty out_dir holding anything else raises :class:`PrepareRefused` unless `overwrite` (which
     replaces prepare's own files there: shards, meta.json, progress, and nothing else)."""
     tok: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
-    inputs = [Path(f) for f in inputs]
+    inputs = [f if isinstance(f, Piece) else Path(f) for f in inputs]
     out_dir = Path(out_dir)
     if dtype == "auto":
         dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
@@ -277,6 +288,8 @@ def prepare_corpus(
         fill = 0
         progress_log.write(json.dumps({**entry, "batch": position[0], "offset": position[1]}) + "\n")
         progress_log.flush()
+        if AFTER_SHARD is not None:
+            AFTER_SHARD(len(shards))
 
     def results() -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """(batch index, stream, lengths) in order; batches wholly inside kept shards are counted, not encoded."""

@@ -15,13 +15,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hpcdist.config.dataset_meta import DataError, DatasetMeta, check_shard_files, load_meta, open_regular
+from hpcdist.config.dataset_meta import DataError, DatasetMeta, check_shard_files, load_meta, open_shard
 from hpcdist.config.loader import ConfigError
 
 __all__ = [
     "SampleDataset",
     "SyntheticDataset",
     "TokenDataset",
+    "read_shard_problems",
     "verify_shard",
 ]
 
@@ -37,27 +38,20 @@ EAGER_VERIFY_BYTES = 2**30
 _VERIFIED: set[tuple[Any, ...]] = set()
 
 
-def verify_shard(meta: DatasetMeta, k: int, *, key: str = "data.path") -> None:
-    """Read shard ``k`` once: its sha256 must be the one prepare recorded, and every id below ``vocab_size`` (a
-    shard from before checksums were recorded gets the id check only). DataError naming the shard otherwise."""
+def read_shard_problems(meta: DatasetMeta, k: int) -> list[str]:
+    """Read shard ``k`` once (mapped: the read is bounded by the size meta.json gives) and say what is wrong with
+    it: its size, its sha256 against the recorded one, its largest id against ``vocab_size`` and the recorded
+    ``max_id`` (a shard from before checksums were recorded gets the size and id checks only). [] when it is
+    intact; each problem is a phrase about the shard (the caller names it)."""
     s = meta.shards[k]
-    file = meta.path / s.name
-    try:
-        fd = open_regular(file)
-    except OSError as e:
-        raise DataError([f"{key} {file}: {e.strerror or e}"]) from None
+    fd = open_shard(meta.path, s.name)  # OSError: missing, a link, a FIFO, a directory
     try:
         st = os.fstat(fd)
-        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, meta.dtype, meta.vocab_size, s)
-        if ident in _VERIFIED:
-            return
         if st.st_size != s.tokens * meta.itemsize:
-            raise DataError(
-                [
-                    f"{key} {file} holds {st.st_size:,} bytes, but meta.json says {s.tokens:,} "
-                    f"{meta.dtype} tokens: prepare the dataset again"
-                ]
-            )
+            return [
+                f"holds {st.st_size:,} bytes, but meta.json says {s.tokens:,} {meta.dtype} tokens "
+                f"({s.tokens * meta.itemsize:,} bytes): truncated, grown or replaced"
+            ]
         with mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else _Empty() as mm:
             ids = np.frombuffer(mm, dtype=DTYPES[meta.dtype])
             top = int(ids.max()) if len(ids) else -1
@@ -74,8 +68,31 @@ def verify_shard(meta: DatasetMeta, k: int, *, key: str = "data.path") -> None:
         )
     if digest is not None and digest != s.sha256:
         problems.append("its sha256 is not the one prepare recorded in meta.json: the file was changed after prepare")
-    elif s.max_id is not None and top != s.max_id and not problems:
+    elif s.max_id is not None and top != s.max_id and not problems and s.tokens:
         problems.append(f"its largest id is {top}, but meta.json records {s.max_id}: the dtype or the file changed")
+    return problems
+
+
+def verify_shard(meta: DatasetMeta, k: int, *, key: str = "data.path") -> None:
+    """Read shard ``k`` once: its sha256 must be the one prepare recorded, and every id below ``vocab_size`` (a
+    shard from before checksums were recorded gets the id check only). DataError naming the shard otherwise."""
+    s = meta.shards[k]
+    file = meta.path / s.name
+    try:
+        fd = open_shard(meta.path, s.name)
+    except OSError as e:
+        raise DataError([f"{key} {file}: {e.strerror or e}"]) from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, meta.dtype, meta.vocab_size, s)
+    if ident in _VERIFIED:
+        return
+    try:
+        problems = read_shard_problems(meta, k)
+    except OSError as e:
+        raise DataError([f"{key} {file}: {e.strerror or e}"]) from None
     if problems:
         raise DataError(
             [
@@ -177,7 +194,7 @@ class TokenDataset:
         # Opened lazily: a rank maps only the shards it touches, and pickling (spawned workers) stays cheap.
         if k not in self._maps:
             verify_shard(self._meta, k, key=self._key)  # remembered when __init__ checked it, else the first read
-            fd = open_regular(self.path / self._shard_names[k])  # never through a link, never a FIFO
+            fd = open_shard(self.path, self._shard_names[k])  # never through a link, never a FIFO
             try:
                 n = self._shard_tokens[k]
                 buf = mmap.mmap(fd, n * self._dtype.itemsize, access=mmap.ACCESS_READ) if n else b""

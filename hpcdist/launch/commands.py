@@ -175,9 +175,15 @@ def _local_record(job: str | None, run_dir: Path | None) -> dict[str, Any] | Non
 
 @refusing("status", SlurmError, UntrustedFile)  # UntrustedFile: another user's jobs.jsonl names pids and folders
 def cmd_status(args: argparse.Namespace) -> int:
+    from hpcdist.data.array import prepare_status
     from hpcdist.launch import records, slurm_cli
+    from hpcdist.launch.prepare_array import find_prepare
     from hpcdist.launch.sweep import sweep_status
 
+    prepare_out = find_prepare(args.job, args.run_dir)
+    if prepare_out is not None:  # a cluster prepare: its tasks' progress from the parts
+        print(prepare_status(prepare_out))
+        return 0
     table = sweep_status(args.job, args.run_dir) if args.job else None
     if table is not None:
         print(table)

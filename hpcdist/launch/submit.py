@@ -521,9 +521,11 @@ def prepare(
     *,
     dry_run: bool,
     force: bool,
+    data_later: bool = False,
 ) -> tuple[Prepared, list[str]]:
     """Load and check one job (cluster + config + memory); (prepared, data warnings). ConfigError lists every
-    problem of both files at once."""
+    problem of both files at once. ``data_later``: the job waits for another (``--after``), which may make its
+    prepared data (a cluster prepare's merge job): a dataset missing now is a warning, not a refusal."""
     problems: list[str] = []
     cluster_cfg = cfg = None
     try:
@@ -544,8 +546,14 @@ def prepare(
         problems = _check_fit(cfg, cluster_cfg, force=force)
     # the data must exist before a job waits in the queue for it; a dry run only warns
     data_problems = config_mod.check_data(cfg, strict=False)
-    if problems or (data_problems and not dry_run):
-        raise ConfigError(problems + data_problems)
+    refused = data_problems
+    if data_later:
+        from hpcdist.config.vocab import dataset_paths
+
+        later = [f"{key} {path}: no prepared dataset there (no complete meta.json)" for key, path in dataset_paths(cfg)]
+        refused = [p for p in data_problems if not any(p.startswith(m) for m in later)]
+    if problems or (refused and not dry_run):
+        raise ConfigError(problems + refused)
     return Prepared(cluster_cfg, cfg, job_name, folder, run_dir), data_problems
 
 
@@ -576,11 +584,13 @@ def launch(
     after: str | None = None,
     max_parallel: int | None = None,
     snapshot: bool | str = False,
+    attempt_loop: bool = True,
 ) -> list[JobHandle]:
     """Submit ``tasks`` with ``prep``'s cluster: one job, or (several tasks) one SLURM job array whose task i runs
     tasks[i] (its failure policy reads run_dirs[i]). ``after``: an sbatch dependency (``afterany:123``).
     ``snapshot``: copy the code into prep's run dir first and run the job from the copy (SLURM only); a string
-    is an existing snapshot directory to run from (a chain's later jobs)."""
+    is an existing snapshot directory to run from (a chain's later jobs). ``attempt_loop=False``: the step runs once,
+    without training's in-job restarts and failure policy (a cluster prepare's tasks, hpcdist.data.array)."""
     cluster = prep.cluster
     kind, why = choose_executor(cluster)
     if kind == "local" and (len(tasks) > 1 or after):
@@ -601,7 +611,10 @@ def launch(
                     Path.cwd(),
                 )
             # a config inside the checkout is read from the copy too (it is read when the job starts)
-            tasks = [dataclasses.replace(t, config_path=snap.map(t.config_path)) for t in tasks]
+            tasks = [
+                dataclasses.replace(t, config_path=snap.map(t.config_path)) if hasattr(t, "config_path") else t
+                for t in tasks
+            ]
             log.info("code snapshot %s (git commit %s%s)", code, snap.git_commit, ", dirty" if snap.dirty else "")
     if kind == "local" and cluster.executor != "local":
         log.warning("%s: running the job with submitit's LocalExecutor on this machine", why)
@@ -612,7 +625,11 @@ def launch(
             executor: Any = submitit.SlurmExecutor(folder=prep.folder, python=_supervised_python(cluster))
             dirs: str | Sequence[str] = run_dirs if run_dirs is not None and len(tasks) > 1 else prep.run_dir
             params = slurm_parameters(
-                cluster, job_name=prep.job_name, run_dir=dirs, snapshot=code, fault=getattr(prep.cfg, "fault", None)
+                cluster,
+                job_name=prep.job_name,
+                run_dir=dirs if attempt_loop else None,
+                snapshot=code,
+                fault=getattr(prep.cfg, "fault", None),
             )
             if after:
                 params["dependency"] = after
@@ -712,7 +729,9 @@ def submit_chain(
     except ValueError as e:
         raise ConfigError([str(e)]) from None
     overrides = [*overrides, "fault.requeue=false"] if n > 1 else list(overrides)
-    prep, warnings = prepare(config, overrides, cluster, params, dry_run=dry_run, force=force)
+    prep, warnings = prepare(
+        config, overrides, cluster, params, dry_run=dry_run, force=force, data_later=dep is not None
+    )
     for problem in warnings:
         print(f"hpcdist: warning: {problem}", file=sys.stderr, flush=True)
     if dry_run:

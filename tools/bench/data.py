@@ -21,6 +21,14 @@ Both parts measure against a baseline run in the same invocation (the machine is
    Two scenarios: this machine's local disk as it is, and a shared filesystem simulated by ``--read-latency-ms``
    (default 2 ms) of sleep before every sample read (``SlowReads``), the case prefetching exists for.
 
+3. **array** -- the cluster prepare (``hpcdist prepare --cluster P --tasks N``, issue 29) without the scheduler: the
+   same corpus (jsonl, byte tokenizer) planned into 2 and 4 slices, each part prepared by its own process (one
+   worker: what one array task on one core does) all at once, then merged; against the one-machine prepare (one
+   worker) of the same corpus in the same invocation. Reported: wall time, tokens/s per task, the merge time, and
+   the predicted wall time of ``--predict-tb`` TB of text on ``--predict-nodes`` nodes x ``--predict-cores`` cores
+   from the measured per-core rate (linear: the tasks share nothing but the filesystem; SLURM's start-up latency
+   and the filesystem's bandwidth are not in it). On 2 cores expect no speed-up from 4 tasks.
+
 Run from the repository root::
 
     python tools/bench/data.py                     # ~2-3 min on an idle 2-core machine
@@ -62,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         help="simulated shared-filesystem latency per sample read, second loader scenario (default 2)",
     )
+    p.add_argument("--array-mb", type=float, default=8.0, help="array part: corpus MB (default 8)")
+    p.add_argument("--predict-tb", type=float, default=1.0)
+    p.add_argument("--predict-nodes", type=int, default=32)
+    p.add_argument("--predict-cores", type=int, default=64)
+    p.add_argument("--array-bpe", action="store_true", help="array part: a byte-level BPE of --vocab, not bytes")
+    p.add_argument("--skip-array", action="store_true")
     p.add_argument("--skip-prepare", action="store_true")
     p.add_argument("--skip-loader", action="store_true")
     p.add_argument("--json", type=Path, default=Path("runs/bench/data.json"))
@@ -144,6 +158,71 @@ def bench_prepare(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     assert len({b["tokens"] for b in best.values()}) == 1, "prepare and the library counted different tokens"
     del out_dir
     return {"mb": nbytes / 1e6, "documents": len(docs), "vocab": args.vocab, "runs": runs, "best": best}
+
+
+def _part(out: Path, i: int) -> None:
+    from hpcdist.data.array import prepare_part
+
+    prepare_part(out, i, workers=1)
+    os._exit(0)  # the forked copy of this process: no interpreter teardown
+
+
+def bench_array(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """One-machine prepare (1 worker) vs the array's parts (2 and 4 tasks, one process each, all at once) + merge."""
+    import multiprocessing
+
+    from hpcdist.data.array import merge_parts, plan_prepare, write_plan
+
+    corpus = root / "array-corpus.jsonl"
+    _, nbytes = write_corpus(corpus, args.array_mb)
+    spec = "byte"
+    if args.array_bpe:
+        train_bpe([corpus], vocab_size=args.vocab, out_dir=root / "array-tok")
+        spec = str(root / "array-tok")
+    rows: dict[str, dict[str, float]] = {}
+    res = prepare_corpus([corpus], root / "array-one", tokenizer=load_tokenizer(spec), workers=1)
+    rows["one machine, 1 worker"] = {"tasks": 1, "seconds": res.seconds, "tokens": res.num_tokens, "merge_s": 0.0}
+    one = (root / "array-one" / "meta.json").read_text()
+    for n in (2, 4):
+        out = root / f"array-{n}"
+        t0 = time.perf_counter()
+        write_plan(out, plan_prepare([corpus], out, tokenizer=spec, tasks=n))
+        plan_s = time.perf_counter() - t0
+        procs = [multiprocessing.get_context("fork").Process(target=_part, args=(out, i)) for i in range(n)]
+        t1 = time.perf_counter()
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+            assert proc.exitcode == 0, f"part failed: {proc.exitcode}"
+        parts_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        meta = merge_parts(out)
+        merge_s = time.perf_counter() - t2
+        assert meta.num_tokens == res.num_tokens and json.loads(one)["fingerprint"] == meta.fingerprint
+        rows[f"array, {n} tasks"] = {
+            "tasks": n,
+            "seconds": plan_s + parts_s + merge_s,
+            "tokens": meta.num_tokens,
+            "plan_s": plan_s,
+            "parts_s": parts_s,
+            "merge_s": merge_s,
+        }
+    per_core = nbytes / rows["one machine, 1 worker"]["seconds"]  # bytes/s of one worker on one core
+    cores = args.predict_nodes * args.predict_cores
+    predict_s = args.predict_tb * 1e12 / (per_core * cores)
+    kind = f"BPE {args.vocab}" if args.array_bpe else "byte tokenizer"
+    print(f"\n## array prepare: {nbytes / 1e6:.1f} MB of jsonl, {kind}, {os.cpu_count()} cores")
+    print(f"{'':24} {'wall s':>8} {'tokens/s':>12} {'tokens/s/task':>14} {'merge s':>8}")
+    for name, r in rows.items():
+        tps = r["tokens"] / r["seconds"]
+        print(f"{name:24} {r['seconds']:8.2f} {tps:12,.0f} {tps / r['tasks']:14,.0f} {r['merge_s']:8.3f}")
+    print(
+        f"per-core rate {per_core / 1e6:.2f} MB/s: {args.predict_tb:g} TB on {args.predict_nodes} nodes x "
+        f"{args.predict_cores} cores ({cores} workers) ~ {predict_s / 3600:.2f} h (linear; no scheduler or filesystem "
+        "limit in it)"
+    )
+    return {"mb": nbytes / 1e6, "rows": rows, "per_core_mb_s": per_core / 1e6, "predict_hours": predict_s / 3600}
 
 
 class SlowReads:
@@ -268,6 +347,8 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory(prefix="hpcdist-bench-data-") as tmp:
         root = Path(tmp)
+        if not args.skip_array:
+            out["array"] = bench_array(args, root)
         if not args.skip_prepare:
             out["prepare"] = bench_prepare(args, root)
         if not args.skip_loader:
