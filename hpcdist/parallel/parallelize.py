@@ -53,10 +53,42 @@ def _save_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+_SAVE_ONLY_MODES: dict[type, type] = {}
+
+
+def _save_ops_only(mode_cls: type) -> type:
+    """``mode_cls`` (one of torch's two SAC dispatch modes) narrowed to the ops in ``_SAC_SAVE_OPS``: every other op
+    runs as if no mode were there, in the forward and in the recompute alike. torch's own modes record every op of
+    the forward and refuse any op in the recompute that the forward did not run ("... encountered during backward
+    but not found in storage"), yet what a block's forward dispatches is not a function of the block alone: ZeRO-3's
+    pre-forward hooks all-gather a parameter (c10d._allgather_base_ plus DeepSpeed's copies) only where the
+    partition coordinator has not fetched it already, which differs between the forward and the recompute (after a
+    checkpoint load, with prefetch), and DTensor's functional collectives pair each collective with a wait_tensor
+    whose recompute must run, not return a cached handle. Such ops are recomputed anyway under this policy, so the
+    narrowed modes compute the same values; only the saved ops' order must match, and a block runs its matmuls in
+    one fixed order. Under tracing (compile) torch's modes run unchanged: they tag the graph for the partitioner."""
+    sub = _SAVE_ONLY_MODES.get(mode_cls)
+    if sub is None:
+        from torch.utils.checkpoint import _is_compiling
+
+        def dispatch(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func not in _SAC_SAVE_OPS and not _is_compiling(func, args, kwargs or {}):
+                return func(*args, **(kwargs or {}))
+            return mode_cls.__torch_dispatch__(self, func, types, args, kwargs)
+
+        sub = _SAVE_ONLY_MODES[mode_cls] = type(
+            mode_cls.__name__ + "SaveOpsOnly", (mode_cls,), {"__torch_dispatch__": dispatch}
+        )
+    return sub
+
+
 def _selective_context_fn() -> tuple[Any, Any]:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(_save_expensive_ops)
+    modes = create_selective_checkpoint_contexts(_save_expensive_ops)
+    for mode in modes:  # a class swap keeps torch's constructor, whose arguments differ between torch releases
+        mode.__class__ = _save_ops_only(type(mode))
+    return modes
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
