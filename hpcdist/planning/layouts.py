@@ -361,6 +361,8 @@ def enumerate_layouts(
             if pp > 1 and global_batch_size // (b * dp) < pp:
                 continue  # 1F1B keeps every stage busy only with at least pp micro-batches
             for ac in ACTIVATION_CHECKPOINTING:
+                if ac == "selective" and tp > 1:
+                    continue  # refused by the config's validation (hpcdist.config.rules.SELECTIVE_TP_REFUSAL)
                 out.append(Layout(pp, dp, tp, b, ac, dp_replicate=dp_replicate, zero_stage=zero_stage))
 
     for kind in wanted:
