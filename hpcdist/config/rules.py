@@ -43,7 +43,8 @@ __all__ = [
 
 VERIFY_MODES: tuple[str, ...] = ("checksum", "size", "none")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
-DTYPES = ("auto", "fp32", "bf16")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+PARAM_DTYPES = ("auto", "fp32", "bf16")  # parallel.fsdp.param_dtype: fp16 comes with train.dtype=fp16 only
 LR_SCHEDULES = ("cosine", "linear", "constant")
 BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
 CHECKPOINT_MARKER = "COMPLETE"  # hpcdist.checkpoint.MARKER, written last by a save (same reason)
@@ -432,6 +433,15 @@ def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
     p += _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     if t.activation_checkpointing == "selective" and cfg.parallel.tp > 1:
         p.append(SELECTIVE_TP_REFUSAL)
+    if t.dtype == "fp16" and kind is LayoutKind.THREE_D and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        # the scaler must unscale every stage's and tp shard's gradients and agree on one overflow verdict across
+        # the pp and tp groups before any stage steps: not built (ShardedGradScaler reduces over one group)
+        p.append(
+            "train.dtype=fp16 with parallel.tp > 1 or parallel.pp > 1: dynamic loss scaling is built for ddp, fsdp "
+            "and zero only; use train.dtype=bf16 with tp/pp, or parallel.strategy=fsdp / zero for fp16"
+        )
+    if t.dtype == "fp16" and cfg.parallel.fsdp.param_dtype == "bf16":
+        p.append("parallel.fsdp.param_dtype=bf16 with train.dtype=fp16: set parallel.fsdp.param_dtype=auto (fp16)")
     p += _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
     p += _positive_problems(
         cfg, ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches"]
@@ -453,7 +463,7 @@ def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
 def _check_parallel(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
     par = cfg.parallel
     p = _choice("parallel.strategy", par.strategy, STRATEGIES)
-    p += _choice("parallel.fsdp.param_dtype", par.fsdp.param_dtype, DTYPES)
+    p += _choice("parallel.fsdp.param_dtype", par.fsdp.param_dtype, PARAM_DTYPES)
     p += _choice("parallel.fsdp.reduce_dtype", par.fsdp.reduce_dtype, ("fp32", "bf16"))
     if par.fsdp.replicate < 1:
         p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {par.fsdp.replicate}")

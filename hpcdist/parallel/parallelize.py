@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from hpcdist.config import JobConfig, grad_accum_steps
+from hpcdist.config import ConfigError, JobConfig, grad_accum_steps
 from hpcdist.env import DistEnv, export_environ
 from hpcdist.models.llama import Transformer
 from hpcdist.optim import optimizer_builder
@@ -112,9 +112,25 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    if dtype == "fp16":
+        return torch.float16  # with a loss scaler (grad_scaler)
     if dtype == "bf16" or (dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None  # fp32: no autocast
+
+
+def grad_scaler(cfg: JobConfig, device: torch.device, *, sharded: bool) -> Any:
+    """train.dtype=fp16's dynamic loss scaler: torch's GradScaler (ddp, one process: every rank holds the same
+    reduced gradients, so every rank finds the same overflow) or its sharded form (FSDP2: each rank sees its shards
+    only; the overflow verdict is all-reduced). None for other dtypes. torch's defaults: 2**16, x2 every 2000 steps
+    without overflow, /2 on an overflow."""
+    if cfg.train.dtype != "fp16":
+        return None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
 
 
 def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dict:
@@ -128,6 +144,7 @@ def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dic
         dp_size=dp_size,
         grad_clip=cfg.optim.grad_clip,
         bf16=autocast_dtype(cfg.train.dtype, device) is torch.bfloat16,
+        fp16=cfg.train.dtype == "fp16",
         offload_optimizer=z.offload_optimizer,
         offload_params=z.offload_params,
         overlap_comm=z.overlap_comm,
@@ -158,6 +175,7 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
     }
     if not dims.needs_mesh:  # pure replication (or one rank): one whole model, DDP when there are replicas
         ddp = cfg.parallel.ddp
+        common["grad_scaler"] = grad_scaler(cfg, device, sharded=False)
         return DDPStrategy(
             stages.parts[0],
             bucket_cap_mb=ddp.bucket_cap_mb,
@@ -166,6 +184,7 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
             seq_len=cfg.data.seq_len,
             **common,
         )
+    common["grad_scaler"] = grad_scaler(cfg, device, sharded=True)  # fp16: fsdp only (the config refuses tp/pp)
     return MeshStrategy(
         stages.parts,
         dims=dims,
@@ -181,6 +200,14 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
 def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy:
     """DeepSpeed's engine on the materialized whole model; it wraps the optimizer and schedule itself."""
     device = env.torch_device()
+    if cfg.train.dtype == "fp16" and device.type != "cuda":
+        # DeepSpeed's CPU accelerator reports no fp16 support (is_fp16_supported() is None, deepspeed 0.19)
+        raise ConfigError(
+            [
+                "train.dtype=fp16 with parallel.strategy=zero needs GPUs (DeepSpeed has no fp16 mode on CPU); "
+                "use train.dtype=fp32 or bf16 here, or parallel.strategy=ddp / fsdp for fp16 on CPU"
+            ]
+        )
     # DeepSpeed asserts LOCAL_RANK even for one process; hpcdist.run exports it with the process group, a
     # Trainer built directly (the Python API, one process, no init_process_group) did not
     export_environ(env)

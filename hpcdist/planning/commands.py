@@ -69,6 +69,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         seq_len=cfg.data.seq_len,
         hw=hw,
         reduce_bytes=planner.grad_reduce_bytes(cfg),
+        fp16=cfg.train.dtype == "fp16",
     )
     if not estimates:
         raise CommandError(

@@ -104,6 +104,7 @@ def check_fit(cfg: JobConfig, cluster: ClusterConfig) -> FitCheck | None:
         seq_len=cfg.data.seq_len,
         hw=hw,
         reduce_bytes=planner.grad_reduce_bytes(cfg),
+        fp16=cfg.train.dtype == "fp16",
     )
     try:
         _, chosen, _ = planner.pick(cfg, estimates, cluster.world_size, cluster.gpus_per_node)

@@ -347,8 +347,10 @@ def enumerate_layouts(
     seq_len: int,
     strategies: Iterable[str] = LAYOUT_STRATEGIES,
     micro_batch_sizes: Sequence[int] | None = None,
+    fp16: bool = False,
 ) -> list[Layout]:
-    """Every layout of the module docstring that divides the world and the global batch evenly."""
+    """Every layout of the module docstring that divides the world and the global batch evenly; with ``fp16``
+    (train.dtype=fp16) none with tp or pp, which the config refuses with it (no loss scaler across stages)."""
     nodes, per_node = _cluster_shape(world_size, gpus_per_node)
     unknown = [s for s in strategies if s not in LAYOUT_STRATEGIES]
     if unknown:
@@ -357,6 +359,8 @@ def enumerate_layouts(
     out: list[Layout] = []
 
     def add(pp: int, dp: int, tp: int, *, dp_replicate: int = 1, zero_stage: int = 0) -> None:
+        if fp16 and (pp > 1 or tp > 1):
+            return  # hpcdist.config.rules refuses train.dtype=fp16 with tp/pp
         for b in _micro_batches(global_batch_size, dp, micro_batch_sizes):
             if pp > 1 and global_batch_size // (b * dp) < pp:
                 continue  # 1F1B keeps every stage busy only with at least pp micro-batches
@@ -398,6 +402,7 @@ def rank_layouts(
     reduce_bytes: int = 4,
     strategies: Iterable[str] = LAYOUT_STRATEGIES,
     micro_batch_sizes: Sequence[int] | None = None,
+    fp16: bool = False,
 ) -> list[StepEstimate]:
     """Estimates for every layout, best first: fitting ones by tokens/s/GPU (ties: less memory, simpler), then
     the ones that do not fit in the same order."""
@@ -409,6 +414,7 @@ def rank_layouts(
         seq_len=seq_len,
         strategies=strategies,
         micro_batch_sizes=micro_batch_sizes,
+        fp16=fp16,
     )
     estimates = [
         estimate_step(
@@ -677,6 +683,7 @@ def resolve_auto(
             seq_len=cfg.data.seq_len,
             hw=hw,
             reduce_bytes=grad_reduce_bytes(cfg),
+            fp16=cfg.train.dtype == "fp16",
         )
     except ValueError as e:
         raise ConfigError([f"parallel.strategy=auto: {e}"]) from None

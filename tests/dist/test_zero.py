@@ -101,8 +101,14 @@ def test_zero3_selective_checkpointing_matches_single_process(small_cfg, ref, tm
     checkpoint names the parameters as the plain model does (no wrapper components: a run without checkpointing,
     with compile, or on another strategy loads it)."""
     cfg = small_cfg(
-        f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4", "parallel.strategy=zero",
-        "parallel.zero.stage=3", "train.activation_checkpointing=selective", *NO_CKPT, run_dir=tmp_path / "zero",
+        f"train.steps={STEPS}",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "parallel.strategy=zero",
+        "parallel.zero.stage=3",
+        "train.activation_checkpointing=selective",
+        *NO_CKPT,
+        run_dir=tmp_path / "zero",
     )
     out = run_ranks(2, _train_and_keys, cfg)[0]
     torch.testing.assert_close(_losses(out), _losses(ref), rtol=RTOL, atol=0)

@@ -197,7 +197,12 @@ def test_selective_with_tensor_parallelism_is_refused_and_never_planned():
     from hpcdist.planning.layouts import enumerate_layouts
 
     rows = enumerate_layouts(
-        ModelArgs(**load_preset("125m")), world_size=8, gpus_per_node=8, global_batch_size=16, seq_len=1024, strategies=["3d"]
+        ModelArgs(**load_preset("125m")),
+        world_size=8,
+        gpus_per_node=8,
+        global_batch_size=16,
+        seq_len=1024,
+        strategies=["3d"],
     )
     assert {r.activation_checkpointing for r in rows if r.tp == 1} == {"none", "full", "selective"}
     assert rows and {r.activation_checkpointing for r in rows if r.tp > 1} == {"none", "full"}
