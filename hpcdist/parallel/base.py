@@ -184,12 +184,15 @@ class Strategy:
         assert self.scaler is not None and self._params is not None
         found = self.scaler._found_inf_per_device(self.optimizer)  # what scaler.step decides on, synced once here
         self.last_step_overflow = bool(sum(float(v.item()) for v in found.values()))
-        if not self.last_step_overflow and self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm, foreach=True)
-        self.scaler.step(self.optimizer)
         if not self.last_step_overflow:
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm, foreach=True)
+            # the gradients are unscaled already and the verdict is known: scaler.step would only repeat both, and
+            # hands the fused AdamW ShardedGradScaler's (1,)-shaped found_inf, which it refuses ("output with
+            # shape [] doesn't match the broadcast shape [1]", torch 2.13)
+            self.optimizer.step()
             self.scheduler.step()
-        self.scaler.update()
+        self.scaler.update()  # from the verdict unscale_ recorded
         self.overflow_steps += self.last_step_overflow
         self.optimizer.zero_grad(set_to_none=True)
 

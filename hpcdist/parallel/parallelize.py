@@ -119,14 +119,16 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     return None  # fp32: no autocast
 
 
-def grad_scaler(cfg: JobConfig, device: torch.device, *, sharded: bool) -> Any:
-    """train.dtype=fp16's dynamic loss scaler: torch's GradScaler (ddp, one process: every rank holds the same
-    reduced gradients, so every rank finds the same overflow) or its sharded form (FSDP2: each rank sees its shards
-    only; the overflow verdict is all-reduced). None for other dtypes. torch's defaults: 2**16, x2 every 2000 steps
-    without overflow, /2 on an overflow."""
+def grad_scaler(cfg: JobConfig, device: torch.device) -> Any:
+    """train.dtype=fp16's dynamic loss scaler (None for other dtypes); torch's defaults: 2**16, x2 after 2000 steps
+    without overflow, /2 on an overflow. With several ranks the sharded form (torch.distributed.fsdp's
+    ShardedGradScaler), under DDP too: it all-reduces the overflow verdict (one float per step), so every rank skips
+    the same steps. FSDP2 needs that (each rank sees its shards only); DDP's ranks hold the same reduced gradients,
+    except where one rank's went bad after the reduce (as the non-finite skip, hpcdist.parallel.base._update), and
+    a replica that skipped alone would silently diverge (test_fp16_two_ranks_overflow_on_one_rank: it did)."""
     if cfg.train.dtype != "fp16":
         return None
-    if sharded:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device.type)
@@ -175,7 +177,7 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
     }
     if not dims.needs_mesh:  # pure replication (or one rank): one whole model, DDP when there are replicas
         ddp = cfg.parallel.ddp
-        common["grad_scaler"] = grad_scaler(cfg, device, sharded=False)
+        common["grad_scaler"] = grad_scaler(cfg, device)
         return DDPStrategy(
             stages.parts[0],
             bucket_cap_mb=ddp.bucket_cap_mb,
@@ -184,7 +186,7 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
             seq_len=cfg.data.seq_len,
             **common,
         )
-    common["grad_scaler"] = grad_scaler(cfg, device, sharded=True)  # fp16: fsdp only (the config refuses tp/pp)
+    common["grad_scaler"] = grad_scaler(cfg, device)  # fp16: fsdp only (the config refuses tp/pp)
     return MeshStrategy(
         stages.parts,
         dims=dims,
