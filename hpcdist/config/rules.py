@@ -440,6 +440,12 @@ def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
             "train.dtype=fp16 with parallel.tp > 1 or parallel.pp > 1: dynamic loss scaling is built for ddp, fsdp "
             "and zero only; use train.dtype=bf16 with tp/pp, or parallel.strategy=fsdp / zero for fp16"
         )
+    if t.dtype == "fp16" and t.nonfinite_triage:
+        # every inf/NaN gradient is the loss scaler's overflow skip in fp16, so the triage would never run
+        p.append(
+            "train.nonfinite_triage with train.dtype=fp16: a non-finite step is the loss scaler's overflow skip "
+            "there; set train.nonfinite_triage=false, or train in bf16 / fp32 to triage NaN steps"
+        )
     if t.dtype == "fp16" and cfg.parallel.fsdp.param_dtype == "bf16":
         p.append("parallel.fsdp.param_dtype=bf16 with train.dtype=fp16: set parallel.fsdp.param_dtype=auto (fp16)")
     p += _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)

@@ -85,6 +85,8 @@ def test_fp16_line_shows_the_skips() -> None:
 def test_fp16_refused_with_tp_pp_and_zero_on_cpu(small_cfg) -> None:
     with pytest.raises(ConfigError, match=r"train\.dtype=fp16 with parallel\.tp > 1 or parallel\.pp > 1"):
         small_cfg("train.dtype=fp16", "parallel.strategy=3d", "parallel.pp=2")
+    with pytest.raises(ConfigError, match=r"train\.nonfinite_triage with train\.dtype=fp16"):
+        small_cfg("train.dtype=fp16", "train.nonfinite_triage=true")
     cfg = small_cfg("train.dtype=fp16", "parallel.strategy=zero", "parallel.zero.stage=2")
     with pytest.raises(ConfigError, match=r"train\.dtype=fp16 with parallel\.strategy=zero needs GPUs"):
         single(lambda env, c: Trainer(c, env), cfg)
