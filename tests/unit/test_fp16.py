@@ -24,6 +24,7 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def _train(env: Any, cfg: Any, until: int | None = None) -> dict[str, Any]:
     trainer = Trainer(cfg, env)
+    assert trainer.strategy.autocast_dtype is torch.float16  # fp16 compute, not fp32 with a scaler
     result = trainer.train(until=until)
     params = {n: p.detach().clone() for n, p in trainer.strategy.module.named_parameters()}
     return {"losses": result.losses, "scaler": trainer.strategy.scaler_state(), "params": params}
