@@ -45,7 +45,8 @@ __all__ = [
 
 VERIFY_MODES: tuple[str, ...] = ("checksum", "size", "none")
 DATA_SOURCES = ("stdlib", "files", "synthetic")
-DTYPES = ("auto", "fp32", "bf16")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+PARAM_DTYPES = ("auto", "fp32", "bf16")  # parallel.fsdp.param_dtype: fp16 comes with train.dtype=fp16 only
 LR_SCHEDULES = ("cosine", "linear", "constant")
 BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
 BYTE_EOS = 257  # hpcdist.data.ByteTokenizer.eos_id, likewise
@@ -412,6 +413,15 @@ def _check_optim(cfg: JobConfig) -> list[str]:
     return p
 
 
+# Selective checkpointing under tensor parallelism: the recompute of DTensor's functional collectives segfaulted a
+# rank in wait_tensor (tests/dist/test_3d.py, interleaved pp2 x tp2, torch 2.13, 2026-11-26; once in three runs, not
+# reproduced since and not understood), so the combination is refused and the planner does not offer it.
+SELECTIVE_TP_REFUSAL = (
+    "train.activation_checkpointing=selective with parallel.tp > 1: the recompute of tensor parallelism's collectives "
+    "crashed a rank (torch 2.13); use train.activation_checkpointing=full (or none) with tp, or parallel.tp=1"
+)
+
+
 def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
     t = cfg.train
     p = _choice("train.nonfinite", t.nonfinite, ("stop", "skip"))
@@ -429,6 +439,23 @@ def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
         p.append(f"train.max_nonfinite_skips: must be >= 1, got {t.max_nonfinite_skips}")
     p += _choice("train.dtype", t.dtype, DTYPES)
     p += _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+    if t.activation_checkpointing == "selective" and cfg.parallel.tp > 1:
+        p.append(SELECTIVE_TP_REFUSAL)
+    if t.dtype == "fp16" and kind is LayoutKind.THREE_D and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        # the scaler must unscale every stage's and tp shard's gradients and agree on one overflow verdict across
+        # the pp and tp groups before any stage steps: not built (ShardedGradScaler reduces over one group)
+        p.append(
+            "train.dtype=fp16 with parallel.tp > 1 or parallel.pp > 1: dynamic loss scaling is built for ddp, fsdp "
+            "and zero only; use train.dtype=bf16 with tp/pp, or parallel.strategy=fsdp / zero for fp16"
+        )
+    if t.dtype == "fp16" and t.nonfinite_triage:
+        # every inf/NaN gradient is the loss scaler's overflow skip in fp16, so the triage would never run
+        p.append(
+            "train.nonfinite_triage with train.dtype=fp16: a non-finite step is the loss scaler's overflow skip "
+            "there; set train.nonfinite_triage=false, or train in bf16 / fp32 to triage NaN steps"
+        )
+    if t.dtype == "fp16" and cfg.parallel.fsdp.param_dtype == "bf16":
+        p.append("parallel.fsdp.param_dtype=bf16 with train.dtype=fp16: set parallel.fsdp.param_dtype=auto (fp16)")
     p += _choice("train.compile_backend", t.compile_backend, COMPILE_BACKENDS)
     p += _positive_problems(
         cfg, ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.eval_batches"]
@@ -450,7 +477,7 @@ def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
 def _check_parallel(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
     par = cfg.parallel
     p = _choice("parallel.strategy", par.strategy, STRATEGIES)
-    p += _choice("parallel.fsdp.param_dtype", par.fsdp.param_dtype, DTYPES)
+    p += _choice("parallel.fsdp.param_dtype", par.fsdp.param_dtype, PARAM_DTYPES)
     p += _choice("parallel.fsdp.reduce_dtype", par.fsdp.reduce_dtype, ("fp32", "bf16"))
     if par.fsdp.replicate < 1:
         p.append(f"parallel.fsdp.replicate: must be >= 1 (1 = plain FSDP), got {par.fsdp.replicate}")

@@ -158,7 +158,10 @@ class TrainConfig:
     micro_batch_size: int = 8
     """Samples per forward pass per rank; accumulation = global / (micro * data-parallel size)."""
     dtype: str = "auto"
-    """auto = bf16 autocast on GPU, fp32 on CPU."""
+    """auto = bf16 autocast on GPU, fp32 on CPU; fp32, bf16; fp16 = fp16 autocast with dynamic loss scaling (GPUs
+    without bf16, e.g. V100): torch's GradScaler (ddp, one process), its sharded form (fsdp), DeepSpeed's fp16 mode
+    (zero, GPU only); an overflow step is skipped by the scaler (counted as ``scaler_skips``), not a non-finite
+    stop. Not with tp/pp."""
     activation_checkpointing: str | bool = "none"
     """none; full = keep each block's input only and recompute the whole block in backward (least memory, ~1/3 more
     compute); selective = op-level: keep the outputs of the expensive ops (every matmul, attention) and recompute the

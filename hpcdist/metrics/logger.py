@@ -46,6 +46,9 @@ def format_line(step: int, total_steps: int, m: Mapping[str, float]) -> str:
         parts.append(f"lr {m['lr']:.2e}")
     if "grad_norm" in m:
         parts.append(f"gnorm {m['grad_norm']:.3g}")
+    if "scaler_skips" in m:  # fp16: updates the loss scaler skipped (overflow), and the scale now
+        scale = f" (scale {m['loss_scale']:.3g})" if "loss_scale" in m else ""
+        parts.append(f"skips {m['scaler_skips']:.0f}{scale}")
     if "tokens_per_s" in m:
         # torchtitan's convention: integer tokens/s with thousands separators; per device when the job has several
         tps = f"tps {m['tokens_per_s']:,.0f}"

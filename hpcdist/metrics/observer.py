@@ -265,6 +265,10 @@ class Observer:
             m["comm_share"] = comm[1] / w.step_s if w.step_s else 0.0
         if cfg.train.nonfinite == "skip":
             m["nonfinite_skips"] = float(self.nonfinite.skipped_total)
+        if cfg.train.dtype == "fp16":  # the loss scaler's skipped (overflow) steps, in the whole run
+            m["scaler_skips"] = float(self.strategy.overflow_steps)
+            if (scale := self.strategy.loss_scale()) is not None:
+                m["loss_scale"] = scale
         every = cfg.logging.replica_check_every_steps
         if every and r.step % every == 0 and self.strategy.has_replicas():
             m["replica_divergence"] = check_replicas(self.strategy, step=r.step, rank=self.env.rank)

@@ -19,6 +19,7 @@ unwrapped model) by tests and the checkpoint's FQNs. Adding a strategy never tou
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
 from hpcdist.optim import OptimizerBuilder
+
+
+def _overflow_injection() -> frozenset[int]:
+    """Test-only (never on real jobs): HPCDIST_TEST_FP16_OVERFLOW_AT=2,5 sets one gradient to inf before the loss
+    scaler unscales at this process's 2nd and 5th optimizer step, as an fp16 overflow would."""
+    raw = os.environ.get("HPCDIST_TEST_FP16_OVERFLOW_AT", "")
+    return frozenset(int(x) for x in raw.split(",") if x.strip().isdigit())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -63,6 +71,7 @@ class Strategy:
         autocast_dtype: torch.dtype | None,
         dp_group: dist.ProcessGroup | None,
         build_optimizer: OptimizerBuilder,
+        grad_scaler: Any = None,
     ):
         self.device, self.grad_accum, self.micro_batch_size = device, grad_accum, micro_batch_size
         self.grad_clip, self.autocast_dtype, self.dp_group = grad_clip, autocast_dtype, dp_group
@@ -70,6 +79,12 @@ class Strategy:
         self._params: list[torch.Tensor] | None = None
         self.last_step_skipped = False  # the last optimizer_step dropped a non-finite update
         self.last_local_grads_finite = True  # when it did: this rank's gradients were finite (hpcdist.fault.triage)
+        # train.dtype=fp16: torch's (sharded) GradScaler (hpcdist.parallel.parallelize.grad_scaler); None otherwise
+        self.scaler = grad_scaler
+        self.last_step_overflow = False  # the scaler found inf/NaN gradients and skipped the last update
+        self.overflow_steps = 0  # such steps in the whole run (resumed from the checkpoint)
+        self._unscale_calls = 0
+        self._inject_overflow = _overflow_injection()
 
     def _attach_optimizer(self, module: nn.Module) -> None:
         """Build the optimizer and LR schedule over ``module`` (the wrapped model, or what DeepSpeed will wrap);
@@ -100,9 +115,22 @@ class Strategy:
         for i, (inputs, targets) in enumerate(self._micro_batches(batch)):
             with self._sync_context(i == self.grad_accum - 1), self._autocast():
                 loss = cross_entropy(self.model(inputs), targets) / self.grad_accum
-            loss.backward()
+            self._backward(loss)
             total += loss.detach()
         return total
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def _unscale(self) -> None:
+        """fp16: divide the gradients by the loss scale before the norm and the clip (they see true gradients)."""
+        if self.scaler is None:
+            return
+        self._unscale_calls += 1
+        if self._unscale_calls in self._inject_overflow:  # test hook: one scaled gradient overflows
+            grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
+            _local(grad).fill_(float("inf"))
+        self.scaler.unscale_(self.optimizer)
 
     def optimizer_step(self, *, skip_nonfinite: bool = False) -> torch.Tensor:
         """Clip, step, advance the LR schedule, zero grads. Returns the pre-clip global gradient norm.
@@ -112,6 +140,7 @@ class Strategy:
         every rank decides alike even where the norm is a replica's own (DDP)."""
         if self._params is None:  # built once: the parameter set never changes after wrapping
             self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._unscale()
         # clip_grad_norm_ is these two calls; split so a skipped step can look at its gradients before clipping
         # (a NaN norm makes the clip coefficient NaN, which would spread to every gradient)
         norm = torch.nn.utils.get_total_norm([p.grad for p in self._params if p.grad is not None], foreach=True)
@@ -125,6 +154,9 @@ class Strategy:
         what lets the NaN triage re-run the step from the state before it (hpcdist.fault.triage)."""
         assert self._params is not None
         self.last_step_skipped = False
+        if self.scaler is not None:
+            self._scaler_update(norm)
+            return
         if skip_nonfinite:
             # agreed by every rank: DDP's norm is each replica's own, and a replica that went bad after the reduce
             # (a bit flip) would otherwise skip alone: replicas diverge, and the NaN triage hangs in its re-run
@@ -143,6 +175,54 @@ class Strategy:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _scaler_update(self, norm: torch.Tensor) -> None:
+        """fp16: inf/NaN gradients are an overflow of the loss scale, not a bad step: the scaler skips the update
+        (optimizer and LR schedule untouched, as train.nonfinite=skip would) and halves the scale; otherwise clip,
+        step, and the scale grows after its growth interval. Every rank finds the same (GradScaler: the reduced
+        gradients; ShardedGradScaler: an all-reduced verdict)."""
+        assert self.scaler is not None and self._params is not None
+        found = self.scaler._found_inf_per_device(self.optimizer)  # what scaler.step decides on, synced once here
+        self.last_step_overflow = bool(sum(float(v.item()) for v in found.values()))
+        if not self.last_step_overflow:
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm, foreach=True)
+            # the gradients are unscaled already and the verdict is known: scaler.step would only repeat both, and
+            # hands the fused AdamW ShardedGradScaler's (1,)-shaped found_inf, which it refuses ("output with
+            # shape [] doesn't match the broadcast shape [1]", torch 2.13)
+            self.optimizer.step()
+            self.scheduler.step()
+        self.scaler.update()  # from the verdict unscale_ recorded
+        self.overflow_steps += self.last_step_overflow
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        """fp16: the loss scale, the clean steps towards its next growth and the overflow count (the checkpoint's
+        trainer_state.json); None without a scaler."""
+        if self.scaler is None:
+            return None
+        return {
+            "scale": float(self.scaler.get_scale()),
+            "growth_tracker": int(self.scaler._get_growth_tracker()),
+            "overflow_steps": self.overflow_steps,
+        }
+
+    def loss_scale(self) -> float | None:
+        """fp16: the current loss scale (a device sync: log steps only); None without a scaler."""
+        return float(self.scaler.get_scale()) if self.scaler is not None else None
+
+    def load_scaler_state(self, state: dict[str, Any]) -> None:
+        """``state``: from a checkpoint's trainer_state.json (another user's file): validated before use."""
+        if self.scaler is None:
+            return
+        scale, tracker, skips = state.get("scale"), state.get("growth_tracker"), state.get("overflow_steps")
+        if not (isinstance(scale, float) and 0 < scale < float("inf")):
+            raise ValueError(f"grad_scaler.scale must be a positive finite number, got {scale!r}")
+        for key, v in (("growth_tracker", tracker), ("overflow_steps", skips)):
+            if not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62):
+                raise ValueError(f"grad_scaler.{key} must be a non-negative integer, got {v!r}")
+        self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": scale, "_growth_tracker": tracker})
+        self.overflow_steps = skips
 
     @torch.no_grad()
     def sample_losses(self, batch: torch.Tensor) -> torch.Tensor | None:

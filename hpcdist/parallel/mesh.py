@@ -148,7 +148,7 @@ class MeshStrategy(Strategy):
             for i, (inputs, targets) in enumerate(self._micro_batches(batch)):
                 with self._sync_context(i == self.grad_accum - 1), self._autocast(), self._loss_context():
                     loss = cross_entropy(self.model(inputs), targets) / self.grad_accum
-                    loss.backward()
+                    self._backward(loss)
                 total += self._scalar(loss)
             return total
         return self._pipeline(batch, train=True)
@@ -180,6 +180,7 @@ class MeshStrategy(Strategy):
         (``skip_nonfinite``: see Strategy.optimizer_step)."""
         if self._params is None:
             self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._unscale()
         grads = [p.grad for p in self._params if p.grad is not None]
         # DTensor grads: the per-tensor norms reduce over the dp and tp shards of each stage
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)

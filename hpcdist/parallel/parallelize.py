@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from hpcdist.config import JobConfig, grad_accum_steps
+from hpcdist.config import ConfigError, JobConfig, grad_accum_steps
 from hpcdist.env import DistEnv, export_environ
 from hpcdist.models.llama import Transformer
 from hpcdist.optim import optimizer_builder
@@ -53,10 +53,42 @@ def _save_expensive_ops(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+_SAVE_ONLY_MODES: dict[type, type] = {}
+
+
+def _save_ops_only(mode_cls: type) -> type:
+    """``mode_cls`` (one of torch's two SAC dispatch modes) narrowed to the ops in ``_SAC_SAVE_OPS``: every other op
+    runs as if no mode were there, in the forward and in the recompute alike. torch's own modes record every op of
+    the forward and refuse any op in the recompute that the forward did not run ("... encountered during backward
+    but not found in storage"), yet what a block's forward dispatches is not a function of the block alone: ZeRO-3's
+    pre-forward hooks all-gather a parameter (c10d._allgather_base_ plus DeepSpeed's copies) only where the
+    partition coordinator has not fetched it already, which differs between the forward and the recompute (after a
+    checkpoint load, with prefetch), and DTensor's functional collectives pair each collective with a wait_tensor
+    whose recompute must run, not return a cached handle. Such ops are recomputed anyway under this policy, so the
+    narrowed modes compute the same values; only the saved ops' order must match, and a block runs its matmuls in
+    one fixed order. Under tracing (compile) torch's modes run unchanged: they tag the graph for the partitioner."""
+    sub = _SAVE_ONLY_MODES.get(mode_cls)
+    if sub is None:
+        from torch.utils.checkpoint import _is_compiling
+
+        def dispatch(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func not in _SAC_SAVE_OPS and not _is_compiling(func, args, kwargs or {}):
+                return func(*args, **(kwargs or {}))
+            return mode_cls.__torch_dispatch__(self, func, types, args, kwargs)
+
+        sub = _SAVE_ONLY_MODES[mode_cls] = type(
+            mode_cls.__name__ + "SaveOpsOnly", (mode_cls,), {"__torch_dispatch__": dispatch}
+        )
+    return sub
+
+
 def _selective_context_fn() -> tuple[Any, Any]:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(_save_expensive_ops)
+    modes = create_selective_checkpoint_contexts(_save_expensive_ops)
+    for mode in modes:  # a class swap keeps torch's constructor, whose arguments differ between torch releases
+        mode.__class__ = _save_ops_only(type(mode))
+    return modes
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -80,9 +112,27 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
 
 
 def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    if dtype == "fp16":
+        return torch.float16  # with a loss scaler (grad_scaler)
     if dtype == "bf16" or (dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return None  # fp32: no autocast
+
+
+def grad_scaler(cfg: JobConfig, device: torch.device) -> Any:
+    """train.dtype=fp16's dynamic loss scaler (None for other dtypes); torch's defaults: 2**16, x2 after 2000 steps
+    without overflow, /2 on an overflow. With several ranks the sharded form (torch.distributed.fsdp's
+    ShardedGradScaler), under DDP too: it all-reduces the overflow verdict (one float per step), so every rank skips
+    the same steps. FSDP2 needs that (each rank sees its shards only); DDP's ranks hold the same reduced gradients,
+    except where one rank's went bad after the reduce (as the non-finite skip, hpcdist.parallel.base._update), and
+    a replica that skipped alone would silently diverge (test_fp16_two_ranks_overflow_on_one_rank: it did)."""
+    if cfg.train.dtype != "fp16":
+        return None
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
 
 
 def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dict:
@@ -96,6 +146,7 @@ def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dic
         dp_size=dp_size,
         grad_clip=cfg.optim.grad_clip,
         bf16=autocast_dtype(cfg.train.dtype, device) is torch.bfloat16,
+        fp16=cfg.train.dtype == "fp16",
         offload_optimizer=z.offload_optimizer,
         offload_params=z.offload_params,
         overlap_comm=z.overlap_comm,
@@ -126,6 +177,7 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
     }
     if not dims.needs_mesh:  # pure replication (or one rank): one whole model, DDP when there are replicas
         ddp = cfg.parallel.ddp
+        common["grad_scaler"] = grad_scaler(cfg, device)
         return DDPStrategy(
             stages.parts[0],
             bucket_cap_mb=ddp.bucket_cap_mb,
@@ -134,6 +186,7 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
             seq_len=cfg.data.seq_len,
             **common,
         )
+    common["grad_scaler"] = grad_scaler(cfg, device)  # fp16: fsdp only (the config refuses tp/pp)
     return MeshStrategy(
         stages.parts,
         dims=dims,
@@ -149,6 +202,14 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
 def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy:
     """DeepSpeed's engine on the materialized whole model; it wraps the optimizer and schedule itself."""
     device = env.torch_device()
+    if cfg.train.dtype == "fp16" and device.type != "cuda":
+        # DeepSpeed's CPU accelerator reports no fp16 support (is_fp16_supported() is None, deepspeed 0.19)
+        raise ConfigError(
+            [
+                "train.dtype=fp16 with parallel.strategy=zero needs GPUs (DeepSpeed has no fp16 mode on CPU); "
+                "use train.dtype=fp32 or bf16 here, or parallel.strategy=ddp / fsdp for fp16 on CPU"
+            ]
+        )
     # DeepSpeed asserts LOCAL_RANK even for one process; hpcdist.run exports it with the process group, a
     # Trainer built directly (the Python API, one process, no init_process_group) did not
     export_environ(env)

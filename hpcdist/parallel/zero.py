@@ -47,6 +47,7 @@ def deepspeed_config(
     overlap_comm: bool,
     buckets: tuple[int, int],
     param_persistence_threshold: int = 100_000,
+    fp16: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict. ``buckets`` = (reduce_bucket_size, allgather_bucket_size) in elements."""
     reduce_bucket, allgather_bucket = buckets
@@ -64,7 +65,7 @@ def deepspeed_config(
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {
+    cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": micro_batch_size * grad_accum * dp_size,
@@ -79,6 +80,18 @@ def deepspeed_config(
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if fp16:
+        # dynamic loss scaling (loss_scale 0), torch GradScaler's schedule: 2**16, x2 after 2000 clean steps, /2 on
+        # an overflow (hysteresis 1: at the first one), the overflow step skipped
+        cfg["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 2000,
+            "hysteresis": 1,
+            "min_loss_scale": 1,
+        }
+    return cfg
 
 
 def _skip_shm_comm_build() -> None:
@@ -130,6 +143,7 @@ class ZeroStrategy(Strategy):
 
         self.stage = stage
         self.module = model
+        self._fp16 = bool(ds_config.get("fp16", {}).get("enabled"))  # DeepSpeed's dynamic loss scaling
         # built before initialize, on the materialized model: DeepSpeed wraps this torch optimizer and steps
         # this scheduler at each accumulation boundary
         self._attach_optimizer(model)
@@ -179,7 +193,11 @@ class ZeroStrategy(Strategy):
             raise ValueError("train.nonfinite=skip is not available with parallel.strategy=zero")
         if not self.engine.is_gradient_accumulation_boundary():
             raise RuntimeError("ZeroStrategy.optimizer_step called before the last micro-batch of the step")
+        skipped = self.engine.skipped_steps
         self.engine.step()
+        # fp16: DeepSpeed skipped the update on an overflow (and halved its loss scale)
+        self.last_step_overflow = self._fp16 and self.engine.skipped_steps > skipped
+        self.overflow_steps += self.last_step_overflow
         norm = self.engine.get_global_grad_norm()
         if norm is None:
             norm = float("nan")
@@ -188,6 +206,22 @@ class ZeroStrategy(Strategy):
     @property
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
+
+    def loss_scale(self) -> float | None:
+        return float(self.ds_optimizer.loss_scale) if self._fp16 else None
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        # the overflow count only: DeepSpeed's loss scale restarts at 2**16 on a resume (its scaler lives in its own
+        # checkpoint format, which hpcdist's DCP checkpoint does not write); not exact across a resume in fp16
+        return {"overflow_steps": self.overflow_steps} if self._fp16 else None
+
+    def load_scaler_state(self, state: dict[str, Any]) -> None:
+        skips = state.get("overflow_steps")
+        if not self._fp16:
+            return
+        if not (isinstance(skips, int) and not isinstance(skips, bool) and 0 <= skips < 2**62):
+            raise ValueError(f"grad_scaler.overflow_steps must be a non-negative integer, got {skips!r}")
+        self.overflow_steps = skips
 
     def has_replicas(self) -> bool:
         # stages 1-2 keep whole parameters on every rank (comparable); stage 3 holds disjoint partitions

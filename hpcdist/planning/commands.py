@@ -71,6 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         hw=hw,
         reduce_bytes=planner.grad_reduce_bytes(cfg),
         document_mask=cfg.data.document_mask,
+        fp16=cfg.train.dtype == "fp16",
     )
     if not estimates:
         raise CommandError(

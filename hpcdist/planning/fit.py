@@ -106,6 +106,7 @@ def check_fit(cfg: JobConfig, cluster: ClusterConfig) -> FitCheck | None:
         hw=hw,
         reduce_bytes=planner.grad_reduce_bytes(cfg),
         document_mask=cfg.data.document_mask,
+        fp16=cfg.train.dtype == "fp16",
     )
     try:
         _, chosen, _ = planner.pick(cfg, estimates, cluster.world_size, cluster.gpus_per_node)

@@ -357,8 +357,10 @@ def enumerate_layouts(
     seq_len: int,
     strategies: Iterable[str] = LAYOUT_STRATEGIES,
     micro_batch_sizes: Sequence[int] | None = None,
+    fp16: bool = False,
 ) -> list[Layout]:
-    """Every layout of the module docstring that divides the world and the global batch evenly."""
+    """Every layout of the module docstring that divides the world and the global batch evenly; with ``fp16``
+    (train.dtype=fp16) none with tp or pp, which the config refuses with it (no loss scaler across stages)."""
     nodes, per_node = _cluster_shape(world_size, gpus_per_node)
     unknown = [s for s in strategies if s not in LAYOUT_STRATEGIES]
     if unknown:
@@ -367,10 +369,14 @@ def enumerate_layouts(
     out: list[Layout] = []
 
     def add(pp: int, dp: int, tp: int, *, dp_replicate: int = 1, zero_stage: int = 0) -> None:
+        if fp16 and (pp > 1 or tp > 1):
+            return  # hpcdist.config.rules refuses train.dtype=fp16 with tp/pp
         for b in _micro_batches(global_batch_size, dp, micro_batch_sizes):
             if pp > 1 and global_batch_size // (b * dp) < pp:
                 continue  # 1F1B keeps every stage busy only with at least pp micro-batches
             for ac in ACTIVATION_CHECKPOINTING:
+                if ac == "selective" and tp > 1:
+                    continue  # refused by the config's validation (hpcdist.config.rules.SELECTIVE_TP_REFUSAL)
                 out.append(Layout(pp, dp, tp, b, ac, dp_replicate=dp_replicate, zero_stage=zero_stage))
 
     for kind in wanted:
@@ -407,6 +413,7 @@ def rank_layouts(
     strategies: Iterable[str] = LAYOUT_STRATEGIES,
     micro_batch_sizes: Sequence[int] | None = None,
     document_mask: bool = False,
+    fp16: bool = False,
 ) -> list[StepEstimate]:
     """Estimates for every layout, best first: fitting ones by tokens/s/GPU (ties: less memory, simpler), then
     the ones that do not fit in the same order."""
@@ -418,6 +425,7 @@ def rank_layouts(
         seq_len=seq_len,
         strategies=strategies,
         micro_batch_sizes=micro_batch_sizes,
+        fp16=fp16,
     )
     estimates = [
         estimate_step(
@@ -688,6 +696,7 @@ def resolve_auto(
             hw=hw,
             reduce_bytes=grad_reduce_bytes(cfg),
             document_mask=cfg.data.document_mask,
+            fp16=cfg.train.dtype == "fp16",
         )
     except ValueError as e:
         raise ConfigError([f"parallel.strategy=auto: {e}"]) from None

@@ -1,6 +1,8 @@
 """Per-GPU memory estimator for the data-parallel strategies: which ones fit a model on a given cluster.
 
-Everything is in bytes per GPU, bf16 mixed precision with Adam (two fp32 moments). Two model-state columns:
+Everything is in bytes per GPU, bf16 mixed precision with Adam (two fp32 moments). fp16 (train.dtype=fp16) costs
+the same bytes: 2-byte compute copies and gradients as bf16, plus the loss scaler's scale and growth counter (8 bytes
+per GPU, not counted). Two model-state columns:
 
 * ``model_states_ideal``: the ZeRO paper's 16 bytes/param (2 bf16 params + 2 bf16 grads + 12 fp32 master
   weights, momentum and variance), sharded as each strategy shards it. A lower bound with no gathered layers

@@ -157,3 +157,52 @@ def test_a_wrapped_whole_model_materializes_like_the_plain_one(wrap):
     got = {clean_fqn(n): p for n, p in model.named_parameters()}
     for name, p in plain.named_parameters():
         assert torch.equal(got[name], p), name
+
+
+def test_selective_recompute_may_run_ops_its_forward_did_not():
+    """What a block dispatches can differ between the forward and the recompute (ZeRO-3 all-gathers a parameter in
+    the recompute that its forward found fetched already): torch's own SAC modes refuse that, hpcdist's run every
+    op but the saved ones plainly, and the gradient is the plain one."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from hpcdist.parallel.parallelize import _save_expensive_ops, _selective_context_fn
+
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    calls = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        v = w.clone() if len(calls) % 2 == 0 else w  # the "gather": only in the recompute
+        return torch.relu(x @ v).sin().sum()
+
+    (want,) = torch.autograd.grad(torch.relu(x @ w).sin().sum(), w)
+    out = checkpoint(block, x, use_reentrant=False, context_fn=_selective_context_fn)
+    (got,) = torch.autograd.grad(out, w)
+    assert torch.equal(got, want) and len(calls) == 2
+    out = checkpoint(
+        block, x, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(_save_expensive_ops)
+    )
+    with pytest.raises(RuntimeError, match="not found in storage"):
+        torch.autograd.grad(out, w)
+
+
+def test_selective_with_tensor_parallelism_is_refused_and_never_planned():
+    with pytest.raises(ConfigError) as e:
+        load(
+            "configs/demo.yaml",
+            ["parallel.strategy=3d", "parallel.tp=2", "train.activation_checkpointing=selective"],
+        )
+    assert "train.activation_checkpointing=selective with parallel.tp > 1" in str(e.value)
+    from hpcdist.planning.layouts import enumerate_layouts
+
+    rows = enumerate_layouts(
+        ModelArgs(**load_preset("125m")),
+        world_size=8,
+        gpus_per_node=8,
+        global_batch_size=16,
+        seq_len=1024,
+        strategies=["3d"],
+    )
+    assert {r.activation_checkpointing for r in rows if r.tp == 1} == {"none", "full", "selective"}
+    assert rows and {r.activation_checkpointing for r in rows if r.tp > 1} == {"none", "full"}

@@ -383,7 +383,7 @@ def test_preset_file_with_job_keys_is_rejected() -> None:
     [
         ("parallel.strategy=fsdp2", "parallel.strategy", config_mod.STRATEGIES),
         ("data.source=web", "data.source", config_mod.DATA_SOURCES),
-        ("train.dtype=fp16", "train.dtype", config_mod.DTYPES),
+        ("train.dtype=fp8", "train.dtype", config_mod.DTYPES),
         ("optim.schedule=step", "optim.schedule", config_mod.LR_SCHEDULES),
         ("data.dtype=int8", "data.dtype", ("uint16", "uint32")),
         ("run.log_level=LOUD", "run.log_level", ("DEBUG", "INFO", "WARNING", "ERROR")),

@@ -1,0 +1,111 @@
+"""train.dtype=fp16: dynamic loss scaling (hpcdist.parallel.parallelize.grad_scaler), one process on CPU (torch 2.13
+runs fp16 autocast on CPU, ~30x slower than fp32 for matmuls: fine for the tiny model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpcdist.config import ConfigError
+from hpcdist.parallel.zero import deepspeed_config
+from hpcdist.trainer import Trainer
+from tests.dist.harness import single
+
+OVERFLOW = "HPCDIST_TEST_FP16_OVERFLOW_AT"
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(env: Any, cfg: Any, until: int | None = None) -> dict[str, Any]:
+    trainer = Trainer(cfg, env)
+    assert trainer.strategy.autocast_dtype is torch.float16  # fp16 compute, not fp32 with a scaler
+    result = trainer.train(until=until)
+    params = {n: p.detach().clone() for n, p in trainer.strategy.module.named_parameters()}
+    return {"losses": result.losses, "scaler": trainer.strategy.scaler_state(), "params": params}
+
+
+def test_fp16_overflow_is_a_scaler_skip_and_resume_is_exact(small_cfg, tmp_path: Path, monkeypatch) -> None:
+    """An injected overflow at step 1 is skipped by the scaler (scale halved, counted in metrics and the log line,
+    no non-finite stop under the default train.nonfinite=stop); a run stopped after step 2 (one clean step into the
+    growth interval) and resumed ends bitwise where the straight run does, scaler state included."""
+    over = ("train.dtype=fp16", "train.steps=4", "train.micro_batch_size=4", "checkpoint.every_steps=0")
+    monkeypatch.setenv(OVERFLOW, "1")
+    straight = single(_train, small_cfg(*over, run_dir=tmp_path / "straight"))
+    cfg = small_cfg(*over, run_dir=tmp_path / "split")
+    first = single(_train, cfg, 2)
+    monkeypatch.delenv(OVERFLOW)  # the resumed process's own step 1 is step 3: no injection there
+    state = json.loads(next((tmp_path / "split" / "checkpoints").glob("step-00000002/trainer_state.json")).read_text())
+    assert state["grad_scaler"] == {"scale": 32768.0, "growth_tracker": 1, "overflow_steps": 1}
+    second = single(_train, cfg)
+
+    assert straight["scaler"] == {"scale": 32768.0, "growth_tracker": 3, "overflow_steps": 1}
+    assert second["scaler"] == straight["scaler"]
+    assert {**first["losses"], **second["losses"]} == straight["losses"]
+    for name, p in straight["params"].items():
+        assert torch.equal(second["params"][name], p), name
+    rows = _metrics(tmp_path / "straight")
+    assert [r["scaler_skips"] for r in rows if "scaler_skips" in r] == [1.0, 1.0, 1.0, 1.0]
+    assert [r["loss_scale"] for r in rows if "loss_scale" in r] == [32768.0] * 4
+
+
+def test_the_skipped_step_leaves_the_weights_and_the_schedule(small_cfg, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(OVERFLOW, "1")
+    cfg = small_cfg(
+        "train.dtype=fp16",
+        "train.steps=1",
+        "train.micro_batch_size=4",
+        "checkpoint.every_steps=0",
+        "checkpoint.save_final=false",
+    )
+
+    def run(env: Any, c: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float, float]:
+        trainer = Trainer(c, env)
+        before = {n: p.detach().clone() for n, p in trainer.strategy.module.named_parameters()}
+        lr = trainer.strategy.lr
+        trainer.train()
+        after = {n: p.detach().clone() for n, p in trainer.strategy.module.named_parameters()}
+        return before, after, lr, trainer.strategy.lr
+
+    before, after, lr0, lr1 = single(run, cfg)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert lr0 == lr1
+
+
+def test_fp16_line_shows_the_skips() -> None:
+    from hpcdist.metrics.logger import format_line
+
+    assert "skips 2 (scale 1.64e+04)" in format_line(3, 9, {"loss": 1.0, "scaler_skips": 2.0, "loss_scale": 16384.0})
+
+
+def test_fp16_refused_with_tp_pp_and_zero_on_cpu(small_cfg) -> None:
+    with pytest.raises(ConfigError, match=r"train\.dtype=fp16 with parallel\.tp > 1 or parallel\.pp > 1"):
+        small_cfg("train.dtype=fp16", "parallel.strategy=3d", "parallel.pp=2")
+    with pytest.raises(ConfigError, match=r"train\.nonfinite_triage with train\.dtype=fp16"):
+        small_cfg("train.dtype=fp16", "train.nonfinite_triage=true")
+    cfg = small_cfg("train.dtype=fp16", "parallel.strategy=zero", "parallel.zero.stage=2")
+    with pytest.raises(ConfigError, match=r"train\.dtype=fp16 with parallel\.strategy=zero needs GPUs"):
+        single(lambda env, c: Trainer(c, env), cfg)
+
+
+def test_deepspeed_fp16_mode_is_dynamic_loss_scaling() -> None:
+    common: dict[str, Any] = {
+        "stage": 3,
+        "micro_batch_size": 1,
+        "grad_accum": 1,
+        "dp_size": 2,
+        "grad_clip": 1.0,
+        "bf16": False,
+        "offload_optimizer": False,
+        "offload_params": False,
+        "overlap_comm": True,
+        "buckets": (1, 1),
+    }
+    assert "fp16" not in deepspeed_config(**common)
+    fp16 = deepspeed_config(**common, fp16=True)["fp16"]
+    assert fp16["enabled"] and fp16["loss_scale"] == 0 and fp16["initial_scale_power"] == 16
