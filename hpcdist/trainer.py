@@ -57,10 +57,6 @@ from hpcdist.rundir import RunDir
 
 log = get_logger(__name__)
 
-# fp16: overflow steps in a row after which the run stops: from torch's initial scale 2**16, 30 halvings reach
-# 2**-14, fp16's smallest normal number: no scale makes such a loss representable
-MAX_OVERFLOWS_IN_A_ROW = 30
-
 
 @dataclass
 class TrainResult:
@@ -235,7 +231,6 @@ class Trainer:
             if cfg.train.nonfinite_triage
             else None
         )
-        self.overflows_in_a_row = 0  # fp16 loss-scaler skips since the last clean step
         self.nonfinite = NonFiniteGuard(
             mode=cfg.train.nonfinite,
             max_skips=cfg.train.max_nonfinite_skips,
@@ -296,24 +291,6 @@ class Trainer:
         if self.env.is_main:
             self.skipped_samples.save(len(self.train_ds), self.skipped)
         return grad_norm
-
-    def _overflow(self, grad_norm: Any) -> None:
-        """An fp16 step whose gradients overflowed the loss scale: the scaler skipped its update and halved the
-        scale. Ordinary in fp16 training (a few per thousand steps); only a long run of them means the loss or the
-        gradients are non-finite at any scale: then stop as train.nonfinite would."""
-        self.overflows_in_a_row += 1
-        log.info(
-            "step %d: fp16 gradient overflow (norm %s): update skipped by the loss scaler (%d in the run)",
-            self.step,
-            float(grad_norm),
-            self.strategy.overflow_steps,
-        )
-        if self.overflows_in_a_row > MAX_OVERFLOWS_IN_A_ROW:
-            raise NonFiniteError(
-                f"step {self.step}: {self.overflows_in_a_row} fp16 steps in a row overflowed (the loss scale halved "
-                "each time): the loss or the gradients are non-finite at any scale; look for bad data or a too "
-                "high optim.lr, or train with train.dtype=bf16 / fp32"
-            )
 
     def _record_layout(self) -> None:
         """Which host runs which rank, logged once and kept in <run.dir>/ranks.json (debugging slow or dead nodes)."""
@@ -588,11 +565,9 @@ class Trainer:
                 with phase(self.step, "NaN triage: the step re-run on the same inputs", slow=True):
                     grad_norm = self._triage(batch, loss)
             self.step += 1
-            if self.strategy.last_step_overflow:
-                self._overflow(grad_norm)  # fp16: the scaler skipped it; not a non-finite step
-            else:
-                self.overflows_in_a_row = 0
-                self.nonfinite.after_step(self.step, grad_norm, skipped=self.strategy.last_step_skipped)
+            self.nonfinite.after_step(  # an fp16 overflow is the loss scaler's skip, not a non-finite step
+                self.step, grad_norm, skipped=self.strategy.last_step_skipped, overflow=self.strategy.last_step_overflow
+            )
             self.tokens_seen += self.tokens_per_step
             seen = obs.step(
                 StepRecord(

@@ -21,6 +21,10 @@ __all__ = ["NonFiniteError", "NonFiniteGuard"]
 
 log = get_logger(__name__)
 
+# fp16: loss-scaler overflows in a row after which the run stops: from torch's initial scale 2**16, 30 halvings reach
+# 2**-14, fp16's smallest normal number: no scale makes such a loss representable
+MAX_OVERFLOWS_IN_A_ROW = 30
+
 
 class NonFiniteError(RuntimeError):
     """Training produced a non-finite gradient norm and stopped without saving that state."""
@@ -32,11 +36,17 @@ class NonFiniteGuard:
     def __init__(self, *, mode: str, max_skips: int, device: torch.device, last_checkpoint: str | None = None):
         self.mode, self.max_skips = mode, max_skips
         self.skipped_total, self.skipped_in_a_row = 0, 0
+        self.overflows_total, self.overflows_in_a_row = 0, 0  # fp16 loss-scaler skips (this process)
         self.last_checkpoint = last_checkpoint
         self._first_bad = torch.zeros((), dtype=torch.int64, device=device)  # 0 = none yet (steps start at 1)
 
-    def after_step(self, step: int, grad_norm: torch.Tensor, *, skipped: bool) -> None:
-        """Every step, after the optimizer step (``skipped``: the strategy dropped this update)."""
+    def after_step(self, step: int, grad_norm: torch.Tensor, *, skipped: bool, overflow: bool = False) -> None:
+        """Every step, after the optimizer step (``skipped``: the strategy dropped this update; ``overflow``: fp16's
+        loss scaler found inf/NaN gradients, skipped the update and halved the scale)."""
+        if overflow:
+            self._overflow(step, grad_norm)
+            return
+        self.overflows_in_a_row = 0
         if self.mode == "skip":
             if skipped:
                 self.skipped_total += 1
@@ -64,6 +74,24 @@ class NonFiniteGuard:
         self._first_bad = torch.where(
             bad & (self._first_bad == 0), torch.full_like(self._first_bad, step), self._first_bad
         )
+
+    def _overflow(self, step: int, grad_norm: torch.Tensor) -> None:
+        """Ordinary in fp16 training (a few per thousand steps); only a long run of them means the loss or the
+        gradients are non-finite at any scale: then stop as train.nonfinite would."""
+        self.overflows_total += 1
+        self.overflows_in_a_row += 1
+        log.info(
+            "step %d: fp16 gradient overflow (norm %s): update skipped by the loss scaler (%d since start)",
+            step,
+            float(grad_norm),
+            self.overflows_total,
+        )
+        if self.overflows_in_a_row > MAX_OVERFLOWS_IN_A_ROW:
+            raise NonFiniteError(
+                f"step {step}: {self.overflows_in_a_row} fp16 steps in a row overflowed (the loss scale halved "
+                "each time): the loss or the gradients are non-finite at any scale; look for bad data or a too "
+                "high optim.lr, or train with train.dtype=bf16 / fp32"
+            )
 
     def check(self) -> None:
         """Where the loop syncs anyway (log steps) and before every save: raise if a step went bad."""
