@@ -32,7 +32,7 @@ def check_prepare_args(args: argparse.Namespace) -> None:
         raise CommandError(f"prepare: {', '.join(cluster_only)} go with --cluster PROFILE (a SLURM job array)")
 
 
-def input_files(args: argparse.Namespace) -> list[Path]:
+def prepare_inputs(args: argparse.Namespace) -> list[Path]:
     """prepare's inputs: --stdlib's files, then every input (directories searched with --glob). CommandError if
     there is none."""
     from hpcdist.data import stdlib_corpus
@@ -50,7 +50,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if args.megatron is not None:
         return _import_megatron(args)
     check_prepare_args(args)
-    files = input_files(args)
+    files = prepare_inputs(args)
     tok = load_tokenizer(args.tokenizer)
     res = prepare_corpus(
         files,

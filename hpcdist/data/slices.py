@@ -158,7 +158,7 @@ def plan_slices(inputs: Sequence[Path], n: int) -> list[list[Piece]]:
     return slices
 
 
-class _Window(io.RawIOBase):
+class _ByteRange(io.RawIOBase):
     """Bytes [start, end) of an open file, as a file (gzip reads members through it and stops at ``end``)."""
 
     def __init__(self, fh: Any, start: int, end: int) -> None:
@@ -206,7 +206,7 @@ def iter_piece(piece: Piece, *, text_field: str = "text") -> Iterator[tuple[str 
             yield from corpora._json_lines(path, _jsonl_lines(path, fh, piece.start, piece.end), text_field)
     elif piece.kind == "jsonl.gz":
         try:
-            with open(path, "rb") as raw, gzip.GzipFile(fileobj=_Window(raw, piece.start, piece.end)) as fh:
+            with open(path, "rb") as raw, gzip.GzipFile(fileobj=_ByteRange(raw, piece.start, piece.end)) as fh:
                 yield from corpora._json_lines(path, corpora._lines(path, fh), text_field)
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:
             raise CorpusError(f"{path}: a damaged or truncated gzip file ({e}); compress it again") from None

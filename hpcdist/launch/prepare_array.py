@@ -175,12 +175,12 @@ def cmd_prepare_cluster(args: argparse.Namespace) -> int:
     """``hpcdist prepare INPUTS --out DIR --cluster PROFILE --tasks N [--dry-run] [--after JOB]`` (hpcdist.cli sends
     ``prepare --cluster`` here: the SLURM side lives in hpcdist.launch)."""
     from hpcdist.config import ConfigError
-    from hpcdist.data.command import check_prepare_args, input_files
+    from hpcdist.data.command import check_prepare_args, prepare_inputs
     from hpcdist.errors import CommandError, LaunchError, refusing
 
     @refusing("prepare", ValueError, OSError)
     def run() -> int:
-        files = input_files(args)
+        files = prepare_inputs(args)
         if args.tasks is None:
             raise CommandError("prepare --cluster: give --tasks N (the array's tasks: slices of the inputs)")
         if args.max_tokens is not None:

@@ -124,8 +124,9 @@ def grad_scaler(cfg: JobConfig, device: torch.device) -> Any:
     without overflow, /2 on an overflow. With several ranks the sharded form (torch.distributed.fsdp's
     ShardedGradScaler), under DDP too: it all-reduces the overflow verdict (one float per step), so every rank skips
     the same steps. FSDP2 needs that (each rank sees its shards only); DDP's ranks hold the same reduced gradients,
-    except where one rank's went bad after the reduce (as the non-finite skip, hpcdist.parallel.base.Strategy._update), and
-    a replica that skipped alone would silently diverge (test_fp16_two_ranks_overflow_on_one_rank: it did)."""
+    except where one rank's went bad after the reduce (as the non-finite skip,
+    hpcdist.parallel.base.Strategy._update), and a replica that skipped alone would silently diverge
+    (test_fp16_two_ranks_overflow_on_one_rank: it did)."""
     if cfg.train.dtype != "fp16":
         return None
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
