@@ -555,7 +555,9 @@ def test_files_follow_the_users_umask(small_cfg, tmp_path: Path) -> None:
 # (safetensors headers, no pickle); everything else nowhere, whoever wrote the file.
 _PICKLE_MODULES = {"pickle", "_pickle", "cloudpickle", "dill", "joblib", "shelve", "marshal"}
 _AUDITED = {
-    "dcp.load": {"checkpoint.py", "hf/source.py", "hf/import_.py"},
+    # checkpoint_local.py: a node-local step is loaded only after verify_step_dir (every file yours alone, no link,
+    # sizes and sha256 against its manifest) and the same-run check passed on every rank
+    "dcp.load": {"checkpoint.py", "checkpoint_local.py", "hf/source.py", "hf/import_.py"},
     "read_metadata": {"checkpoint.py", "hf/source.py"},
 }
 

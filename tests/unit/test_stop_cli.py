@@ -40,7 +40,18 @@ def _start(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for var in ("SLURM_JOB_ID", "SLURM_PROCID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)  # one local process, whatever runs the tests
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # Ctrl-C's default action, as from a shell: an xdist worker ignores SIGINT and exec keeps an ignored signal
+        # ignored (hpcdist.signals.hold then rightly leaves it so); these tests passed only after a test that had
+        # left a Python handler for SIGINT in the worker (test_attempts' relay, until its handlers were given back)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     return proc, run
 
 
