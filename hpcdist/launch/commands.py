@@ -180,14 +180,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from hpcdist.launch.prepare_array import find_prepare
     from hpcdist.launch.sweep import sweep_status
 
-    prepare_out = find_prepare(args.job, args.run_dir)
-    if prepare_out is not None:  # a cluster prepare: its tasks' progress from the parts
-        print(prepare_status(prepare_out))
-        return 0
-    table = sweep_status(args.job, args.run_dir) if args.job else None
-    if table is not None:
-        print(table)
-        return 0
+    # a local job first: the cluster-prepare lookup below asks SLURM (scontrol), which on a machine without a
+    # reachable controller waits out its timeouts (60 s in CI) before a local job's status is shown
     local = _local_record(args.job, args.run_dir)
     if local is not None:
         print(
@@ -195,6 +189,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{records.local_state(local)}\n{records.run_summary(args.run_dir)}\n"
             f"logs: {local.get('folder')}/{args.job}_<rank>_log.out|err"
         )
+        return 0
+    prepare_out = find_prepare(args.job, args.run_dir)
+    if prepare_out is not None:  # a cluster prepare: its tasks' progress from the parts
+        print(prepare_status(prepare_out))
+        return 0
+    table = sweep_status(args.job, args.run_dir) if args.job else None
+    if table is not None:
+        print(table)
         return 0
     try:
         print(slurm_cli.status_text(args.job))
