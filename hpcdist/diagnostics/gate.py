@@ -8,7 +8,10 @@ never the gate hang. Each check answers ``ok``, ``fail: <why>`` or ``skipped: <w
 
     gpus        visible CUDA devices >= the GPUs the job asked for on this node (``gpus``)
     matmul      the diagnostics' device check (hpcdist.diagnostics.health) on every visible GPU, on the CPU when
-                there is none: the path runs everywhere
+                there is none
+                Both import torch (seconds of every attempt's start on every node), so they run only where there
+                is a GPU to test: a node with an NVIDIA driver (/proc/driver/nvidia/gpus), or when ``gpus`` is
+                given. A node without a driver and a job that asked for no GPU skips them, saying so.
     nvidia_smi  uncorrectable ECC errors (volatile), pending page retirement, pending row remapping and row
                 remapping failures, from ``nvidia-smi --query-gpu`` / ``--query-remapped-rows``
     xid         hardware Xid errors (GPU fell off the bus, double-bit ECC, NVLink, ...) of the last
@@ -394,6 +397,15 @@ def _check_shm(shm_dir: str | os.PathLike[str], min_gb: float) -> str:
     return "ok"
 
 
+def nvidia_driver_gpus(proc_root: str | os.PathLike[str] = "/proc") -> int | None:
+    """How many GPUs the NVIDIA kernel driver lists (one directory per PCI address under driver/nvidia/gpus),
+    without CUDA or torch; None without the driver (a CPU node). Inside a container the host's driver shows too."""
+    try:
+        return sum(1 for _ in os.scandir(Path(proc_root) / "driver" / "nvidia" / "gpus"))
+    except OSError:
+        return None
+
+
 def _check_devices(gpus: int | None, results: dict[str, str], *, matmul: bool = True) -> None:
     """gpus and matmul together: both need torch (imported here, inside the deadline: seconds on a busy node)."""
     import torch
@@ -433,6 +445,7 @@ def check_node(
     skip: Sequence[str] = (),
     sysfs_root: str | os.PathLike[str] = "/sys",
     shm_dir: str | os.PathLike[str] = "/dev/shm",
+    proc_root: str | os.PathLike[str] = "/proc",
     environ: Mapping[str, str] | None = None,
     host: str | None = None,
 ) -> NodeHealth:
@@ -469,7 +482,11 @@ def check_node(
     single("infiniband", lambda: _check_infiniband(profile, sysfs_root, env))
     single("run_dir", lambda: _check_run_dir(run_dir, min_free_gb))
     single("shm", lambda: _check_shm(shm_dir, min_shm_gb))
-    jobs[("gpus", "matmul")] = lambda: _check_devices(gpus, results, matmul="matmul" not in skip)
+    if gpus is None and nvidia_driver_gpus(proc_root) is None:  # nothing to test: no torch import (see above)
+        results["gpus"] = "skipped: no --gpus given and no NVIDIA driver on this node"
+        results["matmul"] = "skipped: no GPU on this node to test (no NVIDIA driver, no --gpus)"
+    else:
+        jobs[("gpus", "matmul")] = lambda: _check_devices(gpus, results, matmul="matmul" not in skip)
 
     threads = []
     for names, job in jobs.items():

@@ -230,6 +230,35 @@ def test_gpu_count_and_the_matmul_run_here(tmp_path: Path) -> None:
     assert checks["matmul"].startswith("ok (") and ("cpu" in checks["matmul"] or "cuda:0" in checks["matmul"])
 
 
+def test_a_node_without_a_gpu_driver_skips_the_device_checks_without_importing_torch(tmp_path: Path) -> None:
+    """The attempt loop runs the gate on every node before every attempt: on a CPU node (no NVIDIA driver) and a
+    job that asked for no GPU there is nothing for gpus/matmul to test, and importing torch for them cost 2-11 s
+    of every in-job recovery (docs/FAULTS.md). A node WITH a driver still runs them (below)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from hpcdist.diagnostics.gate import check_node\n"
+        f"h = check_node(proc_root={str(tmp_path)!r}, skip=('nvidia_smi', 'xid', 'infiniband', 'run_dir', 'shm'))\n"
+        "print(json.dumps([h.ok, h.checks['gpus'], h.checks['matmul'], 'torch' in sys.modules]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    ok, gpus, matmul, torch_imported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert ok and not torch_imported, out.stdout
+    assert gpus == "skipped: no --gpus given and no NVIDIA driver on this node"
+    assert matmul.startswith("skipped: no GPU on this node to test")
+
+
+def test_a_node_with_a_gpu_driver_runs_the_device_checks(tmp_path: Path) -> None:
+    (tmp_path / "driver" / "nvidia" / "gpus" / "0000:07:00.0").mkdir(parents=True)
+    assert gate_mod.nvidia_driver_gpus(tmp_path) == 1 and gate_mod.nvidia_driver_gpus(tmp_path / "none") is None
+    skip = ("nvidia_smi", "xid", "infiniband", "run_dir", "shm")
+    ok, checks, _ = gate({"PATH": os.environ.get("PATH", "")}, skip=skip, proc_root=tmp_path, timeout_s=120)
+    assert ok and checks["gpus"].startswith("skipped: no --gpus given ("), checks
+    assert checks["matmul"].startswith("ok ("), checks
+
+
 # ------------------------------------------------------------------------------------------------ command
 
 
