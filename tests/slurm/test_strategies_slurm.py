@@ -40,6 +40,12 @@ STRATEGIES: dict[str, tuple[int, tuple[str, ...]]] = {
 }
 
 
+# The Python API's path differs from the batch script's in how the job starts (submitit's pickled call, routed through
+# the attempt loop), not in how a strategy runs once srun has started the ranks: one strategy of each family (torch
+# DDP, DeepSpeed ZeRO, the DTensor mesh with a pipeline) goes through it; every strategy goes through the script.
+API_STRATEGIES = ("ddp", "zero3", "3d-pp2-tp2")
+
+
 def overrides(run_dir: Path, extra: tuple[str, ...]) -> list[str]:
     return [
         *SMALL,
@@ -91,7 +97,8 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
             ]
             job_id = submit(slurm_cluster, "train.sh", args, [DEMO, *overrides(run, extra)], out)
             submitted["sbatch", name] = Job(run, ranks, strategy, job_id, out=out)
-
+            if name not in API_STRATEGIES:
+                continue
             run = root / f"api-{name}"
             handle = hpcdist.submit(
                 DEMO, overrides(run, extra), cluster="sandbox", nodes=1, gpus_per_node=ranks, job_name=f"api-{name}"
@@ -118,7 +125,7 @@ def test_batch_script_trains(slurm_cluster: Cluster, jobs: dict[tuple[str, str],
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", API_STRATEGIES)
 def test_python_api_trains(slurm_cluster: Cluster, jobs: dict[tuple[str, str], Job], name: str) -> None:
     """`hpcdist.submit(configs/demo.yaml, [<strategy> ...], cluster="sandbox", gpus_per_node=N)`"""
     job = jobs["api", name]
