@@ -12,6 +12,7 @@ imports nothing from hpcdist.launch, so launch's task may call it without an imp
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Sequence
@@ -146,6 +147,11 @@ def main(
     """What ``hpcdist train`` runs in one process (rank); also the body of every task of ``hpcdist submit``.
 
     Configuration errors raise ConfigError before any process group exists (the CLI prints them once per job)."""
+    # What the imports made (torch's, sympy's, DeepSpeed's objects: ~10^6) lives until the process ends: frozen, the
+    # collector stops walking it in every full collection and at exit, where that walk took 0.4-0.8 s of CPU per
+    # rank (measured on 2 cores). Nothing is skipped: objects made from here on are collected as before, and the
+    # frozen ones are torn down with the interpreter as before.
+    gc.freeze()
     cfg = config_mod.load(config_path, overrides)
     env = from_environ()
     setup_logging(env.rank, level=cfg.run.log_level)
