@@ -1320,9 +1320,9 @@ def _write_raw_file(fs: Any, path: Any, key: str, items: list[Any], planner: Any
             results.append(WriteResult(item.index, len(data), _StorageInfo(key, offset, len(data))))
         for item in [i for i in items if i.type != WriteItemType.BYTE_IO]:
             tensor = planner.resolve_data(item).detach()
-            props = item.tensor_data
-            if tensor.device.type != "cpu" or tuple(tensor.size()) != tuple(props.size):
-                raise ValueError(f"{item.index.fqn}: {tensor.device} {tuple(tensor.size())}, planned {props.size}")
+            props = item.tensor_data  # this rank's chunk of the tensor: the metadata's shape of these bytes
+            if tensor.device.type != "cpu" or list(tensor.size()) != list(props.chunk.sizes):
+                raise ValueError(f"{item.index.fqn}: {tensor.device} {list(tensor.size())}, planned {props.chunk}")
             # the bytes must be the metadata's dtype: a load reads them as that (torch.save recorded its own)
             tensor = tensor.to(props.properties.dtype).contiguous()
             offset = stream.tell()
