@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save (FACTS.md)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -441,9 +441,7 @@ class CheckpointManager:
 
             # staged into buffers allocated by the first save and reused (shared memory, pinned on CUDA): the only
             # part that blocks the loop; the checkpoint process serialises, hashes and writes from them
-            if self._stager is None:
-                self._stager = _Staging()
-            staged = self._stager.stage(state.dcp_state())
+            staged = self._staging().stage(state.dcp_state())
             if self._process is None:
                 self._process = _checkpoint_process(self._async_pg)
             writer = self._writer(path)
@@ -457,6 +455,24 @@ class CheckpointManager:
         if thread_errors:  # DCP drops a writer thread's failure: its files are missing from the checkpoint
             raise thread_errors[0]
         _test_kill_point(step)
+
+    def _staging(self) -> _Staging:
+        if self._stager is None:
+            # copy threads: the node's cores shared by its ranks, as the write threads are (at least 2: the copies
+            # wait on memory more than on a core)
+            self._stager = _Staging(threads=max(2, self.write_threads))
+        return self._stager
+
+    def prepare_staging(self, state: Checkpointable) -> float:
+        """Async save: allocate and fill the staging buffers now (after the first optimizer step, when the optimizer
+        state exists), so no save pays for it; seconds taken (0: already there, or no async save). Logged: a
+        one-off cost of the run, not of a save."""
+        if not self.async_save or (self._stager is not None and self._stager._cache is not None):
+            return 0.0
+        seconds = self._staging().prepare(state.dcp_state())
+        need = staging_bytes(self._stager._cache) if self._stager is not None else 0
+        log.info("checkpoint.async_save: %s of staging buffers allocated in %.2f s (once)", size_text(need), seconds)
+        return seconds
 
     def _own_digests(self, path: Path, written: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
         """Size and sha256 of the files this rank wrote (``_owner``), the work spread over the ranks as the writing
@@ -1213,25 +1229,104 @@ class _HashingFileSystem(FileSystem):
 
 
 class _Staging:
-    """An async save's host copy of the state: allocated by the first save (shared memory, so the checkpoint
-    process maps it without a copy; pinned on CUDA, for fast device-to-host copies) and refilled by every later
-    one. DCP's own state-dict helpers, as its BlockingAsyncStager uses them (they take DTensors and ZeRO's
-    ShardedTensors, which DCP's newer StateDictStager refuses)."""
+    """An async save's host copy of the state: allocated once (``prepare``, after the first optimizer step, outside
+    any save; else by the first save) in shared memory, so the checkpoint process maps it without a copy (pinned on
+    CUDA, for fast device-to-host copies), and refilled by every later save. DCP's own helper allocates it, as its
+    BlockingAsyncStager does (it takes DTensors and ZeRO's ShardedTensors, which DCP's newer StateDictStager refuses);
+    the refill is ours: the tensors' pairs copied in chunks on ``threads`` threads (torch's copy_ releases the GIL;
+    DCP's _copy_state_dict copies one tensor after another on the calling thread: ~1 s per GB here)."""
 
-    def __init__(self) -> None:
+    CHUNK = 16 << 20  # bytes per copy task: a big tensor is split so every thread gets a share
+
+    def __init__(self, threads: int = 4) -> None:
         self._cache: dict[str, Any] | None = None
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="hpcdist-stage")
+        self.threads = max(1, threads)
+        self.allocate_seconds = 0.0  # the one-off allocation (and first fill) of the buffers
+
+    def prepare(self, state: dict[str, Any]) -> float:
+        """Allocate the buffers now and fill them once (every page touched): seconds taken, 0 if they exist."""
+        if self._cache is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.stage(state)
+        return time.perf_counter() - t0
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         if self._cache is not None:
             try:
-                return _copy_state_dict(state, self._cache)
+                return self._fill(state)
             except (KeyError, ValueError, RuntimeError, AssertionError):  # another structure (a state part added)
                 self._cache = None
+        t0 = time.perf_counter()
         self._cache = _create_cpu_state_dict(state, pin_memory=torch.cuda.is_available(), share_memory=True)
-        return _copy_state_dict(state, self._cache)
+        staged = self._fill(state)
+        self.allocate_seconds = time.perf_counter() - t0
+        return staged
+
+    def _fill(self, state: dict[str, Any]) -> dict[str, Any]:
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = _pair_tensors(state, self._cache, pairs)
+        tasks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for src, dst in pairs:
+            if src.shape != dst.shape or src.dtype != dst.dtype:
+                raise ValueError(f"staging: {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}")
+            n = src.numel()
+            step = max(1, self.CHUNK // max(1, src.element_size()))
+            if n > step and src.is_contiguous() and dst.is_contiguous():
+                flat_src, flat_dst = src.view(-1), dst.view(-1)
+                tasks += [(flat_src[i : i + step], flat_dst[i : i + step]) for i in range(0, n, step)]
+            elif n:
+                tasks.append((src, dst))
+        cuda = any(src.is_cuda for src, _ in tasks)
+        if self.threads == 1 or len(tasks) < 2:
+            for src, dst in tasks:
+                dst.copy_(src, non_blocking=cuda)
+        else:
+            shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
+                tasks[i :: self.threads] for i in range(self.threads)
+            ]
+            for fut in [self._pool.submit(_copy_all, share, cuda) for share in shares if share]:
+                fut.result()
+        if cuda:
+            torch.cuda.synchronize()
+        return staged
 
     def close(self) -> None:
         self._cache = None
+        self._pool.shutdown(wait=True)
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool) -> None:
+    for src, dst in pairs:
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+def _pair_tensors(src: Any, dst: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """Walk ``src`` (a DCP state dict) and its staging copy ``dst`` (same structure) together: each tensor's local
+    data with its buffer goes into ``pairs``; returns the staged state (``dst``'s tensors, ``src``'s other values), as
+    DCP's _copy_state_dict does. ValueError when the structures differ (the caller allocates anew)."""
+    if hasattr(src, "local_shards"):  # ZeRO's ShardedTensor: its local shards
+        mine, theirs = src.local_shards(), dst.local_shards() if hasattr(dst, "local_shards") else None
+        if theirs is None or len(mine) != len(theirs):
+            raise ValueError("staging: the sharded tensor's shards changed")
+        pairs += [(a.tensor, b.tensor) for a, b in zip(mine, theirs, strict=True)]
+        return dst
+    if isinstance(src, torch.Tensor):
+        if not isinstance(dst, torch.Tensor) or hasattr(src, "to_local") != hasattr(dst, "to_local"):
+            raise ValueError("staging: a tensor's kind changed")
+        pairs.append((src.to_local(), dst.to_local()) if hasattr(src, "to_local") else (src.detach(), dst))
+        return dst
+    if isinstance(src, dict):
+        if not isinstance(dst, dict) or set(src) != set(dst):
+            raise ValueError("staging: the state's keys changed")
+        return {k: _pair_tensors(v, dst[k], pairs) for k, v in src.items()}
+    if isinstance(src, (list, tuple)):
+        if not isinstance(dst, (list, tuple)) or len(src) != len(dst):
+            raise ValueError("staging: a list's length changed")
+        out = [_pair_tensors(a, b, pairs) for a, b in zip(src, dst, strict=True)]
+        return tuple(out) if isinstance(src, tuple) else out
+    return src
 
 
 @dataclass

@@ -147,3 +147,54 @@ def test_a_raw_item_whose_size_does_not_match_is_damage_and_the_previous_checkpo
     assert loaded is not None and loaded.name == "step-00000001", caplog.text
     assert (path / DAMAGED).is_file() and not (path / MARKER).exists()
     _assert_equal(dest, older)
+
+
+def test_staging_copies_on_threads_in_chunks_and_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28.2: the async save's staging copy runs on several threads, big tensors split in chunks; every kind
+    of tensor (bf16, a scalar, an empty one, a non-contiguous view) lands exactly, and a later stage refills the same
+    buffers (no new allocation)."""
+    monkeypatch.setattr(checkpoint._Staging, "CHUNK", 256)  # bytes: the 64 x 32 fp32 tensor becomes 32 chunks
+    stager = checkpoint._Staging(threads=3)
+    try:
+        state = _tensors(5)
+        state["model"]["t"] = torch.randn(16, 8).t()  # non-contiguous
+        staged = stager.stage(state)
+        _assert_equal(staged, state)
+        buffers = {k: v.data_ptr() for k, v in staged["model"].items() if v.numel()}
+        for part in state.values():
+            for v in part.values():
+                if isinstance(v, torch.Tensor) and v.numel():
+                    v.add_(1)
+        again = stager.stage(state)
+        _assert_equal(again, state)
+        assert {k: v.data_ptr() for k, v in again["model"].items() if v.numel()} == buffers
+    finally:
+        stager.close()
+
+
+def test_staging_buffers_are_allocated_before_the_first_async_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28.2: the first async save allocated the shared-memory staging buffers while the loop waited (7.6 s
+    under load for 125m). ``prepare_staging`` allocates them beforehand (the trainer calls it after its first
+    optimizer step): the save then allocates nothing, and what it wrote is the state."""
+    allocations: list[int] = []
+    real = checkpoint._create_cpu_state_dict
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        allocations.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "_create_cpu_state_dict", counting)
+    saved = _tensors(6)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, async_save=True)
+    try:
+        assert mgr.prepare_staging(_state(saved, 1)) > 0 and allocations == [1]
+        assert mgr.prepare_staging(_state(saved, 1)) == 0.0  # once
+        path = mgr.save(1, _state(saved, 1))
+        assert mgr.wait() and path is not None and allocations == [1]
+    finally:
+        mgr.close()
+    dest = _zeros_like(saved)
+    assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", _state(dest)) == path
+    _assert_equal(dest, saved)
