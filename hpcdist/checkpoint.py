@@ -1362,12 +1362,17 @@ class HashingWriter(dcp.FileSystemWriter):
         """DCP's file queue (one file per writer thread, items balanced by size), each file written by
         :func:`_write_raw_file`: tensors as raw bytes (``TENSOR_ENCODING``), pickled items as DCP writes them."""
         results: queue.Queue = queue.Queue()
+        errors: list[BaseException] = []  # a thread's failure fails the save (DCP's own threads dropped it)
 
         def drain() -> None:
-            with contextlib.suppress(queue.Empty):
-                while True:
+            try:
+                while not errors:
                     path, key, items = file_queue.get_nowait()
                     results.put(_write_raw_file(self.fs, path, key, items, planner, sync=self.sync_files))
+            except queue.Empty:
+                pass
+            except Exception as e:  # ENOSPC, EIO: the caller raises it once every thread stopped
+                errors.append(e)
 
         threads = [threading.Thread(target=drain, name="hpcdist-save") for _ in range(1, self.thread_count)]
         for t in threads:
@@ -1375,6 +1380,8 @@ class HashingWriter(dcp.FileSystemWriter):
         drain()
         for t in threads:
             t.join()
+        if errors:
+            raise errors[0]
         done: list[Any] = []
         with contextlib.suppress(queue.Empty):
             while True:
