@@ -1171,17 +1171,27 @@ class _HashingFile:
     """A file DCP writes through: every byte written goes into a sha256 as well, so the manifest's digest costs no
     read-back (the hash runs on DCP's writer thread while the kernel is busy flushing the previous write)."""
 
+    _INLINE = 1 << 20  # smaller writes are hashed on the writer's thread (their buffer may be reused at once)
+
     def __init__(self, raw: Any):
         self._raw, self._hash, self.size = raw, hashlib.sha256(), 0
+        self._hasher: _Hasher | None = None  # big writes: hashed on a thread of its own while the next is written
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         written = self._raw.write(view)
-        self._hash.update(view)
+        if len(view) < self._INLINE and self._hasher is None:
+            self._hash.update(view)
+        else:  # a tensor's own bytes (HashingWriter): unchanged until the save ends, so hashed behind the write
+            if self._hasher is None:
+                self._hasher = _Hasher(self._hash)
+            self._hasher.update(view)
         self.size += len(view)
         return written
 
     def hexdigest(self) -> str:
+        if self._hasher is not None:
+            self._hasher.wait()
         return self._hash.hexdigest()
 
     def tell(self) -> int:
@@ -1193,8 +1203,16 @@ class _HashingFile:
     def fileno(self) -> int:
         return self._raw.fileno()
 
+    def stop_hashing(self) -> None:
+        """Wait for the hash thread to take in every write, and end it."""
+        if self._hasher is not None:
+            self._hasher.close()
+
     def close(self) -> None:
-        self._raw.close()
+        try:
+            self._raw.close()
+        finally:
+            self.stop_hashing()
 
     def __enter__(self) -> _HashingFile:
         return self
@@ -1218,7 +1236,10 @@ class _HashingFileSystem(FileSystem):
             return
         with open(path, mode) as raw:
             stream = _HashingFile(raw)
-            yield stream
+            try:
+                yield stream
+            finally:
+                stream.stop_hashing()
         # only a file whose writing finished has a digest (an error above leaves none)
         self.written[os.fspath(path)] = {"size": stream.size, "sha256": stream.hexdigest()}
 
@@ -1448,8 +1469,8 @@ class _Hasher:
     chunk and the hashing of this one overlap (hashlib releases the GIL for big buffers). A view handed over must
     stay unchanged until ``wait`` (the model's own tensor does; a reused buffer waits first)."""
 
-    def __init__(self) -> None:
-        self._hash = hashlib.sha256()
+    def __init__(self, hasher: Any = None) -> None:
+        self._hash = hasher if hasher is not None else hashlib.sha256()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpcdist-hash")
         self._last: Future[Any] | None = None
         self.size = 0

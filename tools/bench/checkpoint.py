@@ -172,6 +172,9 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
     out["write_threads"] = threads
     sync = CheckpointManager(root / "sync", rank=0, world_size=1, keep_last=1, write_threads=threads)
     asyn = CheckpointManager(root / "async", rank=0, world_size=1, keep_last=1, async_save=True, write_threads=threads)
+    # the trainer allocates the staging buffers after its first optimizer step, outside any save: a one-off cost
+    # of the run, reported on its own line (not in a save's blocking time)
+    out["staging_alloc_s"] = asyn.prepare_staging(state)
     keys = (
         "dd_gbps",
         "sync_save_s",
@@ -363,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     print(row("sync save (s)", sync_s, "DCP + sha256 manifest (hashed while writing) + marker"))
     print(row("  sync save / dd", sync_ratio, f"goal >= 0.80: {'PASS' if sync_ratio >= 0.8 else 'FAIL'}"))
     print(row("  a read-back sha256 of every file would add (s)", hash_s, f"{hash_gbps:.2f} GB/s on one core"))
+    print(row("async save: staging buffers allocated, once (s)", one["staging_alloc_s"], "after step 1, no save"))
     print(row("async save: blocking the loop (s)", blocking))
     print(row("async save: until complete (s)", med(one["async_complete_s"])))
     print(
