@@ -1185,7 +1185,8 @@ class _HashingFile:
         else:  # a tensor's own bytes (HashingWriter): unchanged until the save ends, so hashed behind the write
             if self._hasher is None:
                 self._hasher = _Hasher(self._hash)
-            self._hasher.update(view)
+            # a small write after a big one keeps the order, on a copy (torch.save's header buffers are transient)
+            self._hasher.update(view if len(view) >= self._INLINE else memoryview(bytes(view)))
         self.size += len(view)
         return written
 
