@@ -46,8 +46,10 @@ import hashlib
 import io
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
+import queue
 import re
 import shutil
 import signal
@@ -64,12 +66,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save (FACTS.md)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from hpcdist.atomic import atomic_write, file_sha256
@@ -87,6 +90,13 @@ KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_k
 KILL_WRITER_ENV = "HPCDIST_TEST_KILL_WRITER"  # test-only: the checkpoint process dies writing that step (_PartSpec)
 STATE_FILE = "trainer_state.json"
 RANK_DIR = "rank"  # rank/rank-<r>.pt: each rank's own state (Checkpointable.rank_state)
+# how the shards' tensor items are encoded, recorded in MANIFEST.json (never guessed from the bytes): "raw" (each
+# tensor's bytes, its dtype and shape in DCP's .metadata: HashingWriter writes it) or "torch_save" (DCP's own
+# FileSystemWriter: a torch.save record per tensor; checkpoints written before the field, and plain DCP checkpoints
+# without our manifest). Both are read by HashingReader; any other value is damage
+TENSOR_ENCODING = "tensor_encoding"
+RAW, TORCH_SAVE = "raw", "torch_save"
+ENCODINGS = (RAW, TORCH_SAVE)
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 # exit status of a run stopped by checkpoint storage: a read that kept failing (CheckpointUnavailable) or a final /
 # stop save that failed (hpcdist.run); sysexits' EX_IOERR. The batch script's failure policy requeues it like any
@@ -431,9 +441,7 @@ class CheckpointManager:
 
             # staged into buffers allocated by the first save and reused (shared memory, pinned on CUDA): the only
             # part that blocks the loop; the checkpoint process serialises, hashes and writes from them
-            if self._stager is None:
-                self._stager = _Staging()
-            staged = self._stager.stage(state.dcp_state())
+            staged = self._staging().stage(state.dcp_state())
             if self._process is None:
                 self._process = _checkpoint_process(self._async_pg)
             writer = self._writer(path)
@@ -447,6 +455,24 @@ class CheckpointManager:
         if thread_errors:  # DCP drops a writer thread's failure: its files are missing from the checkpoint
             raise thread_errors[0]
         _test_kill_point(step)
+
+    def _staging(self) -> _Staging:
+        if self._stager is None:
+            # copy threads: the node's cores shared by its ranks, as the write threads are (at least 2: the copies
+            # wait on memory more than on a core)
+            self._stager = _Staging(threads=max(2, self.write_threads))
+        return self._stager
+
+    def prepare_staging(self, state: Checkpointable) -> float:
+        """Async save: allocate and fill the staging buffers now (after the first optimizer step, when the optimizer
+        state exists), so no save pays for it; seconds taken (0: already there, or no async save). Logged: a
+        one-off cost of the run, not of a save."""
+        if not self.async_save or (self._stager is not None and self._stager._cache is not None):
+            return 0.0
+        seconds = self._staging().prepare(state.dcp_state())
+        need = staging_bytes(self._stager._cache) if self._stager is not None else 0
+        log.info("checkpoint.async_save: %s of staging buffers allocated in %.2f s (once)", size_text(need), seconds)
+        return seconds
 
     def _own_digests(self, path: Path, written: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
         """Size and sha256 of the files this rank wrote (``_owner``), the work spread over the ranks as the writing
@@ -485,7 +511,7 @@ class CheckpointManager:
         for rel in sorted(set(_files(path)) - set(entries)):  # a file no naming rule gave a rank: hash it here
             entries[rel] = _digest(path / rel, checksum=True)
             hashed_by["0"] += entries[rel]["size"]
-        manifest = {"files": entries, "hashed_by": hashed_by}
+        manifest = {"files": entries, "hashed_by": hashed_by, TENSOR_ENCODING: HashingWriter.ENCODING}
         atomic_write(path / MANIFEST, json.dumps(manifest, indent=0, sort_keys=True))
         shutil.rmtree(path / PARTS_DIR, ignore_errors=True)
 
@@ -795,8 +821,10 @@ class CheckpointManager:
         diff = self._model_diff(metadata, model)
         skip = set(diff["missing"]) | set(diff["shape"])
         matching = {k: v for k, v in model.items() if k not in skip}
+        # verified whole by _named: read without hashing, in the encoding its manifest records
+        reader = HashingReader(str(path), hash_files=set(), threads=self.write_threads, encoding=tensor_encoding(path))
         with single_process_dcp():
-            dcp.load({"model": matching}, checkpoint_id=str(path))
+            dcp.load({"model": matching}, storage_reader=reader)
         state.load_dcp_state({"model": model})
         return diff
 
@@ -995,8 +1023,13 @@ class CheckpointManager:
         reader = HashingReader(str(path), hash_files=set(mine), threads=self.write_threads)
         planner = DefaultLoadPlanner()
         self._tainted |= set(dest)  # DCP writes into the live tensors: until the verdict, not trusted
+
+        def load() -> None:
+            reader.encoding = tensor_encoding(path)  # alike on every rank: a bad value fails every rank's load
+            dcp.load(dest, storage_reader=reader, planner=planner)
+
         with single_process_dcp():
-            failed = error_of(lambda: dcp.load(dest, storage_reader=reader, planner=planner))
+            failed = error_of(load)
         # a load that failed is judged too: damage that broke a record (a MemoryError from a garbled size) is
         # damage, not a transient error to retry; dcp.load fails on every rank alike, so all reach the agreement
         problems: list[str] = []
@@ -1138,17 +1171,28 @@ class _HashingFile:
     """A file DCP writes through: every byte written goes into a sha256 as well, so the manifest's digest costs no
     read-back (the hash runs on DCP's writer thread while the kernel is busy flushing the previous write)."""
 
+    _INLINE = 1 << 20  # smaller writes are hashed on the writer's thread (their buffer may be reused at once)
+
     def __init__(self, raw: Any):
         self._raw, self._hash, self.size = raw, hashlib.sha256(), 0
+        self._hasher: _Hasher | None = None  # big writes: hashed on a thread of its own while the next is written
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         written = self._raw.write(view)
-        self._hash.update(view)
+        if len(view) < self._INLINE and self._hasher is None:
+            self._hash.update(view)
+        else:  # a tensor's own bytes (HashingWriter): unchanged until the save ends, so hashed behind the write
+            if self._hasher is None:
+                self._hasher = _Hasher(self._hash)
+            # a small write after a big one keeps the order, on a copy (torch.save's header buffers are transient)
+            self._hasher.update(view if len(view) >= self._INLINE else memoryview(bytes(view)))
         self.size += len(view)
         return written
 
     def hexdigest(self) -> str:
+        if self._hasher is not None:
+            self._hasher.wait()
         return self._hash.hexdigest()
 
     def tell(self) -> int:
@@ -1160,8 +1204,16 @@ class _HashingFile:
     def fileno(self) -> int:
         return self._raw.fileno()
 
+    def stop_hashing(self) -> None:
+        """Wait for the hash thread to take in every write, and end it."""
+        if self._hasher is not None:
+            self._hasher.close()
+
     def close(self) -> None:
-        self._raw.close()
+        try:
+            self._raw.close()
+        finally:
+            self.stop_hashing()
 
     def __enter__(self) -> _HashingFile:
         return self
@@ -1185,7 +1237,10 @@ class _HashingFileSystem(FileSystem):
             return
         with open(path, mode) as raw:
             stream = _HashingFile(raw)
-            yield stream
+            try:
+                yield stream
+            finally:
+                stream.stop_hashing()
         # only a file whose writing finished has a digest (an error above leaves none)
         self.written[os.fspath(path)] = {"size": stream.size, "sha256": stream.hexdigest()}
 
@@ -1196,25 +1251,104 @@ class _HashingFileSystem(FileSystem):
 
 
 class _Staging:
-    """An async save's host copy of the state: allocated by the first save (shared memory, so the checkpoint
-    process maps it without a copy; pinned on CUDA, for fast device-to-host copies) and refilled by every later
-    one. DCP's own state-dict helpers, as its BlockingAsyncStager uses them (they take DTensors and ZeRO's
-    ShardedTensors, which DCP's newer StateDictStager refuses)."""
+    """An async save's host copy of the state: allocated once (``prepare``, after the first optimizer step, outside
+    any save; else by the first save) in shared memory, so the checkpoint process maps it without a copy (pinned on
+    CUDA, for fast device-to-host copies), and refilled by every later save. DCP's own helper allocates it, as its
+    BlockingAsyncStager does (it takes DTensors and ZeRO's ShardedTensors, which DCP's newer StateDictStager refuses);
+    the refill is ours: the tensors' pairs copied in chunks on ``threads`` threads (torch's copy_ releases the GIL;
+    DCP's _copy_state_dict copies one tensor after another on the calling thread: ~1 s per GB here)."""
 
-    def __init__(self) -> None:
+    CHUNK = 16 << 20  # bytes per copy task: a big tensor is split so every thread gets a share
+
+    def __init__(self, threads: int = 4) -> None:
         self._cache: dict[str, Any] | None = None
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="hpcdist-stage")
+        self.threads = max(1, threads)
+        self.allocate_seconds = 0.0  # the one-off allocation (and first fill) of the buffers
+
+    def prepare(self, state: dict[str, Any]) -> float:
+        """Allocate the buffers now and fill them once (every page touched): seconds taken, 0 if they exist."""
+        if self._cache is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.stage(state)
+        return time.perf_counter() - t0
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         if self._cache is not None:
             try:
-                return _copy_state_dict(state, self._cache)
+                return self._fill(state)
             except (KeyError, ValueError, RuntimeError, AssertionError):  # another structure (a state part added)
                 self._cache = None
+        t0 = time.perf_counter()
         self._cache = _create_cpu_state_dict(state, pin_memory=torch.cuda.is_available(), share_memory=True)
-        return _copy_state_dict(state, self._cache)
+        staged = self._fill(state)
+        self.allocate_seconds = time.perf_counter() - t0
+        return staged
+
+    def _fill(self, state: dict[str, Any]) -> dict[str, Any]:
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = _pair_tensors(state, self._cache, pairs)
+        tasks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for src, dst in pairs:
+            if src.shape != dst.shape or src.dtype != dst.dtype:
+                raise ValueError(f"staging: {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}")
+            n = src.numel()
+            step = max(1, self.CHUNK // max(1, src.element_size()))
+            if n > step and src.is_contiguous() and dst.is_contiguous():
+                flat_src, flat_dst = src.view(-1), dst.view(-1)
+                tasks += [(flat_src[i : i + step], flat_dst[i : i + step]) for i in range(0, n, step)]
+            elif n:
+                tasks.append((src, dst))
+        cuda = any(src.is_cuda for src, _ in tasks)
+        if self.threads == 1 or len(tasks) < 2:
+            for src, dst in tasks:
+                dst.copy_(src, non_blocking=cuda)
+        else:
+            shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
+                tasks[i :: self.threads] for i in range(self.threads)
+            ]
+            for fut in [self._pool.submit(_copy_all, share, cuda) for share in shares if share]:
+                fut.result()
+        if cuda:
+            torch.cuda.synchronize()
+        return staged
 
     def close(self) -> None:
         self._cache = None
+        self._pool.shutdown(wait=True)
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool) -> None:
+    for src, dst in pairs:
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+def _pair_tensors(src: Any, dst: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """Walk ``src`` (a DCP state dict) and its staging copy ``dst`` (same structure) together: each tensor's local
+    data with its buffer goes into ``pairs``; returns the staged state (``dst``'s tensors, ``src``'s other values), as
+    DCP's _copy_state_dict does. ValueError when the structures differ (the caller allocates anew)."""
+    if hasattr(src, "local_shards"):  # ZeRO's ShardedTensor: its local shards
+        mine, theirs = src.local_shards(), dst.local_shards() if hasattr(dst, "local_shards") else None
+        if theirs is None or len(mine) != len(theirs):
+            raise ValueError("staging: the sharded tensor's shards changed")
+        pairs += [(a.tensor, b.tensor) for a, b in zip(mine, theirs, strict=True)]
+        return dst
+    if isinstance(src, torch.Tensor):
+        if not isinstance(dst, torch.Tensor) or hasattr(src, "to_local") != hasattr(dst, "to_local"):
+            raise ValueError("staging: a tensor's kind changed")
+        pairs.append((src.to_local(), dst.to_local()) if hasattr(src, "to_local") else (src.detach(), dst))
+        return dst
+    if isinstance(src, dict):
+        if not isinstance(dst, dict) or set(src) != set(dst):
+            raise ValueError("staging: the state's keys changed")
+        return {k: _pair_tensors(v, dst[k], pairs) for k, v in src.items()}
+    if isinstance(src, (list, tuple)):
+        if not isinstance(dst, (list, tuple)) or len(src) != len(dst):
+            raise ValueError("staging: a list's length changed")
+        out = [_pair_tensors(a, b, pairs) for a, b in zip(src, dst, strict=True)]
+        return tuple(out) if isinstance(src, tuple) else out
+    return src
 
 
 @dataclass
@@ -1228,9 +1362,12 @@ class _PartSpec:
 
 
 class HashingWriter(dcp.FileSystemWriter):
-    """DCP's FileSystemWriter (same format, same files) that hashes every file while writing it: ``digests()``
-    gives the manifest entries of the files this rank wrote. (A pickled copy, e.g. in a checkpoint process,
-    records its own.)"""
+    """DCP's FileSystemWriter (same plans, same files, same .metadata) that writes each tensor item as its raw bytes
+    (``ENCODING``: no torch.save record, so a load reads it straight into the model's tensor, :class:`HashingReader`)
+    and hashes every file while writing it: ``digests()`` gives the manifest entries of the files this rank wrote.
+    (A pickled copy, e.g. in a checkpoint process, records its own.)"""
+
+    ENCODING = RAW  # the manifest records it (TENSOR_ENCODING)
 
     def __init__(self, path: str, **kwargs: Any):
         super().__init__(path, **kwargs)
@@ -1242,6 +1379,38 @@ class HashingWriter(dcp.FileSystemWriter):
         """{path relative to the checkpoint: {size, sha256}} of every file this writer finished."""
         root = Path(self.path)
         return {os.path.relpath(p, root): e for p, e in list(self.fs.written.items())}
+
+    def _write_data(self, planner: Any, file_queue: queue.Queue) -> Any:
+        """DCP's file queue (one file per writer thread, items balanced by size), each file written by
+        :func:`_write_raw_file`: tensors as raw bytes (``TENSOR_ENCODING``), pickled items as DCP writes them."""
+        results: queue.Queue = queue.Queue()
+        errors: list[BaseException] = []  # a thread's failure fails the save (DCP's own threads dropped it)
+
+        def drain() -> None:
+            try:
+                while not errors:
+                    path, key, items = file_queue.get_nowait()
+                    results.put(_write_raw_file(self.fs, path, key, items, planner, sync=self.sync_files))
+            except queue.Empty:
+                pass
+            except Exception as e:  # ENOSPC, EIO: the caller raises it once every thread stopped
+                errors.append(e)
+
+        threads = [threading.Thread(target=drain, name="hpcdist-save") for _ in range(1, self.thread_count)]
+        for t in threads:
+            t.start()
+        drain()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        done: list[Any] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                done += results.get_nowait()
+        fut: torch.futures.Future[list[Any]] = torch.futures.Future()
+        fut.set_result(done)
+        return fut
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         if self.part is not None and os.getpid() != self.part.trainer_pid:  # in the checkpoint process
@@ -1263,28 +1432,100 @@ class HashingWriter(dcp.FileSystemWriter):
         return fut
 
 
-class HashingReader(dcp.FileSystemReader):
-    """DCP's FileSystemReader (same files, same results) that reads each file it loads from once, in order, and
-    hashes the files named in ``hash_files`` on the way, the load's mirror of :class:`HashingWriter`: ``digests``
-    holds {relative path: {size, sha256}} of each such file, so the manifest's verdict needs no second pass.
+def _write_raw_file(fs: Any, path: Any, key: str, items: list[Any], planner: Any, *, sync: bool) -> list[Any]:
+    """One shard file: the pickled (``BYTE_IO``) items as DCP writes them, then each tensor item as its raw bytes
+    in row-major order (``TENSOR_ENCODING``: its dtype and shape are DCP's metadata's; no torch.save record around
+    it, so a load reads it straight into the model's tensor); fdatasync at the end. Returns DCP's WriteResults."""
+    results = []
+    with fs.create_stream(path, "wb") as stream:
+        for item in [i for i in items if i.type == WriteItemType.BYTE_IO]:
+            offset, data = stream.tell(), planner.resolve_data(item).getbuffer()
+            stream.write(data)
+            results.append(WriteResult(item.index, len(data), _StorageInfo(key, offset, len(data))))
+        for item in [i for i in items if i.type != WriteItemType.BYTE_IO]:
+            tensor = planner.resolve_data(item).detach()
+            props = item.tensor_data  # this rank's chunk of the tensor: the metadata's shape of these bytes
+            if tensor.device.type != "cpu" or list(tensor.size()) != list(props.chunk.sizes):
+                raise ValueError(f"{item.index.fqn}: {tensor.device} {list(tensor.size())}, planned {props.chunk}")
+            # the bytes must be the metadata's dtype: a load reads them as that (torch.save recorded its own)
+            tensor = tensor.to(props.properties.dtype).contiguous()
+            offset = stream.tell()
+            data = _byte_view(tensor)
+            stream.write(data)
+            results.append(WriteResult(item.index, len(data), _StorageInfo(key, offset, len(data))))
+        if sync:
+            os.fdatasync(stream.fileno())
+    return results
 
-    DCP's own reader takes a file's items in plan order, each through a file view that torch.load seeks around in.
-    Here a file's items are sorted by offset and read whole, each handed to torch.load as bytes already read and
-    hashed; bytes no item here needs (another rank's tensors, on a resharded load) are read and hashed too when the
-    file is hashed (else skipped), and so is the rest of the file after its last item. Files are read on ``threads``
-    threads (reads, hashlib and torch's copies release the GIL). The pickled (``BYTE_IO``) items are kept as bytes
-    until ``apply_deferred``: nothing from a file is unpickled before its verdict."""
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, shared with it (any dtype: numpy knows no bfloat16, uint8 it does)."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class _Hasher:
+    """sha256 of a file on a thread of its own, fed in order with views of bytes already read: the read of the next
+    chunk and the hashing of this one overlap (hashlib releases the GIL for big buffers). A view handed over must
+    stay unchanged until ``wait`` (the model's own tensor does; a reused buffer waits first)."""
+
+    def __init__(self, hasher: Any = None) -> None:
+        self._hash = hasher if hasher is not None else hashlib.sha256()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpcdist-hash")
+        self._last: Future[Any] | None = None
+        self.size = 0
+
+    def update(self, view: memoryview) -> None:
+        self.size += len(view)
+        self._last = self._pool.submit(self._hash.update, view)
+
+    def wait(self) -> None:
+        if self._last is not None:
+            self._last.result()
+
+    def hexdigest(self) -> str:
+        self.wait()
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class HashingReader(dcp.FileSystemReader):
+    """DCP's storage reader for the files :class:`HashingWriter` writes (same plans, same results), that reads each
+    file it loads from once, in order, and hashes the files named in ``hash_files`` on the way, the load's mirror of
+    :class:`HashingWriter`: ``digests`` holds {relative path: {size, sha256}} of each such file, so the manifest's
+    verdict needs no second pass.
+
+    A file's items are sorted by offset and read whole. ``encoding`` (the manifest's ``TENSOR_ENCODING``, never
+    guessed from the bytes) says how a tensor item was written: ``raw`` items are read with ``readinto`` straight into
+    the model's tensor when it is contiguous, of the saved dtype and takes the item whole (else into one reused
+    buffer, then the narrowed region is copied); each item's byte count is checked against the dtype and shape in
+    DCP's metadata before anything is read (a mismatch is damage). ``torch_save`` items (checkpoints written before)
+    go through torch.load from bytes already read. Bytes no item here needs (another rank's tensors, on a resharded
+    load) are read and hashed too when the file is hashed (else skipped), and so is the rest of the file after its
+    last item. Files are read on ``threads`` threads, each hashed on a thread of its own (:class:`_Hasher`). The
+    pickled (``BYTE_IO``) items are kept as bytes until ``apply_deferred``: nothing from a file is unpickled before
+    its verdict."""
 
     _CHUNK = 16 << 20
     # the kernel is asked to read this far ahead of the item being loaded (posix_fadvise WILLNEED): the disk reads
     # on while this thread hashes and deserialises, so a load takes the longer of the two, not their sum
     READ_AHEAD = 128 << 20
 
-    def __init__(self, path: str, *, hash_files: set[str], threads: int = 1):
+    def __init__(self, path: str, *, hash_files: set[str], threads: int = 1, encoding: str = TORCH_SAVE):
         super().__init__(path)
-        self.hash_files, self.threads = hash_files, max(1, threads)
+        self.hash_files, self.threads, self.encoding = hash_files, max(1, threads), encoding
         self.digests: dict[str, dict[str, Any]] = {}  # reader threads add to it: dict item set is atomic
         self.deferred: list[tuple[Any, bytes]] = []  # (ReadItem, bytes) of the pickled items, list append is atomic
+        self._tensors: dict[str, Any] = {}
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"{MANIFEST}: {TENSOR_ENCODING} {self.encoding!r} is none of {', '.join(ENCODINGS)}")
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._tensors = metadata.state_dict_metadata  # a raw item's dtype and shape
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         per_file: dict[str, list[tuple[Any, Any]]] = {}
@@ -1306,58 +1547,145 @@ class HashingReader(dcp.FileSystemReader):
     def _read_file(self, rel: str, items: list[tuple[Any, Any]], planner: Any) -> None:
         if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", ".."):
             raise ValueError(f"{rel!r}: .metadata names a file outside the checkpoint")
-        hasher = hashlib.sha256() if rel in self.hash_files else None
-        with open(os.path.join(self.path, rel), "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            pos = hashed = ahead = 0
-            record = bytearray()
-            for info, item in items:
-                offset, length = info.offset, info.length
-                # values from a file: checked before anything is allocated for them
-                if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset <= offset + length <= size):
-                    raise ValueError(f"{rel}: .metadata names bytes {offset}+{length} of a {size}-byte file")
-                ahead = _read_ahead(f, max(ahead, offset), offset + length + self.READ_AHEAD, size)
-                if len(record) < length:  # one buffer per file, as big as its biggest item: no page faults per item
+        hasher = _Hasher() if rel in self.hash_files else None
+        try:
+            with open(os.path.join(self.path, rel), "rb", buffering=0) as f:
+                self._read_items(f, rel, items, planner, hasher)
+        finally:
+            if hasher is not None:
+                hasher.close()
+
+    def _read_items(self, f: Any, rel: str, items: list[tuple[Any, Any]], planner: Any, hasher: _Hasher | None) -> None:
+        size = os.fstat(f.fileno()).st_size
+        pos = ahead = 0
+        record = bytearray()  # one buffer per file, as big as its biggest item read through it: no page faults per item
+        for info, item in items:
+            offset, length = info.offset, info.length
+            # values from a file: checked before anything is allocated for them or read into the model
+            if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset <= offset + length <= size):
+                raise ValueError(f"{rel}: .metadata names bytes {offset}+{length} of a {size}-byte file")
+            ahead = _read_ahead(f, max(ahead, offset), offset + length + self.READ_AHEAD, size)
+            raw = self.encoding == RAW and item.type != LoadItemType.BYTE_IO
+            target = direct = None
+            if raw:
+                target, direct = self._raw_target(rel, info, item, planner)
+            if direct is not None:
+                data = direct
+            else:
+                if hasher is not None:
+                    hasher.wait()  # the reused buffer may still be being hashed
+                if len(record) < length:
                     record = bytearray(length)
                 data = memoryview(record)[:length]
-                if offset < pos:  # overlaps what was read already (hashed once): read it again
-                    f.seek(offset)
-                    _read_into(f, data, rel)
-                    f.seek(pos)
-                else:
-                    hashed += self._skip(f, hasher, offset - pos, rel)
-                    _read_into(f, data, rel)
-                    if hasher is not None:
-                        hasher.update(data)
-                        hashed += length
-                    pos = offset + length
+            if offset < pos:  # overlaps what was read already (hashed once): read it again
+                f.seek(offset)
+                _read_into(f, data, rel)
+                f.seek(pos)
+            else:
+                pos = self._skip(f, hasher, pos, offset, rel)
+                ahead = self._read_hashed(f, data, rel, hasher, pos, ahead, size)
+                pos = offset + length
+            if direct is not None:
+                planner.commit_tensor(item, target)
+            elif raw:
+                self._load_raw(item, data, target, planner)
+            else:
                 self._load_item(item, info, data, planner)
-            if hasher is not None:  # the rest of the file, to its end (a file longer than its records is damage too)
-                buf = bytearray(self._CHUNK)
-                view = memoryview(buf)
-                at = pos
-                while n := f.readinto(buf):
-                    at += n
-                    ahead = _read_ahead(f, ahead, at + self.READ_AHEAD, size)
-                    hasher.update(view[:n])
-                    hashed += n
-                self.digests[rel] = {"size": hashed, "sha256": hasher.hexdigest()}
+        if hasher is not None:  # the rest of the file, to its end (a file longer than its records is damage too)
+            hasher.wait()
+            buf = bytearray(self._CHUNK)
+            while n := f.readinto(buf):
+                pos += n
+                ahead = _read_ahead(f, ahead, pos + self.READ_AHEAD, size)
+                hasher.update(memoryview(buf)[:n])
+                hasher.wait()  # buf is reused
+            self.digests[rel] = {"size": hasher.size, "sha256": hasher.hexdigest()}
 
-    def _skip(self, f: Any, hasher: Any, n: int, rel: str) -> int:
-        """Move ``n`` bytes on: read and hash them when the file is hashed, else seek. Returns the bytes hashed."""
+    def _read_hashed(
+        self, f: Any, data: memoryview, rel: str, hasher: _Hasher | None, pos: int, ahead: int, size: int
+    ) -> int:
+        """Fill ``data`` from the file at ``pos``, a chunk at a time, each chunk handed to the hasher once read;
+        returns how far the read-ahead was asked for."""
+        if hasher is None:
+            _read_into(f, data, rel)
+            return ahead
+        for start in range(0, len(data), self._CHUNK):
+            chunk = data[start : start + self._CHUNK]
+            _read_into(f, chunk, rel)
+            ahead = _read_ahead(f, ahead, pos + start + len(chunk) + self.READ_AHEAD, size)
+            hasher.update(chunk)
+        return ahead
+
+    def _skip(self, f: Any, hasher: _Hasher | None, pos: int, offset: int, rel: str) -> int:
+        """Move from ``pos`` to ``offset``: read and hash the bytes between when the file is hashed, else seek."""
+        n = offset - pos
         if hasher is None or n == 0:
             f.seek(n, os.SEEK_CUR)
-            return 0
+            return offset
+        buf = bytearray(min(n, self._CHUNK))
         left = n
         while left:
-            chunk = _read_exact(f, min(left, self._CHUNK), rel)
+            chunk = memoryview(buf)[: min(left, len(buf))]
+            hasher.wait()  # buf is reused
+            _read_into(f, chunk, rel)
             hasher.update(chunk)
             left -= len(chunk)
-        return n
+        hasher.wait()
+        return offset
+
+    def _raw_target(self, rel: str, info: Any, item: Any, planner: Any) -> tuple[torch.Tensor, memoryview | None]:
+        """The model's tensor for a raw item, after checking the item's bytes against its saved dtype and shape
+        (DCP's metadata) and the region the plan reads (all from the file: damage when they disagree); and the
+        tensor's own bytes when the item can be read straight into them (else None)."""
+        dtype, sizes = self._saved_chunk(rel, item)
+        want = math.prod(sizes) * dtype.itemsize
+        if info.length != want:
+            raise ValueError(
+                f"{rel}: {item.storage_index.fqn} is {info.length} bytes, its metadata says {list(sizes)} of {dtype} "
+                f"({want} bytes): damaged"
+            )
+        lengths, offsets = list(item.lengths), list(item.storage_offsets)
+        if len(lengths) != len(sizes) or any(
+            o < 0 or o + n > s for o, n, s in zip(offsets, lengths, sizes, strict=True)
+        ):
+            raise ValueError(f"{rel}: {item.storage_index.fqn}: the plan reads {offsets}+{lengths} of {list(sizes)}")
+        target = planner.resolve_tensor(item).detach()
+        if list(target.size()) != lengths:
+            raise ValueError(f"{rel}: {item.storage_index.fqn} holds {lengths}, the model {list(target.size())}")
+        whole = lengths == list(sizes)
+        if whole and target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous():
+            return target, _byte_view(target)
+        return target, None
+
+    def _saved_chunk(self, rel: str, item: Any) -> tuple[torch.dtype, list[int]]:
+        """dtype and shape of the saved chunk a read item comes from (DCP's metadata, values from a file)."""
+        index = item.storage_index
+        md = self._tensors.get(index.fqn)
+        chunks = getattr(md, "chunks", None)
+        dtype = getattr(getattr(md, "properties", None), "dtype", None)
+        if not isinstance(chunks, list) or not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{rel}: {index.fqn}: no tensor metadata for a tensor item")
+        found = [c for c in chunks if list(getattr(c, "offsets", ())) == list(index.offset)]
+        if index.index is not None and 0 <= index.index < len(chunks) and chunks[index.index] in found:
+            found = [chunks[index.index]]
+        if not found:
+            raise ValueError(f"{rel}: {index.fqn}: no saved chunk at {list(index.offset)}")
+        sizes = list(getattr(found[0], "sizes", None) or [])
+        if not all(isinstance(n, int) and n >= 0 for n in sizes):
+            raise ValueError(f"{rel}: {index.fqn}: a saved chunk of shape {sizes}")
+        return dtype, sizes
+
+    def _load_raw(self, item: Any, data: memoryview, target: torch.Tensor, planner: Any) -> None:
+        """A raw item read into the reused buffer: the region the plan reads copied into the model's tensor."""
+        dtype, sizes = self._saved_chunk("", item)
+        if target.numel():
+            saved = torch.frombuffer(data, dtype=dtype).view(sizes)
+            target.copy_(narrow_tensor_by_index(saved, item.storage_offsets, item.lengths))
+        planner.commit_tensor(item, target)
 
     def _load_item(self, item: Any, info: Any, data: memoryview, planner: Any) -> None:
-        # as DCP's FileSystemReader.read_data does with each item, from bytes read already instead of a file view
-        # (torch.load reads a seekable view with readinto: straight into the new tensor's storage)
+        # a torch.save'd item (a checkpoint written before TENSOR_ENCODING), as DCP's FileSystemReader.read_data
+        # does with each item, from bytes read already instead of a file view
         stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), _ViewStream(data))
         if item.type == LoadItemType.BYTE_IO:
             self.deferred.append((item, bytes(stream.read(-1))))  # a copy: the buffer is reused
@@ -1619,12 +1947,28 @@ def _read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict):
         raise ValueError('no "files" mapping')
+    if data.get(TENSOR_ENCODING, TORCH_SAVE) not in ENCODINGS:
+        raise ValueError(f"{TENSOR_ENCODING} {data.get(TENSOR_ENCODING)!r} is none of {', '.join(ENCODINGS)}")
     for rel, entry in files.items():
         size = entry.get("size") if isinstance(entry, dict) else None
         digest = entry.get("sha256") if isinstance(entry, dict) else None
         if not isinstance(size, int) or size < 0 or (checksum and not re.fullmatch(r"[0-9a-f]{64}", str(digest))):
             raise ValueError(f"malformed entry for {rel!r}: {entry!r}")
     return files
+
+
+def tensor_encoding(step: Path) -> str:
+    """How the shards of the checkpoint at ``step`` encode their tensors, as its manifest records it
+    (``TENSOR_ENCODING``). No field (a checkpoint written before it) or no manifest at all (a plain DCP checkpoint,
+    which our saves never leave) means DCP's own torch_save. ValueError (damage) for any other value."""
+    try:
+        data = json.loads((step / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        return TORCH_SAVE
+    encoding = data.get(TENSOR_ENCODING, TORCH_SAVE) if isinstance(data, dict) else None
+    if encoding not in ENCODINGS:
+        raise ValueError(f"{MANIFEST}: {TENSOR_ENCODING} {encoding!r} is none of {', '.join(ENCODINGS)}")
+    return encoding
 
 
 def _files(path: Path) -> list[str]:

@@ -45,13 +45,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.checkpoint import (
     MANIFEST,
     MARKER,
     STATE_FILE,
+    TENSOR_ENCODING,
     Checkpointable,
+    HashingReader,
     HashingWriter,
     _rng_state,
     _set_rng_state,
@@ -59,6 +62,7 @@ from hpcdist.checkpoint import (
     error_of,
     single_process_dcp,
     size_text,
+    tensor_encoding,
 )
 from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
@@ -473,7 +477,11 @@ class LocalTier:
                 "size": (path / name).stat().st_size,
                 "sha256": file_sha256(path / name),
             }
-        atomic_write(path / MANIFEST, json.dumps({"files": files, "step": step, "rank": self.rank}), durable=False)
+        atomic_write(
+            path / MANIFEST,
+            json.dumps({"files": files, "step": step, "rank": self.rank, TENSOR_ENCODING: HashingWriter.ENCODING}),
+            durable=False,
+        )
         atomic_write(path / MARKER, json.dumps({"step": step, "rank": self.rank, "world_size": self.world_size}))
         return sum(e["size"] for e in files.values())
 
@@ -727,7 +735,13 @@ class LocalTier:
         dest = state.dcp_state()
         local = _localize(dest)
         with single_process_dcp():
-            dcp.load(local, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+            # every file was checked against the manifest before: nothing to hash on the way
+            reader, planner = (
+                HashingReader(str(path), hash_files=set(), encoding=tensor_encoding(path)),
+                DefaultLoadPlanner(),
+            )
+            dcp.load(local, storage_reader=reader, planner=planner, no_dist=True)
+            reader.apply_deferred(planner)
         state.load_dcp_state(_merge_back(dest, local))
         state.load_trainer_state(trainer_state)
         state.load_rank_state(own)

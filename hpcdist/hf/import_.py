@@ -17,7 +17,6 @@ bytes.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -98,21 +97,12 @@ class HFSavePlanner(DefaultSavePlanner):
     def __init__(self, weights: HFWeights) -> None:
         super().__init__()
         self.weights = weights
-        self._last = threading.local()  # per writer thread: the tensor handed out last
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        # DCP's file writer keeps a reference to every tensor it wrote to a file until the file is done (torch 2.13,
-        # filesystem._write_files_from_queue's tensor_dict, used only for its safetensors format): that held the whole
-        # model (125m: peak 2.9x the weights' size above baseline). A writer thread asks for its next tensor only after
-        # writing the previous one, so that one's storage is released here.
-        previous = getattr(self._last, "tensor", None)
-        if previous is not None:
-            previous.untyped_storage().resize_(0)
-        tensor = self.weights.tensor(index.fqn.removeprefix("model."))
-        if not tensor.untyped_storage().resizable():  # a float32 file's tensor is safetensors' own buffer: copy it
-            tensor = tensor.clone()
-        self._last.tensor = tensor
-        return tensor
+        # read when the writer reaches it; dropped once written and hashed: HashingWriter keeps no reference to a
+        # tensor it wrote (DCP's own writer kept every tensor of a file until the file was done, for its safetensors
+        # format: 125m peaked at 2.9x the weights' size above baseline, and this planner freed each storage by hand)
+        return self.weights.tensor(index.fqn.removeprefix("model."))
 
 
 class HFStorageReader(StorageReader):

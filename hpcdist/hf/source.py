@@ -17,7 +17,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hpcdist.checkpoint import MARKER, STATE_FILE, CheckpointManager, describe_error, latest, single_process_dcp
+from hpcdist.checkpoint import (
+    MARKER,
+    STATE_FILE,
+    CheckpointManager,
+    HashingReader,
+    describe_error,
+    latest,
+    single_process_dcp,
+    tensor_encoding,
+)
 from hpcdist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, recorded_tokenizer
 from hpcdist.models.args import ModelArgs
 from hpcdist.rundir import RunDir
@@ -121,8 +130,11 @@ def load_fqn(step: Path, tensors: dict[str, torch.Tensor]) -> None:
     just their bytes, whatever strategy and world size wrote them (ZeRO partitions, FSDP / TP shards)."""
     with single_process_dcp():
         try:
-            dcp.load({"model": tensors}, checkpoint_id=str(step))
-        except CheckpointException as e:  # a BaseException: it would pass every `except Exception` up to the CLI
+            # our reader: it knows the manifest's tensor encoding (raw since issue 28), DCP's own does not
+            reader = HashingReader(str(step), hash_files=set(), encoding=tensor_encoding(step))
+            dcp.load({"model": tensors}, storage_reader=reader)
+        except (CheckpointException, ValueError) as e:  # CheckpointException is a BaseException: it would pass
+            # every `except Exception` up to the CLI; ValueError: the manifest names no known tensor encoding
             raise ConversionError(f"{step}: its weights cannot be read: {describe_error(e)}") from None
 
 

@@ -1,0 +1,200 @@
+"""Issue 28.1: the shards' tensors as raw bytes (no torch.save record), read straight into the model's tensors; the
+encoding recorded in the manifest; old (torch.save'd) checkpoints still load; a wrong size is damage. One process,
+plain tensors: each test takes well under a second."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hpcdist import checkpoint
+from hpcdist.checkpoint import DAMAGED, MANIFEST, MARKER, TENSOR_ENCODING, Checkpointable, CheckpointManager
+
+
+def _state(tensors: dict[str, dict[str, Any]], step: int = 0) -> Checkpointable:
+    return Checkpointable(
+        dcp_state=lambda: tensors,
+        load_dcp_state=lambda s: None,
+        trainer_state=lambda: {"step": step},
+        load_trainer_state=lambda s: None,
+    )
+
+
+def _tensors(seed: int) -> dict[str, dict[str, Any]]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w": torch.randn(64, 32, generator=g),
+            "h": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+            "empty": torch.zeros(0, 4),
+        },
+        "optim": {"step": torch.tensor(float(seed)), "m": torch.randn(4096, generator=g), "lr": 0.5 + seed},
+    }
+
+
+def _zeros_like(tensors: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {
+        part: {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0.0 for k, v in d.items()}
+        for part, d in tensors.items()
+    }
+
+
+def _assert_equal(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> None:
+    for part, d in want.items():
+        for k, v in d.items():
+            if isinstance(v, torch.Tensor):
+                assert got[part][k].dtype == v.dtype and torch.equal(got[part][k], v), (part, k)
+            else:
+                assert got[part][k] == v, (part, k)
+
+
+def test_tensors_are_written_as_raw_bytes_and_read_straight_into_the_model(tmp_path: Path) -> None:
+    """Each tensor item of a shard is the tensor's own bytes at the offset DCP's metadata records (it was a
+    torch.save zip record), the manifest says so, and a load fills the model's own tensors in place."""
+    saved = _tensors(1)
+    path = CheckpointManager(tmp_path, rank=0, world_size=1).save(1, _state(saved, 1))
+    assert path is not None
+    assert json.loads((path / MANIFEST).read_text())[TENSOR_ENCODING] == "raw"
+    storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    w = next(info for index, info in storage.items() if index.fqn == "model.w")
+    shard = (path / w.relative_path).read_bytes()
+    assert shard[w.offset : w.offset + w.length] == saved["model"]["w"].numpy().tobytes()
+
+    dest = _zeros_like(saved)
+    pointers = {k: v.data_ptr() for k, v in dest["model"].items()}
+    assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", _state(dest)) == path
+    _assert_equal(dest, saved)
+    assert {k: v.data_ptr() for k, v in dest["model"].items()} == pointers  # in place, no new tensors
+
+
+def test_a_checkpoint_written_with_torch_save_records_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A checkpoint from before the raw encoding: DCP's own writer (torch.save per tensor), a manifest without
+    the encoding field. It loads, exactly (the field's absence says torch_save; the bytes are never guessed from)."""
+    saved = _tensors(2)
+    with monkeypatch.context() as m:  # the writer as it was: DCP's FileSystemWriter's data path
+        m.setattr(checkpoint.HashingWriter, "_write_data", dcp.FileSystemWriter._write_data)
+        path = CheckpointManager(tmp_path, rank=0, world_size=1).save(1, _state(saved, 1))
+    assert path is not None
+    manifest = json.loads((path / MANIFEST).read_text())
+    del manifest[TENSOR_ENCODING]  # as written before the field existed
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    dest = _zeros_like(saved)
+    assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", _state(dest)) == path
+    _assert_equal(dest, saved)
+    assert not (path / DAMAGED).exists()
+
+
+def _rewrite_metadata(path: Path, change: Any) -> None:
+    """Alter .metadata (our own test file: unpickling it is fine) and give the manifest its new digest, so only the
+    reader's own checks can catch the change."""
+    meta_file = path / ".metadata"
+    metadata = pickle.loads(meta_file.read_bytes())
+    change(metadata)
+    meta_file.write_bytes(pickle.dumps(metadata))
+    manifest = json.loads((path / MANIFEST).read_text())
+    data = meta_file.read_bytes()
+    manifest["files"][".metadata"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage", ["length-short", "length-long", "shape", "truncated", "encoding"])
+def test_a_raw_item_whose_size_does_not_match_is_damage_and_the_previous_checkpoint_loads(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sizes from the file are checked against the metadata's dtype and shape and the destination before anything is
+    read or allocated: an item's length that disagrees, a shape that disagrees, a shard cut short inside a raw
+    item, an unknown encoding: each demotes the checkpoint (never a crash, never an allocation from the file), and
+    the previous one loads whole."""
+    older, newer = _tensors(3), _tensors(4)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, keep_last=5, verify="none")
+    mgr.save(1, _state(older, 1))
+    path = mgr.save(2, _state(newer, 2))
+    assert path is not None
+    storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    m = next(index for index in storage if index.fqn == "optim.m")
+
+    if damage in ("length-short", "length-long"):
+        delta = -4 if damage == "length-short" else 1 << 40  # the second: an allocation of a terabyte if trusted
+
+        def change(md: Any) -> None:
+            md.storage_data[m].length += delta
+
+        _rewrite_metadata(path, change)
+    elif damage == "shape":
+
+        def change(md: Any) -> None:
+            md.state_dict_metadata["optim.m"].chunks[0].sizes = torch.Size([2048])
+
+        _rewrite_metadata(path, change)
+    elif damage == "truncated":
+        info = storage[m]
+        shard = path / info.relative_path
+        shard.write_bytes(shard.read_bytes()[: info.offset + info.length // 2])
+    else:
+        manifest = json.loads((path / MANIFEST).read_text())
+        manifest[TENSOR_ENCODING] = "raw-v9"
+        (path / MANIFEST).write_text(json.dumps(manifest))
+
+    dest = _zeros_like(older)
+    loaded = CheckpointManager(tmp_path, rank=0, world_size=1, keep_last=5, verify="none").restore("auto", _state(dest))
+    assert loaded is not None and loaded.name == "step-00000001", caplog.text
+    assert (path / DAMAGED).is_file() and not (path / MARKER).exists()
+    _assert_equal(dest, older)
+
+
+def test_staging_copies_on_threads_in_chunks_and_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28.2: the async save's staging copy runs on several threads, big tensors split in chunks; every kind
+    of tensor (bf16, a scalar, an empty one, a non-contiguous view) lands exactly, and a later stage refills the same
+    buffers (no new allocation)."""
+    monkeypatch.setattr(checkpoint._Staging, "CHUNK", 256)  # bytes: the 64 x 32 fp32 tensor becomes 32 chunks
+    stager = checkpoint._Staging(threads=3)
+    try:
+        state = _tensors(5)
+        state["model"]["t"] = torch.randn(16, 8).t()  # non-contiguous
+        staged = stager.stage(state)
+        _assert_equal(staged, state)
+        buffers = {k: v.data_ptr() for k, v in staged["model"].items() if v.numel()}
+        for part in state.values():
+            for v in part.values():
+                if isinstance(v, torch.Tensor) and v.numel():
+                    v.add_(1)
+        again = stager.stage(state)
+        _assert_equal(again, state)
+        assert {k: v.data_ptr() for k, v in again["model"].items() if v.numel()} == buffers
+    finally:
+        stager.close()
+
+
+def test_staging_buffers_are_allocated_before_the_first_async_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28.2: the first async save allocated the shared-memory staging buffers while the loop waited (7.6 s
+    under load for 125m). ``prepare_staging`` allocates them beforehand (the trainer calls it after its first
+    optimizer step): the save then allocates nothing, and what it wrote is the state."""
+    allocations: list[int] = []
+    real = checkpoint._create_cpu_state_dict
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        allocations.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "_create_cpu_state_dict", counting)
+    saved = _tensors(6)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, async_save=True)
+    try:
+        assert mgr.prepare_staging(_state(saved, 1)) > 0 and allocations == [1]
+        assert mgr.prepare_staging(_state(saved, 1)) == 0.0  # once
+        path = mgr.save(1, _state(saved, 1))
+        assert mgr.wait() and path is not None and allocations == [1]
+    finally:
+        mgr.close()
+    dest = _zeros_like(saved)
+    assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", _state(dest)) == path
+    _assert_equal(dest, saved)
