@@ -413,15 +413,6 @@ def _check_optim(cfg: JobConfig) -> list[str]:
     return p
 
 
-# Selective checkpointing under tensor parallelism: the recompute of DTensor's functional collectives segfaulted a
-# rank in wait_tensor (tests/dist/test_3d.py, interleaved pp2 x tp2, torch 2.13, 2026-11-26; once in three runs, not
-# reproduced since and not understood), so the combination is refused and the planner does not offer it.
-SELECTIVE_TP_REFUSAL = (
-    "train.activation_checkpointing=selective with parallel.tp > 1: the recompute of tensor parallelism's collectives "
-    "crashed a rank (torch 2.13); use train.activation_checkpointing=full (or none) with tp, or parallel.tp=1"
-)
-
-
 def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
     t = cfg.train
     p = _choice("train.nonfinite", t.nonfinite, ("stop", "skip"))
@@ -439,8 +430,6 @@ def _check_train(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
         p.append(f"train.max_nonfinite_skips: must be >= 1, got {t.max_nonfinite_skips}")
     p += _choice("train.dtype", t.dtype, DTYPES)
     p += _choice("train.activation_checkpointing", t.activation_checkpointing, ACTIVATION_CHECKPOINTING)
-    if t.activation_checkpointing == "selective" and cfg.parallel.tp > 1:
-        p.append(SELECTIVE_TP_REFUSAL)
     if t.dtype == "fp16" and kind is LayoutKind.THREE_D and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         # the scaler must unscale every stage's and tp shard's gradients and agree on one overflow verdict across
         # the pp and tp groups before any stage steps: not built (ShardedGradScaler reduces over one group)

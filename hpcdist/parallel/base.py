@@ -216,6 +216,10 @@ class Strategy:
         if self.scaler is None:
             return
         scale, tracker, skips = state.get("scale"), state.get("growth_tracker"), state.get("overflow_steps")
+        if tracker is None and "iter" in state:
+            # DeepSpeed's scaler saved it (a zero fp16 checkpoint, hpcdist.parallel.zero.loss_scaler_state): its
+            # clean-step count is not torch's growth tracker, so the scale carries over and the interval starts afresh
+            tracker = 0
         if not (isinstance(scale, float) and 0 < scale < float("inf")):
             raise ValueError(f"grad_scaler.scale must be a positive finite number, got {scale!r}")
         for key, v in (("growth_tracker", tracker), ("overflow_steps", skips)):

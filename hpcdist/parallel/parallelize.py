@@ -95,7 +95,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """train.activation_checkpointing per transformer block: ``full`` keeps only each block's input and recomputes
     the block in backward; ``selective`` (op-level) also keeps the outputs of the ops in ``_SAC_SAVE_OPS`` and
     recomputes the rest; ``none`` changes nothing. Non-reentrant checkpointing either way (the one form that
-    composes with FSDP2, DTensor and compile)."""
+    composes with FSDP2, DTensor and compile). Under tensor parallelism either mode's recompute issues the block's
+    functional collectives again (both sequence-parallel all-gathers and wo's reduce-scatter; it stops before w2's),
+    every tp rank in the same order. (Selective with tp was refused from 2026-11-26 for a rank segfault seen once in CI
+    in wait_tensor; 120 looped 2-8 rank runs of pp2 x tp2, dp2 x tp2 and pp2 x dp2 x tp2, half with torch's own SAC
+    modes, never reproduced it: issue 30.)"""
     if mode == "none":
         return
     if mode not in ("full", "selective"):

@@ -94,6 +94,56 @@ def deepspeed_config(
     return cfg
 
 
+# The fields of DeepSpeed's DynamicLossScaler (0.19, deepspeed.runtime.fp16.loss_scaler) that update_scale changes:
+# the scale, the step counter, the step of the last overflow (growth comes loss_scale_window clean steps after it) and
+# the overflows left before the next halving (hysteresis). Its window, factor, minimum and hysteresis depth come
+# from deepspeed_config's fp16 block, so a resume takes them from the config, not the checkpoint.
+_DS_SCALER_FIELDS = {
+    "scale": "cur_scale",
+    "iter": "cur_iter",
+    "last_overflow_iter": "last_overflow_iter",
+    "hysteresis": "cur_hysteresis",
+}
+
+
+def _is_int(v: Any, low: int, high: int = 2**62) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v < high
+
+
+def loss_scaler_state(scaler: Any) -> dict[str, Any]:
+    """A DeepSpeed DynamicLossScaler's changing state as JSON numbers (``_DS_SCALER_FIELDS``)."""
+    return {
+        "scale": float(scaler.cur_scale),
+        **{key: int(getattr(scaler, attr)) for key, attr in _DS_SCALER_FIELDS.items() if key != "scale"},
+    }
+
+
+def load_loss_scaler_state(scaler: Any, state: dict[str, Any]) -> None:
+    """Set ``scaler`` (a DeepSpeed DynamicLossScaler) from ``loss_scaler_state``'s dict, read from a checkpoint
+    (another user's file): every value is checked against the scaler's own configured ranges before any is set.
+    A state without DeepSpeed's counters (a checkpoint of torch's GradScaler: ddp/fsdp in fp16) carries its scale
+    over and starts the growth interval afresh: the two scalers count clean steps differently."""
+    scale = state.get("scale")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scaler.min_scale <= scale < math.inf):
+        raise ValueError(
+            f"grad_scaler.scale must be a finite number >= the minimum loss scale {scaler.min_scale}, got {scale!r}"
+        )
+    if "iter" not in state:
+        scaler.cur_scale = float(scale)
+        return
+    it, last, hyst = state.get("iter"), state.get("last_overflow_iter"), state.get("hysteresis")
+    if not _is_int(it, 0):
+        raise ValueError(f"grad_scaler.iter must be a non-negative integer, got {it!r}")
+    if not _is_int(last, -1, max(it, 0)):  # -1: no overflow yet; an overflow is recorded before iter advances
+        raise ValueError(f"grad_scaler.last_overflow_iter must be an integer in [-1, iter={it}), got {last!r}")
+    if not _is_int(hyst, 1, scaler.delayed_shift + 1):
+        raise ValueError(
+            f"grad_scaler.hysteresis must be an integer in [1, {scaler.delayed_shift}] (the configured hysteresis), "
+            f"got {hyst!r}"
+        )
+    scaler.cur_scale, scaler.cur_iter, scaler.last_overflow_iter, scaler.cur_hysteresis = float(scale), it, last, hyst
+
+
 def _skip_shm_comm_build() -> None:
     """DeepSpeed's TorchBackend JIT-builds the deepspeed_shm_comm C++ op (~60 s, needs g++) unless it is marked
     incompatible; the gloo/NCCL process group hpcdist already created does all communication."""
@@ -211,16 +261,20 @@ class ZeroStrategy(Strategy):
         return float(self.ds_optimizer.loss_scale) if self._fp16 else None
 
     def scaler_state(self) -> dict[str, Any] | None:
-        # the overflow count only: DeepSpeed's loss scale restarts at 2**16 on a resume (its scaler lives in its own
-        # checkpoint format, which hpcdist's DCP checkpoint does not write); not exact across a resume in fp16
-        return {"overflow_steps": self.overflow_steps} if self._fp16 else None
+        """fp16: DeepSpeed's dynamic loss scaler (its own checkpoint format, which hpcdist's DCP checkpoint does not
+        write, would pickle the object) as plain numbers for trainer_state.json, and the overflow count."""
+        if not self._fp16:
+            return None
+        return {**loss_scaler_state(self.ds_optimizer.loss_scaler), "overflow_steps": self.overflow_steps}
 
     def load_scaler_state(self, state: dict[str, Any]) -> None:
-        skips = state.get("overflow_steps")
+        """``state``: from a checkpoint's trainer_state.json (another user's file): all validated before any is set."""
         if not self._fp16:
             return
-        if not (isinstance(skips, int) and not isinstance(skips, bool) and 0 <= skips < 2**62):
+        skips = state.get("overflow_steps")
+        if not _is_int(skips, 0):
             raise ValueError(f"grad_scaler.overflow_steps must be a non-negative integer, got {skips!r}")
+        load_loss_scaler_state(self.ds_optimizer.loss_scaler, state)
         self.overflow_steps = skips
 
     def has_replicas(self) -> bool:

@@ -59,6 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             seq_len=cfg.data.seq_len,
             activation_checkpointing=cfg.train.activation_checkpointing,
             document_mask=cfg.data.document_mask,
+            element_bytes=planner.activation_element_bytes(cfg),
         )
     )
     t = cfg.train
@@ -72,6 +73,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         reduce_bytes=planner.grad_reduce_bytes(cfg),
         document_mask=cfg.data.document_mask,
         fp16=cfg.train.dtype == "fp16",
+        element_bytes=planner.activation_element_bytes(cfg),
     )
     if not estimates:
         raise CommandError(

@@ -295,6 +295,7 @@ def _memory(cfg: JobConfig, world_size: int, gpus_per_node: int) -> MemoryEstima
         offload_optimizer=zero and p.zero.offload_optimizer,
         offload_params=zero and p.zero.offload_params,
         document_mask=cfg.data.document_mask,
+        element_bytes=planner.activation_element_bytes(cfg),
     )
 
 
@@ -313,6 +314,7 @@ def _prediction(cfg: JobConfig, world_size: int, cluster: ClusterConfig) -> str 
             hw=hw,
             reduce_bytes=planner.grad_reduce_bytes(cfg),
             document_mask=cfg.data.document_mask,
+            element_bytes=planner.activation_element_bytes(cfg),
         )
     except ValueError:
         return None  # no hardware block (a CPU profile): nothing to predict

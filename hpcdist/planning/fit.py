@@ -70,6 +70,7 @@ def _need(cfg: JobConfig, layout: planner.Layout, gpus_per_node: int) -> float:
         offload_optimizer=zero and p.zero.offload_optimizer,
         offload_params=zero and p.zero.offload_params,
         document_mask=cfg.data.document_mask,
+        element_bytes=planner.activation_element_bytes(cfg),
     )
     return est.total / GIB
 
@@ -107,6 +108,7 @@ def check_fit(cfg: JobConfig, cluster: ClusterConfig) -> FitCheck | None:
         reduce_bytes=planner.grad_reduce_bytes(cfg),
         document_mask=cfg.data.document_mask,
         fp16=cfg.train.dtype == "fp16",
+        element_bytes=planner.activation_element_bytes(cfg),
     )
     try:
         _, chosen, _ = planner.pick(cfg, estimates, cluster.world_size, cluster.gpus_per_node)

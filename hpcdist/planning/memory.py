@@ -248,10 +248,12 @@ def estimate_memory(
     offload_params: bool = False,
     fsdp_replicate: int = 1,
     document_mask: bool = False,
+    element_bytes: int = 2,
 ) -> MemoryEstimate:
     """Per-GPU memory of one training step under ``strategy`` (ddp, zero1, zero2, zero3, fsdp, hsdp; or
     ``zero`` with ``zero_stage`` 1-3). ``offload_*`` apply to zero2 (optimizer) and zero3 (optimizer, params).
-    hsdp shards over ``world_size // fsdp_replicate`` GPUs (default replicate = number of nodes)."""
+    hsdp shards over ``world_size // fsdp_replicate`` GPUs (default replicate = number of nodes).
+    ``element_bytes``: the activations' compute dtype (hpcdist.planning.layouts.activation_element_bytes)."""
     kind = LayoutKind.named(strategy, zero_stage=zero_stage, choices=STRATEGIES)
     if world_size < 1 or gpus_per_node < 1:
         raise ValueError(f"world_size and gpus_per_node must be >= 1, got {world_size}, {gpus_per_node}")
@@ -313,6 +315,7 @@ def estimate_memory(
         seq_len=seq_len,
         activation_checkpointing=activation_checkpointing,
         document_mask=document_mask,
+        element_bytes=element_bytes,
     )
     rest = params + grads + optim + acts
     buffers = int(BUFFER_FRACTION * rest) + CUDA_CONTEXT_BYTES
@@ -361,8 +364,10 @@ def activation_bytes_3d(
     microbatches: int = 1,
     sequence_parallel: bool = True,
     document_mask: bool = False,
+    element_bytes: int = 2,
 ) -> int:
-    """Activation memory of the heaviest pipeline stage under tensor and pipeline parallelism (SDPA, 16-bit).
+    """Activation memory of the heaviest pipeline stage under tensor and pipeline parallelism (SDPA; 16-bit unless
+    ``element_bytes`` says otherwise).
 
     Per layer and micro-batch :func:`layer_saved_bytes` of the mode (tensor parallelism splits the heads' and the
     MLP's tensors, sequence parallelism also the norms' and the residual stream's); with checkpointing (full or
@@ -378,17 +383,21 @@ def activation_bytes_3d(
     if tp < 1 or pp < 1 or microbatches < 1:
         raise ValueError(f"tp, pp and microbatches must be >= 1, got {tp}, {pp}, {microbatches}")
     tokens = seq_len * micro_batch_size
-    kw = {"tokens": tokens, "tp": tp, "sequence_parallel": sequence_parallel}
+    kw = {"tokens": tokens, "tp": tp, "sequence_parallel": sequence_parallel, "element_bytes": element_bytes}
     mode = activation_checkpointing_mode(activation_checkpointing)
     per_layer = layer_saved_bytes(args, mode, **kw)
     recompute = 0 if mode == "none" else layer_saved_bytes(args, "none", **kw)  # one layer rebuilt at a time
     layers = -(-args.n_layers // pp)
-    mask = document_mask_bytes(micro_batch_size=micro_batch_size, seq_len=seq_len) if document_mask else 0
+    mask = (
+        document_mask_bytes(micro_batch_size=micro_batch_size, seq_len=seq_len, element_bytes=element_bytes)
+        if document_mask
+        else 0
+    )
 
     def stage(in_flight: int) -> int:
         return in_flight * (layers * per_layer + mask) + recompute
 
-    head = head_saved_bytes(args, tokens=tokens, tp=tp)
+    head = head_saved_bytes(args, tokens=tokens, tp=tp, element_bytes=element_bytes)
     if pp == 1:
         return stage(1) + head
     return max(stage(min(pp, microbatches)), stage(1) + head)
@@ -409,6 +418,7 @@ def estimate_3d_memory(
     reduce_bytes: int = 4,
     strategy: str = LayoutKind.THREE_D,
     document_mask: bool = False,
+    element_bytes: int = 2,
 ) -> MemoryEstimate:
     """Per-GPU memory of a (pp, dp, tp) layout with FSDP2 over dp, for the heaviest pipeline stage.
 
@@ -461,6 +471,7 @@ def estimate_3d_memory(
         microbatches=microbatches,
         sequence_parallel=sequence_parallel,
         document_mask=document_mask,
+        element_bytes=element_bytes,
     )
     rest = params + grads + optim + acts
     buffers = int(BUFFER_FRACTION * rest) + CUDA_CONTEXT_BYTES
@@ -500,22 +511,19 @@ def plan_table(
     seq_len: int,
     activation_checkpointing: str | bool,
     document_mask: bool = False,
+    element_bytes: int = 2,
 ) -> str:
     """One row per strategy: GiB per GPU by category, total, whether it fits ``gpu_mem_gb`` (GiB), and the
     DeepSpeed-estimator model states beside the 16-bytes/param ideal. hsdp replicates across nodes and shards
     inside each node. zero3+offload offloads both optimizer and parameters to the CPU."""
     world = nodes * gpus_per_node
     mem = gpu_mem_gb * GIB
+    mask = document_mask_bytes(micro_batch_size=micro_batch_size, seq_len=seq_len, element_bytes=element_bytes)
     header = (
         f"{num_params(args) / 1e9:.2f}B params, {nodes} node(s) x {gpus_per_node} GPU(s) = {world}, "
         f"{gpu_mem_gb:g} GiB/GPU, micro batch {micro_batch_size}, seq {seq_len}, activation checkpointing "
-        f"{activation_checkpointing_mode(activation_checkpointing)}"
-        + (
-            f", document mask ({document_mask_bytes(micro_batch_size=micro_batch_size, seq_len=seq_len) / GIB:.2f} "
-            "GiB per micro-batch, in activ)"
-            if document_mask
-            else ""
-        )
+        f"{activation_checkpointing_mode(activation_checkpointing)}, {8 * element_bytes}-bit activations"
+        + (f", document mask ({mask / GIB:.2f} GiB per micro-batch, in activ)" if document_mask else "")
         + "; per GPU"
     )
     cols: tuple[str, ...]
@@ -536,6 +544,7 @@ def plan_table(
             offload_params=off_par,
             fsdp_replicate=nodes,
             document_mask=document_mask,
+            element_bytes=element_bytes,
         )
         ds = "-" if e.model_states_deepspeed is None else f"{e.model_states_deepspeed / GIB:.1f}"
         cells = [e.params, e.grads, e.optimizer, e.activations, e.buffers, e.total]

@@ -26,6 +26,7 @@ STEPS = 5
 # micro-batch means); measured max relative loss difference over 5 Adam steps ~2e-7 for every layout and schedule.
 # 1e-5 leaves ~50x margin and still catches any real error (a wrong scale, a skipped micro-batch: >= 1e-3).
 RTOL = 1e-5
+SELECTIVE_RTOL = 1e-6
 # 4 layers: Interleaved / V schedules put 2 stages on each of pp=2 ranks, one block per stage at least
 BASE = ("model.n_layers=4", "train.global_batch_size=8", "data.val_fraction=0.05", "train.eval_batches=1")
 THREE_D = "parallel.strategy=3d"
@@ -110,7 +111,7 @@ def _check_equal(outs: list[dict], reference: dict, *, rtol: float = RTOL, norm_
         torch.testing.assert_close(out["norms"], reference["norms"], rtol=norm_rtol, atol=0)
         if out["eval"]:  # V schedules cannot evaluate (config validation says so)
             torch.testing.assert_close(out["eval"], reference["eval"], rtol=rtol, atol=0)
-    if rtol == RTOL:  # parameters as in test_fsdp: Adam amplifies round-off for weights whose gradient is ~0
+    if rtol <= RTOL:  # parameters as in test_fsdp: Adam amplifies round-off for weights whose gradient is ~0
         params = _params(outs)
         assert params.keys() == reference["params"].keys()
         for name, p in params.items():
@@ -129,12 +130,18 @@ LAYOUTS = {
     "dp2-tp2": (*_layout(4, 1, 2, 2), "train.micro_batch_size=2"),
     "3d-gpipe": (*_layout(8, 2, 2, 2, "parallel.pp_schedule=GPipe"), "train.micro_batch_size=1"),
     "3d-1f1b": (*_layout(8, 2, 2, 2, "parallel.pp_schedule=1F1B"), "train.micro_batch_size=2"),
-    # with activation checkpointing: the house order TP -> AC -> FSDP per stage. Full, not selective: selective's
-    # recompute of DTensor's functional collectives segfaulted a rank here once in CI (torch 2.13, 2026-11-26; issue 30)
+    # with activation checkpointing: the house order TP -> AC -> FSDP per stage. Selective's recompute re-runs tensor
+    # parallelism's functional collectives (all-gathers, wo's reduce-scatter, their wait_tensor) outside torch's
+    # caching modes (hpcdist.parallel.parallelize._save_ops_only); held to SELECTIVE_RTOL (measured: 1.0e-7)
     "3d-interleaved-ac": (
         *_layout(8, 2, 2, 2, "parallel.pp_schedule=Interleaved1F1B", "train.activation_checkpointing=full"),
         "train.micro_batch_size=1",
     ),
+    "pp2-tp2-interleaved-sel": (
+        *_layout(4, 2, 1, 2, "parallel.pp_schedule=Interleaved1F1B", "train.activation_checkpointing=selective"),
+        "train.micro_batch_size=2",
+    ),
+    "dp2-tp2-sel": (*_layout(4, 1, 2, 2, "train.activation_checkpointing=selective"), "train.micro_batch_size=2"),
     # the other schedules torch ships, on the cheapest layout
     "pp2-loopedbfs": (*_layout(2, 2, 1, 1, "parallel.pp_schedule=LoopedBFS"), "train.micro_batch_size=2"),
     "pp2-zb": (*_layout(2, 2, 1, 1, "parallel.pp_schedule=InterleavedZeroBubble"), "train.micro_batch_size=2"),
@@ -153,7 +160,8 @@ def test_3d_matches_single_process(small_cfg, reference, tmp_path: Path, layout:
     world, over, micro = LAYOUTS[layout]
     cfg = small_cfg(f"train.steps={STEPS}", *BASE, micro, EVAL, *over, run_dir=tmp_path / "run")
     outs = run_ranks(world, _train, cfg)
-    _check_equal(outs, reference)
+    # issue 30's acceptance for selective checkpointing: losses within 1e-6 of the reference (fp32)
+    _check_equal(outs, reference, rtol=SELECTIVE_RTOL if "activation_checkpointing=selective" in over else RTOL)
     if "replica_check" in " ".join(over):  # HSDP: the replicas of each shard stayed bitwise identical
         lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert [m["replica_divergence"] for m in lines if "replica_divergence" in m] == [0.0] * STEPS

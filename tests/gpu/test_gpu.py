@@ -50,7 +50,7 @@ def _one_gpu(fn, *args):
 def _train(env, cfg: JobConfig, until: int | None = None) -> dict:
     trainer = Trainer(cfg, env)
     result = trainer.train(until=until)
-    return {"losses": result.losses, "step": result.step}
+    return {"losses": result.losses, "step": result.step, "scaler": trainer.strategy.scaler_state()}
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -123,7 +123,9 @@ def test_nccl_check_device_health_and_nccl_version() -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero"])
 def test_fp16_loss_scaling_on_one_gpu(small_cfg, tmp_path: Path, strategy: str) -> None:
     """train.dtype=fp16 trains on a GPU under each strategy (zero: DeepSpeed's fp16 mode, which has no CPU form),
-    the loss falls, the scaler's skips and scale are in the metrics, and a resume continues the loss curve."""
+    the loss falls, the scaler's skips and scale are in the metrics, and a resume continues the loss curve with the
+    loss scaler exactly where the straight run's is (zero: DeepSpeed's scale, step counter, last overflow and
+    hysteresis, which restarted at 2**16 and step 0 before they were saved)."""
     over = (
         *GPU_SMALL,
         "train.dtype=fp16",
@@ -141,3 +143,4 @@ def test_fp16_loss_scaling_on_one_gpu(small_cfg, tmp_path: Path, strategy: str) 
     resumed = _one_gpu(_train, cfg)
     ref = [straight["losses"][s] for s in range(7, 13)]
     torch.testing.assert_close([resumed["losses"][s] for s in range(7, 13)], ref, rtol=2e-2, atol=0)
+    assert resumed["scaler"] == straight["scaler"]

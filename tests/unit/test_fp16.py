@@ -109,3 +109,79 @@ def test_deepspeed_fp16_mode_is_dynamic_loss_scaling() -> None:
     assert "fp16" not in deepspeed_config(**common)
     fp16 = deepspeed_config(**common, fp16=True)["fp16"]
     assert fp16["enabled"] and fp16["loss_scale"] == 0 and fp16["initial_scale_power"] == 16
+
+
+def _ds_scaler() -> Any:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    return DynamicLossScaler(
+        init_scale=2.0**16, scale_window=3, min_scale=1, delayed_shift=2, consecutive_hysteresis=False
+    )
+
+
+def _ds_fields(scaler: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(scaler).items() if k != "dtype"}
+
+
+def test_deepspeed_loss_scaler_state_round_trips_exactly(monkeypatch) -> None:
+    """ZeRO's fp16 resume: a real DeepSpeed DynamicLossScaler stepped through overflows (hysteresis 2, window 3),
+    saved through JSON as trainer_state.json holds it and loaded into a fresh scaler built from the same config:
+    every field equal, and the two then scale the same over further overflows and growths."""
+    import deepspeed.runtime.fp16.loss_scaler as ds_ls
+
+    from hpcdist.parallel.zero import load_loss_scaler_state, loss_scaler_state
+
+    monkeypatch.setattr(ds_ls.dist, "get_rank", lambda: 0)  # its overflow log line asks for the rank: one process
+    pattern = [False, True, False, True, True, False, False, False, False, True, False]
+    saved = _ds_scaler()
+    for overflow in pattern:
+        saved.update_scale(overflow)
+    assert saved.cur_scale == 2.0**15 and saved.cur_hysteresis == 1 and saved.last_overflow_iter == 9
+    state = json.loads(json.dumps(loss_scaler_state(saved)))
+    resumed = _ds_scaler()
+    assert _ds_fields(resumed) != _ds_fields(saved)  # a fresh scaler is not already where the saved one is
+    load_loss_scaler_state(resumed, state)
+    assert _ds_fields(resumed) == _ds_fields(saved)
+    for overflow in [False] * 4 + [True, True, False]:
+        saved.update_scale(overflow)
+        resumed.update_scale(overflow)
+        assert _ds_fields(resumed) == _ds_fields(saved)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("scale", "65536", "grad_scaler.scale must be a finite number"),
+        ("scale", float("inf"), "grad_scaler.scale must be a finite number"),
+        ("scale", 0.5, "grad_scaler.scale must be a finite number >= the minimum loss scale 1"),
+        ("iter", -1, "grad_scaler.iter must be a non-negative integer"),
+        ("iter", True, "grad_scaler.iter must be a non-negative integer"),
+        ("last_overflow_iter", 7, r"grad_scaler.last_overflow_iter must be an integer in \[-1, iter=7\)"),
+        ("last_overflow_iter", -2, "grad_scaler.last_overflow_iter must be an integer"),
+        ("hysteresis", 3, r"grad_scaler.hysteresis must be an integer in \[1, 2\]"),
+        ("hysteresis", 0, "grad_scaler.hysteresis must be an integer"),
+        ("hysteresis", 1.0, "grad_scaler.hysteresis must be an integer"),
+    ],
+)
+def test_deepspeed_loss_scaler_state_is_validated_before_any_is_set(key: str, value: Any, message: str) -> None:
+    from hpcdist.parallel.zero import load_loss_scaler_state
+
+    scaler = _ds_scaler()
+    before = _ds_fields(scaler)
+    state = {"scale": 1024.0, "iter": 7, "last_overflow_iter": 4, "hysteresis": 1, key: value}
+    with pytest.raises(ValueError, match=message):
+        load_loss_scaler_state(scaler, state)
+    assert _ds_fields(scaler) == before
+
+
+def test_loss_scales_cross_between_torch_and_deepspeed_checkpoints(small_cfg, tmp_path: Path) -> None:
+    """A ddp fp16 checkpoint's GradScaler state into DeepSpeed's scaler and back: the scale carries over, the growth
+    interval starts afresh (the two count clean steps differently), nothing is refused."""
+    from hpcdist.parallel.zero import load_loss_scaler_state, loss_scaler_state
+
+    ds = _ds_scaler()
+    load_loss_scaler_state(ds, {"scale": 512.0, "growth_tracker": 17, "overflow_steps": 3})
+    assert ds.cur_scale == 512.0 and ds.cur_iter == 0 and ds.last_overflow_iter == -1
+    trainer = single(lambda env, c: Trainer(c, env), small_cfg("train.dtype=fp16", run_dir=tmp_path / "ddp"))
+    trainer.strategy.load_scaler_state({**loss_scaler_state(ds), "overflow_steps": 3})
+    assert trainer.strategy.scaler_state() == {"scale": 512.0, "growth_tracker": 0, "overflow_steps": 3}

@@ -184,3 +184,27 @@ def test_cli_plan_plot_draws_the_shown_layouts(capsys, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width = matplotlib.image.imread(png).shape[:2]
     assert height > 200 and width > 400
+
+
+def test_cli_plan_counts_activations_in_the_configs_dtype(capsys):
+    """train.dtype=fp32 runs without autocast: every activation the model keeps is 4 bytes (the saved bytes measured
+    with saved-tensor hooks on the 125m preset in fp32 match activation_bytes with element_bytes=4 within 1%:
+    tests/unit/test_activation_checkpointing.py); `hpcdist plan` counted bf16's 2 for every dtype (same table for
+    fp32 and bf16). Now the table and the ranked layouts (the same estimator `auto` picks from) use the config's."""
+    base = ["plan", "configs/demo.yaml", "model.preset=125m", "data.seq_len=1024", "--nodes", "1", "--gpus-per-node"]
+    activ: dict[str, tuple[float, float]] = {}
+    outs: dict[str, str] = {}
+    for dtype in ("fp32", "bf16"):
+        assert main([*base, "1", "--top", "1", f"train.dtype={dtype}"]) == 0
+        out = outs[dtype] = capsys.readouterr().out
+        ddp = next(line.split() for line in out.splitlines() if line.split()[:1] == ["ddp"])
+        layout = next(line.split() for line in out.splitlines() if line.split()[:2] == ["1", "ddp"])
+        activ[dtype] = (float(ddp[4]), float(layout[7]))  # the table's activ GiB, the best layout's mem GiB
+    args = preset("125m")
+    for dtype, e in (("fp32", 4), ("bf16", 2)):
+        want = activation_bytes(
+            args, micro_batch_size=2, seq_len=1024, activation_checkpointing="none", element_bytes=e
+        )
+        assert activ[dtype][0] == pytest.approx(want / GIB, abs=0.05), dtype
+    assert activ["fp32"][0] > 1.5 * activ["bf16"][0] and activ["fp32"][1] > activ["bf16"][1]
+    assert "32-bit activations" in outs["fp32"] and "16-bit activations" in outs["bf16"]  # the table says which
