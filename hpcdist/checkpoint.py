@@ -463,13 +463,14 @@ class CheckpointManager:
             self._stager = _Staging(threads=max(2, self.write_threads))
         return self._stager
 
-    def prepare_staging(self, state: Checkpointable) -> float:
+    def prepare_staging(self, dcp_state: Callable[[], dict[str, Any]]) -> float:
         """Async save: allocate and fill the staging buffers now (after the first optimizer step, when the optimizer
         state exists), so no save pays for it; seconds taken (0: already there, or no async save). Logged: a
-        one-off cost of the run, not of a save."""
+        one-off cost of the run, not of a save. ``dcp_state``: what a save writes (Checkpointable.dcp_state),
+        called only when the buffers are made."""
         if not self.async_save or (self._stager is not None and self._stager._cache is not None):
             return 0.0
-        seconds = self._staging().prepare(state.dcp_state())
+        seconds = self._staging().prepare(dcp_state())
         need = staging_bytes(self._stager._cache) if self._stager is not None else 0
         log.info("checkpoint.async_save: %s of staging buffers allocated in %.2f s (once)", size_text(need), seconds)
         return seconds

@@ -600,10 +600,9 @@ class Trainer:
             if stop:
                 result.stop_reason = stop
                 break
-            if cfg.checkpoint.async_save:
-                # the staging buffers, allocated once the optimizer state exists (after this process's first step)
-                # and outside any save: no save blocks the loop for the allocation (logged as a one-off cost)
-                self.ckpt.prepare_staging(self.checkpointable())
+            # async saves: the staging buffers, allocated once the optimizer state exists (after this process's
+            # first step) and outside any save, so no save blocks the loop for the allocation (a one-off, logged)
+            self.ckpt.prepare_staging(self.strategy.dcp_state)
 
         if self.ckpt.should_save(self.step, last_step=True):  # no step ran: train(until=0), resumed at the end
             self.save()

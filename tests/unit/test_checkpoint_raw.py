@@ -189,8 +189,8 @@ def test_staging_buffers_are_allocated_before_the_first_async_save(
     saved = _tensors(6)
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, async_save=True)
     try:
-        assert mgr.prepare_staging(_state(saved, 1)) > 0 and allocations == [1]
-        assert mgr.prepare_staging(_state(saved, 1)) == 0.0  # once
+        assert mgr.prepare_staging(_state(saved, 1).dcp_state) > 0 and allocations == [1]
+        assert mgr.prepare_staging(_state(saved, 1).dcp_state) == 0.0  # once
         path = mgr.save(1, _state(saved, 1))
         assert mgr.wait() and path is not None and allocations == [1]
     finally:

@@ -176,7 +176,7 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
     asyn = CheckpointManager(root / "async", rank=0, world_size=1, keep_last=1, async_save=True, write_threads=threads)
     # the trainer allocates the staging buffers after its first optimizer step, outside any save: a one-off cost
     # of the run, reported on its own line (not in a save's blocking time)
-    out["staging_alloc_s"] = asyn.prepare_staging(state)
+    out["staging_alloc_s"] = asyn.prepare_staging(state.dcp_state)
     keys = (
         "dd_gbps",
         "sync_save_s",
