@@ -78,8 +78,15 @@ def test_the_loop_asks_the_checkpoint_once_per_step() -> None:
     body = next(n for n in ast.walk(loop) if isinstance(n, ast.While))
     calls = [n.func for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
     asked = [f.attr for f in calls if isinstance(f.value, ast.Attribute) and f.value.attr == "ckpt"]
-    # the node-local tier (checkpoint.local) asks the same owner, in the same place
-    assert sorted(asked) == ["local_save_due", "should_save", "timed_local_save_due", "timed_save_due"]
+    # the node-local tier (checkpoint.local) asks the same owner, in the same place; prepare_staging makes the async
+    # save's buffers once (it decides nothing about saves)
+    assert sorted(asked) == [
+        "local_save_due",
+        "prepare_staging",
+        "should_save",
+        "timed_local_save_due",
+        "timed_save_due",
+    ]
     own = [f.attr for f in calls if isinstance(f.value, ast.Name) and f.value.id == "self"]  # e.g. save, _triage
     assert sorted(a for a in own if "save" in a or "checkpoint" in a) == ["local_save", "save"]
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from hpcdist import cli
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import single_process_dcp
+from hpcdist.checkpoint import HashingReader, single_process_dcp, tensor_encoding
 from hpcdist.config import ConfigError
 from hpcdist.data import TokenDataset, load_tokenizer, prepare_corpus, stdlib_corpus
 from hpcdist.hf.source import ConversionError, find_checkpoint
@@ -112,12 +112,16 @@ def test_generate_refuses_a_prompt_longer_than_the_context(run: dict, capsys: py
 
 
 def _reference_loss(run: dict, seq_len: int, batches: int, batch_size: int) -> float:
-    """Weights read with DCP directly, windows taken in order, mean of per-batch mean cross-entropies."""
+    """Weights read with dcp.load directly (through hpcdist's storage reader: tensors are raw bytes since issue 28,
+    which DCP's stock FileSystemReader cannot read), windows taken in order, mean of per-batch mean cross-entropies."""
     cfg = run["cfg"]
     model = build_model(cfg.model_args(), device="cpu")
     sd = model.state_dict()
+    step = run["dir"] / "checkpoints" / f"step-{STEPS:08d}"
     with single_process_dcp():  # one process, no process group: on purpose
-        dcp.load({"model": sd}, checkpoint_id=str(run["dir"] / "checkpoints" / f"step-{STEPS:08d}"))
+        dcp.load(
+            {"model": sd}, storage_reader=HashingReader(str(step), hash_files=set(), encoding=tensor_encoding(step))
+        )
     ds = TokenDataset(run["heldout"], seq_len)
     losses = []
     with torch.no_grad():
