@@ -1210,7 +1210,14 @@ def test_status_and_cancel_of_a_local_job_from_its_record(tmp_path: Path, capsys
 
     executor = submitit.LocalExecutor(folder=tmp_path / "slurm")
     executor.update_parameters(timeout_min=5, tasks_per_node=2, setup=["true"])
-    job = executor.submit(time.sleep, 600)  # two ranks that would run for ten minutes
+    # the ranks get Ctrl-C's default action, as from a shell: a test run started in the background by a
+    # non-interactive shell (CI scripts, nohup ... &) has SIGINT ignored, which the ranks would inherit, and cancel's
+    # SIGINT then waited out its 60 s grace before SIGKILL (60 s of this test in such runs, 1.3 s otherwise)
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        job = executor.submit(time.sleep, 600)  # two ranks that would run for ten minutes
+    finally:
+        signal.signal(signal.SIGINT, previous)
     record_job(
         tmp_path,
         {
