@@ -468,10 +468,11 @@ class CheckpointManager:
         state exists), so no save pays for it; seconds taken (0: already there, or no async save). Logged: a
         one-off cost of the run, not of a save. ``dcp_state``: what a save writes (Checkpointable.dcp_state),
         called only when the buffers are made."""
-        if not self.async_save or (self._stager is not None and self._stager._cache is not None):
+        if not self.async_save or (self._stager is not None and self._stager.ready):
             return 0.0
-        seconds = self._staging().prepare(dcp_state())
-        need = staging_bytes(self._stager._cache) if self._stager is not None else 0
+        stager = self._staging()
+        seconds = stager.prepare(dcp_state())
+        need = stager.bytes()
         log.info("checkpoint.async_save: %s of staging buffers allocated in %.2f s (once)", size_text(need), seconds)
         return seconds
 
@@ -1267,6 +1268,15 @@ class _Staging:
         self.threads = max(1, threads)
         self.allocate_seconds = 0.0  # the one-off allocation (and first fill) of the buffers
 
+    @property
+    def ready(self) -> bool:
+        """The buffers exist (a save refills them)."""
+        return self._cache is not None
+
+    def bytes(self) -> int:
+        """Host memory the buffers hold."""
+        return staging_bytes(self._cache) if self._cache is not None else 0
+
     def prepare(self, state: dict[str, Any]) -> float:
         """Allocate the buffers now and fill them once (every page touched): seconds taken, 0 if they exist."""
         if self._cache is not None:
@@ -1948,8 +1958,7 @@ def _read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict):
         raise ValueError('no "files" mapping')
-    if data.get(TENSOR_ENCODING, TORCH_SAVE) not in ENCODINGS:
-        raise ValueError(f"{TENSOR_ENCODING} {data.get(TENSOR_ENCODING)!r} is none of {', '.join(ENCODINGS)}")
+    _encoding_of(data)
     for rel, entry in files.items():
         size = entry.get("size") if isinstance(entry, dict) else None
         digest = entry.get("sha256") if isinstance(entry, dict) else None
@@ -1966,9 +1975,17 @@ def tensor_encoding(step: Path) -> str:
         data = json.loads((step / MANIFEST).read_bytes())
     except FileNotFoundError:
         return TORCH_SAVE
-    encoding = data.get(TENSOR_ENCODING, TORCH_SAVE) if isinstance(data, dict) else None
+    try:
+        return _encoding_of(data)
+    except ValueError as e:
+        raise ValueError(f"{MANIFEST}: {e}") from None
+
+
+def _encoding_of(manifest: Any) -> str:
+    """The manifest's TENSOR_ENCODING (absent: TORCH_SAVE); ValueError for any other value (the one check of it)."""
+    encoding = manifest.get(TENSOR_ENCODING, TORCH_SAVE) if isinstance(manifest, dict) else None
     if encoding not in ENCODINGS:
-        raise ValueError(f"{MANIFEST}: {TENSOR_ENCODING} {encoding!r} is none of {', '.join(ENCODINGS)}")
+        raise ValueError(f"{TENSOR_ENCODING} {encoding!r} is none of {', '.join(ENCODINGS)}")
     return encoding
 
 
