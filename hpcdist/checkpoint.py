@@ -58,6 +58,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -289,6 +290,7 @@ class CheckpointManager:
         self._pending_path: Path | None = None  # that save's directory
         self._last_writer: HashingWriter | None = None  # the last sync save's writer: its files' digests
         self._stager: _Staging | None = None  # async save: staging buffers, allocated once, reused
+        self._staged: Future[dict[str, Any]] | None = None  # an async save's copy into them, until staging_fence
         self._process: _CheckpointProcess | None = None  # async save: the process that writes them
         self._process_failed = False  # the last async save failed in the checkpoint process (wait() restarts it)
         self._not_io = False  # the last agreement saw an error that is not I/O (save() raises)
@@ -433,15 +435,17 @@ class CheckpointManager:
 
             def shards_written(fut: Future[Any]) -> None:
                 ok = False
-                self._process_failed = fut.exception() is not None  # the checkpoint process's save itself failed
+                # the checkpoint process's save itself failed (not the staging copy, which ran here)
+                self._process_failed = fut.exception() is not None and staged.exception() is None
                 try:
                     ok = self._finish_async(fut, path, step, t0)
                 finally:
                     done.set_result(ok)
 
-            # staged into buffers allocated by the first save and reused (shared memory, pinned on CUDA): the only
-            # part that blocks the loop; the checkpoint process serialises, hashes and writes from them
-            staged = self._staging().stage(state.dcp_state())
+            # staged into buffers allocated once and reused (shared memory, pinned on CUDA) in the background, while
+            # the next step's forward and backward run; the loop waits for the copy only before its optimizer step
+            # (staging_fence). The checkpoint process serialises, hashes and writes from the buffers once it is done
+            staged = self._staged = self._staging().stage_async(state.dcp_state())
             if self._process is None:
                 self._process = _checkpoint_process(self._async_pg)
             writer = self._writer(path)
@@ -463,6 +467,18 @@ class CheckpointManager:
             self._stager = _Staging(threads=max(2, self.write_threads))
         return self._stager
 
+    def staging_fence(self) -> float:
+        """Wait until an async save's copy of the state into the staging buffers is done: seconds waited (0: none in
+        flight). The trainer calls it before every optimizer step, the first thing that changes the state the copy
+        reads; every method that reads or writes the state here calls it too. A failed copy fails that save (it
+        shows at ``wait``), not this call."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return 0.0
+        t0 = time.perf_counter()
+        wait_futures([staged])
+        return time.perf_counter() - t0
+
     def prepare_staging(self, dcp_state: Callable[[], dict[str, Any]]) -> float:
         """Async save: allocate and fill the staging buffers now (after the first optimizer step, when the optimizer
         state exists), so no save pays for it; seconds taken (0: already there, or no async save). Logged: a
@@ -470,6 +486,7 @@ class CheckpointManager:
         called only when the buffers are made."""
         if not self.async_save or (self._stager is not None and self._stager.ready):
             return 0.0
+        self.staging_fence()
         stager = self._staging()
         seconds = stager.prepare(dcp_state())
         need = stager.bytes()
@@ -590,6 +607,7 @@ class CheckpointManager:
         Call before exit, before a requeue and before the next save. Collective: False on every rank if it failed on
         any; after it every rank sees rank 0's marker."""
         ok, path = True, None
+        self.staging_fence()
         if self._pending is not None:
             ok, path = self._pending.result(), self._pending_path
             self._pending = None
@@ -817,6 +835,7 @@ class CheckpointManager:
         """Collective: ``checkpoint.init_from``. The model weights of the complete, intact checkpoint ``path`` that
         match this model by name and shape are loaded; everything else keeps its initialization (optimizer,
         schedule, data position and step start fresh). Returns what did not match (missing / unexpected / shape)."""
+        self.staging_fence()
         path = self._named(path, "checkpoint.init_from")
         model = state.dcp_state()["model"]  # this model's initialized weights, every key: loaded into in place
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -837,6 +856,7 @@ class CheckpointManager:
         that is damaged raises ConfigError. A mismatch with the config raises CheckpointMismatch, a read error that
         persists through the retries CheckpointUnavailable: both leave every checkpoint as it is. ``none`` sets the
         run's complete checkpoints aside (kept) and starts fresh."""
+        self.staging_fence()  # an async save's copy reads the state this writes into
         if resume == "none":
             self._set_aside_newer(-1, "none")  # step 0: every complete checkpoint is of another line of training
             return None
@@ -981,6 +1001,7 @@ class CheckpointManager:
         taken only from a checkpoint that verified. Damage raises :class:`_ShardsDamaged` on every rank; the DCP
         tensors of ``state`` then hold values of the damaged checkpoint, so the caller loads another checkpoint
         whole (a part it lacks refuses, :class:`CheckpointTainted`) or stops."""
+        self.staging_fence()
         trainer_state = json.loads((path / STATE_FILE).read_bytes())
         if not isinstance(trainer_state, dict):
             raise ValueError(f"{STATE_FILE} holds {type(trainer_state).__name__}, not the trainer's state")
@@ -1258,13 +1279,22 @@ class _Staging:
     CUDA, for fast device-to-host copies), and refilled by every later save. DCP's own helper allocates it, as its
     BlockingAsyncStager does (it takes DTensors and ZeRO's ShardedTensors, which DCP's newer StateDictStager refuses);
     the refill is ours: the tensors' pairs copied in chunks on ``threads`` threads (torch's copy_ releases the GIL;
-    DCP's _copy_state_dict copies one tensor after another on the calling thread: ~1 s per GB here)."""
+    DCP's _copy_state_dict copies one tensor after another on the calling thread: ~1 s per GB here).
+
+    The refill runs in the background (``stage_async``): the training step after a save reads the state (forward,
+    backward) but changes none of it until its optimizer step, so the copy overlaps that step's compute, as
+    torchtitan's staging does (``maybe_wait_for_staging`` before ``optimizers.step``). On CUDA the copies go on a
+    side stream that first waits for the work that made the state, so the device-to-host copy runs beside the
+    forward's kernels."""
 
     CHUNK = 16 << 20  # bytes per copy task: a big tensor is split so every thread gets a share
 
     def __init__(self, threads: int = 4) -> None:
         self._cache: dict[str, Any] | None = None
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="hpcdist-stage")
+        # runs one refill at a time and waits for its copies (never one of the pool's own threads: they copy)
+        self._driver = ThreadPoolExecutor(1, thread_name_prefix="hpcdist-stage-driver")
+        self._stream: Any = None  # CUDA: the side stream the copies run on, made by the first CUDA refill
         self.threads = max(1, threads)
         self.allocate_seconds = 0.0  # the one-off allocation (and first fill) of the buffers
 
@@ -1286,18 +1316,33 @@ class _Staging:
         return time.perf_counter() - t0
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state`` into the buffers and return the staged state."""
+        return self.stage_async(state).result()
+
+    def stage_async(self, state: dict[str, Any]) -> Future[dict[str, Any]]:
+        """Start copying ``state`` into the buffers; the future gives the staged state once every byte is copied.
+        Until then the state's tensors must not change (the trainer: ``CheckpointManager.staging_fence`` before its
+        optimizer step) and no other refill may start (the caller waits for this one first). The pairing of source
+        and buffer, and so every value that is not a tensor, is taken here, before returning."""
+        staged, tasks = None, None
         if self._cache is not None:
             try:
-                return self._fill(state)
+                staged, tasks = self._plan(state)
             except (KeyError, ValueError, RuntimeError, AssertionError):  # another structure (a state part added)
                 self._cache = None
-        t0 = time.perf_counter()
-        self._cache = _create_cpu_state_dict(state, pin_memory=torch.cuda.is_available(), share_memory=True)
-        staged = self._fill(state)
-        self.allocate_seconds = time.perf_counter() - t0
-        return staged
+        if staged is None or tasks is None:
+            t0 = time.perf_counter()
+            self._cache = _create_cpu_state_dict(state, pin_memory=torch.cuda.is_available(), share_memory=True)
+            staged, tasks = self._plan(state)
+            fut = self._driver.submit(self._copy, tasks, staged, self._side_stream(tasks))
+            fut.result()
+            self.allocate_seconds = time.perf_counter() - t0
+            return fut
+        return self._driver.submit(self._copy, tasks, staged, self._side_stream(tasks))
 
-    def _fill(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _plan(self, state: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The staged state and the copies that fill it: (source, buffer) pairs, big tensors cut into chunks."""
+        assert self._cache is not None
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged = _pair_tensors(state, self._cache, pairs)
         tasks: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -1311,28 +1356,40 @@ class _Staging:
                 tasks += [(flat_src[i : i + step], flat_dst[i : i + step]) for i in range(0, n, step)]
             elif n:
                 tasks.append((src, dst))
-        cuda = any(src.is_cuda for src, _ in tasks)
+        return staged, tasks
+
+    def _side_stream(self, tasks: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """CUDA: the copy stream, made to wait (here, on the caller's thread) for the work queued so far on the
+        current stream, the optimizer step that made the state; None on CPU."""
+        device = next((src.device for src, _ in tasks if src.is_cuda), None)
+        if device is None:
+            return None
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        return self._stream
+
+    def _copy(self, tasks: list[tuple[torch.Tensor, torch.Tensor]], staged: dict[str, Any], stream: Any) -> Any:
         if self.threads == 1 or len(tasks) < 2:
-            for src, dst in tasks:
-                dst.copy_(src, non_blocking=cuda)
+            _copy_all(tasks, stream)
         else:
-            shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
-                tasks[i :: self.threads] for i in range(self.threads)
-            ]
-            for fut in [self._pool.submit(_copy_all, share, cuda) for share in shares if share]:
+            shares = [tasks[i :: self.threads] for i in range(self.threads)]
+            for fut in [self._pool.submit(_copy_all, share, stream) for share in shares if share]:
                 fut.result()
-        if cuda:
-            torch.cuda.synchronize()
+        if stream is not None:
+            stream.synchronize()  # the buffers hold the bytes before the checkpoint process reads them
         return staged
 
     def close(self) -> None:
-        self._cache = None
+        self._driver.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        self._cache = None
 
 
-def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool) -> None:
-    for src, dst in pairs:
-        dst.copy_(src, non_blocking=non_blocking)
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> None:
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for src, dst in pairs:
+            dst.copy_(src, non_blocking=stream is not None)
 
 
 def _pair_tensors(src: Any, dst: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
@@ -1837,10 +1894,12 @@ class _CheckpointProcess:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcdist-checkpoint")
         self._proc: Any = None
 
-    def submit(self, staged: dict[str, Any], writer: HashingWriter) -> Future[Any]:
-        return self._pool.submit(self._save, staged, writer)
+    def submit(self, staging: Future[dict[str, Any]], writer: HashingWriter) -> Future[Any]:
+        """Save the staged state once ``staging`` (the copy into the buffers) is done."""
+        return self._pool.submit(self._save, staging, writer)
 
-    def _save(self, staged: dict[str, Any], writer: HashingWriter) -> Any:
+    def _save(self, staging: Future[dict[str, Any]], writer: HashingWriter) -> Any:
+        staged = staging.result()  # a failed copy fails this save
         if self.in_thread:
             with single_process_dcp():
                 return dcp.save(staged, storage_writer=writer, process_group=self._group)

@@ -558,6 +558,9 @@ class Trainer:
                 data_s = time.perf_counter() - t0
                 loss = self.strategy.forward_backward(batch)
             with phase(self.step, "optimizer step (grad-norm all-reduce)"):
+                # an async save's copy of the state ran beside this step's forward and backward, which change none of
+                # it; the optimizer step does
+                waited = self.ckpt.staging_fence()
                 # the triage re-runs a non-finite step from the state before it: that step's update is dropped
                 skip = cfg.train.nonfinite == "skip" or cfg.train.nonfinite_triage
                 grad_norm = self.strategy.optimizer_step(skip_nonfinite=skip)
@@ -578,6 +581,7 @@ class Trainer:
                     data_s=data_s,
                     step_s=time.perf_counter() - t0,
                     tokens_seen=self.tokens_seen,
+                    checkpoint_wait_s=waited,
                 )
             )
             result.record(self.step, seen.loss, seen.eval_loss)

@@ -68,6 +68,9 @@ class StepRecord:
     step_s: float
     """Seconds of the step: data, forward/backward, optimizer step."""
     tokens_seen: int
+    checkpoint_wait_s: float = 0.0
+    """Seconds the step waited, before its optimizer step, for an async save's copy of the state (goodput books
+    them as checkpoint time)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,8 @@ class Observer:
         self.throughput.update(self.tokens_per_step, r.step_s)
         self.prom.step(r.step_s, samples=self.cfg.train.global_batch_size, tokens=self.tokens_per_step)
         self.watchdog.step_time(r.step_s)
+        if r.checkpoint_wait_s:
+            self.goodput.add("checkpoint_save", r.checkpoint_wait_s)
         if self.first_step_s is None:
             self._first_step(r.step_s)
         loss = eval_loss = None

@@ -79,11 +79,13 @@ def test_the_loop_asks_the_checkpoint_once_per_step() -> None:
     calls = [n.func for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
     asked = [f.attr for f in calls if isinstance(f.value, ast.Attribute) and f.value.attr == "ckpt"]
     # the node-local tier (checkpoint.local) asks the same owner, in the same place; prepare_staging makes the async
-    # save's buffers once (it decides nothing about saves)
+    # save's buffers once and staging_fence waits for an async save's copy before the optimizer step (neither
+    # decides anything about saves)
     assert sorted(asked) == [
         "local_save_due",
         "prepare_staging",
         "should_save",
+        "staging_fence",
         "timed_local_save_due",
         "timed_save_due",
     ]

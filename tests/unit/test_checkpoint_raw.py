@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +199,55 @@ def test_staging_buffers_are_allocated_before_the_first_async_save(
     dest = _zeros_like(saved)
     assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", _state(dest)) == path
     _assert_equal(dest, saved)
+
+
+def test_an_async_saves_copy_runs_beside_the_next_step_and_holds_the_saved_step(
+    small_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28.2: an async save blocked the loop for its whole staging copy (0.06-0.11 of a sync save, the copy's
+    memory bandwidth). The copy now runs beside the next step's forward and backward, which change none of the
+    state, and the loop waits for it only before its optimizer step (``staging_fence``, torchtitan's
+    ``maybe_wait_for_staging``). With the copy slowed to 0.4 s: no save blocks the loop for it, the loop waits at
+    the fence instead, and every step's checkpoint holds exactly that step's state (a sync run's shard bytes), not
+    the next step's: the fence comes before the optimizer step changes it."""
+    from hpcdist.env import from_environ
+    from hpcdist.trainer import Trainer
+
+    over = ("train.steps=3", "checkpoint.every_steps=2", "checkpoint.save_final=true", "checkpoint.write_threads=1")
+    env = from_environ({}, cuda_available=False)
+    sync = Trainer(small_cfg(*over, run_dir=tmp_path / "sync"), env)
+    sync.train()
+    sync.ckpt.close()
+
+    slow_copy, real_copy = 0.4, checkpoint._copy_all
+    monkeypatch.setattr(
+        checkpoint, "_copy_all", lambda pairs, stream: (time.sleep(slow_copy), real_copy(pairs, stream))
+    )
+    trainer = Trainer(small_cfg(*over, "checkpoint.async_save=true", run_dir=tmp_path / "async"), env)
+    saves: list[float] = []
+    fences: list[float] = []
+    save, fence = trainer.ckpt.save, trainer.ckpt.staging_fence
+
+    def timed_save(step: int, state: Checkpointable) -> Path | None:
+        t0 = time.perf_counter()
+        path = save(step, state)
+        saves.append(time.perf_counter() - t0)
+        return path
+
+    def recorded_fence() -> float:
+        fences.append(fence())
+        return fences[-1]
+
+    monkeypatch.setattr(trainer.ckpt, "save", timed_save)
+    monkeypatch.setattr(trainer.ckpt, "staging_fence", recorded_fence)
+    trainer.train()
+    trainer.ckpt.close()
+    # the buffers were made after step 1 (prepare_staging); step 3's save first waits for step 2's to be complete
+    assert len(saves) == 2 and saves[0] < slow_copy, saves
+    assert max(fences) >= slow_copy / 2, fences  # step 3 waited for step 2's copy before its optimizer step
+    for step in (2, 3):
+        shards = {}
+        for name in ("sync", "async"):
+            files = json.loads((tmp_path / name / "checkpoints" / f"step-{step:08d}" / MANIFEST).read_text())["files"]
+            shards[name] = {rel: e["sha256"] for rel, e in files.items() if rel.endswith(".distcp")}
+        assert shards["sync"] and shards["async"] == shards["sync"], step
