@@ -42,7 +42,9 @@ thread, a shared disk doing ~0.2 GB/s that day):
 What changed: the shards are hashed while they are written (``HashingWriter``: no read-back), a rank verifies its
 files on ``write_threads`` threads, and an async save stages into buffers allocated once (after the first optimizer
 step, outside any save: the one-off allocation is its own line below) and refilled by chunked copies on several
-threads, then hands them to a checkpoint process (DCP's process-based async checkpointer). Issue 28 round 3: DCP
+threads, then hands them to a checkpoint process (DCP's process-based async checkpointer). Round 4: that copy runs
+in the background beside the next step's forward and backward; the loop waits for it only before its optimizer
+step (``CheckpointManager.staging_fence``). Issue 28 round 3: DCP
 stays the format and the driver, the storage layer is ours: a tensor item is its raw bytes (no torch.save record;
 dtype and shape come from DCP's .metadata; ``tensor_encoding: raw`` in the manifest), written with the sha256 on a
 thread of its own, and read with ``readinto`` straight into the model's tensor, hashed on a second thread per file
@@ -312,14 +314,43 @@ def two_ranks(preset: str, root: Path) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------- 13B prediction
+def flagship_compute_s() -> float:
+    """Seconds of forward + backward compute per optimizer step of the 13B flagship (configs/train_13b.yaml on 32
+    GPUs), by the planner's time model for the a100_ib profile: the window an async save's device-to-host copy
+    overlaps before the step's optimizer step."""
+    from hpcdist.planning import layouts as planner
+
+    cfg = config_mod.load(Path(__file__).resolve().parents[2] / "configs" / "train_13b.yaml", [])
+    est = planner.estimate_step(
+        cfg.model_args(),
+        planner.layout_of(cfg, 32),
+        seq_len=cfg.data.seq_len,
+        global_batch_size=cfg.train.global_batch_size,
+        gpus_per_node=8,
+        hw=load_cluster("a100_ib").hardware,
+        reduce_bytes=planner.grad_reduce_bytes(cfg),
+        element_bytes=planner.activation_element_bytes(cfg),
+    )
+    return est.compute_s
+
+
 def predict_13b(
-    *, hash_gbps: float, write_eff: float, load_eff: float, fs_gbps: float, threads: int, local_gbps: float
+    *,
+    hash_gbps: float,
+    write_eff: float,
+    load_eff: float,
+    fs_gbps: float,
+    threads: int,
+    local_gbps: float,
+    save_call_s: float,
 ) -> list[tuple[str, float]]:
     """Seconds per part of one 13B ZeRO-3 save on 4 nodes x 8 ranks with today's code (hpcdist/checkpoint.py,
     parallel/zero.py), a rough model: the checkpoint is ZeRO's fp32 master + AdamW moments (4 + 8 = 12 bytes/param;
     no 16-bit copy, no gather), each rank writing its own 1/32 through DCP. Each rank first copies its share
     device-to-host into its reused pinned staging buffer (assumed 20 GB/s per GPU, all in parallel): with
-    async_save that copy is all that blocks the loop; the checkpoint process does the rest. The 4 nodes write at
+    async_save that copy runs on a side stream beside the next step's forward and backward (the planner's compute
+    time for the flagship), and the loop waits only for what is left of it before the optimizer step, plus the
+    ``save()`` call measured here; the checkpoint process does the rest. The 4 nodes write at
     ``fs_gbps`` per node x the sync/dd efficiency measured here; each rank hashes while writing, on ``threads``
     writer threads at the sha256 speed measured here, overlapped with the I/O (the save takes the longer of the
     two). A load reads at ``fs_gbps`` x the load/read efficiency measured here.
@@ -334,6 +365,7 @@ def predict_13b(
     write_s = size / (nodes * fs_gbps * write_eff * GB)
     hash_s = share / (hash_gbps * threads * GB)
     sync_s = staging_s + max(write_s, hash_s)
+    compute_s = flagship_compute_s()
     inter = load_cluster("a100_ib").hardware.inter_node_busbw_gbps or 0.0
     per_node = size / nodes
     local_s = per_node / (local_gbps * GB)
@@ -345,7 +377,8 @@ def predict_13b(
         ("fp32 master + moments, 4 nodes writing (s)", write_s),
         (f"sha256 while writing, {threads} threads per rank, overlapped (s)", hash_s),
         ("predicted sync save (s)", sync_s),
-        ("predicted async save: blocking the loop (s)", staging_s),
+        ("forward + backward per step: the copy's window (s)", compute_s),
+        ("predicted async save: blocking the loop (s)", save_call_s + max(0.0, staging_s - compute_s)),
         ("predicted async save: until complete (s)", sync_s),
         ("predicted load (s)", size / (nodes * fs_gbps * load_eff * GB)),
         ("local tier: size per node (GB)", per_node / GB),
@@ -439,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         fs_gbps=args.fs_gbps,
         threads=threads,
         local_gbps=args.local_gbps,
+        save_call_s=med(one["async_save_call_s"]),
     )
     for name, value in prediction:
         print(row(name, value))
