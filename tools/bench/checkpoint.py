@@ -42,14 +42,14 @@ thread, a shared disk doing ~0.2 GB/s that day):
 What changed: the shards are hashed while they are written (``HashingWriter``: no read-back), a rank verifies its
 files on ``write_threads`` threads, and an async save stages into buffers allocated once (after the first optimizer
 step, outside any save: the one-off allocation is its own line below) and refilled by chunked copies on several
-threads, then hands them to a checkpoint process (DCP's process-based async checkpointer). Round 4: that copy runs
-in the background beside the next step's forward and backward; the loop waits for it only before its optimizer
-step (``CheckpointManager.staging_fence``). Issue 28 round 3: DCP
+threads, then hands them to a checkpoint process (DCP's process-based async checkpointer). Issue 28 round 3: DCP
 stays the format and the driver, the storage layer is ours: a tensor item is its raw bytes (no torch.save record;
 dtype and shape come from DCP's .metadata; ``tensor_encoding: raw`` in the manifest), written with the sha256 on a
 thread of its own, and read with ``readinto`` straight into the model's tensor, hashed on a second thread per file
 (``HashingReader``). Left: sha256 itself (~1.7 GB/s per core idle here, ~0.2-0.4 under a load of 15-20) bounds a
-verified load when the disk is faster than the cores can hash.
+verified load when the disk is faster than the cores can hash. Issue 28 round 4: the staging copy runs in the
+background beside the next step's forward and backward; the loop waits for it only before its optimizer step
+(``CheckpointManager.staging_fence``).
 
 Numbers go to stdout as a table and to ``--json``. Timing goals are reported, never enforced.
 """
