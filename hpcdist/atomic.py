@@ -197,6 +197,22 @@ def read_trusted(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
         os.close(fd)
 
 
+def read_bounded(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """The whole regular file ``path``, whoever wrote it (a record inside a tree its caller checked already, such as
+    a checkpoint's manifest): never through a link, never a FIFO, and never more than ``max_bytes``: a larger file
+    raises UntrustedFile (EFBIG) before anything is read. OSError as ``open`` raises it."""
+    fd = _open_regular(Path(path))
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise UntrustedFile(
+                errno.EFBIG, f"{path} is {size:,} bytes, more than the {max_bytes:,} such a record can be", str(path)
+            )
+        return _read_at_most(fd, max_bytes)
+    finally:
+        os.close(fd)
+
+
 def read_tail(path: str | os.PathLike[str], max_bytes: int) -> bytes:
     """The last ``max_bytes`` of the regular file ``path``, whoever wrote it (plain data such as metrics.jsonl of
     a run dir given on the command line): never through a link, never a FIFO (which would block), never more

@@ -76,7 +76,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from hpcdist.atomic import atomic_write, file_sha256
+from hpcdist.atomic import UntrustedFile, atomic_write, file_sha256, read_bounded
 from hpcdist.config.dirs import tree_trust_problems, trusted_uids
 from hpcdist.config.loader import ConfigError
 from hpcdist.fault.supervise import _die_with_parent
@@ -90,6 +90,9 @@ ASYNC_PARTS_TIMEOUT_S = 3600.0
 KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_kill_point
 KILL_WRITER_ENV = "HPCDIST_TEST_KILL_WRITER"  # test-only: the checkpoint process dies writing that step (_PartSpec)
 STATE_FILE = "trainer_state.json"
+# the most a checkpoint's JSON record (MANIFEST.json, trainer_state.json, a rank's manifest part) is read of: a manifest
+# holds ~150 bytes per file (a 1024-rank checkpoint with 8 writer threads each: ~1.3 MB); a larger one is damage
+RECORD_MAX = 64 << 20
 RANK_DIR = "rank"  # rank/rank-<r>.pt: each rank's own state (Checkpointable.rank_state)
 # how the shards' tensor items are encoded, recorded in MANIFEST.json (never guessed from the bytes): "raw" (each
 # tensor's bytes, its dtype and shape in DCP's .metadata: HashingWriter writes it) or "torch_save" (DCP's own
@@ -552,7 +555,7 @@ class CheckpointManager:
                 missing = [p.name for p in parts if not p.is_file()]
                 raise TimeoutError(f"no part from {', '.join(missing)} after {ASYNC_PARTS_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
-        return [json.loads(p.read_text()) for p in parts]
+        return [json.loads(read_bounded(p, RECORD_MAX)) for p in parts]
 
     def _complete(self, path: Path, step: int, t0: float) -> None:
         if self.rank == 0:
@@ -713,7 +716,11 @@ class CheckpointManager:
 
         def digest(rel: str) -> dict[str, Any]:
             try:
-                return _digest(path / rel, mode == "checksum" and (shards or not _is_shard(rel)))
+                checksum = mode == "checksum" and (shards or not _is_shard(rel))
+                # a file of another size than the manifest's is damaged whatever its bytes, and may be any size at
+                # all (a sparse terabyte): not hashed
+                checksum = checksum and (path / rel).stat().st_size == manifest[rel]["size"]
+                return _digest(path / rel, checksum)
             except (OSError, MemoryError) as e:
                 return {"missing": True} if _read_kind(e) == _DAMAGE else {"transient": describe_error(e)}
 
@@ -1002,7 +1009,7 @@ class CheckpointManager:
         tensors of ``state`` then hold values of the damaged checkpoint, so the caller loads another checkpoint
         whole (a part it lacks refuses, :class:`CheckpointTainted`) or stops."""
         self.staging_fence()
-        trainer_state = json.loads((path / STATE_FILE).read_bytes())
+        trainer_state = json.loads(_read_record(path / STATE_FILE))
         if not isinstance(trainer_state, dict):
             raise ValueError(f"{STATE_FILE} holds {type(trainer_state).__name__}, not the trainer's state")
         rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
@@ -2013,7 +2020,7 @@ def _die_with_trainer(trainer_pid: int) -> None:
 def _read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
     """{relative path: {"size", "sha256"}}; ValueError naming the first malformed part (a flipped byte in a key
     must demote the checkpoint, not crash the resume)."""
-    data = json.loads(file.read_bytes())
+    data = json.loads(_read_record(file))
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict):
         raise ValueError('no "files" mapping')
@@ -2031,13 +2038,22 @@ def tensor_encoding(step: Path) -> str:
     (``TENSOR_ENCODING``). No field (a checkpoint written before it) or no manifest at all (a plain DCP checkpoint,
     which our saves never leave) means DCP's own torch_save. ValueError (damage) for any other value."""
     try:
-        data = json.loads((step / MANIFEST).read_bytes())
+        data = json.loads(_read_record(step / MANIFEST))
     except FileNotFoundError:
         return TORCH_SAVE
     try:
         return _encoding_of(data)
     except ValueError as e:
         raise ValueError(f"{MANIFEST}: {e}") from None
+
+
+def _read_record(file: Path) -> bytes:
+    """A checkpoint's JSON record (manifest, trainer state), read only up to ``RECORD_MAX``: a larger one (however
+    its size came about) is damage, a ValueError, found before anything is read or allocated."""
+    try:
+        return read_bounded(file, RECORD_MAX)
+    except UntrustedFile as e:
+        raise ValueError(str(e)) from None
 
 
 def _encoding_of(manifest: Any) -> str:

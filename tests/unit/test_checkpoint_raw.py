@@ -251,3 +251,29 @@ def test_an_async_saves_copy_runs_beside_the_next_step_and_holds_the_saved_step(
             files = json.loads((tmp_path / name / "checkpoints" / f"step-{step:08d}" / MANIFEST).read_text())["files"]
             shards[name] = {rel: e["sha256"] for rel, e in files.items() if rel.endswith(".distcp")}
         assert shards["sync"] and shards["async"] == shards["sync"], step
+
+
+@pytest.mark.parametrize("name", [MANIFEST, "trainer_state.json"])
+def test_an_oversized_record_in_a_checkpoint_is_damage_found_without_reading_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Standards (bound every read): a 3 GB sparse MANIFEST.json was read whole (3 GB allocated, 8 s, then
+    "unparsable"), a 3 GB trainer_state.json hashed whole before its size was compared with the manifest's (8.7 s);
+    a 1 TB one would have run the node out of memory or time. Now the manifest is read only up to its cap and a file
+    whose size differs from the manifest's is not hashed: the step is demoted at once and the previous one loads."""
+    reads: list[int] = []
+    real_sha = checkpoint.file_sha256
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda p: (reads.append(Path(p).stat().st_size), real_sha(p))[1])
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
+    first = mgr.save(1, _state(_tensors(1), 1))
+    second = mgr.save(2, _state(_tensors(2), 2))
+    assert first is not None and second is not None
+    (second / name).unlink()
+    with open(second / name, "wb") as f:
+        f.truncate(1 << 40)  # 1 TB, sparse: nothing of it may be read
+    dest = _zeros_like(_tensors(0))
+    t0 = time.perf_counter()
+    assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", _state(dest)) == first
+    assert time.perf_counter() - t0 < 30 and max(reads, default=0) < 1 << 30, reads
+    _assert_equal(dest, _tensors(1))
+    assert (second / DAMAGED).is_file()
