@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hpcdist.atomic import UntrustedFile, append_line, read_tail, read_trusted
@@ -155,16 +157,27 @@ def end_local_job(pid: int, grace_s: float = 60.0, kill_wait_s: float = 10.0) ->
     A signal to the recorded pid is not enough: with setup lines it is a ``/bin/sh -c`` that passes nothing on, and
     the ranks trained on. So the ranks (the controller's children) get SIGINT, the trainer's "checkpoint and stop";
     not the controller: it SIGKILLs its ranks one second after its own SIGINT, mid-save. The controller leaves when
-    they have. What still lives after ``grace_s`` gets SIGKILL, as scancel does after KillWait."""
+    they have. A process that ignores SIGINT (a job started from ``nohup`` or a background shell, still starting:
+    the trainer installs its handler after its imports) gets it once it no longer ignores it: sent before, it would be
+    lost. What still lives after ``grace_s`` gets SIGKILL, as scancel does after KillWait."""
     table = _proc_table()
     processes = _tree(pid, table) or [pid]
     controllers = {p for p in processes if _CONTROLLER in _cmdline(p)}
     ranks = [p for p in processes if table.get(p, (0, ""))[0] in controllers]
-    for p in ranks or [pid]:  # no rank yet (or no /proc): the controller, as submitit's LocalJob.cancel does
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGINT)
+    unsent = list(ranks or [pid])  # no rank yet (or no /proc): the controller, as submitit's LocalJob.cancel does
+
+    def interrupt() -> None:
+        for p in list(unsent):
+            if not _ignores(p, signal.SIGINT):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGINT)
+                unsent.remove(p)
+
+    interrupt()
     how = f"SIGINT to {len(ranks)} rank(s)" if ranks else f"SIGINT to {pid}"
-    left = _wait_gone(pid, processes, grace_s)
+    left = _wait_gone(pid, processes, grace_s, poll=interrupt)
+    if unsent:
+        how += f" ({len(unsent)} ignored SIGINT throughout)"
     if left:
         for p in left:
             with contextlib.suppress(ProcessLookupError):
@@ -176,10 +189,23 @@ def end_local_job(pid: int, grace_s: float = 60.0, kill_wait_s: float = 10.0) ->
     return f"{len(processes)} process(es) ended ({how})"
 
 
-def _wait_gone(root: int, pids: list[int], timeout_s: float) -> list[int]:
-    """Poll until none of ``pids`` (nor a new descendant of ``root``) lives; those still alive at the deadline."""
+def _ignores(pid: int, sig: int) -> bool:
+    """``pid`` ignores ``sig`` now (the SigIgn mask of /proc/<pid>/status; False where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:  # a kernel file: small, never a FIFO
+            text = f.read(1 << 16).decode("ascii", errors="replace")
+    except OSError:
+        return False
+    found = re.search(r"^SigIgn:\s*([0-9a-fA-F]+)$", text, re.MULTILINE)
+    return found is not None and bool(int(found.group(1), 16) >> (sig - 1) & 1)
+
+
+def _wait_gone(root: int, pids: list[int], timeout_s: float, poll: Callable[[], None] = lambda: None) -> list[int]:
+    """Poll until none of ``pids`` (nor a new descendant of ``root``) lives, calling ``poll`` each time; those still
+    alive at the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
+        poll()
         table = _proc_table()
         left = sorted({p for p in pids if p in table and table[p][1] != "Z"} | set(_tree(root, table)))
         if not table:  # no /proc: the root's liveness is all we can see

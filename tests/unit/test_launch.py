@@ -1253,6 +1253,48 @@ def test_status_and_cancel_of_a_local_job_from_its_record(tmp_path: Path, capsys
                 os.kill(pid, signal.SIGKILL)
 
 
+_LATE_HANDLER = """
+import os, signal, sys, time
+time.sleep(1.5)  # the imports and checks before the trainer installs its handler; SIGINT ignored meanwhile
+signal.signal(signal.SIGINT, lambda s, f: os._exit(0))  # the trainer's: checkpoint and stop
+time.sleep(600)
+"""
+
+
+def test_cancel_of_a_local_job_started_with_sigint_ignored_reaches_its_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A local job started from nohup or a background shell ignores SIGINT until the trainer installs its handler;
+    cancel's SIGINT sent in that window was lost, and cancel waited its 60 s grace, then SIGKILLed the ranks (mid-save
+    if one had begun). It now sends SIGINT to each rank once the rank no longer ignores it: the ranks' own handler
+    ends them in seconds, and nothing is SIGKILLed."""
+    from hpcdist.launch.records import end_local_job
+
+    executor = submitit.LocalExecutor(folder=tmp_path / "slurm")
+    executor.update_parameters(timeout_min=5, tasks_per_node=2, setup=["true"])
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `nohup hpcdist submit ... &` starts it
+    try:
+        job = executor.submit(exec, _LATE_HANDLER)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            ranks = [r for c in _children(int(job.job_id)) for r in _children(c)]
+            time.sleep(0.05)
+        assert len(ranks) == 2, "the local job's two ranks did not start"
+        t0 = time.monotonic()
+        how = end_local_job(int(job.job_id), grace_s=30)
+        assert time.monotonic() - t0 < 20 and "SIGKILL" not in how and "ignored" not in how, how
+        assert not any(_running(r) for r in ranks)
+    finally:
+        job.cancel(check=False)
+        for pid in (int(job.job_id), *ranks):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_status_of_a_job_slurm_forgot_reads_the_run_dir(
     fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
