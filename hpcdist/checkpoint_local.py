@@ -2,11 +2,13 @@
 
 Shared-file-system checkpoints cannot be taken every few minutes by every job; a node's own disk (``/dev/shm``, a
 local NVMe) can. Each rank saves its own state there at the tier's cadence (the one cadence owner,
-``CheckpointManager.local_save_due``), then every node's files are copied to the next node (node i -> node i+1
-mod n) over the job's own process group (gloo point-to-point messages of at most ``CHUNK`` bytes: memory stays
-bounded, no ssh). A restart (a new run, an in-job restart, a requeue onto the same nodes) takes the newest step
-that is complete for every rank counting those copies, when it is at least as new as the newest shared checkpoint;
-a rank whose own files are gone gets them from the rank holding its copy. Otherwise the shared tier resumes.
+``CheckpointManager.local_save_due``); then, on a background thread while training goes on, every node's files are
+copied to the next node (node i -> node i+1 mod n) over the job's own ranks (a gloo group of the copy's own;
+point-to-point messages of at most ``CHUNK`` bytes: memory stays bounded, no ssh). The loop waits for the copy
+(``LocalTier.wait``) only before the next local save, a restore and the run's end. A restart (a new run, an
+in-job restart, a requeue onto the same nodes) takes the newest step that is complete for every rank counting
+those copies, when it is at least as new as the newest shared checkpoint; a rank whose own files are gone gets them
+from the rank holding its copy. Otherwise the shared tier resumes.
 
 Layout on each node, under the expanded ``checkpoint.local.dir`` (mode 0700, yours, reached through no link):
 

@@ -118,13 +118,16 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
         keep=2,
         record=record if env.rank == 0 else None,
     )
-    # step 4's copy is held after its first chunk (512 bytes: a copy of several chunks), until the gate opens
+    # step 4's copy is held after its first chunk (512 bytes: a copy of several chunks), until the gate opens;
+    # step 6's fails there (a file shorter than listed: the sender's read raises)
     gate, chunks = threading.Event(), cl._chunks
 
     def held(src: Path | None, files: Any) -> Any:
         for i, chunk in enumerate(chunks(src, files)):
             if i == 1 and src is not None and src.name == "step-00000004":
                 gate.wait(8)
+            if i == 1 and src is not None and src.name == "step-00000006":
+                raise OSError("shorter than listed")
             yield chunk
 
     cl._chunks, cl.CHUNK = held, 512
@@ -159,6 +162,12 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
     out["copy_complete_after_wait"] = (copy / "step-00000004" / MARKER).is_file()
     if env.rank == 0:
         out["record_after_wait"] = json.loads(record.read_text())
+    # a copy that fails in the background: the step stays (every rank's own files), without a copy
+    assert tier.save(6, st.checkpointable())
+    out["failed_copy"] = tier.wait()
+    out["failed_copy_left"] = sorted(p.name for p in copy.glob("step-00000006*"))
+    if env.rank == 0:
+        out["record_after_failure"] = json.loads(record.read_text())
     cl._chunks, cl.CHUNK = chunks, 16 << 20
 
     # the restart after that kill, on node 1's replacement (its own files gone): step 4 is complete for rank 0
@@ -176,15 +185,17 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
 def test_the_peer_copy_runs_in_the_background_and_a_kill_during_it_leaves_nothing_trusted(tmp_path) -> None:
     """Issue 28.3: ``save`` returns once every rank's own files are there; the copy to the peer runs on a thread
     (``wait`` joins it); the record says peer_copies only once it is complete; a kill while it runs leaves a
-    .partial copy that no restore trusts."""
+    .partial copy that no restore trusts; a copy that fails leaves no copy of its step, the step itself stays."""
     root, record, snapshot = tmp_path / "local", tmp_path / "local_checkpoints.json", tmp_path / "killed"
     out = run_ranks(2, _copy_in_background, root, record, snapshot)
     for r in out:
         assert r["own_complete_at_return"]
         assert not r["copy_complete_at_return"] and r["loop_s"] < 4, r  # the loop did not wait for the copy
         assert r["copied"] and r["copy_complete_after_wait"]
+        assert r["failed_copy"] is False and r["failed_copy_left"] == []
     assert (out[0]["record_at_return"]["step"], out[0]["record_at_return"]["peer_copies"]) == (2, True)
     assert (out[0]["record_after_wait"]["step"], out[0]["record_after_wait"]["peer_copies"]) == (4, True)
+    assert (out[0]["record_after_failure"]["step"], out[0]["record_after_failure"]["peer_copies"]) == (6, False)
     assert out[0]["restored"] == str(snapshot / "node0" / "rank-00000" / "step-00000002")
     assert out[1]["restored"] == str(snapshot / "node1" / "rank-00001" / "step-00000002")  # from node 0's copy
     assert all(r["restored_weights_of_step_2"] for r in out)
