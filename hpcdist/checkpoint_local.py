@@ -2,11 +2,13 @@
 
 Shared-file-system checkpoints cannot be taken every few minutes by every job; a node's own disk (``/dev/shm``, a
 local NVMe) can. Each rank saves its own state there at the tier's cadence (the one cadence owner,
-``CheckpointManager.local_save_due``), then every node's files are copied to the next node (node i -> node i+1
-mod n) over the job's own process group (gloo point-to-point messages of at most ``CHUNK`` bytes: memory stays
-bounded, no ssh). A restart (a new run, an in-job restart, a requeue onto the same nodes) takes the newest step
-that is complete for every rank counting those copies, when it is at least as new as the newest shared checkpoint;
-a rank whose own files are gone gets them from the rank holding its copy. Otherwise the shared tier resumes.
+``CheckpointManager.local_save_due``); then, on a background thread while training goes on, every node's files are
+copied to the next node (node i -> node i+1 mod n) over the job's own ranks (a gloo group of the copy's own;
+point-to-point messages of at most ``CHUNK`` bytes: memory stays bounded, no ssh). The loop waits for the copy
+(``LocalTier.wait``) only before the next local save, a restore and the run's end. A restart (a new run, an
+in-job restart, a requeue onto the same nodes) takes the newest step that is complete for every rank counting
+those copies, when it is at least as new as the newest shared checkpoint; a rank whose own files are gone gets them
+from the rank holding its copy. Otherwise the shared tier resumes.
 
 Layout on each node, under the expanded ``checkpoint.local.dir`` (mode 0700, yours, reached through no link):
 
@@ -36,9 +38,11 @@ import os
 import re
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +79,9 @@ HEADER_MAX = 1 << 20  # a copy's file list, JSON
 SMALL_MAX = 64 << 20  # trainer_state.json, COMPLETE, MANIFEST.json: read whole, so bounded
 MAX_FILES = 10_000
 RNG_FILE, OWN_FILE = "rng.pt", "rank.pt"
+# after an error, how long the trainer waits for a peer copy in flight before it exits (its peers' copy threads run
+# on, so it usually ends: the 13B flagship's ~13 s per node at the a100_ib profile); then it is left (daemon thread)
+EXIT_WAIT_S = 120.0
 RECORD = "local_checkpoints.json"  # in run.dir (rank 0): what `hpcdist status` and the report show of the tier
 # file systems that are not a node's own disk: the tier on them is a slower shared tier that every job loads
 SHARED_FS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "fuse.sshfs"})
@@ -383,6 +390,7 @@ class LocalTier:
         record: Path | None = None,
         template: str = "",
         shared_dir: str = "",
+        timeout_s: float | None = None,
     ):
         self.root, self.rank, self.world_size, self.keep = root, rank, world_size, keep
         self.peer = peers(hosts)
@@ -393,6 +401,17 @@ class LocalTier:
         self.bytes_per_node = 0
         self.foreign = False  # restore found another run's step here (another run.dir / model sharing the directory)
         self._pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # the peer copy runs on a thread of its own (``save``), over a group of its own: two threads sharing one
+        # group deadlock. Its collectives give up after ``timeout_s`` (the job's collective timeout; None: torch's
+        # default, 30 min): a peer that died or froze mid-copy ends the copy (logged), never holds the run
+        self.timeout_s = timeout_s
+        self._copy_pg = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+            if dist.is_initialized()
+            else None
+        )
+        self._copy: threading.Thread | None = None  # the last save's copy, until wait() joins it
+        self._copied = True  # whether that copy made every peer copy
         if all(p < 0 for p in self.peer):
             log.warning(
                 "checkpoint.local: every rank runs on one node: no peer copies (a lost node loses the tier's steps; "
@@ -400,27 +419,34 @@ class LocalTier:
             )
 
     # ---------------------------------------------------------------------------------- collectives
-    def _all_ok(self, err: BaseException | None, what: str) -> bool:
+    # ``group``: the loop's (None: ``_pg``) or the background copy's (``_copy_pg``); never one from two threads
+    def _all_ok(self, err: BaseException | None, what: str, group: Any = None) -> bool:
         if err is not None:
             log.error("rank %d: checkpoint.local: %s failed: %s", self.rank, what, describe_error(err))
-        if self._pg is None:
+        g = self._pg if group is None else group
+        if g is None:
             return err is None
         flag = torch.tensor([0 if err is None else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g)
         return int(flag) == 0
 
-    def _gather(self, obj: Any) -> list[Any]:
-        if self._pg is None:
+    def _gather(self, obj: Any, group: Any = None) -> list[Any]:
+        g = self._pg if group is None else group
+        if g is None:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._pg)  # the job's own ranks: no file is unpickled
+        dist.all_gather_object(out, obj, group=g)  # the job's own ranks: no file is unpickled
         return out
 
     # ---------------------------------------------------------------------------------- save
     def save(self, step: int, state: Checkpointable) -> bool:
-        """Collective: this rank's files of ``step`` on its node, then every node's to its peer. False when the
-        local save failed on any rank (the step is dropped everywhere, training goes on); a failed copy leaves the
-        step without a copy (logged): it still counts where every rank's own files are there."""
+        """Collective: this rank's files of ``step`` on its node and every rank's agreement that they are there
+        (what the loop waits for: a node's own disk is fast), after the previous save's copy has ended (``wait``).
+        Then, on a background thread, every node's files to its peer, the prune and the record (the copy crosses
+        the inter-node links: the slow part). False when the local save failed on any rank (the step is dropped
+        everywhere, training goes on); a failed copy leaves the step without a copy (logged): it still counts
+        where every rank's own files are there."""
+        self.wait()
         t0 = time.perf_counter()
         final = own_dir(self.root, self.rank) / step_name(step)
         partial = final.with_name(final.name + ".partial")
@@ -437,25 +463,74 @@ class LocalTier:
             shutil.rmtree(partial, ignore_errors=True)
             shutil.rmtree(final, ignore_errors=True)  # complete here, failed on another rank: not a step
             return False
-        copied = self._replicate(step)
-        self._prune()
-        sizes = self._gather(written[0] if written else 0)
-        node_bytes: dict[str, int] = {}
-        for r, n in enumerate(sizes):
-            node_bytes[self.hosts[r]] = node_bytes.get(self.hosts[r], 0) + n
-        self.bytes_per_node = max(node_bytes.values()) * (2 if copied else 1)
-        self.last_step = step
+        self.last_step = step  # every rank's own files are there: a step to resume from, with or without copies
+        loop_s = time.perf_counter() - t0
+        nbytes = written[0] if written else 0
+        if all(p < 0 for p in self.peer):  # nothing to copy (one node): the prune and the record, here
+            self._finish(step, nbytes, loop_s, t0, None)
+        else:  # every rank starts its thread after the same agreement: the copy's collectives pair up in order
+            self._copied = False
+            self._copy = threading.Thread(
+                target=self._finish,
+                args=(step, nbytes, loop_s, t0, self._copy_pg),
+                name=f"hpcdist-local-copy-{step}",
+                daemon=True,  # a copy left running (wait's bound, the exception path) never holds the exit
+            )
+            self._copy.start()
+        return True
+
+    def _finish(self, step: int, nbytes: int, loop_s: float, t0: float, group: Any) -> None:
+        """After the local save: the peer copies, the prune, the size gather and rank 0's record, on the background
+        thread (``group``: its own) or, with no copy to make, in the loop (``group`` None: the loop's). Every rank
+        runs the same collectives in the same order. A collective that fails or times out (a peer gone) ends the
+        copy: logged once, the step has no copy."""
+        copied = False
+        try:
+            copied = self._replicate(step, group)
+            self._prune()
+            sizes = self._gather(nbytes, group)
+            node_bytes: dict[str, int] = {}
+            for r, n in enumerate(sizes):
+                node_bytes[self.hosts[r]] = node_bytes.get(self.hosts[r], 0) + n
+            self.bytes_per_node = max(node_bytes.values()) * (2 if copied else 1)
+        except Exception as e:
+            log.warning(
+                "rank %d: checkpoint.local: the peer copies of step %d failed (%s): the step has no copy",
+                self.rank,
+                step,
+                describe_error(e),
+            )
+        self._copied = copied or all(p < 0 for p in self.peer)
         seconds = time.perf_counter() - t0
         if self.rank == 0:
             log.info(
-                "node-local checkpoint step %d complete%s (%.2fs, %s per node)",
+                "node-local checkpoint step %d complete%s (%.2fs in the loop, %.2fs in all, %s per node)",
                 step,
                 " with peer copies" if copied else "",
+                loop_s,
                 seconds,
                 size_text(self.bytes_per_node),
             )
-            self._write_record(step, copied, seconds)
-        return True
+            self._write_record(step, copied, seconds)  # peer_copies: true only now, the copy complete
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Collective-free: join the last save's background copy (it ends by itself: its collectives time out
+        at ``timeout_s`` of the tier). True when it made every peer copy (or none was running); False when it
+        failed (logged by the thread) or still runs after ``timeout_s`` (None: no bound)."""
+        copy = self._copy
+        if copy is None:
+            return self._copied
+        copy.join(timeout_s)
+        if copy.is_alive():
+            log.warning(
+                "checkpoint.local: the peer copy (%s) still runs after %.0f s: not waiting for it (its step has "
+                "no complete copy; a .partial copy is never trusted)",
+                copy.name,
+                timeout_s or 0,
+            )
+            return False
+        self._copy = None
+        return self._copied
 
     def _write(self, path: Path, step: int, state: Checkpointable) -> int:
         """This rank's files of ``step`` into ``path`` (a fresh directory), manifest and marker last; bytes."""
@@ -485,9 +560,9 @@ class LocalTier:
         atomic_write(path / MARKER, json.dumps({"step": step, "rank": self.rank, "world_size": self.world_size}))
         return sum(e["size"] for e in files.values())
 
-    def _replicate(self, step: int) -> bool:
-        """Collective: every rank's files of ``step`` to its peer (replica-of-rank-<r>/ there). True when every
-        copy arrived intact."""
+    def _replicate(self, step: int, group: Any = None) -> bool:
+        """Collective (over ``group``): every rank's files of ``step`` to its peer (replica-of-rank-<r>/ there).
+        True when every copy arrived intact."""
         if all(p < 0 for p in self.peer):
             return False
         pairs = [(r, self.peer[r]) for r in range(self.world_size) if self.peer[r] >= 0]
@@ -497,6 +572,7 @@ class LocalTier:
             lambda origin: own_dir(self.root, origin) / step_name(step),
             lambda origin: replica_dir(self.root, origin),
             restore=False,
+            group=group,
         )
         if not ok:
             log.warning("checkpoint.local: the peer copies of step %d are incomplete (see the errors above)", step)
@@ -510,20 +586,22 @@ class LocalTier:
         dest: Callable[[int], Path],
         *,
         restore: bool,
+        group: Any = None,
     ) -> bool:
-        """Collective: for each (sender, receiver), the sender's ``source(origin)`` step directory lands in the
-        receiver's ``dest(origin)``; ``origin``, the rank whose files they are, is the sender when replicating and
-        the receiver when a restore fetches its files back (it travels in the header)."""
+        """Collective (over ``group``, None: the loop's): for each (sender, receiver), the sender's
+        ``source(origin)`` step directory lands in the receiver's ``dest(origin)``; ``origin``, the rank whose files
+        they are, is the sender when replicating and the receiver when a restore fetches its files back (it travels
+        in the header)."""
         err: BaseException | None = None
         for batch in rounds(pairs):
             send = next(((s, d) for s, d in batch if s == self.rank), None)
             recv = next(((s, d) for s, d in batch if d == self.rank), None)
             try:
                 origin = (send[1] if restore else send[0]) if send is not None else -1
-                self._exchange(step, send, recv, origin, source, dest, restore=restore)
+                self._exchange(step, send, recv, origin, source, dest, restore=restore, group=group)
             except Exception as e:
                 err = err or e
-        return self._all_ok(err, f"copying step {step} between nodes")
+        return self._all_ok(err, f"copying step {step} between nodes", group)
 
     def _exchange(
         self,
@@ -535,11 +613,12 @@ class LocalTier:
         dest: Callable[[int], Path],
         *,
         restore: bool,
+        group: Any = None,
     ) -> None:
         """One round: send one step directory and/or receive one, in chunks. The sender posts every message
         before waiting for it; the receiver always drains what the sender announced, even after a problem, so the
         next round's messages stay in step."""
-        g = self._pg
+        g = self._pg if group is None else group
         header, files, src_dir, error = b"", [], None, None
         if send is not None:
             try:
@@ -627,6 +706,7 @@ class LocalTier:
         """After a resume at ``step`` (0: a fresh start): this node's steps of the tier newer than it are of the line
         the run turned back from; removed (own and copy directories, the tier's names only), so no later resume can
         take them together with the new line's files of the same step."""
+        self.wait()  # no copy still writing into what is removed here
         with contextlib.suppress(OSError):
             for e in list(os.scandir(self.root)):
                 if not _TIER_DIR.match(e.name) or not e.is_dir(follow_symlinks=False):
@@ -682,6 +762,7 @@ class LocalTier:
         as new as ``shared_step`` (rank 0's newest shared checkpoint); None: resume from the shared tier (why is
         logged). A rank without its own files gets them from the rank keeping its copy; a step that fails its
         checks on any rank is not used."""
+        self.wait()  # a copy in flight is not counted half-done: it ends (complete or not) before the inventory
         inv = self.inventory()
         gathered = self._gather(({o: sorted(s) for o, s in inv.items()}, shared_step))
         plan = agree_step([g[0] for g in gathered], self.world_size, gathered[0][1])

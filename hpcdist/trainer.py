@@ -29,7 +29,7 @@ from hpcdist.checkpoint import (
     latest,
     staging_estimate,
 )
-from hpcdist.checkpoint_local import LocalTier, expand_dir, open_local_dir
+from hpcdist.checkpoint_local import EXIT_WAIT_S, LocalTier, expand_dir, open_local_dir
 from hpcdist.config import JobConfig
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.vocab import data_eos
@@ -39,7 +39,7 @@ from hpcdist.data.sampler import SamplerMismatch
 from hpcdist.env import DistEnv
 from hpcdist.evaluate import Evaluator
 from hpcdist.fault.goodput import Goodput
-from hpcdist.fault.hang import HangWatchdog
+from hpcdist.fault.hang import HangWatchdog, collective_timeout_s
 from hpcdist.fault.nonfinite import NonFiniteError, NonFiniteGuard
 from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
 from hpcdist.fault.stop import StopFlag, StopReason
@@ -56,6 +56,9 @@ from hpcdist.rankfacts import RankFacts, rank_facts
 from hpcdist.rundir import RunDir
 
 log = get_logger(__name__)
+
+# the watchdog phase of the wait for the node-local tier's background peer copy (at the next local save, at the end)
+LOCAL_COPY_PHASE = "node-local checkpoint: the last peer copy (background gloo send/recv)"
 
 
 @dataclass
@@ -427,6 +430,8 @@ class Trainer:
             record=RunDir(self.run_dir).local_checkpoints if self.env.is_main else None,
             template=loc.dir,
             shared_dir=str(self.cfg.checkpoint_dir),
+            # the background peer copy's collectives end where the job's do (a dead peer ends the copy, not the run)
+            timeout_s=collective_timeout_s(self.cfg.fault.watchdog_timeout_s, self.cfg.fault.watchdog_slow_phase_s),
         )
 
     def _resume_local(self) -> Path | None:
@@ -495,14 +500,17 @@ class Trainer:
         return path is not None
 
     def local_save(self) -> bool:
-        """Save the node-local tier at this step (every rank; peer copies included); False when it failed (every
-        rank alike: training goes on, the tier's previous step and the shared checkpoint stay)."""
+        """Save the node-local tier at this step (every rank); False when it failed (every rank alike: training
+        goes on, the tier's previous step and the shared checkpoint stay). The loop waits for the previous save's
+        peer copy to end and for this rank's own files; this step's copy runs in the background."""
         assert self.local is not None
         self.nonfinite.check()
         self.nonfinite.check_params(self.step, self.strategy.params_finite())
         self.ckpt.local_saved_step = self.step
         t0 = time.perf_counter()
-        with self.watchdog.phase(self.step, "node-local checkpoint save + peer copies (gloo send/recv)", slow=True):
+        with self.watchdog.phase(self.step, LOCAL_COPY_PHASE, slow=True):
+            self.local.wait()  # a hung copy is this phase's hang (the copy's collective timeout: the backstop)
+        with self.watchdog.phase(self.step, "node-local checkpoint save (agreement all-reduce)", slow=True):
             ok = self.local.save(self.step, self.checkpointable())
         self.goodput.add("checkpoint_save", time.perf_counter() - t0)
         return ok
@@ -526,10 +534,15 @@ class Trainer:
         self.watchdog.start(self.step)
         try:
             self._loop(end, result)
+            if self.local is not None:  # the last local save's peer copy is complete (or failed) before we return
+                with self.watchdog.phase(self.step, LOCAL_COPY_PHASE, slow=True):
+                    self.local.wait()
         except BaseException:
             self.loader.close()
             self.watchdog.stop()
             self.stop_flag.uninstall()  # no waiting on the agreement in flight: other ranks may be gone
+            if self.local is not None:  # the peers' copy threads run on (their loops wait elsewhere): bounded
+                self.local.wait(timeout_s=EXIT_WAIT_S)
             self.observer.abort()
             self.run_lock.release()
             raise

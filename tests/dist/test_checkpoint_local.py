@@ -8,6 +8,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,3 +95,107 @@ def test_a_lost_nodes_files_come_from_its_peer_and_both_lost_falls_back_to_share
     last = run_ranks(2, _run, cfg)[0]
     assert last["resumed"] == str(cfg.checkpoint_dir / "step-00000003")
     assert last["losses"] == {s: v for s, v in straight.items() if s > 3}
+
+
+def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) -> dict:
+    """Two "nodes" save steps 2 and 4 through the tier itself; step 4's peer copy is held after its first chunk
+    (the sender's next read waits on a gate): what the loop waits for, what the record says meanwhile, and the
+    disk as a kill at that moment would leave it (copied aside), restored later."""
+    import threading
+    import time
+
+    import torch
+
+    from hpcdist import checkpoint_local as cl
+    from tests.unit.test_checkpoint_local import _State
+
+    me = root / f"node{env.rank}"
+    tier = cl.LocalTier(
+        cl.open_local_dir(me),
+        rank=env.rank,
+        world_size=2,
+        hosts=["node0", "node1"],
+        keep=2,
+        record=record if env.rank == 0 else None,
+    )
+    # step 4's copy is held after its first chunk (512 bytes: a copy of several chunks), until the gate opens;
+    # step 6's fails there (a file shorter than listed: the sender's read raises)
+    gate, chunks = threading.Event(), cl._chunks
+
+    def held(src: Path | None, files: Any) -> Any:
+        for i, chunk in enumerate(chunks(src, files)):
+            if i == 1 and src is not None and src.name == "step-00000004":
+                gate.wait(8)
+            if i == 1 and src is not None and src.name == "step-00000006":
+                raise OSError("shorter than listed")
+            yield chunk
+
+    cl._chunks, cl.CHUNK = held, 512
+    st = _State()
+    torch.manual_seed(0)  # the same weights on both ranks (the restore below checks them)
+    st.w.reset_parameters()
+    weights = {}
+    for step in (2, 4):
+        with torch.no_grad():
+            st.w.weight.fill_(float(step))
+        st.step = step
+        weights[step] = st.w.weight.detach().clone()
+        t0 = time.perf_counter()
+        assert tier.save(step, st.checkpointable())
+        out = {"loop_s": time.perf_counter() - t0}
+    peer = 1 - env.rank
+    copy = me / f"replica-of-rank-{peer:05d}"
+    out["copy_complete_at_return"] = (copy / "step-00000004" / MARKER).is_file()
+    out["own_complete_at_return"] = (me / f"rank-{env.rank:05d}" / "step-00000004" / MARKER).is_file()
+    if env.rank == 0:
+        out["record_at_return"] = json.loads(record.read_text())
+    assert not out["copy_complete_at_return"], f"save returned after the peer copy ({out['loop_s']:.1f} s)"
+    # the copy's first chunk has landed in a .partial directory: a kill now leaves this disk
+    partial = copy / "step-00000004.partial"
+    deadline = time.monotonic() + 30
+    while not (partial.is_dir() and any(p.stat().st_size for p in partial.iterdir())):
+        assert time.monotonic() < deadline, "the copy wrote nothing"
+        time.sleep(0.01)
+    shutil.copytree(me, snapshot / f"node{env.rank}")
+    gate.set()
+    out["copied"] = tier.wait()
+    out["copy_complete_after_wait"] = (copy / "step-00000004" / MARKER).is_file()
+    if env.rank == 0:
+        out["record_after_wait"] = json.loads(record.read_text())
+    # a copy that fails in the background: the step stays (every rank's own files), without a copy
+    assert tier.save(6, st.checkpointable())
+    out["failed_copy"] = tier.wait()
+    out["failed_copy_left"] = sorted(p.name for p in copy.glob("step-00000006*"))
+    if env.rank == 0:
+        out["record_after_failure"] = json.loads(record.read_text())
+    cl._chunks, cl.CHUNK = chunks, 16 << 20
+
+    # the restart after that kill, on node 1's replacement (its own files gone): step 4 is complete for rank 0
+    # only, rank 1's copy of it is a .partial: step 2 resumes, rank 1's files from node 0's copy
+    if env.rank == 1:
+        shutil.rmtree(snapshot / "node1" / "rank-00001")
+    again = cl.LocalTier(snapshot / f"node{env.rank}", rank=env.rank, world_size=2, hosts=["node0", "node1"], keep=2)
+    fresh = _State()
+    path = again.restore(fresh.checkpointable(), shared_step=None)
+    out["restored"] = str(path)
+    out["restored_weights_of_step_2"] = fresh.step == 2 and torch.equal(fresh.w.weight, weights[2])
+    return out
+
+
+def test_the_peer_copy_runs_in_the_background_and_a_kill_during_it_leaves_nothing_trusted(tmp_path) -> None:
+    """Issue 28.3: ``save`` returns once every rank's own files are there; the copy to the peer runs on a thread
+    (``wait`` joins it); the record says peer_copies only once it is complete; a kill while it runs leaves a
+    .partial copy that no restore trusts; a copy that fails leaves no copy of its step, the step itself stays."""
+    root, record, snapshot = tmp_path / "local", tmp_path / "local_checkpoints.json", tmp_path / "killed"
+    out = run_ranks(2, _copy_in_background, root, record, snapshot)
+    for r in out:
+        assert r["own_complete_at_return"]
+        assert not r["copy_complete_at_return"] and r["loop_s"] < 4, r  # the loop did not wait for the copy
+        assert r["copied"] and r["copy_complete_after_wait"]
+        assert r["failed_copy"] is False and r["failed_copy_left"] == []
+    assert (out[0]["record_at_return"]["step"], out[0]["record_at_return"]["peer_copies"]) == (2, True)
+    assert (out[0]["record_after_wait"]["step"], out[0]["record_after_wait"]["peer_copies"]) == (4, True)
+    assert (out[0]["record_after_failure"]["step"], out[0]["record_after_failure"]["peer_copies"]) == (6, False)
+    assert out[0]["restored"] == str(snapshot / "node0" / "rank-00000" / "step-00000002")
+    assert out[1]["restored"] == str(snapshot / "node1" / "rank-00001" / "step-00000002")  # from node 0's copy
+    assert all(r["restored_weights_of_step_2"] for r in out)
