@@ -1009,7 +1009,7 @@ class CheckpointManager:
         tensors of ``state`` then hold values of the damaged checkpoint, so the caller loads another checkpoint
         whole (a part it lacks refuses, :class:`CheckpointTainted`) or stops."""
         self.staging_fence()
-        trainer_state = json.loads(_read_record(path / STATE_FILE))
+        trainer_state = json.loads(read_record(path / STATE_FILE))
         if not isinstance(trainer_state, dict):
             raise ValueError(f"{STATE_FILE} holds {type(trainer_state).__name__}, not the trainer's state")
         rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
@@ -2020,7 +2020,7 @@ def _die_with_trainer(trainer_pid: int) -> None:
 def _read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
     """{relative path: {"size", "sha256"}}; ValueError naming the first malformed part (a flipped byte in a key
     must demote the checkpoint, not crash the resume)."""
-    data = json.loads(_read_record(file))
+    data = json.loads(read_record(file))
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict):
         raise ValueError('no "files" mapping')
@@ -2038,7 +2038,7 @@ def tensor_encoding(step: Path) -> str:
     (``TENSOR_ENCODING``). No field (a checkpoint written before it) or no manifest at all (a plain DCP checkpoint,
     which our saves never leave) means DCP's own torch_save. ValueError (damage) for any other value."""
     try:
-        data = json.loads(_read_record(step / MANIFEST))
+        data = json.loads(read_record(step / MANIFEST))
     except FileNotFoundError:
         return TORCH_SAVE
     try:
@@ -2047,11 +2047,11 @@ def tensor_encoding(step: Path) -> str:
         raise ValueError(f"{MANIFEST}: {e}") from None
 
 
-def _read_record(file: Path) -> bytes:
-    """A checkpoint's JSON record (manifest, trainer state), read only up to ``RECORD_MAX``: a larger one (however
-    its size came about) is damage, a ValueError, found before anything is read or allocated."""
+def read_record(file: Path, limit: int = RECORD_MAX) -> bytes:
+    """A checkpoint's JSON record (manifest, trainer state, marker), read only up to ``limit``: a larger one (however
+    its size came about), a link or a FIFO is damage, a ValueError, found before anything is read or allocated."""
     try:
-        return read_bounded(file, RECORD_MAX)
+        return read_bounded(file, limit)
     except UntrustedFile as e:
         raise ValueError(str(e)) from None
 

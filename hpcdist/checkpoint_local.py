@@ -64,6 +64,7 @@ from hpcdist.checkpoint import (
     _set_rng_state,
     describe_error,
     error_of,
+    read_record,
     single_process_dcp,
     size_text,
     tensor_encoding,
@@ -76,7 +77,6 @@ log = get_logger(__name__)
 
 CHUNK = 16 << 20  # bytes per point-to-point message: one send and one receive buffer per rank at a time
 HEADER_MAX = 1 << 20  # a copy's file list, JSON
-SMALL_MAX = 64 << 20  # trainer_state.json, COMPLETE, MANIFEST.json: read whole, so bounded
 MAX_FILES = 10_000
 RNG_FILE, OWN_FILE = "rng.pt", "rank.pt"
 # after an error, how long the trainer waits for a peer copy in flight before it exits (its peers' copy threads run
@@ -254,16 +254,6 @@ def open_local_dir(path: Path) -> Path:
     return path
 
 
-def _read_small(path: Path, limit: int = SMALL_MAX) -> bytes:
-    """A regular file's bytes, refused when it is a link, not a regular file or larger than ``limit``."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            raise ValueError(f"{path.name}: not a regular file of at most {limit} bytes")
-        return f.read(limit + 1)[:limit]
-
-
 def _listing(path: Path) -> dict[str, int]:
     """{name: size} of a step directory's regular files; ValueError for anything else in it (a link, a FIFO, a
     directory, a foreign name): the tier's step directories hold flat regular files only."""
@@ -285,7 +275,7 @@ def _complete_marker(path: Path, origin: int, step: int, world_size: int) -> boo
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or writer_problem(st, {os.getuid()}):
             return False
-        marker = json.loads(_read_small(path / MARKER, 4096))
+        marker = json.loads(read_record(path / MARKER, 4096))
     except (OSError, ValueError):
         return False
     return (
@@ -304,7 +294,7 @@ def verify_step_dir(path: Path) -> list[str]:
         if problems:
             return problems
         have = _listing(path)
-        manifest = json.loads(_read_small(path / MANIFEST))
+        manifest = json.loads(read_record(path / MANIFEST))
         files = manifest.get("files") if isinstance(manifest, dict) else None
         if not isinstance(files, dict) or len(files) > MAX_FILES:
             return [f"{MANIFEST}: no files mapping"]
@@ -790,7 +780,7 @@ class LocalTier:
         if err is None and problems:
             err = ValueError(f"{path}: {'; '.join(problems[:3])}")
         if err is None:
-            why = _same_run(json.loads(_read_small(path / STATE_FILE)), state.trainer_state())
+            why = _same_run(json.loads(read_record(path / STATE_FILE)), state.trainer_state())
             err = ValueError(f"{path} is another run's ({why})") if why else None
             self.foreign = bool(why)  # then nothing here is discarded (discard_newer): it is not ours to drop
         if not self._all_ok(err, f"checking step {step}"):
@@ -810,7 +800,7 @@ class LocalTier:
         return path
 
     def _load(self, path: Path, state: Checkpointable) -> None:
-        trainer_state = json.loads(_read_small(path / STATE_FILE))
+        trainer_state = json.loads(read_record(path / STATE_FILE))
         rng = torch.load(path / RNG_FILE, weights_only=True)
         own = torch.load(path / OWN_FILE, weights_only=True) if (path / OWN_FILE).is_file() else {}
         dest = state.dcp_state()
@@ -946,7 +936,7 @@ class _Sink:
             raise self.error
 
     def _check(self) -> None:
-        manifest = json.loads(_read_small(self.partial / MANIFEST))
+        manifest = json.loads(read_record(self.partial / MANIFEST))
         files = manifest["files"]
         names = {n for n, _ in self.files} - {MANIFEST}
         if set(files) != names:
