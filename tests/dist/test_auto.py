@@ -38,8 +38,20 @@ def test_auto_trains_with_the_planners_top_row(small_cfg, tmp_path: Path, capfd)
 
 def test_a_trainer_refuses_an_unresolved_auto_config(small_cfg, tmp_path: Path) -> None:
     cfg = small_cfg("parallel.strategy=auto", run_dir=tmp_path / "r")
-    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
-                  master_addr="127.0.0.1", master_port=29500, device="cpu", backend="gloo", launcher="single",
-                  job_id=None, hostname="h")
+    env = DistEnv(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        device="cpu",
+        backend="gloo",
+        launcher="single",
+        job_id=None,
+        hostname="h",
+    )
     with pytest.raises(ValueError, match="resolved before building a Trainer"):
         Trainer(cfg, env)

@@ -100,8 +100,17 @@ def test_killed_during_save_resumes_from_previous(small_cfg, tmp_path) -> None:
     straight = run_ranks(2, _train, small_cfg(*OVER, run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*OVER, run_dir=tmp_path / "run")
     config_file = config_mod.save(cfg, tmp_path / "config.yaml")  # exactly small_cfg's resolved config
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           "-m", "hpcdist.cli", "train", str(config_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        "-m",
+        "hpcdist.cli",
+        "train",
+        str(config_file),
+    ]
     env = {**os.environ, KILL_ENV: "4", "OMP_NUM_THREADS": "1"}
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
@@ -126,8 +135,17 @@ def test_a_checkpoint_process_killed_while_writing_leaves_nothing_trusted(small_
     straight = run_ranks(2, _train, small_cfg(*OVER, run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*OVER, "checkpoint.async_save=true", run_dir=tmp_path / "run")
     config_file = config_mod.save(cfg, tmp_path / "config.yaml")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           "-m", "hpcdist.cli", "train", str(config_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        "-m",
+        "hpcdist.cli",
+        "train",
+        str(config_file),
+    ]
     env = {**os.environ, KILL_WRITER_ENV: "4", "OMP_NUM_THREADS": "1"}
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
@@ -178,16 +196,20 @@ def test_every_minutes_saves_on_rank_0s_clock_on_every_rank_alike(small_cfg, tmp
     """checkpoint.every_minutes (issue 13.10): rank 0's clock asks, the per-step agreement carries the request one
     step later, both ranks save the same step (a save is collective: a lone rank would hang). An interval already
     due at every step saves from step 2 on; one of an hour never does."""
-    cfg = small_cfg("train.steps=5", "checkpoint.every_steps=0", "checkpoint.save_final=false",
-                    "checkpoint.keep_last=10", f"checkpoint.every_minutes={minutes}",
-                    run_dir=tmp_path / "run")
+    cfg = small_cfg(
+        "train.steps=5",
+        "checkpoint.every_steps=0",
+        "checkpoint.save_final=false",
+        "checkpoint.keep_last=10",
+        f"checkpoint.every_minutes={minutes}",
+        run_dir=tmp_path / "run",
+    )
     run_ranks(2, _train, cfg)
     complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
     assert [s for s, _ in complete] == saved and incomplete == []
 
 
-@pytest.mark.parametrize("strategy", [("parallel.strategy=ddp",),
-                                      ("parallel.strategy=zero", "parallel.zero.stage=3")])
+@pytest.mark.parametrize("strategy", [("parallel.strategy=ddp",), ("parallel.strategy=zero", "parallel.zero.stage=3")])
 def test_async_save_hashes_on_every_rank_and_resumes(small_cfg, tmp_path, strategy) -> None:
     """Issue 13.2: an async save's manifest was hashed by rank 0 alone (for 13B: ~180 GB of sha256 on one host).
     Each rank now hashes the files it wrote, from its background thread; rank 0 merges the parts. The result is
@@ -240,16 +262,24 @@ def test_a_failed_final_save_exits_74_naming_the_resume_point(small_cfg, tmp_pat
     printed. An async save's failed directory is removed too (the summary and the record need the space)."""
     with _small_tmpfs(tmp_path / "small", "2m") as small:
         run_dir = small / "run"
-        cfg = small_cfg("train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
-                        "train.micro_batch_size=4", "checkpoint.save_final=true", "checkpoint.write_threads=2",
-                        f"checkpoint.async_save={str(async_save).lower()}", run_dir=run_dir)
+        cfg = small_cfg(
+            "train.steps=4",
+            "checkpoint.every_steps=2",
+            "checkpoint.keep_last=1",
+            "train.micro_batch_size=4",
+            "checkpoint.save_final=true",
+            "checkpoint.write_threads=2",
+            f"checkpoint.async_save={str(async_save).lower()}",
+            run_dir=run_dir,
+        )
         yaml = tmp_path / "cfg.yaml"
         config_mod.save(cfg, yaml)
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID"):
             env.pop(var, None)
-        p = subprocess.run([sys.executable, "-m", "hpcdist", "train", str(yaml)], capture_output=True, text=True,
-                           timeout=300, env=env)
+        p = subprocess.run(
+            [sys.executable, "-m", "hpcdist", "train", str(yaml)], capture_output=True, text=True, timeout=300, env=env
+        )
         out = p.stdout + p.stderr
         assert p.returncode == 74, out[-3000:]
         assert "done:" not in out and "Traceback" not in out and "Exception in thread" not in out, out[-3000:]

@@ -23,20 +23,35 @@ pytestmark = pytest.mark.dist
 STEPS = 24
 # every hook run: 2 ranks, global batch 8, the same data; PowerSGD compresses from step 3 on. dim 128 makes the
 # smallest weight matrices 128 x 64 (GQA's wk/wv), so rank 2 compresses each >= 10x (128*64 / (2*(128+64)) = 21)
-OVER = (f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4", "model.dim=128",
-        "model.ffn_dim=256", "optim.warmup_steps=4", "checkpoint.save_final=false")
+OVER = (
+    f"train.steps={STEPS}",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "model.dim=128",
+    "model.ffn_dim=256",
+    "optim.warmup_steps=4",
+    "checkpoint.save_final=false",
+)
 # bucket_cap_mb=1 splits the ~1.3 MB of gradients into 2 buckets: PowerSGD's collectives of two buckets in flight
 # must reach gloo in the same order on every rank (comm_hooks.serialized)
-POWERSGD = ("parallel.ddp.comm_hook=powersgd", "parallel.ddp.powersgd.rank=2", "parallel.ddp.powersgd.start_iter=2",
-            "parallel.ddp.bucket_cap_mb=1")
+POWERSGD = (
+    "parallel.ddp.comm_hook=powersgd",
+    "parallel.ddp.powersgd.rank=2",
+    "parallel.ddp.powersgd.start_iter=2",
+    "parallel.ddp.bucket_cap_mb=1",
+)
 
 
 def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
     all_reduce = torch.distributed.all_reduce
     trainer = Trainer(cfg, env)
     result = trainer.train(until=until)
-    return {"losses": result.losses, "step": result.step, "resumed": result.resumed_from,
-            "all_reduce_is_torch_own": torch.distributed.all_reduce is all_reduce}
+    return {
+        "losses": result.losses,
+        "step": result.step,
+        "resumed": result.resumed_from,
+        "all_reduce_is_torch_own": torch.distributed.all_reduce is all_reduce,
+    }
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -51,11 +66,16 @@ def _losses(out: dict) -> list[float]:
 def hook_runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[str, tuple[dict, list[dict]]]:
     """One 24-step run per hook (none, allreduce, bf16, powersgd), reused by the assertions below."""
     runs = {}
-    for name, extra in {"none": (), "allreduce": ("parallel.ddp.comm_hook=allreduce",),
-                        "bf16": ("parallel.ddp.comm_hook=bf16",), "powersgd": POWERSGD}.items():
+    for name, extra in {
+        "none": (),
+        "allreduce": ("parallel.ddp.comm_hook=allreduce",),
+        "bf16": ("parallel.ddp.comm_hook=bf16",),
+        "powersgd": POWERSGD,
+    }.items():
         run_dir = tmp_path_factory.mktemp(name)
-        cfg = config_mod.load(None, [*SMALL, f"run.dir={run_dir}", "data.source=files", f"data.path={corpus_dir}",
-                                     *OVER, *extra])
+        cfg = config_mod.load(
+            None, [*SMALL, f"run.dir={run_dir}", "data.source=files", f"data.path={corpus_dir}", *OVER, *extra]
+        )
         runs[name] = (run_ranks(2, _train, cfg)[0], _metrics(run_dir))
     return runs
 

@@ -33,8 +33,16 @@ def test_two_rank_ddp_trains_on_bpe_data_with_auto_vocab_and_resumes_exactly(
     assert meta["vocab_size"] == 400 and meta["tokenizer"]["kind"] == "hf"
 
     def cfg(run: str) -> JobConfig:
-        over = [*SMALL, f"run.dir={tmp_path / run}", "data.source=files", f"data.path={bpe_corpus_dir}",
-                "model.vocab_size=auto", "train.steps=8", "train.global_batch_size=8", "train.micro_batch_size=2"]
+        over = [
+            *SMALL,
+            f"run.dir={tmp_path / run}",
+            "data.source=files",
+            f"data.path={bpe_corpus_dir}",
+            "model.vocab_size=auto",
+            "train.steps=8",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+        ]
         c = config_mod.load(None, over)
         assert config_mod.check_data(c) == []
         return c
@@ -55,9 +63,17 @@ def test_two_rank_ddp_trains_on_bpe_data_with_auto_vocab_and_resumes_exactly(
 
 def test_prefetching_changes_no_loss_and_resumes_exactly(bpe_corpus_dir: Path, tmp_path: Path) -> None:
     def cfg(run: str, prefetch: int) -> JobConfig:
-        over = [*SMALL, f"run.dir={tmp_path / run}", "data.source=files", f"data.path={bpe_corpus_dir}",
-                "model.vocab_size=auto", "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=4",
-                f"data.prefetch={prefetch}"]
+        over = [
+            *SMALL,
+            f"run.dir={tmp_path / run}",
+            "data.source=files",
+            f"data.path={bpe_corpus_dir}",
+            "model.vocab_size=auto",
+            "train.steps=6",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=4",
+            f"data.prefetch={prefetch}",
+        ]
         return config_mod.load(None, over)
 
     off = run_ranks(2, _train, cfg("off", 0))[0]
@@ -74,8 +90,16 @@ def test_blend_trains_on_two_ranks_and_resumes_exactly(bpe_corpus_dir: Path, tmp
     sources = f"data.sources=[{{path: {bpe_corpus_dir}, weight: 3}}, {{path: {bpe_corpus_dir}, weight: 1}}]"
 
     def cfg(run: str) -> JobConfig:
-        over = [*SMALL, f"run.dir={tmp_path / run}", "data.source=files", sources, "model.vocab_size=auto",
-                "train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=4"]
+        over = [
+            *SMALL,
+            f"run.dir={tmp_path / run}",
+            "data.source=files",
+            sources,
+            "model.vocab_size=auto",
+            "train.steps=6",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=4",
+        ]
         return config_mod.load(None, over)
 
     straight = run_ranks(2, _train, cfg("straight"))[0]

@@ -51,7 +51,9 @@ def reference(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 )
 def test_ddp_matches_single_process(small_cfg, reference, tmp_path: Path, world: int, micro: int) -> None:
     cfg = small_cfg(
-        f"train.steps={STEPS}", "train.global_batch_size=8", f"train.micro_batch_size={micro}",
+        f"train.steps={STEPS}",
+        "train.global_batch_size=8",
+        f"train.micro_batch_size={micro}",
         run_dir=tmp_path / f"w{world}",
     )
     outs = run_ranks(world, _train, cfg) if world > 1 else [single(_train, cfg)]
@@ -85,8 +87,14 @@ def test_exact_resume_two_ranks(small_cfg, tmp_path: Path) -> None:
 
 
 def test_async_checkpoint_resume(small_cfg, tmp_path: Path) -> None:
-    over = ("train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=4", "checkpoint.async_save=true",
-            "checkpoint.every_steps=2", "checkpoint.keep_last=2")
+    over = (
+        "train.steps=6",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "checkpoint.async_save=true",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=2",
+    )
     straight = run_ranks(2, _train, small_cfg(*over, run_dir=tmp_path / "a"))[0]
     cfg = small_cfg(*over, run_dir=tmp_path / "b")
     run_ranks(2, _train, cfg, 3)  # saves at 2 (async) and at the interruption at 3
@@ -107,8 +115,13 @@ def test_training_options_on_two_ranks(small_cfg, reference, tmp_path: Path, opt
     """Activation checkpointing, full or selective, recomputes the same math (fp32: equal to round-off); bf16 autocast
     trains too
     (its losses follow the fp32 run to bf16 precision)."""
-    cfg = small_cfg(f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=4", option,
-                    run_dir=tmp_path / "opt")
+    cfg = small_cfg(
+        f"train.steps={STEPS}",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        option,
+        run_dir=tmp_path / "opt",
+    )
     out = run_ranks(2, _train, cfg)[0]
     rtol = RTOL if "checkpointing" in option else 3e-2
     torch.testing.assert_close(_losses(out), _losses(reference), rtol=rtol, atol=0)
@@ -134,8 +147,13 @@ def _train_with_drift(env: DistEnv, cfg: JobConfig, rank: int, after_step: int) 
 
 
 def test_replica_check_names_a_diverged_rank(small_cfg, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    cfg = small_cfg("train.steps=4", "train.global_batch_size=8", "train.micro_batch_size=4",
-                    "logging.replica_check_every_steps=1", run_dir=tmp_path / "drift")
+    cfg = small_cfg(
+        "train.steps=4",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "logging.replica_check_every_steps=1",
+        run_dir=tmp_path / "drift",
+    )
     divergence = run_ranks(2, _train_with_drift, cfg, 1, 2)[0]
     assert divergence[1] == 0.0 and divergence[2] > 0.0  # identical replicas, then rank 1 drifted after step 2
     assert "rank(s) [1] differ from the majority" in capfd.readouterr().out

@@ -74,8 +74,12 @@ def test_fsdp_matches_single_process(
     small_cfg, reference, tmp_path: Path, world: int, micro: int, replicate: int
 ) -> None:
     cfg = small_cfg(
-        f"train.steps={STEPS}", *BATCH, f"train.micro_batch_size={micro}", FSDP,
-        f"parallel.fsdp.replicate={replicate}", run_dir=tmp_path / "run",
+        f"train.steps={STEPS}",
+        *BATCH,
+        f"train.micro_batch_size={micro}",
+        FSDP,
+        f"parallel.fsdp.replicate={replicate}",
+        run_dir=tmp_path / "run",
     )
     outs = run_ranks(world, _train, cfg)
     ref = _losses(reference)
@@ -89,8 +93,12 @@ def test_fsdp_matches_single_process(
 
 @pytest.mark.parametrize(
     "option",
-    ["parallel.fsdp.cpu_offload=true", "parallel.fsdp.reshard_after_forward=false",
-     "train.activation_checkpointing=selective", "parallel.fsdp.param_dtype=bf16"],
+    [
+        "parallel.fsdp.cpu_offload=true",
+        "parallel.fsdp.reshard_after_forward=false",
+        "train.activation_checkpointing=selective",
+        "parallel.fsdp.param_dtype=bf16",
+    ],
 )
 def test_fsdp_options(small_cfg, reference, tmp_path: Path, option: str) -> None:
     """Offload, no resharding and (selective, op-level) activation checkpointing recompute the same fp32 math; bf16
@@ -171,8 +179,13 @@ def test_hsdp_replica_check_names_the_diverged_rank(
     from tests.dist.test_ddp import _train_with_drift
 
     cfg = small_cfg(
-        "train.steps=4", *BATCH, "train.micro_batch_size=2", FSDP, "parallel.fsdp.replicate=2",
-        "logging.replica_check_every_steps=1", run_dir=tmp_path / "drift",
+        "train.steps=4",
+        *BATCH,
+        "train.micro_batch_size=2",
+        FSDP,
+        "parallel.fsdp.replicate=2",
+        "logging.replica_check_every_steps=1",
+        run_dir=tmp_path / "drift",
     )
     divergence = run_ranks(4, _train_with_drift, cfg, 3, 2)[0]
     assert divergence[1] == 0.0 and divergence[2] > 0.0

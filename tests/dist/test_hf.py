@@ -39,8 +39,10 @@ def test_export_is_the_same_from_ddp_zero3_and_3d(small_cfg, tmp_path: Path) -> 
     layouts: dict[str, tuple[int, tuple[str, ...]]] = {
         "ddp": (2, ("parallel.strategy=ddp",)),
         "zero3": (2, ("parallel.strategy=zero", "parallel.zero.stage=3")),
-        "3d": (4, ("parallel.strategy=3d", "parallel.pp=2", "parallel.dp=1", "parallel.tp=2",
-                   "parallel.pp_schedule=1F1B")),
+        "3d": (
+            4,
+            ("parallel.strategy=3d", "parallel.pp=2", "parallel.dp=1", "parallel.tp=2", "parallel.pp_schedule=1F1B"),
+        ),
     }
     exported = {}
     for name, (world, over) in layouts.items():

@@ -35,15 +35,23 @@ def measure(env: DistEnv, cfg: JobConfig) -> dict[str, int]:
 
 def _estimate(cfg: JobConfig, strategy: str) -> int:
     return estimate_memory(
-        cfg.model_args(), strategy=strategy, world_size=WORLD, gpus_per_node=WORLD, micro_batch_size=2,
-        seq_len=cfg.data.seq_len, activation_checkpointing=False,
+        cfg.model_args(),
+        strategy=strategy,
+        world_size=WORLD,
+        gpus_per_node=WORLD,
+        micro_batch_size=2,
+        seq_len=cfg.data.seq_len,
+        activation_checkpointing=False,
     ).model_states_ideal
 
 
 def test_zero3_model_states_quarter_of_ddp(small_cfg, tmp_path) -> None:
     ddp_cfg = small_cfg(*COMMON, run_dir=tmp_path / "ddp")
     zero_cfg = small_cfg(
-        *COMMON, "parallel.strategy=zero", "parallel.zero.stage=3", "parallel.zero.param_persistence_threshold=0",
+        *COMMON,
+        "parallel.strategy=zero",
+        "parallel.zero.stage=3",
+        "parallel.zero.param_persistence_threshold=0",
         run_dir=tmp_path / "zero3",
     )
     ddp = run_ranks(WORLD, measure, ddp_cfg)

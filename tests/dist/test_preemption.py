@@ -38,7 +38,9 @@ def _plain(env: DistEnv, cfg: JobConfig) -> dict:
     return {"losses": r.losses, "step": r.step}
 
 
-@pytest.mark.parametrize(("sig", "reason"), [(signal.SIGUSR2, StopReason.TIME_LIMIT), (signal.SIGTERM, StopReason.TERMINATE)])
+@pytest.mark.parametrize(
+    ("sig", "reason"), [(signal.SIGUSR2, StopReason.TIME_LIMIT), (signal.SIGTERM, StopReason.TERMINATE)]
+)
 def test_signal_on_one_rank_stops_all_and_resumes_exactly(small_cfg, tmp_path: Path, sig: int, reason) -> None:
     over = ("train.steps=8", "train.global_batch_size=8", "train.micro_batch_size=4")
     straight = run_ranks(2, _plain, small_cfg(*over, run_dir=tmp_path / "straight"))[0]

@@ -40,14 +40,18 @@ def _train(env: DistEnv, cfg: JobConfig) -> int:
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_scraped_during_a_2_rank_run_counters_increase(small_cfg, tmp_path: Path) -> None:
     port = free_port()
-    cfg = small_cfg("train.steps=40", "logging.straggler_every_steps=5", f"logging.prometheus.port={port}",
-                    run_dir=tmp_path / "run")
+    cfg = small_cfg(
+        "train.steps=40", "logging.straggler_every_steps=5", f"logging.prometheus.port={port}", run_dir=tmp_path / "run"
+    )
     # the scraper is a process of its own: a thread in this process would be forked into the ranks in the middle of
     # whatever it holds (the import lock of its first urlopen), and a rank would wait on it forever
     out, stop = tmp_path / "scrapes.json", tmp_path / "stop"

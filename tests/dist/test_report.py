@@ -54,18 +54,42 @@ def _train(env: DistEnv, cfg: JobConfig, sig_rank: int | None = None, at_step: i
 @pytest.fixture(scope="module")
 def faulty_run(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
     run = tmp_path_factory.mktemp("report") / "run"
-    over = [*SMALL, f"run.dir={run}", "data.source=files", f"data.path={corpus_dir}", "train.steps=8",
-            "train.global_batch_size=8", "train.micro_batch_size=4", "checkpoint.every_steps=2",
-            "checkpoint.keep_last=5", "train.eval_every_steps=4", "logging.straggler_every_steps=2"]
+    over = [
+        *SMALL,
+        f"run.dir={run}",
+        "data.source=files",
+        f"data.path={corpus_dir}",
+        "train.steps=8",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=5",
+        "train.eval_every_steps=4",
+        "logging.straggler_every_steps=2",
+    ]
     cfg = config_mod.load(None, over)
 
     first = run_ranks(2, _train, cfg, 1, 3)
     assert [o["step"] for o in first] == [4, 4]
 
     config_file = config_mod.save(cfg, run.parent / "config.yaml")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           "--no-python", sys.executable, "-m", "hpcdist.fault.supervise", "--",
-           sys.executable, "-m", "hpcdist.cli", "train", str(config_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        "--no-python",
+        sys.executable,
+        "-m",
+        "hpcdist.fault.supervise",
+        "--",
+        sys.executable,
+        "-m",
+        "hpcdist.cli",
+        "train",
+        str(config_file),
+    ]
     env = {**os.environ, KILL_ENV: "6", "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0, r.stdout[-2000:]

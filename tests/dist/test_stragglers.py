@@ -33,8 +33,13 @@ def _train_with_slow_data(env: DistEnv, cfg: JobConfig, slow_rank: int, delay_s:
 
 def test_a_rank_with_slow_data_loading_is_reported(small_cfg, tmp_path: Path) -> None:
     run = tmp_path / "slow"
-    cfg = small_cfg("train.steps=12", "train.global_batch_size=8", "train.micro_batch_size=4",
-                    "logging.straggler_every_steps=4", run_dir=run)
+    cfg = small_cfg(
+        "train.steps=12",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "logging.straggler_every_steps=4",
+        run_dir=run,
+    )
     assert run_ranks(2, _train_with_slow_data, cfg, 1, 0.05) == [12, 12]
 
     reports = [r for r in read_failures(run) if r["kind"] == "straggler"]

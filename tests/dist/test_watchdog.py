@@ -28,8 +28,14 @@ def _rank(rank: int, world: int, port: int, cfg: JobConfig, log: str) -> None:
     os.dup2(fd, 2)  # this rank's log: where the watchdog writes its report and the stacks
     sys.stderr = os.fdopen(2, "w", buffering=1)  # (pytest replaced sys.stderr in the parent we forked from)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="test",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RUN_ID="test",
     )
     torch.set_num_threads(1)
     env = from_environ(cuda_available=False)
@@ -42,8 +48,14 @@ def _rank(rank: int, world: int, port: int, cfg: JobConfig, log: str) -> None:
 
 def test_sigstop_one_rank_the_other_ranks_watchdog_fires(small_cfg, tmp_path: Path) -> None:
     run_dir = tmp_path / "hang"
-    cfg = small_cfg("train.steps=100000", "train.global_batch_size=8", "train.micro_batch_size=4",
-                    "fault.watchdog_timeout_s=5", "logging.straggler_every_steps=0", run_dir=run_dir)
+    cfg = small_cfg(
+        "train.steps=100000",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "fault.watchdog_timeout_s=5",
+        "logging.straggler_every_steps=0",
+        run_dir=run_dir,
+    )
     ctx, port = mp.get_context("fork"), free_port()
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     procs = [ctx.Process(target=_rank, args=(r, 2, port, cfg, str(logs[r])), daemon=True) for r in range(2)]
