@@ -207,7 +207,7 @@ def test_an_async_saves_copy_runs_beside_the_next_step_and_holds_the_saved_step(
     """Issue 28.2: an async save blocked the loop for its whole staging copy (0.06-0.11 of a sync save, the copy's
     memory bandwidth). The copy now runs beside the next step's forward and backward, which change none of the
     state, and the loop waits for it only before its optimizer step (``staging_fence``, torchtitan's
-    ``maybe_wait_for_staging``). With the copy slowed to 0.4 s: no save blocks the loop for it, the loop waits at
+    ``maybe_wait_for_staging``). With the copy slowed to 1 s: no save blocks the loop for it, the loop waits at
     the fence instead, and every step's checkpoint holds exactly that step's state (a sync run's shard bytes), not
     the next step's: the fence comes before the optimizer step changes it."""
     from hpcdist.env import from_environ
@@ -219,7 +219,7 @@ def test_an_async_saves_copy_runs_beside_the_next_step_and_holds_the_saved_step(
     sync.train()
     sync.ckpt.close()
 
-    slow_copy, real_copy = 0.4, checkpoint._copy_all
+    slow_copy, real_copy = 1.0, checkpoint._copy_all
     monkeypatch.setattr(
         checkpoint, "_copy_all", lambda pairs, stream: (time.sleep(slow_copy), real_copy(pairs, stream))
     )
