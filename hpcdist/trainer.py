@@ -168,7 +168,7 @@ class Trainer:
             local_every_minutes=cfg.checkpoint.local.every_minutes if cfg.checkpoint.local.dir else 0.0,
         )
         self.local = self._local_tier()  # the node-local tier with peer copies (checkpoint.local), or None
-        if cfg.checkpoint.async_save:  # the staging buffers are allocated at the first save: refuse now if they
+        if cfg.checkpoint.async_save:  # the staging buffers are allocated after the first step: refuse now if they
             # cannot fit, not with an OOM kill hours into the run
             shm = Path("/dev/shm")
             check_staging_memory(

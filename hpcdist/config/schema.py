@@ -360,8 +360,8 @@ class CheckpointConfig:
     section must equal config.json's (checked at load, key by key; docs/HF.md)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues: the state is copied into host staging buffers
-    (shared memory, pinned on CUDA; allocated at the first save, reused; refused at start-up when the node cannot
-    hold them) and a checkpoint process per rank writes them."""
+    (shared memory, pinned on CUDA; allocated once after the first step, reused; refused at start-up when the node
+    cannot hold them) beside the next step's forward and backward, and a checkpoint process per rank writes them."""
     save_final: bool = True
     """Save a checkpoint when training ends."""
     write_threads: int = 0

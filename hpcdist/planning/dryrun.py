@@ -115,7 +115,7 @@ class DryRunReport:
             per_rank = max(4 * c.params + 8 * c.optimizer_params for c in self.counts)
             ranks = min(self.gpus_per_node, self.world_size)
             lines.append(
-                f"async checkpoint staging (host shared memory, allocated at the first save): up to "
+                f"async checkpoint staging (host shared memory, allocated once after the first step): up to "
                 f"{size_text(per_rank)} per rank (fp32 weights + AdamW's 2 moments), {size_text(per_rank * ranks)} "
                 f"per node of {ranks} rank(s)"
             )

@@ -157,8 +157,8 @@ def test_the_dry_run_shows_the_async_checkpoint_staging_need():
     report = dry_run(cfg("parallel.strategy=fsdp", "checkpoint.async_save=true"), 4)
     per_rank = max(4 * c.params + 8 * c.optimizer_params for c in report.counts)
     assert (
-        f"async checkpoint staging (host shared memory, allocated at the first save): up to {size_text(per_rank)}"
-        " per rank" in report.text()
+        "async checkpoint staging (host shared memory, allocated once after the first step): up to "
+        f"{size_text(per_rank)} per rank" in report.text()
     )
     assert "async checkpoint staging" not in dry_run(cfg("parallel.strategy=fsdp"), 4).text()
 
