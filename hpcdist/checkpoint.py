@@ -555,7 +555,7 @@ class CheckpointManager:
                 missing = [p.name for p in parts if not p.is_file()]
                 raise TimeoutError(f"no part from {', '.join(missing)} after {ASYNC_PARTS_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
-        return [json.loads(read_bounded(p, RECORD_MAX)) for p in parts]
+        return [json.loads(read_record(p)) for p in parts]
 
     def _complete(self, path: Path, step: int, t0: float) -> None:
         if self.rank == 0:
