@@ -25,7 +25,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, q: Any) -> None:
+def rank_environ(rank: int, world: int, port: int) -> None:
+    """This forked process becomes rank ``rank`` of ``world`` on one host, as torchrun would set it up."""
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -37,6 +38,10 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         TORCHELASTIC_RUN_ID="test",
     )
     torch.set_num_threads(1)
+
+
+def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, q: Any) -> None:
+    rank_environ(rank, world, port)
     try:
         env = from_environ(cuda_available=False)
         init_process_group(env, timeout_s=120)

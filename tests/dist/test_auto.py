@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from hpcdist.config import JobConfig
-from hpcdist.env import DistEnv
+from hpcdist.env import DistEnv, from_environ
 from hpcdist.planning.layouts import resolve_auto
 from hpcdist.run import train
 from hpcdist.trainer import Trainer
@@ -38,20 +38,6 @@ def test_auto_trains_with_the_planners_top_row(small_cfg, tmp_path: Path, capfd)
 
 def test_a_trainer_refuses_an_unresolved_auto_config(small_cfg, tmp_path: Path) -> None:
     cfg = small_cfg("parallel.strategy=auto", run_dir=tmp_path / "r")
-    env = DistEnv(
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        local_world_size=1,
-        node_rank=0,
-        num_nodes=1,
-        master_addr="127.0.0.1",
-        master_port=29500,
-        device="cpu",
-        backend="gloo",
-        launcher="single",
-        job_id=None,
-        hostname="h",
-    )
+    env = from_environ({}, cuda_available=False)  # one process, no launcher
     with pytest.raises(ValueError, match="resolved before building a Trainer"):
         Trainer(cfg, env)

@@ -33,6 +33,15 @@ pytestmark = pytest.mark.dist
 OVER = ("train.steps=8", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=2")
 
 
+def _torchrun_train(config_file: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``hpcdist train CONFIG`` under torchrun, 2 ranks, with ``env`` added (a test-only kill hook)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
+    cmd += ["-m", "hpcdist.cli", "train", str(config_file)]
+    root = Path(__file__).resolve().parents[2]
+    full = {**os.environ, **env, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=root, env=full, capture_output=True, text=True, timeout=300)
+
+
 def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
     result = Trainer(cfg, env).train(until=until)
     return {"losses": result.losses, "resumed": result.resumed_from, "step": result.step}
@@ -100,20 +109,7 @@ def test_killed_during_save_resumes_from_previous(small_cfg, tmp_path) -> None:
     straight = run_ranks(2, _train, small_cfg(*OVER, run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*OVER, run_dir=tmp_path / "run")
     config_file = config_mod.save(cfg, tmp_path / "config.yaml")  # exactly small_cfg's resolved config
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-        "-m",
-        "hpcdist.cli",
-        "train",
-        str(config_file),
-    ]
-    env = {**os.environ, KILL_ENV: "4", "OMP_NUM_THREADS": "1"}
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    r = _torchrun_train(config_file, {KILL_ENV: "4"})
     assert r.returncode != 0, r.stdout[-2000:]
     complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
     assert [s for s, _ in complete] == [2]
@@ -135,20 +131,7 @@ def test_a_checkpoint_process_killed_while_writing_leaves_nothing_trusted(small_
     straight = run_ranks(2, _train, small_cfg(*OVER, run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*OVER, "checkpoint.async_save=true", run_dir=tmp_path / "run")
     config_file = config_mod.save(cfg, tmp_path / "config.yaml")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-        "-m",
-        "hpcdist.cli",
-        "train",
-        str(config_file),
-    ]
-    env = {**os.environ, KILL_WRITER_ENV: "4", "OMP_NUM_THREADS": "1"}
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    r = _torchrun_train(config_file, {KILL_WRITER_ENV: "4"})
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "step-00000004 failed" in out and "Traceback" not in out, out[-3000:]

@@ -11,14 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from hpcdist.config import JobConfig
 from hpcdist.env import destroy_process_group, from_environ, init_process_group
 from hpcdist.fault.failures import read_failures
 from hpcdist.fault.hang import WATCHDOG_EXIT_CODE, collective_timeout_s, read_heartbeats
 from hpcdist.run import train
-from tests.dist.harness import free_port
+from tests.dist.harness import free_port, rank_environ
 
 pytestmark = pytest.mark.dist
 
@@ -27,17 +26,7 @@ def _rank(rank: int, world: int, port: int, cfg: JobConfig, log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)  # this rank's log: where the watchdog writes its report and the stacks
     sys.stderr = os.fdopen(2, "w", buffering=1)  # (pytest replaced sys.stderr in the parent we forked from)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TORCHELASTIC_RUN_ID="test",
-    )
-    torch.set_num_threads(1)
+    rank_environ(rank, world, port)
     env = from_environ(cuda_available=False)
     init_process_group(env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s))
     try:
