@@ -76,6 +76,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.elastic.utils.distributed import get_free_port
 
+from hpcdist import directio
 from hpcdist.atomic import UntrustedFile, atomic_write, file_sha256, read_bounded
 from hpcdist.config.dirs import tree_trust_problems, trusted_uids
 from hpcdist.config.loader import ConfigError
@@ -1260,12 +1261,14 @@ class _HashingFileSystem(FileSystem):
         self.written: dict[str, dict[str, Any]] = {}  # DCP's writer threads add to it: dict item set is atomic
 
     @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+    def create_stream(self, path: str | os.PathLike, mode: str, *, direct: bool = False) -> Iterator[Any]:
+        """``direct``: a shard, streamed past the page cache (:mod:`hpcdist.directio`; flush before fdatasync).
+        DCP's own files (``.metadata``, fsync'd by DCP through ``fileno``) go through a buffered file."""
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, mode) as raw:
+        with directio.open_write(path) if direct else open(path, mode) as raw:
             stream = _HashingFile(raw)
             try:
                 yield stream
@@ -1512,7 +1515,7 @@ def _write_raw_file(fs: Any, path: Any, key: str, items: list[Any], planner: Any
     in row-major order (``TENSOR_ENCODING``: its dtype and shape are DCP's metadata's; no torch.save record around
     it, so a load reads it straight into the model's tensor); fdatasync at the end. Returns DCP's WriteResults."""
     results = []
-    with fs.create_stream(path, "wb") as stream:
+    with fs.create_stream(path, "wb", direct=True) as stream:
         for item in [i for i in items if i.type == WriteItemType.BYTE_IO]:
             offset, data = stream.tell(), planner.resolve_data(item).getbuffer()
             stream.write(data)
@@ -1528,6 +1531,7 @@ def _write_raw_file(fs: Any, path: Any, key: str, items: list[Any], planner: Any
             data = _byte_view(tensor)
             stream.write(data)
             results.append(WriteResult(item.index, len(data), _StorageInfo(key, offset, len(data))))
+        stream.flush()
         if sync:
             os.fdatasync(stream.fileno())
     return results
@@ -1624,7 +1628,7 @@ class HashingReader(dcp.FileSystemReader):
             raise ValueError(f"{rel!r}: .metadata names a file outside the checkpoint")
         hasher = _Hasher() if rel in self.hash_files else None
         try:
-            with open(os.path.join(self.path, rel), "rb", buffering=0) as f:
+            with directio.open_read(os.path.join(self.path, rel)) as f:
                 self._read_items(f, rel, items, planner, hasher)
         finally:
             if hasher is not None:
@@ -1786,8 +1790,11 @@ class HashingReader(dcp.FileSystemReader):
 
 def _read_ahead(f: Any, start: int, end: int, size: int) -> int:
     """Ask the kernel to start reading ``[start, end)`` of ``f`` (clipped to ``size``) into the page cache, in
-    16 MiB requests, without waiting for it; returns where the requested range now ends."""
+    16 MiB requests, without waiting for it; returns where the requested range now ends. A direct file reads ahead
+    on its own (into its buffers: pages the kernel read for it would be read twice)."""
     end = min(end, size)
+    if getattr(f, "direct", False):
+        return max(start, end)
     while start < end:
         with contextlib.suppress(OSError, AttributeError):  # a file system without fadvise: plain reads
             os.posix_fadvise(f.fileno(), start, min(16 << 20, end - start), os.POSIX_FADV_WILLNEED)

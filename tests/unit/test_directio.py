@@ -1,0 +1,157 @@
+"""Issue 28.1: checkpoint shards written and read past the page cache (hpcdist.directio). The bytes are the same as
+a buffered file's at any length, read and seek pattern; a file system without O_DIRECT (tmpfs) is written buffered;
+a failed request is raised, not lost; and a real save and load leave none of the shards' pages in the page cache
+(a buffered save left all of them: the copy through the page cache was what made the save CPU-bound)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import resource
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcdist import directio
+from hpcdist.checkpoint import Checkpointable, CheckpointManager
+
+CHUNK = directio.CHUNK
+
+
+def _direct_ok(directory: Path) -> bool:
+    """Whether ``directory``'s file system takes O_DIRECT (tmpfs does not)."""
+    probe = directory / ".probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600))
+    except OSError as e:
+        assert e.errno == errno.EINVAL, e
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return hasattr(os, "O_DIRECT")
+
+
+def _resident_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (mincore on a mapping that touches none)."""
+    size = path.stat().st_size
+    with (
+        open(path, "rb") as f,
+        mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m,
+    ):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        return sum(v & 1 for v in vec)
+
+
+def _pattern(n: int, seed: int = 0) -> bytes:
+    return (
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+    )
+
+
+@pytest.mark.parametrize("where", ["tmp", "shm"])
+def test_written_and_read_bytes_equal_a_buffered_files_at_any_length_read_and_seek(tmp_path: Path, where: str) -> None:
+    """Writes of every size (small read-only bytes, slices across chunk boundaries, one over two chunks) and a tail
+    that is no multiple of the alignment; reads in odd sizes, a seek back, a seek far ahead, a read at the end."""
+    if where == "shm":
+        if not Path("/dev/shm").is_dir():
+            pytest.skip("no /dev/shm on this machine: the tmpfs fallback cannot be shown")
+        base = Path(os.environ.get("TMPDIR_SHM", "/dev/shm")) / f"hpcdist-dio-{os.getpid()}"
+        base.mkdir(exist_ok=True)
+    else:
+        base = tmp_path
+    try:
+        data = _pattern(2 * CHUNK + CHUNK // 2 + 4097)
+        path = base / "f"
+        with directio.open_write(path) as w:
+            assert w.direct == (_direct_ok(base))
+            pieces = [3, 5000, CHUNK - 5003, 2 * CHUNK + 1, len(data)]
+            start = 0
+            for end in pieces:
+                w.write(bytes(data[start:end]) if end - start < 10000 else memoryview(data)[start:end])
+                start = end
+            assert w.tell() == len(data)
+        assert path.read_bytes() == data
+
+        r = directio.open_read(path)
+        with r:
+            assert isinstance(r, directio.DirectReader) == _direct_ok(base)
+            got = bytearray()
+            for n in (1, 100, CHUNK, 7, CHUNK + 3):
+                buf = bytearray(n)
+                got += buf[: r.readinto(buf)]
+            assert bytes(got) == data[: len(got)]
+            r.seek(10)  # back, inside a chunk read earlier
+            assert r.read(20) == data[10:30]
+            r.seek(2 * CHUNK + 99)  # ahead, past the chunks read ahead
+            assert r.read(50) == data[2 * CHUNK + 99 : 2 * CHUNK + 149]
+            r.seek(-5, os.SEEK_END)
+            assert r.read(100) == data[-5:]
+            assert r.readinto(bytearray(8)) == 0  # at the end
+    finally:
+        if where == "shm":
+            for p in base.iterdir():
+                p.unlink()
+            base.rmdir()
+
+
+def test_a_failed_write_request_is_raised_not_lost(tmp_path: Path) -> None:
+    """A write past the file-size limit fails on the file's own thread (EFBIG): the writer raises it by its flush
+    at the latest, so the save fails instead of leaving a short shard with a digest."""
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel's SIGXFSZ ends the process
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 * CHUNK, limits[1]))
+    try:
+        w = directio.open_write(tmp_path / "big")
+        with pytest.raises(OSError) as raised:
+            for _ in range(5):
+                w.write(bytes(CHUNK))
+            w.flush()
+        assert raised.value.errno == errno.EFBIG
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    with contextlib.suppress(OSError):
+        w.close()
+
+
+def test_a_save_and_a_load_leave_the_shards_out_of_the_page_cache(tmp_path: Path) -> None:
+    """The shards are written and read direct: after the save (which fdatasyncs them) and after a verified load,
+    none of their pages is in the page cache. A buffered save leaves every page there."""
+    if not _direct_ok(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system takes no O_DIRECT: its shards are written buffered (same bytes)")
+    g = torch.Generator().manual_seed(0)
+    saved = {
+        "model": {"w": torch.randn(3 * CHUNK // 4 // 4 + 13, generator=g)},
+        "optim": {"m": torch.randn(999, generator=g)},
+    }
+    state = Checkpointable(
+        dcp_state=lambda: saved,
+        load_dcp_state=lambda s: None,
+        trainer_state=lambda: {"step": 1},
+        load_trainer_state=lambda s: None,
+    )
+    path = CheckpointManager(tmp_path, rank=0, world_size=1).save(1, state)
+    assert path is not None
+    shards = sorted(path.glob("*.distcp"))
+    assert shards and sum(p.stat().st_size for p in shards) > CHUNK // 2
+    assert {p.name: _resident_pages(p) for p in shards} == {p.name: 0 for p in shards}
+
+    dest = {"model": {"w": torch.zeros_like(saved["model"]["w"])}, "optim": {"m": torch.zeros(999)}}
+    state = Checkpointable(
+        dcp_state=lambda: dest,
+        load_dcp_state=lambda s: None,
+        trainer_state=lambda: {"step": 1},
+        load_trainer_state=lambda s: None,
+    )
+    assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", state) == path
+    assert torch.equal(dest["model"]["w"], saved["model"]["w"]) and torch.equal(dest["optim"]["m"], saved["optim"]["m"])
+    assert {p.name: _resident_pages(p) for p in shards} == {p.name: 0 for p in shards}
