@@ -28,9 +28,10 @@ import torch
 
 __all__ = ["CHUNK", "DirectReader", "DirectWriter", "open_read", "open_write"]
 
-CHUNK = 16 << 20  # one request: deep enough for the device's queue (the kernel splits it), cheap to keep in flight
+CHUNK = 32 << 20  # one request: deep enough for the device's queue (the kernel splits it), cheap to keep in flight
 WRITE_DEPTH = 3  # a writer's buffers: one filling, two in flight
-READ_DEPTH = 4  # a reader's: one being consumed, three read ahead (48 MiB)
+READ_DEPTH = 4  # a reader's: one being consumed, three read ahead (96 MiB)
+IO_THREADS = 2  # requests in flight per file
 ALIGN = 4096  # a multiple of every logical block size (512 on virtio, 4096 on NVMe) and of the page size
 _GIL_FREE_COPY = 1 << 16  # copies this big go through torch, which releases the GIL; smaller ones are a slice
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file is buffered
@@ -52,9 +53,12 @@ def _buffers(n: int) -> list[mmap.mmap]:
 def _free(views: list[memoryview], bufs: list[mmap.mmap]) -> None:
     """Unmap the buffers now; one still exported (a failed request's traceback holds a slice) goes with its last
     reference instead."""
-    for obj in [*views, *bufs]:
+    for view in views:
         with contextlib.suppress(BufferError):
-            obj.release() if isinstance(obj, memoryview) else obj.close()
+            view.release()
+    for buf in bufs:
+        with contextlib.suppress(BufferError):
+            buf.close()
 
 
 def _drop_direct(fd: int) -> None:
@@ -73,7 +77,7 @@ class DirectWriter:
         self._bufs = _buffers(WRITE_DEPTH)
         self._views = [memoryview(b) for b in self._bufs]
         self._pending: list[Future[None] | None] = [None] * WRITE_DEPTH
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpcdist-dio")
+        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="hpcdist-dio")
         self._cur = self._fill = self._size = self._sent = 0
 
     def write(self, data: Any) -> int:
@@ -163,7 +167,7 @@ class DirectReader:
         self._views = [memoryview(b) for b in self._bufs]
         self._held: list[int] = [-1] * READ_DEPTH  # the chunk each buffer holds or is being read into
         self._pending: list[Future[int] | None] = [None] * READ_DEPTH
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hpcdist-dio")
+        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="hpcdist-dio")
         self._pos = 0
 
     def _pread(self, slot: int, k: int) -> int:

@@ -9,9 +9,11 @@ checkpoint back to back (the disk is shared with other jobs: a ratio compares li
 the median of the repeats' ratios. Each yardstick brackets what it measures, once before and once after (the
 speed is the bytes of both over their total time): a virtual or shared disk changes speed from second to second.
 
-1. ``dd if=/dev/zero bs=64M conv=fdatasync`` of the checkpoint's size: the disk's sequential write speed.
+1. ``dd if=/dev/zero bs=64M conv=fdatasync`` of the checkpoint's size: the disk's sequential write speed through
+   the page cache (the issue's yardstick), and the same with ``oflag=direct``, past it.
 2. Sync save (``CheckpointManager.save``, DCP + manifest with sha256 of every file + marker) of the real trainer
-   state after one step (model + AdamW moments + RNG + trainer state): throughput vs dd (goal >= 80%). The
+   state after one step (model + AdamW moments + RNG + trainer state): throughput vs dd (goal >= 80%, against the
+   faster of the two dd runs in each repeat; the ratio to the buffered one alone is shown too). The
    shards are hashed while they are written; the table also shows what a read-back hash would cost.
 3. Async save, in the loop's order: ``save()``, then the next training step (forward and backward, the staging
    fence, the optimizer step). What blocks the loop: the ``save()`` call plus the fence's wait for the staging
@@ -20,8 +22,9 @@ speed is the bytes of both over their total time): a virtual or shared disk chan
    checkpoint process), and that step's time against a step without a save: on a CPU-only machine the copy and
    the checkpoint process share the cores with the step (on a GPU node the copy is the device's DMA engine).
 4. Load: ``CheckpointManager.restore`` with verification on (the default, sha256 taken while the shards are read),
-   page cache dropped, vs a sequential read of the same files, page cache dropped, 16 MiB at a time into one
-   buffer (goal >= 80%); and the same load with ``verify=none``, to show what the hashing costs.
+   page cache dropped, vs a sequential read of the same files, page cache dropped: 16 MiB at a time into one
+   buffer, and ``dd iflag=direct bs=64M`` (goal >= 80% of the faster of the two in each repeat); and the same load
+   with ``verify=none``, to show what the hashing costs.
 5. Two ranks (gloo, fork-started, DDP): one sync save, and how many bytes each rank hashed for the manifest.
 6. From those, the predicted save and load times of the 13B ZeRO-3 flagship checkpoint (configs/train_13b.yaml) on
    4 nodes, for a parallel file system of ``--fs-gbps`` GB/s per node, against the 2-minute target, and the
@@ -50,7 +53,11 @@ thread of its own, and read with ``readinto`` straight into the model's tensor, 
 (``HashingReader``). Left: sha256 itself (~1.7 GB/s per core idle here, ~0.2-0.4 under a load of 15-20) bounds a
 verified load when the disk is faster than the cores can hash. Issue 28 round 4: the staging copy runs in the
 background beside the next step's forward and backward; the loop waits for it only before its optimizer step
-(``CheckpointManager.staging_fence``).
+(``CheckpointManager.staging_fence``). Issue 28 round 5: the shards are written and read past the page cache
+(``hpcdist.directio``, ``O_DIRECT``). On this VM a buffered write or read cost about 1 CPU-s of kernel time per GB
+(``dd conv=fdatasync`` of 4.2 GB: 4.4-10.5 s of system time; ``oflag=direct``: 0.5 s), as much as the sha256 beside
+it: the 350m save was CPU-bound at 0.69-0.97 of dd and the verified load at 0.77-0.97 of a read, and the step after an
+async save took 2.4-2.7x a plain one. With direct I/O: 0.84 of the faster dd, 0.98 of the faster read, 1.27x.
 
 Numbers go to stdout as a table and to ``--json``. Timing goals are reported, never enforced.
 """
@@ -134,12 +141,14 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def dd_write(directory: Path, nbytes: int) -> float:
-    """Seconds for dd to write ``nbytes`` (rounded up to 64 MiB blocks) and fdatasync them; returns GB/s."""
+def dd_write(directory: Path, nbytes: int, *, direct: bool = False) -> float:
+    """dd writing ``nbytes`` (rounded up to 64 MiB blocks) and fdatasyncing them, through the page cache or
+    (``direct``) past it with ``oflag=direct``; returns GB/s."""
     target, count = directory / "dd.bin", max(1, math.ceil(nbytes / (64 << 20)))
+    flags = ["oflag=direct"] if direct else []
     t0 = time.perf_counter()
     subprocess.run(
-        ["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={count}", "conv=fdatasync"],
+        ["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={count}", "conv=fdatasync", *flags],
         check=True,
         capture_output=True,
     )
@@ -162,18 +171,29 @@ def hash_seconds(path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def seq_read_seconds(path: Path) -> float:
-    """Seconds to read every file of ``path`` once, in order, 16 MiB at a time (page cache dropped first): the
-    disk's sequential read speed for these very files, the load's yardstick."""
+def seq_read_seconds(path: Path, *, direct: bool = False) -> float:
+    """Seconds to read every file of ``path`` once, in order (page cache dropped first): the disk's sequential read
+    speed for these very files, the load's yardstick. Buffered: 16 MiB at a time into one buffer; ``direct``:
+    ``dd iflag=direct bs=64M``, past the page cache."""
     drop_page_cache(path.rglob("*"))
     buf = bytearray(16 << 20)
     t0 = time.perf_counter()
     for f in sorted(path.rglob("*")):
-        if f.is_file():
-            with open(f, "rb", buffering=0) as fh:
-                while fh.readinto(buf):
-                    pass
+        if not f.is_file():
+            continue
+        if direct and f.stat().st_size >= 1 << 20:  # (small files: O_DIRECT reads them no faster)
+            subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=64M", "iflag=direct"], check=True, capture_output=True)
+            continue
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
     return time.perf_counter() - t0
+
+
+def faster(a: list[float], b: list[float], *, seconds: bool) -> list[float]:
+    """Per repeat, the better of two yardsticks (the lower time or the higher speed): the goals are met against
+    the disk's best way of moving these bytes, buffered or direct, whichever was faster in that repeat."""
+    return [min(x, y) if seconds else max(x, y) for x, y in zip(a, b, strict=True)]
 
 
 def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
@@ -204,6 +224,7 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
     out["staging_alloc_s"] = asyn.prepare_staging(state.dcp_state)
     keys = (
         "dd_gbps",
+        "dd_direct_gbps",
         "sync_save_s",
         "hash_s",
         "async_save_call_s",
@@ -213,7 +234,9 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
         "plain_step_s",
         "save_step_s",
         "read_s",
+        "read_direct_s",
         "read_noverify_s",
+        "read_noverify_direct_s",
         "load_s",
         "load_noverify_s",
     )
@@ -222,12 +245,13 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
     size = 0
     size = ckpt_mod.staging_bytes(state.dcp_state())  # the checkpoint's size, near enough, until one is written
     for r in range(repeats):
-        dd_before = dd_write(root, size)
+        dd_before, direct_before = dd_write(root, size), dd_write(root, size, direct=True)
         t0 = time.perf_counter()
         path = sync.save(10 + r, state)
         out["sync_save_s"].append(time.perf_counter() - t0)
         assert path is not None and (path / ckpt_mod.MARKER).is_file()
         size = dir_bytes(path)
+        out["dd_direct_gbps"].append(bracket(direct_before, dd_write(root, size, direct=True)))
         out["dd_gbps"].append(bracket(dd_before, dd_write(root, size)))
         out["hash_s"].append(hash_seconds(path))  # what a read-back manifest would cost (page cache warm)
 
@@ -245,15 +269,16 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
         assert asyn.wait()
         out["async_complete_s"].append(time.perf_counter() - t0)
 
-        read_before = seq_read_seconds(path)
+        read_before, direct_before_s = seq_read_seconds(path), seq_read_seconds(path, direct=True)
         drop_page_cache(path.rglob("*"))  # a load then reads the disk
         loader = CheckpointManager(root / "sync", rank=0, world_size=1, keep_last=1, write_threads=threads)
         t0 = time.perf_counter()
         loaded = loader.restore("auto", state)  # verify=checksum, the default
         out["load_s"].append(time.perf_counter() - t0)
         assert loaded == path
-        read_between = seq_read_seconds(path)
+        direct_between, read_between = seq_read_seconds(path, direct=True), seq_read_seconds(path)
         out["read_s"].append((read_before + read_between) / 2)
+        out["read_direct_s"].append((direct_before_s + direct_between) / 2)
         drop_page_cache(path.rglob("*"))  # the same load without verification: what the sha256 costs
         loader = CheckpointManager(
             root / "sync", rank=0, world_size=1, keep_last=1, write_threads=threads, verify="none"
@@ -262,6 +287,7 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
         assert loader.restore("auto", state) == path
         out["load_noverify_s"].append(time.perf_counter() - t0)
         out["read_noverify_s"].append((read_between + seq_read_seconds(path)) / 2)
+        out["read_noverify_direct_s"].append((direct_between + seq_read_seconds(path, direct=True)) / 2)
     out["state_bytes"] = size
     asyn.close()
     return out
@@ -423,10 +449,14 @@ def main(argv: list[str] | None = None) -> int:
 
     size = one["state_bytes"]
     med = statistics.median
-    dd = med(one["dd_gbps"])
-    sync_ratio = med(size / s / GB / d for s, d in zip(one["sync_save_s"], one["dd_gbps"], strict=True))
+    dd, dd_direct = med(one["dd_gbps"]), med(one["dd_direct_gbps"])
+    disk = faster(one["dd_gbps"], one["dd_direct_gbps"], seconds=False)
+    sync_ratio = med(size / s / GB / d for s, d in zip(one["sync_save_s"], disk, strict=True))
+    sync_buffered = med(size / s / GB / d for s, d in zip(one["sync_save_s"], one["dd_gbps"], strict=True))
     block_ratio = med(b / s for b, s in zip(one["async_blocking_s"], one["sync_save_s"], strict=True))
-    load_ratio = med(r / t for r, t in zip(one["read_s"], one["load_s"], strict=True))
+    read = faster(one["read_s"], one["read_direct_s"], seconds=True)
+    load_ratio = med(r / t for r, t in zip(read, one["load_s"], strict=True))
+    load_buffered = med(r / t for r, t in zip(one["read_s"], one["load_s"], strict=True))
     sync_s, hash_s, blocking = med(one["sync_save_s"]), med(one["hash_s"]), med(one["async_blocking_s"])
     hash_gbps = size / hash_s / GB
     where = args.dir or tempfile.gettempdir()
@@ -438,9 +468,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'quantity':<58} {'value':>12}  note")
     print("-" * 100)
-    print(row("dd bs=64M conv=fdatasync (GB/s)", dd, "the disk, same size, same directory"))
+    print(row("dd bs=64M conv=fdatasync (GB/s)", dd, "the disk through the page cache, same size, same directory"))
+    print(row("dd bs=64M conv=fdatasync oflag=direct (GB/s)", dd_direct, "the disk past the page cache"))
     print(row("sync save (s)", sync_s, "DCP + sha256 manifest (hashed while writing) + marker"))
-    print(row("  sync save / dd", sync_ratio, f"goal >= 0.80: {'PASS' if sync_ratio >= 0.8 else 'FAIL'}"))
+    print(row("  sync save / dd through the page cache", sync_buffered, "the issue's yardstick"))
+    print(
+        row(
+            "  sync save / the faster dd",
+            sync_ratio,
+            f"goal >= 0.80: {'PASS' if sync_ratio >= 0.8 else 'FAIL'} (per repeat, the faster of the two)",
+        )
+    )
     print(row("  a read-back sha256 of every file would add (s)", hash_s, f"{hash_gbps:.2f} GB/s on one core"))
     print(row("async save: staging buffers allocated, once (s)", one["staging_alloc_s"], "after step 1, no save"))
     print(row("async save: the save() call (s)", med(one["async_save_call_s"])))
@@ -456,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         row("sequential read of the files, cold (s)", med(one["read_s"]), f"{size / med(one['read_s']) / GB:.2f} GB/s")
     )
+    direct_s = med(one["read_direct_s"])
+    print(row("sequential read, dd iflag=direct, cold (s)", direct_s, f"{size / direct_s / GB:.2f} GB/s"))
     print(
         row(
             "load, verify ON: sha256 while DCP reads, cold (s)",
@@ -463,10 +503,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{size / med(one['load_s']) / GB:.2f} GB/s",
         )
     )
-    print(row("  load / sequential read", load_ratio, f"goal >= 0.80: {'PASS' if load_ratio >= 0.8 else 'FAIL'}"))
-    noverify_ratio = med(r / t for r, t in zip(one["read_noverify_s"], one["load_noverify_s"], strict=True))
+    print(row("  load / sequential read through the page cache", load_buffered, "the issue's yardstick"))
+    print(
+        row(
+            "  load / the faster sequential read",
+            load_ratio,
+            f"goal >= 0.80: {'PASS' if load_ratio >= 0.8 else 'FAIL'} (per repeat, the faster of the two)",
+        )
+    )
+    read_nv = faster(one["read_noverify_s"], one["read_noverify_direct_s"], seconds=True)
+    noverify_ratio = med(r / t for r, t in zip(read_nv, one["load_noverify_s"], strict=True))
     print(row("load, verify off (checkpoint.verify=none), cold (s)", med(one["load_noverify_s"]), "for comparison"))
-    print(row("  load (verify off) / sequential read", noverify_ratio))
+    print(row("  load (verify off) / the faster sequential read", noverify_ratio))
     if two:
         print(row("2 ranks (DDP): sync save (s)", max(t["save_s"] for t in two)))
         for r, t in enumerate(two):
