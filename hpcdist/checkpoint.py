@@ -1261,14 +1261,15 @@ class _HashingFileSystem(FileSystem):
         self.written: dict[str, dict[str, Any]] = {}  # DCP's writer threads add to it: dict item set is atomic
 
     @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str, *, direct: bool = False) -> Iterator[Any]:
-        """``direct``: a shard, streamed past the page cache (:mod:`hpcdist.directio`; flush before fdatasync).
-        DCP's own files (``.metadata``, fsync'd by DCP through ``fileno``) go through a buffered file."""
+    def create_stream(self, path: str | os.PathLike, mode: str, *, size: int | None = None) -> Iterator[Any]:
+        """``size``: a shard of about that many bytes, streamed past the page cache when big enough
+        (:func:`hpcdist.directio.open_write`; flush before fdatasync). DCP's own files (``.metadata``, fsync'd by
+        DCP through ``fileno``) go through a buffered file."""
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with directio.open_write(path) if direct else open(path, mode) as raw:
+        with directio.open_write(path, size) if size is not None else open(path, mode) as raw:
             stream = _HashingFile(raw)
             try:
                 yield stream
@@ -1515,7 +1516,9 @@ def _write_raw_file(fs: Any, path: Any, key: str, items: list[Any], planner: Any
     in row-major order (``TENSOR_ENCODING``: its dtype and shape are DCP's metadata's; no torch.save record around
     it, so a load reads it straight into the model's tensor); fdatasync at the end. Returns DCP's WriteResults."""
     results = []
-    with fs.create_stream(path, "wb", direct=True) as stream:
+    tensors = [i.tensor_data for i in items if i.type != WriteItemType.BYTE_IO]
+    size = sum(math.prod(t.chunk.sizes) * t.properties.dtype.itemsize for t in tensors)
+    with fs.create_stream(path, "wb", size=size) as stream:
         for item in [i for i in items if i.type == WriteItemType.BYTE_IO]:
             offset, data = stream.tell(), planner.resolve_data(item).getbuffer()
             stream.write(data)

@@ -32,6 +32,9 @@ CHUNK = 32 << 20  # one request: deep enough for the device's queue (the kernel 
 WRITE_DEPTH = 3  # a writer's buffers: one filling, two in flight
 READ_DEPTH = 4  # a reader's: one being consumed, three read ahead (96 MiB)
 IO_THREADS = 2  # requests in flight per file
+# smaller files go through the page cache: its copy costs little there, and a small checkpoint read back soon after
+# its save (a test, a restart) is served from memory instead of the disk
+DIRECT_MIN = 64 << 20
 ALIGN = 4096  # a multiple of every logical block size (512 on virtio, 4096 on NVMe) and of the page size
 _GIL_FREE_COPY = 1 << 16  # copies this big go through torch, which releases the GIL; smaller ones are a slice
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file is buffered
@@ -72,8 +75,10 @@ class DirectWriter:
     ``flush`` writes the tail and waits for every request (call it before fdatasync). A failed request (ENOSPC,
     EIO) is raised by the next ``write`` or ``flush`` that reuses its buffer, at the latest by ``flush``."""
 
-    def __init__(self, fd: int, direct: bool):
-        self._fd, self.direct = fd, direct
+    direct = True
+
+    def __init__(self, fd: int):
+        self._fd = fd
         self._bufs = _buffers(WRITE_DEPTH)
         self._views = [memoryview(b) for b in self._bufs]
         self._pending: list[Future[None] | None] = [None] * WRITE_DEPTH
@@ -247,26 +252,32 @@ class DirectReader:
         self.close()
 
 
-def open_write(path: str | os.PathLike[str]) -> DirectWriter:
-    """A new file at ``path`` (an existing one truncated; mode 0666 minus the umask, as ``open(path, "wb")``),
-    written direct where its file system allows it, else buffered."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-    if _O_DIRECT:
+def open_write(path: str | os.PathLike[str], size: int) -> DirectWriter | BinaryIO:
+    """A new file at ``path`` (an existing one truncated; mode 0666 minus the umask, as ``open(path, "wb")``) for
+    about ``size`` bytes: a :class:`DirectWriter` when that is ``DIRECT_MIN`` or more and the file system allows
+    ``O_DIRECT``, else the plain buffered file."""
+    if _O_DIRECT and size >= DIRECT_MIN:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT
         try:
-            return DirectWriter(os.open(path, flags | _O_DIRECT, 0o666), True)
+            return DirectWriter(os.open(path, flags, 0o666))
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-    return DirectWriter(os.open(path, flags, 0o666), False)
+    return open(path, "wb")
 
 
 def open_read(path: str | os.PathLike[str]) -> DirectReader | BinaryIO:
-    """``path`` for reading: a :class:`DirectReader` where its file system allows ``O_DIRECT``, else the plain
-    unbuffered file (the page cache's own read-ahead serves it)."""
+    """``path`` for reading: a :class:`DirectReader` when it has ``DIRECT_MIN`` bytes or more and its file system
+    allows ``O_DIRECT``, else the plain unbuffered file (the page cache's own read-ahead serves it)."""
     if _O_DIRECT:
         try:
-            return DirectReader(os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT))
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
+        else:
+            if os.fstat(fd).st_size >= DIRECT_MIN:
+                return DirectReader(fd)
+            _drop_direct(fd)
+            return os.fdopen(fd, "rb", buffering=0)
     return open(path, "rb", buffering=0)

@@ -71,8 +71,8 @@ def test_written_and_read_bytes_equal_a_buffered_files_at_any_length_read_and_se
     try:
         data = _pattern(2 * CHUNK + CHUNK // 2 + 4097)
         path = base / "f"
-        with directio.open_write(path) as w:
-            assert w.direct == (_direct_ok(base))
+        with directio.open_write(path, len(data)) as w:
+            assert isinstance(w, directio.DirectWriter) == _direct_ok(base)
             pieces = [3, 5000, CHUNK - 5003, 2 * CHUNK + 1, len(data)]
             start = 0
             for end in pieces:
@@ -80,6 +80,13 @@ def test_written_and_read_bytes_equal_a_buffered_files_at_any_length_read_and_se
                 start = end
             assert w.tell() == len(data)
         assert path.read_bytes() == data
+
+        small = base / "small"
+        with directio.open_write(small, 100) as w:
+            assert not isinstance(w, directio.DirectWriter)  # under DIRECT_MIN: the page cache's
+            w.write(data[:100])
+        with directio.open_read(small) as r:
+            assert not isinstance(r, directio.DirectReader) and r.read() == data[:100]
 
         r = directio.open_read(path)
         with r:
@@ -110,7 +117,8 @@ def test_a_failed_write_request_is_raised_not_lost(tmp_path: Path) -> None:
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (2 * CHUNK, limits[1]))
     try:
-        w = directio.open_write(tmp_path / "big")
+        w = directio.open_write(tmp_path / "big", 5 * CHUNK)
+        assert isinstance(w, directio.DirectWriter) == _direct_ok(tmp_path)
         with pytest.raises(OSError) as raised:
             for _ in range(5):
                 w.write(bytes(CHUNK))
@@ -124,13 +132,14 @@ def test_a_failed_write_request_is_raised_not_lost(tmp_path: Path) -> None:
 
 
 def test_a_save_and_a_load_leave_the_shards_out_of_the_page_cache(tmp_path: Path) -> None:
-    """The shards are written and read direct: after the save (which fdatasyncs them) and after a verified load,
-    none of their pages is in the page cache. A buffered save leaves every page there."""
+    """A big shard is written and read direct: after the save (which fdatasyncs it) and after a verified load, none
+    of its pages is in the page cache (a buffered save left every page there). A small one (under DIRECT_MIN) goes
+    through the page cache, where a load soon after finds it."""
     if not _direct_ok(tmp_path):
         pytest.skip(f"{tmp_path}'s file system takes no O_DIRECT: its shards are written buffered (same bytes)")
     g = torch.Generator().manual_seed(0)
     saved = {
-        "model": {"w": torch.randn(3 * CHUNK // 4 // 4 + 13, generator=g)},
+        "model": {"w": torch.randn(directio.DIRECT_MIN // 4 + 13, generator=g)},
         "optim": {"m": torch.randn(999, generator=g)},
     }
     state = Checkpointable(
@@ -139,11 +148,11 @@ def test_a_save_and_a_load_leave_the_shards_out_of_the_page_cache(tmp_path: Path
         trainer_state=lambda: {"step": 1},
         load_trainer_state=lambda s: None,
     )
-    path = CheckpointManager(tmp_path, rank=0, world_size=1).save(1, state)
+    path = CheckpointManager(tmp_path, rank=0, world_size=1, write_threads=2).save(1, state)
     assert path is not None
-    shards = sorted(path.glob("*.distcp"))
-    assert shards and sum(p.stat().st_size for p in shards) > CHUNK // 2
-    assert {p.name: _resident_pages(p) for p in shards} == {p.name: 0 for p in shards}
+    small, big = sorted(path.glob("*.distcp"), key=lambda p: p.stat().st_size)  # a file per write thread
+    assert big.stat().st_size > directio.DIRECT_MIN > small.stat().st_size
+    assert _resident_pages(big) == 0 and _resident_pages(small) > 0
 
     dest = {"model": {"w": torch.zeros_like(saved["model"]["w"])}, "optim": {"m": torch.zeros(999)}}
     state = Checkpointable(
@@ -152,6 +161,6 @@ def test_a_save_and_a_load_leave_the_shards_out_of_the_page_cache(tmp_path: Path
         trainer_state=lambda: {"step": 1},
         load_trainer_state=lambda s: None,
     )
-    assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", state) == path
+    assert CheckpointManager(tmp_path, rank=0, world_size=1, write_threads=2).restore("auto", state) == path
     assert torch.equal(dest["model"]["w"], saved["model"]["w"]) and torch.equal(dest["optim"]["m"], saved["optim"]["m"])
-    assert {p.name: _resident_pages(p) for p in shards} == {p.name: 0 for p in shards}
+    assert _resident_pages(big) == 0
