@@ -6,12 +6,13 @@ machine measured (tools/bench/checkpoint.py, ``dd conv=fdatasync`` against ``dd 
 one CPU-second per GB in the kernel, as much as hashing the same bytes, so on 2 cores a 4.2 GB save was CPU-bound
 below the disk's speed. Direct I/O moves the bytes by DMA from a few reused, page-aligned buffers (the one copy left
 is user space's, into or out of those buffers, at memory speed, with the GIL released), keeps the requests in flight
-on a thread of the file's own, and leaves the page cache to the job's other files. DeepSpeed's FastPersist writes
-its checkpoints the same way.
+on threads of the file's own, and leaves the page cache to the job's other files. DeepSpeed's DeepNVMe (libaio,
+under its FastPersist checkpoints) moves checkpoint bytes the same way, from aligned buffers with ``O_DIRECT``.
 
-Every request is whole ``CHUNK``s at chunk-aligned offsets; a written file's last chunk is padded to the alignment,
-then the file is truncated to its true size. A file system without ``O_DIRECT`` (tmpfs, ``/dev/shm``) refuses the
-flag at open, and the file is written or read buffered: the same bytes either way.
+Every request is a whole ``CHUNK`` at a chunk-aligned offset; a written file's last chunk is padded to the alignment,
+then the file is truncated to its true size. A file under ``DIRECT_MIN`` bytes goes through the page cache (its copy
+costs little). A file system without ``O_DIRECT`` (tmpfs on older kernels) refuses the flag at open, and the file is
+written or read buffered: the same bytes either way.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def _drop_direct(fd: int) -> None:
 
 
 class DirectWriter:
-    """A new file written in ``CHUNK`` requests from ``WRITE_DEPTH`` reused buffers, on a thread of its own:
+    """A new file written in ``CHUNK`` requests from ``WRITE_DEPTH`` reused buffers, on ``IO_THREADS`` threads of
+    its own:
     ``write`` copies into the current buffer and returns; a full buffer is written while the next one fills.
     ``flush`` writes the tail and waits for every request (call it before fdatasync). A failed request (ENOSPC,
     EIO) is raised by the next ``write`` or ``flush`` that reuses its buffer, at the latest by ``flush``."""
@@ -159,9 +161,9 @@ class DirectWriter:
 
 
 class DirectReader:
-    """A file read in ``CHUNK`` requests into ``READ_DEPTH`` reused buffers, the next chunks read ahead on a thread of
-    its own while ``readinto`` copies out of the current one. Reads and seeks anywhere (a seek out of the chunks in
-    hand starts over there); the file's size is taken at open (``size``)."""
+    """A file read in ``CHUNK`` requests into ``READ_DEPTH`` reused buffers, the next chunks read ahead on
+    ``IO_THREADS`` threads of its own while ``readinto`` copies out of the current one. Reads and seeks anywhere
+    (a seek out of the chunks in hand starts over there); the file's size is taken at open (``size``)."""
 
     direct = True
 

@@ -57,7 +57,9 @@ background beside the next step's forward and backward; the loop waits for it on
 (``hpcdist.directio``, ``O_DIRECT``). On this VM a buffered write or read cost about 1 CPU-s of kernel time per GB
 (``dd conv=fdatasync`` of 4.2 GB: 4.4-10.5 s of system time; ``oflag=direct``: 0.5 s), as much as the sha256 beside
 it: the 350m save was CPU-bound at 0.69-0.97 of dd and the verified load at 0.77-0.97 of a read, and the step after an
-async save took 2.4-2.7x a plain one. With direct I/O: 0.84 of the faster dd, 0.98 of the faster read, 1.27x.
+async save took 2.4-2.7x a plain one. With direct I/O (two runs): the save 1.6-2.1x dd through the page cache and
+0.73-0.84 of dd past it (2 cores hashing 4.2 GB: at 2.1 GB/s of disk, the sha256 is the limit again), the load
+1.2-1.4x a buffered read and 0.98-1.19 of the faster read, the step after an async save 1.3-1.6x.
 
 Numbers go to stdout as a table and to ``--json``. Timing goals are reported, never enforced.
 """
