@@ -11,17 +11,21 @@ under its FastPersist checkpoints) moves checkpoint bytes the same way, from ali
 
 Every request is a whole ``CHUNK`` at a chunk-aligned offset; a written file's last chunk is padded to the alignment,
 then the file is truncated to its true size. A file under ``DIRECT_MIN`` bytes goes through the page cache (its copy
-costs little). A file system without ``O_DIRECT`` (tmpfs on older kernels) refuses the flag at open, and the file is
-written or read buffered: the same bytes either way.
+costs little), and so does every file in memory (tmpfs, ramfs: ``/dev/shm``, where newer kernels take ``O_DIRECT``
+but copy through the page cache anyway: a bounce buffer would only add a copy). A file system without ``O_DIRECT``
+refuses the flag at open, and the file is written or read buffered: the same bytes either way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import mmap
 import os
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -63,6 +67,34 @@ def _free(views: list[memoryview], bufs: list[mmap.mmap]) -> None:
     for buf in bufs:
         with contextlib.suppress(BufferError):
             buf.close()
+
+
+_IN_MEMORY = {0x01021994, 0x858458F6}  # TMPFS_MAGIC, RAMFS_MAGIC (statfs f_type)
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def _in_memory(fd: int) -> bool:
+    """Whether ``fd``'s file system keeps its files in memory (statfs f_type: the first field, a C long)."""
+    buf = ctypes.create_string_buffer(512)  # struct statfs is 120 bytes on 64-bit Linux
+    if _libc.fstatfs(fd, buf) != 0:
+        return False
+    kind = int.from_bytes(buf.raw[: ctypes.sizeof(ctypes.c_long)], sys.byteorder, signed=True) & 0xFFFFFFFF
+    return kind in _IN_MEMORY
+
+
+def _direct_fd(path: str | os.PathLike[str], flags: int, mode: int = 0o666) -> int | None:
+    """``path`` opened with ``O_DIRECT``, or None where that moves the bytes no faster: a file system that refuses
+    the flag (EINVAL), or one in memory."""
+    try:
+        fd = os.open(path, flags | _O_DIRECT, mode)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return None
+    if _in_memory(fd):
+        os.close(fd)
+        return None
+    return fd
 
 
 def _drop_direct(fd: int) -> None:
@@ -259,27 +291,19 @@ def open_write(path: str | os.PathLike[str], size: int) -> DirectWriter | Binary
     about ``size`` bytes: a :class:`DirectWriter` when that is ``DIRECT_MIN`` or more and the file system allows
     ``O_DIRECT``, else the plain buffered file."""
     if _O_DIRECT and size >= DIRECT_MIN:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT
-        try:
-            return DirectWriter(os.open(path, flags, 0o666))
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
+        fd = _direct_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
+        if fd is not None:
+            return DirectWriter(fd)
     return open(path, "wb")
 
 
 def open_read(path: str | os.PathLike[str]) -> DirectReader | BinaryIO:
     """``path`` for reading: a :class:`DirectReader` when it has ``DIRECT_MIN`` bytes or more and its file system
     allows ``O_DIRECT``, else the plain unbuffered file (the page cache's own read-ahead serves it)."""
-    if _O_DIRECT:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-        else:
-            if os.fstat(fd).st_size >= DIRECT_MIN:
-                return DirectReader(fd)
-            _drop_direct(fd)
-            return os.fdopen(fd, "rb", buffering=0)
-    return open(path, "rb", buffering=0)
+    fd = _direct_fd(path, os.O_RDONLY | os.O_CLOEXEC) if _O_DIRECT else None
+    if fd is None:
+        return open(path, "rb", buffering=0)
+    if os.fstat(fd).st_size >= DIRECT_MIN:
+        return DirectReader(fd)
+    _drop_direct(fd)
+    return os.fdopen(fd, "rb", buffering=0)

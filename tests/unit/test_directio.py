@@ -24,7 +24,7 @@ CHUNK = directio.CHUNK
 
 
 def _direct_ok(directory: Path) -> bool:
-    """Whether ``directory``'s file system takes O_DIRECT (tmpfs does not)."""
+    """Whether ``directory``'s file system takes O_DIRECT and keeps its files on a disk (not tmpfs: /dev/shm)."""
     probe = directory / ".probe"
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600))
@@ -33,7 +33,7 @@ def _direct_ok(directory: Path) -> bool:
         return False
     finally:
         probe.unlink(missing_ok=True)
-    return hasattr(os, "O_DIRECT")
+    return hasattr(os, "O_DIRECT") and not str(directory).startswith("/dev/shm")
 
 
 def _resident_pages(path: Path) -> int:
