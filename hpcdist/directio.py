@@ -27,7 +27,7 @@ import mmap
 import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import torch
 
@@ -102,21 +102,59 @@ def _drop_direct(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
-class DirectWriter:
+_F = TypeVar("_F", bound="_ChunkedFile")
+
+
+class _ChunkedFile:
+    """What a direct writer and reader share: the file, ``depth`` reused page-aligned buffers, the threads their
+    requests run on, and the fallback to buffered I/O when a request is refused."""
+
+    def __init__(self, fd: int, depth: int):
+        self._fd, self.direct = fd, True
+        self._bufs = _buffers(depth)
+        self._views = [memoryview(b) for b in self._bufs]
+        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="hpcdist-dio")
+
+    def _request(self, call: Any, view: memoryview, offset: int) -> int:
+        """``call(fd, view, offset)`` (a pwrite or preadv); a file system that took ``O_DIRECT`` at open but refuses
+        the request (EINVAL) has the flag dropped, and the request runs again buffered."""
+        while True:
+            try:
+                return call(self._fd, view, offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                _drop_direct(self._fd)
+                self.direct = False
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def _release(self) -> None:
+        self._pool.shutdown(wait=True)
+        os.close(self._fd)
+        _free(self._views, self._bufs)
+
+    def close(self) -> None:
+        self._release()
+
+    def __enter__(self: _F) -> _F:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DirectWriter(_ChunkedFile):
     """A new file written in ``CHUNK`` requests from ``WRITE_DEPTH`` reused buffers, on ``IO_THREADS`` threads of
     its own:
     ``write`` copies into the current buffer and returns; a full buffer is written while the next one fills.
     ``flush`` writes the tail and waits for every request (call it before fdatasync). A failed request (ENOSPC,
     EIO) is raised by the next ``write`` or ``flush`` that reuses its buffer, at the latest by ``flush``."""
 
-    direct = True
-
     def __init__(self, fd: int):
-        self._fd = fd
-        self._bufs = _buffers(WRITE_DEPTH)
-        self._views = [memoryview(b) for b in self._bufs]
+        super().__init__(fd, WRITE_DEPTH)
         self._pending: list[Future[None] | None] = [None] * WRITE_DEPTH
-        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="hpcdist-dio")
         self._cur = self._fill = self._size = self._sent = 0
 
     def write(self, data: Any) -> int:
@@ -143,14 +181,7 @@ class DirectWriter:
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
         while len(view):
-            try:
-                n = os.pwrite(self._fd, view, offset)
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
-                    raise
-                _drop_direct(self._fd)
-                self.direct = False
-                continue
+            n = self._request(os.pwrite, view, offset)
             view, offset = view[n:], offset + n
 
     def _settle(self, i: int) -> None:
@@ -160,9 +191,6 @@ class DirectWriter:
 
     def tell(self) -> int:
         return self._size
-
-    def fileno(self) -> int:
-        return self._fd
 
     def flush(self) -> None:
         """Everything written so far is in the file (not yet on the disk: that is fdatasync's)."""
@@ -181,45 +209,25 @@ class DirectWriter:
         try:
             self.flush()
         finally:
-            self._pool.shutdown(wait=True)
-            os.close(self._fd)
-            _free(self._views, self._bufs)
-
-    def __enter__(self) -> DirectWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            self._release()
 
 
-class DirectReader:
+class DirectReader(_ChunkedFile):
     """A file read in ``CHUNK`` requests into ``READ_DEPTH`` reused buffers, the next chunks read ahead on
     ``IO_THREADS`` threads of its own while ``readinto`` copies out of the current one. Reads and seeks anywhere
     (a seek out of the chunks in hand starts over there); the file's size is taken at open (``size``)."""
 
-    direct = True
-
     def __init__(self, fd: int):
-        self._fd = fd
+        super().__init__(fd, READ_DEPTH)
         self.size = os.fstat(fd).st_size
-        self._bufs = _buffers(READ_DEPTH)
-        self._views = [memoryview(b) for b in self._bufs]
         self._held: list[int] = [-1] * READ_DEPTH  # the chunk each buffer holds or is being read into
         self._pending: list[Future[int] | None] = [None] * READ_DEPTH
-        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="hpcdist-dio")
         self._pos = 0
 
     def _pread(self, slot: int, k: int) -> int:
         view, got = self._views[slot], 0
         while got < CHUNK:
-            try:
-                n = os.preadv(self._fd, [view[got:]], k * CHUNK + got)
-            except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
-                    raise
-                _drop_direct(self._fd)
-                self.direct = False
-                continue
+            n = self._request(lambda fd, v, at: os.preadv(fd, [v], at), view[got:], k * CHUNK + got)
             if n == 0:  # the end of the file
                 break
             got += n
@@ -270,20 +278,6 @@ class DirectReader:
 
     def tell(self) -> int:
         return self._pos
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        os.close(self._fd)
-        _free(self._views, self._bufs)
-
-    def __enter__(self) -> DirectReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def open_write(path: str | os.PathLike[str], size: int) -> DirectWriter | BinaryIO:
