@@ -71,7 +71,7 @@ from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save (FACTS.md)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _OverlappingCpuLoader, _SerialCpuLoader, _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.elastic.utils.distributed import get_free_port
@@ -1464,12 +1464,13 @@ class HashingWriter(dcp.FileSystemWriter):
         :func:`_write_raw_file`: tensors as raw bytes (``TENSOR_ENCODING``), pickled items as DCP writes them."""
         results: queue.Queue = queue.Queue()
         errors: list[BaseException] = []  # a thread's failure fails the save (DCP's own threads dropped it)
+        copy = {"copy_ahead": self.per_thread_copy_ahead if self.thread_count == 1 else 0}
 
         def drain() -> None:
             try:
                 while not errors:
                     path, key, items = file_queue.get_nowait()
-                    results.put(_write_raw_file(self.fs, path, key, items, planner, sync=self.sync_files))
+                    results.put(_write_raw_file(self.fs, path, key, items, planner, sync=self.sync_files, **copy))
             except queue.Empty:
                 pass
             except Exception as e:  # ENOSPC, EIO: the caller raises it once every thread stopped
@@ -1511,10 +1512,16 @@ class HashingWriter(dcp.FileSystemWriter):
         return fut
 
 
-def _write_raw_file(fs: Any, path: Any, key: str, items: list[Any], planner: Any, *, sync: bool) -> list[Any]:
+def _write_raw_file(
+    fs: Any, path: Any, key: str, items: list[Any], planner: Any, *, sync: bool, copy_ahead: int = 0
+) -> list[Any]:
     """One shard file: the pickled (``BYTE_IO``) items as DCP writes them, then each tensor item as its raw bytes
     in row-major order (``TENSOR_ENCODING``: its dtype and shape are DCP's metadata's; no torch.save record around
-    it, so a load reads it straight into the model's tensor); fdatasync at the end. Returns DCP's WriteResults."""
+    it, so a load reads it straight into the model's tensor); fdatasync at the end. Returns DCP's WriteResults.
+
+    Device tensors (a GPU run's state saved synchronously) reach the file through a host copy, as in DCP's own
+    writer: with ``copy_ahead`` bytes, copied on a side stream ahead of the writing (DCP's overlapping loader, which
+    it too uses with one writer thread only); else one after another."""
     results = []
     tensors = [i.tensor_data for i in items if i.type != WriteItemType.BYTE_IO]
     size = sum(math.prod(t.chunk.sizes) * t.properties.dtype.itemsize for t in tensors)
@@ -1523,11 +1530,10 @@ def _write_raw_file(fs: Any, path: Any, key: str, items: list[Any], planner: Any
             offset, data = stream.tell(), planner.resolve_data(item).getbuffer()
             stream.write(data)
             results.append(WriteResult(item.index, len(data), _StorageInfo(key, offset, len(data))))
-        for item in [i for i in items if i.type != WriteItemType.BYTE_IO]:
-            tensor = planner.resolve_data(item).detach()
+        for item, tensor in _host_tensors([i for i in items if i.type != WriteItemType.BYTE_IO], planner, copy_ahead):
             props = item.tensor_data  # this rank's chunk of the tensor: the metadata's shape of these bytes
-            if tensor.device.type != "cpu" or list(tensor.size()) != list(props.chunk.sizes):
-                raise ValueError(f"{item.index.fqn}: {tensor.device} {list(tensor.size())}, planned {props.chunk}")
+            if list(tensor.size()) != list(props.chunk.sizes):
+                raise ValueError(f"{item.index.fqn}: {list(tensor.size())}, planned {props.chunk}")
             # the bytes must be the metadata's dtype: a load reads them as that (torch.save recorded its own)
             tensor = tensor.to(props.properties.dtype).contiguous()
             offset = stream.tell()
@@ -1538,6 +1544,31 @@ def _write_raw_file(fs: Any, path: Any, key: str, items: list[Any], planner: Any
         if sync:
             os.fdatasync(stream.fileno())
     return results
+
+
+def _host_tensors(items: list[Any], planner: Any, copy_ahead: int) -> Iterator[tuple[Any, torch.Tensor]]:
+    """(item, its tensor on the host) for each tensor item: host tensors as they are (no copy), device tensors
+    through DCP's own loaders, which bound what is copied ahead; the device ones come after the host ones."""
+    on_device: list[tuple[Any, torch.Tensor]] = []
+    for item in items:
+        tensor = planner.resolve_data(item).detach()
+        if tensor.device.type == "cpu":
+            yield item, tensor
+        else:
+            on_device.append((item, tensor))
+    if not on_device:
+        return
+    resolve = lambda pair: pair[1]  # noqa: E731  # the loaders' resolve function: tensors resolved above
+    loader = (
+        _OverlappingCpuLoader(resolve, inflight_threshhold=copy_ahead)
+        if copy_ahead > 0 and torch.cuda.is_available()
+        else _SerialCpuLoader(resolve)
+    )
+    for pair in on_device:
+        loader.add(pair[1].numel() * pair[1].element_size(), pair)
+    loader.start_loading()
+    for host, (item, _) in loader.values():
+        yield item, host
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:

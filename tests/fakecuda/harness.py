@@ -206,6 +206,11 @@ class _Factories(TorchFunctionMode):
             return fc._pin(args[0])
         if method == "is_pinned":
             return fc.is_pinned(args[0])
+        if method == "copy_" and any(isinstance(a, CudaLike) for a in args[:2]):
+            # the binding takes a C++ device guard too; a copy between devices is what CUDA allows
+            dst, src = args[0], args[1]
+            (dst._data if isinstance(dst, CudaLike) else dst).copy_(src._data if isinstance(src, CudaLike) else src)
+            return dst
         if method in ("__getitem__", "__setitem__") and isinstance(args[0], CudaLike):
             # torch's indexing binding takes a C++ device guard, which a CPU build has not for CUDA: index the data
             # (a view of it, so writes still reach the tensor) and check the devices as an indexing kernel would
