@@ -41,6 +41,7 @@ that fails is refused with one message (:class:`UntrustedCheckpoint`), never dem
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import hashlib
 import io
@@ -64,10 +65,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.cuda._pin_memory_utils as pin_memory_utils
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed._state_dict_utils import _create_cpu_state_dict
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save (FACTS.md)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -1287,10 +1289,10 @@ class _HashingFileSystem(FileSystem):
 class _Staging:
     """An async save's host copy of the state: allocated once (``prepare``, after the first optimizer step, outside
     any save; else by the first save) in shared memory, so the checkpoint process maps it without a copy (pinned on
-    CUDA, for fast device-to-host copies), and refilled by every later save. DCP's own helper allocates it, as its
-    BlockingAsyncStager does (it takes DTensors and ZeRO's ShardedTensors, which DCP's newer StateDictStager refuses);
-    the refill is ours: the tensors' pairs copied in chunks on ``threads`` threads (torch's copy_ releases the GIL;
-    DCP's _copy_state_dict copies one tensor after another on the calling thread: ~1 s per GB here).
+    CUDA, for fast device-to-host copies), and refilled by every later save. The allocation is ours
+    (:func:`_host_buffers`: one buffer per dtype, DTensors and ZeRO's ShardedTensors kept, nothing touched on the
+    device), and so is the refill: the tensors' pairs copied in chunks on ``threads`` threads (torch's copy_ releases
+    the GIL; DCP's _copy_state_dict copies one tensor after another on the calling thread: ~1 s per GB here).
 
     The refill runs in the background (``stage_async``): the training step after a save reads the state (forward,
     backward) but changes none of it until its optimizer step, so the copy overlaps that step's compute, as
@@ -1308,6 +1310,8 @@ class _Staging:
         self._stream: Any = None  # CUDA: the side stream the copies run on, made by the first CUDA refill
         self.threads = max(1, threads)
         self.allocate_seconds = 0.0  # the one-off allocation (and first fill) of the buffers
+        self._flats: list[torch.Tensor] = []  # the buffers themselves, one per dtype (pinned on CUDA until closed)
+        self._pinned = False
 
     @property
     def ready(self) -> bool:
@@ -1343,7 +1347,9 @@ class _Staging:
                 self._cache = None
         if staged is None or tasks is None:
             t0 = time.perf_counter()
-            self._cache = _create_cpu_state_dict(state, pin_memory=torch.cuda.is_available(), share_memory=True)
+            self._release()
+            self._pinned = torch.cuda.is_available()  # for fast device-to-host copies
+            self._cache, self._flats = _host_buffers(state, pin=self._pinned)
             staged, tasks = self._plan(state)
             fut = self._driver.submit(self._copy, tasks, staged, self._side_stream(tasks))
             fut.result()
@@ -1391,16 +1397,106 @@ class _Staging:
             stream.synchronize()  # the buffers hold the bytes before the checkpoint process reads them
         return staged
 
+    def _release(self) -> None:
+        """Drop the buffers (unpinned first: a later allocation may reuse the pages)."""
+        if self._pinned:
+            for flat in self._flats:
+                pin_memory_utils.unpin_memory(flat.data_ptr())
+        self._flats, self._cache, self._pinned = [], None, False
+
     def close(self) -> None:
         self._driver.shutdown(wait=True)
         self._pool.shutdown(wait=True)
-        self._cache = None
+        self._release()
 
 
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> None:
+    if stream is not None:
+        # this thread's own current device first: torch.cuda.stream's exit makes the device current that was current
+        # at its entry, device 0 in a new thread, and a context there costs every rank but rank 0 of a node memory
+        torch.cuda.set_device(stream.device)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         for src, dst in pairs:
             dst.copy_(src, non_blocking=stream is not None)
+
+
+_ALIGN = 64  # bytes: each staged tensor starts on a cache line of its buffer
+
+
+def _host_buffers(state: dict[str, Any], *, pin: bool) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The staging copy's host memory for ``state``: one shared-memory buffer per dtype, pinned once when ``pin``,
+    and ``state``'s structure with each tensor's local data a view into it; returns (structure, buffers).
+
+    A few buffers, not one per tensor: each shared-memory buffer holds a file descriptor for its life, and a 13B
+    ZeRO-3 shard has over a thousand tensors, past the soft ``ulimit -n`` of 1024 a job inherits. Nothing is read
+    from or allocated on the device here (DCP's own ``_create_cpu_state_dict`` deep-copies a ShardedTensor whose
+    device reads as cpu, its GPU shards with it). DTensors and ShardedTensors keep their layout, on the host."""
+    sizes: dict[torch.dtype, int] = {}
+
+    def reserve(t: torch.Tensor) -> tuple[torch.dtype, int, torch.Size]:
+        align = max(1, _ALIGN // t.element_size())
+        start = -(-sizes.get(t.dtype, 0) // align) * align
+        sizes[t.dtype] = start + t.numel()
+        return t.dtype, start, t.size()
+
+    plan = _walk_local(state, reserve)
+    flats: dict[torch.dtype, torch.Tensor] = {}
+    for dtype, n in sizes.items():
+        flat = torch.empty(max(1, n), dtype=dtype).share_memory_()
+        if pin:
+            pin_memory_utils.pin_memory(flat.data_ptr(), flat.numel() * flat.element_size())
+        flats[dtype] = flat
+
+    def view(slot: tuple[torch.dtype, int, torch.Size]) -> torch.Tensor:
+        dtype, start, shape = slot
+        return flats[dtype][start : start + math.prod(shape)].view(shape)
+
+    return _rebuild(state, plan, view), list(flats.values())
+
+
+def _walk_local(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj``'s structure with ``fn`` applied to each tensor's local data (a ShardedTensor's shards, a DTensor's
+    local tensor, a plain tensor); other values as they are."""
+    if hasattr(obj, "local_shards"):
+        return [fn(shard.tensor) for shard in obj.local_shards()]
+    if isinstance(obj, torch.Tensor):
+        return fn(obj.to_local() if hasattr(obj, "to_local") else obj)
+    if isinstance(obj, dict):
+        return {k: _walk_local(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_walk_local(v, fn) for v in obj]
+    return None
+
+
+def _rebuild(obj: Any, plan: Any, view: Callable[[Any], torch.Tensor]) -> Any:
+    """``obj`` with each tensor's local data replaced by ``view(slot)`` (``plan``: ``_walk_local``'s slots)."""
+    if hasattr(obj, "local_shards"):
+        if not obj.local_shards():
+            return obj
+        shards = []
+        for shard, slot in zip(obj.local_shards(), plan, strict=True):
+            meta = copy.deepcopy(shard.metadata)
+            if meta.placement is not None:
+                meta.placement._device = torch.device("cpu")
+            shards.append(Shard(view(slot), meta))
+        global_meta = copy.deepcopy(obj.metadata())
+        global_meta.tensor_properties.pin_memory = bool(shards) and shards[0].tensor.is_pinned()
+        for meta in global_meta.shards_metadata:
+            if meta.placement is not None:
+                meta.placement._device = torch.device("cpu")
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, sharded_tensor_metadata=global_meta, process_group=obj._process_group
+        )
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "to_local"):
+            return type(obj)(view(plan), obj._spec, requires_grad=False)  # a DTensor: same mesh and placements
+        return view(plan)
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, plan[k], view) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [_rebuild(v, p, view) for v, p in zip(obj, plan, strict=True)]
+        return tuple(out) if isinstance(obj, tuple) else out
+    return obj
 
 
 def _pair_tensors(src: Any, dst: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import sys
 from collections.abc import Sequence
 from typing import Protocol
@@ -81,6 +82,7 @@ def train(
     exception is recorded in <run.dir>/failures.jsonl (who failed, where, why: the batch script's failure policy,
     hpcdist.launch.restarts, reads it) and raised again."""
     setup_logging(env.rank, level=cfg.run.log_level)
+    raise_open_file_limit()
     if facts is None:
         facts = plan_rank(cfg, env)
     elif facts.env is not env:
@@ -119,6 +121,26 @@ def train(
         if trainer is not None:
             trainer.goodput.flush()
         raise
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open files (RLIMIT_NOFILE) to its hard limit; returns (before, after).
+
+    A job inherits the login shell's soft limit, often 1024, and a rank holds many descriptors at once: its
+    dataset's memory-mapped shards, sockets to every peer of its process groups, the shared memory its checkpoint
+    process maps, the checkpoint's files while they are written. The hard limit is what the site allows; going up
+    to it needs no privilege."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as e:  # a container may refuse: the soft limit stays, said once
+            log.warning("could not raise the open-file limit (ulimit -n %d, hard %d): %s", soft, hard, e)
+            return soft, soft
+        log.info("open-file limit raised to the hard limit: ulimit -n %d -> %d", soft, target)
+        return soft, target
+    return soft, soft
 
 
 def _save_failed(cfg: JobConfig, env: DistEnv, result: TrainResult) -> None:

@@ -85,6 +85,9 @@ class CudaLike(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"CudaLike({self._data!r}, device='{self.device}')"
 
+    def __deepcopy__(self, memo: dict) -> CudaLike:  # a copy on the same device, as a CUDA tensor's
+        return CudaLike(self._data.clone(), self.device, self._fc)
+
     def __reduce_ex__(self, protocol: Any) -> Any:  # a pickle would otherwise write the wrapper's empty storage
         raise TypeError("a CUDA tensor cannot be pickled without a CUDA runtime")
 
@@ -206,6 +209,8 @@ class _Factories(TorchFunctionMode):
             return fc._pin(args[0])
         if method == "is_pinned":
             return fc.is_pinned(args[0])
+        if method == "data_ptr" and isinstance(args[0], CudaLike):  # a device address, as a real tensor has one
+            return args[0]._data.data_ptr()
         if method == "copy_" and any(isinstance(a, CudaLike) for a in args[:2]):
             # the binding takes a C++ device guard too; a copy between devices is what CUDA allows
             dst, src = args[0], args[1]
@@ -269,6 +274,7 @@ class FakeCuda:
         self._peak: dict[int, int] = defaultdict(int)
         self._generators: dict[int, torch.Generator] = {}
         self._seed = 67280421310721
+        self.registered: dict[int, int] = {}  # cudaHostRegister'ed host ranges: address -> bytes
         self.ops: list[str] = []  # op names that ran on a fake CUDA tensor (tests look for fused kernels)
 
     # -- the runtime's thread state -------------------------------------------------------------------------------
@@ -359,8 +365,30 @@ class FakeCuda:
         self._pinned[key] = weakref.ref(t, lambda _: self._pinned.pop(key, None))
 
     def is_pinned(self, t: torch.Tensor) -> bool:
+        """Pinned by the caching host allocator (``pin_memory``) or inside a range given to ``cudaHostRegister``."""
+        if isinstance(t, CudaLike):
+            return False
         ref = self._pinned.get(id(t))
-        return not isinstance(t, CudaLike) and ref is not None and ref() is t
+        if ref is not None and ref() is t:
+            return True
+        ptr = t.data_ptr()
+        return any(start <= ptr < start + size for start, size in self.registered.items()) if t.numel() else False
+
+    def _cudart(self) -> Any:
+        """torch.cuda.cudart()'s host-memory registration (what torch's _pin_memory_utils calls)."""
+        fc = self
+
+        class _Cudart:
+            @staticmethod
+            def cudaHostRegister(ptr: int, size: int, flags: int) -> int:
+                fc.registered[int(ptr)] = int(size)
+                return 0
+
+            @staticmethod
+            def cudaHostUnregister(ptr: int) -> int:
+                return 0 if fc.registered.pop(int(ptr), None) is not None else 712  # cudaErrorHostMemoryNotRegistered
+
+        return _Cudart()
 
     # -- random numbers ---------------------------------------------------------------------------------------------
 
@@ -420,8 +448,12 @@ class FakeCuda:
             return x
 
         a, k = tree_map(unwrap, args), tree_map(unwrap, kwargs)
-        if "device" in k and k["device"] is not None:
+        if k.get("device") is not None:  # an explicit device: the output goes there
+            target = torch.device(kwargs["device"])
             k["device"] = torch.device("cpu")
+            if target.type == "cpu":
+                return func(*a, **k)
+            device = self._device(target)
         seeded = torch.Tag.nondeterministic_seeded in func.tags and k.get("generator") is None
         if seeded and any(arg.name == "generator" for arg in func._schema.arguments):
             k["generator"] = self.generator(device.index)
@@ -587,6 +619,7 @@ def install(fc: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]
             "reset_peak_memory_stats": lambda device=None: fc.reset_peak(device),
             "mem_get_info": lambda device=None: (fc.memory - fc.allocated(device), fc.memory),
             "empty_cache": lambda: None,
+            "cudart": fc._cudart,
             "get_device_properties": lambda device=None: props,
             "get_device_capability": lambda device=None: fc.capability,
             "get_device_name": lambda device=None: fc.name,

@@ -180,13 +180,13 @@ def test_staging_buffers_are_allocated_before_the_first_async_save(
     under load for 125m). ``prepare_staging`` allocates them beforehand (the trainer calls it after its first
     optimizer step): the save then allocates nothing, and what it wrote is the state."""
     allocations: list[int] = []
-    real = checkpoint._create_cpu_state_dict
+    real = checkpoint._host_buffers
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         allocations.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "_create_cpu_state_dict", counting)
+    monkeypatch.setattr(checkpoint, "_host_buffers", counting)
     saved = _tensors(6)
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, async_save=True)
     try:
