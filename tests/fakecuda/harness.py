@@ -634,6 +634,15 @@ def install(fc: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]
     monkeypatch.setattr(torch.__future__, "_overwrite_module_params_on_conversion", True)
     _ACTIVE = fc
     mode = _Factories(fc)
+    # a torch function mode holds for the thread that entered it: threads started from here on enter it too (a
+    # prefetch thread's .to("cuda"), a staging pool's factories)
+    run = threading.Thread.run
+
+    def run_in_mode(self: threading.Thread) -> None:
+        with mode:
+            run(self)
+
+    monkeypatch.setattr(threading.Thread, "run", run_in_mode)
     try:
         with mode:
             yield fc

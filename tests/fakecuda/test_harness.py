@@ -40,9 +40,11 @@ def test_each_thread_has_its_own_current_device_and_contexts_are_recorded(fake_c
     torch.cuda.set_device(3)
     stream = torch.cuda.Stream(device="cuda:3")
     seen: list[int] = []
+    made: list[torch.Tensor] = []
 
     def work() -> None:
         seen.append(torch.cuda.current_device())
+        made.append(torch.ones(2).to("cuda", non_blocking=True))  # factories work in other threads too
         with torch.cuda.stream(stream):  # torch's own StreamContext: restores device 0's stream on exit
             pass
 
@@ -50,6 +52,7 @@ def test_each_thread_has_its_own_current_device_and_contexts_are_recorded(fake_c
     t.start()
     t.join()
     assert seen == [0]  # a new thread starts on device 0, as in CUDA
+    assert made[0].is_cuda and made[0].device.index == 0
     assert fake_cuda.contexts["worker"] == {0, 3}
     assert torch.cuda.current_device() == 3 and torch.empty(2, device="cuda").device.index == 3
 
