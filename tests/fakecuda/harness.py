@@ -18,7 +18,8 @@ every NCCL group would otherwise only ever run on a GPU. :class:`FakeCuda` stand
 * memory: live bytes and the peak per device (``torch.cuda.memory_allocated`` / ``max_memory_allocated``).
 
 What cannot run: autograd. Its engine asks the C++ CUDA device guard, which a CPU build lacks (the process aborts),
-so tests here run forward passes under ``torch.no_grad()`` and give gradients by hand.
+so gradients are off while the harness is installed (in every thread it starts too): tests run forward passes and
+give gradients by hand.
 
 :func:`fake_nccl` registers ``fakenccl``, torch's fake process group for ``cuda`` tensors only: a CPU tensor on such a
 group raises torch's own "No backend type associated with device type cpu", as on an NCCL-only group, and
@@ -639,12 +640,14 @@ def install(fc: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]
     run = threading.Thread.run
 
     def run_in_mode(self: threading.Thread) -> None:
-        with mode:
+        with mode, torch.no_grad():
             run(self)
 
     monkeypatch.setattr(threading.Thread, "run", run_in_mode)
     try:
-        with mode:
+        # autograd would record any op on a CUDA tensor that requires grad (a Parameter's .cpu()), and its engine
+        # aborts the process on a CUDA device in a CPU build: gradients stay off while the harness is in place
+        with mode, torch.no_grad():
             yield fc
     finally:
         _ACTIVE = None

@@ -155,3 +155,27 @@ def test_async_staging_threads_keep_to_the_ranks_device(monkeypatch: pytest.Monk
         stager.stage(state)  # the refill path too
         threads = {n: d for n, d in fc.contexts.items() if n.startswith("hpcdist-stage")}
         assert threads and all(d == {3} for d in threads.values()), dict(fc.contexts)
+
+
+def test_the_node_local_tier_saves_and_restores_cuda_state(fake_cuda: FakeCuda, tmp_path: Path) -> None:
+    """The node-local tier saves synchronously through the same writer: a GPU run's state goes to the node's disk
+    and comes back exact, RNG states included."""
+    from hpcdist.checkpoint_local import LocalTier, open_local_dir
+
+    cfg = {"run": {"dir": str(tmp_path / "run"), "seed": 0}, "model": {"dim": 8}, "data": {}, "parallel": {}}
+
+    def holder(w: torch.nn.Linear, step: list[int]) -> Checkpointable:
+        return Checkpointable(
+            dcp_state=lambda: {"model": w.state_dict()},
+            load_dcp_state=lambda d: w.load_state_dict(d["model"]),
+            trainer_state=lambda: {"step": step[0], "config": cfg},
+            load_trainer_state=lambda s: step.__setitem__(0, s["step"]),
+        )
+
+    tier = LocalTier(open_local_dir(tmp_path / "local"), rank=0, world_size=1, hosts=["a"], keep=2)
+    saved = torch.nn.Linear(8, 4).to("cuda")
+    assert tier.save(2, holder(saved, [2]))
+    fresh, step = torch.nn.Linear(8, 4).to("cuda"), [0]
+    assert tier.restore(holder(fresh, step), shared_step=None) is not None and step == [2]
+    assert fresh.weight.is_cuda and torch.equal(fresh.weight.cpu(), saved.weight.cpu())
+    assert torch.equal(fresh.bias.cpu(), saved.bias.cpu())
