@@ -312,6 +312,13 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Compute the RoPE buffer on ``device``: a function of the arguments alone (no random numbers are drawn)."""
+        self.rope_cache = precompute_rope(
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=torch.device(device)
+        )
+
+    @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """(Re)initialize every parameter present and recompute the RoPE buffer.
 
@@ -320,10 +327,7 @@ class Transformer(nn.Module):
         tok_embeddings / norm / output set to None. ``buffer_device`` places the RoPE buffer (default: where
         it already lives).
         """
-        device = buffer_device if buffer_device is not None else self.rope_cache.device
-        self.rope_cache = precompute_rope(
-            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=torch.device(device)
-        )
+        self.init_buffers(buffer_device if buffer_device is not None else self.rope_cache.device)
         std = self.args.init_std
         # Residual-branch outputs (wo, w2) are scaled down so the residual stream's variance does not grow
         # with depth (GPT-2 / Megatron scheme): 2 such outputs per layer.

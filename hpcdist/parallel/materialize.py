@@ -1,23 +1,21 @@
 """The one materializer: real storage and the single-process initialization for a model parallelized on meta.
 
-Every layout starts from the same weights for the same ``run.seed``, so a DDP run, an FSDP run, a 3d run and one
-process are comparable step by step (the equivalence tests rely on it):
+Every layout starts from the same weights for the same ``run.seed`` on any device, so one process, a DDP run, a ZeRO
+run, an FSDP run and a 3d run are comparable step by step (the equivalence tests rely on it): the weights are drawn
+once, on the host, from the CPU generator seeded with ``run.seed`` (one unsharded copy, built with the model's own
+``init_weights``), never on the device. A device's generator is another stream of numbers (CUDA's Philox is not the
+CPU's Mersenne Twister), and ``init_weights`` on a shard would draw each shard's numbers independently.
 
-* nothing sharded or split (one process, DDP, ZeRO): each rank initializes its whole model in place with the seed
-  (every rank draws the same numbers; DDP's constructor broadcast is then a no-op in value);
-* sharded (FSDP / HSDP / TP DTensors) or split into pipeline stages: ``init_weights`` on a shard would draw each
-  shard's numbers independently, so rank 0 initializes one unsharded copy on the host with the very code and RNG
-  sequence of the in-place path, broadcasts it one tensor at a time (the other ranks never hold the whole model)
-  and every rank keeps its slice. Cost: one full fp32 model in rank 0's host memory while this runs.
-
-Either way each rank's RNG ends where the in-place path leaves it.
+Rank 0 draws; the copy reaches every rank one tensor at a time (a broadcast on the rank's device; the other ranks
+never hold the whole model on the host) and every rank keeps what it holds of it: the whole tensor (one process,
+DDP, ZeRO before DeepSpeed partitions it) or its slice (FSDP / HSDP / TP DTensors, pipeline stages). Cost: one full
+fp32 model in rank 0's host memory while this runs, and one broadcast of the model (DDP's constructor broadcast is
+then a no-op in value). Each rank's CPU RNG ends where drawing the copy left rank 0's.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -36,17 +34,11 @@ def materialize(parts: Sequence[nn.Module], *, reference: Transformer, device: t
 
     ``reference`` is the unsplit model (names, shapes, dtypes); it may be ``parts[0]`` itself when nothing is split,
     wrapped by activation checkpointing or compile (ZeRO's path): its names are read through ``clean_fqn``.
-    Collective when the layout shards or splits (every rank calls it); purely local otherwise.
+    Collective when a process group of several ranks exists (every rank calls it).
     """
-    if _whole_and_plain(parts, reference):
-        _init_in_place(parts[0], device=device, seed=seed)
-        return
     for part in parts:
         part.to_empty(device=device)
-        # the RoPE buffer; the random draws on shards are discarded (overwritten below, RNG restored)
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-            part.init_weights(buffer_device=device)  # type: ignore[operator]
+        part.init_buffers(device)  # type: ignore[operator]  # the RoPE table: computed, not drawn
         part.tie_weights()  # type: ignore[operator]
     mine: dict[str, torch.Tensor] = {}
     for part in parts:
@@ -55,15 +47,7 @@ def materialize(parts: Sequence[nn.Module], *, reference: Transformer, device: t
 
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     is_src = not distributed or dist.get_rank() == 0
-    torch.manual_seed(seed)
-    full: dict[str, torch.Tensor] = {}
-    if is_src:
-        with torch.device("meta"):
-            ref = Transformer(reference.args)
-        ref.to_empty(device="cpu")
-        ref.init_weights()  # draws from the RNG just seeded, like the in-place path
-        ref.tie_weights()
-        full = ref.state_dict()
+    full = _initial_weights(reference, seed) if is_src else {}
     for wrapped, meta in reference.state_dict().items():
         # torch.compile's wrapper keeps its '_orig_mod.' component in state_dict keys (checkpoint_wrapper drops its own)
         name = clean_fqn(wrapped)
@@ -82,23 +66,18 @@ def materialize(parts: Sequence[nn.Module], *, reference: Transformer, device: t
         else:
             p.copy_(value)
     if distributed:
-        state = [torch.get_rng_state() if is_src else None]
-        dist.broadcast_object_list(state, src=0)
-        torch.set_rng_state(cast(torch.Tensor, state[0]))
+        # the generator's state is a fixed-size byte tensor: one broadcast on the rank's device, no pickling
+        state = torch.get_rng_state().to(device)
+        dist.broadcast(state, src=0)
+        torch.set_rng_state(state.cpu())
 
 
-def _whole_and_plain(parts: Sequence[nn.Module], reference: nn.Module) -> bool:
-    """One part holding the whole model in plain tensors: every rank can initialize it alike with no broadcast.
-    The same answer on every rank (it depends on the layout only), so the collective branch is taken by all."""
-    if len(parts) != 1 or any(isinstance(p, DTensor) for p in parts[0].parameters()):
-        return False
-    names = {clean_fqn(n) for n, _ in reference.named_parameters()}
-    return {clean_fqn(n) for n, _ in parts[0].named_parameters()} == names
-
-
-def _init_in_place(model: nn.Module, *, device: torch.device, seed: int) -> None:
-    model.to_empty(device=device)
+def _initial_weights(reference: Transformer, seed: int) -> dict[str, torch.Tensor]:
+    """The unsharded model's initial weights for ``seed``, on the host: what every layout starts from."""
     torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device)  # type: ignore[operator]
-    model.tie_weights()  # type: ignore[operator]
+    with torch.device("meta"):
+        ref = Transformer(reference.args)
+    ref.to_empty(device="cpu")
+    ref.tie_weights()
+    ref.init_weights()  # draws from the CPU generator just seeded, in the model's fixed order
+    return ref.state_dict()

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import multiprocessing as mp
+import pickle
 import threading
+import traceback
 import types
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -45,7 +48,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-__all__ = ["CudaLike", "FakeCuda", "cuda_like", "fake_nccl", "install"]
+__all__ = ["CudaLike", "FakeCuda", "cuda_like", "fake_nccl", "fake_ranks", "install"]
 
 GiB = 1 << 30
 # the fake generator's seed offset: any fixed value makes its numbers differ from the CPU generator's for one seed
@@ -228,6 +231,11 @@ class _Factories(TorchFunctionMode):
                 fc._check_devices("index_put_", (args[0], value), {})
             args[0]._data[idx] = value._data if isinstance(value, CudaLike) else value
             return None
+        to_host = kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu"
+        if method.startswith("new_") and isinstance(args[0], CudaLike) and to_host:
+            # a CPU tensor made from a CUDA one's dtype (nn.init.trunc_normal_'s bounds): the binding would take a
+            # device guard for the CUDA self
+            return func(args[0]._data, *args[1:], **kwargs)
         self_plain = bool(args) and isinstance(args[0], torch.Tensor) and not isinstance(args[0], CudaLike)
         if func is torch.Tensor.cuda and self_plain:
             dev = args[1] if len(args) > 1 else kwargs.get("device")
@@ -244,7 +252,7 @@ class _Factories(TorchFunctionMode):
             kwargs["device"] = "cpu"
             target = fc._device(dev)
             out = fc._with_generator(func, args, kwargs, target)
-            return tree_map(lambda x: CudaLike(x, target, fc) if isinstance(x, torch.Tensor) else x, out)
+            return tree_map(lambda x: _on_device(x, target, fc) if isinstance(x, torch.Tensor) else x, out)
         out = func(*args, **kwargs)
         if pin and isinstance(out, torch.Tensor):
             fc._mark_pinned(out)
@@ -509,6 +517,19 @@ class FakeCuda:
         monkeypatch.setattr(dist, "new_group", new_group_)
 
 
+def _on_device(x: torch.Tensor, device: torch.device, fc: FakeCuda) -> torch.Tensor:
+    """A factory's CPU result as the tensor on ``device`` it stands for: a DTensor keeps its mesh and placements
+    around a CUDA local tensor (``to_empty`` of a model FSDP2 or TP sharded on meta)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        local = CudaLike(x._local_tensor, device, fc)
+        return DTensor.from_local(
+            local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
+        ).requires_grad_(x.requires_grad)
+    return CudaLike(x, device, fc)
+
+
 def _first_cuda(tree: Any) -> torch.device | None:
     found: list[torch.device] = []
 
@@ -651,3 +672,51 @@ def install(fc: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]
             yield fc
     finally:
         _ACTIVE = None
+
+
+def _fake_rank(rank: int, world: int, port: int, fn: Callable[..., Any], q: Any) -> None:
+    from hpcdist.env import destroy_process_group, from_environ
+    from tests.dist.harness import rank_environ
+
+    rank_environ(rank, world, port)
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        with install(FakeCuda(8), monkeypatch) as fc:
+            fc.nccl_is_fake(monkeypatch)
+            try:
+                q.put((rank, "ok", pickle.dumps(fn(from_environ(), fc))))
+            finally:
+                destroy_process_group()
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+    finally:
+        monkeypatch.undo()
+
+
+def fake_ranks(world: int, fn: Callable[[Any, FakeCuda], Any], *, timeout: float = 120) -> list[Any]:
+    """``[fn(env, fc) for each rank]`` on ``world`` fork-started ranks of one fake 8-GPU node: each its own
+    :class:`FakeCuda` with ``nccl`` meaning ``fakenccl`` and a torchrun environment, so ``from_environ`` gives it
+    ``cuda:<rank>`` and the ``nccl`` backend, as on a GPU node; ``fn`` joins the process group itself. CPU tensors
+    meet real gloo across the ranks; CUDA collectives are fakenccl's (they check devices and move no data). Raises
+    with the failing rank's traceback."""
+    from tests.dist.harness import free_port
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_fake_rank, args=(r, world, port, fn, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world):
+            rank, status, value = q.get(timeout=timeout)
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
