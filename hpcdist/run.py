@@ -12,6 +12,7 @@ imports nothing from hpcdist.launch, so launch's task may call it without an imp
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import resource
@@ -35,7 +36,7 @@ from hpcdist.planning import layouts as planner
 from hpcdist.rankfacts import RankFacts, rank_facts
 from hpcdist.trainer import Trainer, TrainResult
 
-__all__ = ["JobEnvironment", "main", "plan_rank", "train"]
+__all__ = ["JobEnvironment", "main", "plan_rank", "process_group_env", "train"]
 
 log = get_logger(__name__)
 
@@ -59,6 +60,19 @@ def _plan_layout(cfg: JobConfig, env: DistEnv) -> JobConfig:
     cfg, reason = planner.resolve_auto(cfg, env.world_size, cfg.parallel.auto_cluster)
     log.info("parallel.strategy=auto: %s", reason)
     return cfg
+
+
+def process_group_env(cfg: JobConfig, env: DistEnv) -> DistEnv:
+    """``env`` with the process-group backend ``cfg`` needs.
+
+    NCCL takes CUDA tensors only. With ``parallel.fsdp.cpu_offload`` the sharded parameters and gradients are CPU
+    DTensors, so the gradient norm's all-reduce and the non-finite skip's agreement run on CPU tensors, on the
+    default group and the mesh's groups alike: those need a CPU backend beside NCCL. torch's per-device backend
+    string gives the default group (and every group made from it without a backend) both, as torchtitan does for
+    its CPU offload; without offload NCCL alone, so no run pays for a second set of connections it never uses."""
+    if env.backend == "nccl" and cfg.parallel.fsdp.cpu_offload:
+        return dataclasses.replace(env, backend="cuda:nccl,cpu:gloo")
+    return env
 
 
 def plan_rank(cfg: JobConfig, env: DistEnv) -> RankFacts:
@@ -175,7 +189,7 @@ def main(
     # frozen ones are torn down with the interpreter as before.
     gc.freeze()
     cfg = config_mod.load(config_path, overrides)
-    env = from_environ()
+    env = process_group_env(cfg, from_environ())
     setup_logging(env.rank, level=cfg.run.log_level)
     # the job's size, the prepared data and auto, checked and resolved once, before any process group; handed down
     facts = plan_rank(cfg, env)

@@ -29,15 +29,26 @@ __all__ = ["materialize"]
 
 
 @torch.no_grad()
-def materialize(parts: Sequence[nn.Module], *, reference: Transformer, device: torch.device, seed: int) -> None:
+def materialize(
+    parts: Sequence[nn.Module],
+    *,
+    reference: Transformer,
+    device: torch.device,
+    seed: int,
+    param_device: torch.device | None = None,
+) -> None:
     """Allocate this rank's ``parts`` on ``device`` and give them the single-process init of ``seed``.
 
     ``reference`` is the unsplit model (names, shapes, dtypes); it may be ``parts[0]`` itself when nothing is split,
     wrapped by activation checkpointing or compile (ZeRO's path): its names are read through ``clean_fqn``.
+    ``param_device``: where the parameters live when not on ``device``: the host under FSDP2's CPU offload. FSDP2
+    keeps a parameter's DTensor and only swaps its local tensor to the host, so parameters allocated on the GPU
+    would still say ``cuda`` while their data and gradients are on the host (the first gradient is then refused:
+    "attempting to assign a gradient with device type 'cpu' to a tensor with device type 'cuda'").
     Collective when a process group of several ranks exists (every rank calls it).
     """
     for part in parts:
-        part.to_empty(device=device)
+        part.to_empty(device=param_device or device)
         part.init_buffers(device)  # type: ignore[operator]  # the RoPE table: computed, not drawn
         part.tie_weights()  # type: ignore[operator]
     mine: dict[str, torch.Tensor] = {}

@@ -169,7 +169,14 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
     stages = parallelize(
         cfg, model, dims, meshes, dims.coords(env.rank)["pp"], device=device, compile_blocks=cfg.train.compile
     )
-    materialize(stages.parts, reference=model, device=device, seed=cfg.run.seed)
+    offload = dims.fsdp_enabled and cfg.parallel.fsdp.cpu_offload
+    materialize(
+        stages.parts,
+        reference=model,
+        device=device,
+        seed=cfg.run.seed,
+        param_device=torch.device("cpu") if offload else None,
+    )
     common = {
         "device": device,
         "grad_accum": grad_accum_steps(cfg, dims.dp),
