@@ -136,11 +136,9 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_size=self.dims.dp,
         )
-        # the next batches are built while this step computes; pinned on CUDA for the strategy's non-blocking copy
+        # the next batches are built while this step computes (pinned on a GPU: the strategy's copy is non-blocking)
         self.loader: BatchLoader | PrefetchLoader = (
-            PrefetchLoader(loader, depth=cfg.data.prefetch, pin_memory=env.device == "cuda")
-            if cfg.data.prefetch
-            else loader
+            PrefetchLoader(loader, depth=cfg.data.prefetch, device=env.torch_device()) if cfg.data.prefetch else loader
         )
 
         args = cfg.model_args()

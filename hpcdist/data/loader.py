@@ -81,21 +81,25 @@ class PrefetchLoader:
     """A :class:`BatchLoader` whose next `depth` batches are built in a background thread (bounded queue).
 
     Building a batch (gathering windows from memory-mapped shards, ``np.stack``, pinning) then overlaps the previous
-    step's compute instead of adding to it. On CUDA the batches are pinned so the strategy's
-    ``batch.to(device, non_blocking=True)`` is an asynchronous copy. The thread draws exactly the batches the wrapped
-    loader would, in the same order, so the losses are bitwise those without prefetching.
+    step's compute instead of adding to it. For a CUDA ``device`` the batches are pinned so the strategy's
+    ``batch.to(device, non_blocking=True)`` is an asynchronous copy (from pageable memory it is a synchronous one),
+    and the thread makes ``device`` its current device first, as torch's DataLoader does in its pinning thread: a new
+    thread starts on device 0, where a rank bound to another GPU has no business. The thread draws exactly the
+    batches the wrapped loader would, in the same order, so the losses are bitwise those without prefetching.
 
     Exact resume: each queued batch carries the sampler state *after* it, and :meth:`state_dict` is the state after
     the last batch handed to the trainer: batches prefetched but not yet trained on are not counted as consumed, and a
     resumed run reads them again.
     """
 
-    def __init__(self, loader: BatchLoader, *, depth: int = 2, pin_memory: bool = False) -> None:
+    def __init__(self, loader: BatchLoader, *, depth: int = 2, device: torch.device | str = "cpu") -> None:
+        """``device``: where the strategy copies each batch (the rank's device); batches are pinned for CUDA."""
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self.loader = loader
         self.depth = depth
-        self.pin_memory = pin_memory
+        self.device = torch.device(device)
+        self.pin_memory = self.device.type == "cuda"
         self._state = loader.state_dict()  # after the last batch handed out
         self._last: list[int] = []
         self._queue: queue.Queue[tuple[Any, ...]] | None = None
@@ -117,6 +121,8 @@ class PrefetchLoader:
             return False
 
         try:
+            if self.pin_memory:
+                torch.cuda.set_device(self.device)
             while not stop.is_set():
                 batch = self.loader.next_batch()
                 if self.pin_memory:

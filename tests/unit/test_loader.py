@@ -74,6 +74,6 @@ def test_a_failing_batch_raises_in_the_training_thread() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 def test_batches_are_pinned_on_cuda() -> None:
-    pre = PrefetchLoader(_loader(), pin_memory=True)
+    pre = PrefetchLoader(_loader(), device="cuda")
     assert pre.next_batch().is_pinned()
     pre.close()
