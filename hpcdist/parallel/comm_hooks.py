@@ -3,7 +3,8 @@
 Every hook runs on a process group of its own (the same ranks as the default group), so the bytes it hands to
 ``dist.all_reduce`` can be told apart from every other collective: ``CommMeter`` counts them at runtime (the tensors
 actually passed: PowerSGD's P and Q matrices and its uncompressed rank-1 tensors, the bf16 copy of a bucket), and
-times each bucket from the hook's call to its future's completion. The counting wrapper of ``dist.all_reduce`` is
+times each bucket from the hook's call to its future's completion (GPU buckets with CUDA timing events, see
+``mark``). The counting wrapper of ``dist.all_reduce`` is
 installed only while a metered backward runs (``CommHook.counting``, entered by DDPStrategy.forward_backward: DDP
 waits for every bucket's future, PowerSGD's chained collectives included, before backward returns) and removed
 after it, so no other code of the process ever runs through it. Those are the ``comm_bytes_per_step`` and
@@ -21,7 +22,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -34,6 +35,24 @@ from hpcdist.logging_utils import get_logger
 log = get_logger(__name__)
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+Mark = float | torch.cuda.Event
+"""A point in time of a bucket's communication: host seconds (CPU buckets), or a CUDA event (GPU buckets)."""
+
+
+def mark(device: torch.device) -> Mark:
+    """Now, for a bucket on ``device``. On a GPU the host's clock says nothing about communication: NCCL enqueues
+    its kernels and returns, and its futures run their callbacks at once, so a host interval is the enqueueing
+    (about 0). A timing event recorded on the current stream of ``device`` instead marks when the GPU gets there:
+    in the hook, the stream on which the bucket's gradients are produced (the collective waits for it); in the
+    future's callback, the stream torch gives callbacks, which waits for the collective's end. On CPU (gloo) the
+    collective runs by the time its future completes: the host clock is the measure."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 class CommMeter:
@@ -49,22 +68,41 @@ class CommMeter:
         with self._lock:
             self.bytes += n
 
-    def add_span(self, start: float, end: float) -> None:
+    def add_span(self, start: Mark, end: Mark) -> None:
+        """One bucket in flight from ``start`` to ``end`` (two :func:`mark` of one device)."""
         with self._lock:
             self._spans.append((start, end))
 
     def take(self) -> tuple[int, float]:
         """(bytes, busy seconds) since the last call. Busy = the union of the buckets' in-flight intervals: buckets
-        queue behind each other on the group, so their sum would count the waiting twice."""
+        queue behind each other on the group, so their sum would count the waiting twice. GPU spans are read here,
+        once their events are complete (a wait for the last bucket's collective, long done when the step is over)."""
         with self._lock:
-            n, spans = self.bytes, sorted(self._spans)
+            n, marks = self.bytes, self._spans
             self.bytes, self._spans = 0, []
+        spans = sorted(_seconds(marks))
         busy, end = 0.0, float("-inf")
         for s, e in spans:
             if e > end:
                 busy += e - max(s, end)
                 end = e
         return n, busy
+
+
+def _seconds(spans: list[tuple[Mark, Mark]]) -> list[tuple[float, float]]:
+    """Spans of marks as seconds on one time line: host seconds as they are, events relative to the first event."""
+    events = [m for span in spans for m in span if not isinstance(m, float)]
+    if not events:
+        return cast(list[tuple[float, float]], spans)
+    for event in events:
+        event.synchronize()
+    origin = events[0]
+    return [
+        (s, e)
+        if isinstance(s, float) and isinstance(e, float)
+        else (origin.elapsed_time(s) / 1e3, origin.elapsed_time(e) / 1e3)
+        for s, e in spans
+    ]
 
 
 _COUNTING_LOCK = threading.Lock()
@@ -112,10 +150,11 @@ def timed(hook: Hook, meter: CommMeter) -> Hook:
     """The hook, with each bucket's call-to-completion interval recorded."""
 
     def wrapper(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        start = time.perf_counter()
+        device = bucket.buffer().device
+        start = mark(device)
 
         def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            meter.add_span(start, time.perf_counter())
+            meter.add_span(start, mark(device))
             return fut.value()
 
         return hook(state, bucket).then(done)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,41 @@ def test_fp16_loss_scaling_on_one_gpu(small_cfg, tmp_path: Path, strategy: str) 
     ref = [straight["losses"][s] for s in range(7, 13)]
     torch.testing.assert_close([resumed["losses"][s] for s in range(7, 13)], ref, rtol=2e-2, atol=0)
     assert resumed["scaler"] == straight["scaler"]
+
+
+def test_comm_hook_timing_is_gpu_time_under_nccl() -> None:
+    """A DDP bucket's communication under NCCL is timed on the GPU: a hook whose all-reduce waits behind a known
+    stretch of GPU work reads at least that long (the host's clock would read the enqueueing, about 0)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from hpcdist.parallel.comm_hooks import CommMeter, timed
+
+    torch.cuda.set_device(0)
+    cycles = 50_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    sleep_s = start.elapsed_time(end) / 1e3
+
+    def slow_allreduce(state, bucket):  # the collective is queued behind the sleep on the hook's stream
+        torch.cuda._sleep(cycles)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        meter = CommMeter(dist.group.WORLD)
+        hook = timed(slow_allreduce, meter)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64).cuda(), device_ids=[0])
+        model.register_comm_hook(None, lambda state, bucket: hook(dist.group.WORLD, bucket))
+        t0 = time.perf_counter()
+        model(torch.randn(8, 64, device="cuda")).sum().backward()
+        host_s = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        _, busy = meter.take()
+    finally:
+        dist.destroy_process_group()
+    print(f"comm busy {busy * 1e3:.2f} ms, GPU sleep {sleep_s * 1e3:.2f} ms, host backward {host_s * 1e3:.2f} ms")
+    assert busy >= 0.9 * sleep_s > 0
