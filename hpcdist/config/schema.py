@@ -104,8 +104,8 @@ class DataConfig:
     document_mask: bool = False
     """Attention never crosses an EOS inside a packed sample (block-causal) and RoPE positions restart at each
     document (hpcdist.models.llama). Needs data with an EOS id: stdlib, or files whose meta.json records eos_id (every
-    `hpcdist prepare` does); costs a (micro_batch, 1, seq_len, seq_len) mask per forward and, on GPU, the flash
-    kernel (docs/DATA.md)."""
+    `hpcdist prepare` does). model.document_attention says how: on a GPU (auto) FlexAttention with a block mask; on
+    CPU (or dense) a (micro_batch, 1, seq_len, seq_len) mask per forward and, on GPU, no flash kernel (docs/DATA.md)."""
 
 
 @dataclass

@@ -13,7 +13,15 @@ from typing import Any
 
 from hpcdist import resources, safe_yaml
 
-__all__ = ["MODEL_MAXIMA", "ModelArgs", "flops_per_token", "load_preset", "num_params", "preset_names"]
+__all__ = [
+    "DOCUMENT_ATTENTION",
+    "MODEL_MAXIMA",
+    "ModelArgs",
+    "flops_per_token",
+    "load_preset",
+    "num_params",
+    "preset_names",
+]
 
 
 # The largest value of each numeric field (and why), for a YAML model section (config.rules.MAXIMA spreads these as
@@ -30,6 +38,10 @@ MODEL_MAXIMA: dict[str, tuple[float, str]] = {
     "rope_theta": (1e12, ""),
     "init_std": (10.0, ""),
 }
+
+
+DOCUMENT_ATTENTION = ("auto", "dense", "flex")
+"""model.document_attention's choices (see the field)."""
 
 
 @dataclass
@@ -58,6 +70,11 @@ class ModelArgs:
     """Share the output head's weight with the token embedding table."""
     init_std: float = 0.02
     """Std of the normal init; wo and w2 use init_std / sqrt(2 * n_layers) (depth-scaled residual init)."""
+    document_attention: str = "auto"
+    """How attention keeps to each document under ``data.document_mask``: ``flex`` (FlexAttention with a block mask:
+    fully masked blocks are skipped, no (B, 1, S, S) tensor; compiled on a GPU), ``dense`` (SDPA with an additive
+    mask: trains on every device), ``auto`` (flex on CUDA, dense elsewhere: FlexAttention has no backward on CPU).
+    Both compute the same attention; no effect without document masking."""
 
     @property
     def head_dim(self) -> int:
@@ -82,6 +99,10 @@ class ModelArgs:
                 out.append(f"model.{name}={value!r}: must be a positive number")
         if not isinstance(self.tie_embeddings, bool):
             out.append(f"model.tie_embeddings={self.tie_embeddings!r}: must be true or false")
+        if self.document_attention not in DOCUMENT_ATTENTION:
+            out.append(
+                f"model.document_attention={self.document_attention!r}: must be one of {', '.join(DOCUMENT_ATTENTION)}"
+            )
         if out:  # the divisibility checks below need sane integers
             return out
         if self.dim % self.n_heads:

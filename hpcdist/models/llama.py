@@ -28,22 +28,29 @@ tokens (exactly: masked scores are -inf, whose softmax weight is 0.0). A pipelin
 sees token ids: the pipeline passes ``doc_ids`` (computed from the batch on every rank) as a keyword input to every
 stage. Nothing is added to the data format; off (``document_eos`` None) the code path is the plain causal one.
 
-Mechanism: SDPA with an additive float mask (0 / -inf, in the compute dtype), built once per forward and shared by
-every layer (each layer's saved-for-backward reference is the same tensor). Chosen over flex_attention's BlockMask
-because SDPA trains on CPU and GPU with every strategy here (DTensor TP, FSDP2, DeepSpeed, pipelining, activation
-checkpointing, per-block compile), while flex_attention cannot train on CPU in torch 2.13, eager or compiled ("does
-not support backward on CPU", tools/bench/document_mask.py). The price: a
-(B, 1, S, S) mask per micro-batch (S = 4096, B = 1, bf16: 32 MiB) and, on GPU, no flash kernel (SDPA falls back
-to the memory-efficient one, which takes a bias); the planner counts the mask's bytes (hpcdist.planning.memory).
+Mechanism (``model.document_attention``), built once per forward and shared by every layer:
+
+* ``flex`` (``auto`` on CUDA): FlexAttention with a document :class:`BlockMask` (torchtitan's way): blocks that no
+  query of a document may see are skipped, the mask is a few integers per 128 x 128 block instead of a (B, 1, S, S)
+  tensor, and the kernel is a fused one (flex_attention compiled once per process; a compiled block traces it in).
+* ``dense`` (``auto`` elsewhere): SDPA with an additive float mask (0 / -inf, in the compute dtype). It trains on
+  every device with every strategy here; flex_attention cannot train on CPU in torch 2.13 ("does not support
+  backward on CPU"), so the CPU path stays dense. Its price: a (B, 1, S, S) mask per micro-batch (S = 4096, B = 1,
+  bf16: 32 MiB) and, on GPU, no flash kernel (SDPA falls back to the memory-efficient one, which takes a bias).
+
+Both compute the same attention (masked scores weigh exactly 0 in either); flex runs forward-only on CPU, which is
+how the equivalence is tested there.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from hpcdist.models.args import ModelArgs  # torch-free, with its arithmetic and the presets (hpcdist.models.args)
 
@@ -57,6 +64,8 @@ __all__ = [
     "apply_rope",
     "block_causal_mask",
     "build_model",
+    "document_attention_kind",
+    "document_block_mask",
     "document_ids",
     "document_positions",
     "precompute_rope",
@@ -145,6 +154,40 @@ def block_causal_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return mask.masked_fill_(~allowed, float("-inf"))[:, None]  # (B, 1, S, S): broadcasts over heads
 
 
+def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+    """(B, S) document ids -> FlexAttention's block mask of the same rule as :func:`block_causal_mask` (query i sees
+    key j of its own document, j <= i), shared by every head. On CUDA it is built by a compiled kernel, which never
+    holds the (B, S, S) boolean mask the eager construction evaluates."""
+    bsz, seqlen = doc_ids.shape
+
+    def same_document_causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return (doc_ids[b, q] == doc_ids[b, kv]) & (kv <= q)
+
+    return create_block_mask(
+        same_document_causal, bsz, None, seqlen, seqlen, device=doc_ids.device, _compile=doc_ids.is_cuda
+    )
+
+
+_FLEX_COMPILED: list = []  # flex_attention compiled once per process (CUDA): eager flex is an unfused reference
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    if not q.is_cuda:  # CPU: the eager implementation (forward only in torch 2.13), unfused by choice
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q, k, v, block_mask=block_mask)
+    if not _FLEX_COMPILED:
+        _FLEX_COMPILED.append(torch.compile(flex_attention, dynamic=False))
+    return _FLEX_COMPILED[0](q, k, v, block_mask=block_mask)
+
+
+def document_attention_kind(choice: str, device: torch.device) -> str:
+    """model.document_attention resolved for ``device``: ``auto`` is flex on CUDA, dense elsewhere."""
+    if choice == "auto":
+        return "flex" if device.type == "cuda" else "dense"
+    return choice
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """(B, S, K, Hd) -> (B, S, K * n_rep, Hd); query head h reads kv head h // n_rep."""
     if n_rep == 1:
@@ -175,12 +218,13 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: torch.Tensor,
-        doc_mask: torch.Tensor | None = None,
+        doc_mask: torch.Tensor | BlockMask | None = None,
         cache: LayerKV | None = None,
         start_pos: int = 0,
     ) -> torch.Tensor:
         # x: (B, S, D); rope: (S, Hd/2, 2) for positions start_pos .. start_pos + S - 1, or (B, S, Hd/2, 2);
-        # doc_mask: None (causal) or (B, 1, S, S) additive block-causal mask (document masking, training only)
+        # doc_mask: None (causal), a (B, 1, S, S) additive block-causal mask or FlexAttention's BlockMask of the same
+        # rule (document masking, training only)
         bsz, seqlen, _ = x.shape
         # -1 = local head count, read off the (possibly TP-sharded) projection outputs.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, H, Hd)
@@ -189,6 +233,11 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         mask: torch.Tensor | None = None
         causal = True
+        if isinstance(doc_mask, BlockMask):
+            n_rep = q.shape[2] // k.shape[2]
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, S, H, Hd)
+            out = _flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc_mask)  # (B, H, S, Hd)
+            return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))  # (B, S, D)
         if doc_mask is not None:
             causal = False
             # the same dtype as q keeps SDPA from converting (copying) it; a no-op unless autocast changed q's dtype
@@ -257,7 +306,7 @@ class TransformerBlock(nn.Module):
         self,
         x: torch.Tensor,
         rope: torch.Tensor,
-        doc_mask: torch.Tensor | None = None,
+        doc_mask: torch.Tensor | BlockMask | None = None,
         cache: LayerKV | None = None,
         start_pos: int = 0,
     ) -> torch.Tensor:
@@ -375,15 +424,18 @@ class Transformer(nn.Module):
         if doc_ids is not None and cache is not None:
             raise ValueError("document masking is for training sequences; generation treats a prompt as one document")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, S, D)
-        doc_mask: torch.Tensor | None = None
+        doc_mask: torch.Tensor | BlockMask | None = None
         if doc_ids is None:
             rope = self.rope_cache[start_pos:end]  # (S, Hd/2, 2)
         else:
             rope = self.rope_cache[document_positions(doc_ids)]  # (B, S, Hd/2, 2): positions restart per document
-            # the dtype q will have: autocast's where it is on (the embedding's output stays float32 under it)
-            device_type = h.device.type
-            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
-            doc_mask = block_causal_mask(doc_ids, dtype)  # (B, 1, S, S), shared by every layer
+            if document_attention_kind(self.args.document_attention, doc_ids.device) == "flex":
+                doc_mask = document_block_mask(doc_ids)  # shared by every layer
+            else:
+                # the dtype q will have: autocast's where it is on (the embedding's output stays float32 under it)
+                device_type = h.device.type
+                dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
+                doc_mask = block_causal_mask(doc_ids, dtype)  # (B, 1, S, S), shared by every layer
         for name, layer in self.layers.items():
             # (B, S, D); training calls the block with (h, rope, mask), the TP plan's positional inputs
             h = layer(h, rope, doc_mask) if cache is None else layer(h, rope, None, cache.layers[name], start_pos)

@@ -156,3 +156,49 @@ def test_planner_counts_the_mask() -> None:
     table = plan_table(args, nodes=1, gpus_per_node=8, gpu_mem_gb=80, document_mask=True, **kw)
     assert "document mask (0.00 GiB per micro-batch" in table.splitlines()[0]
     assert "document mask" not in plan_table(args, nodes=1, gpus_per_node=8, gpu_mem_gb=80, **kw)
+
+
+@torch.no_grad()
+def test_flex_and_dense_document_attention_compute_the_same_logits_and_loss(model: torch.nn.Module) -> None:
+    """model.document_attention=flex (FlexAttention's block mask; eager and forward-only on CPU) against dense (SDPA
+    with the additive mask): several documents per row, at other places in each row, fp32. Tolerance 1e-5 absolute
+    on the logits (measured: a few 1e-7, the order of summation differs)."""
+    from hpcdist.models.llama import document_attention_kind, document_block_mask
+
+    tokens = _packed(3)
+    tokens[0, [6, 13, 31, 40]] = EOS  # row 0: six documents; row 1: three (CUT and these two)
+    tokens[1, [9, 44]] = EOS
+    doc_ids = document_ids(tokens, EOS)
+    block_mask = document_block_mask(doc_ids)  # its rule, evaluated at every (query, key): the dense mask's
+    b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(S), torch.arange(S), indexing="ij")
+    allowed = block_mask.mask_mod(b, torch.zeros_like(b), q, kv)
+    assert torch.equal(torch.where(allowed, 0.0, float("-inf"))[:, None], block_causal_mask(doc_ids, torch.float32))
+    targets = torch.roll(tokens, -1, dims=1)
+    model.document_eos = EOS
+    try:
+        out = {}
+        for kind in ("dense", "flex"):
+            model.args.document_attention = kind
+            out[kind] = model(tokens)
+    finally:
+        model.args.document_attention, model.document_eos = "auto", None
+    diff = (out["flex"] - out["dense"]).abs().max().item()
+    print(f"flex vs dense: max |logit difference| {diff:.2e}")
+    assert diff < 1e-5
+    loss = {k: torch.nn.functional.cross_entropy(v.flatten(0, 1), targets.flatten()).item() for k, v in out.items()}
+    assert loss["flex"] == pytest.approx(loss["dense"], abs=1e-6)
+    # the block mask's rule is the dense mask's: it is what the documents above needed (not plain causal attention)
+    model.document_eos = None
+    try:
+        causal = model(tokens)
+    finally:
+        model.document_eos = None
+    assert (causal - out["dense"]).abs().max().item() > 1e-3
+    assert document_attention_kind("auto", torch.device("cuda", 0)) == "flex"
+    assert document_attention_kind("auto", torch.device("cpu")) == "dense"
+
+
+def test_document_attention_choices_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"model\.document_attention='fused': must be one of auto, dense, flex"):
+        config_mod.load(None, ["model.document_attention=fused"])
+    assert config_mod.load(None, ["model.document_attention=flex"]).model_args().document_attention == "flex"
