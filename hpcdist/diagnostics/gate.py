@@ -1,17 +1,22 @@
-"""The health gate: can this node take part in the next attempt? (issue 27 item 3)
+"""The health gate: can this node take part in the next attempt?
 
 Run once per node before an attempt (``srun --ntasks-per-node=1 hpcdist health --json ...``, the in-job restart
-loop) or by hand on a node. Every check runs in its own thread under one deadline (``timeout_s``, 30 s by
-default): a wedged GPU, a hung ``nvidia-smi`` or a hung file system makes its check fail with "did not finish",
-never the gate hang. Each check answers ``ok``, ``fail: <why>`` or ``skipped: <why>`` (it cannot run here: no
-``nvidia-smi``, no InfiniBand expected); only a ``fail`` makes the node unhealthy.
+loop) or by hand on a node. Every check runs in its own thread under a deadline: the fast checks under
+``timeout_s`` (30 s by default), the device checks (gpus, matmul) under ``device_timeout_s`` (120 s), since they
+first import torch and start CUDA, which from a shared file system read by every node at once can take a minute.
+The two run side by side, so the gate ends within the larger of the two. A wedged GPU, a hung ``nvidia-smi`` or a
+hung file system makes its check fail with "did not finish", never the gate hang. Each check answers ``ok``,
+``fail: <why>`` or ``skipped: <why>`` (it cannot run here: no ``nvidia-smi``, no InfiniBand expected); only a
+``fail`` makes the node unhealthy.
 
-    gpus        visible CUDA devices >= the GPUs the job asked for on this node (``gpus``)
+    gpus        visible CUDA devices >= the GPUs the job asked for on this node (``gpus``; the attempt loop passes the
+                GPUs per node the job asked the scheduler for). A node with no NVIDIA driver at all fails at once
+                when ``gpus`` is given (the job was promised GPUs there) and skips both device checks when not
     matmul      the diagnostics' device check (hpcdist.diagnostics.health) on every visible GPU, on the CPU when
                 there is none
                 Both import torch (seconds of every attempt's start on every node), so they run only where there
-                is a GPU to test: a node with an NVIDIA driver (/proc/driver/nvidia/gpus), or when ``gpus`` is
-                given. A node without a driver and a job that asked for no GPU skips them, saying so.
+                is a GPU to test: a node with an NVIDIA driver (/proc/driver/nvidia/gpus). A node without a driver
+                and a job that asked for no GPU (a CPU partition) skips them, saying so.
     nvidia_smi  uncorrectable ECC errors (volatile), pending page retirement, pending row remapping and row
                 remapping failures, from ``nvidia-smi --query-gpu`` / ``--query-remapped-rows``
     xid         hardware Xid errors (GPU fell off the bus, double-bit ECC, NVLink, ...) of the last
@@ -51,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.errors import CommandError
-from hpcdist.fault.health import DEFAULT_TIMEOUT_S, record_unhealthy
+from hpcdist.fault.health import DEFAULT_DEVICE_TIMEOUT_S, DEFAULT_TIMEOUT_S, record_unhealthy
 
 __all__ = ["CHECKS", "NodeHealth", "check_node", "cmd_health"]
 
@@ -440,6 +445,7 @@ def check_node(
     min_free_gb: float = DEFAULT_MIN_FREE_GB,
     min_shm_gb: float = DEFAULT_MIN_SHM_GB,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    device_timeout_s: float = DEFAULT_DEVICE_TIMEOUT_S,
     nccl_profile: str | None = None,
     xid_window_s: float = DEFAULT_XID_WINDOW_S,
     skip: Sequence[str] = (),
@@ -449,8 +455,9 @@ def check_node(
     environ: Mapping[str, str] | None = None,
     host: str | None = None,
 ) -> NodeHealth:
-    """Run every check of CHECKS on this node at once, within ``timeout_s`` seconds in all; never raises for a
-    broken node (its checks fail). ``skip`` names checks not to run (``skipped: not asked``). ``nccl_profile``:
+    """Run every check of CHECKS on this node at once: the fast ones within ``timeout_s`` seconds, gpus and matmul
+    within ``device_timeout_s`` (torch import and CUDA start-up included); never raises for a broken node (its
+    checks fail). ``skip`` names checks not to run (``skipped: not asked``). ``nccl_profile``:
     the job's NCCL profile (HPCDIST_NCCL_PROFILE when None); tools are looked up on ``environ``'s PATH.
 
     Raises hpcdist.config.ConfigError for a profile name that does not exist (a usage error, not a sick node)."""
@@ -467,12 +474,14 @@ def check_node(
         raise ValueError(f"unknown check(s) {', '.join(unknown)}; the checks are {', '.join(CHECKS)}")
     path = env.get("PATH", os.defpath)
     deadline = start + timeout_s
+    device_deadline = start + device_timeout_s
 
     def tool_budget() -> float:
         return max(deadline - time.monotonic() - 0.5, 0.1)  # the tools end before the gate's own deadline
 
     results: dict[str, str] = {}
     jobs: dict[tuple[str, ...], Callable[[], None]] = {}
+    device_checks = ("gpus", "matmul")
 
     def single(name: str, fn: Callable[[], str]) -> None:
         jobs[(name,)] = lambda: results.__setitem__(name, fn())
@@ -482,11 +491,15 @@ def check_node(
     single("infiniband", lambda: _check_infiniband(profile, sysfs_root, env))
     single("run_dir", lambda: _check_run_dir(run_dir, min_free_gb))
     single("shm", lambda: _check_shm(shm_dir, min_shm_gb))
-    if gpus is None and nvidia_driver_gpus(proc_root) is None:  # nothing to test: no torch import (see above)
+    driver = nvidia_driver_gpus(proc_root)
+    if driver is None and not gpus:  # a CPU node and a job that asked for no GPU: nothing to test, no torch import
         results["gpus"] = "skipped: no --gpus given and no NVIDIA driver on this node"
         results["matmul"] = "skipped: no GPU on this node to test (no NVIDIA driver, no --gpus)"
+    elif driver is None:  # GPUs were asked for and the node cannot have one: no need for torch to tell
+        results["gpus"] = f"fail: no NVIDIA driver on this node (no driver/nvidia/gpus), {gpus} GPU(s) requested"
+        results["matmul"] = "skipped: no GPU to test (no NVIDIA driver on this node)"
     else:
-        jobs[("gpus", "matmul")] = lambda: _check_devices(gpus, results, matmul="matmul" not in skip)
+        jobs[device_checks] = lambda: _check_devices(gpus, results, matmul="matmul" not in skip)
 
     threads = []
     for names, job in jobs.items():
@@ -495,8 +508,8 @@ def check_node(
         thread = threading.Thread(target=_guarded, args=(names, job, results), name=f"health-{names[0]}", daemon=True)
         thread.start()  # daemon: a check stuck in the kernel (a wedged GPU, a hung NFS) never holds the exit
         threads.append((names, thread))
-    for _, thread in threads:
-        thread.join(max(deadline - time.monotonic(), 0.0))
+    for names, thread in sorted(threads, key=lambda t: t[0] == device_checks):  # the shorter deadlines first
+        thread.join(max((device_deadline if names == device_checks else deadline) - time.monotonic(), 0.0))
     done = dict(results)  # a check set its answer when it finished (gpus before the matmul that follows it)
     checks: dict[str, str] = {}
     for name in CHECKS:
@@ -504,8 +517,12 @@ def check_node(
             checks[name] = "skipped: not asked (--skip)"
         elif name in done:
             checks[name] = done[name]
+        elif name in device_checks:
+            checks[name] = (
+                f"fail: did not finish within {device_timeout_s:g} s (--device-timeout: torch import, CUDA start-up)"
+            )
         else:
-            checks[name] = f"fail: did not finish within {timeout_s:g} s (the whole gate's --timeout)"
+            checks[name] = f"fail: did not finish within {timeout_s:g} s (the fast checks' --timeout)"
     return NodeHealth(host or socket.gethostname(), checks, time.monotonic() - start)
 
 
@@ -542,6 +559,7 @@ def cmd_health(args: argparse.Namespace) -> int:
             min_free_gb=args.min_free_gb,
             min_shm_gb=args.min_shm_gb,
             timeout_s=args.timeout,
+            device_timeout_s=DEFAULT_DEVICE_TIMEOUT_S if args.device_timeout is None else args.device_timeout,
             nccl_profile=args.nccl_profile,
             xid_window_s=args.xid_hours * 3600,
             skip=skip,
