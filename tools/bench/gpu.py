@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ac", action="store_true", help="activation checkpointing (bigger micro-batches fit)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (train.compile)")
     p.add_argument("--peak", type=float, default=None, help="bf16 peak FLOP/s (default: hpcdist's table)")
     p.add_argument("--json", type=Path, default=Path("runs/bench/gpu.json"))
     return p
@@ -99,6 +100,7 @@ def bench(preset: str, micro: int, a: argparse.Namespace, peak: float) -> dict[s
                 f"train.micro_batch_size={micro}",
                 "train.dtype=bf16",
                 f"train.activation_checkpointing={str(a.ac).lower()}",
+                f"train.compile={str(a.compile).lower()}",
                 f"run.dir={tmp}",
                 "checkpoint.every_steps=0",
                 "checkpoint.save_final=false",
