@@ -10,8 +10,11 @@ hung file system makes its check fail with "did not finish", never the gate hang
 ``fail`` makes the node unhealthy.
 
     gpus        visible CUDA devices >= the GPUs the job asked for on this node (``gpus``; the attempt loop passes the
-                GPUs per node the job asked the scheduler for). A node with no NVIDIA driver at all fails at once
-                when ``gpus`` is given (the job was promised GPUs there) and skips both device checks when not
+                GPUs per node the job asked the scheduler for). A node with no NVIDIA driver loaded, given
+                ``gpus``: fails at once when it has NVIDIA device files (/dev/nvidia0...: a GPU node whose driver
+                is down, which an A100 user must not train on), is skipped when it has none either (the
+                scheduler's GPUs there are count-only or stand-ins, as on a CPU test cluster); without ``gpus``
+                both device checks are skipped
     matmul      the diagnostics' device check (hpcdist.diagnostics.health) on every visible GPU, on the CPU when
                 there is none
                 Both import torch (seconds of every attempt's start on every node), so they run only where there
@@ -45,6 +48,7 @@ import selectors
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -411,6 +415,18 @@ def nvidia_driver_gpus(proc_root: str | os.PathLike[str] = "/proc") -> int | Non
         return None
 
 
+def nvidia_device_files(dev_root: str | os.PathLike[str] = DEV) -> int:
+    """How many NVIDIA GPU device files (``nvidia0``, ``nvidia1``, ...: character devices) ``dev_root`` holds. A
+    GPU node has them even when its driver failed to load (SLURM's gres.conf names them, containers bind them);
+    a CPU node, or one whose scheduler declares stand-in GPUs elsewhere, has none."""
+    count = 0
+    for path in Path(dev_root).glob("nvidia[0-9]*"):
+        with contextlib.suppress(OSError):
+            if path.name[len("nvidia") :].isdigit() and stat.S_ISCHR(path.lstat().st_mode):
+                count += 1
+    return count
+
+
 def _check_devices(gpus: int | None, results: dict[str, str], *, matmul: bool = True) -> None:
     """gpus and matmul together: both need torch (imported here, inside the deadline: seconds on a busy node)."""
     import torch
@@ -452,6 +468,7 @@ def check_node(
     sysfs_root: str | os.PathLike[str] = "/sys",
     shm_dir: str | os.PathLike[str] = "/dev/shm",
     proc_root: str | os.PathLike[str] = "/proc",
+    dev_root: str | os.PathLike[str] = DEV,
     environ: Mapping[str, str] | None = None,
     host: str | None = None,
 ) -> NodeHealth:
@@ -495,9 +512,18 @@ def check_node(
     if driver is None and not gpus:  # a CPU node and a job that asked for no GPU: nothing to test, no torch import
         results["gpus"] = "skipped: no --gpus given and no NVIDIA driver on this node"
         results["matmul"] = "skipped: no GPU on this node to test (no NVIDIA driver, no --gpus)"
-    elif driver is None:  # GPUs were asked for and the node cannot have one: no need for torch to tell
-        results["gpus"] = f"fail: no NVIDIA driver on this node (no driver/nvidia/gpus), {gpus} GPU(s) requested"
+    elif driver is None and nvidia_device_files(dev_root):  # a GPU node whose driver is not loaded: no torch needed
+        results["gpus"] = (
+            f"fail: {dev_root}/nvidia* exist but no NVIDIA driver is loaded (no driver/nvidia/gpus), "
+            f"{gpus} GPU(s) requested"
+        )
         results["matmul"] = "skipped: no GPU to test (no NVIDIA driver on this node)"
+    elif driver is None:  # the scheduler's "GPUs" here are not NVIDIA GPUs (count-only or stand-in gres)
+        results["gpus"] = (
+            f"skipped: no NVIDIA driver and no {dev_root}/nvidia* device on this node ({gpus} GPU(s) requested: "
+            "the scheduler's GPUs here are not NVIDIA devices)"
+        )
+        results["matmul"] = "skipped: no GPU on this node to test (no NVIDIA driver)"
     else:
         jobs[device_checks] = lambda: _check_devices(gpus, results, matmul="matmul" not in skip)
 

@@ -293,13 +293,26 @@ def test_the_device_checks_have_their_own_bound_beyond_the_fast_checks(tmp_path:
 
 
 def test_gpus_asked_of_the_scheduler_on_a_node_without_a_driver_fail_without_importing_torch(tmp_path: Path) -> None:
-    """The attempt loop passes --gpus only when the job asked the scheduler for GPUs: then a node with no NVIDIA
-    driver at all is broken for this job (an A100 user asked for 8 and got none), and says so at once. Without
-    --gpus the same node is a CPU node: skipped (the test above the command section)."""
-    got = _gate_in_a_fresh_interpreter(proc_root=str(tmp_path), gpus=8)
+    """The attempt loop passes --gpus only when the job asked the scheduler for GPUs. A node with the NVIDIA device
+    files but no driver loaded is a GPU node that lost its driver: it fails at once, without torch. A node with
+    neither driver nor device files has no NVIDIA GPU at all (a CPU cluster with stand-in gres, like the SLURM
+    sandbox): its device checks are skipped, not failed, or every job there would end "too few healthy nodes"."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    os.mknod(dev / "nvidia0", stat.S_IFCHR | 0o600, os.makedev(195, 0))  # what the NVIDIA driver's nodes are
+    (dev / "nvidiactl-not-a-gpu").write_text("")
+    assert gate_mod.nvidia_device_files(dev) == 1
+    got = _gate_in_a_fresh_interpreter(proc_root=str(tmp_path), dev_root=str(dev), gpus=8)
     assert not got["ok"] and not got["torch"], got
-    assert got["gpus"] == "fail: no NVIDIA driver on this node (no driver/nvidia/gpus), 8 GPU(s) requested", got
+    assert got["gpus"] == (
+        f"fail: {dev}/nvidia* exist but no NVIDIA driver is loaded (no driver/nvidia/gpus), 8 GPU(s) requested"
+    ), got
     assert got["matmul"] == "skipped: no GPU to test (no NVIDIA driver on this node)", got
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    got = _gate_in_a_fresh_interpreter(proc_root=str(tmp_path), dev_root=str(bare), gpus=8)
+    assert got["ok"] and not got["torch"], got
+    assert got["gpus"].startswith(f"skipped: no NVIDIA driver and no {bare}/nvidia* device on this node"), got
 
 
 # ------------------------------------------------------------------------------------------------ command
