@@ -326,10 +326,17 @@ def test_async_staging_of_a_1_3b_state_holds_a_few_fds_and_nothing_on_the_device
     """The async save's host copy of a 1.3b model with AdamW's two moments (about 16 GB in fp32, hundreds of
     tensors): a few shared-memory buffers (one per dtype), not a file descriptor per tensor; no device memory
     allocated by the copy; the staged bytes are the device's, at least 12 bytes per parameter."""
+    import shutil
+
     from hpcdist import config as config_mod
     from hpcdist.checkpoint import _Staging, staging_bytes
     from hpcdist.models.llama import build_model
 
+    shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+    if shm_free < 20e9:  # the buffers are shared memory (the checkpoint process maps them): ~16 GB here
+        reason = f"/dev/shm has {shm_free / 1e9:.1f} GB free, the 1.3b staging buffers need ~16 GB"
+        print(f"SKIPPED: {reason}")
+        pytest.skip(reason)
     torch.manual_seed(0)
     model = build_model(config_mod.load(None, ["model.preset=1.3b"]).model_args(), device="cuda")
     state = {
