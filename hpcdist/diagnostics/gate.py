@@ -48,7 +48,6 @@ import selectors
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -356,7 +355,7 @@ def _check_infiniband(nccl_profile: str | None, sysfs_root: str | os.PathLike[st
         raise _Skip(f"the NCCL profile {nccl_profile} does not use InfiniBand")
     where = Path(sysfs_root) / "class" / "infiniband"
     ports = [p for p in ib_ports(sysfs_root) if p.infiniband]
-    if not ports and not any(DEV.glob("nvidia[0-9]*")):
+    if not ports and not nvidia_device_files(DEV):
         # no GPU device here: ranks talk gloo over TCP, NCCL (and the profile's InfiniBand) is never used
         raise _Skip(f"no InfiniBand port and no GPU device ({DEV}/nvidia*): NCCL does not run on this node")
     if not ports:
@@ -415,16 +414,14 @@ def nvidia_driver_gpus(proc_root: str | os.PathLike[str] = "/proc") -> int | Non
         return None
 
 
-def nvidia_device_files(dev_root: str | os.PathLike[str] = DEV) -> int:
-    """How many NVIDIA GPU device files (``nvidia0``, ``nvidia1``, ...: character devices) ``dev_root`` holds. A
-    GPU node has them even when its driver failed to load (SLURM's gres.conf names them, containers bind them);
-    a CPU node, or one whose scheduler declares stand-in GPUs elsewhere, has none."""
-    count = 0
-    for path in Path(dev_root).glob("nvidia[0-9]*"):
-        with contextlib.suppress(OSError):
-            if path.name[len("nvidia") :].isdigit() and stat.S_ISCHR(path.lstat().st_mode):
-                count += 1
-    return count
+def nvidia_device_files(dev_root: str | os.PathLike[str]) -> int:
+    """How many NVIDIA GPU device files (``nvidia0``, ``nvidia1``, ...) ``dev_root`` holds. A GPU node has them
+    even when its driver failed to load (SLURM's gres.conf names them, containers bind them); a CPU node, or one
+    whose scheduler declares stand-in GPUs elsewhere (the SLURM sandbox's live in its own directory), has none."""
+    try:
+        return sum(1 for p in Path(dev_root).glob("nvidia[0-9]*") if p.name[len("nvidia") :].isdigit())
+    except OSError:
+        return 0
 
 
 def _check_devices(gpus: int | None, results: dict[str, str], *, matmul: bool = True) -> None:
@@ -468,7 +465,7 @@ def check_node(
     sysfs_root: str | os.PathLike[str] = "/sys",
     shm_dir: str | os.PathLike[str] = "/dev/shm",
     proc_root: str | os.PathLike[str] = "/proc",
-    dev_root: str | os.PathLike[str] = DEV,
+    dev_root: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
     host: str | None = None,
 ) -> NodeHealth:
@@ -509,6 +506,7 @@ def check_node(
     single("run_dir", lambda: _check_run_dir(run_dir, min_free_gb))
     single("shm", lambda: _check_shm(shm_dir, min_shm_gb))
     driver = nvidia_driver_gpus(proc_root)
+    dev_root = DEV if dev_root is None else dev_root
     if driver is None and not gpus:  # a CPU node and a job that asked for no GPU: nothing to test, no torch import
         results["gpus"] = "skipped: no --gpus given and no NVIDIA driver on this node"
         results["matmul"] = "skipped: no GPU on this node to test (no NVIDIA driver, no --gpus)"

@@ -299,8 +299,8 @@ def test_gpus_asked_of_the_scheduler_on_a_node_without_a_driver_fail_without_imp
     sandbox): its device checks are skipped, not failed, or every job there would end "too few healthy nodes"."""
     dev = tmp_path / "dev"
     dev.mkdir()
-    os.mknod(dev / "nvidia0", stat.S_IFCHR | 0o600, os.makedev(195, 0))  # what the NVIDIA driver's nodes are
-    (dev / "nvidiactl-not-a-gpu").write_text("")
+    (dev / "nvidia0").touch()  # the device file of a GPU (its driver's character device on a real node)
+    (dev / "nvidiactl").touch()  # the driver's control device: not a GPU
     assert gate_mod.nvidia_device_files(dev) == 1
     got = _gate_in_a_fresh_interpreter(proc_root=str(tmp_path), dev_root=str(dev), gpus=8)
     assert not got["ok"] and not got["torch"], got
