@@ -532,7 +532,7 @@ def check_node(
         thread = threading.Thread(target=_guarded, args=(names, job, results), name=f"health-{names[0]}", daemon=True)
         thread.start()  # daemon: a check stuck in the kernel (a wedged GPU, a hung NFS) never holds the exit
         threads.append((names, thread))
-    for names, thread in sorted(threads, key=lambda t: t[0] == device_checks):  # the shorter deadlines first
+    for names, thread in threads:  # each against its own deadline: a finished check costs no wait
         thread.join(max((device_deadline if names == device_checks else deadline) - time.monotonic(), 0.0))
     done = dict(results)  # a check set its answer when it finished (gpus before the matmul that follows it)
     checks: dict[str, str] = {}
