@@ -237,7 +237,8 @@ def _add_health_parser(sub: argparse._SubParsersAction) -> None:
         description="The health gate (hpcdist.diagnostics.gate) on one node: visible GPUs vs --gpus, a short matmul on "
         "every GPU (on the CPU without one), uncorrectable ECC errors / pending page retirement / row remapping "
         "(nvidia-smi), hardware Xid errors (kernel log), InfiniBand ports ACTIVE when the NCCL profile uses IB, "
-        "--run-dir writable with free space, /dev/shm free space. All checks together end within --timeout. "
+        "--run-dir writable with free space, /dev/shm free space. The fast checks end within --timeout, the "
+        "device checks (torch import and CUDA start-up first) within --device-timeout. "
         "A check that cannot run here is skipped, never failed. Exit 0 healthy, 1 unhealthy, 2 bad arguments. "
         "On an allocation: srun --ntasks-per-node=1 hpcdist health --json --gpus 8 --run-dir RUN_DIR",
     )
@@ -245,7 +246,15 @@ def _add_health_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--run-dir", type=Path, help="the run's run.dir: must be writable with --min-free-gb free")
     h.add_argument("--min-free-gb", type=_at_least_zero, default=1.0, help="GiB free needed in --run-dir (default 1)")
     h.add_argument("--min-shm-gb", type=_at_least_zero, default=1.0, help="GiB free needed in /dev/shm (default 1)")
-    h.add_argument("--timeout", type=_positive_float, default=30.0, help="seconds for all checks together (default 30)")
+    h.add_argument(
+        "--timeout", type=_positive_float, default=30.0, help="seconds for the fast checks together (default 30)"
+    )
+    h.add_argument(
+        "--device-timeout",
+        type=_positive_float,
+        help="seconds for the GPU count and the matmul, torch import and CUDA start-up included; they run beside "
+        "the fast checks (default: hpcdist.fault.health.DEFAULT_DEVICE_TIMEOUT_S, 120)",
+    )
     h.add_argument(
         "--nccl-profile",
         help="the job's NCCL profile (name or YAML path): InfiniBand ports are checked when it uses IB "

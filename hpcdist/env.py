@@ -378,8 +378,20 @@ def _wait_for_master(addr: str, port: int, timeout_s: float) -> None:
 
 
 def destroy_process_group() -> None:
-    """Leave the default process group; safe when there is none."""
+    """Leave the default process group; safe when there is none.
+
+    Where DeepSpeed took part (a ZeRO run), through DeepSpeed's own teardown: it keeps the groups it built (a
+    clone of the world, the data-parallel group) in module globals and releases them only there; left behind, the
+    next ZeRO engine in this process (the Python API, a notebook, a test session) is handed a destroyed group and
+    fails with "Group ... is not registered"."""
+    import sys
+
     import torch
 
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    ds_comm = sys.modules.get("deepspeed.comm")  # never imported here: only a run that used DeepSpeed has it
+    if ds_comm is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+    else:
         torch.distributed.destroy_process_group()

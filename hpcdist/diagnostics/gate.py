@@ -1,17 +1,25 @@
-"""The health gate: can this node take part in the next attempt? (issue 27 item 3)
+"""The health gate: can this node take part in the next attempt?
 
 Run once per node before an attempt (``srun --ntasks-per-node=1 hpcdist health --json ...``, the in-job restart
-loop) or by hand on a node. Every check runs in its own thread under one deadline (``timeout_s``, 30 s by
-default): a wedged GPU, a hung ``nvidia-smi`` or a hung file system makes its check fail with "did not finish",
-never the gate hang. Each check answers ``ok``, ``fail: <why>`` or ``skipped: <why>`` (it cannot run here: no
-``nvidia-smi``, no InfiniBand expected); only a ``fail`` makes the node unhealthy.
+loop) or by hand on a node. Every check runs in its own thread under a deadline: the fast checks under
+``timeout_s`` (30 s by default), the device checks (gpus, matmul) under ``device_timeout_s`` (120 s), since they
+first import torch and start CUDA, which from a shared file system read by every node at once can take a minute.
+The two run side by side, so the gate ends within the larger of the two. A wedged GPU, a hung ``nvidia-smi`` or a
+hung file system makes its check fail with "did not finish", never the gate hang. Each check answers ``ok``,
+``fail: <why>`` or ``skipped: <why>`` (it cannot run here: no ``nvidia-smi``, no InfiniBand expected); only a
+``fail`` makes the node unhealthy.
 
-    gpus        visible CUDA devices >= the GPUs the job asked for on this node (``gpus``)
+    gpus        visible CUDA devices >= the GPUs the job asked for on this node (``gpus``; the attempt loop passes the
+                GPUs per node the job asked the scheduler for). A node with no NVIDIA driver loaded, given
+                ``gpus``: fails at once when it has NVIDIA device files (/dev/nvidia0...: a GPU node whose driver
+                is down, which an A100 user must not train on), is skipped when it has none either (the
+                scheduler's GPUs there are count-only or stand-ins, as on a CPU test cluster); without ``gpus``
+                both device checks are skipped
     matmul      the diagnostics' device check (hpcdist.diagnostics.health) on every visible GPU, on the CPU when
                 there is none
                 Both import torch (seconds of every attempt's start on every node), so they run only where there
-                is a GPU to test: a node with an NVIDIA driver (/proc/driver/nvidia/gpus), or when ``gpus`` is
-                given. A node without a driver and a job that asked for no GPU skips them, saying so.
+                is a GPU to test: a node with an NVIDIA driver (/proc/driver/nvidia/gpus). A node without a driver
+                and a job that asked for no GPU (a CPU partition) skips them, saying so.
     nvidia_smi  uncorrectable ECC errors (volatile), pending page retirement, pending row remapping and row
                 remapping failures, from ``nvidia-smi --query-gpu`` / ``--query-remapped-rows``
     xid         hardware Xid errors (GPU fell off the bus, double-bit ECC, NVLink, ...) of the last
@@ -51,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.errors import CommandError
-from hpcdist.fault.health import DEFAULT_TIMEOUT_S, record_unhealthy
+from hpcdist.fault.health import DEFAULT_DEVICE_TIMEOUT_S, DEFAULT_TIMEOUT_S, record_unhealthy
 
 __all__ = ["CHECKS", "NodeHealth", "check_node", "cmd_health"]
 
@@ -347,7 +355,7 @@ def _check_infiniband(nccl_profile: str | None, sysfs_root: str | os.PathLike[st
         raise _Skip(f"the NCCL profile {nccl_profile} does not use InfiniBand")
     where = Path(sysfs_root) / "class" / "infiniband"
     ports = [p for p in ib_ports(sysfs_root) if p.infiniband]
-    if not ports and not any(DEV.glob("nvidia[0-9]*")):
+    if not ports and not nvidia_device_files(DEV):
         # no GPU device here: ranks talk gloo over TCP, NCCL (and the profile's InfiniBand) is never used
         raise _Skip(f"no InfiniBand port and no GPU device ({DEV}/nvidia*): NCCL does not run on this node")
     if not ports:
@@ -406,6 +414,16 @@ def nvidia_driver_gpus(proc_root: str | os.PathLike[str] = "/proc") -> int | Non
         return None
 
 
+def nvidia_device_files(dev_root: str | os.PathLike[str]) -> int:
+    """How many NVIDIA GPU device files (``nvidia0``, ``nvidia1``, ...) ``dev_root`` holds. A GPU node has them
+    even when its driver failed to load (SLURM's gres.conf names them, containers bind them); a CPU node, or one
+    whose scheduler declares stand-in GPUs elsewhere (the SLURM sandbox's live in its own directory), has none."""
+    try:
+        return sum(1 for p in Path(dev_root).glob("nvidia[0-9]*") if p.name[len("nvidia") :].isdigit())
+    except OSError:
+        return 0
+
+
 def _check_devices(gpus: int | None, results: dict[str, str], *, matmul: bool = True) -> None:
     """gpus and matmul together: both need torch (imported here, inside the deadline: seconds on a busy node)."""
     import torch
@@ -440,17 +458,20 @@ def check_node(
     min_free_gb: float = DEFAULT_MIN_FREE_GB,
     min_shm_gb: float = DEFAULT_MIN_SHM_GB,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    device_timeout_s: float = DEFAULT_DEVICE_TIMEOUT_S,
     nccl_profile: str | None = None,
     xid_window_s: float = DEFAULT_XID_WINDOW_S,
     skip: Sequence[str] = (),
     sysfs_root: str | os.PathLike[str] = "/sys",
     shm_dir: str | os.PathLike[str] = "/dev/shm",
     proc_root: str | os.PathLike[str] = "/proc",
+    dev_root: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
     host: str | None = None,
 ) -> NodeHealth:
-    """Run every check of CHECKS on this node at once, within ``timeout_s`` seconds in all; never raises for a
-    broken node (its checks fail). ``skip`` names checks not to run (``skipped: not asked``). ``nccl_profile``:
+    """Run every check of CHECKS on this node at once: the fast ones within ``timeout_s`` seconds, gpus and matmul
+    within ``device_timeout_s`` (torch import and CUDA start-up included); never raises for a broken node (its
+    checks fail). ``skip`` names checks not to run (``skipped: not asked``). ``nccl_profile``:
     the job's NCCL profile (HPCDIST_NCCL_PROFILE when None); tools are looked up on ``environ``'s PATH.
 
     Raises hpcdist.config.ConfigError for a profile name that does not exist (a usage error, not a sick node)."""
@@ -467,12 +488,14 @@ def check_node(
         raise ValueError(f"unknown check(s) {', '.join(unknown)}; the checks are {', '.join(CHECKS)}")
     path = env.get("PATH", os.defpath)
     deadline = start + timeout_s
+    device_deadline = start + device_timeout_s
 
     def tool_budget() -> float:
         return max(deadline - time.monotonic() - 0.5, 0.1)  # the tools end before the gate's own deadline
 
     results: dict[str, str] = {}
     jobs: dict[tuple[str, ...], Callable[[], None]] = {}
+    device_checks = ("gpus", "matmul")
 
     def single(name: str, fn: Callable[[], str]) -> None:
         jobs[(name,)] = lambda: results.__setitem__(name, fn())
@@ -482,11 +505,25 @@ def check_node(
     single("infiniband", lambda: _check_infiniband(profile, sysfs_root, env))
     single("run_dir", lambda: _check_run_dir(run_dir, min_free_gb))
     single("shm", lambda: _check_shm(shm_dir, min_shm_gb))
-    if gpus is None and nvidia_driver_gpus(proc_root) is None:  # nothing to test: no torch import (see above)
+    driver = nvidia_driver_gpus(proc_root)
+    dev_root = DEV if dev_root is None else dev_root
+    if driver is None and not gpus:  # a CPU node and a job that asked for no GPU: nothing to test, no torch import
         results["gpus"] = "skipped: no --gpus given and no NVIDIA driver on this node"
         results["matmul"] = "skipped: no GPU on this node to test (no NVIDIA driver, no --gpus)"
+    elif driver is None and nvidia_device_files(dev_root):  # a GPU node whose driver is not loaded: no torch needed
+        results["gpus"] = (
+            f"fail: {dev_root}/nvidia* exist but no NVIDIA driver is loaded (no driver/nvidia/gpus), "
+            f"{gpus} GPU(s) requested"
+        )
+        results["matmul"] = "skipped: no GPU to test (no NVIDIA driver on this node)"
+    elif driver is None:  # the scheduler's "GPUs" here are not NVIDIA GPUs (count-only or stand-in gres)
+        results["gpus"] = (
+            f"skipped: no NVIDIA driver and no {dev_root}/nvidia* device on this node ({gpus} GPU(s) requested: "
+            "the scheduler's GPUs here are not NVIDIA devices)"
+        )
+        results["matmul"] = "skipped: no GPU on this node to test (no NVIDIA driver)"
     else:
-        jobs[("gpus", "matmul")] = lambda: _check_devices(gpus, results, matmul="matmul" not in skip)
+        jobs[device_checks] = lambda: _check_devices(gpus, results, matmul="matmul" not in skip)
 
     threads = []
     for names, job in jobs.items():
@@ -495,8 +532,8 @@ def check_node(
         thread = threading.Thread(target=_guarded, args=(names, job, results), name=f"health-{names[0]}", daemon=True)
         thread.start()  # daemon: a check stuck in the kernel (a wedged GPU, a hung NFS) never holds the exit
         threads.append((names, thread))
-    for _, thread in threads:
-        thread.join(max(deadline - time.monotonic(), 0.0))
+    for names, thread in threads:  # each against its own deadline: a finished check costs no wait
+        thread.join(max((device_deadline if names == device_checks else deadline) - time.monotonic(), 0.0))
     done = dict(results)  # a check set its answer when it finished (gpus before the matmul that follows it)
     checks: dict[str, str] = {}
     for name in CHECKS:
@@ -504,8 +541,12 @@ def check_node(
             checks[name] = "skipped: not asked (--skip)"
         elif name in done:
             checks[name] = done[name]
+        elif name in device_checks:
+            checks[name] = (
+                f"fail: did not finish within {device_timeout_s:g} s (--device-timeout: torch import, CUDA start-up)"
+            )
         else:
-            checks[name] = f"fail: did not finish within {timeout_s:g} s (the whole gate's --timeout)"
+            checks[name] = f"fail: did not finish within {timeout_s:g} s (the fast checks' --timeout)"
     return NodeHealth(host or socket.gethostname(), checks, time.monotonic() - start)
 
 
@@ -542,6 +583,7 @@ def cmd_health(args: argparse.Namespace) -> int:
             min_free_gb=args.min_free_gb,
             min_shm_gb=args.min_shm_gb,
             timeout_s=args.timeout,
+            device_timeout_s=DEFAULT_DEVICE_TIMEOUT_S if args.device_timeout is None else args.device_timeout,
             nccl_profile=args.nccl_profile,
             xid_window_s=args.xid_hours * 3600,
             skip=skip,

@@ -15,9 +15,25 @@ from typing import Any
 from hpcdist.fault.failures import record
 from hpcdist.schedulers import JobFacts
 
-__all__ = ["DEFAULT_TIMEOUT_S", "health_argv", "read_verdicts", "record_unhealthy"]
+__all__ = [
+    "DEFAULT_DEVICE_TIMEOUT_S",
+    "DEFAULT_TIMEOUT_S",
+    "gate_wall_s",
+    "health_argv",
+    "read_verdicts",
+    "record_unhealthy",
+]
 
+# The fast checks (tools, sysfs, disk) answer in well under a second on a healthy node: 30 s is generous.
 DEFAULT_TIMEOUT_S = 30.0
+# The device checks import torch and start CUDA first: from Lustre/GPFS, with every node of the job reading the same
+# files at once, a cold import alone can take a minute; a healthy node must not fail for it.
+DEFAULT_DEVICE_TIMEOUT_S = 120.0
+
+
+def gate_wall_s(timeout_s: float = DEFAULT_TIMEOUT_S, device_timeout_s: float = DEFAULT_DEVICE_TIMEOUT_S) -> float:
+    """The longest the gate itself can take on a node: its fast and its device checks run side by side."""
+    return max(timeout_s, device_timeout_s)
 
 
 def record_unhealthy(
@@ -34,10 +50,13 @@ def health_argv(
     gpus: int | None = None,
     run_dir: str | os.PathLike[str] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    device_timeout_s: float = DEFAULT_DEVICE_TIMEOUT_S,
     python: str = sys.executable,
 ) -> list[str]:
-    """The gate's command line for one task per node (``srun --ntasks-per-node=1 <this>``), with ``--json``."""
+    """The gate's command line for one task per node (``srun --ntasks-per-node=1 <this>``), with ``--json``.
+    ``gpus``: the GPUs the job asked the scheduler for on each node (None: it asked for none)."""
     argv = [python, "-m", "hpcdist", "health", "--json", "--timeout", f"{timeout_s:g}"]
+    argv += ["--device-timeout", f"{device_timeout_s:g}"]
     if gpus is not None:
         argv += ["--gpus", str(gpus)]
     if run_dir is not None:

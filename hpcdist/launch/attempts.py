@@ -5,7 +5,8 @@ Run by the batch shell in place of its training srun, on both entry points: ``sb
 lines routes submitit's srun line here). Each attempt:
 
     gate        the health gate on every allocated node not yet excluded (:func:`run_gate`: ``python -m hpcdist
-                health --json`` once per node through srun); a node that fails it is out for this job
+                health --json`` once per node through srun, with ``--gpus`` the GPUs per node the job asked the
+                scheduler for, when it asked for any); a node that fails it is out for this job
     choose      N training nodes: healthy, not blamed; N = allocated - fault.spare_nodes, or fewer down to
                 fault.min_nodes (fewer data-parallel replicas, the same global batch: the resharding resume)
     step        ``srun --nodes=N --ntasks=N*tasks_per_node --nodelist=<chosen> ...``: the step's
@@ -39,16 +40,22 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.fault.failures import record
-from hpcdist.fault.health import health_argv, read_verdicts, record_unhealthy
+from hpcdist.fault.health import (
+    DEFAULT_DEVICE_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    gate_wall_s,
+    health_argv,
+    read_verdicts,
+    record_unhealthy,
+)
 from hpcdist.launch import restarts
 from hpcdist.schedulers import JobFacts, job_facts
 from hpcdist.schedulers.slurm import ATTEMPT_ENV, expand_nodelist
 
-__all__ = ["AttemptPlan", "choose_nodes", "main", "run_gate", "srun_for"]
+__all__ = ["AttemptPlan", "choose_nodes", "main", "run_gate", "scheduler_gpus_per_node", "srun_for"]
 
 GATE_UNAVAILABLE = "gate unavailable"
 _MAX_BACKOFF_S = 60.0
-_GATE_TIMEOUT_S = 30.0
 
 
 def _announce(msg: str) -> None:
@@ -59,12 +66,19 @@ def _announce(msg: str) -> None:
 
 
 def run_gate(
-    nodes: Sequence[str], *, run_dir: str | None = None, timeout: float = _GATE_TIMEOUT_S, python: str | None = None
+    nodes: Sequence[str],
+    *,
+    run_dir: str | None = None,
+    gpus: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    device_timeout: float = DEFAULT_DEVICE_TIMEOUT_S,
+    python: str | None = None,
 ) -> dict[str, tuple[bool, list[str]]]:
     """The health gate on ``nodes``: ``hpcdist health --json`` once per node through srun (hpcdist.fault.health
-    owns its command line and reads its answers). {host: (ok, reasons)}. Where the gate command does not exist (exit
-    2 without a verdict: an hpcdist without it), every node counts as healthy with the reason "gate unavailable"; a
-    node that gave no verdict in time is unhealthy."""
+    owns its command line and reads its answers). ``gpus``: the GPUs per node the job asked the scheduler for
+    (each node must show them), None when it asked for none. {host: (ok, reasons)}. Where the gate command does
+    not exist (exit 2 without a verdict: an hpcdist without it), every node counts as healthy with the reason "gate
+    unavailable"; a node that gave no verdict in time is unhealthy."""
     if not nodes:
         return {}
     python = python or os.environ.get("HPCDIST_PYTHON") or sys.executable
@@ -79,10 +93,11 @@ def run_gate(
         f"--nodelist={','.join(nodes)}",
         "--kill-on-bad-exit=0",
         "--cpus-per-task=1",
-        *health_argv(run_dir=run_dir, timeout_s=timeout, python=python),
+        *health_argv(gpus=gpus, run_dir=run_dir, timeout_s=timeout, device_timeout_s=device_timeout, python=python),
     ]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30, check=False)
+    try:  # 30 s more than the gate's own bound: srun's start and the verdicts' way back
+        wall = gate_wall_s(timeout, device_timeout) + 30
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=wall, check=False)
         out, rc = p.stdout, p.returncode
     except subprocess.TimeoutExpired as e:
         raw = e.stdout or b""
@@ -97,12 +112,32 @@ def run_gate(
 
 @dataclass(frozen=True)
 class AttemptPlan:
-    """The allocation and what the job trains on: ``train_nodes`` (N), at least ``min_nodes``."""
+    """The allocation and what the job trains on: ``train_nodes`` (N), at least ``min_nodes``; ``gpus_per_node``:
+    what the job asked the scheduler for (None: no GPU, e.g. a CPU partition)."""
 
     allocated: list[str]
     train_nodes: int
     min_nodes: int
     tasks_per_node: int
+    gpus_per_node: int | None = None
+
+
+def scheduler_gpus_per_node(environ: dict[str, str] | os._Environ[str]) -> int | None:
+    """The GPUs per node this job asked SLURM for, from the batch step's environment: SLURM_GPUS_ON_NODE (set for
+    --gres=gpu:N and --gpus-per-node), SLURM_GPUS_PER_NODE (``8`` or ``a100:8``, comma-separated types summed),
+    else the indices in SLURM_JOB_GPUS. None when the job asked for no GPU or a value cannot be read: the gate
+    then counts nothing, and a node without an NVIDIA driver skips its device checks rather than failing."""
+    on_node = environ.get("SLURM_GPUS_ON_NODE", "").strip()
+    if on_node.isdigit():
+        return int(on_node) or None
+    per_node = environ.get("SLURM_GPUS_PER_NODE", "").strip()
+    if per_node:
+        counts = [part.rsplit(":", 1)[-1].strip() for part in per_node.split(",")]
+        if all(c.isdigit() for c in counts):
+            return sum(map(int, counts)) or None
+        return None
+    job_gpus = [g for g in environ.get("SLURM_JOB_GPUS", "").split(",") if g.strip()]
+    return len(job_gpus) or None
 
 
 def plan_from_env(environ: dict[str, str] | os._Environ[str], spare: int, min_nodes: int) -> AttemptPlan | str:
@@ -120,7 +155,7 @@ def plan_from_env(environ: dict[str, str] | os._Environ[str], spare: int, min_no
     if train < 1:
         return f"fault.spare_nodes={spare} leaves no training node of the {len(allocated)} allocated"
     floor = min_nodes if 0 < min_nodes <= train else train
-    return AttemptPlan(allocated, train, floor, max(1, tpn))
+    return AttemptPlan(allocated, train, floor, max(1, tpn), scheduler_gpus_per_node(environ))
 
 
 def choose_nodes(plan: AttemptPlan, bad: set[str]) -> list[str] | None:
@@ -226,7 +261,7 @@ def loop(
     while True:
         t_gate = time.time()
         candidates = [n for n in plan.allocated if n not in bad]
-        verdicts = run_gate(candidates, run_dir=str(run_dir))
+        verdicts = run_gate(candidates, run_dir=str(run_dir), gpus=plan.gpus_per_node)
         gate_s = time.time() - t_gate
         job = JobFacts(**{**base.__dict__, "restart_count": attempt})
         data = restarts.load_ledger(run_dir, base.job_id)

@@ -41,6 +41,7 @@ GPU_PEAK_FLOPS: dict[str, float] = {
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
     "H200": 989e12,  # same compute as H100 SXM, more and faster memory; also matches "GH200"
+    "H200 NVL": 835e12,  # the PCIe card ("NVIDIA H200 NVL"): the H100 NVL's clocks and power
     "A10G": 125e12,  # AWS variant of the A10, same datasheet tensor peak
     "A10": 125e12,
     "L40S": 362e12,

@@ -312,3 +312,33 @@ def test_the_attempt_loop_does_not_import_torch() -> None:
     code = "import sys, hpcdist.launch.attempts; print('TORCH', 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert "TORCH False" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "slurm_env, expected",
+    [
+        ({"SLURM_GPUS_PER_NODE": "8", "SLURM_GPUS_ON_NODE": "8"}, "8"),  # sbatch --gpus-per-node=8
+        ({"SLURM_GPUS_PER_NODE": "a100:4"}, "4"),  # a typed request
+        ({"SLURM_GPUS_ON_NODE": "2"}, "2"),  # --gres=gpu:2
+        ({"SLURM_JOB_GPUS": "0,1,2"}, "3"),  # only the allocated GPUs' indices
+        ({}, None),  # no GPU asked of the scheduler (a CPU partition, the SLURM sandbox): nothing to count
+    ],
+)
+def test_the_gate_is_given_the_gpus_the_job_asked_the_scheduler_for(
+    fake_slurm, monkeypatch: pytest.MonkeyPatch, slurm_env: dict[str, str], expected: str | None
+) -> None:
+    """A node showing 7 of its 8 GPUs must fail the gate: the loop passes the job's GPUs per node, which only the
+    scheduler knows; and the device checks get their own, longer bound than the fast checks (--device-timeout)."""
+    run, calls, _ = fake_slurm
+    for name, value in slurm_env.items():
+        monkeypatch.setenv(name, value)
+    assert attempts.loop(CMD, run, spare=0, min_nodes=0, backoff=0) == 0
+    (gate,) = calls(health=True)
+    argv = gate["argv"]
+    if expected is None:
+        assert "--gpus" not in argv, argv
+    else:
+        assert argv[argv.index("--gpus") + 1] == expected, argv
+    fast = float(argv[argv.index("--timeout") + 1])
+    device = float(argv[argv.index("--device-timeout") + 1])
+    assert device > fast, argv

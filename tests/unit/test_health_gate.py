@@ -1,4 +1,4 @@
-"""The per-node health gate, ``hpcdist health`` (issue 27 item 3): stand-in ``nvidia-smi`` / ``dmesg`` scripts on
+"""The per-node health gate, ``hpcdist health``: stand-in ``nvidia-smi`` / ``dmesg`` scripts on
 PATH, a fake sysfs tree, real run dirs. The gate must fail a sick node with the reason, pass a healthy one, and end
 within its timeout whatever the tools do (hang, flood, print garbage)."""
 
@@ -225,7 +225,8 @@ def test_gpu_count_and_the_matmul_run_here(tmp_path: Path) -> None:
     visible = torch.cuda.device_count()
     env = {"PATH": os.environ.get("PATH", "")}
     skip = ("nvidia_smi", "xid", "infiniband", "run_dir", "shm")
-    ok, checks, reasons = gate(env, skip=skip, gpus=visible + 1, timeout_s=120)
+    (tmp_path / "driver" / "nvidia" / "gpus" / "0000:07:00.0").mkdir(parents=True)  # a node with a driver
+    ok, checks, reasons = gate(env, skip=skip, gpus=visible + 1, proc_root=tmp_path)
     assert not ok and reasons == [f"gpus: {visible} GPU(s) visible, {visible + 1} requested"]
     assert checks["matmul"].startswith("ok (") and ("cpu" in checks["matmul"] or "cuda:0" in checks["matmul"])
 
@@ -257,6 +258,61 @@ def test_a_node_with_a_gpu_driver_runs_the_device_checks(tmp_path: Path) -> None
     ok, checks, _ = gate({"PATH": os.environ.get("PATH", "")}, skip=skip, proc_root=tmp_path, timeout_s=120)
     assert ok and checks["gpus"].startswith("skipped: no --gpus given ("), checks
     assert checks["matmul"].startswith("ok ("), checks
+
+
+def _gate_in_a_fresh_interpreter(**kw: object) -> dict:
+    """check_node in a new interpreter, so its device checks pay a cold ``import torch`` as on a node: the device
+    checks and whether torch was imported. Leaves with os._exit (a device check may still be importing)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, os, sys\n"
+        "from hpcdist.diagnostics.gate import check_node\n"
+        f"h = check_node(skip=('nvidia_smi', 'xid', 'infiniband', 'run_dir', 'shm'), **{kw!r})\n"
+        "print(json.dumps(dict(ok=h.ok, gpus=h.checks['gpus'], matmul=h.checks['matmul'], seconds=h.seconds,\n"
+        "                      torch='torch' in sys.modules)), flush=True)\n"
+        "os._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_device_checks_have_their_own_bound_beyond_the_fast_checks(tmp_path: Path) -> None:
+    """A cold ``import torch`` plus CUDA start-up takes longer than the fast checks' deadline on a busy node (many
+    nodes reading torch from one shared file system at once): it must not make a healthy node "did not finish".
+    The fast deadline here (0.2 s) is far below any torch import; the device bound (120 s) holds it."""
+    (tmp_path / "driver" / "nvidia" / "gpus" / "0000:07:00.0").mkdir(parents=True)
+    got = _gate_in_a_fresh_interpreter(proc_root=str(tmp_path), timeout_s=0.2, device_timeout_s=120.0)
+    assert got["ok"] and got["matmul"].startswith("ok ("), got
+    assert got["gpus"].startswith("skipped: no --gpus given ("), got
+    # and the device bound is a bound: a device check past it fails, naming it
+    got = _gate_in_a_fresh_interpreter(proc_root=str(tmp_path), timeout_s=60.0, device_timeout_s=0.2)
+    assert not got["ok"] and got["seconds"] < 30, got
+    assert got["gpus"] == "fail: did not finish within 0.2 s (--device-timeout: torch import, CUDA start-up)", got
+
+
+def test_gpus_asked_of_the_scheduler_on_a_node_without_a_driver_fail_without_importing_torch(tmp_path: Path) -> None:
+    """The attempt loop passes --gpus only when the job asked the scheduler for GPUs. A node with the NVIDIA device
+    files but no driver loaded is a GPU node that lost its driver: it fails at once, without torch. A node with
+    neither driver nor device files has no NVIDIA GPU at all (a CPU cluster with stand-in gres, like the SLURM
+    sandbox): its device checks are skipped, not failed, or every job there would end "too few healthy nodes"."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidia0").touch()  # the device file of a GPU (its driver's character device on a real node)
+    (dev / "nvidiactl").touch()  # the driver's control device: not a GPU
+    assert gate_mod.nvidia_device_files(dev) == 1
+    got = _gate_in_a_fresh_interpreter(proc_root=str(tmp_path), dev_root=str(dev), gpus=8)
+    assert not got["ok"] and not got["torch"], got
+    assert got["gpus"] == (
+        f"fail: {dev}/nvidia* exist but no NVIDIA driver is loaded (no driver/nvidia/gpus), 8 GPU(s) requested"
+    ), got
+    assert got["matmul"] == "skipped: no GPU to test (no NVIDIA driver on this node)", got
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    got = _gate_in_a_fresh_interpreter(proc_root=str(tmp_path), dev_root=str(bare), gpus=8)
+    assert got["ok"] and not got["torch"], got
+    assert got["gpus"].startswith(f"skipped: no NVIDIA driver and no {bare}/nvidia* device on this node"), got
 
 
 # ------------------------------------------------------------------------------------------------ command

@@ -4,7 +4,9 @@ Each preset trains ``--steps`` steps (bf16 autocast, synthetic tokens, one proce
 micro-batch from ``--micro`` (default 125m:8, 350m:4, 1.3b:2); the first ``--warmup`` steps (CUDA context, allocator,
 cuDNN/cuBLAS heuristics) are not counted. MFU = tokens/s x ``flops_per_token`` (6N + attention, the trainer's own
 count) / the bf16 dense peak of the device (``hpcdist.metrics.throughput.peak_flops``: the table for A100/H100/..., or
-``--peak``). Prints a table and writes ``--json`` (default runs/bench/gpu.json). Exits 2 without a CUDA device.
+``--peak``). The memory column is the true peak allocated over the timed run (read after each step, before the
+trainer's logging resets it). Prints a table and writes ``--json`` (default runs/bench/gpu.json). Exits 2 without
+a CUDA device.
 
     python tools/bench/gpu.py
     python tools/bench/gpu.py --presets 125m --steps 30 --micro 125m:16
@@ -18,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ac", action="store_true", help="activation checkpointing (bigger micro-batches fit)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each transformer block (train.compile)")
     p.add_argument("--peak", type=float, default=None, help="bf16 peak FLOP/s (default: hpcdist's table)")
     p.add_argument("--json", type=Path, default=Path("runs/bench/gpu.json"))
     return p
@@ -53,6 +57,32 @@ from hpcdist.models import flops_per_token  # noqa: E402
 MICRO = {"125m": 8, "350m": 4, "1.3b": 2}
 
 
+def timed_run(train: Callable[[], Any], strategy: Any, warmup: int) -> tuple[float, int]:
+    """Run ``train`` with ``strategy.optimizer_step`` timed: (median step seconds after ``warmup`` steps, peak
+    bytes allocated on the current CUDA device over every step).
+
+    The peak is read right after each optimizer step, before the trainer's logging reads and resets it
+    (hpcdist.metrics.throughput.memory_stats): read once after ``train`` it would be only what stays resident
+    after the last logged step (weights, optimizer state), not what the steps needed."""
+    stamps: list[float] = []
+    peak = 0
+    step = strategy.optimizer_step
+
+    def timed(**kw: bool) -> Any:
+        nonlocal peak
+        out = step(**kw)
+        torch.cuda.synchronize()
+        stamps.append(time.perf_counter())
+        peak = max(peak, torch.cuda.max_memory_allocated())
+        return out
+
+    strategy.optimizer_step = timed
+    torch.cuda.reset_peak_memory_stats()
+    train()
+    step_s = statistics.median(b - a for a, b in zip(stamps[warmup - 1 : -1], stamps[warmup:], strict=True))
+    return step_s, max(peak, torch.cuda.max_memory_allocated())
+
+
 def bench(preset: str, micro: int, a: argparse.Namespace, peak: float) -> dict[str, Any]:
     from hpcdist.trainer import Trainer
 
@@ -70,6 +100,7 @@ def bench(preset: str, micro: int, a: argparse.Namespace, peak: float) -> dict[s
                 f"train.micro_batch_size={micro}",
                 "train.dtype=bf16",
                 f"train.activation_checkpointing={str(a.ac).lower()}",
+                f"train.compile={str(a.compile).lower()}",
                 f"run.dir={tmp}",
                 "checkpoint.every_steps=0",
                 "checkpoint.save_final=false",
@@ -81,19 +112,7 @@ def bench(preset: str, micro: int, a: argparse.Namespace, peak: float) -> dict[s
             ],
         )
         trainer = Trainer(cfg, from_environ({}, cuda_available=True))
-        stamps: list[float] = []
-        step = trainer.strategy.optimizer_step
-
-        def timed(**kw: bool) -> Any:
-            out = step(**kw)
-            torch.cuda.synchronize()
-            stamps.append(time.perf_counter())
-            return out
-
-        trainer.strategy.optimizer_step = timed  # type: ignore[method-assign]
-        torch.cuda.reset_peak_memory_stats()
-        trainer.train()
-        step_s = statistics.median(b - a for a, b in zip(stamps[a.warmup - 1 : -1], stamps[a.warmup :], strict=True))
+        step_s, peak_bytes = timed_run(trainer.train, trainer.strategy, a.warmup)
         tokens_per_s = micro * a.seq_len / step_s
         fpt = flops_per_token(cfg.model_args(), a.seq_len)
         return {
@@ -103,7 +122,7 @@ def bench(preset: str, micro: int, a: argparse.Namespace, peak: float) -> dict[s
             "step_s": step_s,
             "tokens_per_s": tokens_per_s,
             "mfu": tokens_per_s * fpt / peak,
-            "max_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_alloc_gib": peak_bytes / 2**30,
         }
 
 
@@ -117,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0)
     print(f"{name}: bf16 peak {peak / 1e12:.0f} TFLOP/s, seq {a.seq_len}, {a.steps} timed steps", flush=True)
     rows = [bench(preset, micro[preset], a, peak) for preset in a.presets.split(",")]
-    head = ["preset", "micro", "tokens/s", "step s", "MFU", "max alloc GiB"]
+    head = ["preset", "micro", "tokens/s", "step s", "MFU", "peak alloc GiB"]
     body = [
         [
             r["preset"],
@@ -125,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['tokens_per_s']:,.0f}",
             f"{r['step_s']:.3f}",
             f"{100 * r['mfu']:.1f}%",
-            f"{r['max_alloc_gib']:.1f}",
+            f"{r['peak_alloc_gib']:.1f}",
         ]
         for r in rows
     ]

@@ -1,0 +1,40 @@
+"""Leaving the process group (hpcdist.env.destroy_process_group) leaves nothing behind that a later one trips over:
+a second ZeRO run in the same process (the Python API, a notebook, a test session) joins a new group, and
+DeepSpeed must not hand it the first run's destroyed world group."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hpcdist.env import destroy_process_group, from_environ, init_process_group
+from hpcdist.trainer import Trainer
+from tests.dist.harness import free_port
+
+
+def _one_zero_run(small_cfg, run_dir: Path) -> float:
+    environ = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "TORCHELASTIC_RUN_ID": "teardown",
+    }
+    env = from_environ(environ, cuda_available=False)
+    os.environ.update(environ)
+    init_process_group(env, timeout_s=120)
+    try:
+        cfg = small_cfg("train.steps=1", "parallel.strategy=zero", "checkpoint.save_final=false", run_dir=run_dir)
+        result = Trainer(cfg, env).train()
+        return result.losses[1]
+    finally:
+        destroy_process_group()
+
+
+def test_a_second_zero_run_in_the_same_process_joins_its_own_group(small_cfg, tmp_path: Path) -> None:
+    first = _one_zero_run(small_cfg, tmp_path / "a")
+    second = _one_zero_run(small_cfg, tmp_path / "b")  # DeepSpeed cached the first run's world group
+    assert second == first  # the same seed, the same step
