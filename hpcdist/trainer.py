@@ -29,7 +29,7 @@ from hpcdist.checkpoint import (
     latest,
     staging_estimate,
 )
-from hpcdist.checkpoint_local import EXIT_WAIT_S, LocalTier, expand_dir, open_local_dir
+from hpcdist.checkpoint_local import EXIT_WAIT_S, LocalTier, expand_dir, open_local_dir, run_key
 from hpcdist.config import JobConfig
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.vocab import data_eos
@@ -409,8 +409,8 @@ class Trainer:
             return None
         root = expand_dir(loc.dir, host=self.env.hostname, job_id=self.env.job.job_id)
         problems: list[str] = []
-        try:
-            open_local_dir(root)
+        try:  # this run's own subdirectory: another run sharing the directory never touches its steps
+            root = open_local_dir(open_local_dir(root) / run_key(self.run_dir))
         except ConfigError as e:
             problems = [f"{p} (on {self.env.hostname})" for p in e.problems]
         every = [problems]
