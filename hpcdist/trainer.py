@@ -43,7 +43,7 @@ from hpcdist.fault.hang import HangWatchdog, collective_timeout_s
 from hpcdist.fault.nonfinite import NonFiniteError, NonFiniteGuard
 from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
 from hpcdist.fault.stop import StopFlag, StopReason
-from hpcdist.fault.triage import HardwareFault, SkippedSamples, Triage
+from hpcdist.fault.triage import HardwareFault, ModelDiverged, SkippedSamples, Triage
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics.observer import Observer, StepRecord
 from hpcdist.models import build_model, flops_per_token, num_params
@@ -122,6 +122,8 @@ class Trainer:
         # samples an earlier attempt's NaN triage found bad (train.nonfinite=skip): skipped again, the same way
         self.skipped_samples = SkippedSamples(self.run_dir)
         try:
+            if cfg.checkpoint.resume == "none":  # a new line of training: the old line's list goes aside, as its
+                self.skipped_samples.set_aside(is_main=env.is_main)  # checkpoints do at the resume
             self.skipped = self.skipped_samples.load(len(train_ds))
             self.sampler.skip(set(self.skipped))
         except ValueError as e:
@@ -270,6 +272,14 @@ class Trainer:
         assert self.triage is not None
         step = self.step + 1
         verdict, grad_norm = self.triage.rerun(step, batch, self.loader.last_indices(), loss)
+        if verdict.kind == "model":
+            log.error("step %d: NaN triage: model: %s", step, verdict.why)
+            last = self.nonfinite.last_checkpoint
+            raise ModelDiverged(
+                f"step {step}: non-finite loss/gradient reproduced on re-run: NaN triage: model: {verdict.why}; no "
+                "sample was skipped (the data is not at fault). Lower optim.lr, set optim.grad_clip, and resume from "
+                + (f"the last finite checkpoint, {last}" if last else "step 0 (no checkpoint was saved)")
+            )
         if verdict.kind == "hardware":
             self.triage.record_hardware(step, verdict)
             hosts = ", ".join(f"rank {r} on {self.hosts[r]}" for r in verdict.blamed) or "no rank in particular"
