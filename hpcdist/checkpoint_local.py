@@ -522,19 +522,38 @@ class LocalTier:
         copied = False
         try:
             copied = self._replicate(step, group)
-            self._prune()
-            sizes = self._gather(nbytes, group)
-            node_bytes: dict[str, int] = {}
-            for r, n in enumerate(sizes):
-                node_bytes[self.hosts[r]] = node_bytes.get(self.hosts[r], 0) + n
-            self.bytes_per_node = max(node_bytes.values()) * (2 if copied else 1)
-        except Exception as e:
+        except Exception as e:  # a collective failed or timed out (a peer gone): the group is of no more use
             log.warning(
                 "rank %d: checkpoint.local: the peer copies of step %d failed (%s): the step has no copy",
                 self.rank,
                 step,
                 describe_error(e),
             )
+        else:
+            # after the copy, whatever its outcome: its own failures are said as what they are, not as the copy's
+            err = error_of(self._prune)
+            if err is not None:
+                log.warning(
+                    "rank %d: checkpoint.local: pruning after step %d failed (%s): older steps stay until the next "
+                    "save",
+                    self.rank,
+                    step,
+                    describe_error(err),
+                )
+            try:  # every rank reaches this collective, whatever its prune did
+                sizes = self._gather(nbytes, group)
+                node_bytes: dict[str, int] = {}
+                for r, n in enumerate(sizes):
+                    node_bytes[self.hosts[r]] = node_bytes.get(self.hosts[r], 0) + n
+                self.bytes_per_node = max(node_bytes.values()) * (2 if copied else 1)
+            except Exception as e:
+                log.warning(
+                    "rank %d: checkpoint.local: gathering the sizes after step %d failed (%s): the record shows the "
+                    "previous size",
+                    self.rank,
+                    step,
+                    describe_error(e),
+                )
         self._copied = copied or all(p < 0 for p in self.peer)
         seconds = time.perf_counter() - t0
         if self.rank == 0:

@@ -315,3 +315,43 @@ def test_two_runs_on_one_local_dir_keep_their_own_steps(small_cfg, tmp_path) -> 
     out = run_ranks(2, _run, a)
     assert out[0]["resumed"] is not None and out[0]["resumed"].endswith("rank-00000/step-00000008"), out[0]
     assert out[0]["losses"] == {s: v for s, v in straight.items() if s > 8}
+
+
+def _prune_fails(env: DistEnv, root: Path, record: Path) -> dict:
+    """Two "nodes" save step 2; the prune after its (complete) peer copy fails on rank 0 (its disk errs)."""
+    import logging
+
+    from hpcdist import checkpoint_local as cl
+    from tests.unit.test_checkpoint_local import _State
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, r: logging.LogRecord) -> None:
+            lines.append(r.getMessage())
+
+    logging.getLogger("hpcdist").addHandler(Keep())
+    logging.getLogger("hpcdist").setLevel(logging.INFO)
+    hosts = ["node0", "node1"]
+    tier = cl.LocalTier(
+        cl.open_local_dir(root / f"node{env.rank}"), rank=env.rank, world_size=2, hosts=hosts, keep=2, record=record
+    )
+    if env.rank == 0:
+
+        def broken() -> None:
+            raise OSError(5, "Input/output error")
+
+        tier._prune = broken  # type: ignore[method-assign]
+    assert tier.save(2, _State().checkpointable())
+    copied = tier.wait()
+    return {"copied": copied, "lines": lines, "record": json.loads(record.read_text()) if env.rank == 0 else None}
+
+
+def test_a_failure_after_the_peer_copy_is_not_called_a_copy_failure(tmp_path) -> None:
+    out = run_ranks(2, _prune_fails, tmp_path / "local", tmp_path / "local_checkpoints.json")
+    lines = out[0]["lines"]
+    assert all(r["copied"] for r in out)  # the copies themselves are complete
+    assert not any("peer copies of step 2 failed" in line for line in lines), lines
+    assert any("pruning after step 2 failed" in line and "Input/output error" in line for line in lines), lines
+    assert any("step 2 complete with peer copies" in line for line in lines), lines
+    assert out[0]["record"]["peer_copies"] is True
