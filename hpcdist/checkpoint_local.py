@@ -265,6 +265,24 @@ def open_local_dir(path: Path) -> Path:
                     "real directory"
                 ]
             )
+    for p in path.parents:  # who can rename the way to it: a writer of any directory above could move the tier
+        try:  # away and put theirs in its place; a sticky directory of yours or root's (/dev/shm, /tmp) lets nobody
+            st = os.lstat(p)  # rename another's entry
+        except FileNotFoundError:
+            continue
+        except OSError:
+            continue  # not readable here: the mkdir below says what is wrong
+        if st.st_mode & stat.S_ISVTX and st.st_uid in (os.getuid(), 0):
+            continue
+        why = writer_problem(st, {os.getuid(), 0})
+        if why:
+            raise ConfigError(
+                [
+                    f"{key}: {str(p)!r}, above the tier's directory, {why} without the sticky bit: whoever can "
+                    "write it can rename the tier away and put another in its place; choose a directory below ones "
+                    "only you (or root) can write, e.g. /dev/shm/hpcdist-{user}-{job_id}"
+                ]
+            )
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(path)

@@ -83,6 +83,17 @@ def test_the_directory_must_be_yours_and_reached_through_no_link(tmp_path: Path)
         open_local_dir(made)
 
 
+def test_a_directory_above_the_tier_that_others_can_write_is_refused_unless_sticky(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # anyone could rename the tier's directory away and put theirs in its place
+    with pytest.raises(ConfigError, match=r"'.*shared', above the tier's directory, is writable by others"):
+        open_local_dir(shared / "tier")
+    assert not (shared / "tier").exists()
+    os.chmod(shared, 0o1777)  # sticky, as /dev/shm and /tmp: only an entry's owner renames it
+    assert open_local_dir(shared / "tier") == shared / "tier"
+
+
 class _State:
     """A tiny model's state through the trainer's Checkpointable interface."""
 
