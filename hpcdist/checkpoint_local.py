@@ -454,6 +454,7 @@ class LocalTier:
         self.last_step: int | None = None  # the newest complete local step (this rank's and its copy)
         self.bytes_per_node = 0
         self.foreign = False  # restore found another run's step here (another run.dir / model sharing the directory)
+        self.load_failed = False  # a restore's load failed part-way: the state holds part of it until loaded again
         self._pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
         # the peer copy runs on a thread of its own (``save``), over a group of its own: two threads sharing one
         # group deadlock. Its collectives give up after ``timeout_s`` (the job's collective timeout; None: torch's
@@ -953,6 +954,7 @@ class LocalTier:
                     "from step 0"
                 )
             log.warning("checkpoint.local: loading step %d failed: resuming from the shared tier", step)
+            self.load_failed = True
             return _ELSEWHERE, None
         self.last_step = step
         return _LOADED, path

@@ -444,13 +444,16 @@ class Trainer:
             timeout_s=collective_timeout_s(self.cfg.fault.watchdog_timeout_s, self.cfg.fault.watchdog_slow_phase_s),
         )
 
-    def _resume_local(self) -> Path | None:
-        """Collective: checkpoint.resume=auto with the node-local tier: its newest step complete on every rank
-        (counting peer copies) when it is at least as new as the newest shared checkpoint; None: the shared tier."""
+    def _resume_local(self, newer_than: int | None = None) -> Path | None:
+        """Collective: checkpoint.resume=auto with the node-local tier: its newest step intact on every rank
+        (counting peer copies) when it is at least as new as the newest shared checkpoint, or newer than
+        ``newer_than`` (the step the shared tier resumed once its newer checkpoints proved damaged); None: the
+        shared tier."""
         if self.local is None or self.cfg.checkpoint.resume != "auto":
             return None
         shared = latest(self.ckpt.root, warn=False)
-        path = self.local.restore(self.checkpointable(), int(shared.name[5:]) if shared else None)
+        floor = newer_than + 1 if newer_than is not None else int(shared.name[5:]) if shared else None
+        path = self.local.restore(self.checkpointable(), floor)
         if path is not None:
             self.ckpt.saved_step = self.ckpt.local_saved_step = self.step  # neither tier saves this step again
         return path
@@ -465,7 +468,15 @@ class Trainer:
     def _resume(self) -> str | None:
         t0 = time.perf_counter()
         try:
-            path = self._resume_local() or self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
+            path = self._resume_local()
+            if path is None:
+                newest = latest(self.ckpt.root, warn=False)
+                path = self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
+                if path is not None and self.local is not None and newest and self.step < int(newest.name[5:]):
+                    # newer shared checkpoints were damaged: a local step between them and this one is newer
+                    path = self._resume_local(newer_than=self.step) or path
+                    if self.local.load_failed:  # that load left part of its state: the shared one again, whole
+                        path = self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
         except CheckpointMismatch as e:
             changes = _config_changes(e.path, self.cfg)
             if not changes and e.what == "data":

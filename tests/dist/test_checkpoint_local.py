@@ -355,3 +355,18 @@ def test_a_failure_after_the_peer_copy_is_not_called_a_copy_failure(tmp_path) ->
     assert any("pruning after step 2 failed" in line and "Input/output error" in line for line in lines), lines
     assert any("step 2 complete with peer copies" in line for line in lines), lines
     assert out[0]["record"]["peer_copies"] is True
+
+
+def test_the_newest_intact_step_of_either_tier_resumes(small_cfg, tmp_path, straight12) -> None:
+    """Shared steps 4 and 8, local steps 6 and 10 (killed after step 11). Local 10 damaged on both nodes and shared 8
+    damaged: local 6 resumes (newer than the intact shared 4), exact losses."""
+    local = tmp_path / "local-{host}"
+    cfg = small_cfg(*LONG, "checkpoint.every_steps=4", f"checkpoint.local.dir={local}", run_dir=tmp_path / "run")
+    node0, node1 = tmp_path / "local-node0", tmp_path / "local-node1"
+    run_ranks(2, _run, cfg, 11)
+    for d in (*_step_dirs(node0, "rank-00000", 10), *_step_dirs(node1, "replica-of-rank-00000", 10)):
+        _flip(d)
+    _flip(cfg.checkpoint_dir / "step-00000008")
+    out = run_ranks(2, _run, cfg)
+    assert out[0]["resumed"] is not None and out[0]["resumed"].endswith("rank-00000/step-00000006"), out[0]
+    assert out[0]["losses"] == {s: v for s, v in straight12.items() if s > 6}
