@@ -6,9 +6,10 @@ local NVMe) can. Each rank saves its own state there at the tier's cadence (the 
 copied to the next node (node i -> node i+1 mod n) over the job's own ranks (a gloo group of the copy's own;
 point-to-point messages of at most ``CHUNK`` bytes: memory stays bounded, no ssh). The loop waits for the copy
 (``LocalTier.wait``) only before the next local save, a restore and the run's end. A restart (a new run, an
-in-job restart, a requeue onto the same nodes) takes the newest step that is complete for every rank counting
-those copies, when it is at least as new as the newest shared checkpoint; a rank whose own files are gone gets them
-from the rank holding its copy. Otherwise the shared tier resumes.
+in-job restart, a requeue onto the same nodes) takes the newest step that is intact for every rank counting
+those copies (a damaged directory is set aside and the next copy or step tried), when it is at least as new as the
+newest shared checkpoint; a rank whose own files are gone gets them from the rank holding its copy. Otherwise the
+shared tier resumes.
 
 Layout on each node, under the expanded ``checkpoint.local.dir`` (mode 0700, yours, reached through no link), in
 the run's own ``run-<key>/`` (``run_key``: another run sharing the directory never touches these):
@@ -921,9 +922,10 @@ class LocalTier:
             else inv[self.rank][step]
         )
         code = _LOADED
-        if plan.sources[self.rank] != self.rank:  # fetched: checked again where it landed
+        if plan.sources[self.rank] != self.rank:  # fetched: checked again where it landed; its source verified,
+            # so a failure here is the transfer's: the step is given up (another fetch would fare no better)
             err = error_of(lambda: self._check_or_set_aside(path))
-            code = _GIVE_UP if err is not None else _DAMAGED_SET_ASIDE if not os.path.lexists(path) else _LOADED
+            code = _GIVE_UP if err is not None or not os.path.lexists(path) else _LOADED
         if code == _LOADED:
             whys: list[str | None] = []
             err = error_of(
