@@ -6,11 +6,13 @@ local NVMe) can. Each rank saves its own state there at the tier's cadence (the 
 copied to the next node (node i -> node i+1 mod n) over the job's own ranks (a gloo group of the copy's own;
 point-to-point messages of at most ``CHUNK`` bytes: memory stays bounded, no ssh). The loop waits for the copy
 (``LocalTier.wait``) only before the next local save, a restore and the run's end. A restart (a new run, an
-in-job restart, a requeue onto the same nodes) takes the newest step that is complete for every rank counting
-those copies, when it is at least as new as the newest shared checkpoint; a rank whose own files are gone gets them
-from the rank holding its copy. Otherwise the shared tier resumes.
+in-job restart, a requeue onto the same nodes) takes the newest step that is intact for every rank counting
+those copies (a damaged directory is set aside and the next copy or step tried), when it is at least as new as the
+newest shared checkpoint; a rank whose own files are gone gets them from the rank holding its copy. Otherwise the
+shared tier resumes.
 
-Layout on each node, under the expanded ``checkpoint.local.dir`` (mode 0700, yours, reached through no link):
+Layout on each node, under the expanded ``checkpoint.local.dir`` (mode 0700, yours, reached through no link), in
+the run's own ``run-<key>/`` (``run_key``: another run sharing the directory never touches these):
 
     rank-00003/step-00000120/       rank 3's own save of step 120, restorable on its own:
         __0_0.distcp, .metadata     its DCP state (what this rank holds of model + optimizer), a one-process DCP
@@ -21,11 +23,12 @@ Layout on each node, under the expanded ``checkpoint.local.dir`` (mode 0700, you
     replica-of-rank-00001/step-00000120/   the same files of rank 1 (on the previous node), copied here; their
                                     COMPLETE is written here once every byte matched the manifest
     *.partial                       a save or a copy in progress: never trusted, removed by the next save
+    step-N.damaged-<time>           a step that failed its checks at a restore: kept, never tried again
 
 The directory may have been another job's on a shared node: nothing in it is trusted before it passed the checks
 of the shared tier (owner, permissions, no link leading out: tree_trust_problems; sizes and sha256 against the
-manifest) and every read is bounded. Pruning deletes only ``step-N`` / ``step-N.partial`` directories in the tier's
-own ``rank-*`` and ``replica-of-rank-*`` directories.
+manifest) and every read is bounded. Pruning deletes only ``step-N`` / ``step-N.partial`` directories in the run's
+own ``rank-*`` and ``replica-of-rank-*`` directories; a damaged step is set aside, never deleted.
 """
 
 from __future__ import annotations
@@ -86,7 +89,10 @@ RECORD = "local_checkpoints.json"  # in run.dir (rank 0): what `hpcdist status` 
 # file systems that are not a node's own disk: the tier on them is a slower shared tier that every job loads
 SHARED_FS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "fuse.sshfs"})
 _STEP = re.compile(r"^step-(\d{8})$")
+_DAMAGED_NAME = re.compile(r"^step-(\d{8})\.damaged-")  # a step set aside by a restore
 _TIER_DIR = re.compile(r"^(rank|replica-of-rank)-(\d{5})$")
+# a restore's outcome for one agreed step, worst last (every rank takes the largest)
+_LOADED, _DAMAGED_SET_ASIDE, _GIVE_UP, _ELSEWHERE = 0, 1, 2, 3
 _FILE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}$")
 
 
@@ -100,6 +106,46 @@ def replica_dir(root: Path, origin: int) -> Path:
 
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def run_key(run_dir: Path) -> str:
+    """The subdirectory of ``checkpoint.local.dir`` that holds one run's steps: named from its run dir (the resolved
+    path and the directory's inode, so a run dir made again at the same path is another run on most file systems).
+    Two runs sharing the tier's directory (the ``/dev/shm/hpcdist-{job_id}`` template outside SLURM) then never
+    see, replace or prune each other's steps. Each node derives it alone: only its own disk is keyed by it."""
+    real = os.path.realpath(run_dir)
+    inode = 0
+    with contextlib.suppress(OSError):
+        inode = os.stat(real).st_ino
+    return "run-" + hashlib.sha256(f"{real}\0{inode}".encode()).hexdigest()[:16]
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Rename ``path`` to ``<name>.<why>-<time>`` beside it (never deleted: a damaged step is evidence, and
+    something the tier did not write is not its to remove); the new path. No tier name matches it again, so no
+    restore, prune or discard touches it."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        aside = path.with_name(f"{path.name}.{why}-{stamp}" + (f"-{i}" if i else ""))
+        if not os.path.lexists(aside):
+            os.rename(path, aside)
+            return aside
+    raise OSError(f"{path}: no free name to set it aside")
+
+
+def _make_room(path: Path) -> None:
+    """Before this run writes ``path`` (a step-N or its .partial in its own directory): a directory of ours there
+    is this run's own earlier files of that step, removed; anything else (a link, a file) is moved aside, never
+    followed or deleted."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode) and not writer_problem(st, {os.getuid()}):
+        shutil.rmtree(path)
+    else:
+        aside = set_aside(path, "moved")
+        log.warning("checkpoint.local: %s was not a directory of the tier's: moved aside as %s", path, aside.name)
 
 
 def expand_dir(template: str, *, host: str, job_id: str | None) -> Path:
@@ -220,6 +266,24 @@ def open_local_dir(path: Path) -> Path:
                     "real directory"
                 ]
             )
+    for p in path.parents:  # who can rename the way to it: a writer of any directory above could move the tier
+        try:  # away and put theirs in its place; a sticky directory of yours or root's (/dev/shm, /tmp) lets nobody
+            st = os.lstat(p)  # rename another's entry
+        except FileNotFoundError:
+            continue
+        except OSError:
+            continue  # not readable here: the mkdir below says what is wrong
+        if st.st_mode & stat.S_ISVTX and st.st_uid in (os.getuid(), 0):
+            continue
+        why = writer_problem(st, {os.getuid(), 0})
+        if why:
+            raise ConfigError(
+                [
+                    f"{key}: {str(p)!r}, above the tier's directory, {why} without the sticky bit: whoever can "
+                    "write it can rename the tier away and put another in its place; choose a directory below ones "
+                    "only you (or root) can write, e.g. /dev/shm/hpcdist-{user}-{job_id}"
+                ]
+            )
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(path)
@@ -276,13 +340,12 @@ def _complete_marker(path: Path, origin: int, step: int, world_size: int) -> boo
         if not stat.S_ISDIR(st.st_mode) or writer_problem(st, {os.getuid()}):
             return False
         marker = json.loads(read_record(path / MARKER, 4096))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
-    return (
-        isinstance(marker, dict)
-        and marker.get("step") == step
-        and marker.get("rank") == origin
-        and (marker.get("world_size") == world_size)
+    # type() is int: JSON's false and true equal 0 and 1 in Python, and are no rank or world size
+    return isinstance(marker, dict) and all(
+        type(marker.get(k)) is int and marker[k] == v
+        for k, v in (("step", step), ("rank", origin), ("world_size", world_size))
     )
 
 
@@ -298,7 +361,9 @@ def verify_step_dir(path: Path) -> list[str]:
         files = manifest.get("files") if isinstance(manifest, dict) else None
         if not isinstance(files, dict) or len(files) > MAX_FILES:
             return [f"{MANIFEST}: no files mapping"]
-    except (OSError, ValueError) as e:
+        # the trainer state is parsed by the restore: one that does not parse is as damaged as a wrong hash
+        json.loads(read_record(path / STATE_FILE))
+    except (OSError, ValueError, RecursionError) as e:
         return [describe_error(e)]
     problems = [f"{n}: not in the manifest" for n in sorted(set(have) - set(files) - {MANIFEST, MARKER})]
     for name, want in sorted(files.items()):
@@ -390,6 +455,7 @@ class LocalTier:
         self.last_step: int | None = None  # the newest complete local step (this rank's and its copy)
         self.bytes_per_node = 0
         self.foreign = False  # restore found another run's step here (another run.dir / model sharing the directory)
+        self.load_failed = False  # a restore's load failed part-way: the state holds part of it until loaded again
         self._pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
         # the peer copy runs on a thread of its own (``save``), over a group of its own: two threads sharing one
         # group deadlock. Its collectives give up after ``timeout_s`` (the job's collective timeout; None: torch's
@@ -443,8 +509,7 @@ class LocalTier:
         written: list[int] = []
 
         def write() -> None:
-            if final.exists():  # saved again: the old files go first, so a failed save leaves no step of two runs
-                shutil.rmtree(final)
+            _make_room(final)  # saved again: the old files go first, so a failed save leaves no step of two lines
             written.append(self._write(partial, step, state))
             partial.rename(final)
 
@@ -477,19 +542,38 @@ class LocalTier:
         copied = False
         try:
             copied = self._replicate(step, group)
-            self._prune()
-            sizes = self._gather(nbytes, group)
-            node_bytes: dict[str, int] = {}
-            for r, n in enumerate(sizes):
-                node_bytes[self.hosts[r]] = node_bytes.get(self.hosts[r], 0) + n
-            self.bytes_per_node = max(node_bytes.values()) * (2 if copied else 1)
-        except Exception as e:
+        except Exception as e:  # a collective failed or timed out (a peer gone): the group is of no more use
             log.warning(
                 "rank %d: checkpoint.local: the peer copies of step %d failed (%s): the step has no copy",
                 self.rank,
                 step,
                 describe_error(e),
             )
+        else:
+            # after the copy, whatever its outcome: its own failures are said as what they are, not as the copy's
+            err = error_of(self._prune)
+            if err is not None:
+                log.warning(
+                    "rank %d: checkpoint.local: pruning after step %d failed (%s): older steps stay until the next "
+                    "save",
+                    self.rank,
+                    step,
+                    describe_error(err),
+                )
+            try:  # every rank reaches this collective, whatever its prune did
+                sizes = self._gather(nbytes, group)
+                node_bytes: dict[str, int] = {}
+                for r, n in enumerate(sizes):
+                    node_bytes[self.hosts[r]] = node_bytes.get(self.hosts[r], 0) + n
+                self.bytes_per_node = max(node_bytes.values()) * (2 if copied else 1)
+            except Exception as e:
+                log.warning(
+                    "rank %d: checkpoint.local: gathering the sizes after step %d failed (%s): the record shows the "
+                    "previous size",
+                    self.rank,
+                    step,
+                    describe_error(e),
+                )
         self._copied = copied or all(p < 0 for p in self.peer)
         seconds = time.perf_counter() - t0
         if self.rank == 0:
@@ -524,8 +608,7 @@ class LocalTier:
 
     def _write(self, path: Path, step: int, state: Checkpointable) -> int:
         """This rank's files of ``step`` into ``path`` (a fresh directory), manifest and marker last; bytes."""
-        if path.exists():
-            shutil.rmtree(path)  # a crashed save's leftover, in our own directory
+        _make_room(path)  # a crashed save's leftover, in our own directory
         path.mkdir(mode=0o700, parents=True)
         writer = HashingWriter(str(path), thread_count=1)
         with single_process_dcp():
@@ -747,19 +830,82 @@ class LocalTier:
                             out.setdefault(origin, {}).setdefault(int(sm.group(1)), Path(s.path))
         return out
 
+    def damaged_steps(self) -> list[int]:
+        """The steps of this node's directory that a restore set aside as damaged (``step-N.damaged-<time>``)."""
+        out: set[int] = set()
+        with contextlib.suppress(OSError):
+            for e in os.scandir(self.root):
+                if _TIER_DIR.match(e.name) and e.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        out.update(int(m.group(1)) for s in os.scandir(e.path) if (m := _DAMAGED_NAME.match(s.name)))
+        return sorted(out)
+
+    def _worst(self, code: int) -> int:
+        """Collective: the largest of every rank's outcome code."""
+        if self._pg is None:
+            return code
+        flag = torch.tensor([code])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+        return int(flag)
+
     def restore(self, state: Checkpointable, shared_step: int | None) -> Path | None:
-        """Collective: load the newest step complete across every rank (counting peer copies) when it is at least
-        as new as ``shared_step`` (rank 0's newest shared checkpoint); None: resume from the shared tier (why is
-        logged). A rank without its own files gets them from the rank keeping its copy; a step that fails its
-        checks on any rank is not used."""
+        """Collective: load the newest step intact on every rank (counting peer copies), then the next, while it is
+        at least as new as ``shared_step`` (rank 0's newest shared checkpoint); None: resume from the shared tier
+        (why is logged). Every rank checks the files it holds of the step (its own, and the copies it hands to a
+        rank whose own files are gone) against their manifest; a directory that fails is set aside
+        (``step-N.damaged-<time>``, never deleted) and the step is agreed again without it: another copy of the same
+        files, or the next older step. With no shared checkpoint to fall back to and only damaged local steps, the
+        run is refused (ConfigError) rather than started from step 0."""
         self.wait()  # a copy in flight is not counted half-done: it ends (complete or not) before the inventory
-        inv = self.inventory()
-        gathered = self._gather(({o: sorted(s) for o, s in inv.items()}, shared_step))
-        plan = agree_step([g[0] for g in gathered], self.world_size, gathered[0][1])
-        if plan.step is None:
-            log.info("checkpoint.local: not resuming from %s: %s", self.root, plan.why)
-            return None
+        given_up: set[int] = set()  # steps whose fetch between nodes failed: not agreed on again here
+        while True:
+            inv = self.inventory()
+            offer = {o: sorted(set(s) - given_up) for o, s in inv.items()}
+            gathered = self._gather((offer, shared_step, self.damaged_steps()))
+            shared = gathered[0][1]
+            plan = agree_step([g[0] for g in gathered], self.world_size, shared)
+            if plan.step is None:
+                damaged = sorted({s for g in gathered for s in g[2]})
+                if shared is None and damaged:
+                    raise ConfigError(
+                        [
+                            f"checkpoint.resume=auto: no intact node-local step in {self.root} and no shared "
+                            f"checkpoint, only damaged local steps ({', '.join(map(str, damaged[:8]))}, set aside as "
+                            "step-N.damaged-<time>; the warnings above say which file); nothing was deleted. Set "
+                            "checkpoint.resume=none to start from step 0 anyway (they are kept)"
+                        ]
+                    )
+                log.info("checkpoint.local: not resuming from %s: %s", self.root, plan.why)
+                return None
+            outcome, path = self._try_step(plan, inv, state, shared)
+            if outcome == _LOADED:
+                return path
+            if outcome == _ELSEWHERE:
+                return None
+            if outcome == _GIVE_UP:
+                given_up.add(plan.step)
+            # _DAMAGED_SET_ASIDE: a directory was set aside; the step is agreed again without it
+
+    def _try_step(
+        self, plan: LocalPlan, inv: dict[int, dict[int, Path]], state: Checkpointable, shared: int | None
+    ) -> tuple[int, Path | None]:
+        """Collective: check, fetch and load the agreed step; (outcome, the loaded path)."""
         step = plan.step
+        assert step is not None
+        served = [r for r, src in plan.sources.items() if src == self.rank]
+        code = _LOADED
+        for r in served:  # what this rank holds of the step, checked before anything of it travels or loads
+            err = error_of(lambda d=inv[r][step]: self._check_or_set_aside(d))
+            if err is not None:
+                log.error(
+                    "rank %d: checkpoint.local: checking step %d failed: %s", self.rank, step, describe_error(err)
+                )
+            code = max(code, _GIVE_UP if err is not None else _LOADED)
+            if err is None and not os.path.lexists(inv[r][step]):
+                code = max(code, _DAMAGED_SET_ASIDE)
+        code = self._worst(code)
+        if code != _LOADED:
+            return code, None
         pairs = sorted((src, r) for r, src in plan.sources.items() if src != r)
         for src, r in pairs:
             if self.rank == 0:
@@ -768,36 +914,65 @@ class LocalTier:
             pairs, step, lambda origin: inv[origin][step], lambda origin: own_dir(self.root, origin), restore=True
         )
         if not ok:
-            log.warning("checkpoint.local: fetching step %d from the peers failed: resuming from the shared tier", step)
-            return None
+            log.warning("checkpoint.local: fetching step %d from the peers failed: trying an older step", step)
+            return _GIVE_UP, None
         path = (
             own_dir(self.root, self.rank) / step_name(step)
             if plan.sources[self.rank] != self.rank
-            else (inv[self.rank][step])
+            else inv[self.rank][step]
         )
-        problems: list[str] = []
-        err = error_of(lambda: problems.extend(verify_step_dir(path)))
-        if err is None and problems:
-            err = ValueError(f"{path}: {'; '.join(problems[:3])}")
-        if err is None:
-            why = _same_run(json.loads(read_record(path / STATE_FILE)), state.trainer_state())
-            err = ValueError(f"{path} is another run's ({why})") if why else None
-            self.foreign = bool(why)  # then nothing here is discarded (discard_newer): it is not ours to drop
-        if not self._all_ok(err, f"checking step {step}"):
-            log.warning("checkpoint.local: step %d is not usable on every rank: resuming from the shared tier", step)
-            return None
+        code = _LOADED
+        if plan.sources[self.rank] != self.rank:  # fetched: checked again where it landed; its source verified,
+            # so a failure here is the transfer's: the step is given up (another fetch would fare no better)
+            err = error_of(lambda: self._check_or_set_aside(path))
+            code = _GIVE_UP if err is not None or not os.path.lexists(path) else _LOADED
+        if code == _LOADED:
+            whys: list[str | None] = []
+            err = error_of(
+                lambda: whys.append(_same_run(json.loads(read_record(path / STATE_FILE)), state.trainer_state()))
+            )
+            why = whys[0] if whys else None
+            if err is not None:
+                log.error("rank %d: checkpoint.local: reading %s failed: %s", self.rank, path, describe_error(err))
+                code = _GIVE_UP
+            elif why:
+                log.error("rank %d: checkpoint.local: %s is another run's (%s)", self.rank, path, why)
+                self.foreign = True  # then nothing here is discarded (discard_newer): it is not ours to drop
+                code = _ELSEWHERE
+        code = self._worst(code)
+        if code != _LOADED:
+            if code == _ELSEWHERE:
+                self.foreign = True
+                log.warning(
+                    "checkpoint.local: step %d is not this run's on every rank: resuming from the shared tier", step
+                )
+            return code, None
         err = error_of(lambda: self._load(path, state))
         if not self._all_ok(err, f"loading step {step}"):
-            if shared_step is None and gathered[0][1] is None:
+            if shared is None:
                 raise RuntimeError(
                     f"checkpoint.local: loading step {step} failed after it verified (see the errors above) and "
                     "there is no shared checkpoint to fall back to; move the node-local directory aside to start "
                     "from step 0"
                 )
             log.warning("checkpoint.local: loading step %d failed: resuming from the shared tier", step)
-            return None
+            self.load_failed = True
+            return _ELSEWHERE, None
         self.last_step = step
-        return path
+        return _LOADED, path
+
+    def _check_or_set_aside(self, path: Path) -> None:
+        """A step directory that fails its checks is set aside (kept to inspect) with a warning naming the file."""
+        problems = verify_step_dir(path)
+        if problems:
+            aside = set_aside(path, "damaged")
+            log.warning(
+                "rank %d: checkpoint.local: %s is damaged (%s): set aside as %s, trying the next copy or step",
+                self.rank,
+                path,
+                "; ".join(problems[:3]),
+                aside.name,
+            )
 
     def _load(self, path: Path, state: Checkpointable) -> None:
         trainer_state = json.loads(read_record(path / STATE_FILE))
@@ -883,8 +1058,7 @@ class _Sink:
             if total > free:
                 raise OSError(f"{size_text(total)} to copy, {size_text(free)} free in {parent}")
             for old in (self.partial, self.final):  # an older copy of this step is never left beside a failed one
-                if old.exists():
-                    shutil.rmtree(old)
+                _make_room(old)
             self.partial.mkdir(mode=0o700)
             self._next_file()
         except (OSError, ValueError, KeyError, TypeError) as e:

@@ -257,7 +257,8 @@ class DirectReader(_ChunkedFile):
         while done < len(view) and self._pos < self.size:
             k, start = divmod(self._pos, CHUNK)
             buf, n = self._chunk(k)
-            m = min(n - start, len(view) - done)
+            # never past the size taken at open: a file grown since returns its new bytes in the last chunk
+            m = min(n - start, len(view) - done, self.size - self._pos)
             if m <= 0:  # the file shrank under us: what we have is all there is
                 break
             _copy(view[done : done + m], buf[start : start + m])

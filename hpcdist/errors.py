@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["CommandError", "LaunchError", "keep_traceback", "refusing"]
+__all__ = ["CommandError", "LaunchError", "PeerRankDied", "keep_traceback", "refusing"]
 
 F = TypeVar("F", bound=Callable[..., int])
 
@@ -21,6 +21,17 @@ F = TypeVar("F", bound=Callable[..., int])
 class LaunchError(RuntimeError):
     """Submission failed (no executor, sbatch refused the job, a code snapshot refused) or a job ended without a
     result. Here, not in hpcdist.launch.submit: the snapshot that submit imports raises it too."""
+
+
+class PeerRankDied(RuntimeError):
+    """A collective of this rank failed because another rank is gone (its process died, its node was lost: gloo's
+    or NCCL's connection reset / closed) or stopped answering (a collective timeout). Nothing is wrong with this
+    rank: the attempt failed and is restartable (``EXIT_CODE`` 1, the status the attempt loop restarts on); the
+    failure record, ``collective``, blames nobody (the dead rank's own record or its supervisor's says who). The
+    original error is its ``__cause__``."""
+
+    EXIT_CODE = 1
+    failure_kind = "collective"
 
 
 class CommandError(Exception):

@@ -27,6 +27,7 @@ from hpcdist import config as config_mod
 from hpcdist.checkpoint import EXIT_IO, MARKER, step_dir
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
+from hpcdist.errors import PeerRankDied
 from hpcdist.fault import failures
 from hpcdist.fault.hang import collective_timeout_s, configure_collectives
 from hpcdist.fault.rundir_lock import RunDirInUse
@@ -34,6 +35,7 @@ from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.planning import layouts as planner
 from hpcdist.rankfacts import RankFacts, rank_facts
+from hpcdist.rundir import RunDir
 from hpcdist.trainer import Trainer, TrainResult
 
 __all__ = ["JobEnvironment", "main", "plan_rank", "process_group_env", "train"]
@@ -134,6 +136,15 @@ def train(
             )
         if trainer is not None:
             trainer.goodput.flush()
+        # the peer's death, not this rank's error (the record's own precedence: an error's kind, else its words);
+        # the CLI names the rank and host where it is not rank 0 (hpcdist.launch.commands)
+        if (getattr(e, "failure_kind", None) or failures.classify_exception(e)) == "collective":
+            step = f" after step {trainer.step}" if trainer is not None else " during start-up"
+            raise PeerRankDied(
+                f"a peer rank died or stopped answering{step} "
+                f"({' '.join(str(e).split())[:200]}); this rank is fine: the attempt failed and a restart resumes "
+                f"from the last checkpoint (the dead rank's log, or {RunDir(cfg.run.dir).failures}, says which)"
+            ) from e
         raise
 
 

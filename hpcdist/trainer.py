@@ -29,7 +29,7 @@ from hpcdist.checkpoint import (
     latest,
     staging_estimate,
 )
-from hpcdist.checkpoint_local import EXIT_WAIT_S, LocalTier, expand_dir, open_local_dir
+from hpcdist.checkpoint_local import EXIT_WAIT_S, LocalTier, expand_dir, open_local_dir, run_key
 from hpcdist.config import JobConfig
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.vocab import data_eos
@@ -43,7 +43,7 @@ from hpcdist.fault.hang import HangWatchdog, collective_timeout_s
 from hpcdist.fault.nonfinite import NonFiniteError, NonFiniteGuard
 from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
 from hpcdist.fault.stop import StopFlag, StopReason
-from hpcdist.fault.triage import HardwareFault, SkippedSamples, Triage
+from hpcdist.fault.triage import HardwareFault, ModelDiverged, SkippedSamples, Triage
 from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics.observer import Observer, StepRecord
 from hpcdist.models import build_model, flops_per_token, num_params
@@ -122,6 +122,8 @@ class Trainer:
         # samples an earlier attempt's NaN triage found bad (train.nonfinite=skip): skipped again, the same way
         self.skipped_samples = SkippedSamples(self.run_dir)
         try:
+            if cfg.checkpoint.resume == "none":  # a new line of training: the old line's list goes aside, as its
+                self.skipped_samples.set_aside(is_main=env.is_main)  # checkpoints do at the resume
             self.skipped = self.skipped_samples.load(len(train_ds))
             self.sampler.skip(set(self.skipped))
         except ValueError as e:
@@ -268,6 +270,14 @@ class Trainer:
         assert self.triage is not None
         step = self.step + 1
         verdict, grad_norm = self.triage.rerun(step, batch, self.loader.last_indices(), loss)
+        if verdict.kind == "model":
+            log.error("step %d: NaN triage: model: %s", step, verdict.why)
+            last = self.nonfinite.last_checkpoint
+            raise ModelDiverged(
+                f"step {step}: non-finite loss/gradient reproduced on re-run: NaN triage: model: {verdict.why}; no "
+                "sample was skipped (the data is not at fault). Lower optim.lr, set optim.grad_clip, and resume from "
+                + (f"the last finite checkpoint, {last}" if last else "step 0 (no checkpoint was saved)")
+            )
         if verdict.kind == "hardware":
             self.triage.record_hardware(step, verdict)
             hosts = ", ".join(f"rank {r} on {self.hosts[r]}" for r in verdict.blamed) or "no rank in particular"
@@ -407,8 +417,8 @@ class Trainer:
             return None
         root = expand_dir(loc.dir, host=self.env.hostname, job_id=self.env.job.job_id)
         problems: list[str] = []
-        try:
-            open_local_dir(root)
+        try:  # this run's own subdirectory: another run sharing the directory never touches its steps
+            root = open_local_dir(open_local_dir(root) / run_key(self.run_dir))
         except ConfigError as e:
             problems = [f"{p} (on {self.env.hostname})" for p in e.problems]
         every = [problems]
@@ -432,13 +442,16 @@ class Trainer:
             timeout_s=collective_timeout_s(self.cfg.fault.watchdog_timeout_s, self.cfg.fault.watchdog_slow_phase_s),
         )
 
-    def _resume_local(self) -> Path | None:
-        """Collective: checkpoint.resume=auto with the node-local tier: its newest step complete on every rank
-        (counting peer copies) when it is at least as new as the newest shared checkpoint; None: the shared tier."""
+    def _resume_local(self, newer_than: int | None = None) -> Path | None:
+        """Collective: checkpoint.resume=auto with the node-local tier: its newest step intact on every rank
+        (counting peer copies) when it is at least as new as the newest shared checkpoint, or newer than
+        ``newer_than`` (the step the shared tier resumed once its newer checkpoints proved damaged); None: the
+        shared tier."""
         if self.local is None or self.cfg.checkpoint.resume != "auto":
             return None
         shared = latest(self.ckpt.root, warn=False)
-        path = self.local.restore(self.checkpointable(), int(shared.name[5:]) if shared else None)
+        floor = newer_than + 1 if newer_than is not None else int(shared.name[5:]) if shared else None
+        path = self.local.restore(self.checkpointable(), floor)
         if path is not None:
             self.ckpt.saved_step = self.ckpt.local_saved_step = self.step  # neither tier saves this step again
         return path
@@ -453,7 +466,15 @@ class Trainer:
     def _resume(self) -> str | None:
         t0 = time.perf_counter()
         try:
-            path = self._resume_local() or self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
+            path = self._resume_local()
+            if path is None:
+                newest = latest(self.ckpt.root, warn=False)
+                path = self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
+                if path is not None and self.local is not None and newest and self.step < int(newest.name[5:]):
+                    # newer shared checkpoints were damaged: a local step between them and this one is newer
+                    path = self._resume_local(newer_than=self.step) or path
+                    if self.local.load_failed:  # that load left part of its state: the shared one again, whole
+                        path = self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
         except CheckpointMismatch as e:
             changes = _config_changes(e.path, self.cfg)
             if not changes and e.what == "data":

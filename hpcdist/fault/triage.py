@@ -1,14 +1,20 @@
-"""NaN triage (``train.nonfinite_triage``): re-run a non-finite step once to tell bad data from bad hardware.
+"""NaN triage (``train.nonfinite_triage``): re-run a non-finite step once to tell bad data from bad hardware
+and from a diverged model.
 
 The step's update was dropped (``optimizer_step(skip_nonfinite=True)``: parameters, optimizer and LR state are
 untouched, gradients zeroed; Strategy._update), so forward and backward run again on the same inputs, on the same
 rank, from the state before the step. The re-run's gradient norm is global, so every rank sees the same outcome:
 
-* non-finite again (reproducible): **data**. The suspects are the samples whose own loss is non-finite (each row
-  run alone, every strategy but a pipeline: Strategy.sample_losses), else the batches of the ranks whose loss was,
-  else the whole step's batch. With ``train.nonfinite=skip`` they are skipped from then on (the sampler passes over
-  them) and listed in <run.dir>/skipped_samples.json, read at start-up, so a resume skips them too; with ``stop``
-  the run stops naming them.
+* non-finite again, from parameters that are themselves non-finite or huge (beyond ``PARAM_LIMIT``), with every
+  sample's loss finite (only the gradients overflow: inputs reach the model through its forward alone), or with
+  every sample of the batch non-finite on its own from the same parameters: **model** (a diverged run, e.g. a far
+  too high optim.lr). No sample is named or skipped; the run stops pointing at the optimizer settings.
+* otherwise non-finite again (reproducible): **data**. The suspects are the samples whose own loss is non-finite
+  (each row run alone, every strategy but a pipeline: Strategy.sample_losses), else the batches of the ranks whose
+  loss was, else the whole step's batch. With ``train.nonfinite=skip`` they are skipped from then on (the sampler
+  passes over them) and listed in <run.dir>/skipped_samples.json, read at start-up, so a resume skips them too
+  (``checkpoint.resume=none`` sets the list aside: it belongs to its line of training); with ``stop`` the run stops
+  naming them.
 * finite (not reproducible): **hardware**. The ranks with their own evidence of the first attempt (a non-finite
   local loss, else non-finite local gradients where not every rank has them: DDP's reduce spreads one rank's NaN)
   are blamed in one ``hardware`` record in failures.jsonl, so the restart policy excludes their hosts; the run stops.
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +41,7 @@ from hpcdist.fault.nonfinite import NonFiniteError
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
 
-__all__ = ["SkippedSamples", "Triage", "TriageVerdict"]
+__all__ = ["HardwareFault", "ModelDiverged", "SkippedSamples", "Triage", "TriageVerdict"]
 
 log = get_logger(__name__)
 
@@ -42,6 +49,10 @@ _MAX_FILE_BYTES = 1 << 20  # ~50k ids: far more than max_nonfinite_skips ever le
 _MAX_ID = 1 << 62  # a blend's ids are global positions: large, never this large
 _LOSS, _GRADS = 1, 2  # flag bits, first attempt
 _LOSS2 = 4  # flag bit, re-run
+_PARAMS = 8  # flag bit: this rank's parameters are non-finite or beyond PARAM_LIMIT
+# |parameter| beyond which the model, not a sample, is the cause: trained transformer weights stay within a few
+# hundred (norm gains, embedding outliers); a diverged run's grow by orders of magnitude (lr=1e4: ~5e9 after 3 steps)
+PARAM_LIMIT = 1e5
 
 
 class TriageVerdict:
@@ -84,6 +95,28 @@ class SkippedSamples:
             out[i] = str(why.get(str(i), ""))[:300]
         return out
 
+    def set_aside(self, *, is_main: bool) -> None:
+        """Collective, at a fresh start (``checkpoint.resume=none``): the list belongs to the line of training that
+        made it, as its checkpoints do, so rank 0 renames it ``skipped_samples.json.abandoned-<time>`` (kept) before
+        any rank reads it, and the new line trains on every sample. ValueError (every rank) when it cannot."""
+        err = [""]
+        if is_main and os.path.lexists(self.path):
+            aside = self.path.with_name(f"{self.path.name}.abandoned-{time.strftime('%Y%m%d-%H%M%S')}")
+            try:
+                os.rename(self.path, aside)
+                log.warning(
+                    "checkpoint.resume=none starts a new line of training: %s is set aside as %s (kept; the "
+                    "samples it lists are trained on)",
+                    self.path.name,
+                    aside.name,
+                )
+            except OSError as e:
+                err[0] = f"{self.path} could not be set aside ({e.strerror}); move it away to start afresh"
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(err, src=0)
+        if err[0]:
+            raise ValueError(err[0])
+
     def save(self, num_samples: int, skipped: dict[int, str]) -> None:
         doc = {"num_samples": num_samples, "ids": sorted(skipped), "why": {str(i): w for i, w in skipped.items()}}
         atomic_write(self.path, json.dumps(doc, indent=1) + "\n")
@@ -111,6 +144,7 @@ class Triage:
         """Called on every rank when ``optimizer_step(skip_nonfinite=True)`` skipped ``step``. Returns the verdict
         and the re-run's gradient norm (the re-run's update is applied when it was finite)."""
         flags = (0 if bool(torch.isfinite(loss)) else _LOSS) | (0 if self.strategy.last_local_grads_finite else _GRADS)
+        flags |= _PARAMS if _param_peak(self.strategy.local_params()) > PARAM_LIMIT else 0
         loss2 = self.strategy.forward_backward(batch)
         norm2 = self.strategy.optimizer_step(skip_nonfinite=True)
         reproduced = self.strategy.last_step_skipped  # the norm is global: the same on every rank
@@ -136,6 +170,9 @@ class Triage:
         narrowed = [int(v) - 1 for v in vec[self.world_size : self.world_size + self.global_batch_size] if v]
         whole = [int(v) - 1 for v in vec[self.world_size + self.global_batch_size :] if v]
         if reproduced:
+            model = _model_cause(rank_flags, narrowed, whole)
+            if model:
+                return TriageVerdict("model", [], [], model), norm2
             if narrowed:
                 why = "the loss of these samples is non-finite again when the step is re-run on the same inputs"
             else:
@@ -167,6 +204,34 @@ class Triage:
             blame=blame,
             step=step,
         )
+
+
+def _param_peak(params: Sequence[torch.Tensor]) -> float:
+    """The largest |value| of this rank's parameter shards (inf when one is NaN/Inf)."""
+    peak = 0.0
+    for t in params:
+        if t.numel():
+            m = float(t.detach().abs().max())
+            peak = max(peak, m if m == m else float("inf"))  # NaN compares false: as bad as inf
+    return peak
+
+
+def _model_cause(rank_flags: Sequence[int], narrowed: Sequence[int], whole: Sequence[int]) -> str:
+    """Why a reproduced non-finite step is the model's state rather than its samples ("" when it is not)."""
+    if any(f & _PARAMS for f in rank_flags):
+        return f"the parameters themselves are non-finite or beyond {PARAM_LIMIT:g} in magnitude (a diverged model)"
+    if not any(f & _LOSS2 for f in rank_flags):
+        return (
+            "the re-run's loss is finite on every rank, only the gradients are not: no input is non-finite through "
+            "the forward, the parameters' backward overflows"
+        )
+    if len(whole) > 1 and set(narrowed) == set(whole):
+        return f"all {len(whole)} samples of the batch are non-finite one by one from the same parameters"
+    return ""
+
+
+class ModelDiverged(NonFiniteError):
+    """A non-finite step that the NaN triage traced to the model's state (not a sample, not the hardware)."""
 
 
 class HardwareFault(NonFiniteError):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.atomic import UntrustedFile
-from hpcdist.errors import CommandError, refusing
+from hpcdist.errors import CommandError, PeerRankDied, refusing
 from hpcdist.launch.slurm_cli import SlurmError
 from hpcdist.launch.submit import LaunchError
 
@@ -48,6 +48,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise _once_per_job(e, code=e.EXIT_CODE) from e
     except NonFiniteError as e:  # every rank stops at the same step (the norm is global): say it once
         raise _once_per_job(e, code=1) from e
+    except PeerRankDied as e:  # every survivor alike; rank 0 may be the dead one: the first rank of each node says it
+        e.per_host = True  # type: ignore[attr-defined]
+        raise _once_per_job(e, code=e.EXIT_CODE) from e
 
 
 def _check_before_torch(cfg: Any) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from hpcdist.checkpoint import MARKER
+from hpcdist.checkpoint_local import run_key
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.launch.records import checkpoint_tiers_text
@@ -67,10 +68,12 @@ def test_a_lost_nodes_files_come_from_its_peer_and_both_lost_falls_back_to_share
     cfg = small_cfg(*OVER, f"checkpoint.local.dir={local}", "checkpoint.local.every_steps=2", run_dir=tmp_path / "run")
     node0, node1 = tmp_path / "local-node0", tmp_path / "local-node1"
     run_ranks(2, _run, cfg, 5)
-    # each rank's own steps 2 and 4, and the other node's copy of them
+    # each rank's own steps 2 and 4, and the other node's copy of them, in the run's own subdirectory
+    (key,) = {p.name for p in (*node0.iterdir(), *node1.iterdir())}
+    assert key == run_key(cfg.run.dir)
     for node, own, copy in (
-        (node0, "rank-00000", "replica-of-rank-00001"),
-        (node1, "rank-00001", "replica-of-rank-00000"),
+        (node0 / key, "rank-00000", "replica-of-rank-00001"),
+        (node1 / key, "rank-00001", "replica-of-rank-00000"),
     ):
         for d in (own, copy):
             assert sorted(p.name for p in (node / d).glob("step-*")) == ["step-00000002", "step-00000004"], node
@@ -86,8 +89,8 @@ def test_a_lost_nodes_files_come_from_its_peer_and_both_lost_falls_back_to_share
 
     shutil.rmtree(node1)  # node 1 replaced: its disk is empty
     first = run_ranks(2, _run, cfg, 5)
-    assert first[0]["resumed"] == str(node0 / "rank-00000" / "step-00000004")
-    assert first[1]["resumed"] == str(node1 / "rank-00001" / "step-00000004")  # fetched back from node 0's copy
+    assert first[0]["resumed"] == str(node0 / key / "rank-00000" / "step-00000004")
+    assert first[1]["resumed"] == str(node1 / key / "rank-00001" / "step-00000004")  # fetched back from node 0's copy
     assert _logged(cfg.run.dir)[5] == straight[5]
 
     shutil.rmtree(node0)
@@ -199,3 +202,171 @@ def test_the_peer_copy_runs_in_the_background_and_a_kill_during_it_leaves_nothin
     assert out[0]["restored"] == str(snapshot / "node0" / "rank-00000" / "step-00000002")
     assert out[1]["restored"] == str(snapshot / "node1" / "rank-00001" / "step-00000002")  # from node 0's copy
     assert all(r["restored_weights_of_step_2"] for r in out)
+
+
+# 12 steps: local steps every 2 (keep 2), shared every 6: a kill after step 11 leaves local 8 and 10, shared 6
+LONG = ("train.steps=12", "checkpoint.keep_last=5", "train.micro_batch_size=2", "checkpoint.local.every_steps=2")
+
+
+def _step_dirs(node: Path, tier_dir: str, step: int) -> list[Path]:
+    """The tier's directories of ``step`` under ``tier_dir`` (rank-*/replica-of-rank-*) on a node, wherever the
+    tier keys them."""
+    return sorted(node.rglob(f"{tier_dir}/step-{step:08d}"))
+
+
+def _flip(step_dir: Path) -> None:
+    shard = next(step_dir.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def _set_aside(node: Path, tier_dir: str, step: int) -> list[Path]:
+    return sorted(p for p in node.rglob(f"{tier_dir}/step-{step:08d}.*") if not p.name.endswith(".partial"))
+
+
+def _run_or_error(env: DistEnv, cfg: JobConfig, kill_after: int | None = None) -> dict:
+    try:
+        return _run(env, cfg, kill_after)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+@pytest.fixture(scope="module")
+def straight12(tmp_path_factory, corpus_dir) -> dict[int, float]:
+    from tests.conftest import small_config
+
+    tmp = tmp_path_factory.mktemp("straight12")
+    cfg = small_config(tmp / "run", corpus_dir, *LONG, "checkpoint.every_steps=6", f"checkpoint.local.dir={tmp}/l")
+    return run_ranks(2, _run, cfg)[0]["losses"]
+
+
+@pytest.mark.parametrize("copies_damaged", [False, True])
+def test_a_damaged_newest_local_step_falls_back_to_the_next_intact_one(
+    small_cfg, tmp_path, straight12, copies_damaged
+) -> None:
+    """Rank 0's own files of local step 10 damaged: its peer copy on node 1 restores step 10; that copy damaged
+    too: local step 8 (newer than the shared step 6). The damaged directories are set aside, never deleted, and
+    every loss equals the uninterrupted run's."""
+    local = tmp_path / "local-{host}"
+    cfg = small_cfg(*LONG, "checkpoint.every_steps=6", f"checkpoint.local.dir={local}", run_dir=tmp_path / "run")
+    node0, node1 = tmp_path / "local-node0", tmp_path / "local-node1"
+    run_ranks(2, _run, cfg, 11)
+    (own,) = _step_dirs(node0, "rank-00000", 10)
+    (copy,) = _step_dirs(node1, "replica-of-rank-00000", 10)
+    _flip(own)
+    if copies_damaged:
+        _flip(copy)
+    out = run_ranks(2, _run, cfg)
+    want = 8 if copies_damaged else 10
+    assert out[0]["resumed"] is not None and out[0]["resumed"].endswith(f"rank-00000/step-{want:08d}"), out[0]
+    assert out[0]["losses"] == {s: v for s, v in straight12.items() if s > want}
+    assert len(_set_aside(node0, "rank-00000", 10)) == 1  # kept, renamed
+    assert len(_set_aside(node1, "replica-of-rank-00000", 10)) == (1 if copies_damaged else 0)
+
+
+def test_without_a_shared_checkpoint_a_damaged_local_step_is_never_a_fresh_start(small_cfg, tmp_path) -> None:
+    """checkpoint.every_steps=0: the local tier is the only resume point. Step 10 damaged on both nodes: step 8
+    resumes and step 10 is kept aside; every local step damaged: the run refuses to start from step 0 and deletes
+    nothing."""
+    local = tmp_path / "local-{host}"
+    over = (*LONG, "checkpoint.every_steps=0", "checkpoint.save_final=false", f"checkpoint.local.dir={local}")
+    straight_cfg = small_cfg(*over[:-1], f"checkpoint.local.dir={tmp_path}/s", run_dir=tmp_path / "straight")
+    straight = run_ranks(2, _run, straight_cfg)[0]["losses"]
+    cfg = small_cfg(*over, run_dir=tmp_path / "run")
+    node0, node1 = tmp_path / "local-node0", tmp_path / "local-node1"
+    run_ranks(2, _run, cfg, 11)
+    for d in (*_step_dirs(node0, "rank-00000", 10), *_step_dirs(node1, "replica-of-rank-00000", 10)):
+        _flip(d)
+    out = run_ranks(2, _run_or_error, cfg)
+    assert out[0].get("resumed", "").endswith("rank-00000/step-00000008"), out[0]
+    assert out[0]["losses"] == {s: v for s, v in straight.items() if s > 8}
+    assert _set_aside(node0, "rank-00000", 10) and _set_aside(node1, "replica-of-rank-00000", 10)
+
+    # the same kill on another tier directory; now every step of rank 0 (its own files and the copy) is damaged
+    local2 = tmp_path / "local2-{host}"
+    cfg2 = small_cfg(*over[:-1], f"checkpoint.local.dir={local2}", run_dir=tmp_path / "run2")
+    node0 = tmp_path / "local2-node0"
+    run_ranks(2, _run, cfg2, 11)
+    for step in (8, 10):
+        for d in (
+            *_step_dirs(node0, "rank-00000", step),
+            *_step_dirs(tmp_path / "local2-node1", "replica-of-rank-00000", step),
+        ):
+            _flip(d)
+    before = sorted(p.name for p in (tmp_path / "local2-node0").rglob("step-*"))
+    out = run_ranks(2, _run_or_error, cfg2)
+    assert "error" in out[0] and "ConfigError" in out[0]["error"] and "damaged" in out[0]["error"], out[0]
+    assert "checkpoint.resume=none" in out[0]["error"]
+    after = sorted(p.name for p in node0.rglob("step-*"))
+    assert len(after) == len(before) and [n[:13] for n in after] == [n[:13] for n in before]  # renamed, kept
+
+
+def test_two_runs_on_one_local_dir_keep_their_own_steps(small_cfg, tmp_path) -> None:
+    """Two runs (another run.dir each) on one checkpoint.local.dir, as the /dev/shm/hpcdist-{job_id} template gives
+    every run outside SLURM: run B's saves do not replace or prune run A's steps, and A resumes from its own."""
+    local = tmp_path / "local-{host}"
+    over = (*LONG, "checkpoint.every_steps=6", f"checkpoint.local.dir={local}", "train.steps=10")
+    a, b = small_cfg(*over, run_dir=tmp_path / "a"), small_cfg(*over, "run.seed=7", run_dir=tmp_path / "b")
+    straight_cfg = small_cfg(*over[:-2], f"checkpoint.local.dir={tmp_path}/s", "train.steps=10", run_dir=tmp_path / "s")
+    straight = run_ranks(2, _run, straight_cfg)[0]["losses"]
+    run_ranks(2, _run, a, 9)  # A: local 6 and 8, shared 6
+    run_ranks(2, _run, b)  # B: local steps 2..10, pruned to its newest two
+    out = run_ranks(2, _run, a)
+    assert out[0]["resumed"] is not None and out[0]["resumed"].endswith("rank-00000/step-00000008"), out[0]
+    assert out[0]["losses"] == {s: v for s, v in straight.items() if s > 8}
+
+
+def _prune_fails(env: DistEnv, root: Path, record: Path) -> dict:
+    """Two "nodes" save step 2; the prune after its (complete) peer copy fails on rank 0 (its disk errs)."""
+    import logging
+
+    from hpcdist import checkpoint_local as cl
+    from tests.unit.test_checkpoint_local import _State
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, r: logging.LogRecord) -> None:
+            lines.append(r.getMessage())
+
+    logging.getLogger("hpcdist").addHandler(Keep())
+    logging.getLogger("hpcdist").setLevel(logging.INFO)
+    hosts = ["node0", "node1"]
+    tier = cl.LocalTier(
+        cl.open_local_dir(root / f"node{env.rank}"), rank=env.rank, world_size=2, hosts=hosts, keep=2, record=record
+    )
+    if env.rank == 0:
+
+        def broken() -> None:
+            raise OSError(5, "Input/output error")
+
+        tier._prune = broken  # type: ignore[method-assign]
+    assert tier.save(2, _State().checkpointable())
+    copied = tier.wait()
+    return {"copied": copied, "lines": lines, "record": json.loads(record.read_text()) if env.rank == 0 else None}
+
+
+def test_a_failure_after_the_peer_copy_is_not_called_a_copy_failure(tmp_path) -> None:
+    out = run_ranks(2, _prune_fails, tmp_path / "local", tmp_path / "local_checkpoints.json")
+    lines = out[0]["lines"]
+    assert all(r["copied"] for r in out)  # the copies themselves are complete
+    assert not any("peer copies of step 2 failed" in line for line in lines), lines
+    assert any("pruning after step 2 failed" in line and "Input/output error" in line for line in lines), lines
+    assert any("step 2 complete with peer copies" in line for line in lines), lines
+    assert out[0]["record"]["peer_copies"] is True
+
+
+def test_the_newest_intact_step_of_either_tier_resumes(small_cfg, tmp_path, straight12) -> None:
+    """Shared steps 4 and 8, local steps 6 and 10 (killed after step 11). Local 10 damaged on both nodes and shared 8
+    damaged: local 6 resumes (newer than the intact shared 4), exact losses."""
+    local = tmp_path / "local-{host}"
+    cfg = small_cfg(*LONG, "checkpoint.every_steps=4", f"checkpoint.local.dir={local}", run_dir=tmp_path / "run")
+    node0, node1 = tmp_path / "local-node0", tmp_path / "local-node1"
+    run_ranks(2, _run, cfg, 11)
+    for d in (*_step_dirs(node0, "rank-00000", 10), *_step_dirs(node1, "replica-of-rank-00000", 10)):
+        _flip(d)
+    _flip(cfg.checkpoint_dir / "step-00000008")
+    out = run_ranks(2, _run, cfg)
+    assert out[0]["resumed"] is not None and out[0]["resumed"].endswith("rank-00000/step-00000006"), out[0]
+    assert out[0]["losses"] == {s: v for s, v in straight12.items() if s > 6}

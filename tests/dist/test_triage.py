@@ -15,7 +15,7 @@ from hpcdist.data import make_sampler
 from hpcdist.data.build import build_datasets
 from hpcdist.env import DistEnv
 from hpcdist.fault.failures import read_failures
-from hpcdist.fault.triage import HardwareFault
+from hpcdist.fault.triage import HardwareFault, SkippedSamples
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
 from tests.unit.test_triage import TRIAGE, _poison
@@ -66,3 +66,46 @@ def test_two_ranks_agree_on_data_and_on_hardware(small_cfg, tmp_path: Path) -> N
     assert all(r[2].startswith("step 2: ") and "hardware (rank 1 on " in r[2] for r in results), results
     records = [r for r in read_failures(tmp_path / "hw") if r["kind"] == "hardware"]
     assert len(records) == 1 and [b["rank"] for b in records[0]["blame"]] == [1]
+
+
+@pytest.mark.parametrize("mode", ["skip", "stop"])
+def test_a_diverging_model_is_the_models_verdict_and_skips_no_sample(small_cfg, caplog, mode: str) -> None:
+    """optim.lr=1e4: after the first update every sample's loss is non-finite, the same on every re-run. That is
+    the model's state, not the data: no sample is named or skipped, the run stops saying so (train.nonfinite=skip
+    too), and the run dir keeps no list of skipped samples for a later run to apply."""
+    import logging
+
+    from hpcdist.fault.nonfinite import NonFiniteError
+    from tests.dist.harness import single
+
+    cfg = small_cfg(*TRIAGE, "train.steps=4", f"train.nonfinite={mode}", "optim.lr=1e4", "optim.warmup_steps=0")
+
+    def run(env, cfg):
+        try:
+            Trainer(cfg, env).train()
+        except NonFiniteError as e:
+            return str(e)
+        return ""
+
+    with caplog.at_level(logging.ERROR, logger="hpcdist"):
+        stopped = single(run, cfg)
+    triage = [r.getMessage() for r in caplog.records if "NaN triage" in r.getMessage()]
+    assert "NaN triage: model" in stopped and "optim.lr" in stopped and "bad data" not in stopped, (stopped, triage)
+    assert not any("NaN triage: data" in t for t in triage), triage
+    assert not (Path(cfg.run.dir) / "skipped_samples.json").exists()
+
+
+def test_a_fresh_start_sets_the_old_lines_skipped_samples_aside(small_cfg, tmp_path: Path) -> None:
+    """The list a NaN triage made belongs to its line of training: checkpoint.resume=none (a new line, its
+    checkpoints set aside) trains on every sample again, the list kept aside; a resume of the same line skips."""
+    from tests.dist.harness import single
+
+    cfg = small_cfg(*TRIAGE, "train.steps=2", "train.nonfinite=skip")
+    run_dir = Path(cfg.run.dir)
+    SkippedSamples(run_dir).save(len(build_datasets(cfg, is_main=True)[0]), {3: "step 2: bad"})
+    assert single(lambda env, c: Trainer(c, env).skipped, cfg) == {3: "step 2: bad"}  # the same line: skipped
+    fresh = small_cfg(*TRIAGE, "train.steps=2", "train.nonfinite=skip", "checkpoint.resume=none")
+    assert single(lambda env, c: Trainer(c, env).skipped, fresh) == {}
+    assert not (run_dir / "skipped_samples.json").exists()
+    (aside,) = run_dir.glob("skipped_samples.json.abandoned-*")
+    assert json.loads(aside.read_text())["ids"] == [3]

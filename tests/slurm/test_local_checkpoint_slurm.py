@@ -75,8 +75,11 @@ def test_a_killed_hosts_files_come_from_its_peer_then_both_lost_resume_the_share
     _, fetched = _wait_for(out, r"rank 1's files of step (\d+) come from rank 0's node")
     step = int(fetched.group(1))
     assert 5 * (killed // 5) < step <= killed  # newer than the shared checkpoint
-    _wait_for(out, re.escape(f"resumed from {node_a}/rank-00000/step-{step:08d}"))
-    assert (node_a / "replica-of-rank-00001").is_dir() and second["host"] == host_a
+    # the run's own subdirectory of the tier (named from its run dir: hpcdist.checkpoint_local.run_key)
+    _wait_for(
+        out, re.escape(f"resumed from {node_a}/") + r"run-[0-9a-f]{16}" + re.escape(f"/rank-00000/step-{step:08d}")
+    )
+    assert list(node_a.glob("run-*/replica-of-rank-00001")) and second["host"] == host_a
 
     again = _kill_after(run, 1, 1, {s for s in range(step + 1, STEPS) if s % 5 in (1, 2, 3)})
     shutil.rmtree(node_a, ignore_errors=True)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hpcdist import config as config_mod
+from hpcdist.atomic import file_sha256
 from hpcdist.checkpoint import MANIFEST, MARKER, Checkpointable
 from hpcdist.checkpoint_local import (
     LocalTier,
@@ -23,6 +24,7 @@ from hpcdist.checkpoint_local import (
     own_dir,
     peers,
     rounds,
+    run_key,
     step_name,
 )
 from hpcdist.config.loader import ConfigError
@@ -79,6 +81,17 @@ def test_the_directory_must_be_yours_and_reached_through_no_link(tmp_path: Path)
     os.chmod(made, 0o777)
     with pytest.raises(ConfigError, match="writable by others"):
         open_local_dir(made)
+
+
+def test_a_directory_above_the_tier_that_others_can_write_is_refused_unless_sticky(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # anyone could rename the tier's directory away and put theirs in its place
+    with pytest.raises(ConfigError, match=r"'.*shared', above the tier's directory, is writable by others"):
+        open_local_dir(shared / "tier")
+    assert not (shared / "tier").exists()
+    os.chmod(shared, 0o1777)  # sticky, as /dev/shm and /tmp: only an entry's owner renames it
+    assert open_local_dir(shared / "tier") == shared / "tier"
 
 
 class _State:
@@ -149,8 +162,16 @@ def test_a_local_step_that_fails_its_checks_is_never_loaded(tmp_path: Path, dama
         (step / MARKER).unlink()
     fresh = _State(run_dir="another" if damage == "other-run" else "r")
     before = fresh.w.weight.detach().clone()
-    assert tier.restore(fresh.checkpointable(), shared_step=None) is None
+    assert tier.restore(fresh.checkpointable(), shared_step=2) is None  # an older shared checkpoint resumes
     assert fresh.step == 0 and torch.equal(fresh.w.weight, before)  # nothing of it was loaded
+    aside = sorted(p.name for p in own_dir(tier.root, 0).iterdir())
+    if damage in ("flip-byte", "link", "foreign-file"):  # damaged: kept aside, never deleted, never tried again
+        assert len(aside) == 1 and aside[0].startswith("step-00000004.damaged-"), aside
+        assert tier.damaged_steps() == [4]
+        with pytest.raises(ConfigError, match=r"only damaged local steps \(4, .*checkpoint\.resume=none"):
+            tier.restore(fresh.checkpointable(), shared_step=None)  # and no shared one: never a silent step 0
+    else:  # not complete, or not this run's: left as it is
+        assert aside == ["step-00000004"] and tier.damaged_steps() == []
 
 
 @pytest.mark.parametrize(
@@ -178,3 +199,67 @@ def test_a_copy_that_does_not_match_its_manifest_is_not_kept(tmp_path: Path) -> 
     with pytest.raises(ValueError, match="does not match the manifest"):
         sink.finish()
     assert not any((tmp_path / "r1").iterdir())
+
+
+def test_a_damaged_newest_step_gives_the_next_intact_one(tmp_path: Path) -> None:
+    tier, weights = _saved(tmp_path / "local", [4, 6])
+    shard = next((own_dir(tier.root, 0) / step_name(6)).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 1
+    shard.write_bytes(bytes(data))
+    fresh = _State()
+    assert tier.restore(fresh.checkpointable(), shared_step=None) == own_dir(tier.root, 0) / step_name(4)
+    assert fresh.step == 4 and torch.equal(fresh.w.weight, weights[4])
+    tier.discard_newer(4)  # the damaged step 6 is no step of the tier any more: kept
+    assert [p.name[:22] for p in own_dir(tier.root, 0).iterdir() if p.name != step_name(4)] == [
+        "step-00000006.damaged-"
+    ]
+
+
+@pytest.mark.parametrize(
+    "marker",
+    [{"step": 4, "rank": False, "world_size": True}, {"step": 4.0, "rank": 0, "world_size": 1}, "[" * 100_000],
+)
+def test_a_marker_of_other_types_is_no_marker(tmp_path: Path, marker: Any) -> None:
+    tier, _ = _saved(tmp_path / "local", [4])
+    (own_dir(tier.root, 0) / step_name(4) / MARKER).write_text(
+        marker if isinstance(marker, str) else json.dumps(marker)
+    )
+    assert tier.inventory() == {}
+
+
+def test_a_trainer_state_that_parses_too_deep_is_damage_not_a_crash(tmp_path: Path) -> None:
+    tier, weights = _saved(tmp_path / "local", [4, 6])
+    step = own_dir(tier.root, 0) / step_name(6)
+    state = step / "trainer_state.json"
+    state.write_text("[" * 100_000)
+    manifest = json.loads((step / MANIFEST).read_text())  # our own file, as written: its manifest matches it
+    manifest["files"]["trainer_state.json"] = {"size": state.stat().st_size, "sha256": file_sha256(state)}
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    fresh = _State()
+    assert tier.restore(fresh.checkpointable(), shared_step=None) == own_dir(tier.root, 0) / step_name(4)
+    assert fresh.step == 4 and torch.equal(fresh.w.weight, weights[4])
+
+
+def test_a_step_that_is_a_link_is_moved_aside_not_followed(tmp_path: Path) -> None:
+    tier, _ = _saved(tmp_path / "local", [4])
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    link = own_dir(tier.root, 0) / step_name(6)
+    link.symlink_to(target)
+    st = _State()
+    st.step = 6
+    assert tier.save(6, st.checkpointable())  # saved where the link was; the link kept aside, its target intact
+    assert (link / MARKER).is_file() and not link.is_symlink() and (target / "keep").read_text() == "x"
+    assert [p.name[:20] for p in own_dir(tier.root, 0).glob("step-00000006.*")] == ["step-00000006.moved-"]
+
+
+def test_each_run_dir_has_its_own_key(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    key = run_key(tmp_path / "a")
+    assert key == run_key(tmp_path / "a" / ".." / "a") and key != run_key(tmp_path / "b")
+    (tmp_path / "a").rename(tmp_path / "old")
+    (tmp_path / "a").mkdir()  # made again at the same path: another run (another inode)
+    assert run_key(tmp_path / "a") != key or os.stat(tmp_path / "a").st_ino == os.stat(tmp_path / "old").st_ino

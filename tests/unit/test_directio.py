@@ -165,3 +165,25 @@ def test_a_save_and_a_load_leave_the_shards_out_of_the_page_cache(tmp_path: Path
     assert CheckpointManager(tmp_path, rank=0, world_size=1, write_threads=2).restore("auto", state) == path
     assert torch.equal(dest["model"]["w"], saved["model"]["w"]) and torch.equal(dest["optim"]["m"], saved["optim"]["m"])
     assert _resident_pages(big) == 0
+
+
+def test_a_reader_never_returns_bytes_past_the_size_it_took_at_open(tmp_path: Path) -> None:
+    """A file that grows while it is read (someone appends): the reader keeps to the size it took at open, in the
+    last chunk too, where a read request returns the new bytes with the old."""
+    path = tmp_path / "grows"
+    data = _pattern(CHUNK + 100)
+    path.write_bytes(data)
+    reader = directio.DirectReader(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+    try:
+        with open(path, "ab") as f:
+            f.write(b"\xff" * 5000)
+        assert reader.size == len(data)
+        reader.seek(len(data) - 10)
+        assert reader.read(4096) == data[-10:]  # the 10 bytes of the file as it was opened, none of the new ones
+        reader.seek(0)
+        assert reader.read() == data and reader.read(1) == b""
+        reader.seek(CHUNK + 50)
+        buf = bytearray(1000)
+        assert reader.readinto(buf) == 50 and bytes(buf[:50]) == data[-50:]
+    finally:
+        reader.close()

@@ -96,3 +96,17 @@ def test_the_cli_says_it_once_and_exits_1(tmp_path: Path, corpus_dir: Path) -> N
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "hpcdist: step 2: the gradient norm was NaN/Inf" in proc.stderr and "Traceback" not in proc.stderr
     assert "done:" not in proc.stdout
+
+
+def test_the_model_verdict_needs_the_models_evidence() -> None:
+    """NaN triage's model verdict (hpcdist.fault.triage): the parameters, a finite forward with a non-finite
+    backward, or every sample bad on its own; one bad sample of several stays the data's."""
+    from hpcdist.fault.triage import _LOSS2, _PARAMS, _model_cause, _param_peak
+
+    assert "parameters themselves" in _model_cause([_LOSS2, _LOSS2 | _PARAMS], [1], [1, 2, 3, 4])
+    assert "only the gradients" in _model_cause([0, 0], [], [1, 2, 3, 4])
+    assert "all 4 samples" in _model_cause([_LOSS2, 0], [1, 2, 3, 4], [1, 2, 3, 4])
+    assert _model_cause([_LOSS2, 0], [3], [1, 2, 3, 4]) == ""  # one bad row: the data
+    assert _model_cause([_LOSS2], [7], [7]) == ""  # a batch of one: its sample, unless the parameters say otherwise
+    assert _param_peak([torch.tensor([1.0, -3.0])]) == 3.0
+    assert _param_peak([torch.tensor([1.0, float("nan")])]) == float("inf")
