@@ -6,10 +6,11 @@ A run directory is shared: a colleague runs ``hpcdist report`` on it, a batch sc
 another job writes it, and anyone with write access there can leave a FIFO, a link, a sparse terabyte file, a
 record nested 200,000 levels deep or one whose fields have the wrong types. The bytes are read through
 hpcdist.atomic (never through a link, never blocking on a FIFO, never more than a bound), then parsed here:
-JSON constants that are no numbers (NaN, Infinity) and floats out of range (1e999) are refused, nesting is bounded, and whatever is wrong with the
-file (a link, not a regular file, too large, not UTF-8 JSON, too deep) is one :class:`DamagedRecord`, a ValueError
-naming the file and why: callers catch that one error, never RecursionError, OverflowError or a TypeError from a
-value of the wrong type (each caller validates the fields it uses). JSONL readers drop a line that does not parse
+JSON constants that are no numbers (NaN, Infinity) and floats out of range (1e999) are refused, nesting is
+bounded, and whatever is wrong with the file (a link, not a regular file, too large, not UTF-8 JSON, too deep) is
+one :class:`DamagedRecord`, a ValueError naming the file and why: callers catch that one error, never
+RecursionError, OverflowError or a TypeError from a value of the wrong type (each caller validates the fields it
+uses). JSONL readers drop a line that does not parse
 (the one being appended, or cut by a crash) and keep the rest.
 
 :func:`one_line` is how untrusted text reaches a terminal or a job log: one line, printable, bounded, so a
@@ -23,7 +24,7 @@ import json
 import os
 from typing import Any
 
-from hpcdist.atomic import read_bounded, read_tail
+from hpcdist.atomic import UntrustedFile, read_bounded, read_tail
 
 __all__ = ["MAX_DEPTH", "DamagedRecord", "one_line", "parse", "read_json", "read_jsonl"]
 
@@ -79,6 +80,10 @@ def parse(data: bytes | str) -> Any:
     return doc
 
 
+def _why(path: str | os.PathLike[str], e: OSError) -> str:
+    return str(e) if isinstance(e, UntrustedFile) else f"{path}: {e.strerror or e}"  # UntrustedFile names the file
+
+
 def read_json(path: str | os.PathLike[str], max_bytes: int) -> Any:
     """The JSON document in ``path``; None when there is no such file. DamagedRecord for every other reason it
     cannot be read (see the module docstring); its type is the caller's to check."""
@@ -87,7 +92,7 @@ def read_json(path: str | os.PathLike[str], max_bytes: int) -> Any:
     except FileNotFoundError:
         return None
     except OSError as e:  # a link, a FIFO, a directory, too large, unreadable
-        raise DamagedRecord(f"{path}: {e.strerror or e}") from None
+        raise DamagedRecord(_why(path, e)) from None
     try:
         return parse(data)
     except ValueError as e:
@@ -103,7 +108,7 @@ def read_jsonl(path: str | os.PathLike[str], max_bytes: int) -> list[dict[str, A
     except FileNotFoundError:
         return []
     except OSError as e:
-        raise DamagedRecord(f"{path}: {e.strerror or e}") from None
+        raise DamagedRecord(_why(path, e)) from None
     lines = data.split(b"\n")
     if len(data) > max_bytes:
         lines = lines[1:]  # the bound cut the first line
