@@ -165,3 +165,17 @@ def test_a_save_and_a_load_leave_the_shards_out_of_the_page_cache(tmp_path: Path
     assert CheckpointManager(tmp_path, rank=0, world_size=1, write_threads=2).restore("auto", state) == path
     assert torch.equal(dest["model"]["w"], saved["model"]["w"]) and torch.equal(dest["optim"]["m"], saved["optim"]["m"])
     assert _resident_pages(big) == 0
+
+
+def test_open_read_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
+    """A FIFO planted as a shard (checkpoint.verify=none reads without a size check first): an error, not a hang."""
+    from tests.unit.hostile_rundirs import time_bound
+
+    fifo = tmp_path / "shard.distcp"
+    os.mkfifo(fifo)
+    with time_bound(10.0), pytest.raises(OSError, match="not a regular file"):
+        directio.open_read(fifo)
+    regular = tmp_path / "small"
+    regular.write_bytes(b"abc")
+    with directio.open_read(regular) as f:
+        assert f.read() == b"abc"
