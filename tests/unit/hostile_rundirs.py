@@ -37,6 +37,9 @@ BASE: dict[str, str] = {
     "config.yaml": "run:\n  dir: x\n",
     "local_checkpoints.json": json.dumps({"step": 2, "peer_copies": False}),
 }
+# read only by `status` (a sweep's record): hostile in its own run dirs, absent from the others (a valid one would make
+# `status` show the sweep's table instead of the run's records)
+SWEEP = json.dumps({"job_id": JOB, "config": "c.yaml", "tasks": [{"job_id": f"{JOB}_0", "run_dir": "/nonexistent"}]})
 FILE_KINDS = ("fifo", "link", "directory", "sparse", "deep", "not_utf8", "other_owner")
 
 
@@ -81,7 +84,7 @@ def _file_kind(kind: str, record: str) -> Callable[[Path], None]:
         elif kind == "not_utf8":
             path.write_bytes(b'{"job_id": "\xff\xfe", "attempts": {}}\n')
         elif kind == "other_owner":
-            path.write_text(BASE[record] or '{"kind": "exception", "cause": "x"}\n')
+            path.write_text(BASE.get(record, SWEEP) or '{"kind": "exception", "cause": "x"}\n')
             if os.geteuid() == 0:
                 os.chown(path, 65534, 65534)
 
@@ -186,6 +189,15 @@ CONTENT: dict[str, dict[str, str]] = {
         "hosts_number": json.dumps({"hosts": 5}),
         "hosts_objects": json.dumps({"hosts": [{"a": 1}, ESC]}),
     },
+    "sweep.json": {
+        "list": "[1]",
+        "tasks_number": json.dumps({"job_id": JOB, "config": "c", "tasks": 5}),
+        "task_not_object": json.dumps({"job_id": JOB, "config": "c", "tasks": [5, {"job_id": 5}]}),
+        "task_escape": json.dumps(
+            {"job_id": JOB, "config": ESC, "tasks": [{"job_id": ESC, "run_dir": ESC}, {"job_id": "77_1", "run_dir": 5}]}
+        ),
+        "no_tasks": json.dumps({"job_id": JOB}),
+    },
     "local_checkpoints.json": {
         "step_string": json.dumps({"step": "x", "shared_dir": 5}),
         "shared_dir_fifo": json.dumps({"step": 2, "shared_dir": "/dev/null"}),
@@ -195,7 +207,8 @@ CONTENT: dict[str, dict[str, str]] = {
 
 def hostile_rundirs() -> list[Hostile]:
     """Every hostile run dir: each record x each file kind, then each record's content cases."""
-    out = [Hostile(f"{record}-{kind}", record, _file_kind(kind, record)) for record in BASE for kind in FILE_KINDS]
+    files = [*BASE, "sweep.json"]
+    out = [Hostile(f"{record}-{kind}", record, _file_kind(kind, record)) for record in files for kind in FILE_KINDS]
     for record, cases in CONTENT.items():
         out += [Hostile(f"{record}-{case}", record, _write(text)) for case, text in cases.items()]
     return out

@@ -67,6 +67,20 @@ def test_status_reads_a_hostile_run_dir(hostile: Hostile, tmp_path: Path, capsys
 
 
 @pytest.mark.parametrize("hostile", HOSTILE, ids=IDS)
+def test_status_command_on_a_hostile_run_dir(
+    hostile: Hostile, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_slurm_tools
+) -> None:
+    """`hpcdist status JOB --run-dir DIR` as a user types it (SLURM cannot answer: the run dir's records)."""
+    from hpcdist import cli
+
+    run = hostile.build(tmp_path)
+    with time_bound(BOUND_S):
+        rc = cli.main(["status", JOB, "--run-dir", str(run)])
+    text = _check_output(capsys)
+    assert rc == 0, text[-2000:]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE, ids=IDS)
 def test_report_reads_a_hostile_run_dir(hostile: Hostile, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = hostile.build(tmp_path)
     with time_bound(BOUND_S):
