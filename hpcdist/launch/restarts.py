@@ -162,8 +162,10 @@ def _attempt_entry(a: dict[str, Any]) -> dict[str, Any]:
     _REQUEUED or None (a NaN or a ``1`` there is no requeue: counting it one would end a failed job COMPLETED),
     ``restarted`` "in-job" or None, the strings strings, the host lists lists of strings."""
     out = dict(a)
-    out["requeued"] = a.get("requeued") if a.get("requeued") in _REQUEUED else None
-    out["restarted"] = "in-job" if a.get("restarted") == "in-job" else None
+    if "requeued" in a:
+        out["requeued"] = a["requeued"] if a["requeued"] in _REQUEUED else None
+    if "restarted" in a:
+        out["restarted"] = "in-job" if a["restarted"] == "in-job" else None
     for key in ("ended", "signature", "cause", "path", "host"):
         if key in out and not isinstance(out[key], str):
             del out[key]
