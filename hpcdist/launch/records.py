@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 _JOBS_MAX_BYTES = 64 << 20  # one short line per submission: hundreds of thousands of jobs
+_TAIL_BYTES = 16 << 20  # the newest lines of metrics.jsonl: thousands of steps, the last one among them
 _CONTROLLER = "submitit.local._local"  # in the command line of submitit's local controller (and of its /bin/sh)
 
 
@@ -219,7 +220,7 @@ def last_step(run_dir: str | os.PathLike[str]) -> tuple[int | None, float | None
     """(step, loss) of the last training line in the run's metrics.jsonl (its newest lines, read as records anyone
     could have written: hpcdist.report.rundata.read_records)."""
     step = loss = None
-    for m in read_records(RunDir(run_dir).metrics):
+    for m in read_records(RunDir(run_dir).metrics, _TAIL_BYTES):
         value = m.get("loss")
         if "split" not in m and isinstance(m.get("step"), int) and isinstance(value, (int, float)):
             step, loss = m["step"], value

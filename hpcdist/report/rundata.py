@@ -29,11 +29,11 @@ _RECORD_MAX_BYTES = 16 << 20  # a JSON record (restarts.json, ranks.json, run_su
 _CONFIG_MAX_BYTES = 1 << 20  # config.yaml: a few KiB
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSONL file's newest _JSONL_MAX_BYTES, in order, each line a record of plain values
+def read_records(path: Path, max_bytes: int = _JSONL_MAX_BYTES) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file's newest ``max_bytes``, in order, each line a record of plain values
     (:func:`_metrics_values`); [] when it is missing, a link, a FIFO or no regular file (hpcdist.untrusted)."""
     try:
-        return [_metrics_values(r) for r in read_jsonl(path, _JSONL_MAX_BYTES)]
+        return [_metrics_values(r) for r in read_jsonl(path, max_bytes)]
     except DamagedRecord:
         return []
 
