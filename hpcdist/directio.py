@@ -25,6 +25,7 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO, TypeVar
@@ -294,11 +295,21 @@ def open_write(path: str | os.PathLike[str], size: int) -> DirectWriter | Binary
 
 def open_read(path: str | os.PathLike[str]) -> DirectReader | BinaryIO:
     """``path`` for reading: a :class:`DirectReader` when it has ``DIRECT_MIN`` bytes or more and its file system
-    allows ``O_DIRECT``, else the plain unbuffered file (the page cache's own read-ahead serves it)."""
-    fd = _direct_fd(path, os.O_RDONLY | os.O_CLOEXEC) if _O_DIRECT else None
+    allows ``O_DIRECT``, else the plain unbuffered file (the page cache's own read-ahead serves it). OSError for
+    anything but a regular file: a FIFO planted in its place would block the open, and every read after it, forever
+    (O_NONBLOCK makes the open return; the file type is checked before a byte is read)."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+    fd = _direct_fd(path, flags) if _O_DIRECT else None
+    direct = fd is not None
     if fd is None:
-        return open(path, "rb", buffering=0)
-    if os.fstat(fd).st_size >= DIRECT_MIN:
+        fd = os.open(path, flags)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path} is not a regular file (a FIFO, device or directory): not read", str(path))
+    os.set_blocking(fd, True)
+    if direct and st.st_size >= DIRECT_MIN:
         return DirectReader(fd)
-    _drop_direct(fd)
+    if direct:
+        _drop_direct(fd)
     return os.fdopen(fd, "rb", buffering=0)

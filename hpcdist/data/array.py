@@ -40,6 +40,7 @@ from hpcdist.config.dataset_meta import (
     write_meta,
 )
 from hpcdist.data.slices import Piece, plan_slices
+from hpcdist.untrusted import one_line, parse
 
 __all__ = [
     "JOBS_NAME",
@@ -240,21 +241,26 @@ def prepare_status(out: Path) -> str:
     jobs = read_jobs(out)
     merged = read_meta_json(out)[0]
     head = f"cluster prepare {out}: {len(plan['slices'])} task(s)"
-    if jobs:
-        head += f", array job {jobs.get('array')}, merge job {jobs.get('merge')}"
+    if jobs:  # a directory others may write: its values printed as one printable line each
+        head += f", array job {one_line(jobs.get('array'), 40)}, merge job {one_line(jobs.get('merge'), 40)}"
     rows = [head, f"{'task':>6} {'state':<9} {'shards':>7} {'tokens':>14} {'input MB':>9}"]
     for i, pieces in enumerate(plan["slices"]):
         part = _part_dir(out, i)
         size = sum(_piece_bytes(p) for p in pieces)
         meta = read_meta_json(part)[0]
         if meta is not None:
-            state, shards, tokens = "done", len(meta.get("shards") or []), meta.get("num_tokens", 0)
+            listed = meta.get("shards")
+            state, shards, tokens = (
+                "done",
+                len(listed) if isinstance(listed, list) else 0,
+                _token_count(meta.get("num_tokens")),
+            )
         else:
             shards, tokens = _progress(part)
             state = "running" if shards or (part / "progress.jsonl").exists() else "waiting"
         rows.append(f"{i:>6} {state:<9} {shards:>7} {tokens:>14,} {size / 1e6:>9.1f}")
     if merged is not None and merged.get("fingerprint") == plan["fingerprint"]:
-        rows.append(f"merged: {out / META_NAME} ({merged.get('num_tokens', 0):,} tokens)")
+        rows.append(f"merged: {out / META_NAME} ({_token_count(merged.get('num_tokens')):,} tokens)")
     else:
         rows.append("merged: not yet (the merge job writes meta.json when every task is done)")
     return "\n".join(rows)
@@ -279,11 +285,19 @@ def _progress(part: Path) -> tuple[int, int]:
     shards = tokens = 0
     for line in lines:
         try:
-            tokens += int(json.loads(line)["tokens"])
-            shards += 1
-        except (ValueError, KeyError, TypeError, RecursionError):
+            rec = parse(line)
+        except ValueError:
             break
+        if not isinstance(rec, dict) or not isinstance(rec.get("tokens"), int) or isinstance(rec["tokens"], bool):
+            break
+        tokens += _token_count(rec["tokens"])
+        shards += 1
     return shards, tokens
+
+
+def _token_count(value: object) -> int:
+    """A count a part's record gives (tokens), or 0 for anything that is not one (a damaged record)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62 else 0
 
 
 def read_jobs(out: Path) -> dict[str, Any]:

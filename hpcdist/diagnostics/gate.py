@@ -60,6 +60,7 @@ from typing import Any
 
 from hpcdist.errors import CommandError
 from hpcdist.fault.health import DEFAULT_DEVICE_TIMEOUT_S, DEFAULT_TIMEOUT_S, record_unhealthy
+from hpcdist.untrusted import one_line
 
 __all__ = ["CHECKS", "NodeHealth", "check_node", "cmd_health"]
 
@@ -81,7 +82,11 @@ _SHOWN = 80  # characters of untrusted text quoted in a reason
 HARDWARE_XIDS = frozenset({48, 61, 62, 64, 74, 79, 95, 119, 120})
 DEFAULT_XID_WINDOW_S = 24 * 3600.0  # "recent": an Xid older than this is taken as dealt with (reset, drained, back)
 # "[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 79, pid=..., ...": the bracket is seconds since boot (dmesg's default)
-_XID_LINE = re.compile(r"^(?:\[\s*(\d{1,10})(?:\.\d+)?\])?.*?NVRM: Xid \(([^)]{1,64})\): (\d{1,5})\b", re.MULTILINE)
+# The location is text on the Xid's own line (a newline inside the parentheses is no location), printed through
+# hpcdist.untrusted.one_line (an escape in it is shown, not sent to the terminal); a reason lists at most
+# _MAX_XID_LINES GPU/Xid pairs: 20,000 distinct Xids are one short reason.
+_XID_LINE = re.compile(r"^(?:\[\s*(\d{1,10})(?:\.\d+)?\])?.*?NVRM: Xid \(([^)\n]{1,64})\): (\d{1,5})\b", re.MULTILINE)
+_MAX_XID_LINES = 16
 
 _NA = {"[N/A]", "N/A", "[Not Supported]", "Not Supported", "[Unknown Error]"}
 _YES = {"yes", "1", "true"}
@@ -203,10 +208,35 @@ def run_tool(
 def _kill_tool_session(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    if proc.stdout is not None:  # a child that left the session (setsid) and still holds the pipe
+        _kill_pipe_holders(proc.stdout.fileno())
     with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (D state): left to the kernel, the gate goes on
         proc.wait(timeout=5)
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+def _kill_pipe_holders(fd: int, proc_root: str = "/proc") -> int:
+    """SIGKILL every other process of ours holding the other end of the pipe ``fd`` reads: a tool's grandchild that
+    started its own session (setsid) is out of the tool's process group, and would run on, holding the pipe, after
+    the tool was killed. Found by the pipe's inode in /proc/<pid>/fd (Linux; nothing found elsewhere). How many."""
+    try:
+        target = f"pipe:[{os.fstat(fd).st_ino}]"
+        pids = [p for p in os.listdir(proc_root) if p.isdigit() and int(p) != os.getpid()]
+    except OSError:
+        return 0
+    killed = 0
+    for pid in pids:
+        try:
+            fds = os.listdir(f"{proc_root}/{pid}/fd")  # another user's: PermissionError, not ours to kill anyway
+            holds = any(os.readlink(f"{proc_root}/{pid}/fd/{n}") == target for n in fds)
+        except OSError:
+            continue
+        if holds:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+    return killed
 
 
 def _csv_rows(text: bytes, what: str, columns: int) -> list[list[str]]:
@@ -295,10 +325,14 @@ def parse_xids(text: bytes, *, uptime_s: float | None = None, window_s: float = 
             continue  # logged long ago: the GPU was reset or repaired since, or the other checks see it
         seen[(where, xid)] = seen.get((where, xid), 0) + 1
     hours = f"{window_s / 3600:g} h"
-    return [
-        f"Xid {xid} on {where} ({n} time(s) in the kernel log's last {hours})"
-        for (where, xid), n in sorted(seen.items())
+    found = sorted(seen.items())
+    out = [
+        f"Xid {xid} on {one_line(where, 64)} ({n} time(s) in the kernel log's last {hours})"
+        for (where, xid), n in found
     ]
+    if len(out) > _MAX_XID_LINES:
+        out = [*out[:_MAX_XID_LINES], f"and {len(out) - _MAX_XID_LINES} more GPU/Xid pair(s) in the kernel log"]
+    return out
 
 
 def _uptime_s(proc_root: str | os.PathLike[str] = "/proc") -> float | None:

@@ -38,16 +38,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import append_line, atomic_write, read_tail
+from hpcdist.atomic import append_line, atomic_write
 from hpcdist.fault.supervise import TASK_INFO_ENV  # the supervisor names a file there; the rank says who it is in it
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
 from hpcdist.schedulers import JobFacts, job_facts
+from hpcdist.untrusted import DamagedRecord, read_jsonl
 
 __all__ = [
     "TASK_INFO_ENV",
     "announce_task",
     "classify_exception",
+    "failure_record",
     "primary_failure",
     "read_failures",
     "record",
@@ -85,8 +87,7 @@ def signature(kind: str, cause: str) -> str:
     return f"{kind}: {text.strip()}"[:300]
 
 
-def record(
-    run_dir: str | os.PathLike[str],
+def failure_record(
     *,
     kind: str,
     cause: str,
@@ -98,11 +99,7 @@ def record(
     job: JobFacts | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """Append one event to <run_dir>/failures.jsonl and return it.
-
-    One ``os.write`` of one line on an O_APPEND descriptor (hpcdist.atomic.append_line): ranks appending at the
-    same moment do not interleave their lines on a local or Lustre/GPFS file system.
-    """
+    """One event as failures.jsonl holds it (see the module docstring), not written anywhere."""
     job = job if job is not None else job_facts()
     rec: dict[str, Any] = {
         "time": time.time(),
@@ -120,27 +117,74 @@ def record(
     }
     if detail:
         rec["detail"] = detail[-_DETAIL_CHARS:]
+    return rec
+
+
+def record(run_dir: str | os.PathLike[str], **fields: Any) -> dict[str, Any]:
+    """Append one event (:func:`failure_record`'s keywords) to <run_dir>/failures.jsonl and return it.
+
+    One ``os.write`` of one line on an O_APPEND descriptor (hpcdist.atomic.append_line): ranks appending at the
+    same moment do not interleave their lines on a local or Lustre/GPFS file system.
+    """
+    rec = failure_record(**fields)
     append_line(_failures_path(run_dir), json.dumps(rec, default=str) + "\n")  # never through a link
     return rec
+
+
+_FAILURES_MAX_BYTES = 64 << 20  # the newest records: tens of thousands of events, each a few KiB at most
 
 
 def read_failures(
     run_dir: str | os.PathLike[str], *, job_id: str | None = None, restart: int | None = None
 ) -> list[dict[str, Any]]:
-    """Records of failures.jsonl (optionally of one job / one restart); unreadable lines are skipped."""
-    path = _failures_path(run_dir)
+    """Records of failures.jsonl (optionally of one job / one restart), from its last _FAILURES_MAX_BYTES.
+
+    Read as records anyone could have written (hpcdist.untrusted): a line that does not parse, or is no failure
+    record (no ``kind``), is skipped; the fields the restart policy reads are made their types (:func:`_valid`).
+    DamagedRecord when the file is a link, a FIFO or no regular file."""
     out = []
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash mid-write
-        if job_id is not None and rec.get("job_id") != job_id:
+    for rec in read_jsonl(_failures_path(run_dir), _FAILURES_MAX_BYTES):
+        valid = _valid(rec)
+        if valid is None:
             continue
-        if restart is not None and rec.get("restart") != restart:
+        if job_id is not None and valid["job_id"] != job_id:
             continue
-        out.append(rec)
+        if restart is not None and valid["restart"] != restart:
+            continue
+        out.append(valid)
     return out
+
+
+def _valid(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """``rec`` with the fields the policy and the report read of their types: ``kind`` and ``cause`` strings (no
+    kind: no failure record), ``signature`` computed when missing, ``blame`` only the entries naming a host,
+    ``time`` a number (else None), ``job_id`` a string or None, ``restart`` and ``rank`` integers or None."""
+    kind = rec.get("kind")
+    if not isinstance(kind, str):
+        return None
+    out = dict(rec)
+    cause = rec.get("cause") if isinstance(rec.get("cause"), str) else ""
+    out["cause"] = cause
+    if not isinstance(rec.get("signature"), str):
+        out["signature"] = signature(kind, cause)
+    blame = rec.get("blame") if isinstance(rec.get("blame"), list) else []
+    out["blame"] = [
+        {"rank": _int_or_none(b.get("rank")), "host": b["host"]}
+        for b in blame
+        if isinstance(b, dict) and isinstance(b.get("host"), str)
+    ]
+    t = rec.get("time")
+    out["time"] = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+    out["job_id"] = rec.get("job_id") if isinstance(rec.get("job_id"), str) else None
+    out["restart"] = _int_or_none(rec.get("restart"))
+    out["rank"] = _int_or_none(rec.get("rank"))
+    if "host" in out and not isinstance(out["host"], str):
+        out["host"] = None
+    return out
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 _HEALTH_TAIL_BYTES = 4 << 20  # the newest records: a gate verdict is one short line per node and attempt
@@ -148,18 +192,15 @@ _HEALTH_TAIL_BYTES = 4 << 20  # the newest records: a gate verdict is one short 
 
 def unhealthy_hosts(run_dir: str | os.PathLike[str], *, job_id: str | None = None) -> dict[str, str]:
     """host -> the cause of its newest ``health`` record (of job ``job_id`` when given), from the last
-    _HEALTH_TAIL_BYTES of failures.jsonl (never through a link, never more however large the file grew)."""
+    _HEALTH_TAIL_BYTES of failures.jsonl (never through a link, never more however large the file grew). Both as
+    written: print them through hpcdist.untrusted.one_line."""
     try:
-        text = read_tail(_failures_path(run_dir), _HEALTH_TAIL_BYTES).decode("utf-8", "replace")
-    except OSError:  # none yet, a link, not a regular file: nothing to show
+        recs = read_jsonl(_failures_path(run_dir), _HEALTH_TAIL_BYTES)
+    except DamagedRecord:  # a link, not a regular file: nothing to show
         return {}
     out: dict[str, str] = {}
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash mid-write, or the tail's first, partial line
-        if not isinstance(rec, dict) or rec.get("kind") != "health" or not isinstance(rec.get("host"), str):
+    for rec in recs:
+        if rec.get("kind") != "health" or not isinstance(rec.get("host"), str):
             continue
         if job_id is not None and str(rec.get("job_id")) != str(job_id):
             continue

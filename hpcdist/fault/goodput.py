@@ -36,9 +36,22 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.atomic import atomic_write
+from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
+from hpcdist.untrusted import DamagedRecord, one_line, read_json
 
-__all__ = ["CATEGORIES", "RECOVERY_PARTS", "Goodput", "mark_attempt_end", "process_start_time", "recovery", "summarize"]
+__all__ = [
+    "CATEGORIES",
+    "RECOVERY_PARTS",
+    "Goodput",
+    "mark_attempt_end",
+    "process_start_time",
+    "read_goodput",
+    "recovery",
+    "summarize",
+]
+
+log = get_logger(__name__)
 
 CATEGORIES = ("train", "checkpoint_save", "restore", "startup", "lost", "queue_wait", "other")
 _FLUSH_EVERY_S = 1.0
@@ -57,7 +70,8 @@ def recovery(entry: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any] | 
     restart = entry.get("restart")
     if not isinstance(attempts, dict) or not isinstance(restart, int) or restart < 1:
         return None
-    this, prev = attempts.get(str(restart)) or {}, attempts.get(str(restart - 1)) or {}
+    this, prev = attempts.get(str(restart)), attempts.get(str(restart - 1))
+    this, prev = this if isinstance(this, dict) else {}, prev if isinstance(prev, dict) else {}
     first = _num(entry.get("first_step_at"))
     # a failure's record, a time-limit stop's end, else the stop signal of a requeue by someone else (`scontrol
     # requeue`, a preemption: the attempt loop stamps it) or, without one, the step's end
@@ -81,7 +95,12 @@ def recovery(entry: dict[str, Any], ledger: dict[str, Any]) -> dict[str, Any] | 
     }
     out: dict[str, Any] = {k: round(max(0.0, v), 3) for k, v in parts.items() if v is not None}
     out["total"] = round(first - failed, 3)
-    out["path"] = this.get("path") or ("in-job" if prev.get("restarted") == "in-job" else "requeue")
+    path = this.get("path")
+    out["path"] = (
+        path
+        if path in ("first", "in-job", "requeue")
+        else ("in-job" if prev.get("restarted") == "in-job" else "requeue")
+    )
     return out
 
 
@@ -98,12 +117,51 @@ def process_start_time() -> float:
         return time.time()
 
 
+_MAX_BYTES = 16 << 20  # one entry per attempt, a few hundred bytes each
+
+
 def _load(path: Path) -> dict[str, Any]:
+    """goodput.json as its entries' arithmetic needs it; empty when missing or damaged. An accounting file never
+    stops training: it is read as a record anyone could have written (hpcdist.untrusted), an entry without a
+    numeric start is dropped, and every field of the wrong type is (:func:`_goodput_entry`)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = read_json(path, _MAX_BYTES)
+    except DamagedRecord as e:
+        log.warning("%s: goodput starts a new account", one_line(e, 300))
         return {"attempts": []}
-    return data if isinstance(data, dict) and isinstance(data.get("attempts"), list) else {"attempts": []}
+    entries = data.get("attempts") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        return {"attempts": []}
+    return {**data, "attempts": [e for e in map(_goodput_entry, entries) if e is not None]}
+
+
+_INT_FIELDS = ("last_step", "first_step", "resumed_step", "restart", "lost_steps")
+
+
+def _goodput_entry(e: Any) -> dict[str, Any] | None:
+    """An attempt's entry with numbers where numbers belong (times, ``*_s`` seconds, steps), ``clean`` a bool and
+    ``recovery`` an object; None without a numeric ``start``."""
+    if not isinstance(e, dict) or _num(e.get("start")) is None:
+        return None
+    out: dict[str, Any] = {}
+    for key, value in e.items():
+        if key in _INT_FIELDS:
+            ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
+        elif key == "clean":
+            ok = isinstance(value, bool)
+        elif key == "recovery":
+            ok = isinstance(value, dict)
+        else:  # start, end, last, loop_start, first_step_at, <category>_s: seconds or wall times
+            ok = _num(value) is not None
+        if ok:
+            out[key] = value
+    return out
+
+
+def read_goodput(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The attempts' entries of the run's goodput.json, each checked as :func:`_goodput_entry` does ([] when missing or
+    damaged): what `hpcdist report` shows, as the trainer reads it."""
+    return _load(RunDir(run_dir).goodput)["attempts"]
 
 
 def _save(path: Path, data: dict[str, Any]) -> None:
@@ -228,9 +286,9 @@ class Goodput:
 
     def _recovery_locked(self) -> None:
         try:
-            ledger = json.loads(self._ledger_path.read_text())
-        except (OSError, ValueError):
-            return  # not a SLURM job, or its ledger is unreadable: no recovery to measure
+            ledger = read_json(self._ledger_path, _MAX_BYTES)
+        except DamagedRecord:
+            return  # its ledger is unreadable: no recovery to measure
         rec = recovery(self._entry, ledger) if isinstance(ledger, dict) else None
         if rec is not None:
             self._entry["recovery"] = rec

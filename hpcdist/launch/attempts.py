@@ -51,6 +51,7 @@ from hpcdist.fault.health import (
 from hpcdist.launch import restarts
 from hpcdist.schedulers import JobFacts, job_facts
 from hpcdist.schedulers.slurm import ATTEMPT_ENV, expand_nodelist
+from hpcdist.untrusted import one_line
 
 __all__ = ["AttemptPlan", "choose_nodes", "main", "run_gate", "scheduler_gpus_per_node", "srun_for"]
 
@@ -269,8 +270,13 @@ def loop(
             if not ok:
                 bad.add(host)
                 data.setdefault("gate_failed", {})[host] = reasons
-                record_unhealthy(run_dir, host, reasons, job=job)
-                _announce(f"{host} failed the health gate: {'; '.join(reasons)}: not using it in this job")
+                try:
+                    record_unhealthy(run_dir, host, reasons, job=job)
+                except OSError as e:  # failures.jsonl is a link, a FIFO, another user's: the verdict still holds
+                    _announce(one_line(f"cannot record the health verdict: {e}", 300))
+                _announce(
+                    one_line(f"{host} failed the health gate: {'; '.join(reasons)}: not using it in this job", 2000)
+                )
         chosen = choose_nodes(plan, bad)
         entry = data["attempts"].setdefault(str(attempt), {"restart": attempt})
         entry.update(path=path, gate_s=round(gate_s, 3), gate_start=t_gate)
@@ -288,7 +294,11 @@ def loop(
                 "fewer data-parallel replicas, the same global batch"
             )
         _announce(
-            f"attempt {attempt} ({path}) on {','.join(chosen)}" + (f", excluded {','.join(sorted(bad))}" if bad else "")
+            one_line(
+                f"attempt {attempt} ({path}) on {','.join(chosen)}"
+                + (f", excluded {','.join(sorted(bad))}" if bad else ""),
+                2000,
+            )
         )
         env = {**os.environ, ATTEMPT_ENV: str(attempt)}
         rc = step.run(srun_for(cmd, plan, chosen), env)
@@ -338,9 +348,12 @@ def _too_few(
         f"{len(plan.allocated) - len(bad)} healthy node(s) of {len(plan.allocated)} allocated, "
         f"{plan.min_nodes} needed ({','.join(sorted(bad))} out)"
     )
-    _announce(msg + ": requeueing")
+    _announce(one_line(msg + ": requeueing", 2000))
     # kind "nodes", not "health": that one is a node's own gate verdict, and this is the job's
-    record(run_dir, kind="nodes", cause=f"too few healthy nodes: {msg}", job=job)
+    try:
+        record(run_dir, kind="nodes", cause=f"too few healthy nodes: {msg}", job=job)
+    except OSError as e:  # failures.jsonl is a link, a FIFO, another user's: the requeue decision does not need it
+        _announce(one_line(f"cannot record the failure: {e}", 300))
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     d = restarts.decide_failure(run_dir, 1, policy, job)
     if d.stop:

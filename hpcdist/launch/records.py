@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hpcdist.atomic import UntrustedFile, append_line, read_tail, read_trusted
+from hpcdist.atomic import UntrustedFile, append_line, read_trusted
 from hpcdist.fault.failures import unhealthy_hosts
-from hpcdist.report.rundata import checkpoint_tiers
+from hpcdist.report.rundata import checkpoint_tiers, read_ledger, read_records
 from hpcdist.rundir import RunDir
+from hpcdist.untrusted import one_line
 
 __all__ = [
     "UntrustedFile",
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 _JOBS_MAX_BYTES = 64 << 20  # one short line per submission: hundreds of thousands of jobs
-_TAIL_BYTES = 16 << 20  # the newest lines of metrics.jsonl: thousands of steps
+_TAIL_BYTES = 16 << 20  # the newest lines of metrics.jsonl: thousands of steps, the last one among them
 _CONTROLLER = "submitit.local._local"  # in the command line of submitit's local controller (and of its /bin/sh)
 
 
@@ -216,47 +217,40 @@ def _wait_gone(root: int, pids: list[int], timeout_s: float, poll: Callable[[], 
 
 
 def last_step(run_dir: str | os.PathLike[str]) -> tuple[int | None, float | None]:
-    """(step, loss) of the last training line in the run's metrics.jsonl."""
+    """(step, loss) of the last training line in the run's metrics.jsonl (its newest lines, read as records anyone
+    could have written: hpcdist.report.rundata.read_records)."""
     step = loss = None
-    try:  # the run dir may be anyone's: no FIFO (a hang), no reading a huge file whole
-        lines = read_tail(RunDir(run_dir).metrics, _TAIL_BYTES).decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return None, None
-    for line in lines:
-        try:
-            m = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if "split" not in m and "loss" in m:
-            step, loss = m.get("step"), m.get("loss")
+    for m in read_records(RunDir(run_dir).metrics, _TAIL_BYTES):
+        value = m.get("loss")
+        if "split" not in m and isinstance(m.get("step"), int) and isinstance(value, (int, float)):
+            step, loss = m["step"], value
     return step, loss
 
 
 def run_summary(run_dir: str | os.PathLike[str], job_id: str | None = None) -> str:
     """Progress of the run (any job that trained in it, plain sbatch included): last step and loss, and the
-    restart ledger's attempts of ``job_id``."""
+    restart ledger's attempts of ``job_id``. Every value from the run dir is printed as one printable line."""
     rd = RunDir(run_dir)
     step, loss = last_step(run_dir)
     lines = [
         f"run dir {rd.root}: "
         + (f"step {step}, loss {loss:.4f}" if step is not None and loss is not None else "no training step logged yet")
     ]
-    try:
-        ledger = json.loads(read_tail(rd.restarts, _TAIL_BYTES))
-    except (OSError, ValueError):  # a ledger cut at _TAIL_BYTES is no ledger (it is a few KiB)
-        ledger = None
-    if isinstance(ledger, dict) and (job_id is None or str(ledger.get("job_id")) == str(job_id)):
-        attempts, stopped = ledger.get("attempts") or {}, ledger.get("stopped")
-        attempts = attempts if isinstance(attempts, dict) else {}
-        in_job = sum(1 for a in attempts.values() if isinstance(a, dict) and a.get("restarted") == "in-job")
+    ledger = read_ledger(run_dir)
+    if ledger and (job_id is None or str(ledger.get("job_id")) == str(job_id)):
+        attempts, stopped = ledger["attempts"], ledger["stopped"]
+        in_job = sum(1 for a in attempts.values() if a.get("restarted") == "in-job")
         lines.append(
-            f"restart ledger of job {ledger.get('job_id')}: {len(attempts)} attempt(s)"
-            + (f" ({in_job} restarted in the job)" if in_job else "")
-            + (f", stopped: {stopped}" if stopped else "")
+            one_line(
+                f"restart ledger of job {ledger.get('job_id')}: {len(attempts)} attempt(s)"
+                + (f" ({in_job} restarted in the job)" if in_job else "")
+                + (f", stopped: {stopped['reason']}" if stopped else ""),
+                1000,
+            )
         )
         lines += _excluded_lines(ledger, attempts)
     for host, cause in unhealthy_hosts(run_dir, job_id=job_id).items():  # the gate kept these hosts out
-        lines.append(f"unhealthy node {host}: {cause}")
+        lines.append(f"unhealthy node {one_line(host, 80)}: {one_line(cause, 500)}")
     tiers = checkpoint_tiers_text(run_dir)
     if tiers:
         lines.append(tiers)
@@ -280,12 +274,7 @@ def checkpoint_tiers_text(run_dir: str | os.PathLike[str]) -> str:
             + (f", saved {ago:.0f} s ago" if ago is not None else "")
             + ")"
         )
-    return f"checkpoints: {shared}{local}"
-
-
-def _short(value: Any, limit: int = 200) -> str:
-    text = " ".join(str(value).split())  # one line, whatever the file holds
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return one_line(f"checkpoints: {shared}{local}", 1000)
 
 
 def _excluded_lines(ledger: dict[str, Any], attempts: dict[str, Any]) -> list[str]:
@@ -293,10 +282,9 @@ def _excluded_lines(ledger: dict[str, Any], attempts: dict[str, Any]) -> list[st
     out = []
     excluded: set[str] = set()
     for a in attempts.values():
-        if isinstance(a, dict) and isinstance(a.get("excluded"), list):
-            excluded |= {_short(h, 80) for h in a["excluded"][:100]}
-    if isinstance(ledger.get("excluded"), list):
-        excluded |= {_short(h, 80) for h in ledger["excluded"][:100]}
+        if isinstance(a.get("excluded"), list):
+            excluded |= {one_line(h, 80) for h in a["excluded"][:100]}
+    excluded |= {one_line(h, 80) for h in ledger["excluded"][:100]}
     if excluded:
         out.append(f"  not used by this job: {', '.join(sorted(excluded)[:50])}")
     return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,12 +30,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import atomic_write
-from hpcdist.fault.failures import primary_failure, read_failures, record
+from hpcdist.atomic import atomic_write, read_bounded
+from hpcdist.fault.failures import failure_record, primary_failure, read_failures, record
 from hpcdist.fault.goodput import mark_attempt_end
 from hpcdist.fault.stop import StopReason, signal_number
 from hpcdist.launch.requeue import requeue
@@ -42,6 +43,7 @@ from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
 from hpcdist.schedulers import JobFacts, job_facts
 from hpcdist.schedulers.slurm import expand_nodelist
+from hpcdist.untrusted import DamagedRecord, one_line, read_json
 
 __all__ = [
     "FailureDecision",
@@ -88,29 +90,89 @@ class RestartPolicy:
         )
 
     @classmethod
+    def from_record(cls, value: Any) -> RestartPolicy | None:
+        """The policy a ledger stored (``asdict`` of one), or None when ``value`` is not exactly that: every field
+        present, of its type (a budget of "3" would fail the first comparison), nothing else."""
+        if not isinstance(value, dict) or set(value) != {f.name for f in fields(cls)}:
+            return None
+        for f in fields(cls):
+            v = value[f.name]
+            if f.type == "bool":
+                ok = isinstance(v, bool)
+            elif f.type == "int":
+                ok = isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1 << 31
+            else:  # "str | None"
+                ok = v is None or isinstance(v, str)
+            if not ok:
+                return None
+        return cls(**value)
+
+    @classmethod
     def defaults(cls) -> RestartPolicy:
         from hpcdist.config import FaultConfig  # imports torch: only where no config and no ledger is at hand
 
         return cls.from_fault(FaultConfig())
 
 
+_LEDGER_MAX_BYTES = 16 << 20  # one short entry per attempt: thousands of attempts
+_EXCLUDE_FILE_MAX_BYTES = 1 << 20  # fault.exclude_nodes_file: host names, tens of thousands of them
+_ATTEMPT_KEY = re.compile(r"0|[1-9][0-9]{0,8}")  # str(restart): ASCII digits, no "²", no 5,000-digit numbers
+_REQUEUED = ("time_limit", "failure")  # what an attempt's "requeued" can say; anything else is no requeue
+
+
 def load_ledger(run_dir: str | os.PathLike[str], job_id: str | None) -> dict[str, Any]:
-    """The ledger of ``job_id``; a fresh one when the file is missing, unreadable, or belongs to another job."""
-    path = RunDir(run_dir).restarts
+    """The ledger of ``job_id``; a fresh one when the file is missing, damaged, or belongs to another job.
+
+    Read as a record someone else could have written (hpcdist.untrusted): every field the restart policy decides
+    by is checked here, once, and a value of the wrong type is dropped, so a damaged ledger can neither crash the
+    attempt loop or after-step nor make a failed attempt look requeued."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
+        data = read_json(RunDir(run_dir).restarts, _LEDGER_MAX_BYTES)
+    except DamagedRecord as e:
+        log.warning("%s: starting a new restart ledger", one_line(e, 300))
+        data = None
     if not isinstance(data, dict) or data.get("job_id") != job_id or not isinstance(data.get("attempts"), dict):
         data = {"job_id": job_id, "attempts": {}, "excluded": [], "stopped": None, "policy": None}
     # the attempt loop reads these back as host names: anything else in them is dropped, not trusted
-    excluded = data.get("excluded")
-    data["excluded"] = [h for h in excluded if isinstance(h, str)] if isinstance(excluded, list) else []
+    data["excluded"] = _hosts(data.get("excluded"))
     gate = data.get("gate_failed")
     if gate is not None:
-        data["gate_failed"] = {h: r for h, r in gate.items() if isinstance(r, list)} if isinstance(gate, dict) else {}
-    data["attempts"] = {k: a for k, a in data["attempts"].items() if str(k).isdigit() and isinstance(a, dict)}
+        gate = gate if isinstance(gate, dict) else {}
+        data["gate_failed"] = {h: [str(x) for x in r] for h, r in gate.items() if isinstance(r, list)}
+    data["stopped"] = data.get("stopped") or None
+    data["attempts"] = {
+        k: _attempt_entry(a) for k, a in data["attempts"].items() if _ATTEMPT_KEY.fullmatch(k) and isinstance(a, dict)
+    }
+    stopped = data.get("stopped")
+    if stopped and not (isinstance(stopped, dict) and isinstance(stopped.get("reason"), str)):
+        # a stop the policy cannot name is still a stop: requeueing was refused once, it stays refused
+        data["stopped"] = {"reason": "the ledger records a stop it does not explain (restarts.json)"}
+    if data.get("policy") is not None and RestartPolicy.from_record(data["policy"]) is None:
+        log.warning("%s: its fault.* policy is not one; using the config's or the defaults", RunDir(run_dir).restarts)
+        data["policy"] = None
     return data
+
+
+def _hosts(value: Any) -> list[str]:
+    return [h for h in value if isinstance(h, str)] if isinstance(value, list) else []
+
+
+def _attempt_entry(a: dict[str, Any]) -> dict[str, Any]:
+    """An attempt's entry with the fields the policy counts by made what they can be: ``requeued`` one of
+    _REQUEUED or None (a NaN or a ``1`` there is no requeue: counting it one would end a failed job COMPLETED),
+    ``restarted`` "in-job" or None, the strings strings, the host lists lists of strings."""
+    out = dict(a)
+    if "requeued" in a:
+        out["requeued"] = a["requeued"] if a["requeued"] in _REQUEUED else None
+    if "restarted" in a:
+        out["restarted"] = "in-job" if a["restarted"] == "in-job" else None
+    for key in ("ended", "signature", "cause", "path", "host"):
+        if key in out and not isinstance(out[key], str):
+            del out[key]
+    for key in ("nodes", "excluded"):
+        if key in out:
+            out[key] = _hosts(out[key])
+    return out
 
 
 def save_ledger(run_dir: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
@@ -205,7 +267,9 @@ def mark_time_limit(run_dir: str | os.PathLike[str], job: JobFacts, *, reason: s
     if reason:
         data["stopped"] = {"time": time.time(), "restart": job.restart_count, "reason": reason}
     elif data.get("policy"):
-        excluded = _exclusions(data, RestartPolicy(**data["policy"]), job, blamed_hosts=[])
+        excluded = _exclusions(
+            data, RestartPolicy.from_record(data["policy"]) or RestartPolicy.defaults(), job, blamed_hosts=[]
+        )
     save_ledger(run_dir, data)
     return excluded
 
@@ -218,9 +282,11 @@ def _exclusions(
     candidates = list(blamed_hosts) if policy.exclude_failed_nodes else []
     if policy.exclude_nodes_file:
         try:
-            candidates += parse_hosts(Path(policy.exclude_nodes_file).read_text())
+            # the user's file, but never a FIFO (a hang), a link's target or a huge file read whole
+            text = read_bounded(policy.exclude_nodes_file, _EXCLUDE_FILE_MAX_BYTES).decode("utf-8", "replace")
+            candidates += parse_hosts(text)
         except (OSError, ValueError) as e:
-            _say(f"fault.exclude_nodes_file {policy.exclude_nodes_file}: {e}")
+            _say(one_line(f"fault.exclude_nodes_file {policy.exclude_nodes_file}: {e}", 400))
     excluded = list(data.get("excluded", []))
     if candidates:
         excluded, notes = plan_exclusion(
@@ -231,7 +297,7 @@ def _exclusions(
             usable=usable_nodes(job.partition),
         )
         for note in notes:
-            _say(note)
+            _say(one_line(note, 500))
     data["excluded"] = excluded
     return excluded
 
@@ -388,20 +454,24 @@ def decide_failure(
     run_dir = Path(run_dir)
     data = load_ledger(run_dir, job.job_id)
     if policy is None:
-        policy = RestartPolicy(**data["policy"]) if data.get("policy") else RestartPolicy.defaults()
-    records = read_failures(run_dir, job_id=job.job_id, restart=job.restart_count)
+        policy = RestartPolicy.from_record(data.get("policy")) or RestartPolicy.defaults()
+    try:
+        records = read_failures(run_dir, job_id=job.job_id, restart=job.restart_count)
+    except DamagedRecord as e:  # a link, a FIFO: what the ranks said is lost, the policy still decides
+        _say(f"{one_line(e, 300)}: no rank's failure record can be read")
+        records = []
     primary = primary_failure(records)
     if primary is None:
-        primary = record(
-            run_dir,
-            kind="exit",
-            cause=f"the training step exited with status {exit_code} and no rank recorded a cause (see the job log)",
-            job=job,
-        )
+        cause = f"the training step exited with status {exit_code} and no rank recorded a cause (see the job log)"
+        try:
+            primary = record(run_dir, kind="exit", cause=cause, job=job)
+        except OSError as e:  # failures.jsonl is a link, a FIFO, another user's: decided without the record
+            _say(one_line(f"cannot record the failure: {e}", 300))
+            primary = failure_record(kind="exit", cause=cause, job=job)
     sig = primary["signature"]
     blamed = [b for b in primary.get("blame", []) if b.get("host")]
     who = ", ".join(f"rank {b.get('rank')} on {b['host']}" for b in blamed) or "no rank in particular"
-    _say(f"step failed (exit {exit_code}): {primary['kind']}: {primary['cause']} [{who}]")
+    _say(one_line(f"step failed (exit {exit_code}): {primary['kind']}: {primary['cause']} [{who}]", 1000))
 
     entry = _attempt_record(data, job.restart_count)
     entry.update(
@@ -432,7 +502,7 @@ def decide_failure(
     if reason:
         data["stopped"] = data.get("stopped") or {"time": time.time(), "restart": job.restart_count, "reason": reason}
         save_ledger(run_dir, data)
-        _say(f"not restarting job {job.job_id}: {reason}; see {RunDir(run_dir).failures}")
+        _say(one_line(f"not restarting job {job.job_id}: {reason}; see {RunDir(run_dir).failures}", 1000))
         _mark_goodput_end(run_dir)
     hosts = [b["host"] for b in blamed] if policy.exclude_failed_nodes else []
     return FailureDecision(data, entry, primary, hosts, streak, done, policy, reason)
@@ -456,8 +526,11 @@ def requeue_after_failure(
     save_ledger(run_dir, data)  # before the requeue: SLURM may end this script right after it
     _mark_goodput_end(run_dir)
     _say(
-        f"requeueing job {job.job_id} (restart {d.done + 1} of {d.policy.max_failures} after a failure, this "
-        f"failure {d.streak} time(s) in a row)" + (f", excluding {','.join(excluded)}" if excluded else "")
+        one_line(
+            f"requeueing job {job.job_id} (restart {d.done + 1} of {d.policy.max_failures} after a failure, this "
+            f"failure {d.streak} time(s) in a row)" + (f", excluding {','.join(excluded)}" if excluded else ""),
+            2000,
+        )
     )
     rc = requeue(str(job.job_id), exclude=excluded)
     if rc != 0:
@@ -481,10 +554,14 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
         # rank 0 requeued this attempt (time limit) and SLURM then ended the step while the ranks were exiting
         _say(f"srun exited with {exit_code} after job {job.job_id} was requeued: nothing to decide")
         return 0
-    d = decide_failure(run_dir, exit_code, policy, job)
-    if d.stop:
+    try:
+        d = decide_failure(run_dir, exit_code, policy, job)
+        if d.stop:
+            return exit_code
+        return requeue_after_failure(run_dir, d, job, exit_code=exit_code)
+    except OSError as e:  # restarts.json is a directory, the run dir read-only: no budget can be counted
+        _say(one_line(f"cannot write the restart ledger ({e}): not requeueing; the job ends FAILED", 500))
         return exit_code
-    return requeue_after_failure(run_dir, d, job, exit_code=exit_code)
 
 
 def _mark_goodput_end(run_dir: Path) -> None:

@@ -28,9 +28,12 @@ from hpcdist.launch.records import last_step
 from hpcdist.launch.submit import JobHandle, describe_executor, launch, prepare, render_sbatch, snapshot_placeholder
 from hpcdist.launch.task import TrainTask
 from hpcdist.rundir import RunDir
+from hpcdist.untrusted import DamagedRecord, one_line, read_json
 
 __all__ = ["expand_sweep", "submit_sweep", "sweep_status", "task_name"]
 
+_RECORD_MAX_BYTES = 16 << 20  # sweep.json: one short entry per task, tens of thousands of tasks
+_TASK_ID = re.compile(r"[0-9]{1,12}(_[0-9]{1,9})?")  # a job id as slurm_cli.check_job_id takes it
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
 
 
@@ -192,12 +195,22 @@ def _find_record(job_id: str, run_dir: str | os.PathLike[str] | None) -> dict[st
             folder = Path(stdout).parent
             candidates += [RunDir(folder.parent).sweep, RunDir(folder).sweep]
     for path in candidates:
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        try:  # a run dir's record anyone there could have written: bounded, no FIFO, no link (hpcdist.untrusted)
+            record = read_json(path, _RECORD_MAX_BYTES)
+        except DamagedRecord:
             continue
-        if str(record.get("job_id")) == job_id.split("_")[0]:
-            return record
+        if not isinstance(record, dict) or str(record.get("job_id")) != job_id.split("_")[0]:
+            continue
+        tasks = record.get("tasks") if isinstance(record.get("tasks"), list) else []
+        record["tasks"] = [
+            t
+            for t in tasks
+            if isinstance(t, dict)
+            and isinstance(t.get("job_id"), str)
+            and _TASK_ID.fullmatch(t["job_id"])
+            and isinstance(t.get("run_dir"), str)
+        ]
+        return record
     return None
 
 
@@ -208,7 +221,7 @@ def sweep_status(job_id: str, run_dir: str | os.PathLike[str] | None = None) -> 
     if record is None:
         return None
     rows = [
-        f"sweep job {record['job_id']}: {len(record['tasks'])} task(s) of {record['config']}",
+        one_line(f"sweep job {record['job_id']}: {len(record['tasks'])} task(s) of {record.get('config')}", 1000),
         f"{'task':>6} {'state':<11} {'restarts':>8} {'step':>7} {'loss':>9}  run dir",
     ]
     for task in record["tasks"]:
@@ -219,11 +232,17 @@ def sweep_status(job_id: str, run_dir: str | os.PathLike[str] | None = None) -> 
         except slurm_cli.SlurmError:
             state, restarts = "?", "?"
         if not info:
-            state = slurm_cli.job_state(task["job_id"]) or "UNKNOWN"
+            try:
+                state = slurm_cli.job_state(task["job_id"]) or "UNKNOWN"
+            except slurm_cli.SlurmError:  # SLURM cannot answer: the run dir's progress is still shown
+                state = "?"
         step, loss = last_step(task["run_dir"])
         loss_text = "-" if loss is None else f"{loss:.4f}"
         rows.append(
-            f"{task['job_id']:>6} {state:<11} {restarts:>8} {step if step is not None else '-':>7} "
-            f"{loss_text:>9}  {task['run_dir']}"
+            one_line(
+                f"{task['job_id']:>6} {state:<11} {restarts:>8} {step if step is not None else '-':>7} "
+                f"{loss_text:>9}  {task['run_dir']}",
+                2000,
+            )
         )
     return "\n".join(rows)

@@ -16,17 +16,21 @@ from typing import Any
 
 from hpcdist.atomic import atomic_write
 from hpcdist.rundir import RunDir
+from hpcdist.untrusted import DamagedRecord, read_json
 
 __all__ = ["format_summary", "previous_best_eval", "write_summary"]
+
+_MAX_BYTES = 1 << 20  # run_summary.json: a few hundred bytes
 
 
 def previous_best_eval(run_dir: str | os.PathLike[str]) -> float | None:
     """The best eval loss an earlier attempt recorded (a resumed run keeps the best over all attempts)."""
-    try:
-        value = json.loads(RunDir(run_dir).summary.read_text()).get("best_eval_loss")
-    except (OSError, ValueError, AttributeError):
+    try:  # a record anyone could have written: never a FIFO's hang, a link's target or a crash at the end
+        doc = read_json(RunDir(run_dir).summary, _MAX_BYTES)
+    except DamagedRecord:
         return None
-    return float(value) if isinstance(value, (int, float)) else None
+    value = doc.get("best_eval_loss") if isinstance(doc, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def write_summary(run_dir: str | os.PathLike[str], summary: Mapping[str, Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from hpcdist.fault.goodput import RECOVERY_PARTS
 from hpcdist.report.rundata import RunData
 
-__all__ = ["write_report"]
+__all__ = ["render_page", "write_report"]
 
 _STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
 table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;
@@ -25,10 +25,14 @@ font-size:13px}th{background:#f3f3f3}img{max-width:100%}pre{background:#f7f7f7;p
 overflow:auto}.bad{color:#b00}.none{color:#888;font-style:italic}"""
 
 
-def _when(t: float | None) -> str:
-    if t is None:
+def _when(t: Any) -> str:
+    """A record's wall time as a local date; "?" for none, or for a value that is no time (a damaged record)."""
+    if not isinstance(t, (int, float)) or isinstance(t, bool):
         return "?"
-    return _dt.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds")
+    try:
+        return _dt.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds")
+    except (OverflowError, OSError, ValueError):
+        return "?"
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -106,7 +110,7 @@ def _restarts(data: RunData) -> str:
                 a.get("path", ""),
                 a.get("ended", ""),
                 a.get("requeued") or a.get("restarted") or "",
-                ",".join(map(str, a.get("nodes") or [])) or a.get("host", ""),
+                ",".join(map(str, a["nodes"])) if isinstance(a.get("nodes"), list) else a.get("host", ""),
             ]
             for k, a in sorted(attempts.items(), key=lambda kv: int(kv[0]))
         ]
@@ -159,6 +163,16 @@ def write_report(run_dir: str | os.PathLike[str], out: Path, images: Path) -> tu
 
     data = RunData.load(run_dir)
     pngs = plots.figures(data, images)
+    page = render_page(run_dir, data, pngs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page, encoding="utf-8")
+    return out, pngs
+
+
+def render_page(run_dir: str | os.PathLike[str], data: RunData, pngs: dict[str, Path | None]) -> str:
+    """The page's HTML from the run's records and its figures (``pngs``: a figure's PNG, or None: not drawn)."""
+    from hpcdist.report import plots
+
     sections = [
         f"<h1>hpcdist run report: {html.escape(str(Path(run_dir)))}</h1>",
         f"<p>written {_when(_dt.datetime.now().timestamp())}; the run's files as they were then (a running or "
@@ -169,7 +183,7 @@ def write_report(run_dir: str | os.PathLike[str], out: Path, images: Path) -> tu
         _attempts(data),
     ]
     for name, (title, _) in plots.FIGURES.items():
-        sections += [f"<h2>{html.escape(title)}</h2>", _image(pngs[name], title)]
+        sections += [f"<h2>{html.escape(title)}</h2>", _image(pngs.get(name), title)]
         if name == "timeline":
             sections.append(_restarts(data))
     sections += [
@@ -182,6 +196,4 @@ def write_report(run_dir: str | os.PathLike[str], out: Path, images: Path) -> tu
         f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>hpcdist report</title><style>{_STYLE}'
         f"</style></head><body>\n" + "\n".join(sections) + "\n</body></html>\n"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
-    return out, pngs
+    return page

@@ -9,41 +9,57 @@ missing file is an empty record, and nothing here raises on the run's own files.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import read_tail
-from hpcdist.fault.goodput import CATEGORIES, summarize
+from hpcdist.atomic import read_bounded
+from hpcdist.fault.failures import read_failures
+from hpcdist.fault.goodput import CATEGORIES, read_goodput, summarize
 from hpcdist.rundir import RunDir
+from hpcdist.untrusted import DamagedRecord, read_json, read_jsonl
 
-__all__ = ["Attempt", "RunData", "checkpoint_tiers", "read_jsonl"]
+__all__ = ["Attempt", "RunData", "checkpoint_tiers", "read_ledger", "read_records"]
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSONL file, in order; a line that does not parse (the one being written) is skipped."""
+_JSONL_MAX_BYTES = 64 << 20  # the newest records of metrics.jsonl / failures.jsonl: hundreds of thousands of lines
+_RECORD_MAX_BYTES = 16 << 20  # a JSON record (restarts.json, ranks.json, run_summary.json)
+_CONFIG_MAX_BYTES = 1 << 20  # config.yaml: a few KiB
+
+
+def read_records(path: Path, max_bytes: int = _JSONL_MAX_BYTES) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file's newest ``max_bytes``, in order, each line a record of plain values
+    (:func:`_metrics_values`); [] when it is missing, a link, a FIFO or no regular file (hpcdist.untrusted)."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
+        return [_metrics_values(r) for r in read_jsonl(path, max_bytes)]
+    except DamagedRecord:
         return []
-    out = []
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
+
+
+def _metrics_values(rec: dict[str, Any]) -> dict[str, Any]:
+    """A metrics line as the figures read it: ``step`` an integer (else dropped), ``split`` a string, and every
+    other field a number, a string, or a list of numbers (a per-rank value); anything else is dropped."""
+    out: dict[str, Any] = {}
+    for key, value in rec.items():
+        if key == "step":
+            ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+        elif key == "split":
+            ok = isinstance(value, str)
+        elif isinstance(value, list):
+            ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        else:
+            ok = value is None or (isinstance(value, (int, float, str)) and not isinstance(value, bool))
+        if ok:
+            out[key] = value
     return out
 
 
 def _read_json_or_none(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json(path, _RECORD_MAX_BYTES)
+    except DamagedRecord:
         return None
 
 
@@ -98,27 +114,28 @@ class RunData:
     @classmethod
     def load(cls, root: str | os.PathLike[str]) -> RunData:
         rd = RunDir(root)
-        records = read_jsonl(rd.metrics)
+        records = read_records(rd.metrics)
+        try:
+            failures = read_failures(root)
+        except DamagedRecord:
+            failures = []
         data = cls(
             root=Path(root),
             train=_series(records, "train"),
             eval=_series(records, "eval"),
             stragglers=_series(records, "straggler"),
-            failures=read_jsonl(rd.failures),
+            failures=failures,
         )
         with contextlib.suppress(OSError):
-            data.config_text = rd.config.read_text(encoding="utf-8", errors="replace")
-        ledger = _read_json_or_none(rd.restarts)
-        data.restarts = ledger if isinstance(ledger, dict) else {}
+            data.config_text = read_bounded(rd.config, _CONFIG_MAX_BYTES).decode("utf-8", errors="replace")
+        data.restarts = read_ledger(root)
         ranks = _read_json_or_none(rd.ranks)
         if isinstance(ranks, dict) and isinstance(ranks.get("hosts"), list):
-            data.hosts = [str(h) for h in ranks["hosts"]]
+            data.hosts = [h for h in ranks["hosts"] if isinstance(h, str)]
         data.checkpoints = checkpoint_tiers(root)
         summary = _read_json_or_none(rd.summary)
         data.summary = summary if isinstance(summary, dict) else {}
-        goodput = _read_json_or_none(rd.goodput)
-        entries = goodput.get("attempts") if isinstance(goodput, dict) else None
-        entries = [e for e in entries or [] if isinstance(e, dict) and isinstance(e.get("start"), (int, float))]
+        entries = read_goodput(root)
         data.goodput = summarize(entries) if entries else {}
         for i, e in enumerate(entries, 1):
             keys = [k for k in CATEGORIES if k != "queue_wait"]
@@ -148,6 +165,30 @@ class RunData:
         return not (self.train or self.attempts or self.failures or self.config_text)
 
 
+def read_ledger(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The run's restarts.json as `hpcdist report` and `hpcdist status` show it (:func:`_ledger`)."""
+    return _ledger(_read_json_or_none(RunDir(run_dir).restarts))
+
+
+def _ledger(doc: Any) -> dict[str, Any]:
+    """restarts.json as the page shows it, whichever job it is of: attempts keyed by their number (ASCII digits)
+    with object values, the host lists lists of strings, ``stopped`` an object with a string reason; {} for no
+    ledger. (The restart policy's own reading, which decides by it, is hpcdist.launch.restarts.load_ledger.)"""
+    if not isinstance(doc, dict):
+        return {}
+    out = dict(doc)
+    attempts = doc.get("attempts") if isinstance(doc.get("attempts"), dict) else {}
+    out["attempts"] = {k: a for k, a in attempts.items() if re.fullmatch(r"[0-9]{1,9}", k) and isinstance(a, dict)}
+    out["excluded"] = (
+        [h for h in doc.get("excluded") or [] if isinstance(h, str)] if isinstance(doc.get("excluded"), list) else []
+    )
+    gate = doc.get("gate_failed") if isinstance(doc.get("gate_failed"), dict) else {}
+    out["gate_failed"] = {h: r for h, r in gate.items() if isinstance(r, list)}
+    stopped = doc.get("stopped")
+    out["stopped"] = stopped if isinstance(stopped, dict) and isinstance(stopped.get("reason"), str) else None
+    return out
+
+
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -157,12 +198,9 @@ def checkpoint_tiers(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     the node-local tier's newest step (local_checkpoints.json, written by rank 0 after each local save: the login
     node cannot see the nodes' disks). Missing keys: nothing known. Only lstat and bounded reads."""
     rd, out = RunDir(run_dir), {}
-    try:
-        record = json.loads(read_tail(rd.local_checkpoints, 64 << 10))
-    except (OSError, ValueError):
-        record = None
+    record = _read_json_or_none(rd.local_checkpoints)
     shared_dir = rd.checkpoints
-    if isinstance(record, dict) and isinstance(record.get("step"), int):
+    if isinstance(record, dict) and isinstance(record.get("step"), int) and not isinstance(record["step"], bool):
         out["local_step"] = record["step"]
         out["local_copies"] = bool(record.get("peer_copies"))
         for key in ("bytes_per_node", "time"):

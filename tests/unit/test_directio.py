@@ -187,3 +187,17 @@ def test_a_reader_never_returns_bytes_past_the_size_it_took_at_open(tmp_path: Pa
         assert reader.readinto(buf) == 50 and bytes(buf[:50]) == data[-50:]
     finally:
         reader.close()
+
+
+def test_open_read_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
+    """A FIFO planted as a shard (checkpoint.verify=none reads without a size check first): an error, not a hang."""
+    from tests.unit.hostile_rundirs import time_bound
+
+    fifo = tmp_path / "shard.distcp"
+    os.mkfifo(fifo)
+    with time_bound(10.0), pytest.raises(OSError, match="not a regular file"):
+        directio.open_read(fifo)
+    regular = tmp_path / "small"
+    regular.write_bytes(b"abc")
+    with directio.open_read(regular) as f:
+        assert f.read() == b"abc"

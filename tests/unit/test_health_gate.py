@@ -384,3 +384,40 @@ def test_verdicts_of_an_srun_are_read_per_host_and_a_silent_host_is_unhealthy(tm
         "b": ["xid: Xid 79"],
         "c": ["no verdict from the health gate (node down, not started or timed out)"],
     }
+
+
+def test_xid_location_is_one_printable_line_and_the_reason_is_capped() -> None:
+    """A forged kernel-log line cannot add lines or escapes to a reason, and 20,000 distinct Xids are a short one."""
+    forged = b"[ 10.0] NVRM: Xid (PCI:0000:3b:00\n\x1b[2J\x1b[31mFAKE LINE\n): 79, pid=1\n"
+    escaped = b"[ 11.0] NVRM: Xid (\x1b[2J\x1b[31m): 79, pid=1\n"
+    reasons = parse_xids(forged + escaped)
+    assert reasons == ["Xid 79 on \\x1b[2J\\x1b[31m (1 time(s) in the kernel log's last 24 h)"]
+    many = b"".join(b"NVRM: Xid (PCI:0000:%05d): 79, pid=1\n" % i for i in range(20_000))
+    capped = parse_xids(many)
+    assert len(capped) == 17 and capped[-1] == "and 19984 more GPU/Xid pair(s) in the kernel log"
+    assert len("; ".join(capped)) < 2000
+
+
+def test_a_setsid_grandchild_holding_the_pipe_is_killed(tmp_path: Path) -> None:
+    """A tool that hangs after starting a grandchild in its own session (outside the tool's process group): once the
+    tool did not answer, nothing of ours holds the pipe any more."""
+    pid_file = tmp_path / "grandchild.pid"
+    tool = tmp_path / "tool"
+    tool.write_text(f"#!/bin/sh\nsetsid sh -c 'echo $$ > {pid_file}; sleep 300' &\nsleep 300\n")
+    tool.chmod(0o755)
+    with pytest.raises(gate_mod._Fail, match="did not answer"):
+        gate_mod.run_tool([str(tool)], timeout_s=1.5)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{grandchild}/stat") as f:
+                alive = f.read().rpartition(")")[2].split()[0] != "Z"
+        except FileNotFoundError:
+            alive = False
+        if not alive:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(grandchild, 9)
+        pytest.fail(f"the setsid grandchild {grandchild} still runs after the tool was killed")
