@@ -1,4 +1,4 @@
-"""``hpcdist`` command line: argparse and dispatch only (issue 26.6). Each command's body lives beside its library
+"""``hpcdist`` command line: argparse and dispatch only. Each command's body lives beside its library
 (COMMANDS names it as ``module:function``, imported only when that command runs: ``--help`` loads no torch) and
 returns the exit status; a refusal is a ``hpcdist.errors.CommandError``. ``main`` is the one error wrapper: a
 refusal or a configuration error prints one line, no traceback (exit 2 unless the command says otherwise); Ctrl-C

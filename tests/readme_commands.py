@@ -1,4 +1,4 @@
-"""Every command in README.md's fenced code blocks, and how the tests check each one (issue 11).
+"""Every command in README.md's fenced code blocks, and how the tests check each one.
 
 `commands()` reads README.md and returns one `Command` per example:
     ```bash     every non-empty, non-comment line (a trailing `# comment` stripped; `a ; b ; c` stays one command)

@@ -301,7 +301,7 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
 
 def test_a_log_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     """`hpcdist logs JOB | head -1` said `hpcdist: logs: cannot read None: Broken pipe` (exit 2): logs took the
-    closed stdout for an unreadable log. Since issue 26.6 every command's closed pipe ends the one way."""
+    closed stdout for an unreadable log. Every command's closed pipe ends the one way."""
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / "123_0_log.out").write_text("a line of the log\n" * 200_000)
     cmd = f"{sys.executable} -m hpcdist logs 123 --run-dir {tmp_path} | head -1"
@@ -310,7 +310,7 @@ def test_a_log_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     assert p.returncode in (0, 141), p.returncode
 
 
-# ------------------------------------------------------------------------------------- thin CLI (issue 26.6)
+# ------------------------------------------------------------------------------------- thin CLI
 
 
 def test_cli_holds_no_command_body() -> None:
