@@ -123,13 +123,29 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser(
         "config",
-        help="validate a config and print it fully resolved",
-        description="Load CONFIG plus overrides, validate every key, and print the resolved YAML the trainer uses.",
+        help="validate a config and print it fully resolved; --reference lists every key",
+        description="Load CONFIG plus overrides, validate every key, and print the resolved YAML the trainer uses. "
+        "--reference [SECTION] lists every key with its type, default and meaning (docs/CONFIG.md); --commented "
+        "prints CONFIG as a starter to edit, each key with its meaning and the model left to its preset.",
     )
-    c.add_argument("config")
-    c.add_argument("overrides", nargs="*", metavar="section.key=value")
+    c.add_argument("config", nargs="?", help="YAML config, or a shipped example: demo, train_13b")
+    c.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. model.dim=512 train.steps=50")
     c.add_argument(
         "--world-size", type=_positive_int, default=1, help="also check batch divisibility for this many ranks"
+    )
+    c.add_argument(
+        "--reference",
+        nargs="?",
+        const="",
+        metavar="SECTION",
+        help="list every config key (or one section's: run, model, data, optim, train, parallel, checkpoint, fault, "
+        "logging) with type, default and meaning; no CONFIG needed",
+    )
+    c.add_argument(
+        "--commented",
+        action="store_true",
+        help="print CONFIG as a starter config: each key with its meaning, the model section only what differs "
+        "from its preset (so changing model.preset changes the model)",
     )
 
     pr = sub.add_parser(
