@@ -34,9 +34,7 @@ def starter_tree(cfg: JobConfig) -> dict[str, Any]:
         values = load_preset(cfg.model.preset)
         defaults = dataclasses.asdict(ModelConfig())
         kept = {
-            k: v
-            for k, v in model.items()
-            if k != "preset" and (v != values[k] if k in values else v != defaults[k])
+            k: v for k, v in model.items() if k != "preset" and (v != values[k] if k in values else v != defaults[k])
         }
         tree["model"] = {"preset": cfg.model.preset, **kept}
     return tree

@@ -84,7 +84,7 @@ def test_defaults_without_a_file_are_valid() -> None:
 
 def test_empty_yaml_file_is_refused_naming_the_run_dir_it_would_use(tmp_path: Path) -> None:
     """Every key its default would train into the demo's run.dir: a file that says nothing is a mistake."""
-    with pytest.raises(ConfigError, match="holds no settings .* run.dir runs/demo"):
+    with pytest.raises(ConfigError, match=r"holds no settings .* run\.dir runs/demo"):
         load(_write(tmp_path / "empty.yaml", "# nothing here\n"))
 
 
