@@ -1,4 +1,4 @@
-"""``hpcdist`` command line: argparse and dispatch only (issue 26.6). Each command's body lives beside its library
+"""``hpcdist`` command line: argparse and dispatch only. Each command's body lives beside its library
 (COMMANDS names it as ``module:function``, imported only when that command runs: ``--help`` loads no torch) and
 returns the exit status; a refusal is a ``hpcdist.errors.CommandError``. ``main`` is the one error wrapper: a
 refusal or a configuration error prints one line, no traceback (exit 2 unless the command says otherwise); Ctrl-C
@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,14 +24,16 @@ EPILOG = """examples:
   hpcdist train configs/demo.yaml                      # one process on this machine
   hpcdist train configs/demo.yaml train.steps=50 run.dir=runs/try
   hpcdist train configs/train_13b.yaml --dry-run --world-size 32   # check the 32-GPU layout here, no GPU
-  torchrun --nproc_per_node=2 -m hpcdist.cli train configs/demo.yaml
+  torchrun --nproc_per_node=2 -m hpcdist train configs/demo.yaml
   srun --ntasks-per-node=8 hpcdist train configs/train_13b.yaml   # one task per GPU
   hpcdist config configs/demo.yaml model.dim=512        # print the resolved, validated config
-  hpcdist tokenizer train ~/corpus --vocab-size 32000 --out data/tok   # byte-level BPE from local text
-  hpcdist prepare ~/corpus --tokenizer data/tok --out data/corpus      # txt / jsonl / parquet -> token shards
+  hpcdist data tokenizer ~/corpus --vocab-size 32000 --out data/tok   # byte-level BPE from local text
+  hpcdist data prepare ~/corpus --tokenizer data/tok --out data/corpus  # txt / jsonl / parquet -> token shards
+  hpcdist data check data/corpus --full                                # every shard against its meta.json
   hpcdist submit configs/train_13b.yaml --nodes 4 --partition gpu   # sbatch through submitit (8 ranks/node)
   hpcdist plan configs/train_13b.yaml --nodes 4 --gpus-per-node 8  # memory per strategy + ranked layouts
   hpcdist submit configs/demo.yaml --cluster local --wait          # no SLURM: ranks as local processes
+  hpcdist nccl-check --nproc 4                                     # the communication check (tools/nccl_check)
   hpcdist submit configs/demo.yaml --cluster sandbox --dry-run     # print the sbatch script, submit nothing
   hpcdist submit configs/demo.yaml --sweep optim.lr=1e-4,3e-4 --sweep train.global_batch_size=256,512  # 1 array
   hpcdist submit configs/demo.yaml --chain 3                         # 3 jobs, each resuming the previous one
@@ -86,8 +89,55 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+# The commands as `hpcdist --help` lists them, by what a user is doing. Every subcommand is in exactly one group
+# (tests/unit/test_cli.py checks); the old spellings `prepare` and `tokenizer train` stay, listed under data.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("run", ("train", "config", "plan", "report")),
+    ("cluster jobs", ("submit", "status", "logs", "cancel")),
+    ("data", ("data", "prepare", "tokenizer")),
+    ("models", ("export", "import", "generate", "eval")),
+    ("diagnostics", ("health", "nccl-check")),
+)
+# Handed whole to the communication check's own parser (its flags are not hpcdist's).
+NCCL_CHECK = ("nccl-check", "nccl_check")
+
+
+class _TopParser(argparse.ArgumentParser):
+    """``hpcdist``'s own parser: its help lists the subcommands by group, and a mistyped subcommand gets a
+    did-you-mean instead of the list of every choice."""
+
+    def format_help(self) -> str:
+        commands = self._commands()
+        lines = [self.format_usage().rstrip(), "", *textwrap.wrap(self.description or "", 118), ""]
+        for title, names in GROUPS:
+            lines.append(f"{title}:")
+            for name in names:
+                lines += textwrap.wrap(commands[name], 118, initial_indent=f"  {name:<11} ", subsequent_indent=" " * 14)
+            lines.append("")
+        lines += ["options:", "  -h, --help   show this help message and exit"]
+        lines += ["  --version    print the installed hpcdist version and exit", "", self.epilog or ""]
+        return "\n".join(lines)
+
+    def _commands(self) -> dict[str, str]:
+        """{subcommand: its one-line help}."""
+        action = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction))
+        return {c.dest: c.help or "" for c in action._choices_actions}
+
+    def check_command(self, argv: Sequence[str]) -> None:
+        """Exit 2 with a did-you-mean when the first argument that is not an option is no subcommand."""
+        first = next((a for a in argv if not a.startswith("-")), None)
+        action = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction))
+        if first is None or first in action.choices or first in NCCL_CHECK:
+            return
+        import difflib
+
+        close = difflib.get_close_matches(first, list(action.choices), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        self.error(f"unknown command {first!r}{hint} (hpcdist --help lists the commands)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _TopParser(
         prog="hpcdist",
         description="Train Llama-style language models from one YAML config, locally or on SLURM: DDP, FSDP2/HSDP, "
         "DeepSpeed ZeRO 1-3, 3D (pipeline x data x tensor parallel), or auto (the planner picks the layout).",
@@ -95,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action=_VersionAction, help="print the installed hpcdist version and exit")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # the subcommands are plain parsers: only the top one lists groups
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=argparse.ArgumentParser)
 
     t = sub.add_parser(
         "train",
@@ -123,24 +174,85 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser(
         "config",
-        help="validate a config and print it fully resolved",
-        description="Load CONFIG plus overrides, validate every key, and print the resolved YAML the trainer uses.",
+        help="validate a config and print it fully resolved; --reference lists every key",
+        description="Load CONFIG plus overrides, validate every key, and print the resolved YAML the trainer uses. "
+        "--reference [SECTION] lists every key with its type, default and meaning (docs/CONFIG.md); --commented "
+        "prints CONFIG as a starter to edit, each key with its meaning and the model left to its preset.",
     )
-    c.add_argument("config")
-    c.add_argument("overrides", nargs="*", metavar="section.key=value")
+    c.add_argument("config", nargs="?", help="YAML config, or a shipped example: demo, train_13b")
+    c.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. model.dim=512 train.steps=50")
     c.add_argument(
         "--world-size", type=_positive_int, default=1, help="also check batch divisibility for this many ranks"
     )
-
-    pr = sub.add_parser(
-        "prepare",
-        help="tokenize text / jsonl / parquet / datasets directories into memory-mapped token shards",
-        description="Tokenize documents into OUT/shard-*.bin + meta.json (docs/DATA.md), usable with data.source=files "
-        "data.path=OUT. Inputs: text files (one document each), .jsonl / .jsonl.gz (--text-field), .parquet, and "
-        "directories written by datasets' save_to_disk; other directories are searched recursively with --glob. "
-        "Documents are separated by EOS (and start with BOS when the tokenizer has one). A killed run continues "
-        "where it stopped when started again with the same arguments.",
+    c.add_argument(
+        "--reference",
+        nargs="?",
+        const="",
+        metavar="SECTION",
+        help="list every config key (or one section's: run, model, data, optim, train, parallel, checkpoint, fault, "
+        "logging) with type, default and meaning; no CONFIG needed",
     )
+    c.add_argument(
+        "--commented",
+        action="store_true",
+        help="print CONFIG as a starter config: each key with its meaning, the model section only what differs "
+        "from its preset (so changing model.preset changes the model)",
+    )
+
+    prepare_help = "tokenize text / jsonl / parquet / datasets directories into memory-mapped token shards"
+    _add_prepare_arguments(sub.add_parser("prepare", help=f"{prepare_help} (= data prepare)", **PREPARE))
+    tk = sub.add_parser(
+        "tokenizer",
+        help="train a byte-level BPE tokenizer on local text (= data tokenizer)",
+        description="hpcdist tokenizer train INPUT... --vocab-size N --out DIR (also: hpcdist data tokenizer "
+        "INPUT... ...): a byte-level BPE (lossless on any text) trained with the tokenizers library; DIR gets "
+        "tokenizer.json, usable as prepare --tokenizer DIR.",
+    )
+    tk_sub = tk.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    _add_tokenizer_arguments(tk_sub.add_parser("train", help="train a byte-level BPE on local files"))
+    dt = sub.add_parser(
+        "data",
+        help="prepare datasets, train a tokenizer, check a prepared dataset",
+        description="hpcdist data prepare INPUT... --out DIR: tokenize documents into token shards; hpcdist data "
+        "tokenizer INPUT... --vocab-size N --out DIR: train a byte-level BPE; hpcdist data check DIR [--full]: "
+        "meta.json valid and every shard a regular file of the size it records (what training checks at start-up), "
+        "--full also reads every shard: its sha256 and largest id. One line per problem naming the shard; exit "
+        "status 1 if there is any.",
+    )
+    dt_sub = dt.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    _add_prepare_arguments(dt_sub.add_parser("prepare", help=prepare_help, **PREPARE))
+    _add_tokenizer_arguments(dt_sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer on local files"))
+    dc = dt_sub.add_parser("check", help="verify a prepared dataset's shards (sizes; --full: checksums and ids)")
+    dc.add_argument("path", type=Path, help="prepared dataset directory (hpcdist prepare --out DIR)")
+    dc.add_argument("--full", action="store_true", help="read every shard: sha256 and largest id against meta.json")
+    dc.add_argument("--workers", type=_positive_int, default=4, help="shards read at once with --full (default: 4)")
+    sub.add_parser(
+        "nccl-check",
+        aliases=["nccl_check"],
+        add_help=False,
+        help="the communication check: environment audit, collective sweep, slow rank/host/link finder, verdict "
+        "(tools/nccl_check; hpcdist nccl-check --help lists its options)",
+    )
+    _add_launch_parsers(sub)
+    _add_plan_parser(sub)
+    _add_health_parser(sub)
+    _add_report_parser(sub)
+    _add_hf_parsers(sub)
+    _add_model_parsers(sub)
+    return p
+
+
+PREPARE: dict[str, Any] = dict(
+    description="Tokenize documents into OUT/shard-*.bin + meta.json (docs/DATA.md), usable with data.source=files "
+    "data.path=OUT. Inputs: text files (one document each), .jsonl / .jsonl.gz (--text-field), .parquet, and "
+    "directories written by datasets' save_to_disk; other directories are searched recursively with --glob. "
+    "Documents are separated by EOS (and start with BOS when the tokenizer has one). A killed run continues "
+    "where it stopped when started again with the same arguments.",
+)
+
+
+def _add_prepare_arguments(pr: argparse.ArgumentParser) -> None:
+    """`hpcdist prepare` and `hpcdist data prepare`: one set of arguments."""
     pr.add_argument("inputs", nargs="*", type=Path, help="files or directories (omit with --stdlib)")
     pr.add_argument("--out", type=Path, required=True, help="output directory")
     pr.add_argument(
@@ -196,38 +308,14 @@ def _parser() -> argparse.ArgumentParser:
         "--tokenizer names the tokenizer that made it",
     )
 
-    tk = sub.add_parser(
-        "tokenizer",
-        help="train a byte-level BPE tokenizer on local text",
-        description="hpcdist tokenizer train INPUT... --vocab-size N --out DIR: a byte-level BPE (lossless on any "
-        "text) trained with the tokenizers library; DIR gets tokenizer.json, usable as prepare --tokenizer DIR.",
-    )
-    tk_sub = tk.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
-    tt = tk_sub.add_parser("train", help="train a byte-level BPE on local files")
+
+def _add_tokenizer_arguments(tt: argparse.ArgumentParser) -> None:
+    """`hpcdist tokenizer train` and `hpcdist data tokenizer`: one set of arguments."""
     tt.add_argument("inputs", nargs="+", type=Path, help="text / jsonl / parquet files, datasets or other directories")
     tt.add_argument("--vocab-size", type=_positive_int, required=True, help="vocabulary size, <|endoftext|> included")
     tt.add_argument("--out", type=Path, required=True, help="output directory (tokenizer.json)")
     tt.add_argument("--glob", default=DEFAULT_GLOB, help=f"patterns inside directories (default: {DEFAULT_GLOB})")
     tt.add_argument("--text-field", default="text", help="jsonl key / parquet or datasets column (default: text)")
-    dt = sub.add_parser(
-        "data",
-        help="check a prepared dataset against its meta.json",
-        description="hpcdist data check DIR [--full]: meta.json valid and every shard a regular file of the size it "
-        "records (what training checks at start-up); --full also reads every shard: its sha256 and largest id. "
-        "One line per problem naming the shard; exit status 1 if there is any.",
-    )
-    dt_sub = dt.add_subparsers(dest="data_command", required=True, metavar="ACTION")
-    dc = dt_sub.add_parser("check", help="verify a prepared dataset's shards (sizes; --full: checksums and ids)")
-    dc.add_argument("path", type=Path, help="prepared dataset directory (hpcdist prepare --out DIR)")
-    dc.add_argument("--full", action="store_true", help="read every shard: sha256 and largest id against meta.json")
-    dc.add_argument("--workers", type=_positive_int, default=4, help="shards read at once with --full (default: 4)")
-    _add_launch_parsers(sub)
-    _add_plan_parser(sub)
-    _add_health_parser(sub)
-    _add_report_parser(sub)
-    _add_hf_parsers(sub)
-    _add_model_parsers(sub)
-    return p
 
 
 def _add_health_parser(sub: argparse._SubParsersAction) -> None:
@@ -299,20 +387,21 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
     """submit / status / logs / cancel: the SLURM side (hpcdist.launch)."""
     s = sub.add_parser(
         "submit",
-        help="submit a training job to SLURM with submitit (local processes when no SLURM answers)",
+        help="submit a training job to SLURM with submitit (refused when SLURM does not answer; --cluster local "
+        "runs it on this machine)",
         description="Validate CONFIG + overrides for the cluster's world size, then submit one job: one rank per "
         "GPU via srun, --requeue, a warning signal before the time limit (the trainer checkpoints and "
         "requeues), the cluster's NCCL profile. Cluster settings come from the --cluster profile; the "
         "options below override them. Logs: <run.dir>/slurm/<jobid>_<rank>_log.out|err.",
     )
     s.add_argument("config", help="YAML training config, e.g. configs/train_13b.yaml")
-    s.add_argument("overrides", nargs="*", metavar="section.key=value")
+    s.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.steps=500 run.dir=runs/x")
     s.add_argument("--cluster", default="a100_ib", help="shipped profile name or a YAML path (default: a100_ib)")
-    s.add_argument("--nodes", type=_positive_int)
+    s.add_argument("--nodes", type=_positive_int, help="nodes to ask SLURM for (default: the profile's)")
     s.add_argument("--gpus-per-node", type=_nonnegative_int, help="also the ranks per node")
     s.add_argument("--time", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
     for name in ("partition", "account", "qos", "constraint"):
-        s.add_argument(f"--{name}")
+        s.add_argument(f"--{name}", help=f"sbatch --{name} (default: the profile's)")
     s.add_argument("--exclude", metavar="NODELIST", help="nodes to avoid, e.g. gpu[012,040]")
     s.add_argument("--job-name", help="default: run.name")
     s.add_argument(
@@ -393,7 +482,12 @@ def _add_launch_parsers(sub: argparse._SubParsersAction) -> None:
         help="keep printing what the rank writes until the job ends (through requeues)",
     )
 
-    ca = sub.add_parser("cancel", help="cancel a SLURM job (scancel), or a local-executor job with --run-dir")
+    ca = sub.add_parser(
+        "cancel",
+        help="cancel a SLURM job (scancel), or a local-executor job with --run-dir",
+        description="On SLURM: scancel, then wait (up to 2 min) until the controller reports the job ended. A "
+        "local-executor job: its ranks get SIGINT (checkpoint and stop), what still runs 60 s later is killed.",
+    )
     ca.add_argument("job", help="job id")
     ca.add_argument("--run-dir", type=Path, help="the job's run.dir: finds a local-executor job's record")
 
@@ -465,7 +559,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "when no layout fits.",
     )
     pl.add_argument("config", help="YAML training config, e.g. configs/train_13b.yaml")
-    pl.add_argument("overrides", nargs="*", metavar="section.key=value")
+    pl.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.micro_batch_size=2")
     pl.add_argument("--cluster", default="a100_ib", help="shipped profile name or a YAML path (default a100_ib)")
     pl.add_argument("--nodes", type=_positive_int, help="default: the cluster profile's")
     pl.add_argument("--gpus-per-node", type=_positive_int, help="default: the cluster profile's")
@@ -495,7 +589,7 @@ def _add_hf_parsers(sub: argparse._SubParsersAction) -> None:
         "OUT: config.json, model.safetensors (or shards + index above --max-shard-size), generation_config.json and "
         "the run's tokenizer. Streams tensor by tensor on CPU.",
     )
-    ex.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    ex.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a step directory, checkpoints/ or a run directory")
     ex.add_argument("--out", type=Path, required=True, help="new output directory")
     ex.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default bf16)")
     ex.add_argument(
@@ -515,7 +609,7 @@ def _add_hf_parsers(sub: argparse._SubParsersAction) -> None:
         "it (checkpoint.init_from); checkpoint.init_from=HF_DIR also reads HF_DIR directly. The model section of the "
         "config must match config.json.",
     )
-    im.add_argument("hf_dir", metavar="HF_DIR")
+    im.add_argument("hf_dir", metavar="HF_DIR", help="a Hugging Face Llama directory (config.json + safetensors)")
     im.add_argument("--out", type=Path, required=True, help="new checkpoints directory")
 
 
@@ -530,7 +624,7 @@ def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
         help="generate text from a trained checkpoint (one process, KV cache)",
         description=f"Continue --prompt with the trained model and print the text. {where}.",
     )
-    g.add_argument("checkpoint", type=Path, metavar="CHECKPOINT")
+    g.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="run directory, checkpoints/ or step-N/")
     g.add_argument("--prompt", required=True, help="text to continue")
     g.add_argument("--max-new-tokens", type=_positive_int, default=64, help="at most this many new tokens (64)")
     g.add_argument("--temperature", type=_at_least_zero, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -550,7 +644,7 @@ def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
         description=f"Mean next-token cross-entropy and perplexity on the first --batches batches of --data, read in "
         f"order (a directory made by `hpcdist prepare` with the run's tokenizer). {where}.",
     )
-    e.add_argument("checkpoint", type=Path, metavar="CHECKPOINT")
+    e.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="run directory, checkpoints/ or step-N/")
     e.add_argument("--data", type=Path, required=True, help="prepared dataset (hpcdist prepare --out DIR)")
     e.add_argument("--batches", type=_positive_int, help="batches to evaluate (default: the run's train.eval_batches)")
     e.add_argument("--seq-len", type=_positive_int, help="tokens per sample (default: the run's data.seq_len)")
@@ -590,6 +684,8 @@ COMMANDS: dict[str, str | Callable[[argparse.Namespace], int]] = {
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "data" and args.data_command != "check":  # `data prepare` / `data tokenizer`: the old verbs
+        args.command = {"prepare": "prepare", "tokenizer": "tokenizer"}[args.data_command]
     command = COMMANDS["dry-run" if args.command == "train" and args.dry_run else args.command]
     if args.command == "prepare" and getattr(args, "cluster", None) is not None:
         command = "hpcdist.launch.prepare_array:cmd_prepare_cluster"  # the SLURM side lives in hpcdist.launch
@@ -616,7 +712,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in NCCL_CHECK:  # its own parser and flags (tools/nccl_check is the same program)
+        signals.release()
+        from hpcdist.diagnostics.cli import main as nccl_check
+
+        return nccl_check(argv[1:])
     parser = _parser()
+    parser.check_command(argv)
     # overrides may follow options (`config X --world-size 2 train.steps=7`): argparse's nargs="*" positional
     # is consumed before the option, so collect the leftovers and accept those that look like key=value
     args, extra = parser.parse_known_args(argv)

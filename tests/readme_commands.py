@@ -1,4 +1,4 @@
-"""Every command in README.md's fenced code blocks, and how the tests check each one (issue 11).
+"""Every command in README.md's fenced code blocks, and how the tests check each one.
 
 `commands()` reads README.md and returns one `Command` per example:
     ```bash     every non-empty, non-comment line (a trailing `# comment` stripped; `a ; b ; c` stays one command)
@@ -402,9 +402,10 @@ def check_for(text: str) -> Check:
     return CHECKS[text] if text in CHECKS else DERIVED[text]
 
 
-def runnable(runner: str, readme: Path = README) -> list[str]:
-    """The commands a runner runs: README commands with that runner, then DERIVED ones (deduplicated)."""
-    texts = [c.text for c in commands(readme) if c.text in CHECKS and CHECKS[c.text].runner == runner]
+def runnable(runner: str) -> list[str]:
+    """The commands a runner runs: README's and docs/'s commands with that runner, then DERIVED ones
+    (deduplicated)."""
+    texts = [c.text for c in documented() if c.text in CHECKS and CHECKS[c.text].runner == runner]
     texts += [t for t, check in DERIVED.items() if check.runner == runner]
     return list(dict.fromkeys(texts))
 

@@ -1,4 +1,4 @@
-"""Every README and docs/ command runs (issues 11 and 31), the local ones that train or start ranks: in the order a
+"""Every README and docs/ command runs, the local ones that train or start ranks: in the order a
 reader meets them, one after another in ONE checkout-like scratch directory, so a command runs on what the earlier
 ones left (the usage examples after the quick start, generate on the quick start's run), with the tiny overrides
 tests/readme_commands.py lists for it. Each must change the directory (a run, a file) or say why not

@@ -21,6 +21,8 @@ from typing import Any
 import yaml
 
 from hpcdist import resources, safe_yaml
+from hpcdist.config.schema import RunConfig
+from hpcdist.models.args import load_preset
 
 __all__ = [
     "ConfigError",
@@ -147,6 +149,10 @@ def config_file(path: str | os.PathLike[str]) -> Path:
 def read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
     """A YAML mapping file -> (data, problems); a missing, unreadable, non-UTF-8, invalid or non-mapping file is a
     problem (worded "config file ...") and gives ``{}``; an empty file is ``{}``."""
+    if path.is_dir():
+        inside = sorted(str(p) for p in [*path.glob("*.yaml"), *path.glob("*.yml")])[:3]
+        hint = f" inside it, e.g. {inside[0]}" if inside else ""
+        return {}, [f"config file {str(path)!r} is a directory; pass a YAML file{hint}"]
     if not path.is_file():
         shipped = ", ".join(resources.names("examples"))
         return {}, [f"config file {str(path)!r} does not exist (pass a YAML file, or a shipped example: {shipped})"]
@@ -164,8 +170,11 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         return {}, [f"config file {str(path)!r} is not valid YAML{where}: {getattr(e, 'problem', e)}"]
-    if data is None:
-        return {}, []
+    if data is None:  # every key its default: the demo's run.dir, silently shared with the demo's run
+        return {}, [
+            f"config file {str(path)!r} holds no settings (empty, or only comments): it would train the defaults "
+            f"into run.dir {RunConfig.dir}; start from `hpcdist config demo --commented > {path}`"
+        ]
     if not isinstance(data, dict):
         return {}, [
             f"config file {str(path)!r} must be a mapping of sections (run:, model:, ...), not {type(data).__name__}"
@@ -267,6 +276,31 @@ def build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[str]) 
             else:
                 kwargs[name] = coerced
     return cls(**kwargs)
+
+
+def preset_shadows(path: str | os.PathLike[str]) -> str | None:
+    """One line when the config file's explicit ``model:`` keys differ from its ``model.preset``'s values (explicit
+    keys win, so the model is not the preset's: a starter config edited from ``preset: tiny`` to ``preset: 7b`` would
+    still train tiny's shape); None when they agree, there is no preset, or the file or preset cannot be read (the
+    loader reports those)."""
+    data, problems = read_yaml(config_file(path))
+    model = data.get("model")
+    if problems or not isinstance(model, Mapping) or not isinstance(model.get("preset"), str):
+        return None
+    preset = model["preset"]
+    try:
+        values = load_preset(preset)
+    except (ValueError, OSError, yaml.YAMLError):
+        return None
+    hidden = [(k, v) for k, v in model.items() if k in values and v != values[k]]
+    if not hidden:
+        return None
+    shown = ", ".join(f"{k}={echo(v)} (preset: {echo(values[k])})" for k, v in hidden[:4])
+    more = f" and {len(hidden) - 4} more" if len(hidden) > 4 else ""
+    return (
+        f"{path}: its model keys {shown}{more} win over model.preset {preset}, so the model is not {preset}; "
+        "delete them from the file to take the preset's"
+    )
 
 
 def raw_text(value: Any) -> Any:

@@ -113,6 +113,7 @@ class OptimConfig:
     """AdamW and the learning-rate schedule (``optim:``)."""
 
     lr: float = 3e-4
+    """Peak learning rate, reached after warmup_steps and then decayed by the schedule."""
     min_lr_ratio: float = 0.1
     """Final LR as a fraction of lr (cosine / linear decay)."""
     schedule: str = "cosine"

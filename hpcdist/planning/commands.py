@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from typing import Any
 
 from hpcdist import config as config_mod
 from hpcdist.config.command import warn_data
@@ -96,6 +97,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         end="",
         flush=True,  # before the error line on stderr
     )
+    mine = _config_layout_line(cfg, estimates, world, hw.usable_bytes)
+    if mine:
+        print(textwrap.fill(mine, width=118, subsequent_indent="  "), flush=True)
     spares = config_mod.describe_spares(cfg, cluster.nodes)
     for line in ([spares] if spares else []) + config_mod.shrink_problems(cfg, cluster.nodes, cluster.gpus_per_node):
         print(line, flush=True)
@@ -114,7 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CommandError(
             f"plan: none of {len(estimates)} layouts fits: the smallest needs {smallest:.1f} GiB per GPU, "
             f"{hw.gpu_mem_gb - hw.margin_gib:g} GiB usable (--gpu-mem minus --mem-margin); add nodes, shorten "
-            "data.seq_len or lower train.global_batch_size (--all lists them)",
+            "data.seq_len or lower train.global_batch_size (--all lists them)" + _offload_hint(cfg, cluster, hw),
             code=1,
         )
     try:
@@ -126,3 +130,62 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(textwrap.fill(f"auto would take {reason}", width=118, subsequent_indent="  "))
     print(textwrap.fill(f"as overrides: {' '.join(keys)}", width=118, initial_indent="  ", subsequent_indent="    "))
     return 0
+
+
+# The memory table's CPU-offload rows, most GPU memory saved first, and the keys that turn each on. The ranked
+# layouts leave offload out (its speed is the host's and the PCIe link's, which the time model does not know).
+_OFFLOAD = (
+    ("zero3+offload", 3, True, "parallel.zero.offload_optimizer=true parallel.zero.offload_params=true"),
+    ("zero2+offload", 2, False, "parallel.zero.offload_optimizer=true"),
+)
+
+
+def _offload_hint(cfg: config_mod.JobConfig, cluster: Any, hw: Any) -> str:
+    """When a CPU-offload row of the memory table fits where no ranked layout does: which one and its keys."""
+    from hpcdist.planning.memory import estimate_memory
+
+    for label, stage, off_params, keys in _OFFLOAD:
+        need = estimate_memory(
+            cfg.model_args(),
+            strategy=f"zero{stage}",
+            world_size=cluster.nodes * cluster.gpus_per_node,
+            gpus_per_node=cluster.gpus_per_node,
+            micro_batch_size=cfg.train.micro_batch_size,
+            seq_len=cfg.data.seq_len,
+            activation_checkpointing=cfg.train.activation_checkpointing,
+            offload_optimizer=True,
+            offload_params=off_params,
+            document_mask=cfg.data.document_mask,
+        ).total
+        if need <= hw.usable_bytes:
+            return (
+                f"; with CPU offload {label} fits ({need / GIB:.1f} GiB per GPU; its speed is not modelled, so it is "
+                f"not ranked): parallel.strategy=zero parallel.zero.stage={stage} {keys}"
+            )
+    return ""
+
+
+def _config_layout_line(cfg: config_mod.JobConfig, estimates: list[Any], world: int, usable: float) -> str | None:
+    """Where the config's own layout stands in the ranking: its row, memory and whether it is tight or does not
+    fit (it may be far below the rows shown). None for parallel.strategy=auto or a layout the planner lacks."""
+    from hpcdist.planning import layouts as planner
+
+    try:
+        layout = planner.layout_of(cfg, world)
+    except ValueError:
+        return None
+    match = next((e for e in estimates if e.layout == layout), None)
+    if match is None:
+        return None
+    fitting = [e for e in estimates if e.fits]
+    need = f"{match.memory.total / GIB:.1f} GiB/GPU of {usable / GIB:g} usable"
+    if not match.fits:
+        state = f"does not fit ({need})"
+    elif match.tight:
+        state = (
+            f"row {fitting.index(match) + 1} of {len(fitting)} fitting, tight ({need}: within "
+            f"{100 * planner.TIGHT_FRACTION:g}%)"
+        )
+    else:
+        state = f"row {fitting.index(match) + 1} of {len(fitting)} fitting ({need})"
+    return f"the config's layout: {layout.describe()}: {state}"

@@ -125,6 +125,12 @@ class Layout(LayoutDegrees):
         return super().describe(f"micro batch {self.micro_batch_size}", f"activation checkpointing {ac}", *notes)
 
 
+# A fitting layout this close to the usable memory is "tight": the estimate's own error (a few percent against
+# measurements, docs/PLANNER.md) and the allocator's fragmentation are of that size. Tight rows rank after the
+# roomier ones, so auto takes one of those while any fits.
+TIGHT_FRACTION = 0.05
+
+
 @dataclass(frozen=True)
 class StepEstimate:
     """Predicted memory and step time of one layout (all times in seconds per optimizer step)."""
@@ -148,6 +154,8 @@ class StepEstimate:
     step_s: float
     tokens_per_s_per_gpu: float
     mfu: float
+    tight: bool = False
+    """Fits, but within TIGHT_FRACTION of the usable memory: fragmentation or a longer batch can tip it over."""
 
     def days(self, tokens: float) -> float:
         """Days to train ``tokens`` tokens at this rate on all the layout's GPUs."""
@@ -317,6 +325,7 @@ def estimate_step(
         layout=layout,
         memory=memory,
         fits=memory.total <= hw.usable_bytes,
+        tight=(1 - TIGHT_FRACTION) * hw.usable_bytes < memory.total <= hw.usable_bytes,
         microbatches=m,
         compute_s=m * (c_fwd + c_bwd),
         tp_comm_s=m * t_tp,
@@ -450,6 +459,7 @@ def rank_layouts(
     estimates.sort(
         key=lambda e: (
             not e.fits,
+            e.tight,
             -e.tokens_per_s_per_gpu,
             # at equal modelled speed no recompute beats selective's unmodelled elementwise recompute
             ACTIVATION_CHECKPOINTING.index(e.layout.activation_checkpointing),
@@ -519,7 +529,7 @@ def layout_table(
     ]
     cols: tuple[str, ...] = ("rank", "strategy", "tp", "pp", "dp", "mbs", "AC", "mem GiB", "fits", "tok/s/GPU")
     cols += ("MFU %", "step s", "days")
-    widths = (4, 8, 2, 2, 5, 3, 4, 7, 4, 9, 5, 7, 7)
+    widths = (4, 8, 2, 2, 5, 3, 4, 7, 5, 9, 5, 7, 7)
     lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True)))
     for i, e in enumerate(shown, 1):
         lay = e.layout
@@ -532,7 +542,7 @@ def layout_table(
             str(lay.micro_batch_size),
             _AC_SHORT[lay.activation_checkpointing],
             f"{e.memory.total / GIB:.1f}",
-            "yes" if e.fits else "no",
+            "tight" if e.tight else "yes" if e.fits else "no",
             f"{e.tokens_per_s_per_gpu:,.0f}",
             f"{100 * e.mfu:.1f}",
             _fixed(e.step_s, 2),
@@ -542,6 +552,15 @@ def layout_table(
     lines += [
         f"{len(estimates)} layouts considered, {len(fitting)} fit; showing "
         f"{min(top, len(fitting))} fitting{' and the best that do not' if show_all else ''} (--top, --all).",
+        *(
+            [
+                f"tight = within {100 * TIGHT_FRACTION:g}% of the usable memory: the estimate's error or the "
+                "allocator's fragmentation can tip it over;",
+                "  ranked after the roomier layouts, and auto takes one of those while any fits.",
+            ]
+            if any(e.tight for e in shown)
+            else []
+        ),
         "Model (formulas: docs/PLANNER.md): compute = tokens x flops_per_token (6N + 12*L*h*s; + the recomputed",
         "  forward: ~x4/3 for AC full, none for sel: its matmuls are saved) / (peak x efficiency). Data-parallel",
         "  collectives: ring all-reduce 2(n-1)/n, all-gather / reduce-scatter (n-1)/n of the bytes over bus bandwidth",
@@ -662,6 +681,8 @@ def pick(
             f"predicted {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {100 * e.mfu:.1f}% MFU, "
             f"{e.memory.total / GIB:.1f} GiB/GPU, step {e.step_s:.2f} s"
         )
+        if e.tight:  # ranked after every roomier row: none of those is runnable
+            reason += f" (tight: within {100 * TIGHT_FRACTION:g}% of the usable memory; no roomier layout runs)"
         if skipped:
             reason += "; skipped higher rows: " + "; ".join(f"{n} x {why}" for why, n in skipped.items())
         return new, e, reason

@@ -6,6 +6,7 @@ the trainer (or any process group) is built.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -301,7 +302,7 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
 
 def test_a_log_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     """`hpcdist logs JOB | head -1` said `hpcdist: logs: cannot read None: Broken pipe` (exit 2): logs took the
-    closed stdout for an unreadable log. Since issue 26.6 every command's closed pipe ends the one way."""
+    closed stdout for an unreadable log. Every command's closed pipe ends the one way."""
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / "123_0_log.out").write_text("a line of the log\n" * 200_000)
     cmd = f"{sys.executable} -m hpcdist logs 123 --run-dir {tmp_path} | head -1"
@@ -310,7 +311,7 @@ def test_a_log_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     assert p.returncode in (0, 141), p.returncode
 
 
-# ------------------------------------------------------------------------------------- thin CLI (issue 26.6)
+# ------------------------------------------------------------------------------------- thin CLI
 
 
 def test_cli_holds_no_command_body() -> None:
@@ -413,3 +414,72 @@ def test_a_config_mistake_in_train_is_refused_before_torch_is_imported(tmp_path:
     assert "TORCH False RC 2" in out.stdout, out.stdout + out.stderr
     assert "train.steps" in out.stderr and len([line for line in out.stderr.splitlines() if line.strip()]) == 2
     assert not (tmp_path / "run").exists()  # nothing written for a refused config
+
+
+# ------------------------------------------------------------------------------------ a discoverable CLI
+
+
+def test_every_subcommand_and_option_has_help() -> None:
+    """Walks the whole argparse tree: a subcommand without a one-line help, or an option / positional without
+    help, is a flag nobody can learn from `--help`."""
+    from tests.unit.harness import parsers
+
+    silent: list[str] = []
+    for path, parser in parsers(cli._parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                listed = {id(action.choices[c.dest]) for c in action._choices_actions}  # an alias shares its parser
+                silent += [f"{path} {n} (no help line)" for n, sub in action.choices.items() if id(sub) not in listed]
+                silent += [f"{path} {c.dest} (empty help)" for c in action._choices_actions if not c.help]
+            elif not isinstance(action, argparse._HelpAction) and not action.help:
+                silent.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+    assert not silent, "without help:\n  " + "\n  ".join(silent)
+
+
+def test_top_level_help_lists_every_command_in_one_group() -> None:
+    proc = hpcdist("--help")
+    assert proc.returncode == 0, proc.stderr
+    for title, _ in cli.GROUPS:
+        assert f"\n{title}:\n" in proc.stdout, title
+    action = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    grouped = [name for _, names in cli.GROUPS for name in names]
+    primary = [c.dest for c in action._choices_actions]
+    assert sorted(grouped) == sorted(primary), set(grouped) ^ set(primary)
+    assert "-m hpcdist.cli" not in proc.stdout and "torchrun --nproc_per_node=2 -m hpcdist train" in proc.stdout
+
+
+def test_a_mistyped_command_gets_a_did_you_mean() -> None:
+    proc = hpcdist("trian", DEMO)
+    assert proc.returncode == 2
+    assert "unknown command 'trian'; did you mean 'train'?" in proc.stderr, proc.stderr
+    assert "choose from" not in proc.stderr
+
+
+def test_nccl_check_is_a_subcommand_with_its_own_options() -> None:
+    for name in ("nccl-check", "nccl_check"):
+        proc = hpcdist(name, "--help")
+        assert proc.returncode == 0, proc.stderr
+        assert "usage: nccl_check" in proc.stdout and "--nproc" in proc.stdout
+
+
+def test_data_preparation_under_one_verb_and_the_old_names(tmp_path: Path) -> None:
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("hello world\n" * 200, encoding="utf-8")
+    new = hpcdist("data", "prepare", texts, "--out", tmp_path / "new", "--workers", "1")
+    old = hpcdist("prepare", texts, "--out", tmp_path / "old", "--workers", "1")
+    assert new.returncode == 0 and old.returncode == 0, new.stderr + old.stderr
+    shards = sorted(p.name for p in (tmp_path / "new").glob("shard-*.bin"))
+    assert shards and all((tmp_path / "new" / s).read_bytes() == (tmp_path / "old" / s).read_bytes() for s in shards)
+    check = hpcdist("data", "check", tmp_path / "new", "--full")
+    assert check.returncode == 0, check.stdout + check.stderr
+    for args in (("data", "tokenizer", "--help"), ("tokenizer", "train", "--help")):
+        proc = hpcdist(*args)
+        assert proc.returncode == 0 and "--vocab-size" in proc.stdout, args
+
+
+def test_one_torchrun_spelling_in_docs_and_help() -> None:
+    from tests.unit.harness import user_docs
+
+    hits = [p.name for p in user_docs() if "-m hpcdist.cli" in p.read_text(encoding="utf-8")]
+    assert not hits and "-m hpcdist.cli" not in cli.EPILOG, hits

@@ -82,8 +82,10 @@ def test_defaults_without_a_file_are_valid() -> None:
     assert check(JobConfig()) == []
 
 
-def test_empty_yaml_file_means_defaults(tmp_path: Path) -> None:
-    assert load(_write(tmp_path / "empty.yaml", "# nothing here\n")) == JobConfig()
+def test_empty_yaml_file_is_refused_naming_the_run_dir_it_would_use(tmp_path: Path) -> None:
+    """Every key its default would train into the demo's run.dir: a file that says nothing is a mistake."""
+    with pytest.raises(ConfigError, match=r"holds no settings .* run\.dir runs/demo"):
+        load(_write(tmp_path / "empty.yaml", "# nothing here\n"))
 
 
 def test_yaml_overrides_defaults_and_leaves_the_rest(tmp_path: Path) -> None:
@@ -330,7 +332,7 @@ def test_missing_config_file(tmp_path: Path) -> None:
 
 
 def test_directory_instead_of_config_file(tmp_path: Path) -> None:
-    _one_problem([], str(tmp_path), "does not exist", path=tmp_path)
+    _one_problem([], str(tmp_path), "is a directory; pass a YAML file", path=tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Every README command runs (issue 11): README.md and the table of how each command is checked agree, and the
+"""Every README command runs: README.md and the table of how each command is checked agree, and the
 commands that neither train nor need SLURM run here, as written.
 
 The training commands run in tests/test_readme_slow.py (slow tier), the SLURM ones in tests/slurm/test_readme_slurm.py
@@ -55,7 +55,7 @@ HOW_TO_ADD = (
 
 
 def test_every_readme_command_has_a_check() -> None:
-    """README.md's and docs/*.md's commands (issue 31: the docs' too)."""
+    """README.md's and docs/*.md's commands."""
     missing = [c for c in documented() if c.text not in CHECKS]
     assert not missing, "\n".join(
         [f"commands with no check ({HOW_TO_ADD}):"]
@@ -76,7 +76,7 @@ def test_no_check_without_its_readme_command() -> None:
 
 
 def test_readme_has_commands_of_every_kind() -> None:
-    kinds = [c.kind for c in commands()]
+    kinds = [c.kind for c in documented()]
     assert {"bash", "console", "python"} <= set(kinds), kinds
     everywhere = [c.text for c in documented()]
     assert len(everywhere) == len(set(everywhere)), "a command appears twice in README.md and docs/"
@@ -219,13 +219,13 @@ def test_cli_command(text: str, tmp_path: Path) -> None:
     command = as_run(text, check)
     proc = run_bash(command, cwd, timeout=120)
     assert_output(command, proc, check)
-    transcript = next((c for c in commands() if c.text == text and c.kind == "console"), None)
+    transcript = next((c for c in documented() if c.text == text and c.kind == "console"), None)
     if transcript is not None:  # the printed lines are the README's, `...` standing for the elided text
         printed = [line.rstrip() for line in proc.stdout.splitlines() if line.strip()]
         assert len(printed) == len(transcript.expected) and all(
             matches(e, p) for e, p in zip(transcript.expected, printed, strict=True)
-        ), "README.md line {}: `{}` prints\n{}\nbut the README shows\n{}".format(
-            transcript.line, text, "\n".join(printed), "\n".join(transcript.expected)
+        ), "{} line {}: `{}` prints\n{}\nbut it shows\n{}".format(
+            transcript.source, transcript.line, text, "\n".join(printed), "\n".join(transcript.expected)
         )
     if text.startswith("hpcdist prepare "):  # "then data.source=files data.path=data/mycorpus"
         follow = "hpcdist config configs/demo.yaml data.source=files data.path=data/mycorpus"
