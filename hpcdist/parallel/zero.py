@@ -332,7 +332,7 @@ class ZeroStrategy(Strategy):
         state = self.optimizer.state[flat]
         if not state:
             state.update(
-                step=torch.zeros((), dtype=torch.float32),
+                step=_step_tensor(self.optimizer, flat, 0.0),
                 exp_avg=torch.zeros_like(flat),
                 exp_avg_sq=torch.zeros_like(flat),
             )
@@ -419,9 +419,9 @@ class ZeroStrategy(Strategy):
         if optim is not None:
             # AdamW's bias correction: one count for all groups, as saved (any entry this rank holds has it)
             for entry in list(optim["state"].values())[:1]:
-                for flat_state in self.optimizer.state.values():
+                for flat, flat_state in self.optimizer.state.items():
                     if "step" in flat_state:
-                        flat_state["step"] = torch.as_tensor(entry["step"], dtype=torch.float32).clone()
+                        flat_state["step"] = _step_tensor(self.optimizer, flat, float(entry["step"]))
         else:
             log.warning("loaded model weights only: the checkpoint has no optimizer state, moments restart")
         self._refresh_bit16()
@@ -440,6 +440,16 @@ class ZeroStrategy(Strategy):
 
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _step_tensor(optimizer: torch.optim.Optimizer, flat: torch.Tensor, value: float) -> torch.Tensor:
+    """AdamW's step count for the flat partition ``flat``, placed as torch places it (AdamW's first step, and
+    ``Optimizer.load_state_dict``): on the partition's device where the group is fused or capturable, whose kernels
+    read it as a device pointer; a CPU scalar otherwise. hpcdist's AdamW is fused on CUDA (hpcdist.optim), and
+    offloaded partitions are on the CPU."""
+    group = next(g for g in optimizer.param_groups if any(p is flat for p in g["params"]))
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    return torch.tensor(value, dtype=torch.float32, device=flat.device if on_device else "cpu")
 
 
 @dataclass(frozen=True)
