@@ -177,6 +177,42 @@ def _ensure_process_group(device: torch.device, dp_size: int) -> None:
     log.info("one process: created a 1-rank %s process group for DeepSpeed", backend)
 
 
+class _OwnGpu:
+    """Mixed into DeepSpeed's CUDA accelerator: every device index DeepSpeed hands it names this process's GPU."""
+
+    index: int
+
+    def device_name(self, device_index: Any = None) -> str:
+        return super().device_name(None if device_index is None else self.index)  # type: ignore[misc]
+
+    def device(self, device_index: Any = None) -> torch.device:
+        return super().device(None if device_index is None else self.index)  # type: ignore[misc]
+
+    def set_device(self, device_index: Any) -> None:
+        super().set_device(self.index)  # type: ignore[misc]
+
+
+def _bind_accelerator(device: torch.device) -> None:
+    """Bind DeepSpeed's accelerator to ``device``, the GPU hpcdist chose (hpcdist.env).
+
+    DeepSpeed takes the local rank for the CUDA ordinal of its GPU: its engine calls ``set_device(LOCAL_RANK)``, and
+    ZeRO-3's partitioner and its trace checks allocate on ``device_name(os.environ["LOCAL_RANK"])`` during every
+    step. Where each task sees only its own GPU (``srun --gpus-per-task=1``, ``--gpu-bind``, per-task cgroups) local
+    rank 3's GPU is ``cuda:0`` and ``cuda:3`` does not exist ("invalid device ordinal"). DeepSpeed's accelerator
+    is the one place it asks for a device (``set_accelerator``, its override point), and every index it passes there
+    is that local rank: bound, each names ``device``, while ``LOCAL_RANK`` keeps torchrun's meaning for everyone
+    else. The CPU accelerator has one device and is left as it is."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    current = get_accelerator()
+    if device.type != "cuda" or current.device_name() != "cuda":
+        return
+    if not isinstance(current, _OwnGpu):
+        current = type(f"Bound{type(current).__name__}", (_OwnGpu, type(current)), {})()
+        set_accelerator(current)
+    current.index = device.index if device.index is not None else torch.cuda.current_device()
+
+
 class ZeroStrategy(Strategy):
     def __init__(
         self,
@@ -205,6 +241,7 @@ class ZeroStrategy(Strategy):
         self._fqn_groups = [[names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
         self._shard_layout: dict[str, list[ShardMetadata]] | None = None  # built at the first checkpoint
         _ensure_process_group(self.device, _dp_size(ds_config))
+        _bind_accelerator(self.device)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=self.optimizer,
