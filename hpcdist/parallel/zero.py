@@ -80,6 +80,15 @@ def deepspeed_config(
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if bf16:
+        # DeepSpeed reduces in the model's dtype unless told otherwise: 8 mantissa bits summing every rank's
+        # gradient (the FSDP path reduces in fp32). fp32 reduction, rounded to bf16 once afterwards.
+        cfg["communication_data_type"] = "fp32"
+        if stage > 1 or offload_optimizer:
+            # micro-batches summed into fp32 gradient partitions. Not at stage 1 on the GPU: there DeepSpeed
+            # (engine._do_optimizer_sanity_check) replaces its ZeRO optimizer with BF16_Optimizer, whose flat
+            # partitions are not the ones this module's checkpoints (dcp_state) and memory accounting read
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if fp16:
         # dynamic loss scaling (loss_scale 0), torch GradScaler's schedule: 2**16, x2 after 2000 clean steps, /2 on
         # an overflow (hysteresis 1: at the first one), the overflow step skipped
