@@ -492,8 +492,9 @@ def _step_tensor(optimizer: torch.optim.Optimizer, flat: torch.Tensor, value: fl
     """AdamW's step count for the flat partition ``flat``, placed as torch places it (AdamW's first step, and
     ``Optimizer.load_state_dict``): on the partition's device where the group is fused or capturable, whose kernels
     read it as a device pointer; a CPU scalar otherwise. hpcdist's AdamW is fused on CUDA (hpcdist.optim), and
-    offloaded partitions are on the CPU."""
-    group = next(g for g in optimizer.param_groups if any(p is flat for p in g["params"]))
+    offloaded partitions are on the CPU. ZeRO-3 puts a partition into its group only for the step: between steps
+    the optimizer's defaults (hpcdist builds every group alike) say."""
+    group = next((g for g in optimizer.param_groups if any(p is flat for p in g["params"])), optimizer.defaults)
     on_device = bool(group.get("fused") or group.get("capturable"))
     return torch.tensor(value, dtype=torch.float32, device=flat.device if on_device else "cpu")
 
