@@ -233,7 +233,13 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
 
 
 def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy:
-    """DeepSpeed's engine on the materialized whole model; it wraps the optimizer and schedule itself."""
+    """DeepSpeed's engine on the materialized whole model; it wraps the optimizer and schedule itself.
+
+    The whole model is built in fp32 on every GPU before DeepSpeed partitions it (4 bytes/param: 52 GB for 13B), at
+    every stage: materialize gives it the single-process init of the seed, the same weights every strategy starts
+    from, and DeepSpeed's engine, the checkpoint views (ZeroStrategy.dcp_state) and the fp32 master are built from
+    whole parameters. The planner counts that build peak (hpcdist.planning.memory.zero_build_bytes) and refuses a
+    layout whose build does not fit."""
     device = env.torch_device()
     if train_dtype(cfg, device) == "fp16" and device.type != "cuda":
         # DeepSpeed's CPU accelerator reports no fp16 support (is_fp16_supported() is None, deepspeed 0.19)

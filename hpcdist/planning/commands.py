@@ -25,7 +25,9 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     print(report.text(), end="", flush=True)
     if report.fits is False:
         raise CommandError(
-            f"train --dry-run: the memory estimate ({report.memory.total / GIB:.1f} GiB per GPU) does not fit; "
+            f"train --dry-run: the memory estimate ({report.memory.peak / GIB:.1f} GiB per GPU"
+            + (", the model's build" if report.memory.build > report.memory.total else "")
+            + ") does not fit; "
             "see hpcdist plan for layouts that do",
             code=1,
         )

@@ -72,7 +72,7 @@ def _need(cfg: JobConfig, layout: planner.Layout, gpus_per_node: int) -> float:
         document_mask=cfg.data.document_mask,
         element_bytes=planner.activation_element_bytes(cfg),
     )
-    return est.total / GIB
+    return est.peak / GIB  # ZeRO: the whole fp32 model built on every GPU, when that exceeds the step
 
 
 def _value(cfg: JobConfig, key: str) -> object:

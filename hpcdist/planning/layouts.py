@@ -316,7 +316,7 @@ def estimate_step(
     return StepEstimate(
         layout=layout,
         memory=memory,
-        fits=memory.total <= hw.usable_bytes,
+        fits=memory.peak <= hw.usable_bytes,  # ZeRO: the model's build too
         microbatches=m,
         compute_s=m * (c_fwd + c_bwd),
         tp_comm_s=m * t_tp,
@@ -554,6 +554,12 @@ def layout_table(
         "  micro-batches (so they differ from the per-strategy table when accumulation > 1). AC = activation",
         "  checkpointing (off / full / sel = selective); mbs = micro batch size; hsdp dp = replicas x shard.",
     ]
+    builds = {e.memory.build for e in shown if e.layout.zero_enabled}
+    if builds:
+        lines.append(
+            f"  zero rows: building the model takes {max(builds) / GIB:.1f} GiB per GPU (the whole fp32 model, before "
+            "DeepSpeed partitions it); fits counts it."
+        )
     return "\n".join(lines) + "\n"
 
 
