@@ -159,10 +159,11 @@ class TrainConfig:
     micro_batch_size: int = 8
     """Samples per forward pass per rank; accumulation = global / (micro * data-parallel size)."""
     dtype: str = "auto"
-    """auto = bf16 autocast on GPU, fp32 on CPU; fp32, bf16; fp16 = fp16 autocast with dynamic loss scaling (GPUs
-    without bf16, e.g. V100): torch's GradScaler (ddp, one process), its sharded form (fsdp), DeepSpeed's fp16 mode
-    (zero, GPU only); an overflow step is skipped by the scaler (counted as ``scaler_skips``), not a non-finite
-    stop. Not with tp/pp."""
+    """auto = bf16 autocast on GPUs of compute capability 8.0 and later (A100, H100), fp16 (as below) on older ones
+    (V100) unless tp/pp is on (bf16 there), fp32 on CPU (hpcdist.parallel.parallelize.train_dtype); fp32, bf16;
+    fp16 = fp16 autocast with dynamic loss scaling (GPUs without bf16, e.g. V100): torch's GradScaler (ddp, one
+    process), its sharded form (fsdp), DeepSpeed's fp16 mode (zero, GPU only); an overflow step is skipped by the
+    scaler (counted as ``scaler_skips``), not a non-finite stop. Not with tp/pp."""
     activation_checkpointing: str | bool = "none"
     """none; full = keep each block's input only and recompute the whole block in backward (least memory, ~1/3 more
     compute); selective = op-level: keep the outputs of the expensive ops (every matmul, attention) and recompute the
@@ -210,9 +211,9 @@ class FSDPConfig:
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (GPU jobs short of memory)."""
     param_dtype: str = "auto"
-    """Dtype of the gathered parameters that forward/backward compute in: auto = bf16 on GPU, fp32 on CPU
-    (what train.dtype selects; train.dtype=bf16 makes it bf16 on CPU too), or fp32 / bf16. The sharded master
-    weights and the optimizer state stay fp32."""
+    """Dtype of the gathered parameters that forward/backward compute in: auto = what train.dtype selects (bf16 on
+    GPUs from sm80, fp16 below, fp32 on CPU; train.dtype=bf16 makes it bf16 on CPU too), or fp32 / bf16. The
+    sharded master weights and the optimizer state stay fp32."""
     reduce_dtype: str = "fp32"
     """Dtype gradients are reduce-scattered / all-reduced in: fp32 (exact sums) or bf16 (half the traffic)."""
 

@@ -115,23 +115,50 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
         model.layers.register_module(name, torch.compile(block, fullgraph=True, backend=backend))
 
 
-def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+def train_dtype(cfg: JobConfig, device: torch.device) -> str:
+    """``train.dtype`` as this run trains on ``device``: fp32, bf16 or fp16 (with the loss scaler, grad_scaler). The
+    one place ``auto`` is resolved: fp32 on the CPU; on CUDA bf16 from compute capability 8.0 (A100, H100: bf16
+    tensor cores, and SDPA's flash and memory-efficient kernels take it) and fp16 below (V100: no bf16 tensor cores,
+    and those kernels refuse bf16 on sm70, leaving the O(S^2) math kernel). fp16 needs a loss scaler, which ddp,
+    fsdp and zero have and tensor- or pipeline-parallel stages have not (hpcdist.config.rules refuses fp16 there):
+    with tp or pp ``auto`` stays bf16."""
+    dtype = cfg.train.dtype
+    if dtype != "auto":
+        return dtype
+    if device.type != "cuda":
+        return "fp32"
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        return "bf16"
+    return "bf16" if _compute_capability(device) >= (8, 0) else "fp16"
+
+
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    if not torch.cuda.is_available():
+        # a GPU job's settings rendered where there is no GPU (tools/deepspeed_configs): for the A100s (sm80) the
+        # cluster configs describe
+        return (8, 0)
+    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
+
+
+def autocast_dtype(dtype: str) -> torch.dtype | None:
+    """The autocast dtype of a resolved dtype name (train_dtype, or parallel.fsdp.param_dtype); None: fp32, no
+    autocast."""
     if dtype == "fp16":
         return torch.float16  # with a loss scaler (grad_scaler)
-    if dtype == "bf16" or (dtype == "auto" and device.type == "cuda"):
+    if dtype == "bf16":
         return torch.bfloat16
-    return None  # fp32: no autocast
+    return None
 
 
 def grad_scaler(cfg: JobConfig, device: torch.device) -> Any:
-    """train.dtype=fp16's dynamic loss scaler (None for other dtypes); torch's defaults: 2**16, x2 after 2000 steps
-    without overflow, /2 on an overflow. With several ranks the sharded form (torch.distributed.fsdp's
-    ShardedGradScaler), under DDP too: it all-reduces the overflow verdict (one float per step), so every rank skips
-    the same steps. FSDP2 needs that (each rank sees its shards only); DDP's ranks hold the same reduced gradients,
-    except where one rank's went bad after the reduce (as the non-finite skip,
+    """fp16's dynamic loss scaler (train_dtype: train.dtype=fp16, or auto below sm80; None for other dtypes); torch's
+    defaults: 2**16, x2 after 2000 steps without overflow, /2 on an overflow. With several ranks the sharded form
+    (torch.distributed.fsdp's ShardedGradScaler), under DDP too: it all-reduces the overflow verdict (one float per
+    step), so every rank skips the same steps. FSDP2 needs that (each rank sees its shards only); DDP's ranks hold the
+    same reduced gradients, except where one rank's went bad after the reduce (as the non-finite skip,
     hpcdist.parallel.base.Strategy._update), and a replica that skipped alone would silently diverge
     (test_fp16_two_ranks_overflow_on_one_rank: it did)."""
-    if cfg.train.dtype != "fp16":
+    if train_dtype(cfg, device) != "fp16":
         return None
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -144,14 +171,15 @@ def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dic
     """The DeepSpeed config for ``parallel.strategy=zero``: batch, accumulation and clipping come from the train
     and optim sections, so DeepSpeed's view of the step can never disagree with hpcdist's."""
     z = cfg.parallel.zero
+    dtype = train_dtype(cfg, device)
     return deepspeed_config(
         stage=z.stage,
         micro_batch_size=cfg.train.micro_batch_size,
         grad_accum=grad_accum_steps(cfg, dp_size),
         dp_size=dp_size,
         grad_clip=cfg.optim.grad_clip,
-        bf16=autocast_dtype(cfg.train.dtype, device) is torch.bfloat16,
-        fp16=cfg.train.dtype == "fp16",
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
         offload_optimizer=z.offload_optimizer,
         offload_params=z.offload_params,
         overlap_comm=z.overlap_comm,
@@ -183,7 +211,7 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
         "micro_batch_size": cfg.train.micro_batch_size,
         "grad_clip": cfg.optim.grad_clip,
         # FSDP's MixedPrecisionPolicy casts the gathered parameters; otherwise plain autocast
-        "autocast_dtype": None if dims.fsdp_enabled else autocast_dtype(cfg.train.dtype, device),
+        "autocast_dtype": None if dims.fsdp_enabled else autocast_dtype(train_dtype(cfg, device)),
         "dp_group": meshes["dp"].get_group() if meshes else None,
         "build_optimizer": optimizer_builder(cfg.optim, cfg.train.steps),
     }
@@ -212,9 +240,15 @@ def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: Paral
 
 
 def build_zero(cfg: JobConfig, env: DistEnv, model: Transformer) -> ZeroStrategy:
-    """DeepSpeed's engine on the materialized whole model; it wraps the optimizer and schedule itself."""
+    """DeepSpeed's engine on the materialized whole model; it wraps the optimizer and schedule itself.
+
+    The whole model is built in fp32 on every GPU before DeepSpeed partitions it (4 bytes/param: 52 GB for 13B), at
+    every stage: materialize gives it the single-process init of the seed, the same weights every strategy starts
+    from, and DeepSpeed's engine, the checkpoint views (ZeroStrategy.dcp_state) and the fp32 master are built from
+    whole parameters. The planner counts that build peak (hpcdist.planning.memory.zero_build_bytes) and refuses a
+    layout whose build does not fit."""
     device = env.torch_device()
-    if cfg.train.dtype == "fp16" and device.type != "cuda":
+    if train_dtype(cfg, device) == "fp16" and device.type != "cuda":
         # DeepSpeed's CPU accelerator reports no fp16 support (is_fp16_supported() is None, deepspeed 0.19)
         raise ConfigError(
             [
@@ -279,7 +313,7 @@ def parallelize(
         parts = [split_model(model, layers[i], first=i == 0, last=i == num_stages - 1) for i in ids]
     else:
         layers, parts = [list(range(model.args.n_layers))], [copy.deepcopy(model)]
-    compute = autocast_dtype(cfg.train.dtype if f.param_dtype == "auto" else f.param_dtype, device)
+    compute = autocast_dtype(train_dtype(cfg, device) if f.param_dtype == "auto" else f.param_dtype)
     for part in parts:
         if dims.tp_enabled:
             apply_tp(part, meshes["tp"], loss_parallel=True)

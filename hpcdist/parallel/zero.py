@@ -80,6 +80,15 @@ def deepspeed_config(
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if bf16:
+        # DeepSpeed reduces in the model's dtype unless told otherwise: 8 mantissa bits summing every rank's
+        # gradient (the FSDP path reduces in fp32). fp32 reduction, rounded to bf16 once afterwards.
+        cfg["communication_data_type"] = "fp32"
+        if stage > 1 or offload_optimizer:
+            # micro-batches summed into fp32 gradient partitions. Not at stage 1 on the GPU: there DeepSpeed
+            # (engine._do_optimizer_sanity_check) replaces its ZeRO optimizer with BF16_Optimizer, whose flat
+            # partitions are not the ones this module's checkpoints (dcp_state) and memory accounting read
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if fp16:
         # dynamic loss scaling (loss_scale 0), torch GradScaler's schedule: 2**16, x2 after 2000 clean steps, /2 on
         # an overflow (hysteresis 1: at the first one), the overflow step skipped
@@ -177,6 +186,42 @@ def _ensure_process_group(device: torch.device, dp_size: int) -> None:
     log.info("one process: created a 1-rank %s process group for DeepSpeed", backend)
 
 
+class _OwnGpu:
+    """Mixed into DeepSpeed's CUDA accelerator: every device index DeepSpeed hands it names this process's GPU."""
+
+    index: int
+
+    def device_name(self, device_index: Any = None) -> str:
+        return super().device_name(None if device_index is None else self.index)  # type: ignore[misc]
+
+    def device(self, device_index: Any = None) -> torch.device:
+        return super().device(None if device_index is None else self.index)  # type: ignore[misc]
+
+    def set_device(self, device_index: Any) -> None:
+        super().set_device(self.index)  # type: ignore[misc]
+
+
+def _bind_accelerator(device: torch.device) -> None:
+    """Bind DeepSpeed's accelerator to ``device``, the GPU hpcdist chose (hpcdist.env).
+
+    DeepSpeed takes the local rank for the CUDA ordinal of its GPU: its engine calls ``set_device(LOCAL_RANK)``, and
+    ZeRO-3's partitioner and its trace checks allocate on ``device_name(os.environ["LOCAL_RANK"])`` during every
+    step. Where each task sees only its own GPU (``srun --gpus-per-task=1``, ``--gpu-bind``, per-task cgroups) local
+    rank 3's GPU is ``cuda:0`` and ``cuda:3`` does not exist ("invalid device ordinal"). DeepSpeed's accelerator
+    is the one place it asks for a device (``set_accelerator``, its override point), and every index it passes there
+    is that local rank: bound, each names ``device``, while ``LOCAL_RANK`` keeps torchrun's meaning for everyone
+    else. The CPU accelerator has one device and is left as it is."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    current = get_accelerator()
+    if device.type != "cuda" or current.device_name() != "cuda":
+        return
+    if not isinstance(current, _OwnGpu):
+        current = type(f"Bound{type(current).__name__}", (_OwnGpu, type(current)), {})()
+        set_accelerator(current)
+    current.index = device.index if device.index is not None else torch.cuda.current_device()
+
+
 class ZeroStrategy(Strategy):
     def __init__(
         self,
@@ -205,6 +250,7 @@ class ZeroStrategy(Strategy):
         self._fqn_groups = [[names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
         self._shard_layout: dict[str, list[ShardMetadata]] | None = None  # built at the first checkpoint
         _ensure_process_group(self.device, _dp_size(ds_config))
+        _bind_accelerator(self.device)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=self.optimizer,
@@ -332,7 +378,7 @@ class ZeroStrategy(Strategy):
         state = self.optimizer.state[flat]
         if not state:
             state.update(
-                step=torch.zeros((), dtype=torch.float32),
+                step=_step_tensor(self.optimizer, flat, 0.0),
                 exp_avg=torch.zeros_like(flat),
                 exp_avg_sq=torch.zeros_like(flat),
             )
@@ -419,9 +465,9 @@ class ZeroStrategy(Strategy):
         if optim is not None:
             # AdamW's bias correction: one count for all groups, as saved (any entry this rank holds has it)
             for entry in list(optim["state"].values())[:1]:
-                for flat_state in self.optimizer.state.values():
+                for flat, flat_state in self.optimizer.state.items():
                     if "step" in flat_state:
-                        flat_state["step"] = torch.as_tensor(entry["step"], dtype=torch.float32).clone()
+                        flat_state["step"] = _step_tensor(self.optimizer, flat, float(entry["step"]))
         else:
             log.warning("loaded model weights only: the checkpoint has no optimizer state, moments restart")
         self._refresh_bit16()
@@ -440,6 +486,17 @@ class ZeroStrategy(Strategy):
 
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _step_tensor(optimizer: torch.optim.Optimizer, flat: torch.Tensor, value: float) -> torch.Tensor:
+    """AdamW's step count for the flat partition ``flat``, placed as torch places it (AdamW's first step, and
+    ``Optimizer.load_state_dict``): on the partition's device where the group is fused or capturable, whose kernels
+    read it as a device pointer; a CPU scalar otherwise. hpcdist's AdamW is fused on CUDA (hpcdist.optim), and
+    offloaded partitions are on the CPU. ZeRO-3 puts a partition into its group only for the step: between steps
+    the optimizer's defaults (hpcdist builds every group alike) say."""
+    group = next((g for g in optimizer.param_groups if any(p is flat for p in g["params"])), optimizer.defaults)
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    return torch.tensor(value, dtype=torch.float32, device=flat.device if on_device else "cpu")
 
 
 @dataclass(frozen=True)

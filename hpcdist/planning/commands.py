@@ -26,7 +26,9 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     print(report.text(), end="", flush=True)
     if report.fits is False:
         raise CommandError(
-            f"train --dry-run: the memory estimate ({report.memory.total / GIB:.1f} GiB per GPU) does not fit; "
+            f"train --dry-run: the memory estimate ({report.memory.peak / GIB:.1f} GiB per GPU"
+            + (", the model's build" if report.memory.build > report.memory.total else "")
+            + ") does not fit; "
             "see hpcdist plan for layouts that do",
             code=1,
         )
@@ -114,7 +116,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except MissingMatplotlib as e:
             raise CommandError(f"plan --plot: {e}") from e
     if not any(e.fits for e in estimates):
-        smallest = min(e.memory.total for e in estimates) / GIB
+        smallest = min(e.memory.peak for e in estimates) / GIB
         raise CommandError(
             f"plan: none of {len(estimates)} layouts fits: the smallest needs {smallest:.1f} GiB per GPU, "
             f"{hw.gpu_mem_gb - hw.margin_gib:g} GiB usable (--gpu-mem minus --mem-margin); add nodes, shorten "
@@ -156,7 +158,7 @@ def _offload_hint(cfg: config_mod.JobConfig, cluster: Any, hw: Any) -> str:
             offload_optimizer=True,
             offload_params=off_params,
             document_mask=cfg.data.document_mask,
-        ).total
+        ).peak
         if need <= hw.usable_bytes:
             return (
                 f"; with CPU offload {label} fits ({need / GIB:.1f} GiB per GPU; its speed is not modelled, so it is "
@@ -178,7 +180,7 @@ def _config_layout_line(cfg: config_mod.JobConfig, estimates: list[Any], world: 
     if match is None:
         return None
     fitting = [e for e in estimates if e.fits]
-    need = f"{match.memory.total / GIB:.1f} GiB/GPU of {usable / GIB:g} usable"
+    need = f"{match.memory.peak / GIB:.1f} GiB/GPU of {usable / GIB:g} usable"
     if not match.fits:
         state = f"does not fit ({need})"
     elif match.tight:

@@ -107,6 +107,11 @@ class DryRunReport:
             + ", ".join(f"{name} {getattr(m, name) / GIB:.1f}" for name in cats)
             + f"; total {m.total / GIB:.1f}",
         ]
+        if m.build > m.total:
+            lines.append(
+                f"model build per GPU: {m.build / GIB:.1f} GiB (ZeRO materializes the whole fp32 model on every GPU "
+                "before DeepSpeed partitions it)"
+            )
         if self.gpu_mem_gib is not None:
             usable = self.gpu_mem_gib - DEFAULT_MARGIN_GIB
             verdict = "fits" if self.fits else "does NOT fit"
@@ -140,10 +145,11 @@ class DryRunReport:
 
     @property
     def fits(self) -> bool | None:
-        """Whether the estimate fits in GPU memory less the planner's margin; None without a GPU memory figure."""
+        """Whether the estimate (the step, and ZeRO's model build) fits in GPU memory less the planner's margin; None
+        without a GPU memory figure."""
         if self.gpu_mem_gib is None:
             return None
-        return self.memory.total <= (self.gpu_mem_gib - DEFAULT_MARGIN_GIB) * GIB
+        return self.memory.peak <= (self.gpu_mem_gib - DEFAULT_MARGIN_GIB) * GIB
 
     def _dp(self) -> int:
         return parallel_dims(self.cfg, self.world_size).dp

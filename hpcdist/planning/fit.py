@@ -72,7 +72,7 @@ def _need(cfg: JobConfig, layout: planner.Layout, gpus_per_node: int) -> float:
         document_mask=cfg.data.document_mask,
         element_bytes=planner.activation_element_bytes(cfg),
     )
-    return est.total / GIB
+    return est.peak / GIB  # ZeRO: the whole fp32 model built on every GPU, when that exceeds the step
 
 
 def _value(cfg: JobConfig, key: str) -> object:
@@ -114,7 +114,7 @@ def check_fit(cfg: JobConfig, cluster: ClusterConfig) -> FitCheck | None:
         _, chosen, _ = planner.pick(cfg, estimates, cluster.world_size, cluster.gpus_per_node)
         keys = [(k, v) for k, v in planner.layout_overrides(chosen.layout) if _value(cfg, k) != v]
         best = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in keys)
-        reason = f"{chosen.layout.describe()}, {chosen.memory.total / GIB:.1f} GiB/GPU"
+        reason = f"{chosen.layout.describe()}, {chosen.memory.peak / GIB:.1f} GiB/GPU"
     except ConfigError:
         pass  # nothing fits (or nothing this config can run) on these nodes
     nodes_needed = None

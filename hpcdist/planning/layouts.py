@@ -324,8 +324,8 @@ def estimate_step(
     return StepEstimate(
         layout=layout,
         memory=memory,
-        fits=memory.total <= hw.usable_bytes,
-        tight=(1 - TIGHT_FRACTION) * hw.usable_bytes < memory.total <= hw.usable_bytes,
+        fits=memory.peak <= hw.usable_bytes,  # ZeRO: the model's build too
+        tight=(1 - TIGHT_FRACTION) * hw.usable_bytes < memory.peak <= hw.usable_bytes,
         microbatches=m,
         compute_s=m * (c_fwd + c_bwd),
         tp_comm_s=m * t_tp,
@@ -463,7 +463,7 @@ def rank_layouts(
             -e.tokens_per_s_per_gpu,
             # at equal modelled speed no recompute beats selective's unmodelled elementwise recompute
             ACTIVATION_CHECKPOINTING.index(e.layout.activation_checkpointing),
-            e.memory.total,
+            e.memory.peak,
             _SIMPLER[e.layout.strategy],
             e.layout.pp,
         )
@@ -479,7 +479,7 @@ def choose(estimates: Sequence[StepEstimate]) -> StepEstimate:
     raise ValueError(
         f"none of {len(estimates)} layouts fits in GPU memory: add nodes, shorten data.seq_len or lower "
         "train.global_batch_size (the smallest estimate is "
-        f"{min((e.memory.total for e in estimates), default=0) / GIB:.1f} GiB)"
+        f"{min((e.memory.peak for e in estimates), default=0) / GIB:.1f} GiB)"
     )
 
 
@@ -573,6 +573,12 @@ def layout_table(
         "  micro-batches (so they differ from the per-strategy table when accumulation > 1). AC = activation",
         "  checkpointing (off / full / sel = selective); mbs = micro batch size; hsdp dp = replicas x shard.",
     ]
+    builds = {e.memory.build for e in shown if e.layout.zero_enabled}
+    if builds:
+        lines.append(
+            f"  zero rows: building the model takes {max(builds) / GIB:.1f} GiB per GPU (the whole fp32 model, before "
+            "DeepSpeed partitions it); fits counts it."
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "recompute_flops_fraction",
     "saved_activation_bytes",
     "stage_params",
+    "zero_build_bytes",
 ]
 
 GIB = 2**30
@@ -73,13 +74,21 @@ class MemoryEstimate:
     """16 bytes/param (ZeRO paper), sharded as the strategy shards it."""
     model_states_deepspeed: int | None = None
     """GPU side of DeepSpeed's estimator (zero2 / zero3 only), else None."""
+    build: int = 0
+    """Per-GPU bytes while the model is built, before the first step (:func:`zero_build_bytes` for ZeRO); 0 where
+    the build never exceeds the step (the sharded strategies shard on the meta device first)."""
 
     @property
     def model_states(self) -> int:
         return self.params + self.grads + self.optimizer
 
+    @property
+    def peak(self) -> int:
+        """The larger of the step's total and the build's peak: what the GPU must hold at some point."""
+        return max(self.total, self.build)
+
     def fits(self, gpu_mem_bytes: int | float) -> bool:
-        return self.total <= gpu_mem_bytes
+        return self.peak <= gpu_mem_bytes
 
 
 def largest_layer_params(args: ModelArgs) -> int:
@@ -219,6 +228,15 @@ def activation_bytes(
     return saved + full_layer + mask
 
 
+def zero_build_bytes(args: ModelArgs) -> int:
+    """Per-GPU peak of building a ZeRO model (any stage, any world size): hpcdist.parallel.parallelize.build_zero
+    materializes the whole model in fp32 on every GPU (4 bytes/param) and hands it to DeepSpeed, which partitions it
+    only then; casting it to bf16 (one parameter at a time) and flattening the bf16 copies into its buckets (2 + 2
+    bytes/param, the fp32 model freed by then) stay within the same 4 bytes/param. Plus the CUDA context, as the
+    step's buffers count it."""
+    return 4 * num_params(args) + CUDA_CONTEXT_BYTES
+
+
 def _deepspeed_zero2_gpu(p: int, n: int, offload: bool) -> int:
     # stage_1_and_2.estimate_zero2_model_states_mem_needs: offload -> 2P (bf16 params); else
     # 2P + 18P/N (18 = 2 grads16 + 4 grads32 + 4 params32 + 8 Adam m, v).
@@ -320,6 +338,7 @@ def estimate_memory(
     rest = params + grads + optim + acts
     buffers = int(BUFFER_FRACTION * rest) + CUDA_CONTEXT_BYTES
     name = kind.value + ("+offload" if offload_optimizer else "")
+    zero = kind in (_K.ZERO1, _K.ZERO2, _K.ZERO3)
     return MemoryEstimate(
         strategy=name,
         params=params,
@@ -330,6 +349,7 @@ def estimate_memory(
         total=rest + buffers,
         model_states_ideal=ideal,
         model_states_deepspeed=ds,
+        build=zero_build_bytes(args) if zero else 0,
     )
 
 
@@ -529,7 +549,8 @@ def plan_table(
     cols: tuple[str, ...]
     cols = ("strategy", "params GiB", "grads GiB", "optim GiB", "activ GiB", "buffers GiB", "total GiB", "fits")
     cols += ("DS states GiB", "16B/param GiB")  # model states: DeepSpeed's estimate, the 16 bytes/param ideal
-    widths = (13, 10, 9, 9, 9, 11, 9, 4, 13, 13)
+    cols += ("build GiB",)  # the model's build, where it exceeds the step's memory (ZeRO)
+    widths = (13, 10, 9, 9, 9, 11, 9, 4, 13, 13, 9)
     lines = [header, "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True))]
     for kind, off_opt, off_par in _ROWS:
         e = estimate_memory(
@@ -550,6 +571,7 @@ def plan_table(
         cells = [e.params, e.grads, e.optimizer, e.activations, e.buffers, e.total]
         row = [f"{e.strategy:>13}", *(f"{c / GIB:{w}.1f}" for c, w in zip(cells, widths[1:7], strict=True))]
         row += [f"{'yes' if e.fits(mem) else 'no':>4}", f"{ds:>13}", f"{e.model_states_ideal / GIB:13.1f}"]
+        row.append(f"{e.build / GIB:9.1f}" if e.build else f"{'-':>9}")
         lines.append("  ".join(row))
     lines += [
         "activations: the model's saved tensors per layer (SDPA: no a*s^2 scores) + fp32 logits; buffers: 10% margin "
@@ -557,5 +579,8 @@ def plan_table(
         "model states (params + grads + optimizer): DS states = DeepSpeed's zero2/zero3 estimator (GPU side); "
         "16B/param = the",
         "  ZeRO paper's 16 bytes/param, sharded",
+        "build: ZeRO materializes the whole fp32 model on every GPU before DeepSpeed partitions it (4 bytes/param + "
+        "CUDA context);",
+        "  fits = the larger of build and total fits",
     ]
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
-"""Measured model-state bytes per rank: ZeRO-3 at 4 ranks holds about a quarter of DDP's, and the memory
-estimator (hpcdist.planning.memory) predicts both measurements.
+"""Measured model-state bytes per rank: ZeRO-3 at 4 ranks holds 18/64 of DDP's (DDP 16 bytes/param: fp32 weights,
+gradients, Adam m and v; ZeRO-3 18 per param over 4 ranks: bf16 weights, fp32 gradient partitions, fp32 master, m and
+v), and the memory estimator (hpcdist.planning.memory) predicts both measurements.
 
 Both runs use bf16 mixed precision (DeepSpeed's bf16 mode; DDP under bf16 autocast with fp32 weights), the
 precision the estimator models. Measured after the backward pass of the second step: parameters, gradients
@@ -12,7 +13,7 @@ import pytest
 
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
-from hpcdist.planning.memory import estimate_memory
+from hpcdist.planning.memory import estimate_memory, largest_layer_params
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
 
@@ -34,7 +35,9 @@ def measure(env: DistEnv, cfg: JobConfig) -> dict[str, int]:
 
 
 def _estimate(cfg: JobConfig, strategy: str) -> int:
-    return estimate_memory(
+    """The estimator's model states, less ZeRO-3's gathered largest layer (bf16 weight and gradient: released by the
+    time of the measurement)."""
+    e = estimate_memory(
         cfg.model_args(),
         strategy=strategy,
         world_size=WORLD,
@@ -42,7 +45,8 @@ def _estimate(cfg: JobConfig, strategy: str) -> int:
         micro_batch_size=2,
         seq_len=cfg.data.seq_len,
         activation_checkpointing=False,
-    ).model_states_ideal
+    )
+    return e.model_states - (4 * largest_layer_params(cfg.model_args()) if strategy == "zero3" else 0)
 
 
 def test_zero3_model_states_quarter_of_ddp(small_cfg, tmp_path) -> None:
@@ -61,7 +65,7 @@ def test_zero3_model_states_quarter_of_ddp(small_cfg, tmp_path) -> None:
     ddp_bytes = max(sum(r.values()) for r in ddp)
     zero_bytes = max(sum(r.values()) for r in zero)
     print(f"\nmodel-state bytes per rank: ddp {ddp_bytes:,}  zero3 {zero_bytes:,}  ratio {zero_bytes / ddp_bytes:.3f}")
-    assert zero_bytes <= 0.27 * ddp_bytes
+    assert zero_bytes <= 0.29 * ddp_bytes  # 18 / 64 = 0.281
     for measured, strategy in ((ddp_bytes, "ddp"), (zero_bytes, "zero3")):
         predicted = _estimate(zero_cfg, strategy)
         assert abs(predicted - measured) <= 0.10 * measured, (strategy, predicted, measured)

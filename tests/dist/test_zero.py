@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -165,6 +166,46 @@ def test_deepspeed_config_batch_arithmetic() -> None:
     assert c["train_batch_size"] == 24 and c["gradient_accumulation_steps"] == 3
     assert c["zero_optimization"]["stage"] == 2 and c["zero_optimization"]["allgather_bucket_size"] == 200
     assert c["bf16"] == {"enabled": False} and "optimizer" not in c  # no DS optimizer: no fused_adam build
+
+
+def _deepspeed_dtypes(env: DistEnv, cfgs: list[JobConfig]) -> list[dict[str, Any]]:
+    """Per config: what DeepSpeed's engine reduces and accumulates gradients in, after one bf16 step through it."""
+    out = []
+    for cfg in cfgs:
+        trainer = Trainer(cfg, env)
+        losses = trainer.train(until=1).losses
+        engine = trainer.strategy.engine
+        out.append(
+            {
+                "communication": engine.communication_data_type,
+                "model_and_accumulation": engine.get_data_types(),
+                "optimizer": type(trainer.strategy.ds_optimizer).__name__,
+                "finite": all(math.isfinite(v) for v in losses.values()),
+            }
+        )
+    return out
+
+
+def test_bf16_engine_reduces_gradients_in_fp32(small_cfg, tmp_path: Path) -> None:
+    stages = (1, 2, 3)
+    cfgs = [
+        small_cfg(
+            "parallel.strategy=zero",
+            f"parallel.zero.stage={s}",
+            "train.dtype=bf16",
+            *NO_CKPT,
+            run_dir=tmp_path / f"{s}",
+        )
+        for s in stages
+    ]
+    for per_rank in run_ranks(2, _deepspeed_dtypes, cfgs):
+        for stage, got in zip(stages, per_rank, strict=True):
+            assert got["communication"] == torch.float32 and got["finite"], (stage, got)
+            # fp32 accumulation where DeepSpeed keeps its ZeRO optimizer (stage 1 would switch to BF16_Optimizer,
+            # whose partitions hpcdist's checkpoints do not read)
+            accumulation = torch.bfloat16 if stage == 1 else torch.float32
+            assert got["model_and_accumulation"] == (torch.bfloat16, accumulation), (stage, got)
+            assert got["optimizer"] == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
 
 
 def test_zero_config_validation(small_cfg) -> None:

@@ -460,7 +460,8 @@ class FakeCuda:
         if k.get("device") is not None:  # an explicit device: the output goes there
             target = torch.device(kwargs["device"])
             k["device"] = torch.device("cpu")
-            if target.type == "cpu":
+            if target.type != "cuda":  # the CPU or meta (DeepSpeed's shape-only copies): no fake tensor
+                k["device"] = target
                 return func(*a, **k)
             device = self._device(target)
         seeded = torch.Tag.nondeterministic_seeded in func.tags and k.get("generator") is None
@@ -654,6 +655,20 @@ def install(fc: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]
     # Module.to("cuda") would otherwise set ``param.data`` to the wrapper: a plain Parameter with CUDA keys and no
     # data, which no kernel takes; new Parameters around the wrappers are what a real move gives in effect
     monkeypatch.setattr(torch.__future__, "_overwrite_module_params_on_conversion", True)
+    # ... but a move to where every tensor already is keeps the module's Parameters, as a real one does (an
+    # optimizer built before DeepSpeed's engine moves the module must still hold the module's parameters)
+    module_to = torch.nn.Module.to
+
+    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        device, dtype, _non_blocking, fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and dtype is None and fmt is None:
+            target = fc._device(device) if torch.device(device).type == "cuda" else torch.device(device)
+            tensors = [*self.parameters(), *self.buffers()]
+            if tensors and all(t.device == target for t in tensors):
+                return self
+        return module_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", to)
     _ACTIVE = fc
     mode = _Factories(fc)
     # a torch function mode holds for the thread that entered it: threads started from here on enter it too (a

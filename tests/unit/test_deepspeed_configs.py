@@ -7,6 +7,10 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
+from hpcdist.parallel.zero import deepspeed_config
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "deepspeed_configs"
 
@@ -46,4 +50,31 @@ def test_examples_agree_with_the_train_section() -> None:
             == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 32
         ), path.name
         assert ds["gradient_clipping"] == 1.0 and ds["bf16"]["enabled"] is True, path.name
+        # bf16 weights, gradients reduced over the 32 ranks in fp32 (8 mantissa bits would sum them otherwise)
+        assert ds["communication_data_type"] == "fp32", path.name
         assert "optimizer" not in ds  # hpcdist hands DeepSpeed torch's AdamW: no fused_adam / cpu_adam build
+
+
+@pytest.mark.parametrize(
+    ("stage", "offload", "accum"),
+    # stage 1 without offload: fp32 accumulation would make DeepSpeed swap its ZeRO optimizer for BF16_Optimizer
+    [(1, False, None), (1, True, "fp32"), (2, False, "fp32"), (2, True, "fp32"), (3, False, "fp32")],
+)
+def test_bf16_reduces_and_accumulates_gradients_in_fp32(stage: int, offload: bool, accum: str | None) -> None:
+    common = {
+        "stage": stage,
+        "micro_batch_size": 1,
+        "grad_accum": 4,
+        "dp_size": 32,
+        "grad_clip": 1.0,
+        "offload_optimizer": offload,
+        "offload_params": False,
+        "overlap_comm": True,
+        "buckets": (100, 200),
+    }
+    ds = deepspeed_config(bf16=True, **common)
+    assert ds["communication_data_type"] == "fp32"
+    assert ds.get("data_types", {}).get("grad_accum_dtype") == accum
+    for other in (deepspeed_config(bf16=False, **common), deepspeed_config(bf16=False, fp16=True, **common)):
+        # fp32: DeepSpeed reduces in fp32 anyway; fp16: its loss scaler's overflow check reads fp16 gradients
+        assert "communication_data_type" not in other and "data_types" not in other

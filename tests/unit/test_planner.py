@@ -312,3 +312,42 @@ def test_cli_plan_exits_1_when_nothing_fits(capsys: pytest.CaptureFixture[str]):
 def test_cli_plan_cluster_without_hardware(capsys: pytest.CaptureFixture[str]):
     assert main(["plan", "configs/train_13b.yaml", "--cluster", "sandbox"]) == 2
     assert "hardware.bf16_peak_tflops" in capsys.readouterr().err
+
+
+def test_zero_counts_the_whole_fp32_model_it_builds_on_every_gpu() -> None:
+    """hpcdist.parallel.parallelize.build_zero materializes the whole fp32 model on every GPU before DeepSpeed
+    partitions it (4 bytes/param, however many ranks): 13B on 32 A100-40GB fits in the step, not in the build."""
+    args = ModelArgs(**load_preset("13b"))
+    p = num_params(args)
+    common = {"world_size": 32, "gpus_per_node": 8, "micro_batch_size": 1, "seq_len": 4096}
+    z3 = estimate_memory(args, strategy="zero3", activation_checkpointing="selective", **common)
+    assert z3.build == 4 * p + GIB  # + the CUDA context, as the step's buffers count it
+    assert z3.total < 38 * GIB < z3.build  # step 32 GiB, build 49.5 GiB
+    assert z3.fits(80 * GIB) and not z3.fits(38 * GIB)
+    for strategy in ("zero1", "zero2"):
+        other = estimate_memory(args, strategy=strategy, activation_checkpointing="selective", **common)
+        assert other.build == z3.build
+    # sharded on meta before anything is allocated: the build never exceeds the step
+    assert estimate_memory(args, strategy="fsdp", activation_checkpointing="full", **common).build == 0
+
+
+def test_auto_never_picks_a_zero_layout_whose_build_does_not_fit() -> None:
+    # 70B: the fp32 model alone is 280 GB, more than any GPU; the planner used to rank zero3 first here
+    args = ModelArgs(**load_preset("70b"))
+    ranked = rank_layouts(args, world_size=64, gpus_per_node=8, global_batch_size=512, seq_len=4096, hw=A100)
+    zero = [e for e in ranked if e.layout.zero_enabled]
+    assert zero and not any(e.fits for e in zero)
+    assert any(e.memory.total <= A100.usable_bytes for e in zero)  # the step alone would have fitted
+    assert ranked[0].fits and not ranked[0].layout.zero_enabled
+
+
+def test_plan_shows_the_zero_build_peak_the_code_allocates(capsys) -> None:
+    assert main(["plan", "configs/train_13b.yaml", "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem", "40GB"]) == 0
+    out = capsys.readouterr().out
+    header = next(line.split("  ") for line in out.splitlines() if line.split()[:1] == ["strategy"])
+    build_col = [c.strip() for c in header if c.strip()].index("build GiB")
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["zero3"], ["fsdp"])}
+    want = (4 * num_params(ModelArgs(**load_preset("13b"))) + GIB) / GIB
+    assert float(rows["zero3"][build_col]) == pytest.approx(want, abs=0.05)
+    assert rows["zero3"][7] == "no"  # 40 GB: the step fits, the build does not
+    assert rows["fsdp"][build_col] == "-"
