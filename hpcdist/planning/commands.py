@@ -26,9 +26,8 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     print(report.text(), end="", flush=True)
     if report.fits is False:
         raise CommandError(
-            f"train --dry-run: the memory estimate ({report.memory.peak / GIB:.1f} GiB per GPU"
-            + (", the model's build" if report.memory.build > report.memory.total else "")
-            + ") does not fit; "
+            # the report above names the model's build when it is the larger of the two
+            f"train --dry-run: the memory estimate ({report.memory.peak / GIB:.1f} GiB per GPU) does not fit; "
             "see hpcdist plan for layouts that do",
             code=1,
         )

@@ -306,7 +306,7 @@ def test_cli_plan_exits_1_when_nothing_fits(capsys: pytest.CaptureFixture[str]):
     out, err = capsys.readouterr()
     assert "0 fit" in out and "auto would take" not in out  # the tables still print
     assert err.count("\n") == 1 and err.startswith("hpcdist: plan: none of ")
-    assert "fits: the smallest needs 35.1 GiB per GPU, 2 GiB usable" in err
+    assert "fits: the smallest needs 35.2 GiB per GPU, 2 GiB usable" in err
 
 
 def test_cli_plan_cluster_without_hardware(capsys: pytest.CaptureFixture[str]):
