@@ -120,6 +120,17 @@ def _hpcdist_logs_reach_caplog(caplog: pytest.LogCaptureFixture) -> Iterator[Non
         logger.removeHandler(forward)
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Every test gets the environment back as it found it: a rank environment (RANK, TORCHELASTIC_RUN_ID) left in
+    a worker would make every later `hpcdist train` subprocess of that worker read itself as a torchrun rank."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 _SLURM_IDS = pytest.StashKey[set[str]]()
 
 

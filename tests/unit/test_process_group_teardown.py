@@ -4,15 +4,16 @@ DeepSpeed must not hand it the first run's destroyed world group."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+import pytest
 
 from hpcdist.env import destroy_process_group, from_environ, init_process_group
 from hpcdist.trainer import Trainer
 from tests.dist.harness import free_port
 
 
-def _one_zero_run(small_cfg, run_dir: Path) -> float:
+def _one_zero_run(small_cfg, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> float:
     environ = {
         "RANK": "0",
         "LOCAL_RANK": "0",
@@ -24,7 +25,8 @@ def _one_zero_run(small_cfg, run_dir: Path) -> float:
         "TORCHELASTIC_RUN_ID": "teardown",
     }
     env = from_environ(environ, cuda_available=False)
-    os.environ.update(environ)
+    for name, value in environ.items():  # undone after the test: later tests start ranks from this environment
+        monkeypatch.setenv(name, value)
     init_process_group(env, timeout_s=120)
     try:
         cfg = small_cfg("train.steps=1", "parallel.strategy=zero", "checkpoint.save_final=false", run_dir=run_dir)
@@ -34,7 +36,9 @@ def _one_zero_run(small_cfg, run_dir: Path) -> float:
         destroy_process_group()
 
 
-def test_a_second_zero_run_in_the_same_process_joins_its_own_group(small_cfg, tmp_path: Path) -> None:
-    first = _one_zero_run(small_cfg, tmp_path / "a")
-    second = _one_zero_run(small_cfg, tmp_path / "b")  # DeepSpeed cached the first run's world group
+def test_a_second_zero_run_in_the_same_process_joins_its_own_group(
+    small_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = _one_zero_run(small_cfg, tmp_path / "a", monkeypatch)
+    second = _one_zero_run(small_cfg, tmp_path / "b", monkeypatch)  # DeepSpeed cached the first run's world group
     assert second == first  # the same seed, the same step
