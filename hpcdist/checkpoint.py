@@ -70,7 +70,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save (FACTS.md)
+from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, _OverlappingCpuLoader, _SerialCpuLoader, _StorageInfo
@@ -202,7 +202,7 @@ class _ShardsDamaged(ValueError):
 
 
 class UntrustedCheckpoint(ConfigError):
-    """A checkpoint someone else could have written (issue 14.1): refused before any of it is read, with the fix;
+    """A checkpoint someone else could have written: refused before any of it is read, with the fix;
     a config problem (exit 2 at the CLI), never a damaged checkpoint to demote."""
 
     SHOWN = 3  # kinds of problem quoted; a foreign tree of thousands of files would otherwise fill a page

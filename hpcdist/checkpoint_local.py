@@ -1,4 +1,4 @@
-"""The node-local checkpoint tier with peer copies (``checkpoint.local``, issue 28.3; docs/FAULTS.md).
+"""The node-local checkpoint tier with peer copies (``checkpoint.local``; docs/FAULTS.md).
 
 Shared-file-system checkpoints cannot be taken every few minutes by every job; a node's own disk (``/dev/shm``, a
 local NVMe) can. Each rank saves its own state there at the tier's cadence (the one cadence owner,

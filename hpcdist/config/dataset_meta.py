@@ -4,7 +4,7 @@ followed.
 A prepared directory is input another user (or a careless edit) may have written, so every value is checked before
 anything is sized from it: ``dtype`` one of uint16/uint32 and able to hold ``vocab_size``; each shard a plain file
 name with a non-negative token count, and the counts adding up to ``num_tokens``; the optional per-shard ``sha256``
-and ``max_id`` (recorded by ``hpcdist prepare`` since issue 25) well formed, and ``max_id`` below ``vocab_size``.
+and ``max_id`` (older datasets lack them) well formed, and ``max_id`` below ``vocab_size``.
 :func:`check_shard_files` then looks at the files themselves, without reading them: each a regular file (not a link,
 a FIFO or a directory) of exactly ``tokens * itemsize`` bytes. Reading the tokens (checksums, the largest id) is
 :mod:`hpcdist.data.shards`' part; this module is torch- and numpy-free because config loading (``model.vocab_size:
@@ -73,7 +73,7 @@ class DataError(ConfigError):
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One ``shards`` entry: the file name, its token count, and (since issue 25) its sha256 and largest id."""
+    """One ``shards`` entry: the file name, its token count, and (where recorded) its sha256 and largest id."""
 
     name: str
     tokens: int
@@ -100,7 +100,7 @@ class DatasetMeta:
 
     @property
     def checksummed(self) -> bool:
-        """Every shard records its sha256 and largest id (datasets prepared before issue 25 do not)."""
+        """Every shard records its sha256 and largest id (datasets prepared before these were recorded do not)."""
         return all(s.sha256 is not None and s.max_id is not None for s in self.shards)
 
     @property

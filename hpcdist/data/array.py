@@ -1,5 +1,5 @@
 """``hpcdist prepare ... --cluster PROFILE --tasks N``: a preparation as one SLURM job array and a merge job
-(issue 29.1, docs/DATA.md).
+(docs/DATA.md).
 
 ::
 

@@ -7,7 +7,7 @@ goes past the size meta.json gives, and nothing is read from a link, a FIFO or a
 (sha256 and numpy's max release the GIL): its sha256 and largest id against the recorded ones and ``vocab_size``.
 
 Every problem is one line naming the shard; the command's exit status is 1 when there is any. A dataset prepared
-before checksums were recorded (issue 25) is checked for sizes and ids only, with a warning saying so.
+before checksums were recorded is checked for sizes and ids only, with a warning saying so.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class PrepareRefused(DataError):
 
 
 PROGRESS_NAME = "progress.jsonl"
-LEGACY_PROGRESS = "progress.json"  # before issue 25: rewritten whole after every shard (quadratic in the shard count)
+LEGACY_PROGRESS = "progress.json"  # older, still read: rewritten whole after every shard (quadratic)
 # Shards smaller than this are written without an fsync each (thousands of tiny shards would spend minutes in
 # fsync): the sha256 recorded for every shard tells a torn one apart, on resume and in every reader.
 DURABLE_SHARD_BYTES = 1 << 20
@@ -382,7 +382,7 @@ def prepare_corpus(
 def _shutdown(pool: Any, pending: deque[tuple[int, Any]]) -> None:
     """Stop the worker pool without Pool.terminate() while tasks are in flight: terminate's _help_stuff_finish takes
     the task queue's read lock and drains the pipe while the task handler may still be writing a batch (~1 MB, more
-    than the pipe holds) into it, and then waits for that thread forever (issue 25.9: 1 run in 6 hung after
+    than the pipe holds) into it, and then waits for that thread forever (1 run in 6 hung when
     --max-tokens stopped the reading early). So the few tasks in flight (at most 2 per worker) finish, and the
     workers leave on close()'s sentinels."""
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
@@ -424,7 +424,7 @@ def _progress_fingerprint(out_dir: Path) -> str | None:
 def claim_output(out_dir: Path, fingerprint: str, overwrite: bool) -> bool:
     """May this preparation write into out_dir? True when out_dir holds a dataset with this very fingerprint
     (possibly up to date). PrepareRefused when out_dir holds anything that is not this preparation's, unless
-    `overwrite` (issue 25.5: a different input used to delete the dataset there, silently)."""
+    `overwrite` (a different input must never delete the dataset there, silently)."""
     if not out_dir.exists():
         return False
     if not out_dir.is_dir():

@@ -1,4 +1,4 @@
-"""Deterministic slices of a corpus, for a prepare spread over a SLURM job array (issue 29.2).
+"""Deterministic slices of a corpus, for a prepare spread over a SLURM job array.
 
 The inputs are laid end to end in a weight space (their sizes in bytes); slice i of N takes what starts in
 ``[i*W//N, (i+1)*W//N)``:

@@ -121,7 +121,7 @@ class Watchdog:
                 self._store.set(key("alert"), "bye")
                 # rank 0 holds the store: it leaves only once every responder has read the "bye". Leaving while one
                 # was still between its wait and its get printed c10d's "recvValueWithTimeout failed ... Connection
-                # reset by peer" with a C++ stack trace after "Verdict: PASS" (issue 31.7)
+                # reset by peer" with a C++ stack trace after "Verdict: PASS"
                 until = time.monotonic() + _FAREWELL_S
                 while self._store.add(key("left"), 0) < world and time.monotonic() < until:
                     time.sleep(0.02)

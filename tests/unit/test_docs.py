@@ -73,6 +73,25 @@ def test_no_process_history_in_docs_and_configs(path: Path) -> None:
     )
 
 
+# In the code the same rule, less the dates (a date is also a value code parses) and the load (a hang report prints
+# the node's): tracker numbers and notes kept outside the repository.
+CODE_HISTORY = re.compile(r"\bissues? \d|(?-i:\bDESIGN\.md\b|\bFACTS\.md\b)|found in review", re.IGNORECASE)
+
+
+def _code() -> list[Path]:
+    """The package, the batch scripts and the tools a user runs (the benchmarks print what they measured where)."""
+    files = [p for d in ("hpcdist", "sbatch") for p in (REPO / d).rglob("*") if p.suffix in {".py", ".sh"}]
+    tools = [p for d in ("tools", "tools/docs") for p in (REPO / d).glob("*") if p.is_file()]
+    return sorted(files + tools)
+
+
+@pytest.mark.parametrize("path", _code(), ids=lambda p: p.relative_to(REPO).as_posix())
+def test_no_tracker_numbers_in_the_code(path: Path) -> None:
+    text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    hits = [f"line {n}: {line.strip()[:120]!r}" for n, line in enumerate(text, start=1) if CODE_HISTORY.search(line)]
+    assert not hits, f"{path.relative_to(REPO)} gives history where a reason belongs:\n" + "\n".join(hits)
+
+
 def test_no_process_history_in_help_texts() -> None:
     hits = [f"{where}: {m.group(0)!r}" for where, text in help_texts(_parser()) for m in [HISTORY.search(text)] if m]
     assert not hits, "\n".join(hits)
