@@ -270,10 +270,11 @@ class Observer:
             m["comm_share"] = comm[1] / w.step_s if w.step_s else 0.0
         if cfg.train.nonfinite == "skip":
             m["nonfinite_skips"] = float(self.nonfinite.skipped_total)
-        if cfg.train.dtype == "fp16":  # the loss scaler's skipped (overflow) steps, in the whole run
+        # the loss scaler's skipped (overflow) steps, in the whole run: wherever the run trains in fp16, set or the
+        # choice of train.dtype=auto on a GPU without bf16 (the strategy holds a scaler exactly then)
+        if (scale := self.strategy.loss_scale()) is not None:
             m["scaler_skips"] = float(self.strategy.overflow_steps)
-            if (scale := self.strategy.loss_scale()) is not None:
-                m["loss_scale"] = scale
+            m["loss_scale"] = scale
         every = cfg.logging.replica_check_every_steps
         if every and r.step % every == 0 and self.strategy.has_replicas():
             m["replica_divergence"] = check_replicas(self.strategy, step=r.step, rank=self.env.rank)
