@@ -495,6 +495,8 @@ def _check_fit(cfg: config_mod.JobConfig, cluster: ClusterConfig, *, force: bool
     from hpcdist.planning.fit import check_fit
 
     check = check_fit(cfg, cluster)
+    if check is not None and check.tight:
+        print(f"hpcdist: warning: {check.tight_note()}", file=sys.stderr, flush=True)
     if check is None or check.fits:
         return []
     if force:

@@ -1363,3 +1363,20 @@ def test_local_submit_returns_the_job_id_to_a_command_substitution(
         for pid in {*tree, *(r for c in tree[1:] for r in _children(c))}:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_submit_says_when_the_layout_it_passes_is_tight(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """configs/train_13b.yaml on one a100_ib node fits within TIGHT_FRACTION of the usable memory: the fit check
+    passes it and says so in one line naming the headroom; a roomier layout (two nodes) says nothing."""
+    from hpcdist.planning.layouts import TIGHT_FRACTION
+
+    base = ["submit", str(REPO / "configs" / "train_13b.yaml"), "--cluster", "a100_ib", "--dry-run"]
+    assert cli.main([*base, f"run.dir={tmp_path / 'a'}"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "tight" in line]
+    assert len(lines) == 1, lines
+    found = re.search(r"needs ([\d.]+) of ([\d.]+) GiB usable per GPU, ([\d.]+) GiB headroom", lines[0])
+    assert found, lines[0]
+    need, usable, headroom = map(float, found.groups())
+    assert (1 - TIGHT_FRACTION) * usable < need <= usable and abs(usable - need - headroom) < 0.06, lines[0]
+    assert cli.main([*base, "--nodes", "2", f"run.dir={tmp_path / 'b'}"]) == 0
+    assert "tight" not in capsys.readouterr().err
