@@ -1380,3 +1380,20 @@ def test_submit_says_when_the_layout_it_passes_is_tight(tmp_path: Path, capsys: 
     assert (1 - TIGHT_FRACTION) * usable < need <= usable and abs(usable - need - headroom) < 0.06, lines[0]
     assert cli.main([*base, "--nodes", "2", f"run.dir={tmp_path / 'b'}"]) == 0
     assert "tight" not in capsys.readouterr().err
+
+
+def test_submit_says_when_model_keys_hide_the_preset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The starter config edited from `preset: tiny` to `preset: 7b` still trains tiny's shape (explicit keys win):
+    submit says so in one line, as `hpcdist config` does; the unedited starter says nothing."""
+    assert cli.main(["config", "demo"]) == 0
+    starter = capsys.readouterr().out
+    edited = tmp_path / "my.yaml"
+    edited.write_text(starter.replace("preset: tiny", "preset: 7b", 1))
+    base = ["submit", "--cluster", "local", "--dry-run", f"run.dir={tmp_path / 'run'}"]
+    assert cli.main([base[0], str(edited), *base[1:]]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "7b" in line and "dim" in line]
+    assert len(lines) == 1, lines
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(starter)
+    assert cli.main([base[0], str(plain), *base[1:]]) == 0
+    assert "preset" not in capsys.readouterr().err
