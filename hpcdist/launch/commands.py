@@ -101,9 +101,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    from hpcdist.config.loader import preset_shadows
     from hpcdist.launch import load_cluster
     from hpcdist.launch.submit import submit_chain
 
+    shadows = preset_shadows(args.config)  # explicit model keys win: the job would not train the preset's shape
+    if shadows:
+        print(f"hpcdist: warning: {shadows}", file=sys.stderr, flush=True)
     names = ("nodes", "gpus_per_node", "time", "partition", "account", "qos", "constraint", "exclude", "job_name")
     params = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.sbatch_args:  # added to the cluster's own extra flags, not instead of them

@@ -18,6 +18,7 @@ shell-quoted (submitit quotes #SBATCH values and the srun line; the setup lines 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -25,7 +26,7 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -494,6 +495,8 @@ def _check_fit(cfg: config_mod.JobConfig, cluster: ClusterConfig, *, force: bool
     from hpcdist.planning.fit import check_fit
 
     check = check_fit(cfg, cluster)
+    if check is not None and check.tight:
+        print(f"hpcdist: warning: {check.tight_note()}", file=sys.stderr, flush=True)
     if check is None or check.fits:
         return []
     if force:
@@ -576,6 +579,45 @@ def dependency(after: str | None) -> str | None:
 _DEPENDENCY_TYPES = ("afterany", "afterok", "afternotok")
 
 
+@contextlib.contextmanager
+def _detached_stdio(log_path: Path) -> Iterator[None]:
+    """While submitit's LocalExecutor starts its controller: fds 0-2 of this process are /dev/null and ``log_path``.
+
+    submitit starts the controller with the caller's stdin, stdout and stderr, and the ranks inherit them from it.
+    A shell that captures ``hpcdist submit``'s output (``JOB=$(hpcdist submit ... --cluster local)``) reads until
+    every writer has closed the pipe, so it waited for the whole job. The ranks write to their own log files; the
+    controller's own output (a traceback, should it fail) goes to ``log_path``. The descriptors are back when the
+    controller has started (Popen returns after the fork)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)  # the job's log folder (submitit makes it too)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved: list[int | None] = []
+    for fd in (0, 1, 2):
+        try:
+            saved.append(os.dup(fd))  # not inheritable: the controller gets no copy of the caller's
+        except OSError:
+            saved.append(None)  # started with that descriptor closed
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+        try:
+            os.dup2(null, 0)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+        finally:
+            os.close(null)
+            os.close(out)
+        yield
+    finally:
+        for fd, copy in zip((0, 1, 2), saved, strict=True):
+            if copy is None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            else:
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
 def launch(
     prep: Prepared,
     tasks: Sequence[TrainTask],
@@ -639,7 +681,10 @@ def launch(
         else:
             executor = submitit.LocalExecutor(folder=prep.folder, python=shlex.quote(cluster.interpreter))
             executor.update_parameters(**local_parameters(cluster))
-        if len(tasks) == 1:
+        if len(tasks) == 1 and kind == "local":
+            with _detached_stdio(prep.folder / "local-controller.log"):
+                jobs = [executor.submit(tasks[0])]
+        elif len(tasks) == 1:
             jobs = [executor.submit(tasks[0])]
         else:
             with executor.batch():

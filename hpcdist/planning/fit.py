@@ -40,6 +40,19 @@ class FitCheck:
     def fits(self) -> bool:
         return self.need_gib <= self.usable_gib
 
+    @property
+    def tight(self) -> bool:
+        """Fits, but within the planner's TIGHT_FRACTION of the usable memory (its StepEstimate.tight)."""
+        return self.fits and self.need_gib > (1 - planner.TIGHT_FRACTION) * self.usable_gib
+
+    def tight_note(self) -> str:
+        """One line for a layout that passes tight: the estimate's error or fragmentation can tip it over."""
+        return (
+            f"memory check: {self.layout.describe()} is tight: needs {self.need_gib:.1f} of {self.usable_gib:g} GiB "
+            f"usable per GPU, {self.usable_gib - self.need_gib:.1f} GiB headroom (within "
+            f"{100 * planner.TIGHT_FRACTION:g}%); an OOM at step 1 is possible (hpcdist plan lists roomier layouts)"
+        )
+
     def refusal(self) -> str:
         """One line: what does not fit, and the nearest layouts that do."""
         where = f"{self.nodes} node(s) x {self.gpus_per_node} GPUs"

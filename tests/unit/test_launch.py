@@ -1310,3 +1310,90 @@ def test_status_of_a_job_slurm_forgot_reads_the_run_dir(
     out = capsys.readouterr().out
     assert "job 77: SLURM does not know it now" in out and "step 9, loss 3.5000" in out
     assert "restart ledger of job 77: 2 attempt(s)" in out
+
+
+@pytest.mark.slow
+def test_local_submit_returns_the_job_id_to_a_command_substitution(
+    tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    """`JOB=$(hpcdist submit CONFIG --cluster local)`: the shell reads the command's stdout until every writer has
+    closed it. The local job's controller and ranks must not hold the caller's stdout/stderr (their output goes to
+    the log files), so the id comes back while the job trains on; the job then runs to its stop without its caller."""
+    argv = [sys.executable, "-m", "hpcdist", "submit", DEMO, *TINY, f"run.dir={tmp_path}", "logging.every_steps=50"]
+    argv += ["train.steps=1000000", "--cluster", "local", "--time", "5"]  # a job far longer than the test
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=90)  # EOF on both pipes: no process of the job holds them
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)  # the job's processes still hold the write end
+        try:
+            out = os.read(proc.stdout.fileno(), 1 << 16).decode(errors="replace")
+        except BlockingIOError:
+            out = ""
+        found = re.search(r"submitted job (\d+)", out)
+        if found:  # the job must not outlive the test
+            subprocess.run([sys.executable, "-m", "hpcdist", "cancel", found.group(1), "--run-dir", str(tmp_path)])
+        pytest.fail(f"submit's stdout stayed open for 90 s after it printed the job: {out!r}")
+    took = time.monotonic() - t0
+    found = re.search(r"submitted job (\d+) \(local, 2 ranks\)", out)
+    assert proc.returncode == 0 and found, (out, err)
+    job = found.group(1)
+    tree = [int(job), *_children(int(job))]
+    try:
+        log0 = tmp_path / "slurm" / f"{job}_0_log.out"
+        deadline = time.monotonic() + 120
+        while "step 50/" not in (log0.read_text() if log0.exists() else ""):  # trains on after its caller left
+            assert time.monotonic() < deadline, f"no training step in {log0} after submit returned in {took:.1f} s"
+            time.sleep(0.5)
+        tree += [r for c in tree[1:] for r in _children(c)]
+        done = subprocess.run(
+            [sys.executable, "-m", "hpcdist", "cancel", job, "--run-dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0 and "ended" in done.stdout, (done.stdout, done.stderr)
+        assert not any(_running(p) for p in tree), "a process of the job outlived cancel"
+        err0 = log0.with_suffix(".err").read_text()
+        assert "Ctrl-C: stopping after this step" in err0, err0[-2000:]  # cancel reached the ranks' own stop
+    finally:
+        for pid in {*tree, *(r for c in tree[1:] for r in _children(c))}:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_submit_says_when_the_layout_it_passes_is_tight(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """configs/train_13b.yaml on one a100_ib node fits within TIGHT_FRACTION of the usable memory: the fit check
+    passes it and says so in one line naming the headroom; a roomier layout (two nodes) says nothing."""
+    from hpcdist.planning.layouts import TIGHT_FRACTION
+
+    base = ["submit", str(REPO / "configs" / "train_13b.yaml"), "--cluster", "a100_ib", "--dry-run"]
+    assert cli.main([*base, f"run.dir={tmp_path / 'a'}"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "tight" in line]
+    assert len(lines) == 1, lines
+    found = re.search(r"needs ([\d.]+) of ([\d.]+) GiB usable per GPU, ([\d.]+) GiB headroom", lines[0])
+    assert found, lines[0]
+    need, usable, headroom = map(float, found.groups())
+    assert (1 - TIGHT_FRACTION) * usable < need <= usable and abs(usable - need - headroom) < 0.06, lines[0]
+    assert cli.main([*base, "--nodes", "2", f"run.dir={tmp_path / 'b'}"]) == 0
+    assert "tight" not in capsys.readouterr().err
+
+
+def test_submit_says_when_model_keys_hide_the_preset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The starter config edited from `preset: tiny` to `preset: 7b` still trains tiny's shape (explicit keys win):
+    submit says so in one line, as `hpcdist config` does; the unedited starter says nothing."""
+    assert cli.main(["config", "demo"]) == 0
+    starter = capsys.readouterr().out
+    edited = tmp_path / "my.yaml"
+    edited.write_text(starter.replace("preset: tiny", "preset: 7b", 1))
+    base = ["submit", "--cluster", "local", "--dry-run", f"run.dir={tmp_path / 'run'}"]
+    assert cli.main([base[0], str(edited), *base[1:]]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "7b" in line and "dim" in line]
+    assert len(lines) == 1, lines
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(starter)
+    assert cli.main([base[0], str(plain), *base[1:]]) == 0
+    assert "preset" not in capsys.readouterr().err
