@@ -56,10 +56,16 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300) -> list[Any]:
     """Return [fn(env, *args) for each rank]; raise with the failing rank's traceback if any rank fails."""
+    return fork_ranks(world, _child, (fn, args), timeout=timeout)
+
+
+def fork_ranks(world: int, target: Callable[..., None], extra: tuple[Any, ...], *, timeout: float) -> list[Any]:
+    """Fork ``world`` processes running ``target(rank, world, port, *extra, queue)``, each putting one (rank, "ok",
+    pickled result) or (rank, status, traceback) on the queue; their results in rank order."""
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, q), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *extra, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

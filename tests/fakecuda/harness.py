@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing as mp
 import pickle
 import threading
 import traceback
@@ -714,24 +713,6 @@ def fake_ranks(world: int, fn: Callable[[Any, FakeCuda], Any], *, timeout: float
     ``cuda:<rank>`` and the ``nccl`` backend, as on a GPU node; ``fn`` joins the process group itself. CPU tensors
     meet real gloo across the ranks; CUDA collectives are fakenccl's (they check devices and move no data). Raises
     with the failing rank's traceback."""
-    from tests.dist.harness import free_port
+    from tests.dist.harness import fork_ranks
 
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_fake_rank, args=(r, world, port, fn, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, status, value = q.get(timeout=timeout)
-            if status != "ok":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = pickle.loads(value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
+    return fork_ranks(world, _fake_rank, (fn,), timeout=timeout)
