@@ -36,6 +36,7 @@ from hpcdist.config.vocab import data_eos
 from hpcdist.data import BatchLoader, PrefetchLoader, make_sampler
 from hpcdist.data.build import build_datasets
 from hpcdist.data.sampler import SamplerMismatch
+from hpcdist.data.shards import EOS_PROBE_TOKENS, SampleDataset, eos_count
 from hpcdist.env import DistEnv
 from hpcdist.evaluate import Evaluator
 from hpcdist.fault.goodput import Goodput
@@ -146,7 +147,7 @@ class Trainer:
         args = cfg.model_args()
         model = build_model(args, device="meta")
         if cfg.data.document_mask:  # before parallelize: every stage copy and wrapper carries it
-            model.document_eos = self._document_eos(cfg)
+            model.document_eos = self.document_eos(cfg, train_ds)
         self.strategy = build_strategy(cfg, env, model, self.dims)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(args, cfg.data.seq_len)
@@ -257,11 +258,20 @@ class Trainer:
         )
 
     @staticmethod
-    def _document_eos(cfg: JobConfig) -> int:
+    def document_eos(cfg: JobConfig, train_ds: SampleDataset) -> int:
+        """The id data.document_mask splits samples at; a warning when the first samples never hold it (a mask that
+        splits nothing: the wrong eos_id in meta.json, or data prepared without document ends)."""
         eos, why = data_eos(cfg)
         if eos is None:  # check_data refused it already at start-up; a Trainer given other data meets it here
             raise ConfigError([f"data.document_mask: {why}: documents are found by their EOS; set it false"])
         log.info("data: document mask on: attention and RoPE positions restart after each EOS (id %d)", eos)
+        if not eos_count(train_ds, eos):
+            log.warning(
+                "data.document_mask: the first %s tokens of the data never hold the EOS id %d, so each sample "
+                "trains as one document; check the data's meta.json eos_id against its tokenizer",
+                f"{EOS_PROBE_TOKENS:,}",
+                eos,
+            )
         return eos
 
     def _triage(self, batch: Any, loss: Any) -> Any:

@@ -226,6 +226,14 @@ def _validate(path: Path, doc: dict[str, Any]) -> tuple[DatasetMeta | None, list
         and all(isinstance(k, str) and isinstance(v, str) for k, v in tok.get("files", {}).items())
     ):
         problems.append("tokenizer is not an object with a kind and files {name: sha256}")
+    elif tok is not None:
+        for key in ("bos_id", "eos_id"):  # two records of one id: which one a document mask splits at is unknowable
+            mine, its = doc.get(key), tok.get(key)
+            if mine is not None and its is not None and mine != its:
+                problems.append(
+                    f"{key}={echo(mine)} but the tokenizer record says {key}={echo(its)}: the ids were made by one "
+                    "tokenizer; prepare the dataset again (or correct meta.json)"
+                )
     fingerprint = doc.get("fingerprint")
     if fingerprint is not None and not isinstance(fingerprint, str):
         problems.append(f"fingerprint={echo(fingerprint)} is not text")

@@ -121,6 +121,22 @@ class SampleDataset(Protocol):
     def __getitem__(self, i: int) -> np.ndarray: ...
 
 
+EOS_PROBE_TOKENS = 1 << 22  # what the document-mask check reads at most at start-up: 4M tokens, 16 MB at 4 B/id
+
+
+def eos_count(ds: SampleDataset, eos: int, *, tokens: int = EOS_PROBE_TOKENS, stop_at: int = 1) -> int:
+    """How often ``eos`` occurs in the first samples of ``ds`` (about ``tokens`` in all, a bounded read for start-up
+    checks), counting until ``stop_at`` occurrences have been seen."""
+    seen = read = 0
+    for i in range(len(ds)):
+        if seen >= stop_at or read >= tokens:
+            break
+        sample = ds[i]
+        seen += int((sample == eos).sum())
+        read += len(sample)
+    return seen
+
+
 def _check_index(i: int, n: int) -> int:
     if not -n <= i < n:
         raise IndexError(f"sample index {i} out of range for {n} samples")

@@ -202,3 +202,51 @@ def test_document_attention_choices_are_checked() -> None:
     with pytest.raises(ConfigError, match=r"model\.document_attention='fused': must be one of auto, dense, flex"):
         config_mod.load(None, ["model.document_attention=fused"])
     assert config_mod.load(None, ["model.document_attention=flex"]).model_args().document_attention == "flex"
+
+
+def _with_meta(corpus_dir: Path, dest: Path, **edits: object) -> Path:
+    shutil.copytree(corpus_dir, dest)
+    meta = json.loads((dest / "meta.json").read_text())
+    meta.update(edits)
+    (dest / "meta.json").write_text(json.dumps(meta))
+    return dest
+
+
+def test_an_eos_id_the_tokenizer_record_contradicts_is_refused(corpus_dir: Path, tmp_path: Path) -> None:
+    meta = json.loads((corpus_dir / "meta.json").read_text())
+    assert meta["tokenizer"]["eos_id"] == meta["eos_id"] == ByteTokenizer.eos_id  # prepare writes both, equal
+    edited = _with_meta(corpus_dir, tmp_path / "edited", eos_id=100)  # a byte id: splitting there cuts words
+    base = ["model.preset=tiny", f"run.dir={tmp_path / 'run'}", "data.source=files", f"data.path={edited}"]
+    cfg = config_mod.load(None, [*base, "data.document_mask=true"])
+    problems = check_data(cfg, strict=False)
+    assert len(problems) == 1 and "eos_id=100 but the tokenizer record says eos_id=257" in problems[0], problems
+
+
+def test_a_document_mask_whose_eos_never_occurs_is_named(
+    corpus_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from hpcdist.data.shards import TokenDataset, eos_count
+    from hpcdist.trainer import Trainer
+
+    assert eos_count(TokenDataset(corpus_dir, 64), ByteTokenizer.eos_id) > 0  # the corpus is many documents
+    tokenizer = {**json.loads((corpus_dir / "meta.json").read_text())["tokenizer"], "eos_id": 0}
+    nul = _with_meta(corpus_dir, tmp_path / "nul", eos_id=0, tokenizer=tokenizer)  # a NUL byte never occurs
+    for data, warned in ((corpus_dir, False), (nul, True)):
+        cfg = config_mod.load(
+            None,
+            [
+                "model.preset=tiny",
+                f"run.dir={tmp_path / 'run'}",
+                "data.source=files",
+                f"data.path={data}",
+                "data.document_mask=true",
+                "data.seq_len=64",
+            ],
+        )
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hpcdist"):
+            assert Trainer.document_eos(cfg, TokenDataset(data, 64)) == (0 if warned else ByteTokenizer.eos_id)
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert bool(said) == warned, said
+        if warned:
+            assert len(said) == 1 and "id 0" in said[0] and "one document" in said[0], said
