@@ -164,7 +164,9 @@ def end_local_job(pid: int, grace_s: float = 60.0, kill_wait_s: float = 10.0) ->
     table = _proc_table()
     processes = _tree(pid, table) or [pid]
     controllers = {p for p in processes if _CONTROLLER in _cmdline(p)}
-    ranks = [p for p in processes if table.get(p, (0, ""))[0] in controllers]
+    # the controller runs under its own /bin/sh wrapper (setup lines): both match, and the controller, a child of the
+    # wrapper, is no rank. A SIGINT to it would make it interrupt the ranks a second time (abort, no stop checkpoint)
+    ranks = [p for p in processes if p not in controllers and table.get(p, (0, ""))[0] in controllers]
     unsent = list(ranks or [pid])  # no rank yet (or no /proc): the controller, as submitit's LocalJob.cancel does
 
     def interrupt() -> None:

@@ -1357,8 +1357,15 @@ def test_local_submit_returns_the_job_id_to_a_command_substitution(
         )
         assert done.returncode == 0 and "ended" in done.stdout, (done.stdout, done.stderr)
         assert not any(_running(p) for p in tree), "a process of the job outlived cancel"
+        # the ranks alone: a SIGINT to the controller makes it send one more to each rank (a second Ctrl-C: abort,
+        # the stop checkpoint lost) and SIGKILL them a second later
+        assert "(SIGINT to 2 rank(s))" in done.stdout, done.stdout
         err0 = log0.with_suffix(".err").read_text()
         assert "Ctrl-C: stopping after this step" in err0, err0[-2000:]  # cancel reached the ranks' own stop
+        assert "aborted without a checkpoint" not in err0, err0[-2000:]
+        assert (tmp_path / "checkpoints").is_dir() and any(
+            (d / "COMPLETE").exists() for d in (tmp_path / "checkpoints").iterdir()
+        ), "cancel left no stop checkpoint"
     finally:
         for pid in {*tree, *(r for c in tree[1:] for r in _children(c))}:
             with contextlib.suppress(OSError):
