@@ -23,10 +23,8 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -41,8 +39,7 @@ from hpcdist.fault.stop import StopReason, signal_number
 from hpcdist.launch.requeue import requeue
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
-from hpcdist.schedulers import JobFacts, job_facts
-from hpcdist.schedulers.slurm import expand_nodelist
+from hpcdist.schedulers import JobFacts, job_facts, launcher
 from hpcdist.untrusted import DamagedRecord, one_line, read_json
 
 __all__ = [
@@ -246,7 +243,7 @@ def time_limit_decision(run_dir: str | os.PathLike[str] | None, max_time_limit: 
     """Before a time-limit requeue (every rank, same answer): a reason not to requeue, or None.
 
     Counted in the ledger (time-limit requeues only; earlier attempts only, so ranks reading before or after rank 0
-    marked this one agree); without a run dir, SLURM_RESTART_COUNT (all restarts)."""
+    marked this one agree); without a run dir, the job's restart count (all restarts)."""
     data = load_ledger(run_dir, job.job_id) if run_dir is not None else None
     count = requeues(data, "time_limit", before=job.restart_count) if data is not None else job.restart_count
     if count >= max_time_limit:
@@ -363,7 +360,7 @@ def parse_hosts(text: str) -> list[str]:
             line = words[0] if words else ""
         if not line:
             continue
-        for name in expand_nodelist(line):
+        for name in launcher().expand_nodes(line):
             if name not in hosts:
                 hosts.append(name)
     return hosts
@@ -371,23 +368,7 @@ def parse_hosts(text: str) -> list[str]:
 
 def usable_nodes(partition: str | None) -> list[str] | None:
     """Nodes of the partition that can run jobs (not down, drained, failed or unresponsive); None if unknown."""
-    exe = shutil.which("sinfo")
-    if exe is None:
-        return None
-    args = [exe, "-h", "-N", "-o", "%N %t"] + (["-p", partition] if partition else [])
-    try:
-        p = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if p.returncode != 0:
-        return None
-    nodes = []
-    for line in p.stdout.splitlines():
-        name, _, state = line.strip().partition(" ")
-        bad = state.endswith("*") or state.startswith(("down", "drain", "drng", "fail", "maint", "inval"))
-        if name and not bad and name not in nodes:
-            nodes.append(name)
-    return nodes
+    return launcher().usable_nodes(partition)
 
 
 def plan_exclusion(
@@ -552,7 +533,7 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
     data = load_ledger(run_dir, job.job_id)
     if data["attempts"].get(str(job.restart_count), {}).get("requeued"):
         # rank 0 requeued this attempt (time limit) and SLURM then ended the step while the ranks were exiting
-        _say(f"srun exited with {exit_code} after job {job.job_id} was requeued: nothing to decide")
+        _say(f"{launcher().step_tool} exited with {exit_code} after job {job.job_id} was requeued: nothing to decide")
         return 0
     try:
         d = decide_failure(run_dir, exit_code, policy, job)
@@ -584,8 +565,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Batch-script side of the failure policy (see this module's docstring).",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("after-step", help="after srun: record, exclude, requeue or stop; exit status for the script")
-    a.add_argument("--exit-code", type=int, required=True, help="srun's exit status")
+    tool = launcher().step_tool
+    a = sub.add_parser("after-step", help=f"after {tool}: record, exclude, requeue or stop; exit status for the script")
+    a.add_argument("--exit-code", type=int, required=True, help=f"{tool}'s exit status")
     a.add_argument("--run-dir", help="the run directory (instead of CONFIG)")
     a.add_argument("config", nargs="*", help="CONFIG [section.key=value ...], as given to hpcdist train")
     args = p.parse_args(argv)
