@@ -1,4 +1,4 @@
-"""The attempt loop of a SLURM job: ``python -m hpcdist.launch.attempts [--run-dir DIR | CONFIG ...] -- srun ...``.
+"""The attempt loop of a batch job: ``python -m hpcdist.launch.attempts [--run-dir DIR | CONFIG ...] -- STEP ...``.
 
 Run by the batch shell in place of its training srun, on both entry points: ``sbatch sbatch/*.sh``
 (sbatch/common.sh hpcdist_train) and ``hpcdist submit`` (a shell function ``srun`` in the generated script's setup
@@ -21,7 +21,9 @@ A stop signal (TERM: scancel, preemption, ``scontrol requeue``) and the time-lim
 rank 0 requeues) end the loop as before: it never restarts a step it was asked to stop. USR2 / TERM sent to this
 process are forwarded to the running srun (sbatch's ``--signal=B:USR2@lead`` reaches the batch shell only).
 
-Outside SLURM (no job, or no node list) the command runs once, unchanged.
+The scheduler's side (the allocation, the gate's step, the step command restricted to the chosen nodes) is its
+Launcher's (hpcdist.schedulers); SLURM's words above are its example. Outside a batch job (no job, or no node
+list) the command runs once, unchanged.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The restart policy: whether a SLURM job comes back after it stopped, and on which nodes.
+"""The restart policy: whether a batch job comes back after it stopped, and on which nodes.
 
-``restarts.json`` in <run.dir>: the restart ledger of the current SLURM job: one entry per attempt (restart number)
+``restarts.json`` in <run.dir>: the restart ledger of the current batch job: one entry per attempt (restart number)
 saying how it ended and whether hpcdist requeued it, the excluded nodes, the policy (fault.*), and why requeueing
 stopped. A new job id starts a new ledger (a resubmission gets the full budget again). What failed and where is in
 failures.jsonl (hpcdist.fault.failures).
@@ -8,13 +8,13 @@ failures.jsonl (hpcdist.fault.failures).
 Restart policy, three separate budgets:
     time limit   the requeue signal -> checkpoint -> the trainer returns -> :func:`after_stop`: rank 0 requeues
                  (hpcdist.launch.requeue); fault.max_restarts
-    failure      srun failed -> the batch script runs ``python -m hpcdist.launch.restarts after-step``, which
+    failure      the step failed -> the batch script runs ``python -m hpcdist.launch.restarts after-step``, which
                  attributes the failure, excludes the host (fault.exclude_failed_nodes, within limits that keep the
                  job schedulable) and requeues, unless fault.max_failures is spent or the same failure happened
                  fault.max_same_failure times in a row (a failure loop): then it says why and the job ends FAILED
-    preemption   SLURM requeued the job by itself (preemption, node failure, admin): counted when the next attempt
-                 starts (:func:`begin_attempt`); beyond fault.max_preemptions (-1 = unlimited) that attempt stops
-                 before training
+    preemption   the scheduler requeued the job by itself (preemption, node failure, admin): counted when the next
+                 attempt starts (:func:`begin_attempt`); beyond fault.max_preemptions (-1 = unlimited) that attempt
+                 stops before training
 """
 
 from __future__ import annotations

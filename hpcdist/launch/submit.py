@@ -202,7 +202,7 @@ def _render_local(cluster: ClusterConfig, folder: Path) -> str:
 
 
 def choose_executor(cluster: ClusterConfig, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """("slurm" | "local", why), or LaunchError naming the reason.
+    """(the scheduler's name, "slurm", | "local", why), or LaunchError naming the reason.
 
     ``auto`` runs local processes only where no SLURM client is installed at all (sbatch not on PATH, as submitit
     decides). Where sbatch exists this is a login node: a controller that is down, slow or misconfigured is an
@@ -559,7 +559,7 @@ def launch(
     if kind == "local" and (len(tasks) > 1 or after):
         raise LaunchError(f"{why}: job arrays and dependencies need SLURM; submit from a login node")
     code = None
-    if kind == "slurm" and snapshot:
+    if kind != "local" and snapshot:
         from hpcdist.launch.snapshot import create_snapshot
 
         if isinstance(snapshot, str):
@@ -584,7 +584,7 @@ def launch(
     import submitit
 
     try:
-        if kind == "slurm":
+        if kind != "local":
             dirs: str | Sequence[str] = run_dirs if run_dirs is not None and len(tasks) > 1 else prep.run_dir
             params = slurm_parameters(
                 cluster,

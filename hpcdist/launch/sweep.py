@@ -221,13 +221,12 @@ def sweep_status(job_id: str, run_dir: str | os.PathLike[str] | None = None) -> 
         f"{'task':>6} {'state':<11} {'restarts':>8} {'step':>7} {'loss':>9}  run dir",
     ]
     for task in record["tasks"]:
-        info: dict[str, str] = {}
         try:
-            info = launcher().job_info(task["job_id"])
-            state, restarts = info.get("JobState", "?"), info.get("Restarts", "?")
+            known = launcher().state_and_restarts(task["job_id"])
+            state, restarts = known if known is not None else ("?", "?")
         except SchedulerError:
-            state, restarts = "?", "?"
-        if not info:
+            state, restarts, known = "?", "?", None
+        if known is None:
             try:
                 state = launcher().job_state(task["job_id"]) or "UNKNOWN"
             except SchedulerError:  # the scheduler cannot answer: the run dir's progress is still shown

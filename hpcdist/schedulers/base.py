@@ -158,6 +158,11 @@ class Launcher(Protocol):
 
     def job_state(self, job_id: str) -> str | None: ...
 
+    def state_and_restarts(self, job_id: str) -> tuple[str, str] | None:
+        """(state, how often it was requeued) as the controller tells them ("?" where it says nothing); None when
+        the controller no longer knows the job."""
+        ...
+
     def job_log_dir(self, job_id: str) -> Path | None:
         """Where the job writes its stdout (while the scheduler remembers it); None when unknown."""
         ...

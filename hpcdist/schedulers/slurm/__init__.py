@@ -71,6 +71,10 @@ class SlurmLauncher:
     def job_state(self, job_id: str) -> str | None:
         return client.job_state(job_id)
 
+    def state_and_restarts(self, job_id: str) -> tuple[str, str] | None:
+        info = client.job_info(job_id)
+        return (info.get("JobState", "?"), info.get("Restarts", "?")) if info else None
+
     def job_log_dir(self, job_id: str) -> Path | None:
         try:
             stdout = client.job_info(job_id).get("StdOut")
@@ -90,10 +94,10 @@ class SlurmLauncher:
         return client.log_path(job_id, rank=rank, err=err, run_dir=run_dir)
 
     def requeue(self, job_id: str, *, exclude: Iterable[str] = ()) -> int:
-        return client.requeue(job_id, exclude=exclude)
+        return client.scontrol_requeue(job_id, exclude=exclude)
 
     def usable_nodes(self, partition: str | None) -> list[str] | None:
-        return client.usable_nodes(partition)
+        return client.sinfo_usable_nodes(partition)
 
     def expand_nodes(self, nodelist: str) -> list[str]:
         return expand_nodelist(nodelist)
@@ -102,7 +106,7 @@ class SlurmLauncher:
         return step.allocation(environ)
 
     def run_gate(self, nodes: Sequence[str], argv: Sequence[str], *, timeout: float) -> tuple[str, int | None] | None:
-        return client.run_gate(nodes, argv, timeout=timeout)
+        return client.srun_once_per_node(nodes, argv, timeout=timeout)
 
     def step_command(self, cmd: Sequence[str], nodes: Sequence[str], tasks_per_node: int) -> list[str]:
         return step.step_command(cmd, nodes, tasks_per_node)

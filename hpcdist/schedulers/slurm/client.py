@@ -29,13 +29,13 @@ __all__ = [
     "job_info",
     "job_state",
     "log_path",
-    "requeue",
     "run",
-    "run_gate",
+    "scontrol_requeue",
+    "sinfo_usable_nodes",
     "slurm_reachable",
+    "srun_once_per_node",
     "status_text",
     "tool_installed",
-    "usable_nodes",
 ]
 
 log = get_logger(__name__)
@@ -277,7 +277,7 @@ def log_path(job_id: str, *, rank: int = 0, err: bool = False, run_dir: str | os
 # ----------------------------------------------------------------------------------------- the job's side
 
 
-def requeue(job_id: str, *, exclude: Iterable[str] = ()) -> int:
+def scontrol_requeue(job_id: str, *, exclude: Iterable[str] = ()) -> int:
     """``scontrol requeue`` ``job_id``, then keep it off ``exclude`` (ExcNodeList) while it is pending. 0 when
     requeued, else 4 (said why)."""
     fallback = (
@@ -315,7 +315,7 @@ def requeue(job_id: str, *, exclude: Iterable[str] = ()) -> int:
     return 0
 
 
-def usable_nodes(partition: str | None) -> list[str] | None:
+def sinfo_usable_nodes(partition: str | None) -> list[str] | None:
     """Nodes of the partition that can run jobs (not down, drained, failed or unresponsive); None if unknown."""
     try:
         p = call(
@@ -334,7 +334,7 @@ def usable_nodes(partition: str | None) -> list[str] | None:
     return nodes
 
 
-def run_gate(nodes: Sequence[str], argv: Sequence[str], *, timeout: float) -> tuple[str, int | None] | None:
+def srun_once_per_node(nodes: Sequence[str], argv: Sequence[str], *, timeout: float) -> tuple[str, int | None] | None:
     """``argv`` once on each of ``nodes`` (one srun step, one task per node, a failing task ends nothing): (its
     stdout, its exit status or None when it ran past ``timeout``); None where srun is not installed."""
     cmd = [
