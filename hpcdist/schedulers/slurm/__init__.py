@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcdist.schedulers.base import Allocation, Scheduler
+from hpcdist.schedulers.base import Allocation, Launcher, Scheduler
 from hpcdist.schedulers.slurm import client, step
 from hpcdist.schedulers.slurm.facts import (
     ATTEMPT_ENV,
@@ -161,7 +161,7 @@ class SlurmLauncher:
         return sbatch.executor(folder, python=python, params=params)
 
 
-LAUNCHER = SlurmLauncher()
+LAUNCHER: Launcher = SlurmLauncher()
 
 SCHEDULER = Scheduler(
     name="slurm",
