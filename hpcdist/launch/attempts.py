@@ -75,7 +75,7 @@ def run_gate(
     device_timeout: float = DEFAULT_DEVICE_TIMEOUT_S,
     python: str | None = None,
 ) -> dict[str, tuple[bool, list[str]]]:
-    """The health gate on ``nodes``: ``hpcdist health --json`` once per node through srun (hpcdist.fault.health
+    """The health gate on ``nodes``: ``hpcdist health --json`` once per node in one step (hpcdist.fault.health
     owns its command line and reads its answers). ``gpus``: the GPUs per node the job asked the scheduler for
     (each node must show them), None when it asked for none. {host: (ok, reasons)}. Where the gate command does
     not exist (exit 2 without a verdict: an hpcdist without it), every node counts as healthy with the reason "gate
@@ -141,9 +141,10 @@ def step_for(cmd: Sequence[str], plan: AttemptPlan, chosen: Sequence[str]) -> li
 
 
 class _Step:
-    """The running srun, with USR1 / USR2 / TERM / INT forwarded to it; remembers a stop request (TERM / INT), and a
+    """The running step, with USR1 / USR2 / TERM / INT forwarded to it; remembers a stop request (TERM / INT), and a
     USR1 / USR2 that came while no step ran (during the gate or the backoff): the next step gets it once its
-    tasks had time to start (srun relays a signal only to launched tasks; hpcdist holds it from its first line)."""
+    tasks had time to start (the step launcher relays a signal only to launched tasks; hpcdist holds it from its
+    first line)."""
 
     RELAY_AFTER_S = 3.0
 
@@ -266,13 +267,13 @@ def loop(
         data = restarts.load_ledger(run_dir, base.job_id)
         entry = data["attempts"].setdefault(str(attempt), {"restart": attempt})
         entry["step_end"] = ended
-        if step.stopped_at is not None:  # scancel, preemption, `scontrol requeue`: nothing else marks its time
+        if step.stopped_at is not None:  # cancelled, preempted or requeued: nothing else marks its time
             entry["stopped_at"] = step.stopped_at
         restarts.save_ledger(run_dir, data)
         _announce(f"{launcher().step_tool} exited with status {rc}")
         if rc == 0:
             return rc
-        if step.stopping:  # scancel, preemption, or rank 0's time-limit requeue: never restart what was stopped
+        if step.stopping:  # cancelled, preempted, or rank 0's time-limit requeue: never restart what was stopped
             return 0 if data["attempts"][str(attempt)].get("requeued") else rc
         if data["attempts"][str(attempt)].get("requeued"):
             _announce(f"{launcher().step_tool} exited with {rc} after job {job.job_id} was requeued: nothing to decide")

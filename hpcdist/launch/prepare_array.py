@@ -57,7 +57,7 @@ def find_prepare(job_id: str | None, run_dir: Path | None) -> Path | None:
 class PrepareTask:
     """Array task ``index`` of a cluster prepare (submitit pickles it by reference to this module). The tokenizing
     runs in a child process: when it is killed (the OOM killer, a test's SIGKILL), the task requeues itself alone
-    (scontrol requeue <array>_<index>) and the next run keeps the finished shards; preemption and node failures
+    (its array id, <array>_<index>) and the next run keeps the finished shards; preemption and node failures
     requeue it through SLURM (--requeue)."""
 
     out: str
@@ -124,7 +124,7 @@ def submit_prepare(
     """Submit a cluster prepare: one job array of ``tasks`` tasks (one node, one task each; the profile's
     cpus_per_task tokenizer processes) and a merge job after it (afterok), through the training submit path
     (profile, setup lines, container, code snapshot). Returns {"array": [JobHandle...], "merge": JobHandle}, or
-    with ``dry_run`` {"array": sbatch text, "merge": sbatch text, "plan": plan} (nothing written)."""
+    with ``dry_run`` {"array": script text, "merge": script text, "plan": plan} (nothing written)."""
     from hpcdist.config.cluster import load_cluster
     from hpcdist.launch.submit import Prepared, dependency, launch, render_job_script, snapshot_placeholder
 

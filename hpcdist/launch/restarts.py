@@ -407,7 +407,7 @@ def plan_exclusion(
 
 
 def _say(msg: str) -> None:
-    # the batch script's stdout is the job log; flush before scontrol requeue makes SLURM end this script
+    # the batch script's stdout is the job log; flush before the requeue makes the scheduler end this script
     print(f"[hpcdist after-step {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
@@ -526,7 +526,7 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
     0 after a requeue (SLURM is ending this run anyway), else ``exit_code`` so the job ends FAILED."""
     if exit_code == 0:
         return 0
-    # `scontrol requeue` makes SLURM send TERM to this batch script and its children: finish the ledger and the
+    # a requeue makes the scheduler send TERM to this batch script and its children: finish the ledger and the
     # ExcNodeList update first (SIGKILL follows only after KillWait)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     run_dir = Path(run_dir)

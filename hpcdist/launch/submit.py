@@ -70,7 +70,7 @@ def _signal_name(name: str) -> str:
 
 
 def _setup_lines(cluster: ClusterConfig) -> list[str]:
-    """Shell lines run before srun: the profile's own setup lines (site commands, as written), then ours, whose
+    """Shell lines run before the step: the profile's own setup lines (site commands, as written), then ours, whose
     values are quoted; nothing secret is exported."""
     lines = list(cluster.setup)
     if cluster.nccl_profile:
@@ -344,7 +344,7 @@ class JobHandle:
             time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
     def cancel(self) -> None:
-        """Cancel the job (scancel; on the LocalExecutor, stop its ranks and wait until they have ended)."""
+        """Cancel the job (its scheduler's cancel; on the LocalExecutor, stop its ranks and wait until they end)."""
         if self.executor == "local":
             from hpcdist.launch.records import end_local_job
 
@@ -550,7 +550,7 @@ def launch(
     attempt_loop: bool = True,
 ) -> list[JobHandle]:
     """Submit ``tasks`` with ``prep``'s cluster: one job, or (several tasks) one SLURM job array whose task i runs
-    tasks[i] (its failure policy reads run_dirs[i]). ``after``: an sbatch dependency (``afterany:123``).
+    tasks[i] (its failure policy reads run_dirs[i]). ``after``: a dependency (``afterany:123``).
     ``snapshot``: copy the code into prep's run dir first and run the job from the copy (SLURM only); a string
     is an existing snapshot directory to run from (a chain's later jobs). ``attempt_loop=False``: the step runs once,
     without training's in-job restarts and failure policy (a cluster prepare's tasks, hpcdist.data.array)."""
@@ -611,7 +611,7 @@ def launch(
                 delayed = [executor.submit(task) for task in tasks]
             jobs = list(delayed)
     except (OSError, RuntimeError, ValueError) as e:
-        # sbatch's refusal arrives as submitit's FailedJobError/CalledProcessError text: keep its last lines
+        # the scheduler's refusal arrives as submitit's FailedJobError/CalledProcessError text: keep its last lines
         text = str(e).strip().splitlines()
         raise LaunchError(f"submission with the {kind} executor failed: {' | '.join(text[-3:])}") from e
     handles = [
@@ -658,12 +658,12 @@ def submit(
 
     ``cluster`` is a shipped profile name (``cluster_names()``), a YAML path, or a ClusterConfig; ``params``
     override its fields (``nodes=4, partition="gpu", extra_sbatch=["--mail-type=END"]``). Everything is validated
-    before anything is submitted (ConfigError lists every problem). ``dry_run=True`` returns the sbatch script
+    before anything is submitted (ConfigError lists every problem). ``dry_run=True`` returns the batch script
     text instead (a description of the local run for executor ``local``). Returns a :class:`JobHandle`.
 
     A layout the planner predicts not to fit the cluster's GPUs (its hardware: block) is refused, naming the
     nearest layouts that fit; ``force=True`` submits it anyway. ``after="123"`` (or ``"123:afterok"``) starts the
-    job only after job 123 ends (sbatch --dependency). ``snapshot``: run the job from a copy of the code made now
+    job only after job 123 ends (a dependency). ``snapshot``: run the job from a copy of the code made now
     (hpcdist.launch.snapshot), so edits after submission change neither the job nor its requeued attempts.
     """
     return submit_chain(

@@ -3,7 +3,7 @@
 The sweep is a grid of ``--sweep key=v1,v2,...`` (or an explicit list of override mappings from ``--sweep-file``).
 Each point becomes one array task running ``hpcdist train CONFIG OVERRIDES POINT run.dir=<run.dir>/<name>``, its
 name made of the point's overrides. Every task is validated (config, cluster, memory) before anything is
-submitted; the array is one sbatch call (submitit's batch), ``--array=0-N%M`` with ``--max-parallel M``. Each task
+submitted; the array is one submission (submitit's batch), ``--array=0-N%M`` with ``--max-parallel M``. Each task
 requeues itself alone (JobFacts.job_id: <array job>_<task>). ``<run.dir>/sweep.json`` records the tasks, for
 ``hpcdist status JOB``.
 """
@@ -114,7 +114,7 @@ def submit_sweep(
     **params: Any,
 ) -> list[JobHandle] | str:
     """Submit the sweep as one job array; one :class:`JobHandle` per task (``job_id`` ``<array>_<i>``), in the
-    order of :func:`expand_sweep`. ``dry_run=True`` returns the array's sbatch script. Every task is validated
+    order of :func:`expand_sweep`. ``dry_run=True`` returns the array's batch script. Every task is validated
     first: one bad value refuses the whole sweep (ConfigError naming the task), nothing is submitted."""
     from hpcdist.launch.submit import dependency
 
