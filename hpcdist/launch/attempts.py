@@ -1,4 +1,4 @@
-"""The attempt loop of a SLURM job: ``python -m hpcdist.launch.attempts [--run-dir DIR | CONFIG ...] -- srun ...``.
+"""The attempt loop of a batch job: ``python -m hpcdist.launch.attempts [--run-dir DIR | CONFIG ...] -- STEP ...``.
 
 Run by the batch shell in place of its training srun, on both entry points: ``sbatch sbatch/*.sh``
 (sbatch/common.sh hpcdist_train) and ``hpcdist submit`` (a shell function ``srun`` in the generated script's setup
@@ -21,7 +21,9 @@ A stop signal (TERM: scancel, preemption, ``scontrol requeue``) and the time-lim
 rank 0 requeues) end the loop as before: it never restarts a step it was asked to stop. USR2 / TERM sent to this
 process are forwarded to the running srun (sbatch's ``--signal=B:USR2@lead`` reaches the batch shell only).
 
-Outside SLURM (no job, or no node list) the command runs once, unchanged.
+The scheduler's side (the allocation, the gate's step, the step command restricted to the chosen nodes) is its
+Launcher's (hpcdist.schedulers); SLURM's words above are its example. Outside a batch job (no job, or no node
+list) the command runs once, unchanged.
 """
 
 from __future__ import annotations
@@ -29,12 +31,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,10 @@ from hpcdist.fault.health import (
     record_unhealthy,
 )
 from hpcdist.launch import restarts
-from hpcdist.schedulers import JobFacts, job_facts
-from hpcdist.schedulers.slurm import ATTEMPT_ENV, expand_nodelist
+from hpcdist.schedulers import ATTEMPT_ENV, JobFacts, job_facts, launcher
 from hpcdist.untrusted import one_line
 
-__all__ = ["AttemptPlan", "choose_nodes", "main", "run_gate", "scheduler_gpus_per_node", "srun_for"]
+__all__ = ["AttemptPlan", "choose_nodes", "main", "plan_from_env", "run_gate", "step_for"]
 
 GATE_UNAVAILABLE = "gate unavailable"
 _MAX_BACKOFF_S = 60.0
@@ -75,7 +75,7 @@ def run_gate(
     device_timeout: float = DEFAULT_DEVICE_TIMEOUT_S,
     python: str | None = None,
 ) -> dict[str, tuple[bool, list[str]]]:
-    """The health gate on ``nodes``: ``hpcdist health --json`` once per node through srun (hpcdist.fault.health
+    """The health gate on ``nodes``: ``hpcdist health --json`` once per node in one step (hpcdist.fault.health
     owns its command line and reads its answers). ``gpus``: the GPUs per node the job asked the scheduler for
     (each node must show them), None when it asked for none. {host: (ok, reasons)}. Where the gate command does
     not exist (exit 2 without a verdict: an hpcdist without it), every node counts as healthy with the reason "gate
@@ -83,26 +83,12 @@ def run_gate(
     if not nodes:
         return {}
     python = python or os.environ.get("HPCDIST_PYTHON") or sys.executable
-    srun = shutil.which("srun")
-    if srun is None:
+    argv = health_argv(gpus=gpus, run_dir=run_dir, timeout_s=timeout, device_timeout_s=device_timeout, python=python)
+    # 30 s more than the gate's own bound: the step's start and the verdicts' way back
+    answer = launcher().run_gate(nodes, argv, timeout=gate_wall_s(timeout, device_timeout) + 30)
+    if answer is None:
         return {n: (True, [GATE_UNAVAILABLE]) for n in nodes}
-    cmd = [
-        srun,
-        f"--nodes={len(nodes)}",
-        f"--ntasks={len(nodes)}",
-        "--ntasks-per-node=1",
-        f"--nodelist={','.join(nodes)}",
-        "--kill-on-bad-exit=0",
-        "--cpus-per-task=1",
-        *health_argv(gpus=gpus, run_dir=run_dir, timeout_s=timeout, device_timeout_s=device_timeout, python=python),
-    ]
-    try:  # 30 s more than the gate's own bound: srun's start and the verdicts' way back
-        wall = gate_wall_s(timeout, device_timeout) + 30
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=wall, check=False)
-        out, rc = p.stdout, p.returncode
-    except subprocess.TimeoutExpired as e:
-        raw = e.stdout or b""
-        out, rc = raw.decode(errors="replace") if isinstance(raw, bytes) else raw, None
+    out, rc = answer
     if rc == 2 and '"host"' not in out:
         return {n: (True, [GATE_UNAVAILABLE]) for n in nodes}
     return {host: (not reasons, reasons) for host, reasons in read_verdicts(out, list(nodes)).items()}
@@ -123,40 +109,16 @@ class AttemptPlan:
     gpus_per_node: int | None = None
 
 
-def scheduler_gpus_per_node(environ: dict[str, str] | os._Environ[str]) -> int | None:
-    """The GPUs per node this job asked SLURM for, from the batch step's environment: SLURM_GPUS_ON_NODE (set for
-    --gres=gpu:N and --gpus-per-node), SLURM_GPUS_PER_NODE (``8`` or ``a100:8``, comma-separated types summed),
-    else the indices in SLURM_JOB_GPUS. None when the job asked for no GPU or a value cannot be read: the gate
-    then counts nothing, and a node without an NVIDIA driver skips its device checks rather than failing."""
-    on_node = environ.get("SLURM_GPUS_ON_NODE", "").strip()
-    if on_node.isdigit():
-        return int(on_node) or None
-    per_node = environ.get("SLURM_GPUS_PER_NODE", "").strip()
-    if per_node:
-        counts = [part.rsplit(":", 1)[-1].strip() for part in per_node.split(",")]
-        if all(c.isdigit() for c in counts):
-            return sum(map(int, counts)) or None
-        return None
-    job_gpus = [g for g in environ.get("SLURM_JOB_GPUS", "").split(",") if g.strip()]
-    return len(job_gpus) or None
-
-
-def plan_from_env(environ: dict[str, str] | os._Environ[str], spare: int, min_nodes: int) -> AttemptPlan | str:
+def plan_from_env(environ: Mapping[str, str], spare: int, min_nodes: int) -> AttemptPlan | str:
     """The plan of this allocation, or why the loop cannot choose nodes (then the command runs unchanged)."""
-    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-    if not nodelist:
-        return "no SLURM node list"
-    allocated = expand_nodelist(nodelist)
-    tpn_raw = environ.get("SLURM_NTASKS_PER_NODE") or (environ.get("SLURM_TASKS_PER_NODE") or "").split("(")[0]
-    try:
-        tpn = int(tpn_raw.split(",")[0])
-    except ValueError:
-        return f"tasks per node unknown (SLURM_NTASKS_PER_NODE={tpn_raw!r})"
-    train = len(allocated) - spare
+    held = launcher().allocation(environ)
+    if isinstance(held, str):
+        return held
+    train = len(held.nodes) - spare
     if train < 1:
-        return f"fault.spare_nodes={spare} leaves no training node of the {len(allocated)} allocated"
+        return f"fault.spare_nodes={spare} leaves no training node of the {len(held.nodes)} allocated"
     floor = min_nodes if 0 < min_nodes <= train else train
-    return AttemptPlan(allocated, train, floor, max(1, tpn), scheduler_gpus_per_node(environ))
+    return AttemptPlan(held.nodes, train, floor, max(1, held.tasks_per_node), held.gpus_per_node)
 
 
 def choose_nodes(plan: AttemptPlan, bad: set[str]) -> list[str] | None:
@@ -168,22 +130,21 @@ def choose_nodes(plan: AttemptPlan, bad: set[str]) -> list[str] | None:
     return good[: plan.train_nodes]
 
 
-def srun_for(cmd: Sequence[str], plan: AttemptPlan, chosen: Sequence[str]) -> list[str]:
-    """``cmd`` (an srun command line) restricted to ``chosen`` when that is not the whole allocation."""
-    cmd = list(cmd)
-    if sorted(chosen) == sorted(plan.allocated) or not cmd or os.path.basename(cmd[0]) != "srun":
-        return cmd
-    n = len(chosen)
-    return [cmd[0], f"--nodes={n}", f"--ntasks={n * plan.tasks_per_node}", f"--nodelist={','.join(chosen)}", *cmd[1:]]
+def step_for(cmd: Sequence[str], plan: AttemptPlan, chosen: Sequence[str]) -> list[str]:
+    """``cmd`` (the batch script's step command) restricted to ``chosen`` when that is not the whole allocation."""
+    if sorted(chosen) == sorted(plan.allocated):
+        return list(cmd)
+    return launcher().step_command(cmd, chosen, plan.tasks_per_node)
 
 
 # ------------------------------------------------------------------------------------------------ the loop
 
 
 class _Step:
-    """The running srun, with USR1 / USR2 / TERM / INT forwarded to it; remembers a stop request (TERM / INT), and a
+    """The running step, with USR1 / USR2 / TERM / INT forwarded to it; remembers a stop request (TERM / INT), and a
     USR1 / USR2 that came while no step ran (during the gate or the backoff): the next step gets it once its
-    tasks had time to start (srun relays a signal only to launched tasks; hpcdist holds it from its first line)."""
+    tasks had time to start (the step launcher relays a signal only to launched tasks; hpcdist holds it from its
+    first line)."""
 
     RELAY_AFTER_S = 3.0
 
@@ -241,7 +202,7 @@ def loop(
     """Run the attempts of this job (see the module docstring); the batch script's exit status. ``policy`` is the
     config's fault.* when the loop was given the config; else the ledger's (rank 0 stores it) or the defaults."""
     base = job_facts()
-    plan = plan_from_env(os.environ, spare, min_nodes) if base.job_id else "not a SLURM job"
+    plan = plan_from_env(os.environ, spare, min_nodes) if base.job_id else "not a batch job"
     if isinstance(plan, str):
         if base.job_id and spare:
             _announce(f"running the step unchanged: {plan}")
@@ -301,21 +262,21 @@ def loop(
             )
         )
         env = {**os.environ, ATTEMPT_ENV: str(attempt)}
-        rc = step.run(srun_for(cmd, plan, chosen), env)
+        rc = step.run(step_for(cmd, plan, chosen), env)
         ended = time.time()
         data = restarts.load_ledger(run_dir, base.job_id)
         entry = data["attempts"].setdefault(str(attempt), {"restart": attempt})
         entry["step_end"] = ended
-        if step.stopped_at is not None:  # scancel, preemption, `scontrol requeue`: nothing else marks its time
+        if step.stopped_at is not None:  # cancelled, preempted or requeued: nothing else marks its time
             entry["stopped_at"] = step.stopped_at
         restarts.save_ledger(run_dir, data)
-        _announce(f"srun exited with status {rc}")
+        _announce(f"{launcher().step_tool} exited with status {rc}")
         if rc == 0:
             return rc
-        if step.stopping:  # scancel, preemption, or rank 0's time-limit requeue: never restart what was stopped
+        if step.stopping:  # cancelled, preempted, or rank 0's time-limit requeue: never restart what was stopped
             return 0 if data["attempts"][str(attempt)].get("requeued") else rc
         if data["attempts"][str(attempt)].get("requeued"):
-            _announce(f"srun exited with {rc} after job {job.job_id} was requeued: nothing to decide")
+            _announce(f"{launcher().step_tool} exited with {rc} after job {job.job_id} was requeued: nothing to decide")
             return 0
         d = restarts.decide_failure(run_dir, rc, policy, job)
         if d.stop:
@@ -364,7 +325,8 @@ def _too_few(
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m hpcdist.launch.attempts [--run-dir DIR | CONFIG ...] -- srun ...", file=sys.stderr)
+        tool = launcher().step_tool
+        print(f"usage: python -m hpcdist.launch.attempts [--run-dir DIR | CONFIG ...] -- {tool} ...", file=sys.stderr)
         return 2
     i = argv.index("--")
     ours, cmd = argv[:i], argv[i + 1 :]

@@ -13,8 +13,8 @@ from typing import Any
 
 from hpcdist.atomic import UntrustedFile
 from hpcdist.errors import CommandError, PeerRankDied, refusing
-from hpcdist.launch.slurm_cli import SlurmError
 from hpcdist.launch.submit import LaunchError
+from hpcdist.schedulers import SchedulerError, launcher
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -22,7 +22,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if given:
         raise CommandError(
             f"train: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --dry-run "
-            "(a real run takes its ranks from torchrun or srun)"
+            f"(a real run takes its ranks from torchrun or {launcher().step_tool})"
         )
     from hpcdist import config as config_mod  # torch-free
 
@@ -92,7 +92,7 @@ def _once_per_job(e: Exception, code: int = 2) -> CommandError:
     return CommandError(None, code=code)  # every rank exits alike
 
 
-@refusing("submit", LaunchError, SlurmError)
+@refusing("submit", LaunchError, SchedulerError)
 def cmd_submit(args: argparse.Namespace) -> int:
     try:
         return _submit(args)
@@ -110,8 +110,7 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"hpcdist: warning: {shadows}", file=sys.stderr, flush=True)
     names = ("nodes", "gpus_per_node", "time", "partition", "account", "qos", "constraint", "exclude", "job_name")
     params = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    if args.sbatch_args:  # added to the cluster's own extra flags, not instead of them
-        params["extra_sbatch"] = [*load_cluster(args.cluster).extra_sbatch, *args.sbatch_args]
+    params.update(launcher().flag_overrides(args, lambda: load_cluster(args.cluster)))
     common = dict(
         cluster=args.cluster, dry_run=args.dry_run, force=args.force, after=args.after, snapshot=args.snapshot, **params
     )
@@ -180,14 +179,14 @@ def _local_record(job: str | None, run_dir: Path | None) -> dict[str, Any] | Non
     return entry if entry is not None and entry.get("executor") == "local" else None
 
 
-@refusing("status", SlurmError, UntrustedFile)  # UntrustedFile: another user's jobs.jsonl names pids and folders
+@refusing("status", SchedulerError, UntrustedFile)  # UntrustedFile: another user's jobs.jsonl names pids and folders
 def cmd_status(args: argparse.Namespace) -> int:
     from hpcdist.data.array import prepare_status
-    from hpcdist.launch import records, slurm_cli
+    from hpcdist.launch import records
     from hpcdist.launch.prepare_array import find_prepare
     from hpcdist.launch.sweep import sweep_status
 
-    # a local job first: the cluster-prepare lookup below asks SLURM (scontrol), which on a machine without a
+    # a local job first: the cluster-prepare lookup below asks the scheduler, which on a machine without a
     # reachable controller waits out its timeouts (60 s in CI) before a local job's status is shown
     local = _local_record(args.job, args.run_dir)
     if local is not None:
@@ -206,22 +205,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(table)
         return 0
     try:
-        print(slurm_cli.status_text(args.job))
-    except SlurmError:
+        print(launcher().status_text(args.job))
+    except SchedulerError:
         if args.run_dir is None:
             raise
-        # SLURM forgot the job (or cannot answer): what the run dir knows, plain sbatch jobs included
-        print(f"job {args.job}: SLURM does not know it now; from the run dir:")
+        # the scheduler forgot the job (or cannot answer): what the run dir knows, plain batch jobs included
+        print(f"job {args.job}: {launcher().title} does not know it now; from the run dir:")
     if args.run_dir is not None:
         print(records.run_summary(args.run_dir, args.job))
     return 0
 
 
-@refusing("logs", SlurmError, UntrustedFile)
+@refusing("logs", SchedulerError, UntrustedFile)
 def cmd_logs(args: argparse.Namespace) -> int:
     import shutil
-
-    from hpcdist.launch import slurm_cli
 
     try:
         if args.follow:
@@ -230,7 +227,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if local is not None:  # a local job's log folder is recorded in the run dir (it may be a log_dir)
             path = Path(local["folder"]) / f"{args.job}_{args.rank}_log.{'err' if args.err else 'out'}"
         else:
-            path = slurm_cli.log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
+            path = launcher().log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
         with path.open(encoding="utf-8", errors="replace") as f:
             shutil.copyfileobj(f, sys.stdout)
     except (UntrustedFile, BrokenPipeError):
@@ -242,23 +239,22 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def _follow_log(args: argparse.Namespace) -> int:
     """`logs --follow`: the log may not exist yet (the job is pending); the job's state ends the stream."""
-    from hpcdist.launch import slurm_cli
     from hpcdist.launch.follow import follow
 
-    slurm_cli.check_job_id(args.job)
+    launcher().check_job_id(args.job)
 
     def path() -> Path | None:
         try:
-            return slurm_cli.log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
-        except SlurmError:
+            return launcher().log_path(args.job, rank=args.rank, err=args.err, run_dir=args.run_dir)
+        except SchedulerError:
             return None  # pending: no log yet
 
     def finished() -> bool:
         try:
-            state = slurm_cli.job_state(args.job)
-        except SlurmError:
+            state = launcher().job_state(args.job)
+        except SchedulerError:
             return False  # the controller is busy: ask again
-        return state is None or state.split()[0].rstrip("+") in slurm_cli.TERMINAL_STATES
+        return state is None or state.split()[0].rstrip("+") in launcher().terminal_states
 
     try:
         follow(path, finished, sys.stdout, poll_s=2.0)
@@ -267,13 +263,13 @@ def _follow_log(args: argparse.Namespace) -> int:
     return 0
 
 
-@refusing("cancel", SlurmError, OSError)  # OSError: UntrustedFile, a record's process gone or not ours
+@refusing("cancel", SchedulerError, OSError)  # OSError: UntrustedFile, a record's process gone or not ours
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from hpcdist.launch import records, slurm_cli
+    from hpcdist.launch import records
 
     local = _local_record(args.job, args.run_dir)
     if local is not None:
         print(f"cancelled job {args.job}: {records.cancel_local(local, args.run_dir)}")
         return 0
-    print(f"cancelled job {args.job}: {slurm_cli.cancel(args.job)}")
+    print(f"cancelled job {args.job}: {launcher().cancel(args.job)}")
     return 0

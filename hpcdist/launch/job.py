@@ -1,5 +1,5 @@
 """The scheduler's side of one rank: :class:`SlurmEnvironment`, hpcdist.run's JobEnvironment for ``hpcdist train``
-(under srun, torchrun or alone) and for every task of ``hpcdist submit``.
+(under the scheduler's step launcher, torchrun or alone) and for every task of ``hpcdist submit``.
 
 Before the process group: the job's NCCL profile and this attempt in the restart ledger; after a stop: the requeue
 decision (hpcdist.launch.restarts.after_stop). Outside SLURM both find no job and do nothing.

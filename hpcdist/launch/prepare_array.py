@@ -30,6 +30,7 @@ from hpcdist.data.array import (
     run_part,
     write_plan,
 )
+from hpcdist.schedulers import job_facts
 
 __all__ = ["MergeTask", "PrepareTask", "cmd_prepare_cluster", "find_prepare", "submit_prepare"]
 
@@ -41,15 +42,12 @@ def find_prepare(job_id: str | None, run_dir: Path | None) -> Path | None:
         return Path(run_dir)
     if job_id is None:
         return None
-    from hpcdist.launch import slurm_cli
+    from hpcdist.schedulers import launcher
 
-    try:
-        stdout = slurm_cli.job_info(job_id).get("StdOut")
-    except slurm_cli.SlurmError:
+    logs = launcher().job_log_dir(job_id)
+    if logs is None:
         return None
-    if not stdout:
-        return None
-    out = Path(stdout).parent.parent.parent  # OUT/parts/slurm/<file>
+    out = logs.parent.parent  # OUT/parts/slurm/<file>
     jobs = read_jobs(out)
     base = str(job_id).split("_")[0]
     return out if base in (str(jobs.get("array")), str(jobs.get("merge"))) else None
@@ -59,7 +57,7 @@ def find_prepare(job_id: str | None, run_dir: Path | None) -> Path | None:
 class PrepareTask:
     """Array task ``index`` of a cluster prepare (submitit pickles it by reference to this module). The tokenizing
     runs in a child process: when it is killed (the OOM killer, a test's SIGKILL), the task requeues itself alone
-    (scontrol requeue <array>_<index>) and the next run keeps the finished shards; preemption and node failures
+    (its array id, <array>_<index>) and the next run keeps the finished shards; preemption and node failures
     requeue it through SLURM (--requeue)."""
 
     out: str
@@ -70,7 +68,8 @@ class PrepareTask:
         import multiprocessing
 
         # the SLURM test's hook: this task's process dies after its first shard, on the task's first run only
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        job = job_facts()
+        restarts = job.restart_count
         kill = os.environ.get(KILL_ENV) == str(self.index) and restarts == 0
         proc = multiprocessing.get_context("fork").Process(
             target=run_part, args=(self.out, self.index, self.workers), kwargs={"kill_after_first_shard": kill}
@@ -80,7 +79,7 @@ class PrepareTask:
         code = proc.exitcode
         if code == 0:
             return {"part": self.index}
-        array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+        array, task = job.array_job_id, job.array_task_id
         if code is not None and code < 0 and array and task and restarts < MAX_REQUEUES:
             from hpcdist.launch.requeue import requeue
 
@@ -125,9 +124,9 @@ def submit_prepare(
     """Submit a cluster prepare: one job array of ``tasks`` tasks (one node, one task each; the profile's
     cpus_per_task tokenizer processes) and a merge job after it (afterok), through the training submit path
     (profile, setup lines, container, code snapshot). Returns {"array": [JobHandle...], "merge": JobHandle}, or
-    with ``dry_run`` {"array": sbatch text, "merge": sbatch text, "plan": plan} (nothing written)."""
+    with ``dry_run`` {"array": script text, "merge": script text, "plan": plan} (nothing written)."""
     from hpcdist.config.cluster import load_cluster
-    from hpcdist.launch.submit import Prepared, dependency, launch, render_sbatch, snapshot_placeholder
+    from hpcdist.launch.submit import Prepared, dependency, launch, render_job_script, snapshot_placeholder
 
     out_dir = Path(out).expanduser().absolute()
     plan = plan_prepare(
@@ -147,8 +146,8 @@ def submit_prepare(
     workers = max(1, cfg.cpus_per_task)
     if dry_run:
         code = snapshot_placeholder(str(parts)) if snapshot else None
-        array = render_sbatch(cfg, job_name=name, folder=folder, dependency=dep, array=tasks, snapshot=code)
-        merge = render_sbatch(
+        array = render_job_script(cfg, job_name=name, folder=folder, dependency=dep, array=tasks, snapshot=code)
+        merge = render_job_script(
             cfg, job_name=f"{name}-merge", folder=folder, dependency="afterok:<array job>", snapshot=code
         )
         return {"array": array, "merge": merge, "plan": plan}

@@ -1,7 +1,7 @@
 """What ``hpcdist status|logs|cancel`` read when SLURM cannot answer: the run directory's own records.
 
 ``submit`` appends one line per job to ``<run.dir>/jobs.jsonl`` (id, executor, log folder, ranks, host, snapshot);
-a local-executor job's id is its controller's pid on that host. For any job (plain ``sbatch`` included) the run's
+a local-executor job's id is its controller's pid on that host. For any job (plain batch scripts included) the run's
 metrics and restart ledger give its progress. Standard library only.
 """
 
@@ -160,7 +160,7 @@ def end_local_job(pid: int, grace_s: float = 60.0, kill_wait_s: float = 10.0) ->
     not the controller: it SIGKILLs its ranks one second after its own SIGINT, mid-save. The controller leaves when
     they have. A process that ignores SIGINT (a job started from ``nohup`` or a background shell, still starting:
     the trainer installs its handler after its imports) gets it once it no longer ignores it: sent before, it would be
-    lost. What still lives after ``grace_s`` gets SIGKILL, as scancel does after KillWait."""
+    lost. What still lives after ``grace_s`` gets SIGKILL, as the scheduler does when cancelling."""
     table = _proc_table()
     processes = _tree(pid, table) or [pid]
     controllers = {p for p in processes if _CONTROLLER in _cmdline(p)}
@@ -230,7 +230,7 @@ def last_step(run_dir: str | os.PathLike[str]) -> tuple[int | None, float | None
 
 
 def run_summary(run_dir: str | os.PathLike[str], job_id: str | None = None) -> str:
-    """Progress of the run (any job that trained in it, plain sbatch included): last step and loss, and the
+    """Progress of the run (any job that trained in it, plain batch scripts included): last step and loss, and the
     restart ledger's attempts of ``job_id``. Every value from the run dir is printed as one printable line."""
     rd = RunDir(run_dir)
     step, loss = last_step(run_dir)

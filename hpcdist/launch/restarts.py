@@ -1,6 +1,6 @@
-"""The restart policy: whether a SLURM job comes back after it stopped, and on which nodes.
+"""The restart policy: whether a batch job comes back after it stopped, and on which nodes.
 
-``restarts.json`` in <run.dir>: the restart ledger of the current SLURM job: one entry per attempt (restart number)
+``restarts.json`` in <run.dir>: the restart ledger of the current batch job: one entry per attempt (restart number)
 saying how it ended and whether hpcdist requeued it, the excluded nodes, the policy (fault.*), and why requeueing
 stopped. A new job id starts a new ledger (a resubmission gets the full budget again). What failed and where is in
 failures.jsonl (hpcdist.fault.failures).
@@ -8,13 +8,13 @@ failures.jsonl (hpcdist.fault.failures).
 Restart policy, three separate budgets:
     time limit   the requeue signal -> checkpoint -> the trainer returns -> :func:`after_stop`: rank 0 requeues
                  (hpcdist.launch.requeue); fault.max_restarts
-    failure      srun failed -> the batch script runs ``python -m hpcdist.launch.restarts after-step``, which
+    failure      the step failed -> the batch script runs ``python -m hpcdist.launch.restarts after-step``, which
                  attributes the failure, excludes the host (fault.exclude_failed_nodes, within limits that keep the
                  job schedulable) and requeues, unless fault.max_failures is spent or the same failure happened
                  fault.max_same_failure times in a row (a failure loop): then it says why and the job ends FAILED
-    preemption   SLURM requeued the job by itself (preemption, node failure, admin): counted when the next attempt
-                 starts (:func:`begin_attempt`); beyond fault.max_preemptions (-1 = unlimited) that attempt stops
-                 before training
+    preemption   the scheduler requeued the job by itself (preemption, node failure, admin): counted when the next
+                 attempt starts (:func:`begin_attempt`); beyond fault.max_preemptions (-1 = unlimited) that attempt
+                 stops before training
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -41,8 +39,7 @@ from hpcdist.fault.stop import StopReason, signal_number
 from hpcdist.launch.requeue import requeue
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
-from hpcdist.schedulers import JobFacts, job_facts
-from hpcdist.schedulers.slurm import expand_nodelist
+from hpcdist.schedulers import JobFacts, job_facts, launcher
 from hpcdist.untrusted import DamagedRecord, one_line, read_json
 
 __all__ = [
@@ -246,7 +243,7 @@ def time_limit_decision(run_dir: str | os.PathLike[str] | None, max_time_limit: 
     """Before a time-limit requeue (every rank, same answer): a reason not to requeue, or None.
 
     Counted in the ledger (time-limit requeues only; earlier attempts only, so ranks reading before or after rank 0
-    marked this one agree); without a run dir, SLURM_RESTART_COUNT (all restarts)."""
+    marked this one agree); without a run dir, the job's restart count (all restarts)."""
     data = load_ledger(run_dir, job.job_id) if run_dir is not None else None
     count = requeues(data, "time_limit", before=job.restart_count) if data is not None else job.restart_count
     if count >= max_time_limit:
@@ -363,7 +360,7 @@ def parse_hosts(text: str) -> list[str]:
             line = words[0] if words else ""
         if not line:
             continue
-        for name in expand_nodelist(line):
+        for name in launcher().expand_nodes(line):
             if name not in hosts:
                 hosts.append(name)
     return hosts
@@ -371,23 +368,7 @@ def parse_hosts(text: str) -> list[str]:
 
 def usable_nodes(partition: str | None) -> list[str] | None:
     """Nodes of the partition that can run jobs (not down, drained, failed or unresponsive); None if unknown."""
-    exe = shutil.which("sinfo")
-    if exe is None:
-        return None
-    args = [exe, "-h", "-N", "-o", "%N %t"] + (["-p", partition] if partition else [])
-    try:
-        p = subprocess.run(args, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if p.returncode != 0:
-        return None
-    nodes = []
-    for line in p.stdout.splitlines():
-        name, _, state = line.strip().partition(" ")
-        bad = state.endswith("*") or state.startswith(("down", "drain", "drng", "fail", "maint", "inval"))
-        if name and not bad and name not in nodes:
-            nodes.append(name)
-    return nodes
+    return launcher().usable_nodes(partition)
 
 
 def plan_exclusion(
@@ -426,7 +407,7 @@ def plan_exclusion(
 
 
 def _say(msg: str) -> None:
-    # the batch script's stdout is the job log; flush before scontrol requeue makes SLURM end this script
+    # the batch script's stdout is the job log; flush before the requeue makes the scheduler end this script
     print(f"[hpcdist after-step {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
@@ -545,14 +526,14 @@ def after_step(run_dir: str | os.PathLike[str], exit_code: int, policy: RestartP
     0 after a requeue (SLURM is ending this run anyway), else ``exit_code`` so the job ends FAILED."""
     if exit_code == 0:
         return 0
-    # `scontrol requeue` makes SLURM send TERM to this batch script and its children: finish the ledger and the
+    # a requeue makes the scheduler send TERM to this batch script and its children: finish the ledger and the
     # ExcNodeList update first (SIGKILL follows only after KillWait)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     run_dir = Path(run_dir)
     data = load_ledger(run_dir, job.job_id)
     if data["attempts"].get(str(job.restart_count), {}).get("requeued"):
         # rank 0 requeued this attempt (time limit) and SLURM then ended the step while the ranks were exiting
-        _say(f"srun exited with {exit_code} after job {job.job_id} was requeued: nothing to decide")
+        _say(f"{launcher().step_tool} exited with {exit_code} after job {job.job_id} was requeued: nothing to decide")
         return 0
     try:
         d = decide_failure(run_dir, exit_code, policy, job)
@@ -584,8 +565,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Batch-script side of the failure policy (see this module's docstring).",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("after-step", help="after srun: record, exclude, requeue or stop; exit status for the script")
-    a.add_argument("--exit-code", type=int, required=True, help="srun's exit status")
+    tool = launcher().step_tool
+    a = sub.add_parser("after-step", help=f"after {tool}: record, exclude, requeue or stop; exit status for the script")
+    a.add_argument("--exit-code", type=int, required=True, help=f"{tool}'s exit status")
     a.add_argument("--run-dir", help="the run directory (instead of CONFIG)")
     a.add_argument("config", nargs="*", help="CONFIG [section.key=value ...], as given to hpcdist train")
     args = p.parse_args(argv)

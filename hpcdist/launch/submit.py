@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import os
 import shlex
-import shutil
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,9 +33,9 @@ from hpcdist import config as config_mod
 from hpcdist.config import ConfigError
 from hpcdist.config.cluster import ClusterConfig, _one_line, load_cluster
 from hpcdist.errors import LaunchError
-from hpcdist.launch import slurm_cli
 from hpcdist.launch.nccl import PROFILE_ENV
 from hpcdist.launch.task import TrainTask
+from hpcdist.schedulers import SchedulerError, launcher
 
 __all__ = [
     "JobHandle",
@@ -44,7 +43,7 @@ __all__ = [
     "LogPaths",
     "choose_executor",
     "describe_executor",
-    "render_sbatch",
+    "render_job_script",
     "slurm_parameters",
     "submit",
 ]
@@ -71,7 +70,7 @@ def _signal_name(name: str) -> str:
 
 
 def _setup_lines(cluster: ClusterConfig) -> list[str]:
-    """Shell lines run before srun: the profile's own setup lines (site commands, as written), then ours, whose
+    """Shell lines run before the step: the profile's own setup lines (site commands, as written), then ours, whose
     values are quoted; nothing secret is exported."""
     lines = list(cluster.setup)
     if cluster.nccl_profile:
@@ -95,43 +94,9 @@ def _snapshot_lines(snapshot: str | os.PathLike[str] | None) -> list[str]:
     return ["export PYTHONSAFEPATH=1", f"export PYTHONPATH={shlex.quote(str(snapshot))}${{PYTHONPATH:+:$PYTHONPATH}}"]
 
 
-def _extra_flags(cluster: ClusterConfig) -> dict[str, Any]:
-    flags: dict[str, Any] = {}
-    for flag in cluster.extra_sbatch:
-        name, sep, value = flag.removeprefix("--").partition("=")
-        flags[name] = value if sep else True  # submitit writes True as a bare "#SBATCH --flag"
-    return flags
-
-
-def _attempt_loop_lines(cluster: ClusterConfig, run_dir: str | Sequence[str], fault: Any | None) -> list[str]:
-    """Setup lines that route submitit's srun line through the attempt loop (hpcdist.launch.attempts): a shell
-    function ``srun`` runs ``python -m hpcdist.launch.attempts ... -- srun <submitit's arguments>``; the loop calls
-    the real srun (a program on PATH: functions are the shell's own). The loop gates the nodes, chooses them, and
-    after a failed step restarts it in the allocation, requeues the job (bad hosts excluded) or ends it with the
-    reason, as for ``sbatch sbatch/train.sh``. A job array (a sweep) passes one run dir per array task: the task
-    picks its own by SLURM_ARRAY_TASK_ID."""
-    # the loop needs hpcdist: inside the container where the tasks run in one (apptainer, wrapper); pyxis containers
-    # exist only under srun, so there it runs with the host's python
-    python = _container_prefix(cluster) + shlex.quote(cluster.interpreter)
-    lines = []
-    if isinstance(run_dir, str):
-        where = shlex.quote(run_dir)
-    else:
-        lines.append(f"hpcdist_run_dirs=({' '.join(shlex.quote(d) for d in run_dir)})")
-        where = '"${hpcdist_run_dirs[$SLURM_ARRAY_TASK_ID]}"'
-    opts = ""
-    if fault is not None:
-        opts = (
-            f" --spare-nodes {int(fault.spare_nodes)} --min-nodes {int(fault.min_nodes)}"
-            f" --restart-backoff-s {float(fault.restart_backoff_s)!r}"
-        )
-    lines.append(f'srun() {{ {python} -m hpcdist.launch.attempts --run-dir {where}{opts} -- srun "$@"; }}')
-    return lines
-
-
 def _container_prefix(cluster: ClusterConfig) -> str:
     """What wraps each task's command for an apptainer or wrapper-command container ('' for none and for pyxis,
-    which srun itself applies: _container_srun_args)."""
+    which the scheduler's step launcher applies itself)."""
     k = cluster.container
     if k is None or k.runtime == "pyxis":
         return ""
@@ -146,23 +111,10 @@ def _container_prefix(cluster: ClusterConfig) -> str:
     return shlex.join(args) + " "
 
 
-def _container_srun_args(cluster: ClusterConfig) -> list[str]:
-    """pyxis's srun options (quoted by submitit with the rest of the srun line)."""
-    k = cluster.container
-    if k is None or k.runtime != "pyxis":
-        return []
-    args = [f"--container-image={k.image}"]
-    if k.mounts:
-        args.append(f"--container-mounts={','.join(k.mounts)}")
-    if k.workdir:
-        args.append(f"--container-workdir={k.workdir}")
-    return args
-
-
 def _supervised_python(cluster: ClusterConfig) -> str:
-    """What srun starts for each rank: the interpreter under hpcdist.fault.supervise, which records a rank killed by a
-    signal (OOM killer, segfault) before srun notices; inside the container when the profile has one (the
-    supervisor with it, so signal forwarding is unchanged). submitit appends ``-u -m submitit.core._submit
+    """What the step starts for each rank: the interpreter under hpcdist.fault.supervise, which records a rank killed
+    by a signal (OOM killer, segfault) before the step launcher notices; inside the container when the profile has
+    one (the supervisor with it, so signal forwarding is unchanged). submitit appends ``-u -m submitit.core._submit
     <folder>``."""
     python = shlex.quote(cluster.interpreter)
     return f"{_container_prefix(cluster)}{python} -m hpcdist.fault.supervise -- {python}"
@@ -176,46 +128,20 @@ def slurm_parameters(
     snapshot: str | os.PathLike[str] | None = None,
     fault: Any | None = None,
 ) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters (the keyword arguments of its _make_sbatch_string) for ``cluster``;
-    with ``run_dir``, the step runs under the attempt loop (in-job restarts, the failure policy); ``fault`` (the
-    training config's fault section) adds its fault.spare_nodes to the nodes asked for."""
-    spares = int(getattr(fault, "spare_nodes", 0) or 0)
-    additional: dict[str, Any] = {"requeue": True, **_extra_flags(cluster)}
-    sig = _signal_name(cluster.signal)
-    from submitit.slurm.slurm import SlurmJobEnvironment
-
-    if sig != SlurmJobEnvironment.USR_SIG:
-        # submitit always writes --signal=<its USR_SIG>@<delay>; additional_parameters replace it
-        additional["signal"] = f"{sig}@{cluster.signal_lead_s}"
-    params: dict[str, Any] = {
-        "job_name": job_name,
-        "nodes": cluster.nodes + spares,  # the spares idle until a training node fails
-        "ntasks_per_node": cluster.ntasks_per_node,
-        "cpus_per_task": cluster.cpus_per_task,
-        "gpus_per_node": cluster.gpus_per_node or None,  # no --gpus-per-node on CPU partitions
-        # whole minutes: submitit also uses this number as its timeout (a "HH:MM:SS" string would break it)
-        "time": cluster.time_minutes,
-        "mem": cluster.mem,
-        "partition": cluster.partition,
-        "account": cluster.account,
-        "qos": cluster.qos,
-        "constraint": cluster.constraint,
-        "exclude": cluster.exclude,
-        "exclusive": True if cluster.exclusive else None,
-        "signal_delay_s": cluster.signal_lead_s,
-        "setup": _setup_lines(cluster)
-        + _snapshot_lines(snapshot)
-        + (_attempt_loop_lines(cluster, run_dir, fault) if run_dir is not None else []),
-        # --kill-on-bad-exit: one dead rank ends the step instead of leaving the others in a collective forever.
-        # --cpus-per-task: srun of SLURM 22.05 no longer inherits it from sbatch.
-        "srun_args": [
-            "--kill-on-bad-exit=1",
-            f"--cpus-per-task={cluster.cpus_per_task}",
-            *_container_srun_args(cluster),
-        ],
-        "additional_parameters": additional,
-    }
-    return {k: v for k, v in params.items() if v is not None}
+    """The batch executor's parameters for ``cluster`` (the scheduler's :meth:`~hpcdist.schedulers.Launcher.
+    job_parameters`); with ``run_dir``, the step runs under the attempt loop (in-job restarts, the failure policy);
+    ``fault`` (the training config's fault section) adds its fault.spare_nodes to the nodes asked for."""
+    # the loop needs hpcdist: inside the container where the tasks run in one (apptainer, wrapper); a container the
+    # step launcher applies itself (pyxis) exists only inside the step, so there it runs with the host's python
+    return launcher().job_parameters(
+        cluster,
+        job_name=job_name,
+        signal=_signal_name(cluster.signal),
+        setup=_setup_lines(cluster) + _snapshot_lines(snapshot),
+        loop_python=_container_prefix(cluster) + shlex.quote(cluster.interpreter),
+        run_dir=run_dir,
+        fault=fault,
+    )
 
 
 def local_parameters(cluster: ClusterConfig) -> dict[str, Any]:
@@ -235,7 +161,7 @@ def _command(cluster: ClusterConfig, folder: Path, *, python: str | None = None)
     return " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
 
 
-def render_sbatch(
+def render_job_script(
     cluster: ClusterConfig,
     *,
     job_name: str,
@@ -247,20 +173,17 @@ def render_sbatch(
     snapshot: str | os.PathLike[str] | None = None,
     fault: Any | None = None,
 ) -> str:
-    """The exact sbatch script submitit writes for this job (deterministic: no ids, no temp names); ``array``
+    """The exact batch script the executor writes for this job (deterministic: no ids, no temp names); ``array``
     tasks (a sweep) with at most ``max_parallel`` at once, their run dirs in ``run_dir``."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
     path = Path(folder).expanduser().absolute()
     params = slurm_parameters(cluster, job_name=job_name, run_dir=run_dir, snapshot=snapshot, fault=fault)
-    if dependency:
-        params["dependency"] = dependency
-    if array is not None:
-        params["map_count"] = array
-        if max_parallel:
-            params["array_parallelism"] = max_parallel
-    return _make_sbatch_string(
-        command=_command(cluster, path, python=_supervised_python(cluster)), folder=path, **params
+    return launcher().render_script(
+        params,
+        command=_command(cluster, path, python=_supervised_python(cluster)),
+        folder=path,
+        dependency=dependency,
+        array=array,
+        max_parallel=max_parallel,
     )
 
 
@@ -279,7 +202,7 @@ def _render_local(cluster: ClusterConfig, folder: Path) -> str:
 
 
 def choose_executor(cluster: ClusterConfig, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """("slurm" | "local", why), or LaunchError naming the reason.
+    """(the scheduler's name, "slurm", | "local", why), or LaunchError naming the reason.
 
     ``auto`` runs local processes only where no SLURM client is installed at all (sbatch not on PATH, as submitit
     decides). Where sbatch exists this is a login node: a controller that is down, slow or misconfigured is an
@@ -287,27 +210,25 @@ def choose_executor(cluster: ClusterConfig, environ: Mapping[str, str] | None = 
     """
     if cluster.executor == "local":
         return "local", "cluster.executor is local"
-    installed = slurm_cli.client_installed(environ)
-    if not installed and cluster.executor == "auto":
+    batch = launcher()
+    if not batch.installed(environ) and cluster.executor == "auto":
         if cluster.nodes > 1:
             raise LaunchError(
-                f"no SLURM client is installed here (sbatch is not on PATH) and the local fallback runs one node, "
-                f"but nodes={cluster.nodes}; submit from a login node, or use --nodes 1 / --cluster local"
+                f"no {batch.title} client is installed here ({batch.submit_command} is not on PATH) and the local "
+                f"fallback runs one node, but nodes={cluster.nodes}; submit from a login node, or use --nodes 1 / "
+                "--cluster local"
             )
-        return "local", "auto: no SLURM client installed: sbatch is not on PATH"
+        return "local", f"auto: no {batch.title} client installed: {batch.submit_command} is not on PATH"
     try:
-        ok, why = slurm_cli.slurm_reachable(environ)
-    except slurm_cli.SlurmError as e:
+        ok, why = batch.reachable(environ)
+    except SchedulerError as e:
         raise LaunchError(str(e)) from None
-    env = os.environ if environ is None else environ
-    if ok and shutil.which("srun", path=env.get("PATH")) is None:
-        ok, why = False, "srun is not on PATH"
     if ok:
-        return "slurm", why
-    hint = f"; raise {slurm_cli.PING_TIMEOUT_ENV} (seconds) for a slow controller" if "did not answer" in why else ""
+        return batch.name, why
+    hint = f"; raise {batch.timeout_env} (seconds) for a slow controller" if "did not answer" in why else ""
     raise LaunchError(
-        f"cluster {cluster.name} (executor: {cluster.executor}) needs SLURM, but the controller is not usable: {why}"
-        f"{hint}; nothing was started (to run on this machine on purpose: --cluster local, i.e. executor: local)"
+        f"cluster {cluster.name} (executor: {cluster.executor}) needs {batch.title}, but the controller is not usable: "
+        f"{why}{hint}; nothing was started (to run on this machine on purpose: --cluster local, i.e. executor: local)"
     )
 
 
@@ -392,14 +313,14 @@ class JobHandle:
             # FINISHED (a rank that died left no result: FAILED), or the process is not ours (handle unpickled)
             return self._from_results(none="FAILED" if raw == "FINISHED" else "UNKNOWN"), True
         try:
-            state = slurm_cli.job_state(self.job_id)
-        except slurm_cli.SlurmError as e:
+            state = launcher().job_state(self.job_id)
+        except SchedulerError as e:
             log.debug("state of job %s unknown for now: %s", self.job_id, e)
             return "UNKNOWN", False  # the controller may be busy; ask again later
         if state is None:  # forgotten by the controller and no accounting: judge by the results
             return self._from_results(none="UNKNOWN"), True
         state = state.split()[0].rstrip("+")
-        return state, state in slurm_cli.TERMINAL_STATES
+        return state, state in launcher().terminal_states
 
     @property
     def state(self) -> str:
@@ -423,13 +344,13 @@ class JobHandle:
             time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
     def cancel(self) -> None:
-        """Cancel the job (scancel; on the LocalExecutor, stop its ranks and wait until they have ended)."""
+        """Cancel the job (its scheduler's cancel; on the LocalExecutor, stop its ranks and wait until they end)."""
         if self.executor == "local":
             from hpcdist.launch.records import end_local_job
 
             end_local_job(int(self.job_id))
         else:
-            slurm_cli.cancel(self.job_id)
+            launcher().cancel(self.job_id)
 
     def results(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """Every rank's return value (TrainTask: step, loss, ...), after waiting for the job."""
@@ -570,8 +491,8 @@ def dependency(after: str | None) -> str | None:
     if kind not in _DEPENDENCY_TYPES:
         raise ValueError(f"--after {after}: the dependency type must be one of {', '.join(_DEPENDENCY_TYPES)}")
     try:
-        job = slurm_cli.check_job_id(job)
-    except slurm_cli.SlurmError as e:
+        job = launcher().check_job_id(job)
+    except SchedulerError as e:
         raise ValueError(f"--after {after}: {e}") from None
     return f"{kind}:{job}"
 
@@ -629,7 +550,7 @@ def launch(
     attempt_loop: bool = True,
 ) -> list[JobHandle]:
     """Submit ``tasks`` with ``prep``'s cluster: one job, or (several tasks) one SLURM job array whose task i runs
-    tasks[i] (its failure policy reads run_dirs[i]). ``after``: an sbatch dependency (``afterany:123``).
+    tasks[i] (its failure policy reads run_dirs[i]). ``after``: a dependency (``afterany:123``).
     ``snapshot``: copy the code into prep's run dir first and run the job from the copy (SLURM only); a string
     is an existing snapshot directory to run from (a chain's later jobs). ``attempt_loop=False``: the step runs once,
     without training's in-job restarts and failure policy (a cluster prepare's tasks, hpcdist.data.array)."""
@@ -638,7 +559,7 @@ def launch(
     if kind == "local" and (len(tasks) > 1 or after):
         raise LaunchError(f"{why}: job arrays and dependencies need SLURM; submit from a login node")
     code = None
-    if kind == "slurm" and snapshot:
+    if kind != "local" and snapshot:
         from hpcdist.launch.snapshot import create_snapshot
 
         if isinstance(snapshot, str):
@@ -663,8 +584,7 @@ def launch(
     import submitit
 
     try:
-        if kind == "slurm":
-            executor: Any = submitit.SlurmExecutor(folder=prep.folder, python=_supervised_python(cluster))
+        if kind != "local":
             dirs: str | Sequence[str] = run_dirs if run_dirs is not None and len(tasks) > 1 else prep.run_dir
             params = slurm_parameters(
                 cluster,
@@ -677,7 +597,7 @@ def launch(
                 params["dependency"] = after
             if max_parallel:
                 params["array_parallelism"] = max_parallel
-            executor.update_parameters(**params)
+            executor: Any = launcher().executor(prep.folder, python=_supervised_python(cluster), params=params)
         else:
             executor = submitit.LocalExecutor(folder=prep.folder, python=shlex.quote(cluster.interpreter))
             executor.update_parameters(**local_parameters(cluster))
@@ -691,7 +611,7 @@ def launch(
                 delayed = [executor.submit(task) for task in tasks]
             jobs = list(delayed)
     except (OSError, RuntimeError, ValueError) as e:
-        # sbatch's refusal arrives as submitit's FailedJobError/CalledProcessError text: keep its last lines
+        # the scheduler's refusal arrives as submitit's FailedJobError/CalledProcessError text: keep its last lines
         text = str(e).strip().splitlines()
         raise LaunchError(f"submission with the {kind} executor failed: {' | '.join(text[-3:])}") from e
     handles = [
@@ -738,12 +658,12 @@ def submit(
 
     ``cluster`` is a shipped profile name (``cluster_names()``), a YAML path, or a ClusterConfig; ``params``
     override its fields (``nodes=4, partition="gpu", extra_sbatch=["--mail-type=END"]``). Everything is validated
-    before anything is submitted (ConfigError lists every problem). ``dry_run=True`` returns the sbatch script
+    before anything is submitted (ConfigError lists every problem). ``dry_run=True`` returns the batch script
     text instead (a description of the local run for executor ``local``). Returns a :class:`JobHandle`.
 
     A layout the planner predicts not to fit the cluster's GPUs (its hardware: block) is refused, naming the
     nearest layouts that fit; ``force=True`` submits it anyway. ``after="123"`` (or ``"123:afterok"``) starts the
-    job only after job 123 ends (sbatch --dependency). ``snapshot``: run the job from a copy of the code made now
+    job only after job 123 ends (a dependency). ``snapshot``: run the job from a copy of the code made now
     (hpcdist.launch.snapshot), so edits after submission change neither the job nor its requeued attempts.
     """
     return submit_chain(
@@ -795,7 +715,7 @@ def submit_chain(
             return [_render_local(prep.cluster, prep.folder)]
         code = snapshot_placeholder(prep.run_dir) if snapshot else None
         return [
-            render_sbatch(
+            render_job_script(
                 prep.cluster,
                 job_name=prep.job_name,
                 folder=prep.folder,

@@ -3,7 +3,7 @@
 The sweep is a grid of ``--sweep key=v1,v2,...`` (or an explicit list of override mappings from ``--sweep-file``).
 Each point becomes one array task running ``hpcdist train CONFIG OVERRIDES POINT run.dir=<run.dir>/<name>``, its
 name made of the point's overrides. Every task is validated (config, cluster, memory) before anything is
-submitted; the array is one sbatch call (submitit's batch), ``--array=0-N%M`` with ``--max-parallel M``. Each task
+submitted; the array is one submission (submitit's batch), ``--array=0-N%M`` with ``--max-parallel M``. Each task
 requeues itself alone (JobFacts.job_id: <array job>_<task>). ``<run.dir>/sweep.json`` records the tasks, for
 ``hpcdist status JOB``.
 """
@@ -23,17 +23,17 @@ from hpcdist.atomic import atomic_write
 from hpcdist.config import ConfigError
 from hpcdist.config.cluster import ClusterConfig
 from hpcdist.config.loader import config_file
-from hpcdist.launch import slurm_cli
 from hpcdist.launch.records import last_step
-from hpcdist.launch.submit import JobHandle, describe_executor, launch, prepare, render_sbatch, snapshot_placeholder
+from hpcdist.launch.submit import JobHandle, describe_executor, launch, prepare, render_job_script, snapshot_placeholder
 from hpcdist.launch.task import TrainTask
 from hpcdist.rundir import RunDir
+from hpcdist.schedulers import SchedulerError, launcher
 from hpcdist.untrusted import DamagedRecord, one_line, read_json
 
 __all__ = ["expand_sweep", "submit_sweep", "sweep_status", "task_name"]
 
 _RECORD_MAX_BYTES = 16 << 20  # sweep.json: one short entry per task, tens of thousands of tasks
-_TASK_ID = re.compile(r"[0-9]{1,12}(_[0-9]{1,9})?")  # a job id as slurm_cli.check_job_id takes it
+_TASK_ID = re.compile(r"[0-9]{1,12}(_[0-9]{1,9})?")  # a job id as check_job_id takes it
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
 
 
@@ -114,7 +114,7 @@ def submit_sweep(
     **params: Any,
 ) -> list[JobHandle] | str:
     """Submit the sweep as one job array; one :class:`JobHandle` per task (``job_id`` ``<array>_<i>``), in the
-    order of :func:`expand_sweep`. ``dry_run=True`` returns the array's sbatch script. Every task is validated
+    order of :func:`expand_sweep`. ``dry_run=True`` returns the array's batch script. Every task is validated
     first: one bad value refuses the whole sweep (ConfigError naming the task), nothing is submitted."""
     from hpcdist.launch.submit import dependency
 
@@ -151,7 +151,7 @@ def submit_sweep(
         print(f"hpcdist: {describe_executor(base.cluster)}", file=sys.stderr, flush=True)
         for i, run_dir in enumerate(run_dirs):
             print(f"hpcdist: sweep task {i}: {run_dir}", file=sys.stderr, flush=True)
-        return render_sbatch(
+        return render_job_script(
             base.cluster,
             job_name=base.job_name,
             folder=base.folder,
@@ -187,12 +187,8 @@ def _find_record(job_id: str, run_dir: str | os.PathLike[str] | None) -> dict[st
     if run_dir is not None:
         candidates.append(RunDir(run_dir).sweep)
     else:
-        try:
-            stdout = slurm_cli.job_info(job_id).get("StdOut")
-        except slurm_cli.SlurmError:
-            stdout = None
-        if stdout:
-            folder = Path(stdout).parent
+        folder = launcher().job_log_dir(job_id)
+        if folder is not None:
             candidates += [RunDir(folder.parent).sweep, RunDir(folder).sweep]
     for path in candidates:
         try:  # a run dir's record anyone there could have written: bounded, no FIFO, no link (hpcdist.untrusted)
@@ -216,7 +212,7 @@ def _find_record(job_id: str, run_dir: str | os.PathLike[str] | None) -> dict[st
 
 def sweep_status(job_id: str, run_dir: str | os.PathLike[str] | None = None) -> str | None:
     """A table of the array's tasks (state, restarts, step, loss, run dir); None when ``job_id`` is no sweep."""
-    job_id = slurm_cli.check_job_id(job_id)
+    job_id = launcher().check_job_id(job_id)
     record = _find_record(job_id, run_dir)
     if record is None:
         return None
@@ -225,16 +221,15 @@ def sweep_status(job_id: str, run_dir: str | os.PathLike[str] | None = None) -> 
         f"{'task':>6} {'state':<11} {'restarts':>8} {'step':>7} {'loss':>9}  run dir",
     ]
     for task in record["tasks"]:
-        info: dict[str, str] = {}
         try:
-            info = slurm_cli.job_info(task["job_id"])
-            state, restarts = info.get("JobState", "?"), info.get("Restarts", "?")
-        except slurm_cli.SlurmError:
-            state, restarts = "?", "?"
-        if not info:
+            known = launcher().state_and_restarts(task["job_id"])
+            state, restarts = known if known is not None else ("?", "?")
+        except SchedulerError:
+            state, restarts, known = "?", "?", None
+        if known is None:
             try:
-                state = slurm_cli.job_state(task["job_id"]) or "UNKNOWN"
-            except slurm_cli.SlurmError:  # SLURM cannot answer: the run dir's progress is still shown
+                state = launcher().job_state(task["job_id"]) or "UNKNOWN"
+            except SchedulerError:  # the scheduler cannot answer: the run dir's progress is still shown
                 state = "?"
         step, loss = last_step(task["run_dir"])
         loss_text = "-" if loss is None else f"{loss:.4f}"

@@ -31,14 +31,15 @@ def local_rank_environ(environ: MutableMapping[str, str]) -> None:
     """In a task of submitit's LocalExecutor, set torchrun-style rank variables; elsewhere do nothing.
 
     Local tasks carry only SUBMITIT_LOCAL_* variables, so without this every task would see itself as a
-    single process (rank 0 of 1). SLURM_* variables inherited from an enclosing allocation are removed: the
+    single process (rank 0 of 1). A scheduler's variables inherited from an enclosing allocation are removed: the
     local job is no part of it, and the trainer would otherwise requeue that allocation on preemption.
     """
     if environ.get("SUBMITIT_EXECUTOR") != "local":
         return
     from hpcdist.env import port_from_job_id  # only in a local task: the submitting side needs no rank facts
+    from hpcdist.schedulers import scheduler_variables
 
-    for name in [n for n in environ if n.startswith("SLURM_")]:
+    for name in scheduler_variables(environ):
         del environ[name]
     ntasks = environ.get("SUBMITIT_LOCAL_NTASKS", "1")
     environ.update(

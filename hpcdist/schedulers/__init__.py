@@ -1,10 +1,11 @@
 """The schedulers hpcdist runs under, as a table: each row (:class:`~hpcdist.schedulers.base.Scheduler`) reads one
-scheduler's variables into the scheduler-neutral :class:`JobFacts` and, where the scheduler's launcher starts the
-ranks itself (srun), a task's place in the job step. Standard library only.
+scheduler's variables into the scheduler-neutral :class:`JobFacts`, where the scheduler's own step launcher starts
+the ranks, a task's place in the job step, and carries the scheduler's :class:`Launcher` (its tools: submit side,
+batch-script side). Standard library only.
 
-Everything below ``hpcdist.launch`` receives these facts (``DistEnv.job``, or :func:`job_facts` where no DistEnv is at
-hand) and knows no scheduler. Adding one (PBS, Kubernetes): a module beside ``slurm.py`` and its row in
-:data:`SCHEDULERS`; submitting and requeueing are ``hpcdist.launch``'s.
+Everything receives these facts (``DistEnv.job``, or :func:`job_facts` where no DistEnv is at hand) and knows no
+scheduler; ``hpcdist.launch`` drives a scheduler through :func:`launcher`. Adding one (PBS, Kubernetes): a package
+beside ``slurm/`` and its row in :data:`SCHEDULERS`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,28 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpcdist.schedulers import slurm
-from hpcdist.schedulers.base import EnvReader, JobFacts, Scheduler
+from hpcdist.schedulers.base import ATTEMPT_ENV, Allocation, EnvReader, JobFacts, Launcher, Scheduler, SchedulerError
 
-__all__ = ["SCHEDULERS", "EnvReader", "JobFacts", "Scheduler", "job_facts", "step_layout"]
+__all__ = [
+    "ATTEMPT_ENV",
+    "DEFAULT",
+    "SCHEDULERS",
+    "Allocation",
+    "EnvReader",
+    "JobFacts",
+    "Launcher",
+    "Scheduler",
+    "SchedulerError",
+    "job_facts",
+    "launcher",
+    "scheduler_variables",
+    "step_layout",
+]
 
 # Asked in this order; the first that recognises the environment wins.
 SCHEDULERS: tuple[Scheduler, ...] = (slurm.SCHEDULER,)
+# The scheduler a login node submits to: cluster profiles name no scheduler of their own yet.
+DEFAULT = slurm.SCHEDULER.name
 
 
 def job_facts(environ: Mapping[str, str] | None = None) -> JobFacts:
@@ -40,3 +57,23 @@ def step_layout(reader: EnvReader) -> tuple[Scheduler, dict[str, Any]] | None:
         if fields is not None:
             return scheduler, fields
     return None
+
+
+def launcher(name: str | None = None) -> Launcher:
+    """The :class:`Launcher` of scheduler ``name`` (default: the job's own scheduler, else :data:`DEFAULT`)."""
+    if name is None:
+        try:
+            name = job_facts().scheduler or DEFAULT
+        except ValueError:  # a garbled count: the job is still its scheduler's, whose reader said so
+            name = DEFAULT
+    for scheduler in SCHEDULERS:
+        if scheduler.name == name and scheduler.launcher is not None:
+            return scheduler.launcher
+    known = [s.name for s in SCHEDULERS if s.launcher is not None]
+    raise ValueError(f"no launcher for scheduler {name!r}; known: {', '.join(known)}")
+
+
+def scheduler_variables(environ: Mapping[str, str]) -> list[str]:
+    """The names in ``environ`` that a scheduler of the table set (a job started outside it drops them)."""
+    prefixes = tuple(s.variable_prefix for s in SCHEDULERS if s.variable_prefix)
+    return [name for name in environ if prefixes and name.startswith(prefixes)]

@@ -1,6 +1,7 @@
 """The house rules of docs/ARCHITECTURE.md, checked on the source: no import cycles, the trainer knows no scheduler
-and no planner, only the SLURM module (hpcdist.schedulers.slurm) and hpcdist.launch name SLURM_* variables or
-SlurmJob, and a scheduler's module is reached through the scheduler table only.
+and no planner, only the SLURM package (hpcdist.schedulers.slurm) names SLURM_* variables or SlurmJob or runs a
+SLURM tool, hpcdist.launch (scheduler-neutral) names no SLURM tool in its code, and a scheduler's package is
+reached through the scheduler table only.
 
 Imports are read from the AST of every hpcdist module, function-level ones included: a cycle hidden by an import
 inside a function is still a cycle (it only moves the failure to run time). ``if TYPE_CHECKING:`` blocks never run
@@ -256,22 +257,22 @@ def _code_strings(tree: ast.AST) -> Iterator[tuple[int, str]]:
             yield node.lineno, node.value
 
 
-# The modules that may know SLURM: its row of the scheduler table, and the launch package (submit, requeue, ledger).
-SLURM_MODULES = {"hpcdist.schedulers.slurm"}
+# The modules that may know SLURM: its package (job facts, client, step command, sbatch rendering, its table row).
+SLURM_PACKAGE = "hpcdist.schedulers.slurm"
+SLURM_MODULES = {m for m in MODULES if m == SLURM_PACKAGE or m.startswith(f"{SLURM_PACKAGE}.")}
 # Modules that know one scheduler (each row of the scheduler table); everything else reaches them through the table.
 SCHEDULER_MODULES = {m for m in MODULES if m.startswith("hpcdist.schedulers.") and m != "hpcdist.schedulers.base"}
+# SLURM's programs. Their names in code (a string, an identifier) outside the SLURM package mean running or
+# rendering them there; in documentation (docstrings, comments) and help texts they are words.
+SLURM_TOOLS = ("srun", "sbatch", "salloc", "scontrol", "sinfo", "squeue", "sacct", "scancel")
 
 
 def _launch(module: str) -> bool:
     return module == "hpcdist.launch" or module.startswith("hpcdist.launch.")
 
 
-def _slurm_mentions(tree: ast.AST) -> Iterator[tuple[int, str]]:
-    """Code that names SLURM: strings naming a ``SLURM_`` variable, and any identifier (import, name, attribute,
-    definition, argument) naming ``SlurmJob``; documentation (docstrings, comments) is left out."""
-    for line, text in _code_strings(tree):
-        if "SLURM_" in text:
-            yield line, text
+def _identifiers(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Every name the code defines or uses: imports, names, attributes, definitions, arguments, keywords."""
     for node in ast.walk(tree):
         names: list[str] = []
         if isinstance(node, ast.Name):
@@ -282,51 +283,107 @@ def _slurm_mentions(tree: ast.AST) -> Iterator[tuple[int, str]]:
             names = [node.name]
         elif isinstance(node, ast.arg):
             names = [node.arg]
+        elif isinstance(node, ast.keyword):
+            names = [node.arg or ""]
         elif isinstance(node, ast.alias):
             names = [node.name, node.asname or ""]
         elif isinstance(node, ast.ImportFrom):
             names = [node.module or ""]
         for name in names:
-            if "SlurmJob" in name:
+            if name:
                 yield getattr(node, "lineno", 0), name
 
 
-def test_only_the_slurm_module_and_launch_name_slurm() -> None:
-    """Issue 26.1: the job's facts reach the trainer and hpcdist.fault as DistEnv.job (scheduler-neutral JobFacts);
-    SLURM's variables are read in hpcdist.schedulers.slurm, and launch/ submits and requeues."""
+def _slurm_mentions(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Code that names SLURM: strings naming a ``SLURM_`` variable, and any identifier (import, name, attribute,
+    definition, argument) naming ``SlurmJob``; documentation (docstrings, comments) is left out."""
+    for line, text in _code_strings(tree):
+        if "SLURM_" in text:
+            yield line, text
+    for line, name in _identifiers(tree):
+        if "SlurmJob" in name:
+            yield line, name
+
+
+def _slurm_tool_mentions(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Code that names a SLURM tool: a string or an identifier containing one (``"srun"``, ``render_sbatch``)."""
+    for line, text in [*_code_strings(tree), *_identifiers(tree)]:
+        if any(tool in text for tool in SLURM_TOOLS):
+            yield line, text
+
+
+def _slurm_tool_runs(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Code that runs a SLURM tool: a string that is a tool's name (``shutil.which("scontrol")``, an argv)."""
+    for line, text in _code_strings(tree):
+        if text.strip() in SLURM_TOOLS:
+            yield line, text
+
+
+def test_only_the_slurm_package_names_slurm() -> None:
+    """The job's facts reach the trainer, hpcdist.fault and hpcdist.launch as DistEnv.job / job_facts()
+    (scheduler-neutral JobFacts); SLURM's variables are read in hpcdist.schedulers.slurm only."""
+    assert "hpcdist.schedulers.slurm.client" in SLURM_MODULES, sorted(SLURM_MODULES)
     offenders = [
         f"{path.relative_to(REPO)}:{line}: {text[:80]!r}"
         for module, path in MODULES.items()
-        if module not in SLURM_MODULES and not _launch(module)
+        if module not in SLURM_MODULES
         for line, text in _slurm_mentions(ast.parse(path.read_text()))
     ]
     assert not offenders, (
-        "SLURM_* or SlurmJob outside hpcdist.schedulers.slurm / hpcdist.launch (read the job's facts from DistEnv.job, "
-        "or hpcdist.schedulers.job_facts where no DistEnv is at hand):\n" + "\n".join(offenders)
+        "SLURM_* or SlurmJob outside hpcdist.schedulers.slurm (read the job's facts from DistEnv.job, or "
+        "hpcdist.schedulers.job_facts where no DistEnv is at hand):\n" + "\n".join(offenders)
     )
 
 
+def test_only_the_slurm_package_runs_slurm_tools() -> None:
+    """One client with timeouts runs srun, scontrol, sinfo, squeue, sacct and scancel: hpcdist.schedulers.slurm's."""
+    offenders = [
+        f"{path.relative_to(REPO)}:{line}: {text[:80]!r}"
+        for module, path in MODULES.items()
+        if module not in SLURM_MODULES
+        for line, text in _slurm_tool_runs(ast.parse(path.read_text()))
+    ]
+    assert not offenders, "SLURM tools run outside hpcdist.schedulers.slurm:\n" + "\n".join(offenders)
+
+
+def test_launch_is_scheduler_neutral() -> None:
+    """hpcdist.launch orchestrates (submit, attempts, restarts, records, sweep, snapshot) through the scheduler's
+    Launcher: its code names no SLURM tool and no SLURM_* variable; a message that must say ``sbatch`` or ``srun``
+    takes the word from the Launcher (submit_command, step_tool)."""
+    offenders = [
+        f"{path.relative_to(REPO)}:{line}: {text[:80]!r}"
+        for module, path in MODULES.items()
+        if _launch(module)
+        for line, text in _slurm_tool_mentions(ast.parse(path.read_text()))
+    ]
+    assert not offenders, "SLURM tools named in hpcdist.launch's code:\n" + "\n".join(offenders)
+
+
 def test_a_scheduler_module_is_reached_through_the_table_only() -> None:
-    """A new scheduler (PBS, Kubernetes) is a module in hpcdist.schedulers plus its row in the table (and its launch
-    code): nothing in env, the trainer, fault, parallel or data imports a scheduler's module by name."""
+    """A new scheduler (PBS, Kubernetes) is a package in hpcdist.schedulers plus its row in the table: nothing in
+    env, the trainer, fault, parallel, data or launch imports a scheduler's package by name."""
     assert SCHEDULER_MODULES >= SLURM_MODULES
     graph, _ = _edges()
     offenders = {
         module: sorted(graph[module] & SCHEDULER_MODULES)
         for module in MODULES
-        if graph[module] & SCHEDULER_MODULES and not module.startswith("hpcdist.schedulers") and not _launch(module)
+        if graph[module] & SCHEDULER_MODULES and not module.startswith("hpcdist.schedulers")
     }
-    assert not offenders, f"scheduler modules imported outside hpcdist.schedulers / hpcdist.launch: {offenders}"
+    assert not offenders, f"scheduler modules imported outside hpcdist.schedulers: {offenders}"
 
 
 def test_the_slurm_check_sees_code_not_documentation() -> None:
     tree = ast.parse(
-        '"""SLURM_JOB_ID and SlurmJob in a docstring."""\n'
-        "from hpcdist.env import SlurmJob as J  # SLURM_X in a comment\n"
+        '"""SLURM_JOB_ID and SlurmJob in a docstring, srun too."""\n'
+        "from hpcdist.env import SlurmJob as J  # SLURM_X in a comment, scontrol too\n"
         'x = os.environ["SLURM_RESTART_COUNT"]\n'
         "def f(job: J) -> None:\n    return SlurmJob.from_environ()\n"
+        'y = shutil.which("scontrol")\n'
+        "def render_sbatch() -> None:\n    pass\n"
     )
     assert sorted(_slurm_mentions(tree)) == [(2, "SlurmJob"), (3, "SLURM_RESTART_COUNT"), (5, "SlurmJob")]
+    assert sorted(_slurm_tool_runs(tree)) == [(6, "scontrol")]
+    assert sorted(_slurm_tool_mentions(tree)) == [(6, "scontrol"), (7, "render_sbatch")]
 
 
 def test_the_checks_see_hidden_cycles_and_lazy_imports(tmp_path: Path) -> None:

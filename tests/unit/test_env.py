@@ -26,8 +26,8 @@ from hpcdist.env import (
     init_process_group,
     port_from_job_id,
 )
-from hpcdist.schedulers import slurm
 from hpcdist.schedulers.slurm import expand_nodelist, hostnames
+from hpcdist.schedulers.slurm import facts as slurm
 
 # ------------------------------------------------------------------------------------------------ helpers
 

@@ -39,9 +39,9 @@ from hpcdist import cli, resources
 from hpcdist.config import ConfigError
 from hpcdist.config.cluster import cluster_names, parse_time
 from hpcdist.launch import ClusterConfig, JobHandle, load_cluster, submit
-from hpcdist.launch.slurm_cli import slurm_reachable
 from hpcdist.launch.submit import LaunchError, _signal_name, choose_executor, slurm_parameters
 from hpcdist.launch.task import TrainTask, local_rank_environ, write_result
+from hpcdist.schedulers.slurm.client import slurm_reachable
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "configs" / "demo.yaml")

@@ -135,3 +135,24 @@ def test_the_scheduler_table_loads_no_torch() -> None:
     code = "import sys, hpcdist.schedulers; assert 'torch' not in sys.modules, 'torch'"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_slurm_launcher_implements_every_launcher_member() -> None:
+    """hpcdist.launch drives a scheduler only through the Launcher Protocol: SLURM's has all of it, with the same
+    parameters, so another scheduler's package knows exactly what to provide."""
+    import inspect
+
+    from hpcdist.schedulers import Launcher, launcher
+    from hpcdist.schedulers.slurm import LAUNCHER, SlurmLauncher
+
+    assert launcher("slurm") is LAUNCHER
+    members = {n for n in dir(Launcher) if not n.startswith("_")} | set(Launcher.__annotations__)
+    missing = sorted(n for n in members if not hasattr(LAUNCHER, n))
+    assert not missing, missing
+    for name in members:
+        wanted = getattr(Launcher, name, None)
+        if callable(wanted):
+            got = inspect.signature(getattr(SlurmLauncher, name))
+            assert list(got.parameters) == list(inspect.signature(wanted).parameters), name
+    with pytest.raises(ValueError, match="no launcher for scheduler 'pbs'"):
+        launcher("pbs")

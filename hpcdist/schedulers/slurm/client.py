@@ -1,7 +1,6 @@
-"""Thin wrappers around SLURM's command-line tools for ``hpcdist submit|status|logs|cancel``.
-
-Every call has a timeout and reports failures as :class:`SlurmError` with the tool's own message, so the CLI
-prints one line instead of a traceback. Nothing here imports torch or submitit.
+"""SLURM's command-line tools (sbatch's controller check, srun, scontrol, sinfo, squeue, sacct, scancel), all run
+through one helper, :func:`call`: every call has a timeout and reports failures as :class:`SlurmError` with the
+tool's own message, so the CLI prints one line instead of a traceback. Nothing here imports torch or submitit.
 """
 
 from __future__ import annotations
@@ -11,24 +10,41 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
+from hpcdist.schedulers.base import SchedulerError
 
 __all__ = [
     "TERMINAL_STATES",
     "SlurmError",
+    "ToolMissing",
+    "ToolTimeout",
+    "call",
     "cancel",
+    "check_job_id",
     "client_installed",
     "job_info",
     "job_state",
     "log_path",
+    "run",
+    "scontrol_requeue",
+    "sinfo_usable_nodes",
     "slurm_reachable",
+    "srun_once_per_node",
     "status_text",
+    "tool_installed",
 ]
 
+log = get_logger(__name__)
+
 TIMEOUT_S = 10.0
+# scontrol requeue / update: the controller may be busy, but a requeue that never returns would hold the job.
+REQUEUE_TIMEOUT_S = 60.0
+# sinfo for node exclusion: without an answer the exclusion goes ahead without the partition check.
+SINFO_TIMEOUT_S = 30.0
 # Seconds the controller has to answer `scontrol ping` / `sinfo` before submit gives up with an error (never a
 # fallback to local processes: sbatch is installed, so this is a login node). A site with a slow controller raises
 # it with HPCDIST_SLURM_PING_TIMEOUT.
@@ -41,20 +57,43 @@ TERMINAL_STATES = frozenset(
 _JOB_ID = re.compile(r"\d+(?:_\d+)?")
 
 
-class SlurmError(RuntimeError):
+class SlurmError(SchedulerError):
     """A SLURM tool is missing, timed out, or refused the request."""
 
 
-def _run(args: Sequence[str], *, timeout: float = TIMEOUT_S, env: Mapping[str, str] | None = None) -> str:
+class ToolMissing(SlurmError):
+    """The tool is not on PATH (not a SLURM machine, or not a login/compute node)."""
+
+
+class ToolTimeout(SlurmError):
+    """The tool did not answer in time; ``stdout`` holds what it printed until then."""
+
+    def __init__(self, message: str, stdout: str = "") -> None:
+        super().__init__(message)
+        self.stdout = stdout
+
+
+def call(
+    args: Sequence[str], *, timeout: float = TIMEOUT_S, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run SLURM tool ``args[0]`` (looked up on ``env``'s PATH) with ``args[1:]``; its exit status is the caller's.
+    :class:`ToolMissing`, :class:`ToolTimeout`, or :class:`SlurmError` when it could not be started."""
     exe = shutil.which(args[0], path=(env or os.environ).get("PATH"))
     if exe is None:
-        raise SlurmError(f"{args[0]} is not on PATH: is this a SLURM login node?")
+        raise ToolMissing(f"{args[0]} is not on PATH: is this a SLURM login node?")
     try:
-        proc = subprocess.run([exe, *args[1:]], capture_output=True, text=True, timeout=timeout, check=False, env=env)
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"{' '.join(args)} did not answer within {timeout:g} s") from None
+        return subprocess.run([exe, *args[1:]], capture_output=True, text=True, timeout=timeout, check=False, env=env)
+    except subprocess.TimeoutExpired as e:
+        raw = e.stdout or b""
+        out = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        raise ToolTimeout(f"{' '.join(args)} did not answer within {timeout:g} s", out) from None
     except OSError as e:
         raise SlurmError(f"{' '.join(args)} failed: {e.strerror}") from None
+
+
+def run(args: Sequence[str], *, timeout: float = TIMEOUT_S, env: Mapping[str, str] | None = None) -> str:
+    """:func:`call`, and its stdout; :class:`SlurmError` with the tool's last line when it exits non-zero."""
+    proc = call(args, timeout=timeout, env=env)
     if proc.returncode != 0:
         message = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
         raise SlurmError(f"{' '.join(args)}: {message[-1] if message else f'exit status {proc.returncode}'}")
@@ -69,9 +108,14 @@ def check_job_id(job_id: str) -> str:
     return text
 
 
+def tool_installed(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether SLURM tool ``name`` is on ``environ``'s PATH."""
+    return shutil.which(name, path=(os.environ if environ is None else environ).get("PATH")) is not None
+
+
 def client_installed(environ: Mapping[str, str] | None = None) -> bool:
     """Whether a SLURM client is installed here (sbatch on PATH): submitit's own test for a SLURM machine."""
-    return shutil.which("sbatch", path=(os.environ if environ is None else environ).get("PATH")) is not None
+    return tool_installed("sbatch", environ)
 
 
 def ping_timeout(environ: Mapping[str, str] | None = None) -> float:
@@ -101,14 +145,14 @@ def slurm_reachable(environ: Mapping[str, str] | None = None, *, timeout: float 
         return False, "sbatch is not on PATH"
     reasons = []
     try:
-        out = _run(["scontrol", "ping"], timeout=timeout, env=env)
+        out = run(["scontrol", "ping"], timeout=timeout, env=env)
         if re.search(r"\bUP\b", out):
             return True, out.strip().splitlines()[0]
         reasons.append(f"scontrol ping: {out.strip() or 'no controller UP'}")
     except SlurmError as e:
         reasons.append(str(e))
     try:
-        _run(["sinfo", "-h", "-o", "%P"], timeout=timeout, env=env)
+        run(["sinfo", "-h", "-o", "%P"], timeout=timeout, env=env)
         return True, "sinfo answered"
     except SlurmError as e:
         reasons.append(str(e))
@@ -119,7 +163,7 @@ def job_info(job_id: str) -> dict[str, str]:
     """``scontrol show job -o`` as a dict (JobState, Reason, StdOut, NodeList, ...); {} when SLURM forgot the job."""
     job_id = check_job_id(job_id)
     try:
-        out = _run(["scontrol", "show", "job", "-o", job_id])
+        out = run(["scontrol", "show", "job", "-o", job_id])
     except SlurmError as e:
         if "Invalid job id" in str(e):
             return {}  # finished longer than MinJobAge ago
@@ -134,7 +178,7 @@ def job_info(job_id: str) -> dict[str, str]:
 
 def _sacct_state(job_id: str) -> str | None:
     try:
-        out = _run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id])
+        out = run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id])
     except SlurmError:
         return None  # accounting disabled or unreachable
     lines = [line.strip() for line in out.splitlines() if line.strip()]
@@ -157,7 +201,7 @@ def cancel(job_id: str, wait_s: float = 120.0, poll_s: float = 1.0) -> str:
     and the job passes through COMPLETING. SlurmError when it has not ended after ``wait_s``: "cancelled" is said only
     of a job that has ended."""
     job_id = check_job_id(job_id)
-    _run(["scancel", job_id])
+    run(["scancel", job_id])
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -182,7 +226,7 @@ def status_text(job_id: str | None = None) -> str:
     if job_id is None:
         user = os.environ.get("USER") or os.environ.get("LOGNAME") or ""
         args = ["squeue", "-o", "%.12i %.10P %.24j %.9T %.10M %.10l %.5D %R"]
-        return _run([*args, "-u", user] if user else args).rstrip()
+        return run([*args, "-u", user] if user else args).rstrip()
     job_id = check_job_id(job_id)
     info = job_info(job_id)
     if info:
@@ -201,7 +245,7 @@ def status_text(job_id: str | None = None) -> str:
             "StdErr",
         )
         return "\n".join(f"{k:>10}: {info[k]}" for k in keys if k in info)
-    out = _run(["sacct", "-X", "-j", job_id, "-o", "JobID,JobName%24,State,Elapsed,NNodes,NodeList,ExitCode"])
+    out = run(["sacct", "-X", "-j", job_id, "-o", "JobID,JobName%24,State,Elapsed,NNodes,NodeList,ExitCode"])
     return out.rstrip()
 
 
@@ -228,3 +272,85 @@ def log_path(job_id: str, *, rank: int = 0, err: bool = False, run_dir: str | os
             return folder / name
     where = ", ".join(str(c) for c in candidates) or "nowhere (SLURM no longer knows the job)"
     raise SlurmError(f"no log {name} in {where}; pass --run-dir (the run.dir or log_dir of the job)")
+
+
+# ----------------------------------------------------------------------------------------- the job's side
+
+
+def scontrol_requeue(job_id: str, *, exclude: Iterable[str] = ()) -> int:
+    """``scontrol requeue`` ``job_id``, then keep it off ``exclude`` (ExcNodeList) while it is pending. 0 when
+    requeued, else 4 (said why)."""
+    fallback = (
+        f"resubmit a follow-up that starts when this one ends: sbatch --dependency=afterany:{job_id} <same script>; "
+        "it resumes from the checkpoint just written"
+    )
+    try:
+        p = call(["scontrol", "requeue", job_id], timeout=REQUEUE_TIMEOUT_S)
+    except ToolMissing:
+        log.error("cannot requeue job %s: scontrol is not on PATH; %s", job_id, fallback)
+        return 4
+    except ToolTimeout:
+        log.error("scontrol requeue %s timed out; %s", job_id, fallback)
+        return 4
+    if p.returncode != 0:
+        log.error("scontrol requeue %s failed (%s); %s", job_id, (p.stderr or p.stdout).strip(), fallback)
+        return 4
+    log.info("requeued job %s; the next run resumes from the checkpoint just written", job_id)
+    exclude = sorted(set(exclude))
+    if exclude:
+        # ExcNodeList can only change while the job is pending, i.e. now; SLURM holds a requeued job for a while
+        # (BeginTime) before it may start again, so the update lands before the next start
+        arg = f"ExcNodeList={','.join(exclude)}"
+        try:
+            p = call(["scontrol", "update", f"jobid={job_id}", arg], timeout=REQUEUE_TIMEOUT_S)
+            ok, why = p.returncode == 0, (p.stderr or p.stdout).strip()
+        except ToolTimeout:
+            ok, why = False, "timed out"
+        if ok:
+            log.info("job %s will avoid %s", job_id, ",".join(exclude))
+        else:
+            log.warning(
+                "scontrol update jobid=%s %s failed (%s); the job may run on those nodes again", job_id, arg, why
+            )
+    return 0
+
+
+def sinfo_usable_nodes(partition: str | None) -> list[str] | None:
+    """Nodes of the partition that can run jobs (not down, drained, failed or unresponsive); None if unknown."""
+    try:
+        p = call(
+            ["sinfo", "-h", "-N", "-o", "%N %t"] + (["-p", partition] if partition else []), timeout=SINFO_TIMEOUT_S
+        )
+    except SlurmError:
+        return None
+    if p.returncode != 0:
+        return None
+    nodes = []
+    for line in p.stdout.splitlines():
+        name, _, state = line.strip().partition(" ")
+        bad = state.endswith("*") or state.startswith(("down", "drain", "drng", "fail", "maint", "inval"))
+        if name and not bad and name not in nodes:
+            nodes.append(name)
+    return nodes
+
+
+def srun_once_per_node(nodes: Sequence[str], argv: Sequence[str], *, timeout: float) -> tuple[str, int | None] | None:
+    """``argv`` once on each of ``nodes`` (one srun step, one task per node, a failing task ends nothing): (its
+    stdout, its exit status or None when it ran past ``timeout``); None where srun is not installed."""
+    cmd = [
+        "srun",
+        f"--nodes={len(nodes)}",
+        f"--ntasks={len(nodes)}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}",
+        "--kill-on-bad-exit=0",
+        "--cpus-per-task=1",
+        *argv,
+    ]
+    try:
+        p = call(cmd, timeout=timeout)
+    except ToolMissing:
+        return None
+    except ToolTimeout as e:
+        return e.stdout, None
+    return p.stdout, p.returncode

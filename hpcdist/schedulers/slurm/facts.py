@@ -1,8 +1,7 @@
-"""SLURM: its variables, its node-list grammar, and its row of the scheduler table (:data:`SCHEDULER`).
+"""SLURM's job facts: its variables and its node-list grammar.
 
-With ``hpcdist.launch`` (submitting, requeueing, node exclusion), the only code that knows SLURM's variables:
-:func:`read_job_facts` turns them into the scheduler-neutral :class:`~hpcdist.schedulers.base.JobFacts`, and
-:func:`read_step_layout` reads a task's place in an ``srun`` job step for ``hpcdist.env``. Standard library only.
+:func:`read_job_facts` turns the variables into the scheduler-neutral :class:`~hpcdist.schedulers.base.JobFacts`,
+and :func:`read_step_layout` reads a task's place in an ``srun`` job step for ``hpcdist.env``. Standard library only.
 
 A bare ``sbatch`` batch script also has ``SLURM_PROCID=0`` and ``SLURM_NTASKS=N``; treating it as rank 0 of N would
 wait forever for N-1 peers, so a step needs step variables too (:func:`in_step`).
@@ -14,14 +13,13 @@ import itertools
 import logging
 import math
 import re
-import shutil
-import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-from hpcdist.schedulers.base import EnvReader, JobFacts, Scheduler
+from hpcdist.schedulers.base import ATTEMPT_ENV, EnvReader, JobFacts
+from hpcdist.schedulers.slurm import client
 
-__all__ = ["ATTEMPT_ENV", "SCHEDULER", "expand_nodelist", "hostnames", "in_step", "read_job_facts", "read_step_layout"]
+__all__ = ["ATTEMPT_ENV", "READS", "expand_nodelist", "hostnames", "in_step", "read_job_facts", "read_step_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +36,6 @@ _SEPARATORS = (",", " ", "\t")
 # SLURM's special step ids (batch script, extern, interactive, pending) are 0xFFFFFFFA..0xFFFFFFFD; some
 # versions print them signed (-5), some unsigned. Real srun steps count up from 0.
 _FIRST_SPECIAL_STEP_ID = 0xFFFFFFF0
-
-# Set by hpcdist.launch.attempts in each step it starts: the attempt number (JobFacts.restart_count).
-ATTEMPT_ENV = "HPCDIST_ATTEMPT"
 
 # What read_step_layout reads, echoed in errors so a bad value is easy to trace to its variable.
 READS = (
@@ -311,32 +306,22 @@ def hostnames(nodelist: str) -> list[str]:
         raise ValueError(f"empty nodelist {nodelist!r}: expected something like 'gpu[001-004],login2'")
     # scontrol keeps a newline inside a name ("a\nb" is one host), which its output then splits in two
     _refuse_control_characters(nodelist)
-    exe = shutil.which("scontrol")
-    if exe is not None:
-        try:
-            proc = subprocess.run(
-                [exe, "show", "hostnames", nodelist],
-                capture_output=True,
-                text=True,
-                timeout=SCONTROL_TIMEOUT_S,
-                check=False,
-            )
-        except (OSError, subprocess.SubprocessError) as err:
+    try:
+        proc = client.call(["scontrol", "show", "hostnames", nodelist], timeout=SCONTROL_TIMEOUT_S)
+    except client.SlurmError as err:
+        if not isinstance(err, client.ToolMissing):
             log.debug("scontrol show hostnames %s failed (%s); using the built-in parser", nodelist, err)
-        else:
-            names = proc.stdout.split()
-            # Exit status alone is not enough: scontrol 22.05 exits 0 on "Invalid hostlist" (stdout empty,
-            # message on stderr) and echoes garbage such as "a]" for "a[1-2".
-            if proc.returncode == 0 and names and not any("[" in n or "]" in n for n in names):
-                return names
-            # Typical on login nodes of other clusters and in containers: no readable slurm.conf.
-            log.debug(
-                "scontrol show hostnames %s exited %d (%s); using the built-in parser",
-                nodelist,
-                proc.returncode,
-                proc.stderr.strip(),
-            )
+    else:
+        names = proc.stdout.split()
+        # Exit status alone is not enough: scontrol 22.05 exits 0 on "Invalid hostlist" (stdout empty,
+        # message on stderr) and echoes garbage such as "a]" for "a[1-2".
+        if proc.returncode == 0 and names and not any("[" in n or "]" in n for n in names):
+            return names
+        # Typical on login nodes of other clusters and in containers: no readable slurm.conf.
+        log.debug(
+            "scontrol show hostnames %s exited %d (%s); using the built-in parser",
+            nodelist,
+            proc.returncode,
+            proc.stderr.strip(),
+        )
     return expand_nodelist(nodelist)
-
-
-SCHEDULER = Scheduler(name="slurm", job_facts=read_job_facts, step_layout=read_step_layout, reads=READS)

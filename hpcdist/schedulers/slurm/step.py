@@ -1,0 +1,54 @@
+"""SLURM's job steps: the allocation a batch script holds (its nodes, tasks per node, GPUs per node) and the srun
+line of a step restricted to some of those nodes. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from hpcdist.schedulers.base import Allocation
+from hpcdist.schedulers.slurm.facts import expand_nodelist
+
+__all__ = ["allocation", "gpus_per_node", "step_command"]
+
+
+def gpus_per_node(environ: Mapping[str, str]) -> int | None:
+    """The GPUs per node this job asked SLURM for, from the batch step's environment: SLURM_GPUS_ON_NODE (set for
+    --gres=gpu:N and --gpus-per-node), SLURM_GPUS_PER_NODE (``8`` or ``a100:8``, comma-separated types summed),
+    else the indices in SLURM_JOB_GPUS. None when the job asked for no GPU or a value cannot be read: the gate
+    then counts nothing, and a node without an NVIDIA driver skips its device checks rather than failing."""
+    on_node = environ.get("SLURM_GPUS_ON_NODE", "").strip()
+    if on_node.isdigit():
+        return int(on_node) or None
+    per_node = environ.get("SLURM_GPUS_PER_NODE", "").strip()
+    if per_node:
+        counts = [part.rsplit(":", 1)[-1].strip() for part in per_node.split(",")]
+        if all(c.isdigit() for c in counts):
+            return sum(map(int, counts)) or None
+        return None
+    job_gpus = [g for g in environ.get("SLURM_JOB_GPUS", "").split(",") if g.strip()]
+    return len(job_gpus) or None
+
+
+def allocation(environ: Mapping[str, str]) -> Allocation | str:
+    """The nodes, tasks per node and GPUs per node of this job's allocation, or why they cannot be read."""
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return "no SLURM node list"
+    nodes = expand_nodelist(nodelist)
+    tpn_raw = environ.get("SLURM_NTASKS_PER_NODE") or (environ.get("SLURM_TASKS_PER_NODE") or "").split("(")[0]
+    try:
+        tpn = int(tpn_raw.split(",")[0])
+    except ValueError:
+        return f"tasks per node unknown (SLURM_NTASKS_PER_NODE={tpn_raw!r})"
+    return Allocation(nodes, tpn, gpus_per_node(environ))
+
+
+def step_command(cmd: Sequence[str], nodes: Sequence[str], tasks_per_node: int) -> list[str]:
+    """``cmd`` (an srun command line) restricted to ``nodes``; any other command unchanged."""
+    cmd = list(cmd)
+    if not cmd or os.path.basename(cmd[0]) != "srun":
+        return cmd
+    n = len(nodes)
+    return [cmd[0], f"--nodes={n}", f"--ntasks={n * tasks_per_node}", f"--nodelist={','.join(nodes)}", *cmd[1:]]
