@@ -28,8 +28,6 @@ from hpcdist.signals import parse_signal
 
 __all__ = [
     "BOUNDED_BY_RULES",
-    "BYTE_EOS",
-    "BYTE_VOCAB",
     "DATA_SOURCES",
     "DTYPES",
     "LR_SCHEDULES",
@@ -48,9 +46,7 @@ DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 PARAM_DTYPES = ("auto", "fp32", "bf16")  # parallel.fsdp.param_dtype: fp16 comes with train.dtype=fp16 only
 LR_SCHEDULES = ("cosine", "linear", "constant")
-BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
-BYTE_EOS = 257  # hpcdist.data.ByteTokenizer.eos_id, likewise
-CHECKPOINT_MARKER = "COMPLETE"  # hpcdist.checkpoint.MARKER, written last by a save (same reason)
+CHECKPOINT_MARKER = "COMPLETE"  # hpcdist.checkpoint.MARKER, written last by a save; here: config stays light
 
 # The largest value of every numeric key (the smallest ones are the rules below). A typo (an extra zero, a pasted
 # 400-digit number) then fails at load, naming the key, instead of as an OverflowError in the rules, in torch's
