@@ -41,6 +41,7 @@ EPILOG = """examples:
   srun --ntasks-per-node=1 hpcdist health --json --gpus 8 --run-dir runs/x   # the health gate, once per node
   hpcdist export runs/demo --out hf/demo             # newest checkpoint -> Hugging Face Llama directory
   hpcdist import hf/llama --out ckpt/llama           # Hugging Face Llama -> step-0 checkpoint
+  hpcdist checkpoint convert runs/demo/checkpoints/step-00000200 --out dcp/demo --torch-save demo.pt  # stock torch
   hpcdist generate runs/demo --prompt "def main(" --max-new-tokens 64   # text from the newest checkpoint
   hpcdist eval runs/demo --data data/heldout --json eval.json          # loss and perplexity on held-out data
 """
@@ -95,7 +96,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("run", ("train", "config", "plan", "report")),
     ("cluster jobs", ("submit", "status", "logs", "cancel")),
     ("data", ("data", "prepare", "tokenizer")),
-    ("models", ("export", "import", "generate", "eval")),
+    ("models", ("export", "import", "checkpoint", "generate", "eval")),
     ("diagnostics", ("health", "nccl-check")),
 )
 # Handed whole to the communication check's own parser (its flags are not hpcdist's).
@@ -611,6 +612,27 @@ def _add_hf_parsers(sub: argparse._SubParsersAction) -> None:
     )
     im.add_argument("hf_dir", metavar="HF_DIR", help="a Hugging Face Llama directory (config.json + safetensors)")
     im.add_argument("--out", type=Path, required=True, help="new checkpoints directory")
+    ck = sub.add_parser(
+        "checkpoint",
+        help="convert a checkpoint step for stock torch (dcp.load, torch.load)",
+        description="hpcdist checkpoint convert STEP_DIR --out DIR [--torch-save FILE]: hpcdist's shards hold raw "
+        "tensor bytes that torch's own FileSystemReader cannot read; convert writes the step in DCP's stock encoding.",
+    )
+    ck_sub = ck.add_subparsers(dest="checkpoint_command", required=True, metavar="ACTION")
+    cv = ck_sub.add_parser(
+        "convert",
+        help="write a checkpoint step in DCP's stock encoding (and optionally one torch.save file)",
+        description="Verify STEP_DIR (a step-XXXXXXXX directory holding COMPLETE) as a named checkpoint.resume is: "
+        "trusted, complete, every file's sha256 against its manifest; a damaged or untrusted one is refused. Then "
+        "write its model and optimizer state to DIR with torch's stock FileSystemWriter (plus its "
+        "trainer_state.json), which torch.distributed.checkpoint.load and dcp_to_torch_save read without hpcdist, "
+        "and with --torch-save the same nested state dict as one torch.save file (what dcp_to_torch_save writes; "
+        "torch.load(FILE, weights_only=True) reads it). One process, on CPU, the whole state in memory; nothing is "
+        "written unless everything is.",
+    )
+    cv.add_argument("step_dir", type=Path, metavar="STEP_DIR", help="a step-XXXXXXXX checkpoint directory")
+    cv.add_argument("--out", type=Path, metavar="DIR", required=True, help="new (or empty) output directory")
+    cv.add_argument("--torch-save", type=Path, metavar="FILE", help="also write one torch.save file (must not exist)")
 
 
 def _add_model_parsers(sub: argparse._SubParsersAction) -> None:
@@ -678,6 +700,7 @@ COMMANDS: dict[str, str | Callable[[argparse.Namespace], int]] = {
     "health": "hpcdist.diagnostics.gate:cmd_health",
     "export": "hpcdist.hf.command:cmd_export",
     "import": "hpcdist.hf.command:cmd_import",
+    "checkpoint": "hpcdist.checkpoint_convert:cmd_convert",  # its one action: convert
     "generate": "hpcdist.inference:cmd_generate",
     "eval": "hpcdist.inference:cmd_eval",
 }

@@ -11,12 +11,12 @@ Torch-free, and imports nothing from ``parallel``, ``launch`` or ``trainer`` (th
 * :mod:`~hpcdist.config.vocab`: ``model.vocab_size: auto`` and the start-up check of the prepared data.
 """
 
+from hpcdist.byte_vocab import BYTE_VOCAB
 from hpcdist.config.dirs import check_run_dir
 from hpcdist.config.job import dump, load, save
 from hpcdist.config.layout import LayoutKind, needs_planner
 from hpcdist.config.loader import ConfigError, parse_overrides
 from hpcdist.config.rules import (
-    BYTE_VOCAB,
     DATA_SOURCES,
     DTYPES,
     LR_SCHEDULES,

@@ -9,14 +9,15 @@ predicates and the one description (:meth:`LayoutDegrees.describe`).
 
 Config validation runs them at load (no world size yet: the rules that need only the degrees and the model) and
 again with the job's size (:func:`hpcdist.config.check_world`), before any process starts; every problem names the
-degrees, the rule and a fix. :class:`hpcdist.parallel.dims.ParallelDims` resolves its degrees with
-:func:`resolve_degrees`, so the runtime layout and the validation share one arithmetic.
+degrees, the rule and a fix. :class:`MeshDegrees` names the mesh degrees (the one list of mesh dimensions) and
+owns their arithmetic (:meth:`MeshDegrees.resolve`): :class:`hpcdist.parallel.dims.ParallelDims` and the
+validation both resolve through it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -29,6 +30,7 @@ __all__ = [
     "Degrees",
     "LayoutDegrees",
     "LayoutKind",
+    "MeshDegrees",
     "ScheduleInfo",
     "default_stages_per_rank",
     "layout_notes",
@@ -106,6 +108,68 @@ class LayoutKind(str, Enum):
         return self in (LayoutKind.FSDP, LayoutKind.HSDP, LayoutKind.THREE_D)
 
 
+@dataclass(frozen=True)
+class MeshDegrees:
+    """The device-mesh degrees by name, the one list of mesh dimensions: ranks are laid out row-major over the
+    fields in this order (outermost first, the last innermost). A new mesh dimension is a field here; the
+    arithmetic (:meth:`resolve`), the rank coordinates and the messages follow the fields. ``-1`` in one degree
+    fills the ranks the others leave."""
+
+    pp: int = 1
+    dp: int = -1
+    tp: int = 1
+
+    def named(self) -> dict[str, int]:
+        """{dimension name: degree}, outermost first."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def ranks(self) -> int:
+        return math.prod(self.named().values())
+
+    def where(self) -> str:
+        """``(parallel.pp=2, parallel.dp=4, parallel.tp=1)``: the degrees as a problem message names them."""
+        return "(" + ", ".join(f"parallel.{k}={v}" for k, v in self.named().items()) + ")"
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank ``rank``'s index along each dimension (row-major: the last dimension varies fastest)."""
+        out: dict[str, int] = {}
+        for name, degree in reversed(self.named().items()):
+            rank, out[name] = divmod(rank, degree)
+        return dict(reversed(out.items()))
+
+    def resolve(self, world_size: int) -> tuple[MeshDegrees, list[str]]:
+        """Fill a single -1 degree with the ranks left over; return (degrees, problems). Every degree is named."""
+        degrees = self.named()
+        shown = " x ".join(f"parallel.{k}={v}" for k, v in degrees.items())
+        names = " x ".join(degrees)
+        problems = [
+            f"parallel.{k}={v}: must be a positive integer or -1 (= fill the remaining ranks)"
+            for k, v in degrees.items()
+            if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1)
+        ]
+        if problems:
+            return self, problems
+        fill = [k for k, v in degrees.items() if v == -1]
+        if len(fill) > 1:
+            return self, [f"{shown}: at most one degree may be -1 (fill), got {len(fill)}; set the others"]
+        fixed = math.prod(v for v in degrees.values() if v != -1)
+        if fill:
+            if world_size % fixed:
+                return self, [
+                    f"{shown}: the fixed degrees multiply to {fixed}, which does not divide the world size "
+                    f"{world_size}, so parallel.{fill[0]}=-1 cannot fill the rest; pick degrees whose product divides "
+                    f"{world_size}"
+                ]
+            return replace(self, **{fill[0]: world_size // fixed}), []
+        if fixed != world_size:
+            return self, [
+                f"{shown} = {fixed} ranks, but the world size is {world_size}: {names} must equal the world size; "
+                f"set one degree to -1 to fill the rest, e.g. parallel.dp=-1"
+            ]
+        return self, []
+
+
 class Degrees(NamedTuple):
     """``parallel.strategy`` as degrees: (pp, dp, tp, dp_replicate, zero_stage); -1 still unresolved."""
 
@@ -114,6 +178,10 @@ class Degrees(NamedTuple):
     tp: int
     dp_replicate: int
     zero_stage: int
+
+    @property
+    def mesh(self) -> MeshDegrees:
+        return MeshDegrees(pp=self.pp, dp=self.dp, tp=self.tp)
 
 
 def needs_planner(strategy: str) -> bool:
@@ -215,8 +283,13 @@ class LayoutDegrees:
         return self.dp // self.dp_replicate
 
     @property
+    def mesh(self) -> MeshDegrees:
+        """The mesh degrees by name."""
+        return MeshDegrees(pp=self.pp, dp=self.dp, tp=self.tp)
+
+    @property
     def ranks(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.mesh.ranks
 
     @property
     def pp_enabled(self) -> bool:
@@ -292,35 +365,9 @@ def layout_notes(par: ParallelConfig, dims: LayoutDegrees) -> list[str]:
     return notes
 
 
-def resolve_degrees(pp: int, dp: int, tp: int, world_size: int) -> tuple[tuple[int, int, int], list[str]]:
-    """Fill a single -1 degree with the ranks left over; return (degrees, problems). Every degree is named."""
-    degrees = {"pp": pp, "dp": dp, "tp": tp}
-    shown = " x ".join(f"parallel.{k}={v}" for k, v in degrees.items())
-    problems = [
-        f"parallel.{k}={v}: must be a positive integer or -1 (= fill the remaining ranks)"
-        for k, v in degrees.items()
-        if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1)
-    ]
-    if problems:
-        return (pp, dp, tp), problems
-    fill = [k for k, v in degrees.items() if v == -1]
-    if len(fill) > 1:
-        return (pp, dp, tp), [f"{shown}: at most one degree may be -1 (fill), got {len(fill)}; set the others"]
-    fixed = math.prod(v for v in degrees.values() if v != -1)
-    if fill:
-        if world_size % fixed:
-            return (pp, dp, tp), [
-                f"{shown}: the fixed degrees multiply to {fixed}, which does not divide the world size "
-                f"{world_size}, so parallel.{fill[0]}=-1 cannot fill the rest; pick degrees whose product divides "
-                f"{world_size}"
-            ]
-        degrees[fill[0]] = world_size // fixed
-    elif fixed != world_size:
-        return (pp, dp, tp), [
-            f"{shown} = {fixed} ranks, but the world size is {world_size}: pp x dp x tp must equal the world size; "
-            f"set one degree to -1 to fill the rest, e.g. parallel.dp=-1"
-        ]
-    return (degrees["pp"], degrees["dp"], degrees["tp"]), []
+def resolve_degrees(pp: int, dp: int, tp: int, world_size: int) -> tuple[MeshDegrees, list[str]]:
+    """:meth:`MeshDegrees.resolve` of loose degrees (config values not yet known to be integers)."""
+    return MeshDegrees(pp=pp, dp=dp, tp=tp).resolve(world_size)
 
 
 def layout_problems(
@@ -356,14 +403,16 @@ def layout_problems(
     p: list[str] = []
     if schedule not in SCHEDULES:
         p.append(f"parallel.pp_schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    mesh = MeshDegrees(pp=pp, dp=dp, tp=tp)
     if world_size is not None:
-        (pp, dp, tp), deg_problems = resolve_degrees(pp, dp, tp, world_size)
+        mesh, deg_problems = mesh.resolve(world_size)
         p += deg_problems
         if deg_problems:  # the rules below need resolved degrees
             return p
-    elif any(not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1) for v in (pp, dp, tp)):
-        return p + resolve_degrees(pp, dp, tp, 1)[1]
-    where = f"(parallel.pp={pp}, parallel.dp={dp}, parallel.tp={tp})"
+    elif any(not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1) for v in mesh.named().values()):
+        return p + mesh.resolve(1)[1]
+    pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
+    where = mesh.where()
 
     if tp > 1:
         for name, value in (("model.n_heads", n_heads), ("model.n_kv_heads", n_kv_heads)):

@@ -28,8 +28,6 @@ from hpcdist.signals import parse_signal
 
 __all__ = [
     "BOUNDED_BY_RULES",
-    "BYTE_EOS",
-    "BYTE_VOCAB",
     "DATA_SOURCES",
     "DTYPES",
     "LR_SCHEDULES",
@@ -48,9 +46,7 @@ DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 PARAM_DTYPES = ("auto", "fp32", "bf16")  # parallel.fsdp.param_dtype: fp16 comes with train.dtype=fp16 only
 LR_SCHEDULES = ("cosine", "linear", "constant")
-BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
-BYTE_EOS = 257  # hpcdist.data.ByteTokenizer.eos_id, likewise
-CHECKPOINT_MARKER = "COMPLETE"  # hpcdist.checkpoint.MARKER, written last by a save (same reason)
+CHECKPOINT_MARKER = "COMPLETE"  # hpcdist.checkpoint.MARKER, written last by a save; here: config stays light
 
 # The largest value of every numeric key (the smallest ones are the rules below). A typo (an extra zero, a pasted
 # 400-digit number) then fails at load, naming the key, instead of as an OverflowError in the rules, in torch's
@@ -673,13 +669,13 @@ def _layout_problems(cfg: JobConfig, *, world_size: int | None, ranks_per_node: 
     reads_degrees = layout.requested_kind(par) is LayoutKind.THREE_D  # the others: dp = the world size
     if not reads_degrees and world_size is None:
         return []  # dp is the world size: nothing to check before the job has one
-    pp, dp, tp, replicate, _ = layout.strategy_degrees(par, world_size or 1)
+    degrees = layout.strategy_degrees(par, world_size or 1)
     p = layout.layout_problems(
-        pp=pp,
-        dp=dp,
-        tp=tp,
+        pp=degrees.pp,
+        dp=degrees.dp,
+        tp=degrees.tp,
         world_size=world_size,
-        dp_replicate=replicate,
+        dp_replicate=degrees.dp_replicate,
         n_layers=m.n_layers,
         n_heads=m.n_heads,
         n_kv_heads=m.kv_heads,
@@ -766,9 +762,10 @@ def _data_parallel_size(cfg: JobConfig, world_size: int) -> int:
     The same arithmetic as :func:`hpcdist.parallel.dims.parallel_dims` (which this package must not import)."""
     if layout.requested_kind(cfg.parallel) is None:
         return 0  # auto (resolved before this runs) or a refused strategy
-    pp, dp, tp, replicate, _ = layout.strategy_degrees(cfg.parallel, world_size)
-    (_, dp, _), problems = layout.resolve_degrees(pp, dp, tp, world_size)
-    return 0 if problems or replicate < 1 or dp % replicate else dp
+    degrees = layout.strategy_degrees(cfg.parallel, world_size)
+    mesh, problems = degrees.mesh.resolve(world_size)
+    replicate = degrees.dp_replicate
+    return 0 if problems or replicate < 1 or mesh.dp % replicate else mesh.dp
 
 
 def grad_accum_steps(cfg: JobConfig, dp_size: int) -> int:

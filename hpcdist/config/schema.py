@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from hpcdist.byte_vocab import BYTE_VOCAB
 from hpcdist.models.args import ModelArgs
 from hpcdist.rundir import RunDir
 
@@ -55,7 +56,7 @@ class RunConfig:
 class ModelConfig(ModelArgs):
     """The model (``model:``): the :class:`~hpcdist.models.args.ModelArgs` fields, optionally over a preset."""
 
-    vocab_size: int | str = 258
+    vocab_size: int | str = BYTE_VOCAB
     """Vocabulary size V (258 = the byte tokenizer), or ``auto``: the prepared data's vocabulary rounded up to a
     multiple of 64 (hpcdist.config.vocab; the padding rows are never a target). Data with ids >= V is refused at
     start-up."""

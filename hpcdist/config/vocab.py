@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 
+from hpcdist.byte_vocab import BYTE_EOS_ID, BYTE_VOCAB
 from hpcdist.config.dataset_meta import DataError, DatasetMeta, check_shard_files, load_meta
-from hpcdist.config.rules import BYTE_EOS, BYTE_VOCAB, MAXIMA
+from hpcdist.config.rules import MAXIMA
 from hpcdist.config.schema import JobConfig
 
 __all__ = [
@@ -127,7 +128,7 @@ def data_eos(cfg: JobConfig) -> tuple[int | None, str]:
     record the same one); synthetic: none."""
     d = cfg.data
     if d.source == "stdlib":
-        return BYTE_EOS, ""
+        return BYTE_EOS_ID, ""
     paths = dataset_paths(cfg)
     if not paths:
         return None, f"data.source={d.source} has no documents (random ids, no EOS)"

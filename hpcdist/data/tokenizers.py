@@ -24,6 +24,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFCoreTokenizer
 
 from hpcdist.atomic import atomic_write, file_sha256
+from hpcdist.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_TOKENS, BYTE_VOCAB
 from hpcdist.config.dataset_meta import DataError, load_meta, read_meta_json
 from hpcdist.data import corpora
 
@@ -99,9 +100,9 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255, plus BOS (256) and EOS (257). No training, no files, any input."""
 
     kind = "byte"
-    vocab_size = 258
-    bos_id: int | None = 256
-    eos_id = 257
+    vocab_size = BYTE_VOCAB
+    bos_id: int | None = BYTE_BOS_ID
+    eos_id = BYTE_EOS_ID
     pad_id: int | None = None
     # The demo's token stream predates BOS framing: documents are separated by EOS only.
     add_bos = False
@@ -126,7 +127,7 @@ class ByteTokenizer:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got min {arr.min()} max {arr.max()}")
-        return arr[arr < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        return arr[arr < BYTE_TOKENS].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def files(self) -> list[Path]:
         return []
@@ -523,7 +524,7 @@ def train_bpe(
     """Train a byte-level BPE (GPT-2 style: lossless on any text) on local documents (any input
     :func:`hpcdist.data.corpora.iter_documents` reads); writes ``out_dir/tokenizer.json`` and a
     ``tokenizer_config.json`` naming ``<|endoftext|>`` as EOS and padding."""
-    if vocab_size < 257 + 1:
+    if vocab_size <= BYTE_TOKENS + 1:
         raise ValueError(f"vocab_size must exceed the 256 byte tokens plus <|endoftext|>, got {vocab_size}")
     if not inputs:
         raise ValueError("no training inputs given")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist import resources, safe_yaml
+from hpcdist.byte_vocab import BYTE_VOCAB
 
 __all__ = [
     "DOCUMENT_ATTENTION",
@@ -48,7 +49,7 @@ DOCUMENT_ATTENTION = ("auto", "dense", "flex")
 class ModelArgs:
     """Shape and init hyper-parameters; the fields are exactly the keys of a ``model:`` YAML section."""
 
-    vocab_size: int = 258
+    vocab_size: int = BYTE_VOCAB
     """Vocabulary size V. 258 = byte-level tokenizer: 256 bytes + BOS + EOS."""
     dim: int = 256
     """Model (residual stream) width D."""

@@ -25,6 +25,7 @@ from hpcdist.config.layout import (
     SCHEDULES,
     LayoutDegrees,
     LayoutKind,
+    MeshDegrees,
     ScheduleInfo,
     default_stages_per_rank,
     layout_notes,
@@ -40,6 +41,7 @@ __all__ = [
     "SCHEDULES",
     "LayoutDegrees",
     "LayoutKind",
+    "MeshDegrees",
     "ParallelDims",
     "ScheduleInfo",
     "default_stages_per_rank",
@@ -71,7 +73,8 @@ class ParallelDims(LayoutDegrees):
     _meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        (self.pp, self.dp, self.tp), problems = resolve_degrees(self.pp, self.dp, self.tp, self.world_size)
+        mesh, problems = self.mesh.resolve(self.world_size)
+        self.pp, self.dp, self.tp = mesh.pp, mesh.dp, mesh.tp
         if not problems and (self.dp_replicate < 1 or self.dp % self.dp_replicate):
             problems.append(
                 f"parallel.fsdp.replicate={self.dp_replicate} must divide parallel.dp={self.dp} (HSDP: dp = "
@@ -89,7 +92,7 @@ class ParallelDims(LayoutDegrees):
         """This rank's index along each dimension (row-major over pp, dp, tp; tp innermost)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
-        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp, "tp": rank % self.tp}
+        return self.mesh.coords(rank)
 
     def dp_rank(self, rank: int) -> int:
         """Which slice of the global batch this rank reads: tp and pp peers of one dp replica read the same one."""
@@ -127,7 +130,8 @@ class ParallelDims(LayoutDegrees):
                 "tp": world["tp"],
             }
         else:
-            world = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+            degrees = self.mesh.named()
+            world = init_device_mesh(device_type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
             self._meshes = {
                 "world": world,
                 "pp": world["pp"],

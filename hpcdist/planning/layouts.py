@@ -391,7 +391,17 @@ def enumerate_layouts(
             if pp > 1 and global_batch_size // (b * dp) < pp:
                 continue  # 1F1B keeps every stage busy only with at least pp micro-batches
             for ac in ACTIVATION_CHECKPOINTING:
-                out.append(Layout(pp, dp, tp, b, ac, dp_replicate=dp_replicate, zero_stage=zero_stage))
+                out.append(
+                    Layout(
+                        pp=pp,
+                        dp=dp,
+                        tp=tp,
+                        micro_batch_size=b,
+                        activation_checkpointing=ac,
+                        dp_replicate=dp_replicate,
+                        zero_stage=zero_stage,
+                    )
+                )
 
     for kind in wanted:
         if kind is LayoutKind.DDP:

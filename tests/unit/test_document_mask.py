@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hpcdist import config as config_mod
+from hpcdist.byte_vocab import BYTE_EOS_ID as BYTE_EOS
 from hpcdist.config import ConfigError
-from hpcdist.config.rules import BYTE_EOS
 from hpcdist.config.vocab import check_data, data_eos
 from hpcdist.data import ByteTokenizer
 from hpcdist.models import build_model
