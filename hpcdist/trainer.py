@@ -20,7 +20,8 @@ from typing import Any
 import torch.distributed as dist
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import (
+from hpcdist.checkpoint.local.tier import EXIT_WAIT_S, LocalTier, expand_dir, open_local_dir, run_key
+from hpcdist.checkpoint.manager import (
     STATE_FILE,
     Checkpointable,
     CheckpointManager,
@@ -29,7 +30,6 @@ from hpcdist.checkpoint import (
     latest,
     staging_estimate,
 )
-from hpcdist.checkpoint_local import EXIT_WAIT_S, LocalTier, expand_dir, open_local_dir, run_key
 from hpcdist.config import JobConfig
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.vocab import data_eos

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hpcdist.checkpoint import (
+from hpcdist.checkpoint.manager import (
     MARKER,
     STATE_FILE,
     CheckpointManager,

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from hpcdist.checkpoint import MARKER
-from hpcdist.checkpoint_local import run_key
+from hpcdist.checkpoint.local.tier import run_key
+from hpcdist.checkpoint.manager import MARKER
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.launch.records import checkpoint_tiers_text
@@ -109,7 +109,7 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
 
     import torch
 
-    from hpcdist import checkpoint_local as cl
+    from hpcdist.checkpoint.local import tier as cl
     from tests.unit.test_checkpoint_local import _State
 
     me = root / f"node{env.rank}"
@@ -321,7 +321,7 @@ def _prune_fails(env: DistEnv, root: Path, record: Path) -> dict:
     """Two "nodes" save step 2; the prune after its (complete) peer copy fails on rank 0 (its disk errs)."""
     import logging
 
-    from hpcdist import checkpoint_local as cl
+    from hpcdist.checkpoint.local import tier as cl
     from tests.unit.test_checkpoint_local import _State
 
     lines: list[str] = []

@@ -17,8 +17,8 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from hpcdist import checkpoint
-from hpcdist.checkpoint import Checkpointable, CheckpointManager
+from hpcdist.checkpoint import manager as checkpoint
+from hpcdist.checkpoint.manager import Checkpointable, CheckpointManager
 from tests.fakecuda.harness import CudaLike, FakeCuda, install
 
 
@@ -160,7 +160,7 @@ def test_async_staging_threads_keep_to_the_ranks_device(monkeypatch: pytest.Monk
 def test_the_node_local_tier_saves_and_restores_cuda_state(fake_cuda: FakeCuda, tmp_path: Path) -> None:
     """The node-local tier saves synchronously through the same writer: a GPU run's state goes to the node's disk
     and comes back exact, RNG states included."""
-    from hpcdist.checkpoint_local import LocalTier, open_local_dir
+    from hpcdist.checkpoint.local.tier import LocalTier, open_local_dir
 
     cfg = {"run": {"dir": str(tmp_path / "run"), "seed": 0}, "model": {"dim": 8}, "data": {}, "parallel": {}}
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdist import atomic, checkpoint
-from hpcdist.checkpoint import MANIFEST, MARKER, STATE_FILE, CheckpointManager, latest, list_checkpoints
+from hpcdist import atomic
+from hpcdist.checkpoint import manager as checkpoint
+from hpcdist.checkpoint.manager import MANIFEST, MARKER, STATE_FILE, CheckpointManager, latest, list_checkpoints
 from hpcdist.config import ConfigError
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single

@@ -1,4 +1,4 @@
-"""The node-local tier's decisions (hpcdist.checkpoint_local) as pure functions, and its one-process save, checks
+"""The node-local tier's decisions (hpcdist.checkpoint.local) as pure functions, and its one-process save, checks
 and restore: which step a resume agrees on, who keeps whose copy, and what in a node-local directory (another job
 may have used the node) is never trusted."""
 
@@ -14,8 +14,7 @@ import torch
 
 from hpcdist import config as config_mod
 from hpcdist.atomic import file_sha256
-from hpcdist.checkpoint import MANIFEST, MARKER, Checkpointable
-from hpcdist.checkpoint_local import (
+from hpcdist.checkpoint.local.tier import (
     LocalTier,
     _Sink,
     agree_step,
@@ -27,6 +26,7 @@ from hpcdist.checkpoint_local import (
     run_key,
     step_name,
 )
+from hpcdist.checkpoint.manager import MANIFEST, MARKER, Checkpointable
 from hpcdist.config.loader import ConfigError
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hpcdist import checkpoint
-from hpcdist.checkpoint import DAMAGED, MANIFEST, MARKER, TENSOR_ENCODING, Checkpointable, CheckpointManager
+from hpcdist.checkpoint import manager as checkpoint
+from hpcdist.checkpoint.manager import DAMAGED, MANIFEST, MARKER, TENSOR_ENCODING, Checkpointable, CheckpointManager
 
 
 def _state(tensors: dict[str, dict[str, Any]], step: int = 0) -> Checkpointable:

@@ -54,7 +54,8 @@ thread of its own, and read with ``readinto`` straight into the model's tensor, 
 verified load when the disk is faster than the cores can hash. Issue 28 round 4: the staging copy runs in the
 background beside the next step's forward and backward; the loop waits for it only before its optimizer step
 (``CheckpointManager.staging_fence``). Issue 28 round 5: the shards are written and read past the page cache
-(``hpcdist.directio``, ``O_DIRECT``). On this VM a buffered write or read cost about 1 CPU-s of kernel time per GB
+(``hpcdist.checkpoint.directio``, ``O_DIRECT``).
+On this VM a buffered write or read cost about 1 CPU-s of kernel time per GB
 (``dd conv=fdatasync`` of 4.2 GB: 4.4-10.5 s of system time; ``oflag=direct``: 0.5 s), as much as the sha256 beside
 it: the 350m save was CPU-bound at 0.69-0.97 of dd and the verified load at 0.77-0.97 of a read, and the step after an
 async save took 2.4-2.7x a plain one. With direct I/O (two runs): the save 1.6-2.1x dd through the page cache and
@@ -105,10 +106,10 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)  # noqa: E402
 
-from hpcdist import checkpoint as ckpt_mod  # noqa: E402
 from hpcdist import config as config_mod  # noqa: E402
 from hpcdist.atomic import file_sha256  # noqa: E402
-from hpcdist.checkpoint import CheckpointManager  # noqa: E402
+from hpcdist.checkpoint import manager as ckpt_mod  # noqa: E402
+from hpcdist.checkpoint.manager import CheckpointManager  # noqa: E402
 from hpcdist.config import JobConfig  # noqa: E402
 from hpcdist.config.cluster import load_cluster  # noqa: E402
 from hpcdist.env import destroy_process_group, from_environ, init_process_group  # noqa: E402

@@ -78,8 +78,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.elastic.utils.distributed import get_free_port
 
-from hpcdist import directio
 from hpcdist.atomic import UntrustedFile, atomic_write, file_sha256, read_bounded
+from hpcdist.checkpoint import directio
 from hpcdist.config.dirs import tree_trust_problems, trusted_uids
 from hpcdist.config.loader import ConfigError
 from hpcdist.fault.supervise import _die_with_parent
@@ -282,7 +282,7 @@ class CheckpointManager:
         self.root, self.rank, self.world_size = Path(root), rank, world_size
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.save_final, self.total_steps = save_final, total_steps
-        # the node-local tier's cadence (checkpoint.local, hpcdist.checkpoint_local): decided here too, one owner
+        # the node-local tier's cadence (checkpoint.local, hpcdist.checkpoint.local): decided here too, one owner
         self.local_every_steps, self.local_every_minutes = local_every_steps, local_every_minutes
         self.local_saved_step = -1
         self._local_clock = time.perf_counter()
@@ -1265,8 +1265,8 @@ class _HashingFileSystem(FileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str, *, size: int | None = None) -> Iterator[Any]:
         """``size``: a shard of about that many bytes, streamed past the page cache when big enough
-        (:func:`hpcdist.directio.open_write`; flush before fdatasync). DCP's own files (``.metadata``, fsync'd by
-        DCP through ``fileno``) go through a buffered file."""
+        (:func:`hpcdist.checkpoint.directio.open_write`; flush before fdatasync). DCP's own files (``.metadata``,
+        fsync'd by DCP through ``fileno``) go through a buffered file."""
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream

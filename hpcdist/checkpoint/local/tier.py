@@ -55,7 +55,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from hpcdist.atomic import atomic_write, file_sha256
-from hpcdist.checkpoint import (
+from hpcdist.checkpoint.manager import (
     MANIFEST,
     MARKER,
     STATE_FILE,
