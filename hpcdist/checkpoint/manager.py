@@ -80,13 +80,12 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 from hpcdist.atomic import UntrustedFile, atomic_write, file_sha256, read_bounded
 from hpcdist.checkpoint import directio
+from hpcdist.checkpoint.names import DAMAGED, MARKER, latest, list_checkpoints, step_dir, step_name, step_of
 from hpcdist.config.dirs import tree_trust_problems, trusted_uids
 from hpcdist.config.loader import ConfigError
 from hpcdist.fault.supervise import _die_with_parent
 from hpcdist.logging_utils import get_logger
 
-MARKER = "COMPLETE"
-DAMAGED = "DAMAGED"  # a COMPLETE marker renamed after the checkpoint failed verification
 MANIFEST = "MANIFEST.json"
 PARTS_DIR = ".manifest"  # async save: each rank's part of the manifest, merged by rank 0, then removed
 ASYNC_PARTS_TIMEOUT_S = 3600.0
@@ -104,7 +103,6 @@ RANK_DIR = "rank"  # rank/rank-<r>.pt: each rank's own state (Checkpointable.ran
 TENSOR_ENCODING = "tensor_encoding"
 RAW, TORCH_SAVE = "raw", "torch_save"
 ENCODINGS = (RAW, TORCH_SAVE)
-_STEP_RE = re.compile(r"^step-(\d{8})$")
 # exit status of a run stopped by checkpoint storage: a read that kept failing (CheckpointUnavailable) or a final /
 # stop save that failed (hpcdist.run); sysexits' EX_IOERR. The batch script's failure policy requeues it like any
 # failure, blaming no node, and a full disk that stays full ends as a failure loop
@@ -115,44 +113,6 @@ READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)  # a transient read error is tried again a
 _DAMAGE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
 _OK, _DAMAGE, _TRANSIENT, _MISMATCH = 0, 1, 2, 3  # what reading a checkpoint found; the ranks agree on the MAX
 log = get_logger(__name__)
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
-
-
-def list_checkpoints(root: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
-    """(complete checkpoints sorted by step, incomplete directories)."""
-    complete, incomplete = [], []
-    if not root.is_dir():
-        return [], []
-    for d in root.iterdir():
-        m = _STEP_RE.match(d.name)
-        if not m or not d.is_dir():
-            continue
-        if (d / MARKER).is_file():
-            complete.append((int(m.group(1)), d))
-        else:
-            incomplete.append(d)
-    return sorted(complete), sorted(incomplete)
-
-
-def latest(root: Path, *, warn: bool = True) -> Path | None:
-    """Newest complete checkpoint under ``root``; incomplete ones newer than it are reported and skipped."""
-    complete, incomplete = list_checkpoints(root)
-    newest = complete[-1][0] if complete else -1
-    if warn:
-        for d in incomplete:
-            if int(d.name.split("-")[1]) > newest:
-                if (d / DAMAGED).is_file():  # demoted by an earlier resume: say so, it was no interrupted save
-                    log.warning(
-                        "ignoring %s: demoted as damaged earlier (%s marker); it will not be resumed from", d, DAMAGED
-                    )
-                else:
-                    log.warning(
-                        "ignoring %s: no %s marker (an interrupted save); it will not be resumed from", d, MARKER
-                    )
-    return complete[-1][1] if complete else None
 
 
 class CheckpointSaveError(RuntimeError):
@@ -412,11 +372,11 @@ class CheckpointManager:
             if (path / DAMAGED).is_file():  # a demoted checkpoint is evidence: moved aside, never deleted
                 aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
                 path.rename(aside)
-                log.warning("kept the damaged %s as %s (saving step %s again)", path.name, aside.name, path.name[5:])
+                log.warning("kept the damaged %s as %s (saving step %s again)", path.name, aside.name, step_of(path))
             elif (path / MARKER).is_file():  # a complete checkpoint is never deleted to make room for a save
                 aside = path.with_name(f"{path.name}.abandoned-{time.strftime('%Y%m%d-%H%M%S')}")
                 path.rename(aside)
-                log.warning("kept the complete %s as %s (saving step %s again)", path.name, aside.name, path.name[5:])
+                log.warning("kept the complete %s as %s (saving step %s again)", path.name, aside.name, step_of(path))
             elif path.exists():  # leftover of a crashed save at the same step: never mix old and new shards
                 shutil.rmtree(path)
             (path / "rng").mkdir(parents=True)
@@ -653,7 +613,7 @@ class CheckpointManager:
             shutil.rmtree(d, ignore_errors=True)
         newest = complete[-1][0] if complete else -1
         for d in incomplete:  # crashed saves older than a complete checkpoint are garbage; damaged ones are kept
-            if int(d.name.split("-")[1]) < newest and not (d / DAMAGED).exists():
+            if step_of(d) < newest and not (d / DAMAGED).exists():
                 shutil.rmtree(d, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ collectives
@@ -1596,7 +1556,7 @@ class HashingWriter(dcp.FileSystemWriter):
         if thread_errors:
             raise thread_errors[0]
         if self.part is not None:  # (DCP's writer joined its threads: the future is done)
-            if self.part.kill_step >= 0 and Path(self.path).name == f"step-{self.part.kill_step:08d}":
+            if self.part.kill_step >= 0 and Path(self.path).name == step_name(self.part.kill_step):
                 os.kill(os.getpid(), signal.SIGKILL)
             # this rank's part of the manifest: its shards' digests from the writing, its small files read here
             root, written = Path(self.path), self.digests()

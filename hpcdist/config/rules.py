@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpcdist.checkpoint.names import MARKER
 from hpcdist.config import layout
 from hpcdist.config.layout import STRATEGIES, LayoutKind
 from hpcdist.config.loader import ConfigError, echo
@@ -50,7 +51,6 @@ PARAM_DTYPES = ("auto", "fp32", "bf16")  # parallel.fsdp.param_dtype: fp16 comes
 LR_SCHEDULES = ("cosine", "linear", "constant")
 BYTE_VOCAB = 258  # hpcdist.data.ByteTokenizer.vocab_size; kept here so config stays import-light
 BYTE_EOS = 257  # hpcdist.data.ByteTokenizer.eos_id, likewise
-CHECKPOINT_MARKER = "COMPLETE"  # hpcdist.checkpoint.MARKER, written last by a save (same reason)
 
 # The largest value of every numeric key (the smallest ones are the rules below). A typo (an extra zero, a pasted
 # 400-digit number) then fails at load, naming the key, instead of as an OverflowError in the rules, in torch's
@@ -602,11 +602,11 @@ def _named_checkpoint(key: str, value: str, alternatives: str) -> list[str]:
     directory like /etc used to pass this rule and fail after the process group existed)."""
     if not Path(value).is_dir():
         return [f"{key}: {echo(value)} is not {alternatives}an existing checkpoint directory (a step-XXXXXXXX)"]
-    if not (Path(value) / CHECKPOINT_MARKER).is_file():
+    if not (Path(value) / MARKER).is_file():
         return [
-            f"{key}: {echo(value)} is not a complete checkpoint (no {CHECKPOINT_MARKER} marker: another kind of "
+            f"{key}: {echo(value)} is not a complete checkpoint (no {MARKER} marker: another kind of "
             "directory, an interrupted save or a damaged one); name a step-XXXXXXXX directory that holds "
-            f"{CHECKPOINT_MARKER}"
+            f"{MARKER}"
         ]
     return []
 

@@ -18,15 +18,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcdist.checkpoint.manager import (
-    MARKER,
     STATE_FILE,
     CheckpointManager,
     HashingReader,
     describe_error,
-    latest,
     single_process_dcp,
     tensor_encoding,
 )
+from hpcdist.checkpoint.names import MARKER, latest
 from hpcdist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, recorded_tokenizer
 from hpcdist.models.args import ModelArgs
 from hpcdist.rundir import RunDir

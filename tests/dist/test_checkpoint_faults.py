@@ -20,7 +20,8 @@ import torch
 
 from hpcdist import config as config_mod
 from hpcdist import run
-from hpcdist.checkpoint.manager import DAMAGED, KILL_ENV, KILL_WRITER_ENV, MANIFEST, MARKER, list_checkpoints
+from hpcdist.checkpoint.manager import KILL_ENV, KILL_WRITER_ENV, MANIFEST
+from hpcdist.checkpoint.names import DAMAGED, MARKER, list_checkpoints
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.fault.stop import StopFlag, StopReason

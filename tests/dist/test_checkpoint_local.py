@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hpcdist.checkpoint.local.tier import run_key
-from hpcdist.checkpoint.manager import MARKER
+from hpcdist.checkpoint.names import MARKER
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.launch.records import checkpoint_tiers_text

@@ -14,7 +14,8 @@ import torch
 
 from hpcdist import atomic
 from hpcdist.checkpoint import manager as checkpoint
-from hpcdist.checkpoint.manager import MANIFEST, MARKER, STATE_FILE, CheckpointManager, latest, list_checkpoints
+from hpcdist.checkpoint.manager import MANIFEST, STATE_FILE, CheckpointManager
+from hpcdist.checkpoint.names import MARKER, latest, list_checkpoints
 from hpcdist.config import ConfigError
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single

@@ -24,9 +24,9 @@ from hpcdist.checkpoint.local.tier import (
     peers,
     rounds,
     run_key,
-    step_name,
 )
-from hpcdist.checkpoint.manager import MANIFEST, MARKER, Checkpointable
+from hpcdist.checkpoint.manager import MANIFEST, Checkpointable
+from hpcdist.checkpoint.names import MARKER, step_name
 from hpcdist.config.loader import ConfigError
 
 

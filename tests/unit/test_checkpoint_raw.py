@@ -16,7 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hpcdist.checkpoint import manager as checkpoint
-from hpcdist.checkpoint.manager import DAMAGED, MANIFEST, MARKER, TENSOR_ENCODING, Checkpointable, CheckpointManager
+from hpcdist.checkpoint.manager import MANIFEST, TENSOR_ENCODING, Checkpointable, CheckpointManager
+from hpcdist.checkpoint.names import DAMAGED, MARKER
 
 
 def _state(tensors: dict[str, dict[str, Any]], step: int = 0) -> Checkpointable:

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from hpcdist.checkpoint.manager import DAMAGED, MARKER, STATE_FILE, Checkpointable, CheckpointManager
+from hpcdist.checkpoint.manager import STATE_FILE, Checkpointable, CheckpointManager
+from hpcdist.checkpoint.names import DAMAGED, MARKER
 from hpcdist.cli import main
 from hpcdist.config import ConfigError
 from hpcdist.config.dirs import tree_trust_problems

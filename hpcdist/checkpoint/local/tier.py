@@ -57,7 +57,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.checkpoint.manager import (
     MANIFEST,
-    MARKER,
     STATE_FILE,
     TENSOR_ENCODING,
     Checkpointable,
@@ -72,6 +71,7 @@ from hpcdist.checkpoint.manager import (
     size_text,
     tensor_encoding,
 )
+from hpcdist.checkpoint.names import MARKER, STEP_PATTERN, STEP_RE, step_name
 from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
 from hpcdist.owners import user_name, writer_problem
@@ -88,8 +88,7 @@ EXIT_WAIT_S = 120.0
 RECORD = "local_checkpoints.json"  # in run.dir (rank 0): what `hpcdist status` and the report show of the tier
 # file systems that are not a node's own disk: the tier on them is a slower shared tier that every job loads
 SHARED_FS = frozenset({"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "fuse.sshfs"})
-_STEP = re.compile(r"^step-(\d{8})$")
-_DAMAGED_NAME = re.compile(r"^step-(\d{8})\.damaged-")  # a step set aside by a restore
+_DAMAGED_NAME = re.compile(rf"^{STEP_PATTERN}\.damaged-")  # a step set aside by a restore
 _TIER_DIR = re.compile(r"^(rank|replica-of-rank)-(\d{5})$")
 # a restore's outcome for one agreed step, worst last (every rank takes the largest)
 _LOADED, _DAMAGED_SET_ASIDE, _GIVE_UP, _ELSEWHERE = 0, 1, 2, 3
@@ -102,10 +101,6 @@ def own_dir(root: Path, rank: int) -> Path:
 
 def replica_dir(root: Path, origin: int) -> Path:
     return root / f"replica-of-rank-{origin:05d}"
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def run_key(run_dir: Path) -> str:
@@ -765,10 +760,10 @@ class LocalTier:
                 if not stat.S_ISDIR(os.lstat(d).st_mode):
                     continue
                 names = sorted(e.name for e in os.scandir(d))
-                complete = [n for n in names if _STEP.match(n) and (d / n / MARKER).is_file()]
+                complete = [n for n in names if STEP_RE.match(n) and (d / n / MARKER).is_file()]
                 for n in names:
                     base = n.removesuffix(".partial")
-                    if not _STEP.match(base):
+                    if not STEP_RE.match(base):
                         continue  # not the tier's: never deleted
                     if n.endswith(".partial") or n not in complete[-self.keep :]:
                         p = d / n
@@ -785,7 +780,7 @@ class LocalTier:
                 if not _TIER_DIR.match(e.name) or not e.is_dir(follow_symlinks=False):
                     continue
                 for s in list(os.scandir(e.path)):
-                    m = _STEP.match(s.name.removesuffix(".partial"))
+                    m = STEP_RE.match(s.name.removesuffix(".partial"))
                     if m and int(m.group(1)) > step and s.is_dir(follow_symlinks=False):
                         shutil.rmtree(s.path, ignore_errors=True)
 
@@ -825,7 +820,7 @@ class LocalTier:
                     continue
                 with contextlib.suppress(OSError):
                     for s in os.scandir(e.path):
-                        sm = _STEP.match(s.name)
+                        sm = STEP_RE.match(s.name)
                         if sm and _complete_marker(Path(s.path), origin, int(sm.group(1)), self.world_size):
                             out.setdefault(origin, {}).setdefault(int(sm.group(1)), Path(s.path))
         return out
