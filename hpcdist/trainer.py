@@ -20,16 +20,12 @@ from typing import Any
 import torch.distributed as dist
 
 from hpcdist import config as config_mod
+from hpcdist.checkpoint.errors import CheckpointMismatch
 from hpcdist.checkpoint.local.tier import EXIT_WAIT_S, LocalTier, expand_dir, open_local_dir, run_key
-from hpcdist.checkpoint.manager import (
-    STATE_FILE,
-    Checkpointable,
-    CheckpointManager,
-    CheckpointMismatch,
-    check_staging_memory,
-    staging_estimate,
-)
+from hpcdist.checkpoint.manager import CheckpointManager
 from hpcdist.checkpoint.names import latest, step_of
+from hpcdist.checkpoint.staging import check_staging_memory, staging_estimate
+from hpcdist.checkpoint.state import STATE_FILE, Checkpointable
 from hpcdist.config import JobConfig
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.vocab import data_eos

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint.manager import size_text
+from hpcdist.checkpoint.staging import size_text
 from hpcdist.config import JobConfig
 from hpcdist.config.cluster import ClusterConfig, load_cluster
 from hpcdist.models.args import num_params

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint.manager import MANIFEST
+from hpcdist.checkpoint.manifest import MANIFEST
 from hpcdist.checkpoint.names import MARKER
 from tests.conftest import SMALL
 from tests.slurm.conftest import REPO, Cluster, job_info, release_requeue_hold, run_cmd, wait_job

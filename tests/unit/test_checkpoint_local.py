@@ -25,8 +25,9 @@ from hpcdist.checkpoint.local.tier import (
     rounds,
     run_key,
 )
-from hpcdist.checkpoint.manager import MANIFEST, Checkpointable
+from hpcdist.checkpoint.manifest import MANIFEST
 from hpcdist.checkpoint.names import MARKER, step_name
+from hpcdist.checkpoint.state import Checkpointable
 from hpcdist.config.loader import ConfigError
 
 

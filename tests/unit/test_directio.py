@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from hpcdist.checkpoint import directio
-from hpcdist.checkpoint.manager import Checkpointable, CheckpointManager
+from hpcdist.checkpoint.manager import CheckpointManager
+from hpcdist.checkpoint.state import Checkpointable
 
 CHUNK = directio.CHUNK
 

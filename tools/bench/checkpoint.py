@@ -108,7 +108,9 @@ from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's 
 
 from hpcdist import config as config_mod  # noqa: E402
 from hpcdist.atomic import file_sha256  # noqa: E402
-from hpcdist.checkpoint import manager as ckpt_mod  # noqa: E402
+from hpcdist.checkpoint import manifest as ckpt_manifest  # noqa: E402
+from hpcdist.checkpoint import names as ckpt_names  # noqa: E402
+from hpcdist.checkpoint import staging as ckpt_staging  # noqa: E402
 from hpcdist.checkpoint.manager import CheckpointManager  # noqa: E402
 from hpcdist.config import JobConfig  # noqa: E402
 from hpcdist.config.cluster import load_cluster  # noqa: E402
@@ -169,7 +171,7 @@ def bracket(before_gbps: float, after_gbps: float) -> float:
 
 def hash_seconds(path: Path) -> float:
     t0 = time.perf_counter()
-    for rel in ckpt_mod._files(path):
+    for rel in ckpt_manifest.files_of(path):
         file_sha256(path / rel)
     return time.perf_counter() - t0
 
@@ -246,13 +248,13 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
     for k in keys:
         out[k] = []
     size = 0
-    size = ckpt_mod.staging_bytes(state.dcp_state())  # the checkpoint's size, near enough, until one is written
+    size = ckpt_staging.staging_bytes(state.dcp_state())  # the checkpoint's size, near enough, until one is written
     for r in range(repeats):
         dd_before, direct_before = dd_write(root, size), dd_write(root, size, direct=True)
         t0 = time.perf_counter()
         path = sync.save(10 + r, state)
         out["sync_save_s"].append(time.perf_counter() - t0)
-        assert path is not None and (path / ckpt_mod.MARKER).is_file()
+        assert path is not None and (path / ckpt_names.MARKER).is_file()
         size = dir_bytes(path)
         out["dd_direct_gbps"].append(bracket(direct_before, dd_write(root, size, direct=True)))
         out["dd_gbps"].append(bracket(dd_before, dd_write(root, size)))
@@ -308,7 +310,7 @@ def _rank_main(rank: int, port: int, preset: str, root: str, q: Any) -> None:
     )
     torch.set_num_threads(1)
     hashed = {"bytes": 0, "seconds": 0.0}
-    digest = ckpt_mod._digest
+    digest = ckpt_manifest.digest
 
     def counting_digest(file: Path, checksum: bool) -> dict[str, Any]:  # what this rank hashes for the manifest
         t0 = time.perf_counter()
@@ -317,7 +319,7 @@ def _rank_main(rank: int, port: int, preset: str, root: str, q: Any) -> None:
         hashed["seconds"] += time.perf_counter() - t0
         return entry
 
-    ckpt_mod._digest = counting_digest  # type: ignore[assignment]
+    ckpt_manifest.digest = counting_digest  # type: ignore[assignment]
     try:
         env = from_environ(cuda_available=False)
         init_process_group(env, timeout_s=600)

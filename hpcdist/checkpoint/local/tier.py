@@ -55,23 +55,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from hpcdist.atomic import atomic_write, file_sha256
-from hpcdist.checkpoint.manager import (
-    MANIFEST,
-    STATE_FILE,
-    TENSOR_ENCODING,
-    Checkpointable,
-    HashingReader,
-    HashingWriter,
-    _rng_state,
-    _set_rng_state,
-    describe_error,
-    error_of,
-    read_record,
-    single_process_dcp,
-    size_text,
-    tensor_encoding,
-)
+from hpcdist.checkpoint.codec import HashingReader, HashingWriter, single_process_dcp
+from hpcdist.checkpoint.errors import describe_error, error_of
+from hpcdist.checkpoint.manifest import MANIFEST, TENSOR_ENCODING, read_record, tensor_encoding
 from hpcdist.checkpoint.names import MARKER, STEP_PATTERN, STEP_RE, step_name
+from hpcdist.checkpoint.staging import size_text
+from hpcdist.checkpoint.state import STATE_FILE, Checkpointable, rng_state, set_rng_state
 from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
 from hpcdist.owners import user_name, writer_problem
@@ -608,7 +597,7 @@ class LocalTier:
         writer = HashingWriter(str(path), thread_count=1)
         with single_process_dcp():
             dcp.save(_localize(state.dcp_state()), storage_writer=writer, no_dist=True)
-        torch.save(_rng_state(), path / RNG_FILE)
+        torch.save(rng_state(), path / RNG_FILE)
         own = state.rank_state()
         if own:
             torch.save(own, path / OWN_FILE)
@@ -986,7 +975,7 @@ class LocalTier:
         state.load_dcp_state(_merge_back(dest, local))
         state.load_trainer_state(trainer_state)
         state.load_rank_state(own)
-        _set_rng_state(rng)
+        set_rng_state(rng)
 
 
 def _chunks(src: Path | None, files: Sequence[tuple[str, int]]) -> Any:
