@@ -47,8 +47,9 @@ import shutil
 import signal
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from hpcdist.atomic import atomic_write
-from hpcdist.checkpoint import manifest as manifest_io
 from hpcdist.checkpoint.codec import (
     KILL_WRITER_ENV,
     HashingReader,
@@ -84,23 +84,25 @@ from hpcdist.checkpoint.errors import (
     read_kind,
 )
 from hpcdist.checkpoint.manifest import (
-    ASYNC_PARTS_TIMEOUT_S,
     MANIFEST,
     PARTS_DIR,
-    TENSOR_ENCODING,
-    file_owner,
-    files_of,
     is_shard,
     read_manifest,
     read_record,
     shard_owners,
     shard_verdict,
     tensor_encoding,
+    write_manifest,
+    write_part,
 )
-from hpcdist.checkpoint.names import DAMAGED, MARKER, latest, list_checkpoints, step_dir, step_of
+from hpcdist.checkpoint.names import DAMAGED, MARKER, latest, step_dir, step_of
+from hpcdist.checkpoint.policy import SavePolicy
+from hpcdist.checkpoint.ranks import Ranks
 from hpcdist.checkpoint.staging import SOLO_PROCESS, CheckpointProcess, Staging, checkpoint_process, size_text
 from hpcdist.checkpoint.state import RANK_DIR, STATE_FILE, Checkpointable, rng_state, set_rng_state
-from hpcdist.config.dirs import tree_trust_problems, trusted_uids
+from hpcdist.checkpoint.storage import PosixStorage, Storage, nearly_full, prune, refuse_if_only_damaged
+from hpcdist.checkpoint.verify import check_model_shapes, model_diff, verify_checkpoint
+from hpcdist.config.dirs import trusted_uids
 from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
 
@@ -109,8 +111,9 @@ READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)  # a transient read error is tried again a
 log = get_logger(__name__)
 
 
-class CheckpointManager:
-    """Saves and resumes step-N checkpoints collectively; every rank calls every method."""
+class CheckpointManager(SavePolicy):
+    """Saves and resumes step-N checkpoints collectively; every rank calls every method. The loop asks it when to
+    save (the cadence it is: :class:`SavePolicy`)."""
 
     def __init__(
         self,
@@ -129,19 +132,22 @@ class CheckpointManager:
         trusted_owners: Sequence[str] = (),
         local_every_steps: int = 0,
         local_every_minutes: float = 0.0,
+        storage: Storage | None = None,
     ):
-        """The cadence (``should_save``): ``every_steps`` / ``every_minutes`` (0: never), ``save_final`` at
-        ``total_steps`` (train.steps; None: every last step is the run's end)."""
-        self.root, self.rank, self.world_size = Path(root), rank, world_size
-        self.every_steps, self.every_minutes = every_steps, every_minutes
-        self.save_final, self.total_steps = save_final, total_steps
-        # the node-local tier's cadence (checkpoint.local, hpcdist.checkpoint.local): decided here too, one owner
-        self.local_every_steps, self.local_every_minutes = local_every_steps, local_every_minutes
-        self.local_saved_step = -1
-        self._local_clock = time.perf_counter()
-        self.saved_step = -1  # the step of the last save (or failed save) or of the resumed checkpoint
+        """The cadence (:class:`SavePolicy`): ``every_steps`` / ``every_minutes`` (0: never), ``save_final`` at
+        ``total_steps`` (train.steps; None: every last step is the run's end), the node-local tier's own."""
+        super().__init__(
+            rank=rank,
+            every_steps=every_steps,
+            every_minutes=every_minutes,
+            save_final=save_final,
+            total_steps=total_steps,
+            local_every_steps=local_every_steps,
+            local_every_minutes=local_every_minutes,
+        )
+        self.root, self.world_size = Path(root), world_size
+        self.storage: Storage = storage if storage is not None else PosixStorage(self.root)
         self.last_ok = True  # the last save succeeded, as far as the save itself knows (an async one: see wait())
-        self._clock = time.perf_counter()  # every_minutes counts from the last save (or restart_clock())
         self.trusted = trusted_uids(trusted_owners)  # besides this user and root
         self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
         self.write_threads = max(1, write_threads)
@@ -161,72 +167,16 @@ class CheckpointManager:
             self._pg = dist.new_group(backend="gloo")
             if async_save:
                 self._async_pg = dist.new_group(backend="gloo")
+        self.ranks = Ranks(rank, world_size, self._pg, self.write_threads)
 
     # ------------------------------------------------------------------------------------------ save
-    # the one cadence rule (torchtitan's CheckpointManager._should_save): the loop asks once per step
-    def should_save(self, step: int, *, last_step: bool, stop_requested: bool = False, timed: bool = False) -> bool:
-        """Save after ``step``? ``last_step``: the loop ends after it (train.steps or train(until=...));
-        ``stop_requested``: a stop every rank agreed on (a signal); ``timed``: the every-M-minutes request every rank
-        agreed on (rank 0 asks, ``timed_save_due``). The loop's last step saves when it is a resume point (stopped
-        or interrupted before train.steps) or checkpoint.save_final; a step is never saved twice. Every rank
-        answers alike from agreed inputs: a save is collective."""
-        if step == self.saved_step:
-            return False
-        if (last_step or stop_requested) and self.final_save_due(step):
-            return True
-        # a stop decides its step's save alone (at train.steps: checkpoint.save_final); every_steps always saves
-        return (self.every_steps > 0 and step % self.every_steps == 0) or (timed and not stop_requested)
-
-    def final_save_due(self, step: int) -> bool:
-        """The loop's last step is saved: a stop or interruption before train.steps (the resume point), or
-        checkpoint.save_final. A failure of this save is the run's failure (the trainer reports ``save_failed``)."""
-        return self.save_final or (self.total_steps is not None and step < self.total_steps)
-
-    def timed_save_due(self, step: int) -> bool:
-        """Rank 0's clock: checkpoint.every_minutes has passed since the last save (or ``restart_clock``). True once
-        per interval; the caller sends it through the per-step stop agreement, so every rank saves after the same
-        step (``should_save(timed=...)`` one step later). A step that saves by every_steps restarts the clock."""
-        if not (self.every_minutes and self.rank == 0):
-            return False
-        if self.every_steps > 0 and step % self.every_steps == 0:
-            self._clock = time.perf_counter()
-            return False
-        if time.perf_counter() - self._clock < self.every_minutes * 60:
-            return False
-        self._clock = time.perf_counter()  # asked: the save itself restarts it again one step later
-        return True
-
-    def restart_clock(self) -> None:
-        """checkpoint.every_minutes counts from now (the start of the training loop)."""
-        self._clock = self._local_clock = time.perf_counter()
-
-    def local_save_due(self, step: int, *, timed: bool = False) -> bool:
-        """Save the node-local tier after ``step``? Asked when ``should_save`` said no (a shared save of the step
-        makes a local one pointless); ``timed``: checkpoint.local.every_minutes's request every rank agreed on
-        (``timed_local_save_due``). Agreed inputs only: the save is collective."""
-        if step in (self.saved_step, self.local_saved_step):
-            return False
-        return (self.local_every_steps > 0 and step % self.local_every_steps == 0) or timed
-
-    def timed_local_save_due(self, step: int) -> bool:
-        """Rank 0's clock for checkpoint.local.every_minutes, like ``timed_save_due``."""
-        if not (self.local_every_minutes and self.rank == 0):
-            return False
-        if self.local_every_steps > 0 and step % self.local_every_steps == 0:
-            self._local_clock = time.perf_counter()
-            return False
-        if time.perf_counter() - self._local_clock < self.local_every_minutes * 60:
-            return False
-        self._local_clock = time.perf_counter()
-        return True
-
     def save(self, step: int, state: Checkpointable) -> Path | None:
         """Write step-N collectively; None when it failed with an I/O error (disk full, EIO, quota): then the partial
         directory is removed, every rank logs why, and the previous complete checkpoint stays the resume point.
         Any other error (a bug: training on would silently never checkpoint again) raises CheckpointSaveError on
         every rank, after the same clean-up."""
-        self._clock = time.perf_counter()  # checkpoint.every_minutes counts from the start of the last save
-        self.saved_step, self.last_ok = step, False  # a failed save is not retried at the same step
+        self.saving(step)  # checkpoint.every_minutes counts from the start of the last save
+        self.last_ok = False
         self.wait()  # one save in flight at a time; also makes the previous checkpoint complete
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
@@ -246,7 +196,7 @@ class CheckpointManager:
         if self.async_save and ok:
             self.last_ok = True  # so far: its failure shows at wait()
             return path  # the future's callback writes the manifest and the marker
-        ok = ok and phase(lambda: self._write_manifest(path, distributed=True))
+        ok = ok and phase(lambda: write_manifest(path, self.ranks, written_by(self._last_writer), distributed=True))
         ok = ok and phase(lambda: self._complete(path, step, t0))
         if not ok:
             self._abandon(path, step)
@@ -262,15 +212,13 @@ class CheckpointManager:
 
     def _prepare(self, path: Path) -> None:
         if self.rank == 0:
-            if (path / DAMAGED).is_file():  # a demoted checkpoint is evidence: moved aside, never deleted
-                aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
-                path.rename(aside)
+            if self.storage.has(path, DAMAGED):  # a demoted checkpoint is evidence: moved aside, never deleted
+                aside = self.storage.set_aside(path, "damaged")
                 log.warning("kept the damaged %s as %s (saving step %s again)", path.name, aside.name, step_of(path))
-            elif (path / MARKER).is_file():  # a complete checkpoint is never deleted to make room for a save
-                aside = path.with_name(f"{path.name}.abandoned-{time.strftime('%Y%m%d-%H%M%S')}")
-                path.rename(aside)
+            elif self.storage.has(path, MARKER):  # a complete checkpoint is never deleted to make room for a save
+                aside = self.storage.set_aside(path, "abandoned")
                 log.warning("kept the complete %s as %s (saving step %s again)", path.name, aside.name, step_of(path))
-            elif path.exists():  # leftover of a crashed save at the same step: never mix old and new shards
+            elif self.storage.exists(path):  # leftover of a crashed save at the same step: never mix old and new
                 shutil.rmtree(path)
             (path / "rng").mkdir(parents=True)
             if self.async_save:
@@ -352,17 +300,6 @@ class CheckpointManager:
         log.info("checkpoint.async_save: %s of staging buffers allocated in %.2f s (once)", size_text(need), seconds)
         return seconds
 
-    def _own_digests(self, path: Path, written: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
-        """Size and sha256 of the files this rank wrote (``file_owner``), the work spread over the ranks as the writing
-        was: the shards' from ``written`` (hashed while DCP wrote them, :class:`HashingWriter`), the few small
-        others read back while they are still in this node's page cache."""
-        written = written if written is not None else self._last_writer.digests() if self._last_writer else {}
-        return {
-            rel: written[rel] if rel in written else manifest_io.digest(path / rel, checksum=True)
-            for rel in files_of(path)
-            if file_owner(rel, self.world_size) == self.rank
-        }
-
     def _writer(self, path: Path) -> HashingWriter:
         # DCP serializes and writes with one thread by default: 0.29 GB/s here against dd's 1.07 for a 1.5 GB
         # state; two threads halve the save (tools/bench/checkpoint.py). The writer hashes what it writes, so the
@@ -370,56 +307,13 @@ class CheckpointManager:
         self._last_writer = HashingWriter(str(path), thread_count=self.write_threads)
         return self._last_writer
 
-    def _write_manifest(self, path: Path, *, distributed: bool) -> None:
-        """MANIFEST.json: size and sha256 of every file, each hashed by the rank that wrote it, written by rank 0.
-        ``distributed``: the ranks' parts are gathered by a collective (sync save); else (async save, in the
-        background thread where no collective may run) rank 0 reads the part each rank wrote into .manifest/."""
-        if distributed:
-            mine = self._own_digests(path)
-            parts: list[dict[str, Any]] = [mine]
-            if self._pg is not None:
-                parts = [{} for _ in range(self.world_size)]
-                dist.all_gather_object(parts, mine, group=self._pg)
-        else:
-            parts = self._collect_parts(path)
-        if self.rank != 0:
-            return
-        entries = {rel: e for part in parts for rel, e in part.items()}
-        hashed_by = {str(r): sum(e["size"] for e in part.values()) for r, part in enumerate(parts)}
-        for rel in sorted(set(files_of(path)) - set(entries)):  # a file no naming rule gave a rank: hash it here
-            entries[rel] = manifest_io.digest(path / rel, checksum=True)
-            hashed_by["0"] += entries[rel]["size"]
-        manifest = {"files": entries, "hashed_by": hashed_by, TENSOR_ENCODING: HashingWriter.ENCODING}
-        atomic_write(path / MANIFEST, json.dumps(manifest, indent=0, sort_keys=True))
-        shutil.rmtree(path / PARTS_DIR, ignore_errors=True)
-
-    def _write_part(self, path: Path, failed: BaseException | None = None) -> None:
-        """Async save, every rank, in the background thread: this rank's digests (or its failure) for rank 0."""
-        name = f"rank-{self.rank:05d}.{'failed' if failed is not None else 'json'}"
-        text = f"{type(failed).__name__}: {failed}" if failed is not None else json.dumps(self._own_digests(path))
-        atomic_write(path / PARTS_DIR / name, text)
-
-    def _collect_parts(self, path: Path) -> list[dict[str, Any]]:
-        """Rank 0, async save: wait for every rank's part (a rank's background thread may finish after ours)."""
-        parts = [path / PARTS_DIR / f"rank-{r:05d}.json" for r in range(self.world_size)]
-        deadline = time.monotonic() + ASYNC_PARTS_TIMEOUT_S
-        while not all(p.is_file() for p in parts):
-            failed = sorted(p.name for p in (path / PARTS_DIR).glob("*.failed"))
-            if failed:
-                raise RuntimeError(f"rank(s) failed to finish their part of the save: {', '.join(failed)}")
-            if time.monotonic() > deadline:
-                missing = [p.name for p in parts if not p.is_file()]
-                raise TimeoutError(f"no part from {', '.join(missing)} after {ASYNC_PARTS_TIMEOUT_S:.0f} s")
-            time.sleep(0.05)
-        return [json.loads(read_record(p)) for p in parts]
-
     def _complete(self, path: Path, step: int, t0: float) -> None:
         if self.rank == 0:
             seconds = time.perf_counter() - t0
             marker = {"step": step, "world_size": self.world_size, "time": time.time(), "save_seconds": seconds}
-            atomic_write(path / MARKER, json.dumps(marker))
+            self.storage.write_marker(path, marker)
             log.info("checkpoint %s complete (%.2fs)", path, seconds)
-            self._prune()
+            prune(self.storage, self.keep_last)
 
     def _finish_async(self, fut: Future[Any], path: Path, step: int, t0: float) -> bool:
         """True when this rank's part of an async save is done (rank 0: manifest and marker written)."""
@@ -431,16 +325,21 @@ class CheckpointManager:
         # every part (ours included) and removed .manifest/: writing it again would put the directory back
         written = (path / PARTS_DIR / f"rank-{self.rank:05d}.json").is_file() or (path / MANIFEST).is_file()
         if err is None and not written:
-            err = error_of(lambda: self._write_part(path))
+            err = error_of(lambda: write_part(path, self.ranks, written_by(self._last_writer)))
         if err is not None:
             log.error(
                 "async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank, describe_error(err)
             )
             with contextlib.suppress(OSError):
-                self._write_part(path, failed=err)  # rank 0 stops waiting for this rank's part
+                write_part(path, self.ranks, {}, failed=err)  # rank 0 stops waiting for this rank's part
             return False
         if self.rank == 0:
-            err = error_of(lambda: (self._write_manifest(path, distributed=False), self._complete(path, step, t0)))
+            err = error_of(
+                lambda: (
+                    write_manifest(path, self.ranks, written_by(self._last_writer), distributed=False),
+                    self._complete(path, step, t0),
+                )
+            )
             if err is not None:
                 log.error("async checkpoint %s failed: %s; it stays incomplete", path, describe_error(err))
                 return False
@@ -500,22 +399,13 @@ class CheckpointManager:
             self._stager.close()
             self._stager = None
 
-    def _prune(self) -> None:
-        complete, incomplete = list_checkpoints(self.root)
-        for _, d in complete[: -self.keep_last]:
-            shutil.rmtree(d, ignore_errors=True)
-        newest = complete[-1][0] if complete else -1
-        for d in incomplete:  # crashed saves older than a complete checkpoint are garbage; damaged ones are kept
-            if step_of(d) < newest and not (d / DAMAGED).exists():
-                shutil.rmtree(d, ignore_errors=True)
-
     # ------------------------------------------------------------------------------------------ collectives
     def _all_ok(self, err: BaseException | None, *, log_error: bool = True) -> bool:
         """Collective: True iff no rank failed; each failure is logged by the rank that had it (unless the caller
         reports it itself)."""
         if err is not None and log_error:
             log.error("rank %d: checkpoint I/O failed: %s", self.rank, describe_error(err))
-        level = 0 if err is None else 1 if is_io_error(err) or self._disk_nearly_full() else 2
+        level = 0 if err is None else 1 if is_io_error(err) or nearly_full(self.storage) else 2
         if self._pg is not None:
             flag = torch.tensor([level])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
@@ -523,78 +413,12 @@ class CheckpointManager:
         self._not_io = level == 2  # some rank's error was not I/O: save() raises on every rank alike
         return level == 0
 
-    def _disk_nearly_full(self) -> bool:
-        """Whatever the error said, a full checkpoint disk makes it a storage problem (< 64 MiB free: a percentage
-        means nothing on a petabyte file system)."""
-        try:
-            usage = shutil.disk_usage(self.root if self.root.exists() else self.root.parent)
-        except OSError:
-            return True  # the storage itself is failing
-        return usage.free < 64 << 20
-
-    def _spread(self, items: list[str], fn: Callable[[str], Any]) -> dict[str, Any]:
-        """{item: fn(item)}, the work split over the ranks (each reads its share once) and gathered to all. A rank
-        runs its share on ``write_threads`` threads: one sha256 thread reads a cold file at ~0.5 of the disk's
-        speed here (hashlib and reads release the GIL, so threads overlap the reading with the hashing)."""
-        share = items[self.rank :: self.world_size]
-        if self.write_threads > 1 and len(share) > 1:
-            with ThreadPoolExecutor(max_workers=min(self.write_threads, len(share))) as pool:
-                mine = dict(zip(share, pool.map(fn, share), strict=True))
-        else:
-            mine = {item: fn(item) for item in share}
-        if self._pg is None:
-            return mine
-        parts: list[dict[str, Any]] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(parts, mine, group=self._pg)
-        return {k: v for part in parts for k, v in part.items()}
-
     # ------------------------------------------------------------------------------------------ load
     def verify(self, path: Path, mode: str | None = None, *, shards: bool = True) -> list[str]:
         """Collective: what is wrong with ``path`` against its manifest (empty = intact). ``mode``: checksum,
         size or none (default: the manager's). ``shards=False``: the DCP shards (``*.distcp``) are checked by size
         only; their sha256 is taken while the load reads them (:class:`HashingReader`, ``shard_verdict``)."""
-        mode = mode or self.verify_mode
-        if mode == "none":
-            return []
-        if not (path / MANIFEST).is_file():  # every save writes one before the marker: it was removed
-            return [f"{MANIFEST}: missing, so nothing in it can be verified (set checkpoint.verify=none to trust it)"]
-        # a read error that says nothing about the file (EIO, MemoryError) is raised as CheckpointUnavailable, after
-        # this rank has taken its part in the collective below (the caller's agreement then stops every rank alike)
-        transient: list[str] = []
-        try:
-            manifest = read_manifest(path / MANIFEST, checksum=mode == "checksum")
-        except ValueError as e:
-            return [f"{MANIFEST}: unparsable ({e})"]
-        except (OSError, MemoryError) as e:
-            if read_kind(e) == READ_DAMAGE:
-                return [f"{MANIFEST}: unreadable ({e})"]
-            manifest, transient = {}, [f"{MANIFEST}: {describe_error(e)}"]
-
-        def digest(rel: str) -> dict[str, Any]:
-            try:
-                checksum = mode == "checksum" and (shards or not is_shard(rel))
-                # a file of another size than the manifest's is damaged whatever its bytes, and may be any size at
-                # all (a sparse terabyte): not hashed
-                checksum = checksum and (path / rel).stat().st_size == manifest[rel]["size"]
-                return manifest_io.digest(path / rel, checksum)
-            except (OSError, MemoryError) as e:
-                return {"missing": True} if read_kind(e) == READ_DAMAGE else {"transient": describe_error(e)}
-
-        present = set(files_of(path))
-        problems = [f"{rel}: missing" for rel in sorted(set(manifest) - present)]
-        found = self._spread(sorted(set(manifest) & present), digest)
-        transient += [f"{rel}: {got['transient']}" for rel, got in sorted(found.items()) if "transient" in got]
-        if transient:
-            raise CheckpointUnavailable(f"reading {path} failed: {'; '.join(transient[:3])}", path=path)
-        for rel, got in sorted(found.items()):
-            want = manifest[rel]
-            if "missing" in got:
-                problems.append(f"{rel}: missing")
-            elif got["size"] != want["size"]:
-                problems.append(f"{rel}: {got['size']} bytes, the manifest says {want['size']} (truncated or altered)")
-            elif mode == "checksum" and "sha256" in got and got["sha256"] != want["sha256"]:
-                problems.append(f"{rel}: sha256 differs from the manifest (altered)")
-        return problems
+        return verify_checkpoint(path, mode or self.verify_mode, shards=shards, ranks=self.ranks)
 
     def resolve(self, resume: str) -> Path | None:
         """``auto`` -> newest complete checkpoint that verifies (damaged ones are skipped, with a warning, for the
@@ -603,15 +427,15 @@ class CheckpointManager:
             return None
         if resume == "auto":
             latest(self.root)  # warns about interrupted saves
-            for _, found in reversed(list_checkpoints(self.root)[0]):
+            for _, found in reversed(self.storage.steps()[0]):
                 path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
                 problems = self.verify(path)
                 if not problems:
                     return path
                 self._demote(path, problems)
-            self._refuse_if_only_damaged()
+            refuse_if_only_damaged(self.storage)
             return None
-        return self._named(Path(resume), "checkpoint.resume")
+        return self.named(Path(resume), "checkpoint.resume")
 
     def _trusted(self, path: Path, key: str) -> Path:
         """Collective: ``path`` with links resolved (what is loaded is what was checked), once nobody but this user,
@@ -620,7 +444,7 @@ class CheckpointManager:
         real = path.resolve()
         if not real.is_dir():
             return path  # nothing to load from; the caller says what is missing
-        problems = [tree_trust_problems(real, self.trusted) if self.rank == 0 else []]
+        problems = [self.storage.trust_problems(real, self.trusted) if self.rank == 0 else []]
         if self._pg is not None:
             dist.broadcast_object_list(problems, src=0, group=self._pg)
         if problems[0]:
@@ -628,14 +452,10 @@ class CheckpointManager:
         return real
 
     def named(self, path: Path, key: str) -> Path:
-        """Collective: ``path`` (links resolved) once it is a trusted, complete and intact checkpoint; ConfigError
-        (UntrustedCheckpoint) naming ``key`` otherwise. For readers outside the trainer (``hpcdist export``)."""
-        return self._named(path, key)
-
-    def _named(self, path: Path, key: str) -> Path:
         """Collective: a checkpoint the config names (``key``) must be trusted, complete and intact: ConfigError
         otherwise (the user's value is wrong, not the program: one message, exit 2; UntrustedCheckpoint when someone
-        else could have written it)."""
+        else could have written it). Also for readers outside the trainer (``hpcdist export``): ``path`` with links
+        resolved."""
         path = self._trusted(path, key)
         if not (path / MARKER).is_file():
             raise ConfigError(
@@ -649,60 +469,15 @@ class CheckpointManager:
             raise ConfigError([f"{key}: {path} is damaged: {'; '.join(problems)}"])
         return path
 
-    def _model_diff(self, metadata: Any, model: dict[str, Any]) -> dict[str, list[str]]:
-        """Collective: this model's weights against the checkpoint's, by name and global shape. ``missing``: here,
-        not saved; ``unexpected``: saved, on no rank here (keys gathered: a pipeline stage holds only its own
-        layers); ``shape``: both, different shapes (DTensor shapes are global, so layouts do not matter), and
-        ``shape_detail`` says how."""
-        saved = {
-            key[len("model.") :]: tuple(meta.size)
-            for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and hasattr(meta, "size")
-        }
-        mine = {
-            k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v)
-            for k, v in model.items()
-            if isinstance(v, (torch.Tensor, tuple))
-        }
-        wanted = set(mine)
-        if self._pg is not None:
-            parts: list[list[str]] = [[] for _ in range(self.world_size)]
-            dist.all_gather_object(parts, sorted(mine), group=self._pg)
-            wanted = {k for part in parts for k in part}
-        return {
-            "missing": sorted(set(mine) - set(saved)),
-            "unexpected": sorted(set(saved) - wanted),
-            "shape": (shape := [k for k, s in sorted(mine.items()) if k in saved and saved[k] != s]),
-            "shape_detail": [f"{k}: checkpoint {list(saved[k])}, this model {list(mine[k])}" for k in shape],
-        }
-
-    def _check_model_shapes(self, path: Path, metadata: Any, model: dict[str, Any]) -> None:
-        """Collective: CheckpointMismatch naming the parameters when the checkpoint's model is not this model.
-
-        Without it a smaller model loaded a bigger one's checkpoint silently (DCP loads only the keys asked for)
-        and a bigger one failed inside DCP with a message that hid the cause."""
-        diff = self._model_diff(metadata, model)
-        problems = [f"{k}: not in the checkpoint" for k in diff["missing"]]
-        problems += [f"{k}: in the checkpoint, not in this model" for k in diff["unexpected"]]
-        problems += diff["shape_detail"]
-        if problems:
-            shown = "; ".join(problems[:3]) + (f"; ... ({len(problems)} in all)" if len(problems) > 3 else "")
-            raise CheckpointMismatch(
-                f"{path} holds a different model ({shown}): model.* must match the run that saved it; use a new "
-                "run.dir (or checkpoint.resume=none) to train this model from scratch, or checkpoint.init_from="
-                f"{path} in a new run.dir to start from its weights",
-                path=path,
-            )
-
     def init_weights(self, path: Path, state: Checkpointable) -> dict[str, list[str]]:
         """Collective: ``checkpoint.init_from``. The model weights of the complete, intact checkpoint ``path`` that
         match this model by name and shape are loaded; everything else keeps its initialization (optimizer,
         schedule, data position and step start fresh). Returns what did not match (missing / unexpected / shape)."""
         self.staging_fence()
-        path = self._named(path, "checkpoint.init_from")
+        path = self.named(path, "checkpoint.init_from")
         model = state.dcp_state()["model"]  # this model's initialized weights, every key: loaded into in place
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
-        diff = self._model_diff(metadata, model)
+        diff = model_diff(metadata, model, self.ranks)
         skip = set(diff["missing"]) | set(diff["shape"])
         matching = {k: v for k, v in model.items() if k not in skip}
         # verified whole by _named: read without hashing, in the encoding its manifest records
@@ -734,7 +509,9 @@ class CheckpointManager:
                         f"{MARKER}"
                     ]
                 )
-            kind, problems = self._read(path, state, saved)
+            kind, problems = _read(
+                path, self.ranks, partial(self.verify, path, shards=False), partial(self.load, path, state), saved
+            )
             if kind == READ_DAMAGE:
                 raise ConfigError(
                     [
@@ -747,77 +524,17 @@ class CheckpointManager:
             self.saved_step = int(saved["step"])
             return path
         latest(self.root)  # warns about interrupted saves
-        for _, found in reversed(list_checkpoints(self.root)[0]):
+        for _, found in reversed(self.storage.steps()[0]):
             path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
-            kind, problems = self._read(path, state, saved)
+            kind, problems = _read(
+                path, self.ranks, partial(self.verify, path, shards=False), partial(self.load, path, state), saved
+            )
             if kind == READ_OK:
                 self.saved_step = int(saved["step"])
                 return path
             self._demote(path, problems[1:] if problems[0] == "verify" else [f"loading failed: {problems[1]}"])
-        self._refuse_if_only_damaged()
+        refuse_if_only_damaged(self.storage)
         return None
-
-    def _refuse_if_only_damaged(self) -> None:
-        """resume=auto found no intact checkpoint: refuse while damaged ones exist, since starting from step 0 would
-        silently drop the progress they hold (none is ever deleted)."""
-        damaged = [d for d in list_checkpoints(self.root)[1] if (d / DAMAGED).is_file()]
-        if damaged:
-            raise ConfigError(
-                [
-                    f"checkpoint.resume=auto: no intact checkpoint in {self.root}, only damaged ones ("
-                    f"{', '.join(d.name for d in damaged)}; the warnings above say which file); nothing was deleted. "
-                    "Set checkpoint.resume=none to start from step 0 anyway (they are kept), or repair one, rename "
-                    f"its {DAMAGED} file back to {MARKER} and set checkpoint.resume=<its path>"
-                ]
-            )
-
-    def _read(self, path: Path, state: Checkpointable, saved: dict[str, Any]) -> tuple[int, list[str]]:
-        """Collective: verify ``path`` and load it into ``state`` (its trainer state into ``saved``). Returns (READ_OK,
-        []) or (READ_DAMAGE, [phase ("verify" / "load"), what is wrong...]), agreed by every rank; raises the mismatch
-        (every rank alike) and, once a transient error outlasted the retries, CheckpointUnavailable."""
-        problems: list[str] = []
-        for delay in (*READ_RETRY_DELAYS_S, None):
-            problems.clear()
-            # the shards' sha256 is taken while the load reads them (each byte read once): here their sizes, and
-            # every other file whole (small; .metadata is unpickled by the load)
-            err = error_of(lambda: problems.extend(self.verify(path, shards=False)))
-            phase = "verify"
-            kind = self._agree(read_kind(err) if err is not None else READ_DAMAGE if problems else READ_OK)
-            if kind == READ_OK:
-                phase = "load"
-                err = error_of(lambda: saved.update(self.load(path, state)))
-                if isinstance(err, ShardsDamaged):  # the shards' verdict, agreed by every rank inside load()
-                    phase = "verify"
-                    problems.extend(err.problems)
-                kind = self._agree(read_kind(err) if err is not None else READ_OK)
-            why = describe_error(err) if err is not None else f"{phase} failed on another rank: see its log"
-            if kind == READ_MISMATCH:
-                if isinstance(err, CheckpointMismatch) and err.path is None:  # the trainer's state knows no path
-                    raise CheckpointMismatch(f"{path}: {err}", path=path, what=err.what) from None
-                if isinstance(err, CheckpointMismatch):
-                    raise err
-                raise CheckpointMismatch(f"{path} does not fit this run (another rank: see its log)", path=path)
-            if kind != READ_TRANSIENT:
-                return kind, ([phase, *problems] if problems else [phase, why]) if kind == READ_DAMAGE else []
-            if delay is None:
-                raise CheckpointUnavailable(
-                    f"checkpoint {path} could not be read ({why}) after {len(READ_RETRY_DELAYS_S)} retries: a storage "
-                    "or memory problem, not a damaged checkpoint, so it is not marked damaged and nothing was "
-                    "changed; run again once the file system (or the node's memory) is healthy",
-                    path=path,
-                )
-            log.warning("reading checkpoint %s failed (%s): trying again in %.1f s", path, why, delay)
-            time.sleep(delay)
-        raise AssertionError("unreachable")
-
-    def _agree(self, kind: int) -> int:
-        """Collective: the worst of every rank's read outcome
-        (READ_OK < READ_DAMAGE < READ_TRANSIENT < READ_MISMATCH)."""
-        if self._pg is None:
-            return kind
-        flag = torch.tensor([kind])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
-        return int(flag)
 
     def _set_aside_newer(self, step: int, resumed: Path | str) -> None:
         """Collective. Resuming an explicitly named step turns back from every newer checkpoint of this run: left as
@@ -825,11 +542,9 @@ class CheckpointManager:
         They are renamed ``step-N.abandoned-<time>``: kept, never resumed or pruned, and said."""
 
         def move() -> None:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            for newer_step, d in list_checkpoints(self.root)[0]:
+            for newer_step, d in self.storage.steps()[0]:
                 if newer_step > step:
-                    aside = d.with_name(f"{d.name}.abandoned-{stamp}")
-                    d.rename(aside)
+                    aside = self.storage.set_aside(d, "abandoned")
                     what = "starts from step 0" if step < 0 else f"turned back from step {newer_step}"
                     log.warning(
                         "checkpoint.resume=%s %s: the %s %s is set aside as %s (kept, never resumed or "
@@ -852,7 +567,7 @@ class CheckpointManager:
         _barrier(self._pg)  # every rank has read the marker before it goes
         if self.rank == 0:
             with contextlib.suppress(OSError):
-                (path / MARKER).rename(path / DAMAGED)
+                self.storage.demote(path)
         _barrier(self._pg)
 
     def load(self, path: Path, state: Checkpointable) -> dict[str, Any]:
@@ -890,8 +605,9 @@ class CheckpointManager:
                 )
             log.warning("%s holds no %r state: it is not restored (starts fresh)", path, part)
             del dest[part]
-        self._check_model_shapes(path, metadata, dest.get("model", {}))
-        self._load_shards(path, dest)
+        check_model_shapes(path, metadata, dest.get("model", {}), self.ranks)
+        self._tainted |= set(dest)  # DCP writes into the live tensors: until the verdict, not trusted
+        _load_shards(path, dest, self.ranks, checksum=self.verify_mode == "checksum")
         state.load_dcp_state(dest)
         state.load_trainer_state(trainer_state)
         state.load_rank_state(own)
@@ -899,40 +615,6 @@ class CheckpointManager:
             set_rng_state(rng)
         self._tainted -= set(dest)  # every part this checkpoint holds replaced what a damaged one left
         return trainer_state
-
-    def _load_shards(self, path: Path, dest: dict[str, Any]) -> None:
-        """Collective: DCP's load of ``dest`` (in place) through a :class:`HashingReader`, then the verdict of the
-        shards this rank owns (``file_owner``: as ``verify`` spreads them), agreed by every rank."""
-        checksum = self.verify_mode == "checksum"
-        manifest = read_manifest(path / MANIFEST, checksum=True) if checksum else {}
-        owners = shard_owners([rel for rel in manifest if is_shard(rel)], self.world_size)
-        mine = sorted(rel for rel, rank in owners.items() if rank == self.rank)
-        reader = HashingReader(str(path), hash_files=set(mine), threads=self.write_threads)
-        planner = DefaultLoadPlanner()
-        self._tainted |= set(dest)  # DCP writes into the live tensors: until the verdict, not trusted
-
-        def load() -> None:
-            reader.encoding = tensor_encoding(path)  # alike on every rank: a bad value fails every rank's load
-            dcp.load(dest, storage_reader=reader, planner=planner)
-
-        with single_process_dcp():
-            failed = error_of(load)
-        # a load that failed is judged too: damage that broke a record (a MemoryError from a garbled size) is
-        # damage, not a transient error to retry; dcp.load fails on every rank alike, so all reach the agreement
-        problems: list[str] = []
-        verdict_err: BaseException | None = None
-        try:
-            problems = shard_verdict(path, manifest, mine, reader.digests)
-        except (OSError, MemoryError) as e:
-            verdict_err = e
-        kind = self._agree(READ_DAMAGE if problems else read_kind(verdict_err) if verdict_err is not None else READ_OK)
-        if kind == READ_DAMAGE:
-            raise ShardsDamaged(problems or ["a shard differs from the manifest (found by another rank: see its log)"])
-        if kind != READ_OK:
-            raise verdict_err or CheckpointUnavailable(f"verifying {path} failed on another rank: see its log", path)
-        if failed is not None:
-            raise failed
-        reader.apply_deferred(planner)  # the pickled entries, now that their files verified
 
 
 def _barrier(group: Any = None) -> None:
@@ -945,3 +627,85 @@ def _test_kill_point(step: int) -> None:
     writing that step's shards and before the manifest and marker (a crash in the middle of a save)."""
     if os.environ.get(KILL_ENV) == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def written_by(writer: HashingWriter | None) -> dict[str, dict[str, Any]]:
+    """The digests ``writer`` took of the shards while it wrote them (none without a writer: an async save's
+    process hashed its own)."""
+    return writer.digests() if writer is not None else {}
+
+
+def _read(
+    path: Path, ranks: Ranks, verify: Callable[[], list[str]], load: Callable[[], dict[str, Any]], saved: dict[str, Any]
+) -> tuple[int, list[str]]:
+    """Collective: ``verify`` (the shards by size) and ``load`` ``path`` (its trainer state into ``saved``), tried again
+    after each of READ_RETRY_DELAYS_S while the error says nothing about the files. Returns (READ_OK,
+    []) or (READ_DAMAGE, [phase ("verify" / "load"), what is wrong...]), agreed by every rank; raises the mismatch
+    (every rank alike) and, once a transient error outlasted the retries, CheckpointUnavailable."""
+    problems: list[str] = []
+    for delay in (*READ_RETRY_DELAYS_S, None):
+        problems.clear()
+        # the shards' sha256 is taken while the load reads them (each byte read once): here their sizes, and
+        # every other file whole (small; .metadata is unpickled by the load)
+        err = error_of(lambda: problems.extend(verify()))
+        phase = "verify"
+        kind = ranks.max(read_kind(err) if err is not None else READ_DAMAGE if problems else READ_OK)
+        if kind == READ_OK:
+            phase = "load"
+            err = error_of(lambda: saved.update(load()))
+            if isinstance(err, ShardsDamaged):  # the shards' verdict, agreed by every rank inside load()
+                phase = "verify"
+                problems.extend(err.problems)
+            kind = ranks.max(read_kind(err) if err is not None else READ_OK)
+        why = describe_error(err) if err is not None else f"{phase} failed on another rank: see its log"
+        if kind == READ_MISMATCH:
+            if isinstance(err, CheckpointMismatch) and err.path is None:  # the trainer's state knows no path
+                raise CheckpointMismatch(f"{path}: {err}", path=path, what=err.what) from None
+            if isinstance(err, CheckpointMismatch):
+                raise err
+            raise CheckpointMismatch(f"{path} does not fit this run (another rank: see its log)", path=path)
+        if kind != READ_TRANSIENT:
+            return kind, ([phase, *problems] if problems else [phase, why]) if kind == READ_DAMAGE else []
+        if delay is None:
+            raise CheckpointUnavailable(
+                f"checkpoint {path} could not be read ({why}) after {len(READ_RETRY_DELAYS_S)} retries: a storage "
+                "or memory problem, not a damaged checkpoint, so it is not marked damaged and nothing was "
+                "changed; run again once the file system (or the node's memory) is healthy",
+                path=path,
+            )
+        log.warning("reading checkpoint %s failed (%s): trying again in %.1f s", path, why, delay)
+        time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def _load_shards(path: Path, dest: dict[str, Any], ranks: Ranks, *, checksum: bool) -> None:
+    """Collective: DCP's load of ``dest`` (in place) through a :class:`HashingReader`, then the verdict of the
+    shards this rank owns (``file_owner``: as ``verify`` spreads them), agreed by every rank."""
+    manifest = read_manifest(path / MANIFEST, checksum=True) if checksum else {}
+    owners = shard_owners([rel for rel in manifest if is_shard(rel)], ranks.world_size)
+    mine = sorted(rel for rel, rank in owners.items() if rank == ranks.rank)
+    reader = HashingReader(str(path), hash_files=set(mine), threads=ranks.threads)
+    planner = DefaultLoadPlanner()
+
+    def load() -> None:
+        reader.encoding = tensor_encoding(path)  # alike on every rank: a bad value fails every rank's load
+        dcp.load(dest, storage_reader=reader, planner=planner)
+
+    with single_process_dcp():
+        failed = error_of(load)
+    # a load that failed is judged too: damage that broke a record (a MemoryError from a garbled size) is
+    # damage, not a transient error to retry; dcp.load fails on every rank alike, so all reach the agreement
+    problems: list[str] = []
+    verdict_err: BaseException | None = None
+    try:
+        problems = shard_verdict(path, manifest, mine, reader.digests)
+    except (OSError, MemoryError) as e:
+        verdict_err = e
+    kind = ranks.max(READ_DAMAGE if problems else read_kind(verdict_err) if verdict_err is not None else READ_OK)
+    if kind == READ_DAMAGE:
+        raise ShardsDamaged(problems or ["a shard differs from the manifest (found by another rank: see its log)"])
+    if kind != READ_OK:
+        raise verdict_err or CheckpointUnavailable(f"verifying {path} failed on another rank: see its log", path)
+    if failed is not None:
+        raise failed
+    reader.apply_deferred(planner)  # the pickled entries, now that their files verified

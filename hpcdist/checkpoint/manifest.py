@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import UntrustedFile, file_sha256, read_bounded
+import torch.distributed as dist
+
+from hpcdist.atomic import UntrustedFile, atomic_write, file_sha256, read_bounded
 from hpcdist.checkpoint.errors import READ_DAMAGE, read_kind
 from hpcdist.checkpoint.names import DAMAGED, MARKER
+from hpcdist.checkpoint.ranks import Ranks
 
 MANIFEST = "MANIFEST.json"
 
@@ -149,3 +154,62 @@ def digest(file: Path, checksum: bool) -> dict[str, Any]:
     if checksum:
         entry["sha256"] = file_sha256(file)
     return entry
+
+
+def own_digests(path: Path, ranks: Ranks, written: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of the files this rank wrote (``file_owner``), the work spread over the ranks as the writing
+    was: the shards' from ``written`` (hashed while DCP wrote them, :class:`HashingWriter`), the few small
+    others read back while they are still in this node's page cache."""
+    return {
+        rel: written[rel] if rel in written else digest(path / rel, checksum=True)
+        for rel in files_of(path)
+        if file_owner(rel, ranks.world_size) == ranks.rank
+    }
+
+
+def write_manifest(path: Path, ranks: Ranks, written: dict[str, dict[str, Any]], *, distributed: bool) -> None:
+    """MANIFEST.json: size and sha256 of every file, each hashed by the rank that wrote it, written by rank 0.
+    ``distributed``: the ranks' parts are gathered by a collective (sync save); else (async save, in the
+    background thread where no collective may run) rank 0 reads the part each rank wrote into .manifest/."""
+    if distributed:
+        mine = own_digests(path, ranks, written)
+        parts: list[dict[str, Any]] = [mine]
+        if ranks.group is not None:
+            parts = [{} for _ in range(ranks.world_size)]
+            dist.all_gather_object(parts, mine, group=ranks.group)
+    else:
+        parts = collect_parts(path, ranks.world_size)
+    if ranks.rank != 0:
+        return
+    entries = {rel: e for part in parts for rel, e in part.items()}
+    hashed_by = {str(r): sum(e["size"] for e in part.values()) for r, part in enumerate(parts)}
+    for rel in sorted(set(files_of(path)) - set(entries)):  # a file no naming rule gave a rank: hash it here
+        entries[rel] = digest(path / rel, checksum=True)
+        hashed_by["0"] += entries[rel]["size"]
+    manifest = {"files": entries, "hashed_by": hashed_by, TENSOR_ENCODING: RAW}
+    atomic_write(path / MANIFEST, json.dumps(manifest, indent=0, sort_keys=True))
+    shutil.rmtree(path / PARTS_DIR, ignore_errors=True)
+
+
+def write_part(
+    path: Path, ranks: Ranks, written: dict[str, dict[str, Any]], failed: BaseException | None = None
+) -> None:
+    """Async save, every rank, in the background thread: this rank's digests (or its failure) for rank 0."""
+    name = f"rank-{ranks.rank:05d}.{'failed' if failed is not None else 'json'}"
+    text = f"{type(failed).__name__}: {failed}" if failed is not None else json.dumps(own_digests(path, ranks, written))
+    atomic_write(path / PARTS_DIR / name, text)
+
+
+def collect_parts(path: Path, world_size: int) -> list[dict[str, Any]]:
+    """Rank 0, async save: wait for every rank's part (a rank's background thread may finish after ours)."""
+    parts = [path / PARTS_DIR / f"rank-{r:05d}.json" for r in range(world_size)]
+    deadline = time.monotonic() + ASYNC_PARTS_TIMEOUT_S
+    while not all(p.is_file() for p in parts):
+        failed = sorted(p.name for p in (path / PARTS_DIR).glob("*.failed"))
+        if failed:
+            raise RuntimeError(f"rank(s) failed to finish their part of the save: {', '.join(failed)}")
+        if time.monotonic() > deadline:
+            missing = [p.name for p in parts if not p.is_file()]
+            raise TimeoutError(f"no part from {', '.join(missing)} after {ASYNC_PARTS_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
+    return [json.loads(read_record(p)) for p in parts]

@@ -16,7 +16,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hpcdist.checkpoint import codec as ckpt_codec
-from hpcdist.checkpoint import manager as checkpoint
 from hpcdist.checkpoint import manifest as ckpt_manifest
 from hpcdist.checkpoint import staging as ckpt_staging
 from hpcdist.checkpoint.manager import CheckpointManager
@@ -227,7 +226,7 @@ def test_an_async_saves_copy_runs_beside_the_next_step_and_holds_the_saved_step(
 
     slow_copy, real_copy = 1.0, ckpt_staging._copy_all
     monkeypatch.setattr(
-        checkpoint, "_copy_all", lambda pairs, stream: (time.sleep(slow_copy), real_copy(pairs, stream))
+        ckpt_staging, "_copy_all", lambda pairs, stream: (time.sleep(slow_copy), real_copy(pairs, stream))
     )
     trainer = Trainer(small_cfg(*over, "checkpoint.async_save=true", run_dir=tmp_path / "async"), env)
     saves: list[float] = []
