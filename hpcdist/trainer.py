@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from hpcdist import config as config_mod
 from hpcdist.checkpoint.errors import CheckpointMismatch
-from hpcdist.checkpoint.local.tier import EXIT_WAIT_S, LocalTier, expand_dir, open_local_dir, run_key
+from hpcdist.checkpoint.local.layout import expand_dir, open_local_dir, run_key
+from hpcdist.checkpoint.local.tier import EXIT_WAIT_S, LocalTier
 from hpcdist.checkpoint.manager import CheckpointManager
 from hpcdist.checkpoint.names import latest, step_of
 from hpcdist.checkpoint.staging import check_staging_memory, staging_estimate

@@ -196,7 +196,7 @@ class CheckpointManager(SavePolicy):
         if self.async_save and ok:
             self.last_ok = True  # so far: its failure shows at wait()
             return path  # the future's callback writes the manifest and the marker
-        ok = ok and phase(lambda: write_manifest(path, self.ranks, written_by(self._last_writer), distributed=True))
+        ok = ok and phase(lambda: self._write_manifest(path, distributed=True))
         ok = ok and phase(lambda: self._complete(path, step, t0))
         if not ok:
             self._abandon(path, step)
@@ -307,6 +307,11 @@ class CheckpointManager(SavePolicy):
         self._last_writer = HashingWriter(str(path), thread_count=self.write_threads)
         return self._last_writer
 
+    def _write_manifest(self, path: Path, *, distributed: bool) -> None:
+        """MANIFEST.json of ``path`` (:func:`~hpcdist.checkpoint.manifest.write_manifest`), with the digests the last
+        sync save's writer took while writing."""
+        write_manifest(path, self.ranks, written_by(self._last_writer), distributed=distributed)
+
     def _complete(self, path: Path, step: int, t0: float) -> None:
         if self.rank == 0:
             seconds = time.perf_counter() - t0
@@ -336,7 +341,7 @@ class CheckpointManager(SavePolicy):
         if self.rank == 0:
             err = error_of(
                 lambda: (
-                    write_manifest(path, self.ranks, written_by(self._last_writer), distributed=False),
+                    self._write_manifest(path, distributed=False),
                     self._complete(path, step, t0),
                 )
             )

@@ -162,7 +162,8 @@ def test_async_staging_threads_keep_to_the_ranks_device(monkeypatch: pytest.Monk
 def test_the_node_local_tier_saves_and_restores_cuda_state(fake_cuda: FakeCuda, tmp_path: Path) -> None:
     """The node-local tier saves synchronously through the same writer: a GPU run's state goes to the node's disk
     and comes back exact, RNG states included."""
-    from hpcdist.checkpoint.local.tier import LocalTier, open_local_dir
+    from hpcdist.checkpoint.local.layout import open_local_dir
+    from hpcdist.checkpoint.local.tier import LocalTier
 
     cfg = {"run": {"dir": str(tmp_path / "run"), "seed": 0}, "model": {"dim": 8}, "data": {}, "parallel": {}}
 

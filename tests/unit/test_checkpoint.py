@@ -24,6 +24,7 @@ from hpcdist.checkpoint.manager import CheckpointManager
 from hpcdist.checkpoint.manifest import MANIFEST
 from hpcdist.checkpoint.names import MARKER, latest, list_checkpoints
 from hpcdist.checkpoint.state import STATE_FILE
+from hpcdist.checkpoint.storage import prune
 from hpcdist.config import ConfigError
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single
@@ -97,7 +98,7 @@ def test_prune_never_deletes_before_newer_complete(tmp_path: Path) -> None:
         if step < 3:
             (d / MARKER).write_text("{}")
     mgr = CheckpointManager(root, rank=0, world_size=1, keep_last=1)
-    mgr._prune()
+    prune(mgr.storage, mgr.keep_last)
     complete, incomplete = list_checkpoints(root)
     # step 3 is incomplete, so step 2 is still the newest usable one and must survive
     assert [s for s, _ in complete] == [2] and [d.name for d in incomplete] == ["step-00000003"]

@@ -14,17 +14,9 @@ import torch
 
 from hpcdist import config as config_mod
 from hpcdist.atomic import file_sha256
-from hpcdist.checkpoint.local.tier import (
-    LocalTier,
-    _Sink,
-    agree_step,
-    expand_dir,
-    open_local_dir,
-    own_dir,
-    peers,
-    rounds,
-    run_key,
-)
+from hpcdist.checkpoint.local.layout import agree_step, expand_dir, open_local_dir, own_dir, peers, rounds, run_key
+from hpcdist.checkpoint.local.tier import LocalTier
+from hpcdist.checkpoint.local.transport import _Sink
 from hpcdist.checkpoint.manifest import MANIFEST
 from hpcdist.checkpoint.names import MARKER, step_name
 from hpcdist.checkpoint.state import Checkpointable

@@ -389,7 +389,7 @@ def predict_13b(
     local_gbps: float,
     save_call_s: float,
 ) -> list[tuple[str, float]]:
-    """Seconds per part of one 13B ZeRO-3 save on 4 nodes x 8 ranks with today's code (hpcdist/checkpoint.py,
+    """Seconds per part of one 13B ZeRO-3 save on 4 nodes x 8 ranks with today's code (hpcdist/checkpoint/,
     parallel/zero.py), a rough model: the checkpoint is ZeRO's fp32 master + AdamW moments (4 + 8 = 12 bytes/param;
     no 16-bit copy, no gather), each rank writing its own 1/32 through DCP. Each rank first copies its share
     device-to-host into its reused pinned staging buffer (assumed 20 GB/s per GPU, all in parallel): with
