@@ -700,7 +700,7 @@ COMMANDS: dict[str, str | Callable[[argparse.Namespace], int]] = {
     "health": "hpcdist.diagnostics.gate:cmd_health",
     "export": "hpcdist.hf.command:cmd_export",
     "import": "hpcdist.hf.command:cmd_import",
-    "checkpoint": "hpcdist.checkpoint_convert:cmd_convert",  # its one action: convert
+    "checkpoint": "hpcdist.checkpoint.convert:cmd_convert",  # its one action: convert
     "generate": "hpcdist.inference:cmd_generate",
     "eval": "hpcdist.inference:cmd_eval",
 }

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hpcdist.checkpoint import STATE_FILE, CheckpointMismatch
+from hpcdist.checkpoint.errors import CheckpointMismatch
+from hpcdist.checkpoint.state import STATE_FILE
 from hpcdist.config import ConfigError, JobConfig
 from hpcdist.config import loader as config_loader
 from hpcdist.config.dataset_meta import load_meta

@@ -24,7 +24,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import EXIT_IO, MARKER, step_dir
+from hpcdist.checkpoint.errors import EXIT_IO
+from hpcdist.checkpoint.names import MARKER, step_dir
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
 from hpcdist.errors import PeerRankDied

@@ -20,16 +20,13 @@ from typing import Any
 import torch.distributed as dist
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import (
-    STATE_FILE,
-    Checkpointable,
-    CheckpointManager,
-    CheckpointMismatch,
-    check_staging_memory,
-    latest,
-    staging_estimate,
-)
-from hpcdist.checkpoint_local import EXIT_WAIT_S, LocalTier, expand_dir, open_local_dir, run_key
+from hpcdist.checkpoint.errors import CheckpointMismatch
+from hpcdist.checkpoint.local.layout import expand_dir, open_local_dir, run_key
+from hpcdist.checkpoint.local.tier import EXIT_WAIT_S, LocalTier
+from hpcdist.checkpoint.manager import CheckpointManager
+from hpcdist.checkpoint.names import latest, step_of
+from hpcdist.checkpoint.staging import check_staging_memory, staging_estimate
+from hpcdist.checkpoint.state import STATE_FILE, Checkpointable
 from hpcdist.config import JobConfig
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.vocab import data_eos
@@ -460,7 +457,7 @@ class Trainer:
         if self.local is None or self.cfg.checkpoint.resume != "auto":
             return None
         shared = latest(self.ckpt.root, warn=False)
-        floor = newer_than + 1 if newer_than is not None else int(shared.name[5:]) if shared else None
+        floor = newer_than + 1 if newer_than is not None else step_of(shared) if shared else None
         path = self.local.restore(self.checkpointable(), floor)
         if path is not None:
             self.ckpt.saved_step = self.ckpt.local_saved_step = self.step  # neither tier saves this step again
@@ -480,7 +477,7 @@ class Trainer:
             if path is None:
                 newest = latest(self.ckpt.root, warn=False)
                 path = self.ckpt.restore(self.cfg.checkpoint.resume, self.checkpointable())
-                if path is not None and self.local is not None and newest and self.step < int(newest.name[5:]):
+                if path is not None and self.local is not None and newest and self.step < step_of(newest):
                     # newer shared checkpoints were damaged: a local step between them and this one is newer
                     path = self._resume_local(newer_than=self.step) or path
                     if self.local.load_failed:  # that load left part of its state: the shared one again, whole

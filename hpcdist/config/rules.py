@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpcdist.checkpoint.names import MARKER
 from hpcdist.config import layout
 from hpcdist.config.layout import STRATEGIES, LayoutKind
 from hpcdist.config.loader import ConfigError, echo
@@ -46,7 +47,6 @@ DATA_SOURCES = ("stdlib", "files", "synthetic")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 PARAM_DTYPES = ("auto", "fp32", "bf16")  # parallel.fsdp.param_dtype: fp16 comes with train.dtype=fp16 only
 LR_SCHEDULES = ("cosine", "linear", "constant")
-CHECKPOINT_MARKER = "COMPLETE"  # hpcdist.checkpoint.MARKER, written last by a save; here: config stays light
 
 # The largest value of every numeric key (the smallest ones are the rules below). A typo (an extra zero, a pasted
 # 400-digit number) then fails at load, naming the key, instead of as an OverflowError in the rules, in torch's
@@ -506,12 +506,12 @@ def _check_checkpoint(cfg: JobConfig, kind: LayoutKind | None, bad_paths: set[st
     return p + _check_local_tier(cfg)
 
 
-LOCAL_DIR_PLACEHOLDERS = ("{job_id}", "{user}", "{host}")  # hpcdist.checkpoint_local.expand_dir fills them
+LOCAL_DIR_PLACEHOLDERS = ("{job_id}", "{user}", "{host}")  # hpcdist.checkpoint.local.expand_dir fills them
 
 
 def _check_local_tier(cfg: JobConfig) -> list[str]:
     """checkpoint.local: the node-local tier. Its directory's disk checks (owner, links, a node-local file system)
-    run on each node at start-up (hpcdist.checkpoint_local.open_local_dir): the login node cannot see it."""
+    run on each node at start-up (hpcdist.checkpoint.local.open_local_dir): the login node cannot see it."""
     loc = cfg.checkpoint.local
     p = _positive_problems(cfg, ["checkpoint.local.keep"])
     p += _positive_problems(cfg, ["checkpoint.local.every_steps", "checkpoint.local.every_minutes"], allow_zero=True)
@@ -598,11 +598,11 @@ def _named_checkpoint(key: str, value: str, alternatives: str) -> list[str]:
     directory like /etc used to pass this rule and fail after the process group existed)."""
     if not Path(value).is_dir():
         return [f"{key}: {echo(value)} is not {alternatives}an existing checkpoint directory (a step-XXXXXXXX)"]
-    if not (Path(value) / CHECKPOINT_MARKER).is_file():
+    if not (Path(value) / MARKER).is_file():
         return [
-            f"{key}: {echo(value)} is not a complete checkpoint (no {CHECKPOINT_MARKER} marker: another kind of "
+            f"{key}: {echo(value)} is not a complete checkpoint (no {MARKER} marker: another kind of "
             "directory, an interrupted save or a damaged one); name a step-XXXXXXXX directory that holds "
-            f"{CHECKPOINT_MARKER}"
+            f"{MARKER}"
         ]
     return []
 

@@ -317,7 +317,7 @@ class ParallelConfig:
 
 @dataclass
 class LocalCheckpointConfig:
-    """The node-local checkpoint tier (``checkpoint.local``, hpcdist.checkpoint_local; docs/FAULTS.md): every
+    """The node-local checkpoint tier (``checkpoint.local``, hpcdist.checkpoint.local; docs/FAULTS.md): every
     rank saves its own shard on its node's disk at its own cadence, each node's files are copied to the next node
     over the job's process group, and a restart takes the newest step complete for every rank (counting those
     copies) when it is newer than the shared checkpoint."""

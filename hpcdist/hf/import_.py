@@ -35,7 +35,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from hpcdist.checkpoint import Checkpointable, CheckpointManager, describe_error, single_process_dcp
+from hpcdist.checkpoint.codec import single_process_dcp
+from hpcdist.checkpoint.errors import describe_error
+from hpcdist.checkpoint.manager import CheckpointManager
+from hpcdist.checkpoint.state import Checkpointable
 from hpcdist.config import ConfigError
 from hpcdist.data.tokenizers import TokenizerError, load_tokenizer
 from hpcdist.hf.convert import fqn_names, fqn_to_hf, from_hf_tensor

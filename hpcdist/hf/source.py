@@ -17,16 +17,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hpcdist.checkpoint import (
-    MARKER,
-    STATE_FILE,
-    CheckpointManager,
-    HashingReader,
-    describe_error,
-    latest,
-    single_process_dcp,
-    tensor_encoding,
-)
+from hpcdist.checkpoint.codec import HashingReader, single_process_dcp
+from hpcdist.checkpoint.errors import describe_error
+from hpcdist.checkpoint.manager import CheckpointManager
+from hpcdist.checkpoint.manifest import tensor_encoding
+from hpcdist.checkpoint.names import MARKER, latest
+from hpcdist.checkpoint.state import STATE_FILE
 from hpcdist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, recorded_tokenizer
 from hpcdist.models.args import ModelArgs
 from hpcdist.rundir import RunDir

@@ -33,7 +33,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         _check_before_torch(cfg)
     except config_mod.ConfigError as e:  # DataError included
         raise _once_per_job(e) from e
-    from hpcdist.checkpoint import CheckpointMismatch, CheckpointUnavailable
+    from hpcdist.checkpoint.errors import CheckpointMismatch, CheckpointUnavailable
     from hpcdist.config import ConfigError
     from hpcdist.fault.nonfinite import NonFiniteError
     from hpcdist.hf.source import ConversionError

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import size_text
+from hpcdist.checkpoint.staging import size_text
 from hpcdist.config import JobConfig
 from hpcdist.config.cluster import ClusterConfig, load_cluster
 from hpcdist.models.args import num_params
@@ -125,7 +125,7 @@ class DryRunReport:
                 f"per node of {ranks} rank(s)"
             )
         loc = self.cfg.checkpoint.local
-        if loc.dir:  # what the node-local tier keeps on each node's disk (hpcdist.checkpoint_local)
+        if loc.dir:  # what the node-local tier keeps on each node's disk (hpcdist.checkpoint.local)
             per_rank = max(4 * c.params + 8 * c.optimizer_params for c in self.counts)
             ranks = min(self.gpus_per_node, self.world_size)
             copies = 2 if self.world_size > ranks else 1  # one node: no peer copies

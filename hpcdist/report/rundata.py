@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.atomic import read_bounded
+from hpcdist.checkpoint.names import MARKER, parse_step
 from hpcdist.fault.failures import read_failures
 from hpcdist.fault.goodput import CATEGORIES, read_goodput, summarize
 from hpcdist.rundir import RunDir
@@ -189,9 +190,6 @@ def _ledger(doc: Any) -> dict[str, Any]:
     return out
 
 
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
 def checkpoint_tiers(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The run's two checkpoint tiers as the run dir knows them: the newest complete shared checkpoint (a step-N
     directory holding COMPLETE, in the directory the node-local tier's record names, else run.dir/checkpoints) and
@@ -213,9 +211,9 @@ def checkpoint_tiers(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         for i, e in enumerate(entries):
             if i > 100_000:
                 break
-            m = _STEP_DIR.match(e.name)
-            if m and e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, "COMPLETE")):
-                steps.append(int(m.group(1)))
+            step = parse_step(e.name)
+            if step is not None and e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, MARKER)):
+                steps.append(step)
     if steps:
         out["shared_step"] = max(steps)
     out["shared_dir"] = str(shared_dir)

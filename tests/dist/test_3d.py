@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import list_checkpoints
+from hpcdist.checkpoint.names import list_checkpoints
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.trainer import Trainer

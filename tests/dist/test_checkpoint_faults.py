@@ -20,7 +20,10 @@ import torch
 
 from hpcdist import config as config_mod
 from hpcdist import run
-from hpcdist.checkpoint import DAMAGED, KILL_ENV, KILL_WRITER_ENV, MANIFEST, MARKER, list_checkpoints
+from hpcdist.checkpoint.codec import KILL_WRITER_ENV
+from hpcdist.checkpoint.manager import KILL_ENV
+from hpcdist.checkpoint.manifest import MANIFEST
+from hpcdist.checkpoint.names import DAMAGED, MARKER, list_checkpoints
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.fault.stop import StopFlag, StopReason
@@ -49,7 +52,7 @@ def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
 
 def _train_and_stage(env: DistEnv, cfg: JobConfig) -> dict:
     """As _train, with the staging need counted at start-up and the bytes the last save staged."""
-    from hpcdist.checkpoint import staging_bytes, staging_estimate
+    from hpcdist.checkpoint.staging import staging_bytes, staging_estimate
 
     trainer = Trainer(cfg, env)
     estimate = staging_estimate(trainer.strategy.model)

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from hpcdist.checkpoint import MARKER
-from hpcdist.checkpoint_local import run_key
+from hpcdist.checkpoint.local.layout import run_key
+from hpcdist.checkpoint.names import MARKER
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.launch.records import checkpoint_tiers_text
@@ -109,12 +109,14 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
 
     import torch
 
-    from hpcdist import checkpoint_local as cl
+    from hpcdist.checkpoint.local import layout as cl_layout
+    from hpcdist.checkpoint.local import tier as cl
+    from hpcdist.checkpoint.local import transport as cl_transport
     from tests.unit.test_checkpoint_local import _State
 
     me = root / f"node{env.rank}"
     tier = cl.LocalTier(
-        cl.open_local_dir(me),
+        cl_layout.open_local_dir(me),
         rank=env.rank,
         world_size=2,
         hosts=["node0", "node1"],
@@ -123,7 +125,7 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
     )
     # step 4's copy is held after its first chunk (512 bytes: a copy of several chunks), until the gate opens;
     # step 6's fails there (a file shorter than listed: the sender's read raises)
-    gate, chunks = threading.Event(), cl._chunks
+    gate, chunks = threading.Event(), cl_transport._chunks
 
     def held(src: Path | None, files: Any) -> Any:
         for i, chunk in enumerate(chunks(src, files)):
@@ -133,7 +135,7 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
                 raise OSError("shorter than listed")
             yield chunk
 
-    cl._chunks, cl.CHUNK = held, 512
+    cl_transport._chunks, cl_transport.CHUNK = held, 512
     st = _State()
     torch.manual_seed(0)  # the same weights on both ranks (the restore below checks them)
     st.w.reset_parameters()
@@ -171,7 +173,7 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
     out["failed_copy_left"] = sorted(p.name for p in copy.glob("step-00000006*"))
     if env.rank == 0:
         out["record_after_failure"] = json.loads(record.read_text())
-    cl._chunks, cl.CHUNK = chunks, 16 << 20
+    cl_transport._chunks, cl_transport.CHUNK = chunks, 16 << 20
 
     # the restart after that kill, on node 1's replacement (its own files gone): step 4 is complete for rank 0
     # only, rank 1's copy of it is a .partial: step 2 resumes, rank 1's files from node 0's copy
@@ -321,7 +323,8 @@ def _prune_fails(env: DistEnv, root: Path, record: Path) -> dict:
     """Two "nodes" save step 2; the prune after its (complete) peer copy fails on rank 0 (its disk errs)."""
     import logging
 
-    from hpcdist import checkpoint_local as cl
+    from hpcdist.checkpoint.local import layout as cl_layout
+    from hpcdist.checkpoint.local import tier as cl
     from tests.unit.test_checkpoint_local import _State
 
     lines: list[str] = []
@@ -334,7 +337,12 @@ def _prune_fails(env: DistEnv, root: Path, record: Path) -> dict:
     logging.getLogger("hpcdist").setLevel(logging.INFO)
     hosts = ["node0", "node1"]
     tier = cl.LocalTier(
-        cl.open_local_dir(root / f"node{env.rank}"), rank=env.rank, world_size=2, hosts=hosts, keep=2, record=record
+        cl_layout.open_local_dir(root / f"node{env.rank}"),
+        rank=env.rank,
+        world_size=2,
+        hosts=hosts,
+        keep=2,
+        record=record,
     )
     if env.rank == 0:
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import RANK_DIR, list_checkpoints
+from hpcdist.checkpoint.names import list_checkpoints
+from hpcdist.checkpoint.state import RANK_DIR
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.models import build_model

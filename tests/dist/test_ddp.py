@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdist.checkpoint import MARKER, list_checkpoints
+from hpcdist.checkpoint.names import MARKER, list_checkpoints
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.trainer import Trainer

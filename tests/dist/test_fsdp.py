@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdist.checkpoint import list_checkpoints
+from hpcdist.checkpoint.names import list_checkpoints
 from hpcdist.config import ConfigError, JobConfig, check_world
 from hpcdist.env import DistEnv
 from hpcdist.inference import load_for_inference

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.checkpoint import list_checkpoints
+from hpcdist.checkpoint.names import list_checkpoints
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.fault.stop import StopReason

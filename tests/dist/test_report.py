@@ -22,7 +22,7 @@ import pytest
 
 from hpcdist import cli
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import KILL_ENV
+from hpcdist.checkpoint.manager import KILL_ENV
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.fault.goodput import mark_attempt_end

@@ -17,8 +17,10 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from hpcdist import checkpoint
-from hpcdist.checkpoint import Checkpointable, CheckpointManager
+from hpcdist.checkpoint import names as ckpt_names
+from hpcdist.checkpoint import staging as ckpt_staging
+from hpcdist.checkpoint.manager import CheckpointManager
+from hpcdist.checkpoint.state import Checkpointable
 from tests.fakecuda.harness import CudaLike, FakeCuda, install
 
 
@@ -70,7 +72,7 @@ def test_a_synchronous_save_of_cuda_tensors_writes_their_values_and_resumes_exac
 ) -> None:
     saved = _cuda_state(1)
     path = CheckpointManager(tmp_path, rank=0, world_size=1, write_threads=threads).save(1, _state(saved, 1))
-    assert path is not None and (path / checkpoint.MARKER).exists()
+    assert path is not None and (path / ckpt_names.MARKER).exists()
     into_cuda = _zeros_like(saved)
     assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", _state(into_cuda)) == path
     assert all(isinstance(v, CudaLike) for v in into_cuda["model"].values())
@@ -88,12 +90,12 @@ def _open_fds() -> int:
 
 
 @contextlib.contextmanager
-def _rank_on_device_3(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeCuda, checkpoint._Staging]]:
+def _rank_on_device_3(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeCuda, ckpt_staging.Staging]]:
     """A rank of an 8-GPU node bound to cuda:3 (an NCCL job: cuda on nccl, the CPU on gloo), with a stager."""
     with install(FakeCuda(8), monkeypatch) as fc:
         fc.nccl_is_fake(monkeypatch)
         dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
-        stager = checkpoint._Staging(threads=3)
+        stager = ckpt_staging.Staging(threads=3)
         try:
             torch.cuda.set_device(3)
             yield fc, stager
@@ -160,7 +162,8 @@ def test_async_staging_threads_keep_to_the_ranks_device(monkeypatch: pytest.Monk
 def test_the_node_local_tier_saves_and_restores_cuda_state(fake_cuda: FakeCuda, tmp_path: Path) -> None:
     """The node-local tier saves synchronously through the same writer: a GPU run's state goes to the node's disk
     and comes back exact, RNG states included."""
-    from hpcdist.checkpoint_local import LocalTier, open_local_dir
+    from hpcdist.checkpoint.local.layout import open_local_dir
+    from hpcdist.checkpoint.local.tier import LocalTier
 
     cfg = {"run": {"dir": str(tmp_path / "run"), "seed": 0}, "model": {"dim": 8}, "data": {}, "parallel": {}}
 

@@ -359,7 +359,7 @@ def test_async_staging_of_a_1_3b_state_holds_a_few_fds_and_nothing_on_the_device
     import shutil
 
     from hpcdist import config as config_mod
-    from hpcdist.checkpoint import _Staging, staging_bytes
+    from hpcdist.checkpoint.staging import Staging, staging_bytes
     from hpcdist.models.llama import build_model
 
     shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
@@ -382,7 +382,7 @@ def test_async_staging_of_a_1_3b_state_holds_a_few_fds_and_nothing_on_the_device
     device_before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fds = _open_fds()
-    stager = _Staging(threads=4)
+    stager = Staging(threads=4)
     try:
         t0 = time.perf_counter()
         staged = stager.stage(state)

@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import MANIFEST, MARKER
+from hpcdist.checkpoint.manifest import MANIFEST
+from hpcdist.checkpoint.names import MARKER
 from tests.conftest import SMALL
 from tests.slurm.conftest import REPO, Cluster, job_info, release_requeue_hold, run_cmd, wait_job
 from tests.slurm.test_train_slurm import step_losses, submit, wait_for_step

@@ -75,7 +75,7 @@ def test_a_killed_hosts_files_come_from_its_peer_then_both_lost_resume_the_share
     _, fetched = _wait_for(out, r"rank 1's files of step (\d+) come from rank 0's node")
     step = int(fetched.group(1))
     assert 5 * (killed // 5) < step <= killed  # newer than the shared checkpoint
-    # the run's own subdirectory of the tier (named from its run dir: hpcdist.checkpoint_local.run_key)
+    # the run's own subdirectory of the tier (named from its run dir: hpcdist.checkpoint.local.run_key)
     _wait_for(
         out, re.escape(f"resumed from {node_a}/") + r"run-[0-9a-f]{16}" + re.escape(f"/rank-00000/step-{step:08d}")
     )

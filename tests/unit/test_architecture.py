@@ -121,9 +121,17 @@ def _edges() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     return graph, lazy
 
 
+# Modules of a package that are their own unit in the package graph: standard-library leaves that layers below
+# their package read (config's rules and the run report read the checkpoint names without the checkpoint code).
+# Each may import only the standard library and LEAF_MAY_IMPORT; its package's __init__ must import nothing.
+LEAF_MODULES = {"hpcdist.checkpoint.names"}
+LEAF_MAY_IMPORT = {"hpcdist.logging_utils"}
+
+
 def _package(module: str) -> str:
-    """hpcdist.launch.task -> hpcdist.launch; hpcdist.run -> hpcdist.run (a top-level module is its own unit)."""
-    return ".".join(module.split(".")[:2])
+    """hpcdist.launch.task -> hpcdist.launch; hpcdist.run -> hpcdist.run (a top-level module is its own unit);
+    a leaf module (LEAF_MODULES) is its own unit too."""
+    return module if module in LEAF_MODULES else ".".join(module.split(".")[:2])
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -199,11 +207,27 @@ def test_no_import_cycle_between_packages() -> None:
     for module, targets in graph.items():
         if module == "hpcdist":
             continue  # the root's lazy hpcdist.submit is a facade, not a dependency of everything below it
+        # a leaf's empty package __init__ (run first by Python, see above) is no dependency on the package
+        leaf_parents = {t.rpartition(".")[0] for t in targets & LEAF_MODULES}
         packages.setdefault(_package(module), set()).update(
-            _package(t) for t in targets if t != "hpcdist" and _package(t) != _package(module)
+            _package(t)
+            for t in targets
+            if t != "hpcdist" and _package(t) != _package(module) and not (t in leaf_parents and not graph[t])
         )
     cycles = _cycles(packages)
     assert not cycles, f"import cycles between packages / top-level modules:\n{_describe(cycles)}"
+
+
+def test_leaf_modules_are_leaves() -> None:
+    """A leaf module (LEAF_MODULES) imports the standard library and LEAF_MAY_IMPORT only, and its package's
+    __init__ imports nothing: a torch-free caller below the package reaches no more than the leaf."""
+    graph, _ = _edges()
+    for leaf in LEAF_MODULES:
+        assert graph[leaf] <= LEAF_MAY_IMPORT | {leaf.rpartition(".")[0]}, (leaf, graph[leaf])
+        assert not graph[leaf.rpartition(".")[0]], leaf.rpartition(".")[0]
+        tree = ast.parse(MODULES[leaf].read_text())
+        third = {n.split(".")[0] for node, _ in _walk(tree) for n in _resolve(leaf, node)} - {"hpcdist", "__future__"}
+        assert third <= set(sys.stdlib_module_names), (leaf, third)
 
 
 def test_function_level_imports_are_optional_dependencies_only() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from hpcdist.checkpoint import CheckpointManager
+from hpcdist.checkpoint.manager import CheckpointManager
 from hpcdist.evaluate import Evaluator
 from hpcdist.fault.hang import HangWatchdog
 from hpcdist.metrics.logger import MetricsLogger

@@ -12,8 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdist import atomic, checkpoint
-from hpcdist.checkpoint import MANIFEST, MARKER, STATE_FILE, CheckpointManager, latest, list_checkpoints
+from hpcdist import atomic
+from hpcdist.checkpoint import codec as ckpt_codec
+from hpcdist.checkpoint import errors as ckpt_errors
+from hpcdist.checkpoint import manager as checkpoint
+from hpcdist.checkpoint import manifest as ckpt_manifest
+from hpcdist.checkpoint import names as ckpt_names
+from hpcdist.checkpoint import staging as ckpt_staging
+from hpcdist.checkpoint import state as ckpt_state
+from hpcdist.checkpoint.manager import CheckpointManager
+from hpcdist.checkpoint.manifest import MANIFEST
+from hpcdist.checkpoint.names import MARKER, latest, list_checkpoints
+from hpcdist.checkpoint.state import STATE_FILE
+from hpcdist.checkpoint.storage import prune
 from hpcdist.config import ConfigError
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single
@@ -87,7 +98,7 @@ def test_prune_never_deletes_before_newer_complete(tmp_path: Path) -> None:
         if step < 3:
             (d / MARKER).write_text("{}")
     mgr = CheckpointManager(root, rank=0, world_size=1, keep_last=1)
-    mgr._prune()
+    prune(mgr.storage, mgr.keep_last)
     complete, incomplete = list_checkpoints(root)
     # step 3 is incomplete, so step 2 is still the newest usable one and must survive
     assert [s for s, _ in complete] == [2] and [d.name for d in incomplete] == ["step-00000003"]
@@ -119,8 +130,8 @@ def test_manifest_round_trip_hashes_like_sha256(tmp_path: Path) -> None:
     assert mgr.verify(d, "checksum") == ["sub/above.bin: sha256 differs from the manifest (altered)"]
 
 
-def _linear_state(model: torch.nn.Module, step: int = 1) -> checkpoint.Checkpointable:
-    return checkpoint.Checkpointable(
+def _linear_state(model: torch.nn.Module, step: int = 1) -> ckpt_state.Checkpointable:
+    return ckpt_state.Checkpointable(
         dcp_state=lambda: {"model": model.state_dict()},
         load_dcp_state=lambda s: None,
         trainer_state=lambda: {"step": step},
@@ -190,12 +201,12 @@ def test_all_checkpoints_damaged_refuses_to_start_fresh_and_deletes_nothing(smal
         single(_train, small_cfg(*over, "train.steps=6"))
     text = str(err.value)
     assert "step-00000002" in text and "step-00000004" in text and "checkpoint.resume=none" in text
-    assert all((cfg.checkpoint_dir / f"step-{s:08d}" / checkpoint.DAMAGED).is_file() for s in (2, 4))
+    assert all((cfg.checkpoint_dir / f"step-{s:08d}" / ckpt_names.DAMAGED).is_file() for s in (2, 4))
 
     # the explicit override starts fresh; the damaged directories survive its saves and its pruning (keep_last=1)
     _, fresh = single(_train, small_cfg(*over, "train.steps=6", "checkpoint.resume=none"))
     assert fresh.resumed_from is None and fresh.step == 6
-    kept = sorted(p.name for p in cfg.checkpoint_dir.iterdir() if (p / checkpoint.DAMAGED).is_file())
+    kept = sorted(p.name for p in cfg.checkpoint_dir.iterdir() if (p / ckpt_names.DAMAGED).is_file())
     assert [name.split(".")[0] for name in kept] == ["step-00000002", "step-00000004"], kept
     assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [6]
     # and a damaged directory is never taken for a complete one again
@@ -264,7 +275,7 @@ def test_a_different_model_is_refused_and_its_checkpoint_kept(small_cfg, change:
     over = ("train.steps=2", "checkpoint.every_steps=2", "train.micro_batch_size=4")
     cfg = small_cfg(*over)
     single(_train, cfg)
-    with pytest.raises(checkpoint.CheckpointMismatch, match="holds a different model") as err:
+    with pytest.raises(ckpt_errors.CheckpointMismatch, match="holds a different model") as err:
         single(_train, small_cfg(*over, "train.steps=4", change))
     assert says in str(err.value) and f"it was saved with {key}" in str(err.value)
     assert "checkpoint.init_from=" in str(err.value)
@@ -324,7 +335,7 @@ def test_init_from_starts_a_different_model_from_the_matching_weights(small_cfg,
     assert "starting fresh from the weights" not in caplog.text
 
 
-def _failing_state(exc: BaseException) -> checkpoint.Checkpointable:
+def _failing_state(exc: BaseException) -> ckpt_state.Checkpointable:
     def trainer_state() -> dict:
         raise exc
 
@@ -336,7 +347,7 @@ def test_a_save_that_fails_with_a_bug_stops_and_a_full_disk_does_not(tmp_path: P
     checkpoint again (every later save hits the same bug): hours of work unprotected. Now only storage errors
     are survived; anything else raises on every rank after the same clean-up."""
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
-    with pytest.raises(checkpoint.CheckpointSaveError, match=r"not I/O .*TypeError: bad field") as err:
+    with pytest.raises(ckpt_errors.CheckpointSaveError, match=r"not I/O .*TypeError: bad field") as err:
         mgr.save(1, _failing_state(TypeError("bad field")))
     assert isinstance(err.value.__cause__, TypeError)
     assert not (tmp_path / "step-00000001").exists()  # cleaned up like any failed save
@@ -431,7 +442,7 @@ def test_a_changed_data_config_is_a_refusal_and_every_checkpoint_stays_complete(
     cfg = small_cfg(*over)
     single(_train, cfg)
     capsys.readouterr()
-    with pytest.raises(checkpoint.CheckpointMismatch) as err:
+    with pytest.raises(ckpt_errors.CheckpointMismatch) as err:
         single(_train, small_cfg(*over, "train.steps=6", change))
     text, out = str(err.value), capsys.readouterr().out
     assert key in text, text
@@ -439,7 +450,7 @@ def test_a_changed_data_config_is_a_refusal_and_every_checkpoint_stays_complete(
     assert "damaged" not in out and "interrupted save" not in out, out[-2000:]
     for step in (2, 4):
         d = cfg.checkpoint_dir / f"step-{step:08d}"
-        assert (d / MARKER).is_file() and not (d / checkpoint.DAMAGED).exists()
+        assert (d / MARKER).is_file() and not (d / ckpt_names.DAMAGED).exists()
 
 
 @pytest.mark.parametrize("error", [OSError(5, "Input/output error"), MemoryError()], ids=["EIO", "MemoryError"])
@@ -468,7 +479,7 @@ def test_a_transient_read_error_is_retried_then_refused_never_recorded_as_damage
         assert resumed.resumed_from == str(newest) and resumed.step == 4
         assert len(calls) == 2 + 2  # two failed reads, then ours and DCP's read of the same metadata
     else:
-        with pytest.raises(checkpoint.CheckpointUnavailable, match=f"{type(error).__name__}.*not marked damaged"):
+        with pytest.raises(ckpt_errors.CheckpointUnavailable, match=f"{type(error).__name__}.*not marked damaged"):
             single(_build, small_cfg(*over))
         assert len(calls) == 4  # one read and three retries, then the refusal; the older step 2 is not tried
         if isinstance(error, OSError):  # through the CLI: one line, exit 74, a record that blames no node
@@ -485,7 +496,7 @@ def test_a_transient_read_error_is_retried_then_refused_never_recorded_as_damage
             assert [(r["kind"], r["blame"]) for r in records] == [("checkpoint", [])], records
     for step in (2, 4):
         d = cfg.checkpoint_dir / f"step-{step:08d}"
-        assert (d / MARKER).is_file() and not (d / checkpoint.DAMAGED).exists()
+        assert (d / MARKER).is_file() and not (d / ckpt_names.DAMAGED).exists()
 
 
 def test_a_dcp_checkpoint_exception_from_init_from_is_one_line_and_recorded(
@@ -544,13 +555,13 @@ def test_the_manifest_hashes_the_shards_while_writing_them(
     (~20% of a 125m save). Now the writer hashes what it writes: no shard is read back, and the digests are the
     files' own."""
     read_back: list[str] = []
-    real = checkpoint._digest
+    real = ckpt_manifest.digest
 
     def counting(file: Path, checksum: bool) -> dict:
         read_back.append(file.name)
         return real(file, checksum)
 
-    monkeypatch.setattr(checkpoint, "_digest", counting)
+    monkeypatch.setattr(ckpt_manifest, "digest", counting)
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, async_save=async_save, write_threads=2)
     path = mgr.save(1, _linear_state(torch.nn.Linear(64, 64)))
     assert path is not None and mgr.wait()
@@ -573,9 +584,9 @@ def test_async_staging_that_cannot_fit_is_refused_at_start_up(small_cfg, monkeyp
     cfg = small_cfg("checkpoint.async_save=true", "train.steps=1", "checkpoint.save_final=false")
     env = from_environ({}, cuda_available=False)
     t = Trainer(cfg, env)  # fits here
-    before = checkpoint.staging_estimate(t.strategy.model)
+    before = ckpt_staging.staging_estimate(t.strategy.model)
     t.train()
-    staged = checkpoint.staging_bytes(t.strategy.dcp_state())  # what a save stages, AdamW's moments now there
+    staged = ckpt_staging.staging_bytes(t.strategy.dcp_state())  # what a save stages, AdamW's moments now there
     assert before >= staged >= 0.97 * before, (before, staged)  # (the estimate counts the RoPE buffers too)
     t.ckpt.close()
 
@@ -584,7 +595,7 @@ def test_async_staging_that_cannot_fit_is_refused_at_start_up(small_cfg, monkeyp
         Trainer(cfg, env)
     (line,) = [ln.strip(" -") for ln in str(e.value).splitlines() if "checkpoint.async_save" in ln]
     assert line.startswith("checkpoint.async_save: staging a checkpoint needs") and "available host memory" in line
-    size = checkpoint.size_text
+    size = ckpt_staging.size_text
     assert f"needs {size(before)} of host memory per rank" in line and f"than the {size(before // 2)} of" in line
 
 
@@ -614,22 +625,22 @@ def test_a_resume_reads_each_shard_once_and_hashes_it_while_loading(small_cfg, m
     hashed by a separate pass, and the digests the load took are the manifest's."""
     _, newest = _two_checkpoints(small_cfg, "checkpoint.write_threads=2")
     hashed_apart: list[str] = []
-    real = checkpoint._digest
+    real = ckpt_manifest.digest
 
     def counting(file: Path, checksum: bool) -> dict:
         if checksum:
             hashed_apart.append(file.name)
         return real(file, checksum)
 
-    monkeypatch.setattr(checkpoint, "_digest", counting)
+    monkeypatch.setattr(ckpt_manifest, "digest", counting)
     readers: list = []
-    real_read = checkpoint.HashingReader.read_data
+    real_read = ckpt_codec.HashingReader.read_data
 
     def spy(self, plan, planner):
         readers.append(self)
         return real_read(self, plan, planner)
 
-    monkeypatch.setattr(checkpoint.HashingReader, "read_data", spy)
+    monkeypatch.setattr(ckpt_codec.HashingReader, "read_data", spy)
     over = ("train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=4")
     resumed = single(_build, small_cfg(*over, "checkpoint.write_threads=2"))
     assert resumed.resumed_from == str(newest) and resumed.step == 4
@@ -662,13 +673,13 @@ def test_a_shard_damaged_inside_a_tensor_is_loaded_then_replaced_whole_by_the_pr
     data[biggest.offset + biggest.length // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     loaded_from: list[str] = []
-    real_read = checkpoint.HashingReader.read_data
+    real_read = ckpt_codec.HashingReader.read_data
 
     def spy(self, plan, planner):
         loaded_from.append(Path(self.path).name)
         return real_read(self, plan, planner)
 
-    monkeypatch.setattr(checkpoint.HashingReader, "read_data", spy)
+    monkeypatch.setattr(ckpt_codec.HashingReader, "read_data", spy)
     capsys.readouterr()
 
     over = ("train.steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=5", "train.micro_batch_size=4")
@@ -689,8 +700,8 @@ def test_a_damaged_load_whose_fallback_lacks_a_part_refuses_rather_than_keep_its
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, keep_last=5)
     weights, moments = torch.zeros(256), torch.zeros(1 << 16)
 
-    def state(with_optim: bool, step: int) -> checkpoint.Checkpointable:
-        return checkpoint.Checkpointable(
+    def state(with_optim: bool, step: int) -> ckpt_state.Checkpointable:
+        return ckpt_state.Checkpointable(
             dcp_state=lambda: {"model": {"w": weights}, **({"optim": {"m": moments}} if with_optim else {})},
             load_dcp_state=lambda s: None,
             trainer_state=lambda: {"step": step},
@@ -710,9 +721,9 @@ def test_a_damaged_load_whose_fallback_lacks_a_part_refuses_rather_than_keep_its
     data[info.offset + info.length // 2] ^= 0x40
     shard.write_bytes(bytes(data))
 
-    with pytest.raises(checkpoint.CheckpointTainted, match="holds no 'optim' state"):
+    with pytest.raises(ckpt_errors.CheckpointTainted, match="holds no 'optim' state"):
         CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", state(True, 0))
-    assert (newest / checkpoint.DAMAGED).is_file() and (tmp_path / "step-00000001" / MARKER).is_file()
+    assert (newest / ckpt_names.DAMAGED).is_file() and (tmp_path / "step-00000001" / MARKER).is_file()
     moments.fill_(7.0)  # a new process: nothing read before; the weights-only checkpoint loads, the moments stay
     assert CheckpointManager(tmp_path, rank=0, world_size=1).restore("auto", state(True, 0)).name == "step-00000001"
     assert bool((moments == 7.0).all())

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from hpcdist import cli
-from hpcdist.checkpoint import MARKER
+from hpcdist.checkpoint.names import MARKER
 from hpcdist.trainer import Trainer
 from tests.conftest import small_config
 from tests.dist.harness import single

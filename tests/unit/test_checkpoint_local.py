@@ -1,4 +1,4 @@
-"""The node-local tier's decisions (hpcdist.checkpoint_local) as pure functions, and its one-process save, checks
+"""The node-local tier's decisions (hpcdist.checkpoint.local) as pure functions, and its one-process save, checks
 and restore: which step a resume agrees on, who keeps whose copy, and what in a node-local directory (another job
 may have used the node) is never trusted."""
 
@@ -14,19 +14,12 @@ import torch
 
 from hpcdist import config as config_mod
 from hpcdist.atomic import file_sha256
-from hpcdist.checkpoint import MANIFEST, MARKER, Checkpointable
-from hpcdist.checkpoint_local import (
-    LocalTier,
-    _Sink,
-    agree_step,
-    expand_dir,
-    open_local_dir,
-    own_dir,
-    peers,
-    rounds,
-    run_key,
-    step_name,
-)
+from hpcdist.checkpoint.local.layout import agree_step, expand_dir, open_local_dir, own_dir, peers, rounds, run_key
+from hpcdist.checkpoint.local.tier import LocalTier
+from hpcdist.checkpoint.local.transport import _Sink
+from hpcdist.checkpoint.manifest import MANIFEST
+from hpcdist.checkpoint.names import MARKER, step_name
+from hpcdist.checkpoint.state import Checkpointable
 from hpcdist.config.loader import ConfigError
 
 

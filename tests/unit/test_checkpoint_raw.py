@@ -15,8 +15,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hpcdist import checkpoint
-from hpcdist.checkpoint import DAMAGED, MANIFEST, MARKER, TENSOR_ENCODING, Checkpointable, CheckpointManager
+from hpcdist.checkpoint import codec as ckpt_codec
+from hpcdist.checkpoint import manifest as ckpt_manifest
+from hpcdist.checkpoint import staging as ckpt_staging
+from hpcdist.checkpoint.manager import CheckpointManager
+from hpcdist.checkpoint.manifest import MANIFEST, TENSOR_ENCODING
+from hpcdist.checkpoint.names import DAMAGED, MARKER
+from hpcdist.checkpoint.state import Checkpointable
 
 
 def _state(tensors: dict[str, dict[str, Any]], step: int = 0) -> Checkpointable:
@@ -80,7 +85,7 @@ def test_a_checkpoint_written_with_torch_save_records_still_loads(tmp_path: Path
     the encoding field. It loads, exactly (the field's absence says torch_save; the bytes are never guessed from)."""
     saved = _tensors(2)
     with monkeypatch.context() as m:  # the writer as it was: DCP's FileSystemWriter's data path
-        m.setattr(checkpoint.HashingWriter, "_write_data", dcp.FileSystemWriter._write_data)
+        m.setattr(ckpt_codec.HashingWriter, "_write_data", dcp.FileSystemWriter._write_data)
         path = CheckpointManager(tmp_path, rank=0, world_size=1).save(1, _state(saved, 1))
     assert path is not None
     manifest = json.loads((path / MANIFEST).read_text())
@@ -154,8 +159,8 @@ def test_staging_copies_on_threads_in_chunks_and_is_exact(monkeypatch: pytest.Mo
     """Issue 28.2: the async save's staging copy runs on several threads, big tensors split in chunks; every kind
     of tensor (bf16, a scalar, an empty one, a non-contiguous view) lands exactly, and a later stage refills the same
     buffers (no new allocation)."""
-    monkeypatch.setattr(checkpoint._Staging, "CHUNK", 256)  # bytes: the 64 x 32 fp32 tensor becomes 32 chunks
-    stager = checkpoint._Staging(threads=3)
+    monkeypatch.setattr(ckpt_staging.Staging, "CHUNK", 256)  # bytes: the 64 x 32 fp32 tensor becomes 32 chunks
+    stager = ckpt_staging.Staging(threads=3)
     try:
         state = _tensors(5)
         state["model"]["t"] = torch.randn(16, 8).t()  # non-contiguous
@@ -180,13 +185,13 @@ def test_staging_buffers_are_allocated_before_the_first_async_save(
     under load for 125m). ``prepare_staging`` allocates them beforehand (the trainer calls it after its first
     optimizer step): the save then allocates nothing, and what it wrote is the state."""
     allocations: list[int] = []
-    real = checkpoint._host_buffers
+    real = ckpt_staging._host_buffers
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         allocations.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "_host_buffers", counting)
+    monkeypatch.setattr(ckpt_staging, "_host_buffers", counting)
     saved = _tensors(6)
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, async_save=True)
     try:
@@ -219,9 +224,9 @@ def test_an_async_saves_copy_runs_beside_the_next_step_and_holds_the_saved_step(
     sync.train()
     sync.ckpt.close()
 
-    slow_copy, real_copy = 1.0, checkpoint._copy_all
+    slow_copy, real_copy = 1.0, ckpt_staging._copy_all
     monkeypatch.setattr(
-        checkpoint, "_copy_all", lambda pairs, stream: (time.sleep(slow_copy), real_copy(pairs, stream))
+        ckpt_staging, "_copy_all", lambda pairs, stream: (time.sleep(slow_copy), real_copy(pairs, stream))
     )
     trainer = Trainer(small_cfg(*over, "checkpoint.async_save=true", run_dir=tmp_path / "async"), env)
     saves: list[float] = []
@@ -262,8 +267,8 @@ def test_an_oversized_record_in_a_checkpoint_is_damage_found_without_reading_it(
     a 1 TB one would have run the node out of memory or time. Now the manifest is read only up to its cap and a file
     whose size differs from the manifest's is not hashed: the step is demoted at once and the previous one loads."""
     reads: list[int] = []
-    real_sha = checkpoint.file_sha256
-    monkeypatch.setattr(checkpoint, "file_sha256", lambda p: (reads.append(Path(p).stat().st_size), real_sha(p))[1])
+    real_sha = ckpt_manifest.file_sha256
+    monkeypatch.setattr(ckpt_manifest, "file_sha256", lambda p: (reads.append(Path(p).stat().st_size), real_sha(p))[1])
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
     first = mgr.save(1, _state(_tensors(1), 1))
     second = mgr.save(2, _state(_tensors(2), 2))

@@ -1,8 +1,8 @@
-"""Issue 28.1: checkpoint shards written and read past the page cache (hpcdist.directio). The bytes are the same as
-a buffered file's at any length, read and seek pattern; a small file, and any file in memory (tmpfs: /dev/shm), is
-written and read buffered; a failed request is raised, not lost; and a real save and load leave none of a big
-shard's pages in the page cache (a buffered save left all of them: the copy through the page cache was what made the
-save CPU-bound)."""
+"""Issue 28.1: checkpoint shards written and read past the page cache (hpcdist.checkpoint.directio). The bytes
+are the same as a buffered file's at any length, read and seek pattern; a small file, and any file in memory
+(tmpfs: /dev/shm), is written and read buffered; a failed request is raised, not lost; and a real save and load
+leave none of a big shard's pages in the page cache (a buffered save left all of them: the copy through the page
+cache was what made the save CPU-bound)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdist import directio
-from hpcdist.checkpoint import Checkpointable, CheckpointManager
+from hpcdist.checkpoint import directio
+from hpcdist.checkpoint.manager import CheckpointManager
+from hpcdist.checkpoint.state import Checkpointable
 
 CHUNK = directio.CHUNK
 

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hpcdist import cli
-from hpcdist.checkpoint import Checkpointable
+from hpcdist.checkpoint.state import Checkpointable
 from hpcdist.config import ConfigError
 from hpcdist.data import ByteTokenizer
 from hpcdist.hf.convert import to_hf_state_dict

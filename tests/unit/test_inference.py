@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from hpcdist import cli
 from hpcdist import config as config_mod
-from hpcdist.checkpoint import HashingReader, single_process_dcp, tensor_encoding
+from hpcdist.checkpoint.codec import HashingReader, single_process_dcp
+from hpcdist.checkpoint.manifest import tensor_encoding
 from hpcdist.config import ConfigError
 from hpcdist.data import TokenDataset, load_tokenizer, prepare_corpus, stdlib_corpus
 from hpcdist.hf.source import ConversionError, find_checkpoint
@@ -188,7 +189,7 @@ def test_load_for_inference_reads_the_model_the_checkpoint_records(run: dict, tm
     """The model's shape comes from the config recorded in the checkpoint, not from a config.yaml edited since (here
     one describing 3 layers beside a 2-layer checkpoint); a checkpoint holding another model than its record says is
     refused naming the parameters."""
-    from hpcdist.checkpoint import CheckpointMismatch
+    from hpcdist.checkpoint.errors import CheckpointMismatch
     from hpcdist.inference import load_weights
     from hpcdist.models import build_model as build
 

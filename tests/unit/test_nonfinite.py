@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdist.checkpoint import list_checkpoints
+from hpcdist.checkpoint.names import list_checkpoints
 from hpcdist.config import ConfigError
 from hpcdist.fault.nonfinite import NonFiniteError
 from hpcdist.trainer import Trainer

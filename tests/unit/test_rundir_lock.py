@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.checkpoint import list_checkpoints
+from hpcdist.checkpoint.names import list_checkpoints
 from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
 from hpcdist.rundir import RunDir
 from tests.conftest import REPO, SMALL

@@ -21,7 +21,9 @@ from typing import Any
 
 import pytest
 
-from hpcdist.checkpoint import DAMAGED, MARKER, STATE_FILE, Checkpointable, CheckpointManager
+from hpcdist.checkpoint.manager import CheckpointManager
+from hpcdist.checkpoint.names import DAMAGED, MARKER
+from hpcdist.checkpoint.state import STATE_FILE, Checkpointable
 from hpcdist.cli import main
 from hpcdist.config import ConfigError
 from hpcdist.config.dirs import tree_trust_problems

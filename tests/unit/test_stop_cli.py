@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.checkpoint import MARKER, list_checkpoints
+from hpcdist.checkpoint.names import MARKER, list_checkpoints
 from tests.conftest import REPO, SMALL
 
 

@@ -54,7 +54,8 @@ thread of its own, and read with ``readinto`` straight into the model's tensor, 
 verified load when the disk is faster than the cores can hash. Issue 28 round 4: the staging copy runs in the
 background beside the next step's forward and backward; the loop waits for it only before its optimizer step
 (``CheckpointManager.staging_fence``). Issue 28 round 5: the shards are written and read past the page cache
-(``hpcdist.directio``, ``O_DIRECT``). On this VM a buffered write or read cost about 1 CPU-s of kernel time per GB
+(``hpcdist.checkpoint.directio``, ``O_DIRECT``).
+On this VM a buffered write or read cost about 1 CPU-s of kernel time per GB
 (``dd conv=fdatasync`` of 4.2 GB: 4.4-10.5 s of system time; ``oflag=direct``: 0.5 s), as much as the sha256 beside
 it: the 350m save was CPU-bound at 0.69-0.97 of dd and the verified load at 0.77-0.97 of a read, and the step after an
 async save took 2.4-2.7x a plain one. With direct I/O (two runs): the save 1.6-2.1x dd through the page cache and
@@ -105,10 +106,12 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)  # noqa: E402
 
-from hpcdist import checkpoint as ckpt_mod  # noqa: E402
 from hpcdist import config as config_mod  # noqa: E402
 from hpcdist.atomic import file_sha256  # noqa: E402
-from hpcdist.checkpoint import CheckpointManager  # noqa: E402
+from hpcdist.checkpoint import manifest as ckpt_manifest  # noqa: E402
+from hpcdist.checkpoint import names as ckpt_names  # noqa: E402
+from hpcdist.checkpoint import staging as ckpt_staging  # noqa: E402
+from hpcdist.checkpoint.manager import CheckpointManager  # noqa: E402
 from hpcdist.config import JobConfig  # noqa: E402
 from hpcdist.config.cluster import load_cluster  # noqa: E402
 from hpcdist.env import destroy_process_group, from_environ, init_process_group  # noqa: E402
@@ -168,7 +171,7 @@ def bracket(before_gbps: float, after_gbps: float) -> float:
 
 def hash_seconds(path: Path) -> float:
     t0 = time.perf_counter()
-    for rel in ckpt_mod._files(path):
+    for rel in ckpt_manifest.files_of(path):
         file_sha256(path / rel)
     return time.perf_counter() - t0
 
@@ -245,13 +248,13 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
     for k in keys:
         out[k] = []
     size = 0
-    size = ckpt_mod.staging_bytes(state.dcp_state())  # the checkpoint's size, near enough, until one is written
+    size = ckpt_staging.staging_bytes(state.dcp_state())  # the checkpoint's size, near enough, until one is written
     for r in range(repeats):
         dd_before, direct_before = dd_write(root, size), dd_write(root, size, direct=True)
         t0 = time.perf_counter()
         path = sync.save(10 + r, state)
         out["sync_save_s"].append(time.perf_counter() - t0)
-        assert path is not None and (path / ckpt_mod.MARKER).is_file()
+        assert path is not None and (path / ckpt_names.MARKER).is_file()
         size = dir_bytes(path)
         out["dd_direct_gbps"].append(bracket(direct_before, dd_write(root, size, direct=True)))
         out["dd_gbps"].append(bracket(dd_before, dd_write(root, size)))
@@ -307,7 +310,7 @@ def _rank_main(rank: int, port: int, preset: str, root: str, q: Any) -> None:
     )
     torch.set_num_threads(1)
     hashed = {"bytes": 0, "seconds": 0.0}
-    digest = ckpt_mod._digest
+    digest = ckpt_manifest.digest
 
     def counting_digest(file: Path, checksum: bool) -> dict[str, Any]:  # what this rank hashes for the manifest
         t0 = time.perf_counter()
@@ -316,7 +319,7 @@ def _rank_main(rank: int, port: int, preset: str, root: str, q: Any) -> None:
         hashed["seconds"] += time.perf_counter() - t0
         return entry
 
-    ckpt_mod._digest = counting_digest  # type: ignore[assignment]
+    ckpt_manifest.digest = counting_digest  # type: ignore[assignment]
     try:
         env = from_environ(cuda_available=False)
         init_process_group(env, timeout_s=600)
@@ -386,7 +389,7 @@ def predict_13b(
     local_gbps: float,
     save_call_s: float,
 ) -> list[tuple[str, float]]:
-    """Seconds per part of one 13B ZeRO-3 save on 4 nodes x 8 ranks with today's code (hpcdist/checkpoint.py,
+    """Seconds per part of one 13B ZeRO-3 save on 4 nodes x 8 ranks with today's code (hpcdist/checkpoint/,
     parallel/zero.py), a rough model: the checkpoint is ZeRO's fp32 master + AdamW moments (4 + 8 = 12 bytes/param;
     no 16-bit copy, no gather), each rank writing its own 1/32 through DCP. Each rank first copies its share
     device-to-host into its reused pinned staging buffer (assumed 20 GB/s per GPU, all in parallel): with

@@ -51,7 +51,8 @@ def _peak() -> int:
 def phase_save(preset: str, out: Path) -> dict[str, Any]:
     import torch
 
-    from hpcdist.checkpoint import Checkpointable, CheckpointManager
+    from hpcdist.checkpoint.manager import CheckpointManager
+    from hpcdist.checkpoint.state import Checkpointable
     from hpcdist.models.args import ModelArgs, load_preset
     from hpcdist.models.llama import build_model
 

@@ -1,0 +1,246 @@
+"""The peer copy's transport: one step directory sent from a node to the next over the job's own ranks, as
+point-to-point messages of at most ``CHUNK`` bytes (memory stays bounded, no ssh), and received into a
+``.partial`` directory whose COMPLETE is written once every byte matched the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcdist.atomic import atomic_write
+from hpcdist.checkpoint.local.layout import FILE_NAME, MAX_FILES, listing, make_room
+from hpcdist.checkpoint.manifest import MANIFEST, read_record
+from hpcdist.checkpoint.names import MARKER, step_name
+from hpcdist.checkpoint.staging import size_text
+from hpcdist.owners import writer_problem
+
+CHUNK = 16 << 20  # bytes per point-to-point message: one send and one receive buffer per rank at a time
+
+
+HEADER_MAX = 1 << 20  # a copy's file list, JSON
+
+
+def _chunks(src: Path | None, files: Sequence[tuple[str, int]]) -> Any:
+    """The files' bytes, concatenated, as views of one uint8 tensor of CHUNK bytes (the last one shorter), read
+    straight into it: the caller sends each view and waits for the send before asking for the next. A file that
+    shrank since it was listed raises OSError (the caller sends zeros in its place; the copy fails its manifest)."""
+    assert src is not None
+    buf = torch.empty(CHUNK, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    fill = 0
+    for name, size in files:
+        with open(src / name, "rb", buffering=0) as f:
+            left = size
+            while left:
+                n = f.readinto(view[fill : fill + min(CHUNK - fill, left)])
+                if not n:
+                    raise OSError(f"{name}: shorter than listed")
+                fill += n
+                left -= n
+                if fill == CHUNK:
+                    yield buf
+                    fill = 0
+    if fill:
+        yield buf[:fill]
+
+
+class _Sink:
+    """The receiving side of one copy: checks the header, writes the announced files into ``<dest>/step-N.partial``
+    (new files, no links followed), hashes them, and at ``finish`` checks them against the manifest that came
+    with them, writes COMPLETE and renames the directory. After a problem it still takes every announced byte
+    (the channel stays in step) and raises at ``finish``."""
+
+    def __init__(self, dest: Callable[[int], Path], header: bytes, total: int, step: int, world_size: int, origin: int):
+        self.error: BaseException | None = None
+        self.files: list[tuple[str, int]] = []
+        self.hashes: dict[str, Any] = {}
+        self._fd: int | None = None
+        self._idx, self._left = 0, 0
+        self.step, self.world_size = step, world_size
+        try:
+            h = json.loads(header)
+            files, want = h["files"], origin
+            origin = h["origin"]
+            if h.get("step") != step or origin != want or not 0 <= origin < world_size:
+                raise ValueError("a header for another step or rank")
+            if not isinstance(files, list) or len(files) > MAX_FILES:
+                raise ValueError("no file list")
+            for name, size in files:
+                if not isinstance(name, str) or not FILE_NAME.match(name) or name in (MARKER, ".", ".."):
+                    raise ValueError(f"a file name {name!r} the tier never writes")
+                if not isinstance(size, int) or size < 0:
+                    raise ValueError(f"{name}: size {size!r}")
+                self.files.append((name, size))
+            if sum(s for _, s in self.files) != total:
+                raise ValueError("the announced sizes do not add up")
+            self.origin = origin
+            self.final = dest(origin) / step_name(step)
+            self.partial = self.final.with_name(self.final.name + ".partial")
+            parent = self.final.parent
+            parent.mkdir(mode=0o700, exist_ok=True)
+            if not stat.S_ISDIR(os.lstat(parent).st_mode) or writer_problem(os.lstat(parent), {os.getuid()}):
+                raise ValueError(f"{parent} is not a directory of yours alone")
+            free = shutil.disk_usage(parent).free
+            if total > free:
+                raise OSError(f"{size_text(total)} to copy, {size_text(free)} free in {parent}")
+            for old in (self.partial, self.final):  # an older copy of this step is never left beside a failed one
+                make_room(old)
+            self.partial.mkdir(mode=0o700)
+            self._next_file()
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.error = e
+
+    def _next_file(self) -> None:
+        while self._idx < len(self.files):
+            name, size = self.files[self._idx]
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+            self._fd = os.open(self.partial / name, flags, 0o600)
+            self.hashes[name] = hashlib.sha256()
+            self._left = size
+            if size:
+                return
+            os.close(self._fd)
+            self._fd = None
+            self._idx += 1
+
+    def write(self, data: Any) -> None:
+        if self.error is not None:
+            return
+        view = memoryview(data).cast("B")
+        try:
+            while len(view):
+                assert self._fd is not None
+                n = min(self._left, len(view))
+                os.write(self._fd, view[:n])  # regular files on a local disk: a short write raises ENOSPC
+                self.hashes[self.files[self._idx][0]].update(view[:n])
+                view, self._left = view[n:], self._left - n
+                if self._left == 0:
+                    os.close(self._fd)
+                    self._fd = None
+                    self._idx += 1
+                    self._next_file()
+        except (OSError, AssertionError) as e:
+            self.error = e
+
+    def finish(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        if self.error is None:
+            try:
+                self._check()
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                self.error = e
+        if self.error is not None:
+            if hasattr(self, "partial"):
+                shutil.rmtree(self.partial, ignore_errors=True)
+            raise self.error
+
+    def _check(self) -> None:
+        manifest = json.loads(read_record(self.partial / MANIFEST))
+        files = manifest["files"]
+        names = {n for n, _ in self.files} - {MANIFEST}
+        if set(files) != names:
+            raise ValueError("the files copied are not the manifest's")
+        for name, size in self.files:
+            if name == MANIFEST:
+                continue
+            if files[name].get("size") != size or files[name].get("sha256") != self.hashes[name].hexdigest():
+                raise ValueError(f"{name}: the copy does not match the manifest")
+        marker = {"step": self.step, "rank": self.origin, "world_size": self.world_size}
+        atomic_write(self.partial / MARKER, json.dumps(marker), durable=False)
+        self.partial.rename(self.final)
+
+
+class PeerTransport:
+    """Sends and receives step directories between this rank and its peers, in rounds: in each, a rank sends at
+    most one directory and receives at most one (``rounds`` pairs them so no rank waits on itself)."""
+
+    def __init__(self, rank: int, world_size: int, group: Any = None):
+        self.rank, self.world_size, self.group = rank, world_size, group
+
+    def exchange(
+        self,
+        step: int,
+        send: tuple[int, int] | None,
+        recv: tuple[int, int] | None,
+        origin: int,
+        source: Callable[[int], Path],
+        dest: Callable[[int], Path],
+        *,
+        restore: bool,
+        group: Any = None,
+    ) -> None:
+        """One round: send one step directory and/or receive one, in chunks. The sender posts every message
+        before waiting for it; the receiver always drains what the sender announced, even after a problem, so the
+        next round's messages stay in step."""
+        g = self.group if group is None else group
+        header, files, src_dir, error = b"", [], None, None
+        if send is not None:
+            try:
+                src_dir = source(origin)
+                files = [(n, s) for n, s in sorted(listing(src_dir).items()) if n != MARKER]
+                header = json.dumps({"origin": origin, "step": step, "files": files}).encode()
+                if len(header) > HEADER_MAX:
+                    raise ValueError(f"a file list of {len(header)} bytes")
+            except (OSError, ValueError) as e:  # announce nothing: the receiver expects nothing more
+                error, header, files = e, b"", []
+        sizes = torch.tensor([len(header), sum(s for _, s in files)], dtype=torch.int64)
+        got = torch.zeros(2, dtype=torch.int64)
+        self._round(g, send, recv, sizes, got)
+        hdr = torch.frombuffer(bytearray(header), dtype=torch.uint8) if header else torch.zeros(0, dtype=torch.uint8)
+        announced = int(got[0]) if recv is not None else 0
+        if recv is not None and not 0 < announced <= HEADER_MAX:  # our own sender never announces more
+            error = error or ValueError(f"rank {recv[0]} sent no file list (its log says why)")
+            announced, recv = 0, None
+        rhdr = torch.zeros(announced, dtype=torch.uint8)
+        self._round(g, send, recv, hdr, rhdr)
+        total = int(got[1]) if recv is not None else 0
+        sink = None
+        if recv is not None:  # whose files may come: the sender's own (a copy), or ours back (a restore)
+            expect = self.rank if restore else recv[0]
+            sink = _Sink(dest, rhdr.numpy().tobytes(), total, step, self.world_size, expect)
+        sent_total = int(sizes[1])
+        sent_chunks = _chunks(src_dir, files) if files else iter(())
+        n_send = -(-sent_total // CHUNK) if send is not None else 0
+        n_recv = -(-total // CHUNK)
+        rbuf: torch.Tensor | None = None
+        for i in range(max(n_send, n_recv)):
+            work = None
+            if send is not None and i < n_send:
+                try:
+                    out = next(sent_chunks)
+                except (OSError, StopIteration) as e:  # a file shrank: zeros keep the receiver in step; its
+                    error = error or e  # manifest check rejects the copy
+                    out = torch.zeros(min(CHUNK, sent_total - i * CHUNK), dtype=torch.uint8)
+                work = dist.isend(out, send[1], group=g)
+            if sink is not None and recv is not None and i < n_recv:
+                if rbuf is None:
+                    rbuf = torch.empty(min(CHUNK, total), dtype=torch.uint8)  # one buffer, reused
+                part = rbuf[: min(CHUNK, total - i * CHUNK)]
+                dist.recv(part, recv[0], group=g)
+                sink.write(part.numpy())
+            if work is not None:
+                work.wait()
+        if sink is not None:
+            sink.finish()  # raises what went wrong on the receiving side
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def _round(
+        g: Any, send: tuple[int, int] | None, recv: tuple[int, int] | None, out: torch.Tensor, into: torch.Tensor
+    ) -> None:
+        work = dist.isend(out, send[1], group=g) if send is not None and out.numel() else None
+        if recv is not None and into.numel():
+            dist.recv(into, recv[0], group=g)
+        if work is not None:
+            work.wait()

@@ -1,0 +1,716 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout of one checkpoint, ``<dir>/step-00001234/``:
+
+    *.distcp, .metadata     model + optimizer shards, written by every rank through DCP
+    trainer_state.json      step, tokens seen, data sampler, LR scheduler (rank 0)
+    rng/rank-00003.pt       each rank's RNG states (plain tensors: loadable with weights_only=True)
+    rank/rank-00003.pt      each rank's own state no other rank holds, when it has some (PowerSGD's error
+                            feedback and P/Q memories); plain tensors too
+    MANIFEST.json           size and sha256 of every file above, each hashed by the rank that wrote it (while the
+                            pages are in its node's cache), written by rank 0; "hashed_by": bytes per rank.
+                            Sync save: the parts are gathered by a collective; async save: each rank leaves its
+                            part in .manifest/ from the background thread, rank 0 merges them
+    COMPLETE                written last, by rank 0, after every rank's shards and the manifest are on disk
+
+A directory without ``COMPLETE`` is a crashed or in-flight save: resume ignores it (with a warning) and
+pruning never deletes a complete checkpoint before a newer one is complete. Resume verifies the newest complete
+checkpoint against its manifest (the shards while the load reads them, :class:`HashingReader`); a damaged one
+(missing, truncated or altered file) is demoted (``COMPLETE`` renamed ``DAMAGED``) with a warning naming the file,
+and the previous one is loaded whole. Damaged directories are never
+deleted: pruning skips them, a new save of the same step moves the old one aside (``step-N.damaged-<time>``), and
+when every checkpoint is damaged resume refuses to start from step 0 unless ``checkpoint.resume=none`` says so.
+Resuming an explicitly named step sets the run's newer checkpoints aside (``step-N.abandoned-<time>``, kept), so a
+later ``auto`` continues from the step the user chose rather than the line they turned back from; ``resume=none``
+(start from step 0) sets every complete checkpoint aside the same way: two lines of training never share the
+``step-N`` names, so a save never replaces and pruning never counts a checkpoint of the other line.
+Only verified damage demotes: a manifest size or hash mismatch, a missing, unparsable or unloadable file. A
+checkpoint that does not fit the config (another model, other data: :class:`CheckpointMismatch`) is refused and
+kept as it is; a read error that says nothing about the file (EIO, ESTALE, a MemoryError) is retried
+(``READ_RETRY_DELAYS_S``) and then refused (:class:`CheckpointUnavailable`), nothing renamed.
+A save that fails (disk full) on any rank is abandoned by all ranks together: its directory is removed and
+training continues. DCP's writer threads' errors are collected (not printed as thread tracebacks) and fail the save.
+
+Loading unpickles parts of a checkpoint (DCP's ``.metadata``), which runs
+any code their writer put there, and the manifest vouches for nothing (whoever plants the files writes it too).
+So before anything of a checkpoint is read, the whole tree is checked (lstat only): every entry owned by this
+user, root or a user in ``checkpoint.trusted_owners``, none writable by others, no link leading out. A checkpoint
+that fails is refused with one message (:class:`UntrustedCheckpoint`), never demoted or skipped: it is not ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from hpcdist.atomic import atomic_write
+from hpcdist.checkpoint.codec import (
+    KILL_WRITER_ENV,
+    HashingReader,
+    HashingWriter,
+    PartSpec,
+    single_process_dcp,
+    writer_thread_errors,
+)
+from hpcdist.checkpoint.errors import (
+    READ_DAMAGE,
+    READ_MISMATCH,
+    READ_OK,
+    READ_TRANSIENT,
+    CheckpointMismatch,
+    CheckpointSaveError,
+    CheckpointTainted,
+    CheckpointUnavailable,
+    ShardsDamaged,
+    UntrustedCheckpoint,
+    describe_error,
+    error_of,
+    is_io_error,
+    read_kind,
+)
+from hpcdist.checkpoint.manifest import (
+    MANIFEST,
+    PARTS_DIR,
+    is_shard,
+    read_manifest,
+    read_record,
+    shard_owners,
+    shard_verdict,
+    tensor_encoding,
+    write_manifest,
+    write_part,
+)
+from hpcdist.checkpoint.names import DAMAGED, MARKER, latest, step_dir, step_of
+from hpcdist.checkpoint.policy import SavePolicy
+from hpcdist.checkpoint.ranks import Ranks
+from hpcdist.checkpoint.staging import SOLO_PROCESS, CheckpointProcess, Staging, checkpoint_process, size_text
+from hpcdist.checkpoint.state import RANK_DIR, STATE_FILE, Checkpointable, rng_state, set_rng_state
+from hpcdist.checkpoint.storage import PosixStorage, Storage, nearly_full, prune, refuse_if_only_damaged
+from hpcdist.checkpoint.verify import check_model_shapes, model_diff, verify_checkpoint
+from hpcdist.config.dirs import trusted_uids
+from hpcdist.config.loader import ConfigError
+from hpcdist.logging_utils import get_logger
+
+KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_kill_point
+READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)  # a transient read error is tried again after each of these, then refused
+log = get_logger(__name__)
+
+
+class CheckpointManager(SavePolicy):
+    """Saves and resumes step-N checkpoints collectively; every rank calls every method. The loop asks it when to
+    save (the cadence it is: :class:`SavePolicy`)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        rank: int,
+        world_size: int,
+        keep_last: int = 3,
+        async_save: bool = False,
+        verify: str = "checksum",
+        write_threads: int = 1,
+        every_steps: int = 0,
+        every_minutes: float = 0.0,
+        save_final: bool = True,
+        total_steps: int | None = None,
+        trusted_owners: Sequence[str] = (),
+        local_every_steps: int = 0,
+        local_every_minutes: float = 0.0,
+        storage: Storage | None = None,
+    ):
+        """The cadence (:class:`SavePolicy`): ``every_steps`` / ``every_minutes`` (0: never), ``save_final`` at
+        ``total_steps`` (train.steps; None: every last step is the run's end), the node-local tier's own."""
+        super().__init__(
+            rank=rank,
+            every_steps=every_steps,
+            every_minutes=every_minutes,
+            save_final=save_final,
+            total_steps=total_steps,
+            local_every_steps=local_every_steps,
+            local_every_minutes=local_every_minutes,
+        )
+        self.root, self.world_size = Path(root), world_size
+        self.storage: Storage = storage if storage is not None else PosixStorage(self.root)
+        self.last_ok = True  # the last save succeeded, as far as the save itself knows (an async one: see wait())
+        self.trusted = trusted_uids(trusted_owners)  # besides this user and root
+        self.keep_last, self.async_save, self.verify_mode = keep_last, async_save, verify
+        self.write_threads = max(1, write_threads)
+        self._pending: Future[bool] | None = None  # an async save's completion: marker written (True) or failed
+        self._pending_path: Path | None = None  # that save's directory
+        self._last_writer: HashingWriter | None = None  # the last sync save's writer: its files' digests
+        self._stager: Staging | None = None  # async save: staging buffers, allocated once, reused
+        self._staged: Future[dict[str, Any]] | None = None  # an async save's copy into them, until staging_fence
+        self._process: CheckpointProcess | None = None  # async save: the process that writes them
+        self._process_failed = False  # the last async save failed in the checkpoint process (wait() restarts it)
+        self._not_io = False  # the last agreement saw an error that is not I/O (save() raises)
+        self._tainted: set[str] = set()  # state parts a load wrote into from a checkpoint that did not verify
+        self._pg = self._async_pg = None
+        if dist.is_initialized():
+            # CPU groups of their own: agreement flags and manifest gathers work on NCCL jobs too; async DCP runs
+            # its collectives in a background thread, and two threads sharing one group deadlock
+            self._pg = dist.new_group(backend="gloo")
+            if async_save:
+                self._async_pg = dist.new_group(backend="gloo")
+        self.ranks = Ranks(rank, world_size, self._pg, self.write_threads)
+
+    # ------------------------------------------------------------------------------------------ save
+    def save(self, step: int, state: Checkpointable) -> Path | None:
+        """Write step-N collectively; None when it failed with an I/O error (disk full, EIO, quota): then the partial
+        directory is removed, every rank logs why, and the previous complete checkpoint stays the resume point.
+        Any other error (a bug: training on would silently never checkpoint again) raises CheckpointSaveError on
+        every rank, after the same clean-up."""
+        self.saving(step)  # checkpoint.every_minutes counts from the start of the last save
+        self.last_ok = False
+        self.wait()  # one save in flight at a time; also makes the previous checkpoint complete
+        path = step_dir(self.root, step)
+        t0 = time.perf_counter()
+        errors: list[BaseException] = []
+
+        def phase(fn: Callable[[], Any]) -> bool:
+            err = error_of(fn)
+            if err is not None:
+                errors.append(err)
+            return self._all_ok(err)
+
+        # every phase ends in an agreement: a rank whose local write failed must not leave the others waiting in
+        # the next collective, and no rank may go on to write a marker for a checkpoint another rank failed
+        ok = phase(lambda: self._prepare(path))
+        ok = ok and phase(lambda: self._write_local(path, state))
+        ok = ok and phase(lambda: self._write_shards(path, state, step, t0))
+        if self.async_save and ok:
+            self.last_ok = True  # so far: its failure shows at wait()
+            return path  # the future's callback writes the manifest and the marker
+        ok = ok and phase(lambda: self._write_manifest(path, distributed=True))
+        ok = ok and phase(lambda: self._complete(path, step, t0))
+        if not ok:
+            self._abandon(path, step)
+            if self._not_io:
+                raise CheckpointSaveError(
+                    f"checkpoint at step {step} failed with an error that is not I/O ("
+                    + (describe_error(errors[0]) if errors else "on another rank: see its log")
+                    + "): stopping rather than training on without checkpoints"
+                ) from (errors[0] if errors else None)
+            return None
+        self.last_ok = True
+        return path
+
+    def _prepare(self, path: Path) -> None:
+        if self.rank == 0:
+            if self.storage.has(path, DAMAGED):  # a demoted checkpoint is evidence: moved aside, never deleted
+                aside = self.storage.set_aside(path, "damaged")
+                log.warning("kept the damaged %s as %s (saving step %s again)", path.name, aside.name, step_of(path))
+            elif self.storage.has(path, MARKER):  # a complete checkpoint is never deleted to make room for a save
+                aside = self.storage.set_aside(path, "abandoned")
+                log.warning("kept the complete %s as %s (saving step %s again)", path.name, aside.name, step_of(path))
+            elif self.storage.exists(path):  # leftover of a crashed save at the same step: never mix old and new
+                shutil.rmtree(path)
+            (path / "rng").mkdir(parents=True)
+            if self.async_save:
+                (path / PARTS_DIR).mkdir()
+
+    def _write_local(self, path: Path, state: Checkpointable) -> None:
+        torch.save(rng_state(), path / "rng" / f"rank-{self.rank:05d}.pt")
+        own = state.rank_state()
+        if own:  # inside the step directory: it counts only once COMPLETE is written after every rank's files
+            (path / RANK_DIR).mkdir(exist_ok=True)
+            torch.save(own, path / RANK_DIR / f"rank-{self.rank:05d}.pt")
+        if self.rank == 0:
+            atomic_write(path / STATE_FILE, json.dumps(state.trainer_state(), indent=1))
+
+    def _write_shards(self, path: Path, state: Checkpointable, step: int, t0: float) -> None:
+        if self.async_save:
+            # wait() must mean "complete", not "shards written": CPython wakes a future's result() waiters before its
+            # done-callbacks run, so waiting on DCP's future would return while the callback still hashes and writes
+            # the marker. The callback resolves a future of our own once it is done, whatever happened.
+            done: Future[bool] = Future()
+
+            def shards_written(fut: Future[Any]) -> None:
+                ok = False
+                # the checkpoint process's save itself failed (not the staging copy, which ran here)
+                self._process_failed = fut.exception() is not None and staged.exception() is None
+                try:
+                    ok = self._finish_async(fut, path, step, t0)
+                finally:
+                    done.set_result(ok)
+
+            # staged into buffers allocated once and reused (shared memory, pinned on CUDA) in the background, while
+            # the next step's forward and backward run; the loop waits for the copy only before its optimizer step
+            # (staging_fence). The checkpoint process serialises, hashes and writes from the buffers once it is done
+            staged = self._staged = self._staging().stage_async(state.dcp_state())
+            if self._process is None:
+                self._process = checkpoint_process(self._async_pg)
+            writer = self._writer(path)
+            kill = os.environ.get(KILL_WRITER_ENV) == str(step)
+            writer.part = PartSpec(self.rank, self.world_size, step if kill else -1, os.getpid())
+            self._pending, self._pending_path = done, path
+            self._process.submit(staged, writer).add_done_callback(shards_written)
+            return
+        with single_process_dcp(), writer_thread_errors() as thread_errors:
+            dcp.save(state.dcp_state(), storage_writer=self._writer(path), planner=state.save_planner)
+        if thread_errors:  # DCP drops a writer thread's failure: its files are missing from the checkpoint
+            raise thread_errors[0]
+        _test_kill_point(step)
+
+    def _staging(self) -> Staging:
+        if self._stager is None:
+            # copy threads: the node's cores shared by its ranks, as the write threads are (at least 2: the copies
+            # wait on memory more than on a core)
+            self._stager = Staging(threads=max(2, self.write_threads))
+        return self._stager
+
+    def staging_fence(self) -> float:
+        """Wait until an async save's copy of the state into the staging buffers is done: seconds waited (0: none in
+        flight). The trainer calls it before every optimizer step, the first thing that changes the state the copy
+        reads; every method that reads or writes the state here calls it too. A failed copy fails that save (it
+        shows at ``wait``), not this call."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return 0.0
+        t0 = time.perf_counter()
+        wait_futures([staged])
+        return time.perf_counter() - t0
+
+    def prepare_staging(self, dcp_state: Callable[[], dict[str, Any]]) -> float:
+        """Async save: allocate and fill the staging buffers now (after the first optimizer step, when the optimizer
+        state exists), so no save pays for it; seconds taken (0: already there, or no async save). Logged: a
+        one-off cost of the run, not of a save. ``dcp_state``: what a save writes (Checkpointable.dcp_state),
+        called only when the buffers are made."""
+        if not self.async_save or (self._stager is not None and self._stager.ready):
+            return 0.0
+        self.staging_fence()
+        stager = self._staging()
+        seconds = stager.prepare(dcp_state())
+        need = stager.bytes()
+        log.info("checkpoint.async_save: %s of staging buffers allocated in %.2f s (once)", size_text(need), seconds)
+        return seconds
+
+    def _writer(self, path: Path) -> HashingWriter:
+        # DCP serializes and writes with one thread by default: 0.29 GB/s here against dd's 1.07 for a 1.5 GB
+        # state; two threads halve the save (tools/bench/checkpoint.py). The writer hashes what it writes, so the
+        # manifest needs no second pass over the shards (docs/CHECKPOINTS.md: that pass was ~20% of a save)
+        self._last_writer = HashingWriter(str(path), thread_count=self.write_threads)
+        return self._last_writer
+
+    def _write_manifest(self, path: Path, *, distributed: bool) -> None:
+        """MANIFEST.json of ``path`` (:func:`~hpcdist.checkpoint.manifest.write_manifest`), with the digests the last
+        sync save's writer took while writing."""
+        write_manifest(path, self.ranks, written_by(self._last_writer), distributed=distributed)
+
+    def _complete(self, path: Path, step: int, t0: float) -> None:
+        if self.rank == 0:
+            seconds = time.perf_counter() - t0
+            marker = {"step": step, "world_size": self.world_size, "time": time.time(), "save_seconds": seconds}
+            self.storage.write_marker(path, marker)
+            log.info("checkpoint %s complete (%.2fs)", path, seconds)
+            prune(self.storage, self.keep_last)
+
+    def _finish_async(self, fut: Future[Any], path: Path, step: int, t0: float) -> bool:
+        """True when this rank's part of an async save is done (rank 0: manifest and marker written)."""
+        # runs in DCP's background thread on every rank once its shards are written (rank 0: and .metadata): each
+        # rank hashes its own files and leaves its part in .manifest/ (no collectives off the main thread); rank 0
+        # merges the parts into MANIFEST.json and writes the marker
+        err = fut.exception()
+        # the checkpoint process writes this rank's part; else hash here. MANIFEST.json there means rank 0 has merged
+        # every part (ours included) and removed .manifest/: writing it again would put the directory back
+        written = (path / PARTS_DIR / f"rank-{self.rank:05d}.json").is_file() or (path / MANIFEST).is_file()
+        if err is None and not written:
+            err = error_of(lambda: write_part(path, self.ranks, written_by(self._last_writer)))
+        if err is not None:
+            log.error(
+                "async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank, describe_error(err)
+            )
+            with contextlib.suppress(OSError):
+                write_part(path, self.ranks, {}, failed=err)  # rank 0 stops waiting for this rank's part
+            return False
+        if self.rank == 0:
+            err = error_of(
+                lambda: (
+                    self._write_manifest(path, distributed=False),
+                    self._complete(path, step, t0),
+                )
+            )
+            if err is not None:
+                log.error("async checkpoint %s failed: %s; it stays incomplete", path, describe_error(err))
+                return False
+        return True
+
+    def _abandon(self, path: Path, step: int) -> None:
+        previous = latest(self.root, warn=False)
+        free = shutil.disk_usage(self.root).free if self.root.exists() else 0
+        log.error(
+            "checkpoint at step %d failed (see the error above; %.1f MB free in %s): the resume point stays %s",
+            step,
+            free / 1e6,
+            self.root,
+            previous or "none (no complete checkpoint)",
+        )
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # frees the space; it never had a marker
+        _barrier(self._pg)
+
+    def wait(self) -> bool:
+        """Block until an async save in flight is complete (manifest and marker on disk) or has failed (logged; its
+        directory is removed, as a failed sync save's is: it never had a marker, and a full disk needs the space).
+        Call before exit, before a requeue and before the next save. Collective: False on every rank if it failed on
+        any; after it every rank sees rank 0's marker."""
+        ok, path = True, None
+        self.staging_fence()
+        if self._pending is not None:
+            ok, path = self._pending.result(), self._pending_path
+            self._pending = None
+        restart, self._process_failed = self._process_failed, False
+        if self._pg is not None:  # agreed, so every rank reports the same outcome (a failed final save's exit status)
+            flag = torch.tensor([0 if ok else 1, int(restart)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+            ok, restart = int(flag[0]) == 0, bool(flag[1])
+        else:
+            _barrier()
+        if restart and self._process is not None:
+            # a failed background write may have killed a checkpoint process or broken their group: every rank
+            # starts new ones at the next save (a fresh port), so that save works
+            self._process.close()
+            if self._process is SOLO_PROCESS.get("process"):
+                del SOLO_PROCESS["process"]
+            self._process = None
+        if not ok and path is not None and self.rank == 0 and not (path / MARKER).exists():
+            shutil.rmtree(path, ignore_errors=True)
+        return ok
+
+    def close(self) -> None:
+        """Collective: wait for an async save in flight, then stop the checkpoint process and free the staging
+        buffers. The manager can still save afterwards (they are made again)."""
+        self.wait()
+        if self._process is not None:
+            if self._process is not SOLO_PROCESS.get("process"):  # a one-process run's is shared: it stays for the next
+                self._process.close()
+            self._process = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    # ------------------------------------------------------------------------------------------ collectives
+    def _all_ok(self, err: BaseException | None, *, log_error: bool = True) -> bool:
+        """Collective: True iff no rank failed; each failure is logged by the rank that had it (unless the caller
+        reports it itself)."""
+        if err is not None and log_error:
+            log.error("rank %d: checkpoint I/O failed: %s", self.rank, describe_error(err))
+        level = 0 if err is None else 1 if is_io_error(err) or nearly_full(self.storage) else 2
+        if self._pg is not None:
+            flag = torch.tensor([level])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
+            level = int(flag)
+        self._not_io = level == 2  # some rank's error was not I/O: save() raises on every rank alike
+        return level == 0
+
+    # ------------------------------------------------------------------------------------------ load
+    def verify(self, path: Path, mode: str | None = None, *, shards: bool = True) -> list[str]:
+        """Collective: what is wrong with ``path`` against its manifest (empty = intact). ``mode``: checksum,
+        size or none (default: the manager's). ``shards=False``: the DCP shards (``*.distcp``) are checked by size
+        only; their sha256 is taken while the load reads them (:class:`HashingReader`, ``shard_verdict``)."""
+        return verify_checkpoint(path, mode or self.verify_mode, shards=shards, ranks=self.ranks)
+
+    def resolve(self, resume: str) -> Path | None:
+        """``auto`` -> newest complete checkpoint that verifies (damaged ones are skipped, with a warning, for the
+        previous one) or None; ``none`` -> None; else that directory (must be complete and intact)."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            latest(self.root)  # warns about interrupted saves
+            for _, found in reversed(self.storage.steps()[0]):
+                path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
+                problems = self.verify(path)
+                if not problems:
+                    return path
+                self._demote(path, problems)
+            refuse_if_only_damaged(self.storage)
+            return None
+        return self.named(Path(resume), "checkpoint.resume")
+
+    def _trusted(self, path: Path, key: str) -> Path:
+        """Collective: ``path`` with links resolved (what is loaded is what was checked), once nobody but this user,
+        root or a trusted owner can have written anything in it; UntrustedCheckpoint (the same on every rank)
+        otherwise. Rank 0 walks the tree alone (stat only) and tells the others: one walk per job, not per rank."""
+        real = path.resolve()
+        if not real.is_dir():
+            return path  # nothing to load from; the caller says what is missing
+        problems = [self.storage.trust_problems(real, self.trusted) if self.rank == 0 else []]
+        if self._pg is not None:
+            dist.broadcast_object_list(problems, src=0, group=self._pg)
+        if problems[0]:
+            raise UntrustedCheckpoint(key, path, problems[0])
+        return real
+
+    def named(self, path: Path, key: str) -> Path:
+        """Collective: a checkpoint the config names (``key``) must be trusted, complete and intact: ConfigError
+        otherwise (the user's value is wrong, not the program: one message, exit 2; UntrustedCheckpoint when someone
+        else could have written it). Also for readers outside the trainer (``hpcdist export``): ``path`` with links
+        resolved."""
+        path = self._trusted(path, key)
+        if not (path / MARKER).is_file():
+            raise ConfigError(
+                [
+                    f"{key}: {path} has no {MARKER} marker: it is not a checkpoint, or an incomplete one "
+                    "that cannot be trusted; name a step-XXXXXXXX directory holding COMPLETE"
+                ]
+            )
+        problems = self.verify(path)
+        if problems:
+            raise ConfigError([f"{key}: {path} is damaged: {'; '.join(problems)}"])
+        return path
+
+    def init_weights(self, path: Path, state: Checkpointable) -> dict[str, list[str]]:
+        """Collective: ``checkpoint.init_from``. The model weights of the complete, intact checkpoint ``path`` that
+        match this model by name and shape are loaded; everything else keeps its initialization (optimizer,
+        schedule, data position and step start fresh). Returns what did not match (missing / unexpected / shape)."""
+        self.staging_fence()
+        path = self.named(path, "checkpoint.init_from")
+        model = state.dcp_state()["model"]  # this model's initialized weights, every key: loaded into in place
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        diff = model_diff(metadata, model, self.ranks)
+        skip = set(diff["missing"]) | set(diff["shape"])
+        matching = {k: v for k, v in model.items() if k not in skip}
+        # verified whole by _named: read without hashing, in the encoding its manifest records
+        reader = HashingReader(str(path), hash_files=set(), threads=self.write_threads, encoding=tensor_encoding(path))
+        with single_process_dcp():
+            dcp.load({"model": matching}, storage_reader=reader)
+        state.load_dcp_state({"model": model})
+        return diff
+
+    def restore(self, resume: str, state: Checkpointable) -> Path | None:
+        """Collective: the checkpoint ``resume`` names (``auto``: the newest that verifies and loads) restored into
+        ``state``, or None (start fresh). Only verified damage (manifest mismatch, a missing, unparsable or
+        unloadable file) demotes a checkpoint under ``auto`` and the previous one is tried; an explicitly named one
+        that is damaged raises ConfigError. A mismatch with the config raises CheckpointMismatch, a read error that
+        persists through the retries CheckpointUnavailable: both leave every checkpoint as it is. ``none`` sets the
+        run's complete checkpoints aside (kept) and starts fresh."""
+        self.staging_fence()  # an async save's copy reads the state this writes into
+        if resume == "none":
+            self._set_aside_newer(-1, "none")  # step 0: every complete checkpoint is of another line of training
+            return None
+        saved: dict[str, Any] = {}  # the trainer state of the checkpoint loaded
+        if resume != "auto":
+            path = self._trusted(Path(resume), "checkpoint.resume")
+            if not (path / MARKER).is_file():
+                raise ConfigError(
+                    [
+                        f"checkpoint.resume: {path} has no {MARKER} marker: it is not a checkpoint, or an "
+                        "incomplete one that cannot be trusted; name a step-XXXXXXXX directory holding "
+                        f"{MARKER}"
+                    ]
+                )
+            kind, problems = _read(
+                path, self.ranks, partial(self.verify, path, shards=False), partial(self.load, path, state), saved
+            )
+            if kind == READ_DAMAGE:
+                raise ConfigError(
+                    [
+                        f"checkpoint.resume: {path} "
+                        + ("is damaged: " if problems[0] != "load" else "cannot be loaded: ")
+                        + "; ".join(problems[1:])
+                    ]
+                )
+            self._set_aside_newer(int(saved["step"]), path)
+            self.saved_step = int(saved["step"])
+            return path
+        latest(self.root)  # warns about interrupted saves
+        for _, found in reversed(self.storage.steps()[0]):
+            path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
+            kind, problems = _read(
+                path, self.ranks, partial(self.verify, path, shards=False), partial(self.load, path, state), saved
+            )
+            if kind == READ_OK:
+                self.saved_step = int(saved["step"])
+                return path
+            self._demote(path, problems[1:] if problems[0] == "verify" else [f"loading failed: {problems[1]}"])
+        refuse_if_only_damaged(self.storage)
+        return None
+
+    def _set_aside_newer(self, step: int, resumed: Path | str) -> None:
+        """Collective. Resuming an explicitly named step turns back from every newer checkpoint of this run: left as
+        they are, the next ``checkpoint.resume=auto`` (a requeue, a rerun) would jump back to that abandoned line.
+        They are renamed ``step-N.abandoned-<time>``: kept, never resumed or pruned, and said."""
+
+        def move() -> None:
+            for newer_step, d in self.storage.steps()[0]:
+                if newer_step > step:
+                    aside = self.storage.set_aside(d, "abandoned")
+                    what = "starts from step 0" if step < 0 else f"turned back from step {newer_step}"
+                    log.warning(
+                        "checkpoint.resume=%s %s: the %s %s is set aside as %s (kept, never resumed or "
+                        "pruned; rename it back to resume that line)",
+                        resumed,
+                        what,
+                        "earlier run's" if step < 0 else "newer",
+                        d.name,
+                        aside.name,
+                    )
+
+        _barrier(self._pg)  # every rank has finished reading before rank 0 renames
+        err = error_of(move) if self.rank == 0 else None
+        if not self._all_ok(err):
+            raise RuntimeError(f"could not set aside the checkpoints newer than step {step} in {self.root}")
+
+    def _demote(self, path: Path, problems: list[str]) -> None:
+        """A damaged checkpoint is never a resume candidate again: its marker is renamed (files kept to inspect)."""
+        log.warning("checkpoint %s is damaged, using the previous complete one: %s", path, "; ".join(problems))
+        _barrier(self._pg)  # every rank has read the marker before it goes
+        if self.rank == 0:
+            with contextlib.suppress(OSError):
+                self.storage.demote(path)
+        _barrier(self._pg)
+
+    def load(self, path: Path, state: Checkpointable) -> dict[str, Any]:
+        """Collective: restore ``path`` into ``state``; the trainer state as saved. Raises on any problem; the
+        per-rank files are read first, so a rank that fails there fails before the collective part.
+
+        With ``verify=checksum`` the shards are hashed while DCP reads them (:class:`HashingReader`: each byte read
+        once) and their verdict is agreed by every rank after DCP's read and before anything is applied: the
+        trainer state, the RNG, a rank's own state and the pickled (non-tensor) entries of the optimizer state are
+        taken only from a checkpoint that verified. Damage raises :class:`ShardsDamaged` on every rank; the DCP
+        tensors of ``state`` then hold values of the damaged checkpoint, so the caller loads another checkpoint
+        whole (a part it lacks refuses, :class:`CheckpointTainted`) or stops."""
+        self.staging_fence()
+        trainer_state = json.loads(read_record(path / STATE_FILE))
+        if not isinstance(trainer_state, dict):
+            raise ValueError(f"{STATE_FILE} holds {type(trainer_state).__name__}, not the trainer's state")
+        rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
+        # absent when resuming on more ranks than saved: those ranks keep their seeded RNG
+        rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
+        own_file = path / RANK_DIR / f"rank-{self.rank:05d}.pt"
+        # a rank's own state (PowerSGD's error feedback) belongs to that rank of that world: on another world size
+        # every rank starts it fresh
+        same_world = trainer_state.get("world_size") == self.world_size
+        own = torch.load(own_file, weights_only=True) if same_world and own_file.is_file() else {}
+        dest = state.dcp_state()
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+        for part in [k for k in dest if k not in saved]:  # e.g. a weights-only checkpoint has no "optim"
+            if part in self._tainted:
+                raise CheckpointTainted(
+                    f"{path} holds no {part!r} state, and this process's {part!r} state holds values read from a "
+                    "checkpoint found damaged after the load read it: start the run again (the damaged one is "
+                    f"marked {DAMAGED} now, so the new process resumes from {path.name} with a fresh {part!r} state)",
+                    path=path,
+                )
+            log.warning("%s holds no %r state: it is not restored (starts fresh)", path, part)
+            del dest[part]
+        check_model_shapes(path, metadata, dest.get("model", {}), self.ranks)
+        self._tainted |= set(dest)  # DCP writes into the live tensors: until the verdict, not trusted
+        _load_shards(path, dest, self.ranks, checksum=self.verify_mode == "checksum")
+        state.load_dcp_state(dest)
+        state.load_trainer_state(trainer_state)
+        state.load_rank_state(own)
+        if rng is not None:
+            set_rng_state(rng)
+        self._tainted -= set(dest)  # every part this checkpoint holds replaced what a damaged one left
+        return trainer_state
+
+
+def _barrier(group: Any = None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _test_kill_point(step: int) -> None:
+    """Fault injection for the tests: with HPCDIST_TEST_KILL_IN_SAVE=<step>, every rank SIGKILLs itself after
+    writing that step's shards and before the manifest and marker (a crash in the middle of a save)."""
+    if os.environ.get(KILL_ENV) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def written_by(writer: HashingWriter | None) -> dict[str, dict[str, Any]]:
+    """The digests ``writer`` took of the shards while it wrote them (none without a writer: an async save's
+    process hashed its own)."""
+    return writer.digests() if writer is not None else {}
+
+
+def _read(
+    path: Path, ranks: Ranks, verify: Callable[[], list[str]], load: Callable[[], dict[str, Any]], saved: dict[str, Any]
+) -> tuple[int, list[str]]:
+    """Collective: ``verify`` (the shards by size) and ``load`` ``path`` (its trainer state into ``saved``), tried again
+    after each of READ_RETRY_DELAYS_S while the error says nothing about the files. Returns (READ_OK,
+    []) or (READ_DAMAGE, [phase ("verify" / "load"), what is wrong...]), agreed by every rank; raises the mismatch
+    (every rank alike) and, once a transient error outlasted the retries, CheckpointUnavailable."""
+    problems: list[str] = []
+    for delay in (*READ_RETRY_DELAYS_S, None):
+        problems.clear()
+        # the shards' sha256 is taken while the load reads them (each byte read once): here their sizes, and
+        # every other file whole (small; .metadata is unpickled by the load)
+        err = error_of(lambda: problems.extend(verify()))
+        phase = "verify"
+        kind = ranks.max(read_kind(err) if err is not None else READ_DAMAGE if problems else READ_OK)
+        if kind == READ_OK:
+            phase = "load"
+            err = error_of(lambda: saved.update(load()))
+            if isinstance(err, ShardsDamaged):  # the shards' verdict, agreed by every rank inside load()
+                phase = "verify"
+                problems.extend(err.problems)
+            kind = ranks.max(read_kind(err) if err is not None else READ_OK)
+        why = describe_error(err) if err is not None else f"{phase} failed on another rank: see its log"
+        if kind == READ_MISMATCH:
+            if isinstance(err, CheckpointMismatch) and err.path is None:  # the trainer's state knows no path
+                raise CheckpointMismatch(f"{path}: {err}", path=path, what=err.what) from None
+            if isinstance(err, CheckpointMismatch):
+                raise err
+            raise CheckpointMismatch(f"{path} does not fit this run (another rank: see its log)", path=path)
+        if kind != READ_TRANSIENT:
+            return kind, ([phase, *problems] if problems else [phase, why]) if kind == READ_DAMAGE else []
+        if delay is None:
+            raise CheckpointUnavailable(
+                f"checkpoint {path} could not be read ({why}) after {len(READ_RETRY_DELAYS_S)} retries: a storage "
+                "or memory problem, not a damaged checkpoint, so it is not marked damaged and nothing was "
+                "changed; run again once the file system (or the node's memory) is healthy",
+                path=path,
+            )
+        log.warning("reading checkpoint %s failed (%s): trying again in %.1f s", path, why, delay)
+        time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def _load_shards(path: Path, dest: dict[str, Any], ranks: Ranks, *, checksum: bool) -> None:
+    """Collective: DCP's load of ``dest`` (in place) through a :class:`HashingReader`, then the verdict of the
+    shards this rank owns (``file_owner``: as ``verify`` spreads them), agreed by every rank."""
+    manifest = read_manifest(path / MANIFEST, checksum=True) if checksum else {}
+    owners = shard_owners([rel for rel in manifest if is_shard(rel)], ranks.world_size)
+    mine = sorted(rel for rel, rank in owners.items() if rank == ranks.rank)
+    reader = HashingReader(str(path), hash_files=set(mine), threads=ranks.threads)
+    planner = DefaultLoadPlanner()
+
+    def load() -> None:
+        reader.encoding = tensor_encoding(path)  # alike on every rank: a bad value fails every rank's load
+        dcp.load(dest, storage_reader=reader, planner=planner)
+
+    with single_process_dcp():
+        failed = error_of(load)
+    # a load that failed is judged too: damage that broke a record (a MemoryError from a garbled size) is
+    # damage, not a transient error to retry; dcp.load fails on every rank alike, so all reach the agreement
+    problems: list[str] = []
+    verdict_err: BaseException | None = None
+    try:
+        problems = shard_verdict(path, manifest, mine, reader.digests)
+    except (OSError, MemoryError) as e:
+        verdict_err = e
+    kind = ranks.max(READ_DAMAGE if problems else read_kind(verdict_err) if verdict_err is not None else READ_OK)
+    if kind == READ_DAMAGE:
+        raise ShardsDamaged(problems or ["a shard differs from the manifest (found by another rank: see its log)"])
+    if kind != READ_OK:
+        raise verdict_err or CheckpointUnavailable(f"verifying {path} failed on another rank: see its log", path)
+    if failed is not None:
+        raise failed
+    reader.apply_deferred(planner)  # the pickled entries, now that their files verified
