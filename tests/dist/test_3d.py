@@ -212,7 +212,7 @@ def test_checkpoint_resumes_exactly_and_reshards(small_cfg, tmp_path: Path) -> N
     - at (pp=1, dp=4, tp=2), (pp=2, dp=1, tp=1), on one rank (3d) and under DDP: losses and final parameters equal
       the uninterrupted run's within round-off, and across the layout change every sample id of the 2N global
       batches is read exactly once, in the uninterrupted run's order."""
-    n = 3
+    n = 2  # a checkpoint after warmup and two steps past it: the same save, reshard and data-order paths as 3
     over = (f"train.steps={2 * n}", *BASE, "train.micro_batch_size=1")
     # interleaved: two stages per rank, so the checkpoint comes from the multi-stage view (model_view)
     world, saved_at = _layout(8, 2, 2, 2, "parallel.pp_schedule=Interleaved1F1B")

@@ -28,6 +28,7 @@ from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.trainer import Trainer
+from tests.conftest import small_config
 from tests.dist.harness import free_port, run_ranks
 
 pytestmark = pytest.mark.dist
@@ -50,6 +51,13 @@ def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
     return {"losses": result.losses, "resumed": result.resumed_from, "step": result.step}
 
 
+@pytest.fixture(scope="module")
+def straight(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The undisturbed 2-rank run of OVER, trained once per module: the fault tests that compare losses with it only
+    read it (it was retrained for each)."""
+    return run_ranks(2, _train, small_config(tmp_path_factory.mktemp("straight") / "run", corpus_dir, *OVER))[0]
+
+
 def _train_and_stage(env: DistEnv, cfg: JobConfig) -> dict:
     """As _train, with the staging need counted at start-up and the bytes the last save staged."""
     from hpcdist.checkpoint.staging import staging_bytes, staging_estimate
@@ -66,10 +74,9 @@ def _shard(ckpt: Path) -> Path:
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip-byte", "delete"])
-def test_damaged_newest_checkpoint_falls_back(small_cfg, tmp_path, capfd, damage: str) -> None:
+def test_damaged_newest_checkpoint_falls_back(small_cfg, straight: dict, tmp_path, capfd, damage: str) -> None:
     """Damage one shard of step 6; a resumed 8-step run must load step 4 (warning names the file), demote step 6,
     and redo steps 5-8 exactly like the straight run."""
-    straight = run_ranks(2, _train, small_cfg(*OVER, run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*OVER, run_dir=tmp_path / "run")
     run_ranks(2, _train, cfg, 6)
     newest = cfg.checkpoint_dir / "step-00000006"
@@ -106,10 +113,9 @@ def test_explicit_resume_of_a_damaged_checkpoint_is_refused(small_cfg, tmp_path)
         run_ranks(2, _train, small_cfg(*OVER, f"checkpoint.resume={ckpt}", run_dir=tmp_path / "again"))
 
 
-def test_killed_during_save_resumes_from_previous(small_cfg, tmp_path) -> None:
+def test_killed_during_save_resumes_from_previous(small_cfg, straight: dict, tmp_path) -> None:
     """torchrun, 2 ranks: every rank is SIGKILLed after writing step 4's shards, before its manifest and marker
     (test-only hook). The next run ignores step 4, resumes from step 2 and matches the straight run."""
-    straight = run_ranks(2, _train, small_cfg(*OVER, run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*OVER, run_dir=tmp_path / "run")
     config_file = config_mod.save(cfg, tmp_path / "config.yaml")  # exactly small_cfg's resolved config
     r = _torchrun_train(config_file, {KILL_ENV: "4"})
@@ -126,12 +132,11 @@ def test_killed_during_save_resumes_from_previous(small_cfg, tmp_path) -> None:
 
 
 @pytest.mark.slow  # ~60 s on 2 busy cores: torchrun + 2 checkpoint processes spawned twice
-def test_a_checkpoint_process_killed_while_writing_leaves_nothing_trusted(small_cfg, tmp_path) -> None:
+def test_a_checkpoint_process_killed_while_writing_leaves_nothing_trusted(small_cfg, straight: dict, tmp_path) -> None:
     """Issue 28.2, torchrun, 2 ranks, async save in checkpoint processes: both ranks' checkpoint processes are
     SIGKILLed after writing step 4's shards (test-only hook). Step 4 gets no marker and is removed; training goes
     on unharmed (same losses as a sync run), the next saves (6, 8) start new processes and are complete, and a
     resume takes step 8."""
-    straight = run_ranks(2, _train, small_cfg(*OVER, run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*OVER, "checkpoint.async_save=true", run_dir=tmp_path / "run")
     config_file = config_mod.save(cfg, tmp_path / "config.yaml")
     r = _torchrun_train(config_file, {KILL_WRITER_ENV: "4"})

@@ -109,14 +109,25 @@ def test_fsdp_options(small_cfg, reference, tmp_path: Path, option: str) -> None
     torch.testing.assert_close(_losses(out), _losses(reference), rtol=rtol, atol=0)
 
 
+RESHARD_N = 4
+RESHARD = (f"train.steps={2 * RESHARD_N}", *BATCH, "train.micro_batch_size=2", FSDP)
+
+
+@pytest.fixture(scope="module")
+def reshard_straight(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted 2-rank run of RESHARD, trained once per module: every save/resume world pair of
+    test_checkpoint_reshards compares with it and none changes it (it was retrained for each)."""
+    return run_ranks(2, _train, small_config(tmp_path_factory.mktemp("reshard") / "run", corpus_dir, *RESHARD))[0]
+
+
 @pytest.mark.parametrize(("save_world", "resume_world"), [(2, 2), (2, 4), (4, 2)])
-def test_checkpoint_reshards(small_cfg, tmp_path: Path, save_world: int, resume_world: int) -> None:
+def test_checkpoint_reshards(
+    small_cfg, reshard_straight: dict, tmp_path: Path, save_world: int, resume_world: int
+) -> None:
     """An FSDP checkpoint saved on one world size loads the same parameters on another and continues like an
     uninterrupted run (the sampler counts global samples, so data needs no resharding). On the same world size
     the resumed run is bitwise the uninterrupted one."""
-    n = 4
-    over = (f"train.steps={2 * n}", *BATCH, "train.micro_batch_size=2", FSDP)
-    straight = run_ranks(2, _train, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
+    n, over, straight = RESHARD_N, RESHARD, reshard_straight
     cfg = small_cfg(*over, run_dir=tmp_path / "split")
     first = run_ranks(save_world, _train, cfg, n)[0]
     assert first["step"] == n and [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [n]
