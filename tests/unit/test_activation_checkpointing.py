@@ -16,6 +16,7 @@ from hpcdist.models.llama import build_model, precompute_rope
 from hpcdist.parallel.base import cross_entropy
 from hpcdist.parallel.parallelize import apply_activation_checkpointing
 from hpcdist.planning.memory import saved_activation_bytes
+from tests.training import train
 
 MODES = ("none", "full", "selective")
 
@@ -119,7 +120,6 @@ def test_a_wrong_mode_is_refused_naming_the_key_and_the_choices():
 def test_trainer_runs_selective_and_logs_the_first_step_with_its_watchdog_allowance(small_cfg, caplog) -> None:
     """The trainer's own path (parallelize -> DDP strategy) with selective checkpointing; the first step's time
     (torch.compile's, with train.compile) is logged with the allowance the watchdog gives it."""
-    from hpcdist.trainer import Trainer
     from tests.dist.harness import single
 
     cfg = small_cfg(
@@ -131,7 +131,7 @@ def test_trainer_runs_selective_and_logs_the_first_step_with_its_watchdog_allowa
         "checkpoint.save_final=false",
     )
     with caplog.at_level("INFO", logger="hpcdist"):
-        losses = single(lambda env, c: Trainer(c, env).train().losses, cfg)
+        losses = single(train, cfg)["losses"]
     assert sorted(losses) == [1, 2]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("first step of this attempt")]
     assert len(lines) == 1 and "(warm-up; the watchdog allows up to 321 s for it" in lines[0], lines

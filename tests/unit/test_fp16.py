@@ -4,6 +4,7 @@ runs fp16 autocast on CPU, ~30x slower than fp32 for matmuls: fine for the tiny 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from hpcdist.config import ConfigError
 from hpcdist.parallel.zero import deepspeed_config
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single
+from tests.training import train
 
 OVERFLOW = "HPCDIST_TEST_FP16_OVERFLOW_AT"
 
@@ -22,12 +24,16 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train(env: Any, cfg: Any, until: int | None = None) -> dict[str, Any]:
-    trainer = Trainer(cfg, env)
+def _fp16_compute(trainer: Trainer) -> None:
     assert trainer.strategy.autocast_dtype is torch.float16  # fp16 compute, not fp32 with a scaler
-    result = trainer.train(until=until)
+
+
+def _scaler_and_params(trainer: Trainer, _: object) -> dict[str, Any]:
     params = {n: p.detach().clone() for n, p in trainer.strategy.module.named_parameters()}
-    return {"losses": result.losses, "scaler": trainer.strategy.scaler_state(), "params": params}
+    return {"scaler": trainer.strategy.scaler_state(), "params": params}
+
+
+_train_fp16 = partial(train, before=_fp16_compute, after=_scaler_and_params)
 
 
 def test_fp16_overflow_is_a_scaler_skip_and_resume_is_exact(small_cfg, tmp_path: Path, monkeypatch) -> None:
@@ -36,13 +42,13 @@ def test_fp16_overflow_is_a_scaler_skip_and_resume_is_exact(small_cfg, tmp_path:
     growth interval) and resumed ends bitwise where the straight run does, scaler state included."""
     over = ("train.dtype=fp16", "train.steps=4", "train.micro_batch_size=4", "checkpoint.every_steps=0")
     monkeypatch.setenv(OVERFLOW, "1")
-    straight = single(_train, small_cfg(*over, run_dir=tmp_path / "straight"))
+    straight = single(_train_fp16, small_cfg(*over, run_dir=tmp_path / "straight"))
     cfg = small_cfg(*over, run_dir=tmp_path / "split")
-    first = single(_train, cfg, 2)
+    first = single(_train_fp16, cfg, 2)
     monkeypatch.delenv(OVERFLOW)  # the resumed process's own step 1 is step 3: no injection there
     state = json.loads(next((tmp_path / "split" / "checkpoints").glob("step-00000002/trainer_state.json")).read_text())
     assert state["grad_scaler"] == {"scale": 32768.0, "growth_tracker": 1, "overflow_steps": 1}
-    second = single(_train, cfg)
+    second = single(_train_fp16, cfg)
 
     assert straight["scaler"] == {"scale": 32768.0, "growth_tracker": 3, "overflow_steps": 1}
     assert second["scaler"] == straight["scaler"]

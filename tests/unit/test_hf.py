@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,9 @@ from hpcdist.data import load_tokenizer
 from hpcdist.hf.convert import from_hf_state_dict, permute_from_hf, permute_to_hf
 from hpcdist.inference import load_for_inference
 from hpcdist.models.llama import build_model
-from hpcdist.trainer import Trainer
 from tests.conftest import SMALL
 from tests.dist.harness import single
+from tests.training import train
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install -e '.[test]') is not installed")
 
@@ -38,13 +39,6 @@ VARIANTS = {
     "bpe-tied": ("bpe_corpus_dir", ("model.n_kv_heads=4", "model.tie_embeddings=true", "model.vocab_size=auto")),
     "bpe-gqa-tied": ("bpe_corpus_dir", ("model.n_kv_heads=1", "model.tie_embeddings=true", "model.vocab_size=auto")),
 }
-
-
-def _train(env: Any, cfg: config_mod.JobConfig) -> dict[str, Any]:
-    trainer = Trainer(cfg, env)
-    result = trainer.train()
-    state = trainer.strategy.module.state_dict()  # one process: the plain model
-    return {"losses": result.losses, "state": {k: v.detach().clone() for k, v in state.items()}}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -65,7 +59,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         *extra,
     ]
     cfg = config_mod.load(None, overrides)
-    out = single(_train, cfg)
+    out = single(partial(train, params=True), cfg)  # one process: the plain model's state
     hf = root / "hf"
     assert cli.main(["export", str(root / "run"), "--out", str(hf), "--dtype", "fp32"]) == 0
     return {
@@ -81,7 +75,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 def _ours(run: dict[str, Any]) -> torch.nn.Module:
     model = build_model(run["cfg"].model, "cpu")
-    model.load_state_dict(run["state"])
+    model.load_state_dict(run["params"])
     return model.eval()
 
 
@@ -170,7 +164,7 @@ def test_import_round_trip_and_resume(run: dict[str, Any], tmp_path: Path) -> No
     model, tok, _ = load_for_inference(ckpt)
     args = model.args
     assert tok is None  # an imported checkpoint records no data, so no tokenizer (generate asks for --tokenizer)
-    for name, want in run["state"].items():
+    for name, want in run["params"].items():
         assert torch.equal(model.state_dict()[name], want), name
     assert args.vocab_size == run["cfg"].model.vocab_size and args.tie_embeddings == run["cfg"].model.tie_embeddings
     one = ["train.steps=1", "checkpoint.save_final=false"]
@@ -180,7 +174,7 @@ def test_import_round_trip_and_resume(run: dict[str, Any], tmp_path: Path) -> No
     inited = config_mod.load(
         None, [*run["overrides"], *one, f"run.dir={tmp_path / 'b'}", f"checkpoint.init_from={run['step']}"]
     )
-    got, want = single(_train, resumed)["losses"], single(_train, inited)["losses"]
+    got, want = single(train, resumed)["losses"], single(train, inited)["losses"]
     assert got == want and list(got) == [1]
 
 
@@ -210,11 +204,11 @@ def test_bf16_and_sharded_export(run: dict[str, Any], tmp_path: Path) -> None:
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     back = from_hf_state_dict(tensors, run["cfg"].model)
     for name, t in back.items():
-        assert t.dtype == torch.bfloat16 and torch.equal(t, run["state"][name].to(torch.bfloat16)), name
+        assert t.dtype == torch.bfloat16 and torch.equal(t, run["params"][name].to(torch.bfloat16)), name
     # imported back (through the index of shards): float32 of those bf16 values
     assert cli.main(["import", str(out), "--out", str(tmp_path / "imported")]) == 0
     model, _, _ = load_for_inference(tmp_path / "imported")
-    for name, want in run["state"].items():
+    for name, want in run["params"].items():
         assert torch.equal(model.state_dict()[name], want.to(torch.bfloat16).float()), name
 
 

@@ -16,15 +16,11 @@ import torch
 from hpcdist.checkpoint import list_checkpoints
 from hpcdist.config import ConfigError
 from hpcdist.fault.nonfinite import NonFiniteError
-from hpcdist.trainer import Trainer
 from tests.conftest import REPO, SMALL
 from tests.dist.harness import single
+from tests.training import train
 
 BLOW_UP = ("train.steps=6", "optim.lr=1e20", "optim.warmup_steps=0", "optim.grad_clip=0", "train.micro_batch_size=4")
-
-
-def _train(env, cfg):
-    return Trainer(cfg, env).train().losses
 
 
 def _open_files() -> set[Path]:
@@ -39,7 +35,7 @@ def _open_files() -> set[Path]:
 def test_stop_names_the_step_and_never_checkpoints_it(small_cfg) -> None:
     cfg = small_cfg(*BLOW_UP, "checkpoint.every_steps=1", "checkpoint.keep_last=1", "logging.every_steps=3")
     with pytest.raises(NonFiniteError, match=r"^step 2: the gradient norm was NaN/Inf") as err:
-        single(_train, cfg)
+        single(train, cfg)
     assert "step-00000001, is finite" in str(err.value)
     complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
     # step 2 went bad: steps 2 and 3 (when the log line noticed) were never saved, and step 1 was not pruned
@@ -57,7 +53,7 @@ def test_stop_names_the_step_and_never_checkpoints_it(small_cfg) -> None:
 def test_skip_drops_updates_and_stops_after_too_many_in_a_row(small_cfg) -> None:
     cfg = small_cfg(*BLOW_UP, "train.nonfinite=skip", "train.max_nonfinite_skips=3")
     with pytest.raises(NonFiniteError, match=r"^step 5: 4 updates in a row were non-finite and skipped"):
-        single(_train, cfg)
+        single(train, cfg)
     lines = (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()
     skips = [json.loads(line).get("nonfinite_skips") for line in lines]
     assert skips[:4] == [0.0, 1.0, 2.0, 3.0]
@@ -68,7 +64,7 @@ def test_a_model_that_overflowed_with_a_finite_norm_is_not_saved(small_cfg) -> N
     checked before every save."""
     cfg = small_cfg(*BLOW_UP, "optim.lr=1e39", "train.nonfinite=skip", "checkpoint.every_steps=1")
     with pytest.raises(NonFiniteError, match=r"^step 1: the model's parameters are NaN/Inf"):
-        single(_train, cfg)
+        single(train, cfg)
     assert list_checkpoints(cfg.checkpoint_dir) == ([], [])
 
 

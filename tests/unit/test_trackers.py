@@ -20,6 +20,8 @@ from hpcdist import config as config_mod
 from hpcdist.config import ConfigError
 from hpcdist.rundir import RunDir
 from tests.conftest import SMALL
+from tests.dist.harness import single
+from tests.training import train
 
 wandb = pytest.importorskip("wandb", reason="wandb not installed (pip install 'hpcdist[wandb]'): W&B test skipped")
 mlflow = pytest.importorskip("mlflow", reason="mlflow not installed (pip install 'hpcdist[mlflow]'): test skipped")
@@ -54,13 +56,6 @@ def _wandb_history(path: Path) -> dict[int, float]:
     return out
 
 
-def _train(cfg, until: int | None = None) -> None:
-    from hpcdist.trainer import Trainer
-    from tests.dist.harness import single
-
-    single(lambda env: Trainer(cfg, env).train(until=until))
-
-
 def test_wandb_offline_and_mlflow_file_store_follow_metrics_and_resume(tmp_path: Path, corpus_dir: Path) -> None:
     run, store = tmp_path / "run", (tmp_path / "mlruns").as_uri()
     over = [
@@ -75,9 +70,9 @@ def test_wandb_offline_and_mlflow_file_store_follow_metrics_and_resume(tmp_path:
         "logging.mlflow.experiment=tests",
     ]
     cfg = config_mod.load(None, over)
-    _train(cfg, until=3)  # an interruption: checkpoint at step 3
+    single(train, cfg, 3)  # an interruption: checkpoint at step 3
     ids = json.loads(RunDir(run).trackers.read_text())
-    _train(cfg)  # resumes from step 3
+    single(train, cfg)  # resumes from step 3
     assert json.loads(RunDir(run).trackers.read_text()) == ids  # the same tracker runs, not new ones
 
     lines = [json.loads(x) for x in RunDir(run).metrics.read_text().splitlines()]

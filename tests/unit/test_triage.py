@@ -23,20 +23,7 @@ from hpcdist.fault.failures import primary_failure, read_failures
 from hpcdist.fault.triage import HardwareFault, SkippedSamples
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single
-
-TRIAGE = ("train.nonfinite_triage=true", "train.global_batch_size=4", "train.micro_batch_size=4", "data.prefetch=2")
-
-
-def _poison(trainer: Trainer, tokens: torch.Tensor) -> None:
-    """Bad data: the embedding of any row whose input is exactly this sample's turns NaN (the same every time)."""
-    emb = trainer.strategy.module.tok_embeddings
-
-    def hook(_mod: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-        rows = (args[0] == tokens[: args[0].shape[1]].to(args[0].device)).all(dim=1)
-        return torch.where(rows[:, None, None], torch.full_like(out, float("nan")), out)
-
-    if emb is not None:  # a pipeline's first stage only
-        emb.register_forward_hook(hook)
+from tests.training import TRIAGE, poison
 
 
 def _drawn(cfg, steps: int) -> list[list[int]]:
@@ -54,7 +41,7 @@ def test_a_bad_sample_is_data_named_skipped_and_skipped_on_resume(small_cfg, cap
 
     def run(env, cfg, *, until: int | None = None):
         trainer = Trainer(cfg, env)
-        _poison(trainer, tokens)
+        poison(trainer, tokens)
         result = trainer.train(until=until)
         return result, trainer
 
