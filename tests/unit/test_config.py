@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import given
 
 from hpcdist import config as config_mod
 from hpcdist import resources
@@ -27,6 +26,7 @@ from hpcdist.config import (
     save,
 )
 from hpcdist.models.args import ModelArgs, load_preset, preset_names
+from tests.unit.fuzz import DOCS, FIELDS, FUZZ, OVERRIDES, SECTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"  # user-facing example jobs only; presets and profiles ship in hpcdist/resources/
@@ -36,9 +36,6 @@ JOB_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
 PRESET_FILES = resources.paths("models")
 SHIPPED_YAML = [p for kind in resources.KINDS for p in resources.paths(kind)]
 ALL_YAML = sorted(CONFIGS.rglob("*.yaml")) + SHIPPED_YAML  # every YAML a user sees or the package ships
-
-SECTIONS = [f.name for f in dataclasses.fields(JobConfig)]
-FIELDS = {s: [f.name for f in dataclasses.fields(type(getattr(JobConfig(), s)))] for s in SECTIONS}
 
 
 def _rel(p: Path) -> str:
@@ -696,47 +693,6 @@ def test_dump_is_plain_yaml_of_every_section() -> None:
 
 # --------------------------------------------------------------------------------------------------- fuzzing
 
-_SCALARS = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**63), max_value=2**63)  # huge ints: test_huge_int_for_a_float_key_is_a_config_error
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=20)
-)
-_VALUES = st.recursive(
-    _SCALARS,
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
-    max_leaves=10,
-)
-_ALL_KEYS = sorted({k for keys in FIELDS.values() for k in keys})
-_KEY_PATHS = [f"{s}.{k}" for s in SECTIONS for k in FIELDS[s]]
-
-
-def _section_body(name: str) -> st.SearchStrategy[Any]:
-    keys = st.sampled_from(FIELDS.get(name, _ALL_KEYS)) | st.text(max_size=8)
-    return st.dictionaries(keys, _VALUES, max_size=5) | _VALUES
-
-
-# mostly real sections with their own keys (deep checks), sometimes anything at all (the error paths)
-_DOCS = st.lists(st.sampled_from(SECTIONS) | st.text(max_size=8), max_size=4, unique=True).flatmap(
-    lambda names: st.fixed_dictionaries({n: _section_body(n) for n in names})
-)
-_VALUE_TEXT = (
-    st.text(max_size=20)
-    | st.sampled_from(["null", "~", "true", "no", "[1, 2]", "{a: 1}", "-1", "0", "1e3", ".nan", "-.inf", "'x", "*a"])
-    | _SCALARS.map(str)
-)
-_OVERRIDES = st.lists(
-    st.text(max_size=30)
-    | st.builds(
-        lambda k, v: f"{k}={v}",
-        st.sampled_from(_KEY_PATHS) | st.builds(lambda s, k: f"{s}.{k}", st.text(max_size=6), st.text(max_size=8)),
-        _VALUE_TEXT,
-    ),
-    max_size=6,
-)
-_FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
 
 @pytest.fixture(scope="module")
 def fuzz_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -753,14 +709,14 @@ def _load_or_config_error(path: Path | None, overrides: list[str]) -> None:
         assert check(cfg) == []
 
 
-@_FUZZ
-@given(overrides=_OVERRIDES)
+@FUZZ
+@given(overrides=OVERRIDES)
 def test_fuzz_overrides_only_raise_config_error(overrides: list[str]) -> None:
     _load_or_config_error(None, overrides)
 
 
-@_FUZZ
-@given(doc=_DOCS, overrides=_OVERRIDES)
+@FUZZ
+@given(doc=DOCS, overrides=OVERRIDES)
 def test_fuzz_yaml_documents_only_raise_config_error(fuzz_dir: Path, doc: dict[Any, Any], overrides: list[str]) -> None:
     path = fuzz_dir / "fuzz.yaml"
     path.write_text(yaml.safe_dump(doc))

@@ -11,7 +11,7 @@ import pytest
 
 from hpcdist.data import ByteTokenizer, TokenDataset
 from hpcdist.data.megatron import import_megatron, read_index
-from tests.unit.test_cli import hpcdist
+from tests.unit.harness import hpcdist
 
 DOCS = [[104, 105, 257], [1, 2, 3, 4, 257], [200, 257]]  # byte ids, EOS-terminated as --append-eod writes them
 

@@ -14,7 +14,7 @@ import pytest
 from hpcdist.data import ByteTokenizer, TokenDataset, load_tokenizer, prepare_corpus, train_bpe
 from hpcdist.data import prepare as prepare_mod
 from hpcdist.data.corpora import CorpusError
-from tests.unit.test_cli import hpcdist
+from tests.unit.harness import hpcdist
 
 DOCS = [
     "def f(x):\n    return x + 1\n",

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as HFCoreTokenizer
 from hpcdist.data import ByteTokenizer, TokenizerError, load_tokenizer, prepare_corpus, train_bpe
 from hpcdist.data.tokenizers import TOKENIZER_KINDS, HFTokenizer, SentencePieceTokenizer, TiktokenTokenizer
 from hpcdist.hf.tokenizer import export_tokenizer
-from tests.unit.test_cli import hpcdist
+from tests.unit.harness import hpcdist
 
 TEXTS = ["def f(x):\n    return x + 1\n", "café ☃ naïve résumé 🚀", "", "  leading and trailing  \n\n"]
 

@@ -9,7 +9,7 @@ import pytest
 
 from hpcdist import config as config_mod
 from hpcdist.data import ByteTokenizer
-from tests.unit.test_cli import hpcdist
+from tests.unit.harness import hpcdist
 
 
 def _dataset(root: Path, vocab_size: int) -> Path:
