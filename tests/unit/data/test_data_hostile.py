@@ -31,7 +31,7 @@ from hpcdist.config.dataset_meta import load_meta, withdraw_meta, write_meta
 from hpcdist.data import TokenDataset, prepare_shards, stdlib_corpus
 from tests.conftest import SMALL
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SHARD = 1024  # tokens per shard: 31 windows of seq_len + 1 = 33 tokens; token 1023 of each shard is in no window
 RUN_BOUND_S = int(os.environ.get("HPCDIST_TEST_RUN_BOUND_S", "60"))  # no command may take longer on any input
 

@@ -189,8 +189,8 @@ def test_cli_plan_plot_draws_the_shown_layouts(capsys, tmp_path):
 def test_cli_plan_counts_activations_in_the_configs_dtype(capsys):
     """train.dtype=fp32 runs without autocast: every activation the model keeps is 4 bytes (the saved bytes measured
     with saved-tensor hooks on the 125m preset in fp32 match activation_bytes with element_bytes=4 within 1%:
-    tests/unit/test_activation_checkpointing.py); `hpcdist plan` counted bf16's 2 for every dtype (same table for
-    fp32 and bf16). Now the table and the ranked layouts (the same estimator `auto` picks from) use the config's."""
+    tests/unit/parallel/test_activation_checkpointing.py); `hpcdist plan` counted bf16's 2 for every dtype (same table
+    for fp32 and bf16). Now the table and the ranked layouts (the same estimator `auto` picks from) use the config's."""
     base = ["plan", "configs/demo.yaml", "model.preset=125m", "data.seq_len=1024", "--nodes", "1", "--gpus-per-node"]
     activ: dict[str, tuple[float, float]] = {}
     outs: dict[str, str] = {}

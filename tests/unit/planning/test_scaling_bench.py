@@ -9,7 +9,7 @@ import pytest
 
 from hpcdist.planning import layouts as planner
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _scaling():

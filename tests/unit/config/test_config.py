@@ -28,7 +28,7 @@ from hpcdist.config import (
 from hpcdist.models.args import ModelArgs, load_preset, preset_names
 from tests.unit.fuzz import DOCS, FIELDS, FUZZ, OVERRIDES, SECTIONS
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "configs"  # user-facing example jobs only; presets and profiles ship in hpcdist/resources/
 # Collected at import time so a new YAML is tested without touching this file. Model presets are not job
 # configs (their keys are ModelArgs fields, not sections): they are tested through model.preset below.
@@ -498,7 +498,7 @@ def test_min_lr_ratio_above_one() -> None:
 
 
 def test_vocab_smaller_than_byte_tokenizer() -> None:
-    # the one vocabulary check is the start-up check of hpcdist.config.vocab (tests/unit/test_vocab.py)
+    # the one vocabulary check is the start-up check of hpcdist.config.vocab (tests/unit/config/test_vocab.py)
     with pytest.raises(config_mod.DataError, match=f"model.vocab_size=100 is smaller than the {config_mod.BYTE_VOCAB}"):
         config_mod.check_data(load(None, ["model.vocab_size=100"]))
     assert load(None, ["model.vocab_size=100", "data.source=synthetic"]).model.vocab_size == 100

@@ -19,7 +19,7 @@ from hpcdist.fault.hang import (
 )
 from tests.conftest import SMALL
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:

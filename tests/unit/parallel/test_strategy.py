@@ -17,7 +17,7 @@ from hpcdist.optim import optim_hparams, optimizer_builder, set_optim_hparams
 from hpcdist.parallel.base import Strategy
 from hpcdist.parallel.ddp import DDPStrategy
 
-PARALLEL = Path(__file__).resolve().parents[2] / "hpcdist" / "parallel"
+PARALLEL = Path(__file__).resolve().parents[3] / "hpcdist" / "parallel"
 
 
 def _ddp(steps: int = 10, **optim: float) -> DDPStrategy:

@@ -76,7 +76,7 @@ def test_requeue_failure_names_the_fallback(tmp_path: Path, monkeypatch: pytest.
     assert requeue("77") == 4
 
 
-def test_signal_number() -> None:  # the job's facts from SLURM's variables: tests/unit/test_schedulers.py
+def test_signal_number() -> None:  # the job's facts from SLURM's variables: tests/unit/schedulers/test_schedulers.py
     assert signal_number("usr1") == signal.SIGUSR1 and signal_number("SIGTERM") == signal.SIGTERM
 
 

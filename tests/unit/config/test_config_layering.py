@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "hpcdist"
+PACKAGE = Path(__file__).resolve().parents[3] / "hpcdist"
 LOWER = sorted([*(PACKAGE / "config").rglob("*.py"), *(PACKAGE / "models").rglob("*.py")])
 ABOVE = ("hpcdist.parallel", "hpcdist.launch", "hpcdist.trainer")
 

@@ -583,7 +583,7 @@ def test_a_fifo_named_by_the_index_does_not_hang_the_cli(bases: dict[str, Path],
     directory = tmp_path / "hf"
     shutil.copytree(bases["sharded"], directory)
     _fifo_shard(directory)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "hpcdist", "import", str(directory), "--out", str(tmp_path / "out")],

@@ -11,7 +11,7 @@ import pytest
 
 from hpcdist.parallel.zero import deepspeed_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOOL = ROOT / "tools" / "deepspeed_configs"
 
 

@@ -9,7 +9,7 @@ import inspect
 from hpcdist.config import layout, loader, rules
 from hpcdist.config.schema import JobConfig
 
-# one or more bad values in every section (each alone is a test elsewhere in tests/unit/test_config.py)
+# one or more bad values in every section (each alone is a test elsewhere in tests/unit/config/test_config.py)
 BROKEN = [
     "run.log_level=LOUD",
     "run.seed=-1",

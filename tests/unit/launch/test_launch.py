@@ -6,7 +6,7 @@ that submit to a real cluster live in tests/slurm/.
 The golden file tests/data/submit_dryrun.golden holds the script of ``hpcdist submit --dry-run`` for the sandbox
 cluster (tmp paths and the interpreter normalized). After an intended change, regenerate it with
 
-    UPDATE_GOLDEN=1 python -m pytest tests/unit/test_launch.py -k golden
+    UPDATE_GOLDEN=1 python -m pytest tests/unit/launch/test_launch.py -k golden
 
 and review the diff.
 """
@@ -43,7 +43,7 @@ from hpcdist.launch.slurm_cli import slurm_reachable
 from hpcdist.launch.submit import LaunchError, _signal_name, choose_executor, slurm_parameters
 from hpcdist.launch.task import TrainTask, local_rank_environ, write_result
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEMO = str(REPO / "configs" / "demo.yaml")
 GOLDEN = REPO / "tests" / "data" / "submit_dryrun.golden"
 SLEEP = shutil.which("sleep")
@@ -1130,7 +1130,7 @@ def test_code_snapshot_copies_the_tracked_files_and_records_the_commit(tmp_path:
     ).stdout.split()
     assert record["files"] == len({f for f in tracked if (REPO / f).is_file()})
     assert not (snap.path / ".venv").exists()  # ignored by git: not copied
-    assert (snap.path / "hpcdist" / "launch" / "submit.py").read_bytes() == Path(__file__).parents[2].joinpath(
+    assert (snap.path / "hpcdist" / "launch" / "submit.py").read_bytes() == Path(__file__).parents[3].joinpath(
         "hpcdist", "launch", "submit.py"
     ).read_bytes()
     assert snap.map(DEMO) == str(snap.path / "configs" / "demo.yaml") and snap.map("/etc/x.yaml") == "/etc/x.yaml"

@@ -42,7 +42,7 @@ from hpcdist.launch.restarts import (
 from hpcdist.rundir import RunDir
 from hpcdist.schedulers import JobFacts
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # the texts torch 2.13's gloo raises when a peer process dies, and when a peer never answers
 GLOO_PEER_DIED = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
