@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.slurm.test_nccl_check_slurm import CHECK
+from tests.slurm.harness import NCCL_CHECK
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -50,7 +50,7 @@ SHARE_NODE = "--exclusive=user"
 # nccl_check on the sandbox: the arguments tests/slurm/test_nccl_check_slurm.py runs it with: small messages, few
 # iterations (the CPU defaults sweep to 16 MiB x 20), and a slow-rank threshold of 0.1 x typical instead of 0.3, since
 # four ranks timing 1 MiB transfers on 2 shared cores are noisy enough to "find" a slow rank at 0.3.
-QUICK_NCCL = tuple(CHECK)
+QUICK_NCCL = tuple(NCCL_CHECK)
 
 RUNNERS = ("cli", "local", "sbatch", "sbatch2", "srun", "submit", "jobctl", "python", "none")
 

@@ -50,7 +50,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 
 # The largest value of every numeric key (the smallest ones are the rules below). A typo (an extra zero, a pasted
 # 400-digit number) then fails at load, naming the key, instead of as an OverflowError in the rules, in torch's
-# seeding or in numpy; tests/unit/test_config.py checks that every numeric field of the schema has an entry.
+# seeding or in numpy; tests/unit/config/test_config.py checks that every numeric field of the schema has an entry.
 # Keys in BOUNDED_BY_RULES have both ends in the rules below instead; optim.lr has no maximum on purpose: a diverging
 # LR is what the NaN/Inf guard (train.nonfinite) is for.
 BOUNDED_BY_RULES = frozenset(

@@ -122,7 +122,7 @@ def layer_saved_bytes(
 ) -> int:
     """Bytes one TransformerBlock keeps from its forward for its backward, for ``tokens`` = s*b tokens, counted
     from what hpcdist.models.llama saves (measured with saved-tensor hooks and malloc on CPU: tests/unit/
-    test_activation_checkpointing.py) rather than Korthikanti's GPT count. ``element_bytes``: the compute dtype
+    parallel/test_activation_checkpointing.py) rather than Korthikanti's GPT count. ``element_bytes``: the compute dtype
     (2 = bf16, 4 = fp32); RMSNorm and RoPE compute in fp32 whatever it is.
 
     * none: per RMSNorm its fp32 input (4D) + the normed output and its weighted product (2eD); attention keeps the

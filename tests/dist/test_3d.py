@@ -18,6 +18,7 @@ from hpcdist.env import DistEnv
 from hpcdist.trainer import Trainer
 from tests.conftest import SMALL
 from tests.dist.harness import run_ranks, single
+from tests.training import full_state, train
 
 pytestmark = pytest.mark.dist
 
@@ -34,45 +35,34 @@ EVAL = "train.eval_every_steps=2"  # steps 2 and 4: training goes on after a for
 NO_EVAL = "train.eval_every_steps=0"
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    # DTensor shards -> the whole tensor (a collective over the stage's dp x tp ranks, same order on each)
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
-def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
-    trainer = Trainer(cfg, env)
+def _train_recorded(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
+    """train (the stage's params gathered over its dp x tp ranks), with each step's grad norm and sample ids."""
     norms: list[float] = []
     ids: dict[int, list[int]] = {}
-    step_fn, next_batch = trainer.strategy.optimizer_step, trainer.loader.next_batch
 
-    def record_norm(**kw: bool) -> torch.Tensor:
-        norm = step_fn(**kw)
-        norms.append(float(norm))
-        return norm
+    def record(trainer: Trainer) -> None:
+        step_fn, next_batch = trainer.strategy.optimizer_step, trainer.loader.next_batch
 
-    def record_ids() -> torch.Tensor:
-        batch = next_batch()
-        ids[trainer.step + 1] = trainer.loader.last_indices()
-        return batch
+        def record_norm(**kw: bool) -> torch.Tensor:
+            norm = step_fn(**kw)
+            norms.append(float(norm))
+            return norm
 
-    trainer.strategy.optimizer_step, trainer.loader.next_batch = record_norm, record_ids  # type: ignore[method-assign]
-    result = trainer.train(until=until)
-    params = {k: _full(v) for k, v in trainer.strategy.module.state_dict().items()}
-    return {
-        "losses": result.losses,
-        "eval": result.eval_losses,
-        "norms": norms,
-        "params": params,
-        "step": result.step,
-        "resumed": result.resumed_from,
-        "ids": ids,
-        "dp_rank": trainer.dp_rank,
-        "dp": trainer.dims.dp,
-    }
+        def record_ids() -> torch.Tensor:
+            batch = next_batch()
+            ids[trainer.step + 1] = trainer.loader.last_indices()
+            return batch
+
+        trainer.strategy.optimizer_step, trainer.loader.next_batch = record_norm, record_ids  # type: ignore[method-assign]
+
+    def layout(trainer: Trainer, _: object) -> dict:
+        return {"norms": norms, "ids": ids, "dp_rank": trainer.dp_rank, "dp": trainer.dims.dp}
+
+    return train(env, cfg, until, params=True, before=record, after=layout)
 
 
 def _init(env: DistEnv, cfg: JobConfig) -> dict[str, torch.Tensor]:
-    return {k: _full(v) for k, v in Trainer(cfg, env).strategy.module.state_dict().items()}
+    return full_state(Trainer(cfg, env))
 
 
 def _losses(out: dict) -> list[float]:
@@ -100,7 +90,7 @@ def reference(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     run_dir = tmp_path_factory.mktemp("reference")
     over = (f"train.steps={STEPS}", *BASE, "train.micro_batch_size=8", EVAL)
     base = [*SMALL, f"run.dir={run_dir}", "data.source=files", f"data.path={corpus_dir}"]
-    return single(_train, config_mod.load(None, [*base, *over]))
+    return single(_train_recorded, config_mod.load(None, [*base, *over]))
 
 
 def _check_equal(outs: list[dict], reference: dict, *, rtol: float = RTOL, norm_rtol: float = RTOL) -> None:
@@ -159,7 +149,7 @@ LAYOUTS = {
 def test_3d_matches_single_process(small_cfg, reference, tmp_path: Path, layout: str) -> None:
     world, over, micro = LAYOUTS[layout]
     cfg = small_cfg(f"train.steps={STEPS}", *BASE, micro, EVAL, *over, run_dir=tmp_path / "run")
-    outs = run_ranks(world, _train, cfg)
+    outs = run_ranks(world, _train_recorded, cfg)
     # issue 30's acceptance for selective checkpointing: losses within 1e-6 of the reference (fp32)
     _check_equal(outs, reference, rtol=SELECTIVE_RTOL if "activation_checkpointing=selective" in over else RTOL)
     if "replica_check" in " ".join(over):  # HSDP: the replicas of each shard stayed bitwise identical
@@ -180,7 +170,7 @@ def test_bf16_parameters_follow_fp32(small_cfg, reference, tmp_path: Path) -> No
         run_dir=tmp_path / "bf16",
     )
     # measured: losses 2.2e-4, gradient norms (bf16 gradients) 2.7e-2
-    _check_equal(run_ranks(world, _train, cfg), reference, rtol=5e-3, norm_rtol=0.1)
+    _check_equal(run_ranks(world, _train_recorded, cfg), reference, rtol=5e-3, norm_rtol=0.1)
 
 
 def test_init_equals_single_process(small_cfg, tmp_path: Path) -> None:
@@ -216,17 +206,17 @@ def test_checkpoint_resumes_exactly_and_reshards(small_cfg, tmp_path: Path) -> N
     over = (f"train.steps={2 * n}", *BASE, "train.micro_batch_size=1")
     # interleaved: two stages per rank, so the checkpoint comes from the multi-stage view (model_view)
     world, saved_at = _layout(8, 2, 2, 2, "parallel.pp_schedule=Interleaved1F1B")
-    straight = run_ranks(world, _train, small_cfg(*over, *saved_at, run_dir=tmp_path / "straight"))
+    straight = run_ranks(world, _train_recorded, small_cfg(*over, *saved_at, run_dir=tmp_path / "straight"))
     run_dir = tmp_path / "split"
     cfg = small_cfg(*over, *saved_at, run_dir=run_dir)
-    first = run_ranks(world, _train, cfg, n)
+    first = run_ranks(world, _train_recorded, cfg, n)
     assert first[0]["step"] == n and [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [n]
     straight_ids = _ids_per_step(straight)
     assert _ids_per_step(first) == {s: straight_ids[s] for s in range(1, n + 1)}
     straight_params = _params(straight)
 
     # same layout: bitwise (== on floats, torch.equal on tensors)
-    again = run_ranks(world, _train, cfg)
+    again = run_ranks(world, _train_recorded, cfg)
     assert again[0]["resumed"].endswith(f"step-{n:08d}") and again[0]["step"] == 2 * n
     assert all(_losses(o) == _losses(straight[0])[n:] for o in again)
     resumed_params = _params(again)
@@ -244,7 +234,7 @@ def test_checkpoint_resumes_exactly_and_reshards(small_cfg, tmp_path: Path) -> N
     }
     for name, (w, layout) in others.items():
         resume_cfg = small_cfg(*over, *layout, run_dir=run_dir)
-        outs = run_ranks(w, _train, resume_cfg) if w > 1 else [single(_train, resume_cfg)]
+        outs = run_ranks(w, _train_recorded, resume_cfg) if w > 1 else [single(_train_recorded, resume_cfg)]
         assert outs[0]["resumed"].endswith(f"step-{n:08d}"), name
         for out in outs:
             torch.testing.assert_close(_losses(out), _losses(straight[0])[n:], rtol=RTOL, atol=0, msg=name)

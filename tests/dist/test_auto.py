@@ -19,7 +19,7 @@ from tests.dist.harness import run_ranks
 pytestmark = pytest.mark.dist
 
 
-def _train(env: DistEnv, cfg: JobConfig) -> dict:
+def _run_train(env: DistEnv, cfg: JobConfig) -> dict:
     result = train(cfg, env)  # hpcdist.run's per-rank body: resolves auto, then Trainer(cfg, env).train()
     return {"losses": result.losses}
 
@@ -28,7 +28,7 @@ def test_auto_trains_with_the_planners_top_row(small_cfg, tmp_path: Path, capfd)
     cfg = small_cfg("parallel.strategy=auto", "train.steps=3", "train.global_batch_size=8", run_dir=tmp_path / "r")
     expected, reason = resolve_auto(cfg, 2, "a100_ib")
     assert expected.parallel.strategy != "auto" and reason
-    out = run_ranks(2, _train, cfg)[0]
+    out = run_ranks(2, _run_train, cfg)[0]
     assert sorted(out["losses"]) == [1, 2, 3] and all(math.isfinite(v) for v in out["losses"].values())
     assert "parallel.strategy=auto: " in capfd.readouterr().out
     saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["parallel"]

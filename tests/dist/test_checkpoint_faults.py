@@ -30,6 +30,7 @@ from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.trainer import Trainer
 from tests.conftest import small_config
 from tests.dist.harness import free_port, run_ranks
+from tests.training import train
 
 pytestmark = pytest.mark.dist
 
@@ -46,27 +47,26 @@ def _torchrun_train(config_file: Path, env: dict[str, str]) -> subprocess.Comple
     return subprocess.run(cmd, cwd=root, env=full, capture_output=True, text=True, timeout=300)
 
 
-def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
-    result = Trainer(cfg, env).train(until=until)
-    return {"losses": result.losses, "resumed": result.resumed_from, "step": result.step}
-
-
 @pytest.fixture(scope="module")
 def straight(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The undisturbed 2-rank run of OVER, trained once per module: the fault tests that compare losses with it only
     read it (it was retrained for each)."""
-    return run_ranks(2, _train, small_config(tmp_path_factory.mktemp("straight") / "run", corpus_dir, *OVER))[0]
+    return run_ranks(2, train, small_config(tmp_path_factory.mktemp("straight") / "run", corpus_dir, *OVER))[0]
 
 
 def _train_and_stage(env: DistEnv, cfg: JobConfig) -> dict:
-    """As _train, with the staging need counted at start-up and the bytes the last save staged."""
+    """As train, with the staging need counted at start-up and the bytes the last save staged."""
     from hpcdist.checkpoint.staging import staging_bytes, staging_estimate
 
-    trainer = Trainer(cfg, env)
-    estimate = staging_estimate(trainer.strategy.model)
-    result = trainer.train()
-    staged = staging_bytes(trainer.strategy.dcp_state())
-    return {"losses": result.losses, "estimate": estimate, "staged": staged}
+    counted: dict[str, int] = {}
+
+    def count(trainer: Trainer) -> None:
+        counted["estimate"] = staging_estimate(trainer.strategy.model)
+
+    out = train(
+        env, cfg, before=count, after=lambda trainer, _: {"staged": staging_bytes(trainer.strategy.dcp_state())}
+    )
+    return {"losses": out["losses"], "estimate": counted["estimate"], "staged": out["staged"]}
 
 
 def _shard(ckpt: Path) -> Path:
@@ -78,7 +78,7 @@ def test_damaged_newest_checkpoint_falls_back(small_cfg, straight: dict, tmp_pat
     """Damage one shard of step 6; a resumed 8-step run must load step 4 (warning names the file), demote step 6,
     and redo steps 5-8 exactly like the straight run."""
     cfg = small_cfg(*OVER, run_dir=tmp_path / "run")
-    run_ranks(2, _train, cfg, 6)
+    run_ranks(2, train, cfg, 6)
     newest = cfg.checkpoint_dir / "step-00000006"
     victim = _shard(newest)
     manifest = json.loads((newest / MANIFEST).read_text())["files"]
@@ -93,7 +93,7 @@ def test_damaged_newest_checkpoint_falls_back(small_cfg, straight: dict, tmp_pat
         victim.unlink()
     capfd.readouterr()
 
-    resumed = run_ranks(2, _train, cfg)[0]
+    resumed = run_ranks(2, train, cfg)[0]
     out = capfd.readouterr().out
     assert resumed["resumed"].endswith("step-00000004")
     assert "step-00000006 is damaged" in out and victim.name in out
@@ -106,11 +106,11 @@ def test_damaged_newest_checkpoint_falls_back(small_cfg, straight: dict, tmp_pat
 
 def test_explicit_resume_of_a_damaged_checkpoint_is_refused(small_cfg, tmp_path) -> None:
     cfg = small_cfg(*OVER, run_dir=tmp_path / "run")
-    run_ranks(2, _train, cfg, 2)
+    run_ranks(2, train, cfg, 2)
     ckpt = cfg.checkpoint_dir / "step-00000002"
     os.truncate(_shard(ckpt), 10)
     with pytest.raises(AssertionError, match=r"is damaged: __\d_0\.distcp: 10 bytes"):
-        run_ranks(2, _train, small_cfg(*OVER, f"checkpoint.resume={ckpt}", run_dir=tmp_path / "again"))
+        run_ranks(2, train, small_cfg(*OVER, f"checkpoint.resume={ckpt}", run_dir=tmp_path / "again"))
 
 
 def test_killed_during_save_resumes_from_previous(small_cfg, straight: dict, tmp_path) -> None:
@@ -125,7 +125,7 @@ def test_killed_during_save_resumes_from_previous(small_cfg, straight: dict, tmp
     assert [d.name for d in incomplete] == ["step-00000004"] and list(incomplete[0].glob("*.distcp"))
     assert not (incomplete[0] / MANIFEST).exists()
 
-    resumed = run_ranks(2, _train, cfg)[0]
+    resumed = run_ranks(2, train, cfg)[0]
     assert resumed["resumed"].endswith("step-00000002")
     assert resumed["losses"] == {s: v for s, v in straight["losses"].items() if s > 2}
     assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [2, 4, 6, 8]
@@ -149,7 +149,7 @@ def test_a_checkpoint_process_killed_while_writing_leaves_nothing_trusted(small_
     assert summary["checkpoint"].endswith("step-00000008")
     logged = {int(m[0]): float(m[1]) for m in re.findall(r"step (\d+)/8 \| loss ([0-9.]+)", out)}
     assert logged == {s: round(v, 4) for s, v in straight["losses"].items()}  # training never noticed
-    resumed = run_ranks(2, _train, cfg)[0]
+    resumed = run_ranks(2, train, cfg)[0]
     assert resumed["resumed"].endswith("step-00000008") and resumed["step"] == 8
 
 
@@ -170,13 +170,13 @@ def test_disk_full_during_save_keeps_training_and_previous_checkpoint(small_cfg,
     the ranks, all ranks abandon it together, training finishes, and step 2 stays complete and verified."""
     with _small_tmpfs(tmp_path / "small", "2m") as small:
         cfg = small_cfg(*OVER, "train.steps=4", "checkpoint.keep_last=1", run_dir=small / "run")
-        out = run_ranks(2, _train, cfg)[0]
+        out = run_ranks(2, train, cfg)[0]
         log = capfd.readouterr().out
         assert out["step"] == 4 and sorted(out["losses"]) == [1, 2, 3, 4]
         assert "checkpoint at step 4 failed" in log and "MB free in" in log and "point stays" in log
         complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
         assert [s for s, _ in complete] == [2] and incomplete == []  # the partial step 4 was removed
-        again = run_ranks(2, _train, cfg)[0]  # step 2 is loadable (verified against its manifest)
+        again = run_ranks(2, train, cfg)[0]  # step 2 is loadable (verified against its manifest)
         assert again["resumed"].endswith("step-00000002")
         assert again["losses"] == {s: v for s, v in out["losses"].items() if s > 2}
         shutil.rmtree(cfg.run.dir, ignore_errors=True)
@@ -195,7 +195,7 @@ def test_every_minutes_saves_on_rank_0s_clock_on_every_rank_alike(small_cfg, tmp
         f"checkpoint.every_minutes={minutes}",
         run_dir=tmp_path / "run",
     )
-    run_ranks(2, _train, cfg)
+    run_ranks(2, train, cfg)
     complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
     assert [s for s, _ in complete] == saved and incomplete == []
 
@@ -210,14 +210,14 @@ def test_async_save_hashes_on_every_rank_and_resumes(small_cfg, tmp_path, strate
     straight = run_ranks(2, _train_and_stage, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
     assert straight["estimate"] >= straight["staged"] >= 0.9 * straight["estimate"], straight
     cfg = small_cfg(*over, run_dir=tmp_path / "run")
-    run_ranks(2, _train, cfg, 6)
+    run_ranks(2, train, cfg, 6)
     newest = cfg.checkpoint_dir / "step-00000006"
     manifest = json.loads((newest / MANIFEST).read_text())
     assert (newest / MARKER).is_file() and not (newest / ".manifest").exists()
     by = {int(r): n for r, n in manifest["hashed_by"].items()}
     assert sorted(by) == [0, 1] and by[1] > 0 and by[0] > 0, by
     assert sum(by.values()) == sum(e["size"] for e in manifest["files"].values())
-    resumed = run_ranks(2, _train, cfg)[0]
+    resumed = run_ranks(2, train, cfg)[0]
     assert resumed["resumed"].endswith("step-00000006")
     assert {s: resumed["losses"][s] for s in (7, 8)} == {s: straight["losses"][s] for s in (7, 8)}
 
@@ -236,7 +236,7 @@ def test_a_step_dir_of_another_user_stops_every_rank_alike(small_cfg, tmp_path) 
     if os.getuid() != 0:
         pytest.skip("needs root to chown a file to another user (CI runs as root)")
     cfg = small_cfg(*OVER, run_dir=tmp_path / "run")
-    run_ranks(2, _train, cfg, 2)
+    run_ranks(2, train, cfg, 2)
     ckpt = cfg.checkpoint_dir / "step-00000002"
     os.chown(ckpt / "rng", 4242, 4242)  # a directory of theirs inside my step dir
     messages = run_ranks(2, _refusal, cfg, timeout=120)

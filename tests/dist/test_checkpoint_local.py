@@ -21,6 +21,7 @@ from hpcdist.report.rundata import RunData
 from hpcdist.rundir import RunDir
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
+from tests.training import train
 
 pytestmark = pytest.mark.dist
 
@@ -35,8 +36,12 @@ class _Killed(Exception):
 
 def _run(env: DistEnv, cfg: JobConfig, kill_after: int | None = None) -> dict:
     env = dataclasses.replace(env, hostname=f"node{env.rank}")  # two nodes: the peer copy crosses between them
-    trainer = Trainer(cfg, env)
-    if kill_after is not None:
+    built: list[Trainer] = []
+
+    def kill(trainer: Trainer) -> None:
+        built.append(trainer)
+        if kill_after is None:
+            return
         should_save = trainer.ckpt.should_save
 
         def killed(step: int, **kw: bool) -> bool:
@@ -45,11 +50,12 @@ def _run(env: DistEnv, cfg: JobConfig, kill_after: int | None = None) -> dict:
             return should_save(step, **kw)
 
         trainer.ckpt.should_save = killed  # type: ignore[method-assign]
+
     try:
-        result = trainer.train()
+        out = train(env, cfg, before=kill)
     except _Killed:
-        return {"resumed": trainer.resumed_from, "killed": True}
-    return {"resumed": result.resumed_from, "losses": result.losses}
+        return {"resumed": built[0].resumed_from, "killed": True}
+    return {"resumed": out["resumed"], "losses": out["losses"]}
 
 
 def _logged(run_dir: Path) -> dict[int, float]:
@@ -112,7 +118,7 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
     from hpcdist.checkpoint.local import layout as cl_layout
     from hpcdist.checkpoint.local import tier as cl
     from hpcdist.checkpoint.local import transport as cl_transport
-    from tests.unit.test_checkpoint_local import _State
+    from tests.checkpointing import TinyState
 
     me = root / f"node{env.rank}"
     tier = cl.LocalTier(
@@ -136,7 +142,7 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
             yield chunk
 
     cl_transport._chunks, cl_transport.CHUNK = held, 512
-    st = _State()
+    st = TinyState()
     torch.manual_seed(0)  # the same weights on both ranks (the restore below checks them)
     st.w.reset_parameters()
     weights = {}
@@ -180,7 +186,7 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
     if env.rank == 1:
         shutil.rmtree(snapshot / "node1" / "rank-00001")
     again = cl.LocalTier(snapshot / f"node{env.rank}", rank=env.rank, world_size=2, hosts=["node0", "node1"], keep=2)
-    fresh = _State()
+    fresh = TinyState()
     path = again.restore(fresh.checkpointable(), shared_step=None)
     out["restored"] = str(path)
     out["restored_weights_of_step_2"] = fresh.step == 2 and torch.equal(fresh.w.weight, weights[2])
@@ -325,7 +331,7 @@ def _prune_fails(env: DistEnv, root: Path, record: Path) -> dict:
 
     from hpcdist.checkpoint.local import layout as cl_layout
     from hpcdist.checkpoint.local import tier as cl
-    from tests.unit.test_checkpoint_local import _State
+    from tests.checkpointing import TinyState
 
     lines: list[str] = []
 
@@ -350,7 +356,7 @@ def _prune_fails(env: DistEnv, root: Path, record: Path) -> dict:
             raise OSError(5, "Input/output error")
 
         tier._prune = broken  # type: ignore[method-assign]
-    assert tier.save(2, _State().checkpointable())
+    assert tier.save(2, TinyState().checkpointable())
     copied = tier.wait()
     return {"copied": copied, "lines": lines, "record": json.loads(record.read_text()) if env.rank == 0 else None}
 

@@ -15,9 +15,19 @@ from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.models import build_model
 from hpcdist.rundir import RunDir
-from hpcdist.trainer import Trainer
 from tests.conftest import SMALL
 from tests.dist.harness import run_ranks
+from tests.training import train
+
+TORCH_ALL_REDUCE = torch.distributed.all_reduce  # torch's own, before any hook replaced it
+
+
+def _train_hooked(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
+    """train, and whether torch.distributed.all_reduce is torch's own again once it has trained."""
+    return train(
+        env, cfg, until, after=lambda *_: {"all_reduce_is_torch_own": torch.distributed.all_reduce is TORCH_ALL_REDUCE}
+    )
+
 
 pytestmark = pytest.mark.dist
 
@@ -43,18 +53,6 @@ POWERSGD = (
 )
 
 
-def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
-    all_reduce = torch.distributed.all_reduce
-    trainer = Trainer(cfg, env)
-    result = trainer.train(until=until)
-    return {
-        "losses": result.losses,
-        "step": result.step,
-        "resumed": result.resumed_from,
-        "all_reduce_is_torch_own": torch.distributed.all_reduce is all_reduce,
-    }
-
-
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
 
@@ -77,7 +75,7 @@ def hook_runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dic
         cfg = config_mod.load(
             None, [*SMALL, f"run.dir={run_dir}", "data.source=files", f"data.path={corpus_dir}", *OVER, *extra]
         )
-        runs[name] = (run_ranks(2, _train, cfg)[0], _metrics(run_dir))
+        runs[name] = (run_ranks(2, _train_hooked, cfg)[0], _metrics(run_dir))
     return runs
 
 
@@ -123,13 +121,13 @@ def test_powersgd_exact_resume(small_cfg, hook_runs, tmp_path: Path) -> None:
     error feedback differs per rank, so each rank restores its own file."""
     straight = hook_runs["powersgd"][0]
     cfg = small_cfg(*OVER, *POWERSGD, run_dir=tmp_path / "split")
-    first = run_ranks(2, _train, cfg, 5)[0]
+    first = run_ranks(2, _train_hooked, cfg, 5)[0]
     ((step, path),) = list_checkpoints(cfg.checkpoint_dir)[0]
     assert step == 5
     own = [torch.load(path / RANK_DIR / f"rank-{r:05d}.pt", weights_only=True)["comm_hook"] for r in (0, 1)]
     assert own[0]["iter"] == own[1]["iter"] == 5 and len(own[0]["error"]) == len(own[0]["q"]) == 2  # two buckets
     assert any(not torch.equal(own[0]["error"][k], own[1]["error"][k]) for k in own[0]["error"])
-    second = run_ranks(2, _train, cfg)[0]
+    second = run_ranks(2, _train_hooked, cfg)[0]
     assert second["resumed"] and second["step"] == STEPS
     assert _losses(first) == _losses(straight)[:5]
     assert _losses(second) == _losses(straight)[5:]  # bitwise: == on floats

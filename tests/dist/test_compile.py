@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from hpcdist.config import JobConfig
-from hpcdist.env import DistEnv
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
+from tests.training import train
 
 pytestmark = pytest.mark.dist
 
@@ -65,11 +66,12 @@ STRATEGIES = {
 }
 
 
-def _train(env: DistEnv, cfg: JobConfig, until: int) -> dict:
-    trainer = Trainer(cfg, env)
-    result = trainer.train(until=until)
+def _compile_facts(trainer: Trainer, _: object) -> dict:
     compiled = any(name.endswith("_orig_mod") for name, _ in trainer.strategy.module.named_modules())
-    return {"losses": result.losses, "first_step_s": trainer.observer.first_step_s, "compiled": compiled}
+    return {"first_step_s": trainer.observer.first_step_s, "compiled": compiled}
+
+
+_train_compiled = partial(train, after=_compile_facts)
 
 
 def _with(cfg: JobConfig, compile_: bool, backend: str = "inductor") -> JobConfig:
@@ -84,12 +86,12 @@ def test_compiled_trains_like_eager_and_resumes_both_ways(
 ) -> None:
     world, over = STRATEGIES[strategy]
     straight = small_cfg("train.steps=6", *BATCH, *over, run_dir=tmp_path / "eager")
-    eager = run_ranks(world, _train, straight, 6)[0]["losses"]
+    eager = run_ranks(world, _train_compiled, straight, 6)[0]["losses"]
     mixed = small_cfg("train.steps=6", *BATCH, *over, run_dir=tmp_path / "mixed")
-    first = run_ranks(world, _train, mixed, 2)[0]["losses"]
-    compiled = run_ranks(world, _train, _with(mixed, True, backend), 4)[0]
+    first = run_ranks(world, _train_compiled, mixed, 2)[0]["losses"]
+    compiled = run_ranks(world, _train_compiled, _with(mixed, True, backend), 4)[0]
     assert compiled["compiled"]  # the blocks really ran through torch.compile
-    last = run_ranks(world, _train, _with(mixed, False), 6)[0]["losses"]
+    last = run_ranks(world, _train_compiled, _with(mixed, False), 6)[0]["losses"]
     assert sorted(first) == [1, 2] and sorted(compiled["losses"]) == [3, 4] and sorted(last) == [5, 6]
     ref = [eager[s] for s in range(1, 7)]
     assert ref[-1] < ref[0]  # it learns: equality below is not trivially constant

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,19 +12,19 @@ import torch
 
 from hpcdist import config as config_mod
 from hpcdist.config import JobConfig
-from hpcdist.env import DistEnv
-from hpcdist.trainer import Trainer
+from hpcdist.trainer import TrainResult
 from tests.conftest import SMALL
 from tests.dist.harness import run_ranks
+from tests.training import train
 
 pytestmark = pytest.mark.dist
 
 
-def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
-    trainer = Trainer(cfg, env)
-    result = trainer.train(until=until)
-    params = {k: v.detach().clone() for k, v in trainer.strategy.module.state_dict().items()}
-    return {"losses": [result.losses[s] for s in sorted(result.losses)], "params": params, "step": result.step}
+def _losses_in_order(_: object, result: TrainResult) -> dict:
+    return {"losses": [result.losses[s] for s in sorted(result.losses)]}
+
+
+_train_bpe = partial(train, params=True, after=_losses_in_order)
 
 
 def test_two_rank_ddp_trains_on_bpe_data_with_auto_vocab_and_resumes_exactly(
@@ -49,13 +50,13 @@ def test_two_rank_ddp_trains_on_bpe_data_with_auto_vocab_and_resumes_exactly(
 
     straight = cfg("straight")
     assert straight.model.vocab_size == 448  # 400 rounded up to a multiple of 64
-    ref = run_ranks(2, _train, straight)[0]
+    ref = run_ranks(2, _train_bpe, straight)[0]
     assert ref["params"]["tok_embeddings.weight"].shape[0] == 448
     assert ref["losses"][-1] < ref["losses"][0]
 
     split = cfg("split")
-    first = run_ranks(2, _train, split, 4)[0]
-    second = run_ranks(2, _train, split)[0]
+    first = run_ranks(2, _train_bpe, split, 4)[0]
+    second = run_ranks(2, _train_bpe, split)[0]
     assert first["losses"] + second["losses"] == ref["losses"]  # bitwise
     for name, p in ref["params"].items():
         assert torch.equal(second["params"][name], p), name
@@ -76,12 +77,12 @@ def test_prefetching_changes_no_loss_and_resumes_exactly(bpe_corpus_dir: Path, t
         ]
         return config_mod.load(None, over)
 
-    off = run_ranks(2, _train, cfg("off", 0))[0]
-    on = run_ranks(2, _train, cfg("on", 3))[0]
+    off = run_ranks(2, _train_bpe, cfg("off", 0))[0]
+    on = run_ranks(2, _train_bpe, cfg("on", 3))[0]
     assert on["losses"] == off["losses"]  # bitwise: the same batches in the same order
     # stop at step 2 with up to 3 batches prefetched, resume without prefetching: nothing skipped or repeated
-    first = run_ranks(2, _train, cfg("split", 3), 2)[0]
-    second = run_ranks(2, _train, cfg("split", 0))[0]
+    first = run_ranks(2, _train_bpe, cfg("split", 3), 2)[0]
+    second = run_ranks(2, _train_bpe, cfg("split", 0))[0]
     assert first["losses"] + second["losses"] == off["losses"]
 
 
@@ -102,7 +103,7 @@ def test_blend_trains_on_two_ranks_and_resumes_exactly(bpe_corpus_dir: Path, tmp
         ]
         return config_mod.load(None, over)
 
-    straight = run_ranks(2, _train, cfg("straight"))[0]
-    first = run_ranks(2, _train, cfg("split"), 3)[0]
-    second = run_ranks(2, _train, cfg("split"))[0]
+    straight = run_ranks(2, _train_bpe, cfg("straight"))[0]
+    first = run_ranks(2, _train_bpe, cfg("split"), 3)[0]
+    second = run_ranks(2, _train_bpe, cfg("split"))[0]
     assert first["losses"] + second["losses"] == straight["losses"]

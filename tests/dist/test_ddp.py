@@ -3,31 +3,25 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from hpcdist.checkpoint.names import MARKER, list_checkpoints
-from hpcdist.config import JobConfig
-from hpcdist.env import DistEnv
-from hpcdist.trainer import Trainer
 from tests.conftest import small_config
 from tests.dist.harness import run_ranks, single
+from tests.training import train, train_with_drift
 
 pytestmark = pytest.mark.dist
+
+_train_params = partial(train, params=True)  # and the whole weights
 
 STEPS = 10
 # fp32 on CPU: 1 rank vs 2 ranks differ only in summation order (DDP's all-reduce, per-rank means), so losses
 # agree to float32 round-off compounded over 10 Adam steps; 1e-5 relative is ~100x that round-off.
 RTOL = 1e-5
-
-
-def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
-    trainer = Trainer(cfg, env)
-    result = trainer.train(until=until)
-    params = {k: v.detach().clone() for k, v in trainer.strategy.module.state_dict().items()}
-    return {"losses": result.losses, "params": params, "step": result.step, "resumed": result.resumed_from}
 
 
 def _losses(out: dict) -> list[float]:
@@ -41,7 +35,7 @@ def reference(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     cfg = small_config(
         run_dir, corpus_dir, f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=8"
     )
-    return single(_train, cfg)
+    return single(_train_params, cfg)
 
 
 @pytest.mark.parametrize(
@@ -56,7 +50,7 @@ def test_ddp_matches_single_process(small_cfg, reference, tmp_path: Path, world:
         f"train.micro_batch_size={micro}",
         run_dir=tmp_path / f"w{world}",
     )
-    outs = run_ranks(world, _train, cfg) if world > 1 else [single(_train, cfg)]
+    outs = run_ranks(world, _train_params, cfg) if world > 1 else [single(_train_params, cfg)]
     ref = _losses(reference)
     assert len(ref) == STEPS and ref[-1] < ref[0]  # it learns, so equality below is not trivially constant
     for out in outs:  # every rank reports the same global loss
@@ -71,13 +65,13 @@ def test_exact_resume_two_ranks(small_cfg, tmp_path: Path) -> None:
     """2N steps straight == N steps, stop, resume to 2N: bitwise identical losses and parameters on CPU."""
     n = 4
     over = (f"train.steps={2 * n}", "train.global_batch_size=8", "train.micro_batch_size=2")
-    straight = run_ranks(2, _train, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
+    straight = run_ranks(2, _train_params, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
 
     split_cfg = small_cfg(*over, run_dir=tmp_path / "split")
-    first = run_ranks(2, _train, split_cfg, n)[0]
+    first = run_ranks(2, _train_params, split_cfg, n)[0]
     assert first["step"] == n and first["resumed"] is None
     assert [s for s, _ in list_checkpoints(split_cfg.checkpoint_dir)[0]] == [n]
-    second = run_ranks(2, _train, split_cfg)[0]
+    second = run_ranks(2, _train_params, split_cfg)[0]
     assert second["resumed"].endswith(f"step-{n:08d}") and second["step"] == 2 * n
 
     assert _losses(first) == _losses(straight)[:n]
@@ -95,13 +89,13 @@ def test_async_checkpoint_resume(small_cfg, tmp_path: Path) -> None:
         "checkpoint.every_steps=2",
         "checkpoint.keep_last=2",
     )
-    straight = run_ranks(2, _train, small_cfg(*over, run_dir=tmp_path / "a"))[0]
+    straight = run_ranks(2, _train_params, small_cfg(*over, run_dir=tmp_path / "a"))[0]
     cfg = small_cfg(*over, run_dir=tmp_path / "b")
-    run_ranks(2, _train, cfg, 3)  # saves at 2 (async) and at the interruption at 3
+    run_ranks(2, _train_params, cfg, 3)  # saves at 2 (async) and at the interruption at 3
     complete, incomplete = list_checkpoints(cfg.checkpoint_dir)
     assert [s for s, _ in complete] == [2, 3] and not incomplete
     assert json.loads((complete[-1][1] / MARKER).read_text())["world_size"] == 2
-    resumed = run_ranks(2, _train, cfg)[0]
+    resumed = run_ranks(2, _train_params, cfg)[0]
     assert _losses(resumed) == _losses(straight)[3:]
     # keep_last=2: after saves at 4 and 6 only those remain, deleted only once newer ones were complete
     assert [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [4, 6]
@@ -122,28 +116,9 @@ def test_training_options_on_two_ranks(small_cfg, reference, tmp_path: Path, opt
         option,
         run_dir=tmp_path / "opt",
     )
-    out = run_ranks(2, _train, cfg)[0]
+    out = run_ranks(2, _train_params, cfg)[0]
     rtol = RTOL if "checkpointing" in option else 3e-2
     torch.testing.assert_close(_losses(out), _losses(reference), rtol=rtol, atol=0)
-
-
-def _train_with_drift(env: DistEnv, cfg: JobConfig, rank: int, after_step: int) -> dict:
-    """Perturb one weight on `rank` after `after_step` (behind DDP's back): the replica check must name it."""
-    trainer = Trainer(cfg, env)
-    step_fn = trainer.strategy.optimizer_step
-
-    def step_then_drift(**kw):
-        norm = step_fn(**kw)
-        if env.rank == rank and trainer.step + 1 == after_step:
-            with torch.no_grad():
-                p = next(trainer.strategy.module.parameters())
-                (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += 1e-3  # FSDP: this rank's shard
-        return norm
-
-    trainer.strategy.optimizer_step = step_then_drift
-    trainer.train()
-    lines = [json.loads(x) for x in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
-    return {m["step"]: m.get("replica_divergence") for m in lines if "split" not in m}
 
 
 def test_replica_check_names_a_diverged_rank(small_cfg, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -154,6 +129,6 @@ def test_replica_check_names_a_diverged_rank(small_cfg, tmp_path: Path, capfd: p
         "logging.replica_check_every_steps=1",
         run_dir=tmp_path / "drift",
     )
-    divergence = run_ranks(2, _train_with_drift, cfg, 1, 2)[0]
+    divergence = run_ranks(2, train_with_drift, cfg, 1, 2)[0]
     assert divergence[1] == 0.0 and divergence[2] > 0.0  # identical replicas, then rank 1 drifted after step 2
     assert "rank(s) [1] differ from the majority" in capfd.readouterr().out

@@ -4,6 +4,7 @@ its later stage) train and evaluate exactly as one process with the mask, on dat
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,11 @@ from hpcdist import cli
 from hpcdist import config as config_mod
 from hpcdist.config import JobConfig
 from hpcdist.data import ByteTokenizer, TokenDataset, prepare_corpus
-from hpcdist.env import DistEnv
 from hpcdist.inference import dataset_loss, load_for_inference
-from hpcdist.trainer import Trainer
+from hpcdist.trainer import Trainer, TrainResult
 from tests.conftest import SMALL
 from tests.dist.harness import run_ranks, single
+from tests.training import train
 
 pytestmark = pytest.mark.dist
 
@@ -55,26 +56,26 @@ def _cfg(run_dir: Path, data: Path, *over: str) -> JobConfig:
     return config_mod.load(None, [*base, *BASE, *over])
 
 
-def _train(env: DistEnv, cfg: JobConfig) -> dict:
-    trainer = Trainer(cfg, env)
-    result = trainer.train()
+def _mask_facts(trainer: Trainer, result: TrainResult) -> dict:
     return {
         "losses": [result.losses[s] for s in sorted(result.losses)],
-        "eval": result.eval_losses,
         "eos": trainer.strategy.module.document_eos if hasattr(trainer.strategy.module, "document_eos") else "shell",
     }
+
+
+_train_masked = partial(train, after=_mask_facts)  # losses in step order, the model's document_eos
 
 
 @pytest.fixture(scope="module")
 def reference(docs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One process, the global batch in one micro-batch, with the mask: the ground truth (trained once)."""
     run_dir = tmp_path_factory.mktemp("mask_ref")
-    out = single(_train, _cfg(run_dir, docs_dir, MASK, "train.micro_batch_size=8", "checkpoint.save_final=true"))
+    out = single(_train_masked, _cfg(run_dir, docs_dir, MASK, "train.micro_batch_size=8", "checkpoint.save_final=true"))
     return {**out, "dir": run_dir}
 
 
 def test_the_mask_changes_training(reference: dict, docs_dir: Path, tmp_path: Path) -> None:
-    off = single(_train, _cfg(tmp_path, docs_dir, "train.micro_batch_size=8"))
+    off = single(_train_masked, _cfg(tmp_path, docs_dir, "train.micro_batch_size=8"))
     assert reference["eos"] == ByteTokenizer.eos_id and off["eos"] is None
     # the same batches and init: only the mask differs, and it changes every loss (train and eval)
     assert all(abs(a - b) > 1e-4 for a, b in zip(reference["losses"], off["losses"], strict=True))
@@ -121,7 +122,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_matches_single_process_with_the_mask(reference: dict, docs_dir: Path, tmp_path: Path, layout: str) -> None:
     world, over = LAYOUTS[layout]
-    outs = run_ranks(world, _train, _cfg(tmp_path, docs_dir, MASK, *over))
+    outs = run_ranks(world, _train_masked, _cfg(tmp_path, docs_dir, MASK, *over))
     assert len(reference["losses"]) == STEPS and reference["eval"]
     for out in outs:  # every rank (every stage, every tp peer) reports the job's loss
         torch.testing.assert_close(out["losses"], reference["losses"], rtol=RTOL, atol=0)

@@ -14,10 +14,16 @@ import torch
 from hpcdist.env import DistEnv
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
+from tests.training import full_tensor, train
 
 pytestmark = pytest.mark.dist
 
 OVERFLOW = "HPCDIST_TEST_FP16_OVERFLOW_AT"
+
+
+def _scaler_and_model(trainer: Trainer, _: object) -> dict[str, Any]:
+    sd = trainer.strategy.dcp_state()["model"]
+    return {"scaler": trainer.strategy.scaler_state(), "model": {k: full_tensor(v) for k, v in sd.items()}}
 
 
 def _run(env: DistEnv, cfg: Any, until: int | None, inject: bool) -> dict[str, Any]:
@@ -25,11 +31,7 @@ def _run(env: DistEnv, cfg: Any, until: int | None, inject: bool) -> dict[str, A
         os.environ[OVERFLOW] = "2"
     else:
         os.environ.pop(OVERFLOW, None)
-    trainer = Trainer(cfg, env)
-    result = trainer.train(until=until)
-    sd = trainer.strategy.dcp_state()["model"]
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in sd.items()}
-    return {"losses": result.losses, "scaler": trainer.strategy.scaler_state(), "model": full}
+    return train(env, cfg, until, after=_scaler_and_model)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -3,6 +3,7 @@ between world sizes and move between DDP and FSDP."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,11 @@ from hpcdist.inference import load_for_inference
 from hpcdist.trainer import Trainer
 from tests.conftest import small_config
 from tests.dist.harness import run_ranks, single
+from tests.training import full_state, train, train_with_drift
 
 pytestmark = pytest.mark.dist
+
+_train_params = partial(train, params=True)  # and the whole weights
 
 STEPS = 10
 # fp32 on CPU: FSDP differs from one process only in summation order (reduce-scatter, per-rank means), so the
@@ -26,20 +30,8 @@ BATCH = ("train.global_batch_size=8",)
 FSDP = "parallel.strategy=fsdp"
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    # DTensor shards -> the whole tensor (a collective: every rank calls it in the same order)
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
-def _train(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
-    trainer = Trainer(cfg, env)
-    result = trainer.train(until=until)
-    params = {k: _full(v) for k, v in trainer.strategy.module.state_dict().items()}
-    return {"losses": result.losses, "params": params, "step": result.step, "resumed": result.resumed_from}
-
-
 def _init(env: DistEnv, cfg: JobConfig) -> dict[str, torch.Tensor]:
-    return {k: _full(v) for k, v in Trainer(cfg, env).strategy.module.state_dict().items()}
+    return full_state(Trainer(cfg, env))
 
 
 def _losses(out: dict) -> list[float]:
@@ -51,7 +43,9 @@ def reference(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     """One process with DDP's path, global batch 8 in one micro-batch: the ground truth (trained once per module;
     tests only read it)."""
     run_dir = tmp_path_factory.mktemp("fsdp_ref") / "run"
-    return single(_train, small_config(run_dir, corpus_dir, f"train.steps={STEPS}", *BATCH, "train.micro_batch_size=8"))
+    return single(
+        _train_params, small_config(run_dir, corpus_dir, f"train.steps={STEPS}", *BATCH, "train.micro_batch_size=8")
+    )
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -81,7 +75,7 @@ def test_fsdp_matches_single_process(
         f"parallel.fsdp.replicate={replicate}",
         run_dir=tmp_path / "run",
     )
-    outs = run_ranks(world, _train, cfg)
+    outs = run_ranks(world, _train_params, cfg)
     ref = _losses(reference)
     assert len(ref) == STEPS and ref[-1] < ref[0]
     for out in outs:  # every rank reports the same global loss
@@ -104,7 +98,7 @@ def test_fsdp_options(small_cfg, reference, tmp_path: Path, option: str) -> None
     """Offload, no resharding and (selective, op-level) activation checkpointing recompute the same fp32 math; bf16
     parameters (the MixedPrecisionPolicy) follow the fp32 run to bf16 precision."""
     cfg = small_cfg(f"train.steps={STEPS}", *BATCH, "train.micro_batch_size=2", FSDP, option, run_dir=tmp_path / "o")
-    out = run_ranks(2, _train, cfg)[0]
+    out = run_ranks(2, _train_params, cfg)[0]
     rtol = 3e-2 if "bf16" in option else RTOL
     torch.testing.assert_close(_losses(out), _losses(reference), rtol=rtol, atol=0)
 
@@ -117,7 +111,9 @@ RESHARD = (f"train.steps={2 * RESHARD_N}", *BATCH, "train.micro_batch_size=2", F
 def reshard_straight(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The uninterrupted 2-rank run of RESHARD, trained once per module: every save/resume world pair of
     test_checkpoint_reshards compares with it and none changes it (it was retrained for each)."""
-    return run_ranks(2, _train, small_config(tmp_path_factory.mktemp("reshard") / "run", corpus_dir, *RESHARD))[0]
+    return run_ranks(2, _train_params, small_config(tmp_path_factory.mktemp("reshard") / "run", corpus_dir, *RESHARD))[
+        0
+    ]
 
 
 @pytest.mark.parametrize(("save_world", "resume_world"), [(2, 2), (2, 4), (4, 2)])
@@ -129,17 +125,17 @@ def test_checkpoint_reshards(
     the resumed run is bitwise the uninterrupted one."""
     n, over, straight = RESHARD_N, RESHARD, reshard_straight
     cfg = small_cfg(*over, run_dir=tmp_path / "split")
-    first = run_ranks(save_world, _train, cfg, n)[0]
+    first = run_ranks(save_world, _train_params, cfg, n)[0]
     assert first["step"] == n and [s for s, _ in list_checkpoints(cfg.checkpoint_dir)[0]] == [n]
     # one process without a process group reads the sharded checkpoint for inference (hpcdist generate / eval)
     model, _, _ = load_for_inference(cfg.run.dir)
     for name, p in first["params"].items():
         assert torch.equal(model.state_dict()[name], p), name
-    loaded = run_ranks(resume_world, _train, cfg, n)[0]  # resumes at step n and trains nothing
+    loaded = run_ranks(resume_world, _train_params, cfg, n)[0]  # resumes at step n and trains nothing
     assert loaded["resumed"] and loaded["step"] == n and loaded["losses"] == {}
     for name, p in first["params"].items():
         assert torch.equal(loaded["params"][name], p), name
-    second = run_ranks(resume_world, _train, cfg)[0]
+    second = run_ranks(resume_world, _train_params, cfg)[0]
     assert second["resumed"].endswith(f"step-{n:08d}") and second["step"] == 2 * n
     if save_world == resume_world == 2:  # the straight run's layout: exact
         assert {**first["losses"], **second["losses"]} == straight["losses"]
@@ -155,10 +151,10 @@ def test_ddp_checkpoint_resumes_under_fsdp(small_cfg, tmp_path: Path) -> None:
     FSDP shards; training continues like the uninterrupted DDP run."""
     n = 4
     over = (f"train.steps={2 * n}", *BATCH, "train.micro_batch_size=2")
-    straight = run_ranks(2, _train, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
+    straight = run_ranks(2, _train_params, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
     run_dir = tmp_path / "split"
-    run_ranks(2, _train, small_cfg(*over, run_dir=run_dir), n)
-    second = run_ranks(2, _train, small_cfg(*over, FSDP, run_dir=run_dir))[0]
+    run_ranks(2, _train_params, small_cfg(*over, run_dir=run_dir), n)
+    second = run_ranks(2, _train_params, small_cfg(*over, FSDP, run_dir=run_dir))[0]
     assert second["resumed"].endswith(f"step-{n:08d}")
     torch.testing.assert_close(_losses(second), _losses(straight)[n:], rtol=RTOL, atol=0)
     for name, p in straight["params"].items():
@@ -187,8 +183,6 @@ def test_hsdp_replica_check_names_the_diverged_rank(
 ) -> None:
     """HSDP 2 x 2: replicas of shard 1 are ranks 1 and 3. Rank 3 drifts behind FSDP's back after step 2; the check
     (per replica group) names it although rank 0's own group is intact, and rank 0's metric reports it."""
-    from tests.dist.test_ddp import _train_with_drift
-
     cfg = small_cfg(
         "train.steps=4",
         *BATCH,
@@ -198,6 +192,6 @@ def test_hsdp_replica_check_names_the_diverged_rank(
         "logging.replica_check_every_steps=1",
         run_dir=tmp_path / "drift",
     )
-    divergence = run_ranks(4, _train_with_drift, cfg, 3, 2)[0]
+    divergence = run_ranks(4, train_with_drift, cfg, 3, 2)[0]
     assert divergence[1] == 0.0 and divergence[2] > 0.0
     assert "rank(s) [3] differ from the majority" in capfd.readouterr().out

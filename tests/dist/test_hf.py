@@ -13,6 +13,7 @@ from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks, single
+from tests.training import train
 
 pytestmark = pytest.mark.dist
 
@@ -25,7 +26,7 @@ def _save_initial(env: DistEnv, cfg: JobConfig) -> None:
 
 
 def _first_loss(env: DistEnv, cfg: JobConfig) -> float:
-    return Trainer(cfg, env).train(until=1).losses[1]
+    return train(env, cfg, 1)["losses"][1]
 
 
 def _export(ckpt_dir: str, out: Path, *extra: str) -> bytes:
@@ -58,7 +59,7 @@ def test_init_from_hf_dir_under_fsdp_starts_with_the_original_loss(small_cfg, tm
     """A model trained 2 steps, exported; a new 2-rank FSDP run with checkpoint.init_from=HF_DIR: its first loss equals
     the loss of the original weights on the same batch, computed by one process from the original checkpoint."""
     trained = small_cfg(*BATCH, "train.steps=2", "checkpoint.save_final=true", run_dir=tmp_path / "orig")
-    single(lambda env, cfg: Trainer(cfg, env).train(), trained)
+    single(train, trained)
     hf = tmp_path / "hf"
     _export(str(tmp_path / "orig"), hf)
     step = f"{trained.checkpoint_dir}/step-00000002"

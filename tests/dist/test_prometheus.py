@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.config import JobConfig
-from hpcdist.env import DistEnv
-from hpcdist.trainer import Trainer
 from tests.dist.harness import free_port, run_ranks
+from tests.training import train
 
 pytestmark = pytest.mark.dist
 prometheus_client = pytest.importorskip("prometheus_client", reason="pip install 'hpcdist[prometheus]'")
@@ -31,10 +29,6 @@ while not os.path.exists(stop):
     time.sleep(0.05)
 open(out, "w").write(json.dumps(scrapes))
 """
-
-
-def _train(env: DistEnv, cfg: JobConfig) -> int:
-    return Trainer(cfg, env).train().step
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -57,7 +51,7 @@ def test_scraped_during_a_2_rank_run_counters_increase(small_cfg, tmp_path: Path
     out, stop = tmp_path / "scrapes.json", tmp_path / "stop"
     scraper = subprocess.Popen([sys.executable, "-c", _SCRAPER, str(port), str(out), str(stop)])
     try:
-        assert run_ranks(2, _train, cfg) == [40, 40]
+        assert [out["step"] for out in run_ranks(2, train, cfg)] == [40, 40]
     finally:
         stop.touch()
         scraper.wait(timeout=60)

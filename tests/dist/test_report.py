@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,32 +24,15 @@ import pytest
 from hpcdist import cli
 from hpcdist import config as config_mod
 from hpcdist.checkpoint.manager import KILL_ENV
-from hpcdist.config import JobConfig
-from hpcdist.env import DistEnv
 from hpcdist.fault.goodput import mark_attempt_end
-from hpcdist.trainer import Trainer
 from tests.conftest import SMALL
 from tests.dist.harness import free_port, run_ranks
+from tests.training import signal_at, train
 
 pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _train(env: DistEnv, cfg: JobConfig, sig_rank: int | None = None, at_step: int = 0) -> dict:
-    trainer = Trainer(cfg, env)
-    if sig_rank is not None:
-        step_fn = trainer.strategy.optimizer_step
-
-        def step_and_maybe_signal(**kw):
-            if env.rank == sig_rank and trainer.step + 1 == at_step:
-                os.kill(os.getpid(), signal.SIGTERM)  # the handler sets a flag; every rank stops after one step
-            return step_fn(**kw)
-
-        trainer.strategy.optimizer_step = step_and_maybe_signal
-    r = trainer.train()
-    return {"step": r.step, "resumed": r.resumed_from}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +53,7 @@ def faulty_run(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Pa
     ]
     cfg = config_mod.load(None, over)
 
-    first = run_ranks(2, _train, cfg, 1, 3)
+    first = run_ranks(2, partial(train, before=signal_at(1, 3, signal.SIGTERM)), cfg)
     assert [o["step"] for o in first] == [4, 4]
 
     config_file = config_mod.save(cfg, run.parent / "config.yaml")
@@ -95,7 +79,7 @@ def faulty_run(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Pa
     assert r.returncode != 0, r.stdout[-2000:]
     mark_attempt_end(run)  # what the batch script's after-step does once srun failed
 
-    third = run_ranks(2, _train, cfg)
+    third = run_ranks(2, train, cfg)
     assert third[0]["step"] == 8 and third[0]["resumed"].endswith("step-00000004")
     return run
 

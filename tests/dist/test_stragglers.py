@@ -5,30 +5,34 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from hpcdist.config import JobConfig
-from hpcdist.env import DistEnv
 from hpcdist.fault.failures import read_failures
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
+from tests.training import train
 
 pytestmark = pytest.mark.dist
 
 
-def _train_with_slow_data(env: DistEnv, cfg: JobConfig, slow_rank: int, delay_s: float) -> int:
-    trainer = Trainer(cfg, env)
-    next_batch = trainer.loader.next_batch
+def _slow_data(slow_rank: int, delay_s: float) -> Callable[[Trainer], None]:
+    """A ``before`` hook: a slow file system on one host."""
 
-    def slow_next_batch():  # a slow file system on one host
-        if env.rank == slow_rank:
-            time.sleep(delay_s)
-        return next_batch()
+    def patch(trainer: Trainer) -> None:
+        next_batch = trainer.loader.next_batch
 
-    trainer.loader.next_batch = slow_next_batch
-    return trainer.train().step
+        def slow_next_batch():
+            if trainer.env.rank == slow_rank:
+                time.sleep(delay_s)
+            return next_batch()
+
+        trainer.loader.next_batch = slow_next_batch
+
+    return patch
 
 
 def test_a_rank_with_slow_data_loading_is_reported(small_cfg, tmp_path: Path) -> None:
@@ -40,7 +44,7 @@ def test_a_rank_with_slow_data_loading_is_reported(small_cfg, tmp_path: Path) ->
         "logging.straggler_every_steps=4",
         run_dir=run,
     )
-    assert run_ranks(2, _train_with_slow_data, cfg, 1, 0.05) == [12, 12]
+    assert [out["step"] for out in run_ranks(2, partial(train, before=_slow_data(1, 0.05)), cfg)] == [12, 12]
 
     reports = [r for r in read_failures(run) if r["kind"] == "straggler"]
     slow = [r for r in reports if r["measure"] == "data"]

@@ -18,35 +18,38 @@ from hpcdist.fault.failures import read_failures
 from hpcdist.fault.triage import HardwareFault, SkippedSamples
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
-from tests.unit.test_triage import TRIAGE, _poison
+from tests.training import TRIAGE, poison, train
 
 pytestmark = pytest.mark.dist
 
 
 def _both(env: DistEnv, data_cfg: JobConfig, hw_cfg: JobConfig, tokens: torch.Tensor) -> tuple[int, int, str]:
-    trainer = Trainer(data_cfg, env)
-    _poison(trainer, tokens)
-    step = trainer.train().step
-    skipped = trainer.nonfinite.skipped_total
+    data = train(
+        env,
+        data_cfg,
+        before=lambda trainer: poison(trainer, tokens),
+        after=lambda trainer, _: {"skipped": trainer.nonfinite.skipped_total},
+    )
 
-    trainer = Trainer(hw_cfg, env)
-    real, calls = trainer.strategy.forward_backward, []
+    def flaky_hardware(trainer: Trainer) -> None:
+        real, calls = trainer.strategy.forward_backward, []
 
-    def flaky(batch: torch.Tensor) -> torch.Tensor:
-        loss = real(batch)
-        calls.append(1)
-        if env.rank == 1 and len(calls) == 2:  # step 2, after DDP's reduce: only this replica goes bad
-            grad = next(p for p in trainer.strategy.module.parameters() if p.grad is not None).grad
-            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")  # fsdp: own shard
-        return loss
+        def flaky(batch: torch.Tensor) -> torch.Tensor:
+            loss = real(batch)
+            calls.append(1)
+            if env.rank == 1 and len(calls) == 2:  # step 2, after DDP's reduce: only this replica goes bad
+                grad = next(p for p in trainer.strategy.module.parameters() if p.grad is not None).grad
+                (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")  # fsdp: own shard
+            return loss
 
-    trainer.strategy.forward_backward = flaky
+        trainer.strategy.forward_backward = flaky
+
     try:
-        trainer.train()
+        train(env, hw_cfg, before=flaky_hardware)
         stopped = ""
     except HardwareFault as e:
         stopped = str(e)
-    return step, skipped, stopped
+    return data["step"], data["skipped"], stopped
 
 
 def test_two_ranks_agree_on_data_and_on_hardware(small_cfg, tmp_path: Path) -> None:
@@ -82,7 +85,7 @@ def test_a_diverging_model_is_the_models_verdict_and_skips_no_sample(small_cfg, 
 
     def run(env, cfg):
         try:
-            Trainer(cfg, env).train()
+            train(env, cfg)
         except NonFiniteError as e:
             return str(e)
         return ""

@@ -6,6 +6,7 @@ import json
 import math
 import re
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from hpcdist.config import ConfigError, JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.parallel.zero import deepspeed_config
-from hpcdist.trainer import Trainer
+from hpcdist.trainer import Trainer, TrainResult
 from tests.conftest import small_config
 from tests.dist.harness import run_ranks, single
+from tests.training import train
 
 pytestmark = pytest.mark.dist
 
@@ -39,10 +41,8 @@ def _full_weights(strategy: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def _train(env: DistEnv, cfg: JobConfig) -> dict:
-    trainer = Trainer(cfg, env)
-    result = trainer.train()
-    return {"losses": result.losses, "model": _full_weights(trainer.strategy)}
+def _trained(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
+    return train(env, cfg, until, after=lambda trainer, _: {"model": _full_weights(trainer.strategy)})
 
 
 def _metrics(run_dir: Path, key: str) -> list[float]:
@@ -62,7 +62,7 @@ def ref(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     cfg = small_config(
         run_dir, corpus_dir, f"train.steps={STEPS}", "train.global_batch_size=8", "train.micro_batch_size=8"
     )
-    return {**single(_train, cfg), "run_dir": Path(cfg.run.dir)}
+    return {**single(_trained, cfg), "run_dir": Path(cfg.run.dir)}
 
 
 # Every stage once, then what changes each stage's code path: gradient accumulation (stage 1 and 2 share DeepSpeed's
@@ -83,7 +83,7 @@ def test_zero_matches_single_process(small_cfg, ref, tmp_path: Path, stage: int,
         *NO_CKPT,
         run_dir=tmp_path / "zero",
     )
-    outs = run_ranks(world, _train, cfg)
+    outs = run_ranks(world, _trained, cfg)
     expected = _losses(ref)
     assert len(expected) == STEPS and expected[-1] < expected[0]
     for out in outs:
@@ -97,11 +97,9 @@ def test_zero_matches_single_process(small_cfg, ref, tmp_path: Path, stage: int,
         torch.testing.assert_close(p, ref["model"][name], rtol=0, atol=1e-4, msg=name)
 
 
-def _train_and_keys(env: DistEnv, cfg: JobConfig) -> dict:
-    trainer = Trainer(cfg, env)
-    result = trainer.train()
+def _keys(trainer: Trainer, _: object) -> dict:
     state = trainer.strategy.dcp_state()
-    return {"losses": result.losses, "keys": (sorted(state["model"]), sorted(state["optim"]["state"]))}
+    return {"keys": (sorted(state["model"]), sorted(state["optim"]["state"]))}
 
 
 def test_zero3_selective_checkpointing_matches_single_process(small_cfg, ref, tmp_path: Path) -> None:
@@ -119,7 +117,7 @@ def test_zero3_selective_checkpointing_matches_single_process(small_cfg, ref, tm
         *NO_CKPT,
         run_dir=tmp_path / "zero",
     )
-    out = run_ranks(2, _train_and_keys, cfg)[0]
+    out = run_ranks(2, partial(train, after=_keys), cfg)[0]
     torch.testing.assert_close(_losses(out), _losses(ref), rtol=RTOL, atol=0)
     plain = sorted(ref["model"])  # the single-process reference: a plain model's FQNs
     assert out["keys"] == (plain, plain)
@@ -145,7 +143,7 @@ def test_offload_matches_single_process(small_cfg, ref, tmp_path: Path, offload:
         *NO_CKPT,
         run_dir=tmp_path / "zero",
     )
-    outs = run_ranks(2, _train, cfg)
+    outs = run_ranks(2, _trained, cfg)
     for out in outs:
         torch.testing.assert_close(_losses(out), _losses(ref), rtol=RTOL, atol=0)
 
@@ -168,21 +166,21 @@ def test_deepspeed_config_batch_arithmetic() -> None:
     assert c["bf16"] == {"enabled": False} and "optimizer" not in c  # no DS optimizer: no fused_adam build
 
 
+def _engine_dtypes(trainer: Trainer, result: TrainResult) -> dict[str, Any]:
+    engine = trainer.strategy.engine
+    return {
+        "communication": engine.communication_data_type,
+        "model_and_accumulation": engine.get_data_types(),
+        "optimizer": type(trainer.strategy.ds_optimizer).__name__,
+        "finite": all(math.isfinite(v) for v in result.losses.values()),
+    }
+
+
 def _deepspeed_dtypes(env: DistEnv, cfgs: list[JobConfig]) -> list[dict[str, Any]]:
     """Per config: what DeepSpeed's engine reduces and accumulates gradients in, after one bf16 step through it."""
     out = []
     for cfg in cfgs:
-        trainer = Trainer(cfg, env)
-        losses = trainer.train(until=1).losses
-        engine = trainer.strategy.engine
-        out.append(
-            {
-                "communication": engine.communication_data_type,
-                "model_and_accumulation": engine.get_data_types(),
-                "optimizer": type(trainer.strategy.ds_optimizer).__name__,
-                "finite": all(math.isfinite(v) for v in losses.values()),
-            }
-        )
+        out.append(train(env, cfg, 1, after=_engine_dtypes))
     return out
 
 
@@ -215,13 +213,6 @@ def test_zero_config_validation(small_cfg) -> None:
         small_cfg("parallel.strategy=zero", "parallel.zero.stage=2", "parallel.zero.offload_params=true")
 
 
-def _run(env: DistEnv, cfg: JobConfig, until: int | None = None) -> dict:
-    trainer = Trainer(cfg, env)
-    result = trainer.train(until=until)
-    model = _full_weights(trainer.strategy)
-    return {"losses": result.losses, "model": model, "step": result.step, "resumed": result.resumed_from}
-
-
 RESUME_STEPS = 6
 # the resume tests' layout: 2 ranks, 2 micro-batches of 2 per step, no periodic checkpoint (each split run saves at
 # its `until` step and at its end)
@@ -246,7 +237,7 @@ def straight(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Call
         if (stage, extra) not in cache:
             run_dir = tmp_path_factory.mktemp(f"zero{stage}_straight") / "run"
             cfg = small_config(run_dir, corpus_dir, *RESUME, f"parallel.zero.stage={stage}", *extra)
-            cache[stage, extra] = run_ranks(2, _run, cfg)[0]
+            cache[stage, extra] = run_ranks(2, _trained, cfg)[0]
         return cache[stage, extra]
 
     return get
@@ -267,10 +258,10 @@ def test_exact_resume(
     during backward but not found in storage", the SLURM flagship test of 2026-11-26)."""
     n = RESUME_STEPS // 2
     cfg = small_cfg(*RESUME, f"parallel.zero.stage={stage}", *extra, run_dir=tmp_path / "split")
-    first = run_ranks(2, _run, cfg, n)[0]
+    first = run_ranks(2, _trained, cfg, n)[0]
     assert first["step"] == n and first["resumed"] is None
     assert not (Path(cfg.checkpoint_dir) / f"step-{n:08d}" / "native").exists()  # one DCP write, nothing else
-    second = run_ranks(2, _run, cfg)[0]
+    second = run_ranks(2, _trained, cfg)[0]
     assert second["resumed"].endswith(f"step-{n:08d}") and second["step"] == 2 * n
     losses = {**first["losses"], **second["losses"]}
     ref = straight(stage, extra)
@@ -319,9 +310,9 @@ def test_elastic_resume_2_4_2(
     monkeypatch.setattr(DeepSpeedEngine, "_zero3_consolidated_16bit_state_dict", _no_gather)  # forked ranks too
     over = (*RESUME, f"parallel.zero.stage={stage}", f"checkpoint.async_save={str(async_save).lower()}", *extra)
     cfg = small_cfg(*over, run_dir=tmp_path / "split")
-    first = run_ranks(2, _run, cfg, 2)[0]
-    second = run_ranks(4, _run, cfg, 4)[0]
-    third = run_ranks(2, _run, cfg)[0]
+    first = run_ranks(2, _trained, cfg, 2)[0]
+    second = run_ranks(4, _trained, cfg, 4)[0]
+    third = run_ranks(2, _trained, cfg)[0]
     assert second["resumed"].endswith("step-00000002") and third["resumed"].endswith("step-00000004")
     ref = straight(stage, extra)
     _assert_losses({**first["losses"], **second["losses"], **third["losses"]}, ref["losses"])
@@ -338,9 +329,9 @@ def zero3_cross(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     """CROSS under ZeRO-3 on 2 ranks, trained once for both torch strategies that continue it: the uninterrupted run
     and a run stopped at step 2 (its checkpoint is only read by them)."""
     root = tmp_path_factory.mktemp("zero3_cross")
-    straight = run_ranks(2, _run, small_config(root / "straight", corpus_dir, *CROSS, *ZERO3))[0]
+    straight = run_ranks(2, _trained, small_config(root / "straight", corpus_dir, *CROSS, *ZERO3))[0]
     cfg = small_config(root / "zero", corpus_dir, *CROSS, *ZERO3)
-    first = run_ranks(2, _run, cfg, 2)[0]
+    first = run_ranks(2, _trained, cfg, 2)[0]
     return {"straight": straight, "first": first, "step2": f"{cfg.checkpoint_dir}/step-00000002"}
 
 
@@ -351,18 +342,18 @@ def test_zero3_checkpoint_resumed_by_torch_strategies(
     """A ZeRO-3 checkpoint holds the fp32 master and AdamW moments by FQN: DDP and FSDP continue it with the losses
     ZeRO-3 itself would have had (weights and moments kept, not restarted)."""
     resume = f"checkpoint.resume={zero3_cross['step2']}"
-    then = run_ranks(2, _run, small_cfg(*CROSS, *other, resume, run_dir=tmp_path / "other"))[0]
+    then = run_ranks(2, _trained, small_cfg(*CROSS, *other, resume, run_dir=tmp_path / "other"))[0]
     assert then["resumed"] and then["step"] == 4
     _assert_losses({**zero3_cross["first"]["losses"], **then["losses"]}, zero3_cross["straight"]["losses"])
 
 
 def test_ddp_checkpoint_resumed_by_zero3(small_cfg, tmp_path: Path) -> None:
     """The other way: ZeRO-3 (refused before) loads a DDP checkpoint on another world size, moments kept."""
-    straight = run_ranks(2, _run, small_cfg(*CROSS, "parallel.strategy=ddp", run_dir=tmp_path / "straight"))[0]
+    straight = run_ranks(2, _trained, small_cfg(*CROSS, "parallel.strategy=ddp", run_dir=tmp_path / "straight"))[0]
     cfg = small_cfg(*CROSS, "parallel.strategy=ddp", run_dir=tmp_path / "ddp")
-    first = run_ranks(2, _run, cfg, 2)[0]
+    first = run_ranks(2, _trained, cfg, 2)[0]
     resume = f"checkpoint.resume={cfg.checkpoint_dir}/step-00000002"
-    then = run_ranks(4, _run, small_cfg(*CROSS, *ZERO3, resume, run_dir=tmp_path / "zero"))[0]
+    then = run_ranks(4, _trained, small_cfg(*CROSS, *ZERO3, resume, run_dir=tmp_path / "zero"))[0]
     assert then["resumed"] and then["step"] == 4
     _assert_losses({**first["losses"], **then["losses"]}, straight["losses"])
 
@@ -381,9 +372,9 @@ def test_a_different_model_is_refused_before_deepspeed_loads(small_cfg, tmp_path
         "checkpoint.every_steps=2",
     )
     cfg = small_cfg(*over, run_dir=tmp_path / "run")
-    run_ranks(2, _run, cfg)
+    run_ranks(2, _trained, cfg)
     with pytest.raises(AssertionError, match=r"holds a different model \(layers\.1\..*model\.n_layers=2 \(now 1\)"):
-        run_ranks(2, _run, small_cfg(*over, "train.steps=4", "model.n_layers=1", run_dir=tmp_path / "run"))
+        run_ranks(2, _trained, small_cfg(*over, "train.steps=4", "model.n_layers=1", run_dir=tmp_path / "run"))
     assert (Path(cfg.checkpoint_dir) / "step-00000002" / "COMPLETE").is_file()  # not demoted
 
 

@@ -6,17 +6,18 @@ from __future__ import annotations
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hpcdist.config import JobConfig
 from hpcdist.env import destroy_process_group, from_environ, init_process_group
 from hpcdist.rundir import RunDir
 from hpcdist.trainer import Trainer
 from tests.dist.harness import free_port
+from tests.training import train
 
 GPU_SMALL = (
     "train.dtype=bf16",
@@ -48,10 +49,7 @@ def _one_gpu(fn, *args):
         destroy_process_group()
 
 
-def _train(env, cfg: JobConfig, until: int | None = None) -> dict:
-    trainer = Trainer(cfg, env)
-    result = trainer.train(until=until)
-    return {"losses": result.losses, "step": result.step, "scaler": trainer.strategy.scaler_state()}
+_train_gpu = partial(train, after=lambda trainer, _: {"scaler": trainer.strategy.scaler_state()})
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -62,7 +60,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 def test_bf16_training_on_one_gpu(small_cfg, tmp_path: Path, strategy: str) -> None:
     """Each strategy trains in bf16 on one GPU: the loss falls, memory and MFU (vs the bf16 peak) are reported."""
     cfg = small_cfg(*GPU_SMALL, "train.steps=20", f"parallel.strategy={strategy}", run_dir=tmp_path)
-    out = _one_gpu(_train, cfg)
+    out = _one_gpu(_train_gpu, cfg)
     losses = [out["losses"][s] for s in sorted(out["losses"])]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     last = _metrics(tmp_path)[-1]
@@ -75,10 +73,10 @@ def test_exact_resume_with_cuda_checkpoints(small_cfg, tmp_path: Path, async_sav
     """DCP writes the CUDA tensors (sync and async) and reads them back: the resumed run's losses match an
     uninterrupted one (to bf16 round-off: GPU kernels may reorder reductions between runs)."""
     over = (*GPU_SMALL, "train.steps=6", "checkpoint.every_steps=3", f"checkpoint.async_save={str(async_save).lower()}")
-    straight = _one_gpu(_train, small_cfg(*over, run_dir=tmp_path / "a"))
+    straight = _one_gpu(_train_gpu, small_cfg(*over, run_dir=tmp_path / "a"))
     cfg = small_cfg(*over, run_dir=tmp_path / "b")
-    _one_gpu(_train, cfg, 3)
-    resumed = _one_gpu(_train, cfg)
+    _one_gpu(_train_gpu, cfg, 3)
+    resumed = _one_gpu(_train_gpu, cfg)
     ref = [straight["losses"][s] for s in (4, 5, 6)]
     torch.testing.assert_close([resumed["losses"][s] for s in (4, 5, 6)], ref, rtol=2e-2, atol=0)
 
@@ -134,14 +132,14 @@ def test_fp16_loss_scaling_on_one_gpu(small_cfg, tmp_path: Path, strategy: str) 
         "checkpoint.every_steps=6",
         f"parallel.strategy={strategy}",
     )
-    straight = _one_gpu(_train, small_cfg(*over, run_dir=tmp_path / "a"))
+    straight = _one_gpu(_train_gpu, small_cfg(*over, run_dir=tmp_path / "a"))
     losses = [straight["losses"][s] for s in sorted(straight["losses"])]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     last = _metrics(tmp_path / "a")[-1]
     assert last["scaler_skips"] >= 0 and last["loss_scale"] > 0
     cfg = small_cfg(*over, run_dir=tmp_path / "b")
-    _one_gpu(_train, cfg, 6)
-    resumed = _one_gpu(_train, cfg)
+    _one_gpu(_train_gpu, cfg, 6)
+    resumed = _one_gpu(_train_gpu, cfg)
     ref = [straight["losses"][s] for s in range(7, 13)]
     torch.testing.assert_close([resumed["losses"][s] for s in range(7, 13)], ref, rtol=2e-2, atol=0)
     assert resumed["scaler"] == straight["scaler"]
@@ -260,11 +258,11 @@ def test_exact_resume_through_hpcdists_writer_for_each_one_gpu_strategy(
         f"checkpoint.async_save={str(async_save).lower()}",
         f"parallel.strategy={strategy}",
     )
-    straight = _one_gpu(_train, small_cfg(*over, run_dir=tmp_path / "a"))
+    straight = _one_gpu(_train_gpu, small_cfg(*over, run_dir=tmp_path / "a"))
     cfg = small_cfg(*over, run_dir=tmp_path / "b")
-    _one_gpu(_train, cfg, 3)
+    _one_gpu(_train_gpu, cfg, 3)
     assert (tmp_path / "b").is_dir()
-    resumed = _one_gpu(_train, cfg)
+    resumed = _one_gpu(_train_gpu, cfg)
     assert sorted(resumed["losses"]) == [4, 5, 6], resumed["losses"]  # it resumed, it did not start over
     ref = [straight["losses"][s] for s in (4, 5, 6)]
     torch.testing.assert_close([resumed["losses"][s] for s in (4, 5, 6)], ref, rtol=2e-2, atol=0)
@@ -275,8 +273,8 @@ def test_compile_and_selective_checkpointing_train_like_eager(small_cfg, tmp_pat
     """torch.compile of each block (inductor's generated kernels) and op-level selective checkpointing change how
     a step is computed, not what: the losses of 4 steps match eager, full-memory training to bf16 round-off."""
     over = (*GPU_SMALL, "train.steps=4")
-    eager = _one_gpu(_train, small_cfg(*over, run_dir=tmp_path / "eager"))
-    other = _one_gpu(_train, small_cfg(*over, variant, run_dir=tmp_path / "other"))
+    eager = _one_gpu(_train_gpu, small_cfg(*over, run_dir=tmp_path / "eager"))
+    other = _one_gpu(_train_gpu, small_cfg(*over, variant, run_dir=tmp_path / "other"))
     steps = sorted(eager["losses"])
     torch.testing.assert_close(
         [other["losses"][s] for s in steps], [eager["losses"][s] for s in steps], rtol=2e-2, atol=0
@@ -288,7 +286,7 @@ def test_document_masking_dense_and_flex_give_equal_losses(small_cfg, tmp_path: 
     must train to the same losses (``model.document_attention`` = dense | flex)."""
     over = (*GPU_SMALL, "train.steps=4", "data.document_mask=true")
     runs = {
-        kind: _one_gpu(_train, small_cfg(*over, f"model.document_attention={kind}", run_dir=tmp_path / kind))
+        kind: _one_gpu(_train_gpu, small_cfg(*over, f"model.document_attention={kind}", run_dir=tmp_path / kind))
         for kind in ("dense", "flex")
     }
     steps = sorted(runs["dense"]["losses"])
@@ -307,10 +305,10 @@ def test_the_node_local_tier_saves_cuda_state_and_resumes_from_it(small_cfg, tmp
         "checkpoint.local.every_steps=3",
         f"checkpoint.local.dir={tmp_path / 'local'}",
     )
-    straight = _one_gpu(_train, small_cfg(*over, run_dir=tmp_path / "a"))
+    straight = _one_gpu(_train_gpu, small_cfg(*over, run_dir=tmp_path / "a"))
     cfg = small_cfg(*over, run_dir=tmp_path / "b")
-    _one_gpu(_train, cfg, 3)
-    resumed = _one_gpu(_train, cfg)
+    _one_gpu(_train_gpu, cfg, 3)
+    resumed = _one_gpu(_train_gpu, cfg)
     assert sorted(resumed["losses"]) == [4, 5, 6], resumed["losses"]
     ref = [straight["losses"][s] for s in (4, 5, 6)]
     torch.testing.assert_close([resumed["losses"][s] for s in (4, 5, 6)], ref, rtol=2e-2, atol=0)

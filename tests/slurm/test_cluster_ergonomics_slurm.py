@@ -20,7 +20,7 @@ import hpcdist
 from hpcdist import cli
 from hpcdist.config import load as load_config
 from tests.slurm.conftest import REPO, Cluster, job_info, release_requeue_hold, run_cmd, wait_job
-from tests.slurm.test_train_slurm import step_losses, tiny_overrides, wait_for_step
+from tests.slurm.harness import step_losses, tiny_overrides, wait_for_step
 
 # `apptainer exec [--bind X | --pwd X]... IMAGE CMD...` -> records the image, mounts and command, then execs CMD
 APPTAINER_STANDIN = """#!/bin/sh

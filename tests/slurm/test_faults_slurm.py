@@ -21,36 +21,12 @@ import pytest
 
 import hpcdist
 from hpcdist.fault.failures import read_failures
-from hpcdist.fault.hang import read_heartbeats
 from hpcdist.launch.restarts import load_ledger
 from tests.slurm.conftest import Cluster, job_info, release_requeue_hold, run_cmd, side_by_side, wait_job
-from tests.slurm.test_train_slurm import step_losses, submit, tiny_overrides, wait_for_step
+from tests.slurm.harness import first_step_after, rank_in_restart, step_losses, submit, tiny_overrides, wait_for_step
 
 TWO_RANKS = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"]
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
-
-
-def _rank_in_restart(run: Path, rank: int, restart: int, timeout: float = 180) -> dict[str, Any]:
-    """The heartbeat of ``rank`` once the attempt ``restart`` is training (pid, host, step)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        beat = read_heartbeats(run, rank + 1).get(rank, {})
-        if beat.get("restart") == restart:
-            return beat
-        assert time.monotonic() < deadline, f"rank {rank} of restart {restart} never started training in {run}"
-        time.sleep(0.1)
-
-
-def _first_step_after(run: Path, t: float, timeout: float = 120) -> float:
-    """When metrics.jsonl first logged a step after time ``t`` (training has resumed); waits for it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for line in (run / "metrics.jsonl").read_text().splitlines():
-            m = json.loads(line)
-            if "split" not in m and m["time"] > t:
-                return m["time"]
-        assert time.monotonic() < deadline, f"no step logged after {t} in {run}"
-        time.sleep(0.1)
 
 
 def _goodput(run: Path) -> dict[str, Any]:
@@ -97,7 +73,7 @@ def _drive_preemption_then_frozen_rank(cluster: Cluster, corpus: Path, tmp_path:
     release_requeue_hold(cluster, job, min_restarts=1, timeout=120)
 
     # 2. freeze rank 1 of the resumed attempt: rank 0's watchdog fires, after-step requeues, training resumes
-    frozen = _rank_in_restart(run, 1, restart=1)
+    frozen = rank_in_restart(run, 1, restart=1)
     wait_for_step(run, 14)
     t_stop = time.time()
     os.kill(frozen["pid"], signal.SIGSTOP)
@@ -139,7 +115,7 @@ def test_preemption_then_frozen_rank_watchdog_requeues_and_resumes(one_node: dic
     assert final["split"] == "goodput" and final["attempts"] == 3 and 0 < final["goodput"] < 1
 
     detect = hang["time"] - t_stop
-    resume = _first_step_after(run, hang["time"]) - t_stop
+    resume = first_step_after(run, hang["time"]) - t_stop
     print(
         f"\nSIGSTOP rank 1 at step ~{reached}: watchdog fired {detect:.1f}s later (timeout 10 s), training resumed "
         f"{resume:.1f}s after the SIGSTOP from step {resumed}, {max(0, reached - resumed)} step(s) lost; run goodput "
@@ -166,16 +142,16 @@ def test_killed_rank_is_blamed_excluded_requeued_and_a_failure_loop_stops(
     job = submit(slurm_cluster2, "train.sh", TWO_RANKS, ["configs/demo.yaml", *over], out)
 
     wait_for_step(run, 8)
-    victim = _rank_in_restart(run, 1, restart=0)
+    victim = rank_in_restart(run, 1, restart=0)
     t_kill = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     info = release_requeue_hold(slurm_cluster2, job, timeout=120)
     first_host = victim["host"]
     assert info["ExcNodeList"] == first_host and info["NodeList"] != first_host  # runs on the other node
 
-    again = _rank_in_restart(run, 1, restart=1)
+    again = rank_in_restart(run, 1, restart=1)
     assert again["host"] != first_host
-    resumed_at = _first_step_after(run, t_kill)
+    resumed_at = first_step_after(run, t_kill)
     time.sleep(1.0)
     os.kill(again["pid"], signal.SIGKILL)  # the same failure once more: a failure loop, requeueing stops
     assert wait_job(slurm_cluster2, job, timeout=120) == "FAILED"
@@ -214,7 +190,7 @@ def _drive_submitit_killed_rank(cluster: Cluster, corpus: Path, tmp_path: Path) 
     over = tiny_overrides(run, corpus, steps, "checkpoint.every_steps=5", "logging.straggler_every_steps=0")
     job = hpcdist.submit("configs/demo.yaml", over, cluster="sandbox", nodes=1, gpus_per_node=2)
     wait_for_step(run, 7)
-    victim = _rank_in_restart(run, 1, restart=0)
+    victim = rank_in_restart(run, 1, restart=0)
     os.kill(victim["pid"], signal.SIGKILL)
     assert release_requeue_hold(cluster, job.job_id)["Restarts"] == "1"
     assert job.wait(timeout=300) == "COMPLETED", job.paths[0].stderr.read_text()[-3000:]

@@ -16,7 +16,7 @@ from hpcdist.checkpoint.manifest import MANIFEST
 from hpcdist.checkpoint.names import MARKER
 from tests.conftest import SMALL
 from tests.slurm.conftest import REPO, Cluster, job_info, release_requeue_hold, run_cmd, wait_job
-from tests.slurm.test_train_slurm import step_losses, submit, wait_for_step
+from tests.slurm.harness import step_losses, submit, wait_for_step
 
 # --exclusive=user: the script's `#SBATCH --exclusive` (a whole node per job, right for 13B) kept the uninterrupted
 # reference job and the preempted one from sharing the sandbox's one node, so they ran one after the other; =user

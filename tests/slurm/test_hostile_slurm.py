@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.slurm.conftest import REPO, Cluster, wait_job
-from tests.slurm.test_train_slurm import step_losses, submit, tiny_overrides
+from tests.slurm.harness import step_losses, submit, tiny_overrides
 
 
 def test_hostile_run_dir_through_sbatch(slurm_cluster: Cluster, corpus_dir: Path, tmp_path: Path) -> None:

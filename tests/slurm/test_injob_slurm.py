@@ -25,35 +25,19 @@ from hpcdist.fault.failures import read_failures
 from hpcdist.fault.hang import read_heartbeats
 from hpcdist.launch.restarts import load_ledger
 from tests.slurm.conftest import REPO, Cluster, job_info, release_requeue_hold, run_cmd, wait_job
-from tests.slurm.test_faults_slurm import _first_step_after, _rank_in_restart
-from tests.slurm.test_train_slurm import JOB_ENV, step_losses, submit, tiny_overrides, wait_for_step
-
-STEPS = 16
-ONE_TASK = ["--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1"]
-COMMON = ("checkpoint.every_steps=4", "logging.straggler_every_steps=0", "fault.restart_backoff_s=1")
-
-
-def _over(run: Path, corpus: Path, *extra: str) -> list[str]:
-    return ["configs/demo.yaml", *tiny_overrides(run, corpus, STEPS, *COMMON, *extra)]
-
-
-class Reference:
-    """The uninterrupted run of the same layout (2 ranks, ddp), submitted once for the module and waited for only
-    where its losses are compared: it trains beside the first scenario instead of before it."""
-
-    def __init__(self, cluster: Cluster, corpus: Path, d: Path) -> None:
-        self.cluster, self.d = cluster, d
-        args = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"]
-        self.job = submit(cluster, "train.sh", args, _over(d / "run", corpus), d / "out.txt")
-        self._losses: dict[int, float] | None = None
-
-    def losses(self) -> dict[int, float]:
-        if self._losses is None:
-            state = wait_job(self.cluster, self.job, timeout=240)
-            assert state == "COMPLETED", (self.d / "out.txt").read_text()[-3000:]
-            self._losses = step_losses(self.d / "run")
-            assert sorted(self._losses) == list(range(1, STEPS + 1))
-        return self._losses
+from tests.slurm.harness import (
+    INJOB_STEPS,
+    JOB_ENV,
+    ONE_TASK,
+    Reference,
+    first_step_after,
+    injob_overrides,
+    rank_in_restart,
+    step_losses,
+    submit,
+    tiny_overrides,
+    wait_for_step,
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,19 +46,19 @@ def reference(slurm_cluster2: Cluster, corpus_dir: Path, tmp_path_factory: pytes
 
 
 def _kill_rank_on(run: Path, rank: int, restart: int) -> tuple[dict, float]:
-    victim = _rank_in_restart(run, rank, restart=restart)
+    victim = rank_in_restart(run, rank, restart=restart)
     t = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     return victim, t
 
 
 def _ranks_hosts(run: Path, restart: int, world: int) -> list[str]:
-    return [_rank_in_restart(run, r, restart=restart)["host"] for r in range(world)]
+    return [rank_in_restart(run, r, restart=restart)["host"] for r in range(world)]
 
 
 def _recovery_line(run: Path, what: str, t_kill: float) -> float:
     """Print the time from the kill to the next completed step and the attempt's recovery split (goodput.json)."""
-    back = _first_step_after(run, t_kill) - t_kill
+    back = first_step_after(run, t_kill) - t_kill
     deadline = time.monotonic() + 30
     while True:  # rank 0 writes the recovery with its first step's flush
         recs = [a["recovery"] for a in json.loads((run / "goodput.json").read_text())["attempts"] if "recovery" in a]
@@ -93,7 +77,11 @@ def test_killed_rank_restarts_in_the_job_on_the_spare(
     time to the next completed step <= 60 s, every step's loss equal to the uninterrupted run's."""
     run, out = tmp_path / "run", tmp_path / "out.txt"
     job = submit(
-        slurm_cluster2, "train.sh", ["--nodes=3", *ONE_TASK], _over(run, corpus_dir, "fault.spare_nodes=1"), out
+        slurm_cluster2,
+        "train.sh",
+        ["--nodes=3", *ONE_TASK],
+        injob_overrides(run, corpus_dir, "fault.spare_nodes=1"),
+        out,
     )
     assert _ranks_hosts(run, 0, 2) == ["node1", "node2"]  # the first two of the allocation; node3 is the spare
     wait_for_step(run, 6)
@@ -116,7 +104,7 @@ def test_killed_rank_restarts_in_the_job_on_the_spare(
     assert "restarting in the allocation" in text and "attempt 1 (in-job) on node1,node3" in text
     assert back <= 60
     got, ref = step_losses(run), reference.losses()
-    assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
+    assert [got[s] for s in range(1, INJOB_STEPS + 1)] == [ref[s] for s in range(1, INJOB_STEPS + 1)]
 
 
 def test_too_few_healthy_nodes_requeue_as_before_with_the_bad_host_excluded(
@@ -124,7 +112,7 @@ def test_too_few_healthy_nodes_requeue_as_before_with_the_bad_host_excluded(
 ) -> None:
     """Two training nodes, no spare, no shrinking: a killed rank on node2 leaves too few -> requeue without node2."""
     run, out = tmp_path / "run", tmp_path / "out.txt"
-    job = submit(slurm_cluster2, "train.sh", ["--nodes=2", *ONE_TASK], _over(run, corpus_dir), out)
+    job = submit(slurm_cluster2, "train.sh", ["--nodes=2", *ONE_TASK], injob_overrides(run, corpus_dir), out)
     assert _ranks_hosts(run, 0, 2) == ["node1", "node2"]
     wait_for_step(run, 6)
     _, t_kill = _kill_rank_on(run, 1, restart=0)
@@ -138,7 +126,7 @@ def test_too_few_healthy_nodes_requeue_as_before_with_the_bad_host_excluded(
     assert ledger["excluded"] == ["node2"] and ledger["attempts"]["1"]["path"] == "requeue"
     assert "usable node(s) left, 2 needed: requeueing" in out.read_text()
     got, ref = step_losses(run), reference.losses()
-    assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
+    assert [got[s] for s in range(1, INJOB_STEPS + 1)] == [ref[s] for s in range(1, INJOB_STEPS + 1)]
 
 
 def test_no_spare_left_min_nodes_shrinks_to_one_host_through_submit(
@@ -149,7 +137,9 @@ def test_no_spare_left_min_nodes_shrinks_to_one_host_through_submit(
     for key, value in slurm_cluster2.env.items():  # this process is the login node
         monkeypatch.setenv(key, value)
     run = tmp_path / "shrink"
-    over = _over(run, corpus_dir, "fault.min_nodes=1", "checkpoint.keep_last=100")[1:]  # the resume point stays
+    over = injob_overrides(run, corpus_dir, "fault.min_nodes=1", "checkpoint.keep_last=100")[
+        1:
+    ]  # the resume point stays
     job = hpcdist.submit("configs/demo.yaml", over, cluster="sandbox", nodes=2, gpus_per_node=1)
     wait_for_step(run, 6)
     _, t_kill = _kill_rank_on(run, 1, restart=0)
@@ -159,7 +149,7 @@ def test_no_spare_left_min_nodes_shrinks_to_one_host_through_submit(
     # (keep_last=100), so the reference trains from it while the job finishes
     goodput = json.loads((run / "goodput.json").read_text())["attempts"]
     resumed = int(goodput[1]["first_step"])
-    assert 0 < resumed < STEPS
+    assert 0 < resumed < INJOB_STEPS
 
     # the reference: one host (1 rank, 8 micro-batches of accumulation) from the same checkpoint
     ref = tmp_path / "ref"
@@ -187,8 +177,8 @@ def test_no_spare_left_min_nodes_shrinks_to_one_host_through_submit(
             reference.wait()
     assert reference.returncode == 0, stderr[-3000:]
     got, want = step_losses(run), step_losses(ref)
-    assert sorted(want) == list(range(resumed + 1, STEPS + 1))
-    for s in range(resumed + 1, STEPS + 1):
+    assert sorted(want) == list(range(resumed + 1, INJOB_STEPS + 1))
+    for s in range(resumed + 1, INJOB_STEPS + 1):
         assert got[s] == pytest.approx(want[s], rel=1e-5, abs=1e-6), s
 
 

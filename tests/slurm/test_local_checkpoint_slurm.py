@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.slurm.conftest import Cluster, job_info, wait_job
-from tests.slurm.test_faults_slurm import _rank_in_restart
-from tests.slurm.test_injob_slurm import ONE_TASK, STEPS, Reference, _over
-from tests.slurm.test_train_slurm import step_losses, submit
+from tests.slurm.harness import INJOB_STEPS, ONE_TASK, Reference, injob_overrides, rank_in_restart, step_losses, submit
 
 # local every step, shared every 5: a kill after step 5k+3 finds local steps 5k+1.. newer than the shared 5k
 LOCAL = ("checkpoint.every_steps=5", "checkpoint.local.every_steps=1", "fault.exclude_failed_nodes=false")
@@ -46,7 +44,7 @@ def reference(slurm_cluster2: Cluster, corpus_dir: Path, tmp_path_factory: pytes
 def _kill_after(run: Path, rank: int, restart: int, steps: set[int], timeout: float = 120) -> int:
     """SIGKILL ``rank`` of attempt ``restart`` as soon as that attempt logs one of ``steps`` in metrics.jsonl; the
     step it had logged last."""
-    victim = _rank_in_restart(run, rank, restart=restart)
+    victim = rank_in_restart(run, rank, restart=restart)
     since = victim["time"] if restart else 0.0  # the attempt's own lines: an earlier attempt logged steps too
     deadline = time.monotonic() + timeout
     while True:
@@ -63,15 +61,15 @@ def test_a_killed_hosts_files_come_from_its_peer_then_both_lost_resume_the_share
     slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path, reference: Reference
 ) -> None:
     run, out, local = tmp_path / "run", tmp_path / "out.txt", tmp_path / "local-{host}"
-    over = _over(run, corpus_dir, *LOCAL, f"checkpoint.local.dir={local}", "fault.restart_backoff_s=1")
+    over = injob_overrides(run, corpus_dir, *LOCAL, f"checkpoint.local.dir={local}", "fault.restart_backoff_s=1")
     job = submit(slurm_cluster2, "train.sh", ["--nodes=2", *ONE_TASK], over, out)
     # host A runs rank 0, host B rank 1 (SLURM picks two of the three nodes; the reference job takes one too)
-    host_a, host_b = (_rank_in_restart(run, r, restart=0)["host"] for r in (0, 1))
+    host_a, host_b = (rank_in_restart(run, r, restart=0)["host"] for r in (0, 1))
     node_a, node_b = tmp_path / f"local-{host_a}", tmp_path / f"local-{host_b}"
 
     killed = _kill_after(run, 1, 0, {8, 13})  # host B's rank
     shutil.rmtree(node_b, ignore_errors=True)  # B's disk lost with it
-    second = _rank_in_restart(run, 0, restart=1)
+    second = rank_in_restart(run, 0, restart=1)
     _, fetched = _wait_for(out, r"rank 1's files of step (\d+) come from rank 0's node")
     step = int(fetched.group(1))
     assert 5 * (killed // 5) < step <= killed  # newer than the shared checkpoint
@@ -81,7 +79,7 @@ def test_a_killed_hosts_files_come_from_its_peer_then_both_lost_resume_the_share
     )
     assert list(node_a.glob("run-*/replica-of-rank-00001")) and second["host"] == host_a
 
-    again = _kill_after(run, 1, 1, {s for s in range(step + 1, STEPS) if s % 5 in (1, 2, 3)})
+    again = _kill_after(run, 1, 1, {s for s in range(step + 1, INJOB_STEPS) if s % 5 in (1, 2, 3)})
     shutil.rmtree(node_a, ignore_errors=True)
     shutil.rmtree(node_b, ignore_errors=True)  # both copies gone
     assert wait_job(slurm_cluster2, job, timeout=240) == "COMPLETED", out.read_text()[-4000:]
@@ -89,4 +87,4 @@ def test_a_killed_hosts_files_come_from_its_peer_then_both_lost_resume_the_share
     assert f"resumed from {run}/checkpoints/step-{5 * (again // 5):08d}" in text, text[-4000:]
     assert job_info(slurm_cluster2, job)["Restarts"] == "0"  # both restarts in the job
     got, ref = step_losses(run), reference.losses()
-    assert [got[s] for s in range(1, STEPS + 1)] == [ref[s] for s in range(1, STEPS + 1)]
+    assert [got[s] for s in range(1, INJOB_STEPS + 1)] == [ref[s] for s in range(1, INJOB_STEPS + 1)]

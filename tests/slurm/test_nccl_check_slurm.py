@@ -11,35 +11,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tests.slurm.conftest import REPO, Cluster, run_cmd, wait_job
+from tests.slurm.harness import NCCL_CHECK
 
 # The ethernet profile resolves GLOO_SOCKET_IFNAME=auto to eth0 inside each namespace (gloo across the two hosts
 # needs it), as it does for training jobs. 2 ranks per node keep the 2-core machine from thrashing.
 JOB_ENV = {"HPCDIST_NCCL_PROFILE": "ethernet", "OMP_NUM_THREADS": "1"}
 SHAPE = ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1"]
-# The throttle makes node2's link ~100x slower than the unthrottled veth; the threshold is far from both, so the
-# noise of a shared machine neither hides the slow host nor invents one.
-CHECK = [
-    "--max-bytes",
-    "64K",
-    "--iters",
-    "3",
-    "--warmup",
-    "1",
-    "--finder-bytes",
-    "1M",
-    "--finder-iters",
-    "5",
-    "--slow-threshold",
-    "0.1",
-    "--timeout",
-    "90",
-]
 THROTTLE = ["tbf", "rate", "100mbit", "burst", "64kb", "latency", "200ms"]
 
 
 def submit(cluster: Cluster, out: Path, report: Path) -> tuple[str, str, dict]:
     """Run the batch script as a user would; -> (final state, job output, JSON report)."""
-    args = [*SHAPE, f"--output={out}", str(REPO / "sbatch" / "nccl_check.sh"), *CHECK, "--json", str(report)]
+    args = [*SHAPE, f"--output={out}", str(REPO / "sbatch" / "nccl_check.sh"), *NCCL_CHECK, "--json", str(report)]
     proc = run_cmd(cluster, "sbatch", "--parsable", *args, cwd=REPO, env={**cluster.env, **JOB_ENV})
     state = wait_job(cluster, proc.stdout.strip().split(";")[0], timeout=300)
     return state, out.read_text() if out.exists() else "", json.loads(report.read_text()) if report.exists() else {}

@@ -17,7 +17,7 @@ from hpcdist.data.array import KILL_ENV, prepare_status
 from hpcdist.data.prepare import prepare_corpus
 from hpcdist.launch.prepare_array import submit_prepare
 from tests.slurm.conftest import Cluster, job_info, release_requeue_hold
-from tests.slurm.test_train_slurm import step_losses, tiny_overrides
+from tests.slurm.harness import step_losses, tiny_overrides
 
 SHARD = 2**15
 

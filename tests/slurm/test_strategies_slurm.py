@@ -21,7 +21,7 @@ import torch
 import hpcdist
 from tests.conftest import SMALL
 from tests.slurm.conftest import REPO, Cluster, job_info, wait_job
-from tests.slurm.test_train_slurm import step_losses, submit
+from tests.slurm.harness import step_losses, submit
 
 STEPS = 3
 DEMO = str(REPO / "configs" / "demo.yaml")

@@ -13,7 +13,7 @@ import pytest
 
 import hpcdist
 from tests.slurm.conftest import Cluster, job_info, release_requeue_hold, run_cmd, side_by_side
-from tests.slurm.test_train_slurm import step_losses, tiny_overrides, wait_for_step
+from tests.slurm.harness import step_losses, tiny_overrides, wait_for_step
 
 
 @pytest.fixture(scope="module")

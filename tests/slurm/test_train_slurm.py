@@ -15,7 +15,6 @@ import torch
 
 from hpcdist import config as config_mod
 from hpcdist.trainer import Trainer
-from tests.conftest import SMALL
 from tests.dist.harness import single
 from tests.slurm.conftest import (
     REPO,
@@ -27,55 +26,7 @@ from tests.slurm.conftest import (
     side_by_side,
     wait_job,
 )
-
-# every rank on CPU; the sandbox's "GPUs" are fake devices, so torch picks gloo. ethernet profile: gloo's
-# interface is auto-detected per host (needed across the namespaced hosts).
-JOB_ENV = {"HPCDIST_NCCL_PROFILE": "ethernet", "OMP_NUM_THREADS": "1"}
-
-
-def tiny_overrides(run_dir: Path, corpus: Path, steps: int, *extra: str) -> list[str]:
-    return [
-        *SMALL,
-        f"run.dir={run_dir}",
-        "data.source=files",
-        f"data.path={corpus}",
-        f"train.steps={steps}",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=1",
-        "train.eval_every_steps=0",
-        "train.activation_checkpointing=false",
-        "checkpoint.async_save=false",
-        "parallel.strategy=ddp",
-        *extra,
-    ]
-
-
-def env_with(cluster: Cluster) -> dict[str, str]:
-    return {**cluster.env, **JOB_ENV}
-
-
-def submit(cluster: Cluster, script: str, sbatch_args: list[str], overrides: list[str], out: Path) -> str:
-    args = [*sbatch_args, f"--output={out}", str(REPO / "sbatch" / script), *overrides]  # scripts append on requeue
-    proc = run_cmd(cluster, "sbatch", "--parsable", *args, cwd=REPO, env=env_with(cluster))
-    return proc.stdout.strip().split(";")[0]
-
-
-def step_losses(run_dir: Path) -> dict[int, float]:
-    """Per-step loss from metrics.jsonl; a step redone after a restart keeps its last value."""
-    out: dict[int, float] = {}
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        m = json.loads(line)
-        if "split" not in m:
-            out[m["step"]] = m["loss"]
-    return out
-
-
-def wait_for_step(run_dir: Path, step: int, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while max(step_losses(run_dir), default=0) < step:
-        assert time.monotonic() < deadline, f"no step {step} in {run_dir}/metrics.jsonl after {timeout}s"
-        time.sleep(0.1)
+from tests.slurm.harness import step_losses, submit, tiny_overrides, wait_for_step
 
 
 @pytest.fixture(scope="module")

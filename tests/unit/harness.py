@@ -1,9 +1,12 @@
-"""Helpers the unit tests of the product's face share: the documentation a user reads, and the command line's
-argparse tree."""
+"""Helpers the unit tests of the product's face share: the documentation a user reads, the command line's
+argparse tree, and ``python -m hpcdist`` run as a user runs it."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,3 +51,23 @@ def help_texts(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str]]:
                     yield f"{path} {choice.dest} (help)", choice.help or ""
             elif action.help and action.help is not argparse.SUPPRESS:
                 yield f"{path} {'/'.join(action.option_strings) or action.dest}", action.help
+
+
+# a stray rank layout in the caller's environment must not change what the CLI does
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def hpcdist(
+    *args: str | os.PathLike[str], timeout: float = 120, environ: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m hpcdist ARGS`` in the repo, without the caller's SLURM/launcher variables (plus ``environ``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in _LAUNCHER_VARS}
+    env.update(environ or {})
+    return subprocess.run(
+        [sys.executable, "-m", "hpcdist", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -28,6 +28,7 @@ from hpcdist.checkpoint.storage import prune
 from hpcdist.config import ConfigError
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single
+from tests.training import train
 
 
 def _build(env, cfg):
@@ -35,9 +36,9 @@ def _build(env, cfg):
 
 
 def _train(env, cfg, until=None):
-    t = Trainer(cfg, env)
-    r = t.train(until=until)
-    return t, r
+    """(the trainer, its TrainResult): this module's tests read both."""
+    out = train(env, cfg, until, after=lambda t, r: {"trainer": t, "result": r})
+    return out["trainer"], out["result"]
 
 
 def test_layout_marker_and_keep_last(small_cfg) -> None:

@@ -19,8 +19,8 @@ from hpcdist.checkpoint.local.tier import LocalTier
 from hpcdist.checkpoint.local.transport import _Sink
 from hpcdist.checkpoint.manifest import MANIFEST
 from hpcdist.checkpoint.names import MARKER, step_name
-from hpcdist.checkpoint.state import Checkpointable
 from hpcdist.config.loader import ConfigError
+from tests.checkpointing import TinyState
 
 
 def test_agreement_takes_the_newest_step_complete_for_every_rank_counting_peer_copies() -> None:
@@ -87,29 +87,12 @@ def test_a_directory_above_the_tier_that_others_can_write_is_refused_unless_stic
     assert open_local_dir(shared / "tier") == shared / "tier"
 
 
-class _State:
-    """A tiny model's state through the trainer's Checkpointable interface."""
-
-    def __init__(self, run_dir: str = "r") -> None:
-        self.w = torch.nn.Linear(4, 4)
-        self.step, self.run_dir = 0, run_dir
-
-    def checkpointable(self) -> Checkpointable:
-        cfg = {"run": {"dir": self.run_dir, "seed": 0}, "model": {"dim": 4}, "data": {}, "parallel": {}}
-        return Checkpointable(
-            dcp_state=lambda: {"model": self.w.state_dict()},
-            load_dcp_state=lambda d: self.w.load_state_dict(d["model"]),
-            trainer_state=lambda: {"step": self.step, "config": cfg},
-            load_trainer_state=lambda s: setattr(self, "step", s["step"]),
-        )
-
-
 def _tier(root: Path) -> LocalTier:
     return LocalTier(open_local_dir(root), rank=0, world_size=1, hosts=["a"], keep=2)
 
 
 def _saved(root: Path, steps: list[int]) -> tuple[LocalTier, dict[int, torch.Tensor]]:
-    tier, st, weights = _tier(root), _State(), {}
+    tier, st, weights = _tier(root), TinyState(), {}
     for s in steps:
         with torch.no_grad():
             st.w.weight.fill_(float(s))
@@ -124,10 +107,10 @@ def test_a_save_restores_and_only_keep_steps_stay(tmp_path: Path) -> None:
     mine = own_dir(tier.root, 0)
     assert sorted(p.name for p in mine.iterdir()) == ["step-00000004", "step-00000006"]
     assert json.loads((mine / step_name(6) / MANIFEST).read_text())["files"]  # size + sha256 of every file
-    fresh = _State()
+    fresh = TinyState()
     path = tier.restore(fresh.checkpointable(), shared_step=5)
     assert path == mine / step_name(6) and fresh.step == 6 and torch.equal(fresh.w.weight, weights[6])
-    assert tier.restore(_State().checkpointable(), shared_step=7) is None  # the shared one is newer
+    assert tier.restore(TinyState().checkpointable(), shared_step=7) is None  # the shared one is newer
     # resumed at step 4 (from the shared tier, say): step 6 is of the line the run turned back from
     (tier.root / "not-the-tiers" / "step-00000009").mkdir(parents=True)
     tier.discard_newer(4)
@@ -153,7 +136,7 @@ def test_a_local_step_that_fails_its_checks_is_never_loaded(tmp_path: Path, dama
         (step / "extra.pt").write_bytes(b"x")
     elif damage == "no-marker":
         (step / MARKER).unlink()
-    fresh = _State(run_dir="another" if damage == "other-run" else "r")
+    fresh = TinyState(run_dir="another" if damage == "other-run" else "r")
     before = fresh.w.weight.detach().clone()
     assert tier.restore(fresh.checkpointable(), shared_step=2) is None  # an older shared checkpoint resumes
     assert fresh.step == 0 and torch.equal(fresh.w.weight, before)  # nothing of it was loaded
@@ -200,7 +183,7 @@ def test_a_damaged_newest_step_gives_the_next_intact_one(tmp_path: Path) -> None
     data = bytearray(shard.read_bytes())
     data[0] ^= 1
     shard.write_bytes(bytes(data))
-    fresh = _State()
+    fresh = TinyState()
     assert tier.restore(fresh.checkpointable(), shared_step=None) == own_dir(tier.root, 0) / step_name(4)
     assert fresh.step == 4 and torch.equal(fresh.w.weight, weights[4])
     tier.discard_newer(4)  # the damaged step 6 is no step of the tier any more: kept
@@ -229,7 +212,7 @@ def test_a_trainer_state_that_parses_too_deep_is_damage_not_a_crash(tmp_path: Pa
     manifest = json.loads((step / MANIFEST).read_text())  # our own file, as written: its manifest matches it
     manifest["files"]["trainer_state.json"] = {"size": state.stat().st_size, "sha256": file_sha256(state)}
     (step / MANIFEST).write_text(json.dumps(manifest))
-    fresh = _State()
+    fresh = TinyState()
     assert tier.restore(fresh.checkpointable(), shared_step=None) == own_dir(tier.root, 0) / step_name(4)
     assert fresh.step == 4 and torch.equal(fresh.w.weight, weights[4])
 
@@ -241,7 +224,7 @@ def test_a_step_that_is_a_link_is_moved_aside_not_followed(tmp_path: Path) -> No
     (target / "keep").write_text("x")
     link = own_dir(tier.root, 0) / step_name(6)
     link.symlink_to(target)
-    st = _State()
+    st = TinyState()
     st.step = 6
     assert tier.save(6, st.checkpointable())  # saved where the link was; the link kept aside, its target intact
     assert (link / MARKER).is_file() and not link.is_symlink() and (target / "keep").read_text() == "x"

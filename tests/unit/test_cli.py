@@ -21,27 +21,10 @@ import yaml
 from hpcdist import cli
 from hpcdist import config as config_mod
 from hpcdist.data import ByteTokenizer, TokenDataset
+from tests.unit.harness import hpcdist
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = "configs/demo.yaml"
-# a stray rank layout in the caller's environment must not change what the CLI does
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def hpcdist(
-    *args: str | os.PathLike[str], timeout: float = 120, environ: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """``python -m hpcdist ARGS`` in the repo, without the caller's SLURM/launcher variables (plus ``environ``)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in _LAUNCHER_VARS}
-    env.update(environ or {})
-    return subprocess.run(
-        [sys.executable, "-m", "hpcdist", *map(str, args)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def assert_clean_failure(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:

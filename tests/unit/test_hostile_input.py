@@ -27,9 +27,9 @@ from hpcdist import config as config_mod
 from hpcdist.cli import main
 from hpcdist.config import ConfigError, JobConfig, check_run_dir, load
 from hpcdist.config.rules import _numeric_fields
-from hpcdist.trainer import Trainer
 from tests.dist.harness import single
-from tests.unit.test_config import _OVERRIDES
+from tests.training import train
+from tests.unit.fuzz import OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTILE = ["a b", "it's", 'say "hi"', "$(touch PWNED)", "`id`", "new\nline", "semi;colon", "-rf", "~", "%j", ""]
@@ -55,7 +55,7 @@ _COMMANDS = st.sampled_from([["config", "configs/demo.yaml"], ["plan", "configs/
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
-@given(command=_COMMANDS, options=_OPTIONS, overrides=_OVERRIDES)
+@given(command=_COMMANDS, options=_OPTIONS, overrides=OVERRIDES)
 def test_fuzzed_command_lines_never_raise(command, options, overrides, capsys) -> None:
     """`hpcdist config|plan` with random options and overrides: an exit code and a message, never a traceback."""
     with _time_limit(30):
@@ -471,7 +471,7 @@ def test_data_with_a_larger_vocabulary_than_the_model_is_refused_at_start(tmp_pa
     wide = prepare_shards([src], tmp_path / "wide", tokenizer=WideTokenizer())
     cfg = small_cfg(f"data.path={wide}", "train.steps=2", "train.micro_batch_size=4", run_dir=tmp_path / "run")
     with pytest.raises(ConfigError, match=r"model.vocab_size=258 is smaller than the 1000 tokens of"):
-        single(lambda env, c: Trainer(c, env).train(), cfg)
+        single(train, cfg)
 
 
 # --------------------------------------------------------------------------------------------- run directories
@@ -523,7 +523,7 @@ def test_hostile_run_dir_names_are_plain_paths(small_cfg, tmp_path: Path, name: 
     """A run directory named like a shell injection is just a name: the run writes into exactly that directory."""
     cfg = small_cfg("train.steps=1", "checkpoint.save_final=true", "train.micro_batch_size=4", run_dir=tmp_path / name)
     check_run_dir(cfg)
-    single(lambda env, c: Trainer(c, env).train(), cfg)
+    single(train, cfg)
     assert (tmp_path / name / "checkpoints" / "step-00000001" / "COMPLETE").is_file()
     assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
 
@@ -537,7 +537,7 @@ def test_files_follow_the_users_umask(small_cfg, tmp_path: Path) -> None:
     cfg = small_cfg("train.steps=2", "checkpoint.save_final=true", "train.micro_batch_size=4", run_dir=tmp_path / "r")
     old = os.umask(0o027)
     try:
-        single(lambda env, c: Trainer(c, env).train(), cfg)
+        single(train, cfg)
     finally:
         os.umask(old)
     paths = list((tmp_path / "r").rglob("*"))

@@ -22,9 +22,9 @@ from hpcdist.data import TokenDataset, load_tokenizer, prepare_corpus, stdlib_co
 from hpcdist.hf.source import ConversionError, find_checkpoint
 from hpcdist.inference import load_for_inference
 from hpcdist.models import build_model
-from hpcdist.trainer import Trainer
 from tests.conftest import SMALL
 from tests.dist.harness import single
+from tests.training import train
 
 STEPS, EVAL_BATCHES, BATCH = 8, 2, 8
 
@@ -56,7 +56,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, bpe_corpus_dir: Path) -> dict:
             "checkpoint.save_final=true",
         ],
     )
-    single(lambda env, c: Trainer(c, env).train(), cfg)
+    single(train, cfg)
     return {"dir": Path(cfg.run.dir), "cfg": cfg, "heldout": heldout, "data": bpe_corpus_dir}
 
 

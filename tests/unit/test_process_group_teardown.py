@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hpcdist.env import destroy_process_group, from_environ, init_process_group
-from hpcdist.trainer import Trainer
 from tests.dist.harness import free_port
+from tests.training import train
 
 
 def _one_zero_run(small_cfg, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> float:
@@ -30,8 +30,7 @@ def _one_zero_run(small_cfg, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
     init_process_group(env, timeout_s=120)
     try:
         cfg = small_cfg("train.steps=1", "parallel.strategy=zero", "checkpoint.save_final=false", run_dir=run_dir)
-        result = Trainer(cfg, env).train()
-        return result.losses[1]
+        return train(env, cfg)["losses"][1]
     finally:
         destroy_process_group()
 

@@ -5,12 +5,8 @@ from __future__ import annotations
 import json
 
 from hpcdist.rundir import RunDir
-from hpcdist.trainer import Trainer
 from tests.dist.harness import single
-
-
-def _train(env, cfg):
-    return Trainer(cfg, env).train().step
+from tests.training import train
 
 
 def test_three_step_profile_writes_a_trace_that_loads(small_cfg, tmp_path) -> None:
@@ -21,7 +17,7 @@ def test_three_step_profile_writes_a_trace_that_loads(small_cfg, tmp_path) -> No
         "checkpoint.save_final=false",
         run_dir=tmp_path / "run",
     )
-    assert single(_train, cfg) == 5
+    assert single(train, cfg)["step"] == 5
     files = sorted(p.name for p in RunDir(tmp_path / "run").profile.iterdir())
     assert files == ["trace-rank-00000.json"]  # no memory snapshot without CUDA
     trace = json.loads((RunDir(tmp_path / "run").profile / files[0]).read_text())
