@@ -1,10 +1,10 @@
 """``hpcdist checkpoint convert``: a checkpoint step in DCP's own stock encoding, and optionally one ``torch.save``
 file, so torch alone reads it.
 
-hpcdist's shards hold each tensor's raw bytes (:class:`hpcdist.checkpoint.HashingWriter`, the manifest's
+hpcdist's shards hold each tensor's raw bytes (:class:`hpcdist.checkpoint.codec.HashingWriter`, the manifest's
 ``tensor_encoding``), which torch's stock ``FileSystemReader`` (``dcp.load``, ``dcp_to_torch_save``) cannot read.
 The step is checked first as a named ``checkpoint.resume`` is (trusted, complete, every file's sha256 against its
-manifest), read whole in one process through :class:`hpcdist.checkpoint.HashingReader` into a state dict rebuilt
+manifest), read whole in one process through :class:`hpcdist.checkpoint.codec.HashingReader` into a state dict rebuilt
 from its metadata (torch's own ``_EmptyStateDictLoadPlanner``, the one ``dcp_to_torch_save`` uses), then written
 with a stock ``FileSystemWriter`` and, with ``torch_save``, as the nested dict ``dcp_to_torch_save`` would write.
 Everything is written beside its destination first and moved into place only once complete: a refusal or a failure
