@@ -81,7 +81,7 @@ def _verified(step: Path) -> Path:
         raise ConvertError("; ".join(e.problems)) from None
 
 
-def _free(path: Path, what: str) -> None:
+def _refuse_unless_free(path: Path, what: str) -> None:
     """Refuse an output that would replace something: a non-empty directory or any existing file."""
     if path.is_dir() and not path.is_symlink():
         if any(path.iterdir()):
@@ -107,9 +107,9 @@ def convert(
     as the single ``torch.save`` file ``torch_save``. ConvertError for bad input; nothing is written then."""
     step, out = Path(step), Path(out)
     save_file = Path(torch_save) if torch_save is not None else None
-    _free(out, "--out")
+    _refuse_unless_free(out, "--out")
     if save_file is not None:
-        _free(save_file, "--torch-save")
+        _refuse_unless_free(save_file, "--torch-save")
     step = _verified(step)
     try:
         state = read_state(step)
@@ -127,7 +127,7 @@ def convert(
             os.close(fd)
             tmp_file = Path(name)
             torch.save(state, tmp_file)
-        _free(out, "--out")  # nothing appeared there meanwhile
+        _refuse_unless_free(out, "--out")  # nothing appeared there meanwhile
         if out.is_dir():
             out.rmdir()  # empty: the finished directory takes its place
         tmp_out.rename(out)

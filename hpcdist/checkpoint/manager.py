@@ -514,7 +514,7 @@ class CheckpointManager(SavePolicy):
                         f"{MARKER}"
                     ]
                 )
-            kind, problems = _read(
+            kind, problems = _read_step_files(
                 path, self.ranks, partial(self.verify, path, shards=False), partial(self.load, path, state), saved
             )
             if kind == READ_DAMAGE:
@@ -531,7 +531,7 @@ class CheckpointManager(SavePolicy):
         latest(self.root)  # warns about interrupted saves
         for _, found in reversed(self.storage.steps()[0]):
             path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
-            kind, problems = _read(
+            kind, problems = _read_step_files(
                 path, self.ranks, partial(self.verify, path, shards=False), partial(self.load, path, state), saved
             )
             if kind == READ_OK:
@@ -640,7 +640,7 @@ def written_by(writer: HashingWriter | None) -> dict[str, dict[str, Any]]:
     return writer.digests() if writer is not None else {}
 
 
-def _read(
+def _read_step_files(
     path: Path, ranks: Ranks, verify: Callable[[], list[str]], load: Callable[[], dict[str, Any]], saved: dict[str, Any]
 ) -> tuple[int, list[str]]:
     """Collective: ``verify`` (the shards by size) and ``load`` ``path`` (its trainer state into ``saved``), tried again

@@ -506,12 +506,12 @@ def _check_checkpoint(cfg: JobConfig, kind: LayoutKind | None, bad_paths: set[st
     return p + _check_local_tier(cfg)
 
 
-LOCAL_DIR_PLACEHOLDERS = ("{job_id}", "{user}", "{host}")  # hpcdist.checkpoint.local.expand_dir fills them
+LOCAL_DIR_PLACEHOLDERS = ("{job_id}", "{user}", "{host}")  # hpcdist.checkpoint.local.layout.expand_dir fills them
 
 
 def _check_local_tier(cfg: JobConfig) -> list[str]:
     """checkpoint.local: the node-local tier. Its directory's disk checks (owner, links, a node-local file system)
-    run on each node at start-up (hpcdist.checkpoint.local.open_local_dir): the login node cannot see it."""
+    run on each node at start-up (hpcdist.checkpoint.local.layout.open_local_dir): the login node cannot see it."""
     loc = cfg.checkpoint.local
     p = _positive_problems(cfg, ["checkpoint.local.keep"])
     p += _positive_problems(cfg, ["checkpoint.local.every_steps", "checkpoint.local.every_minutes"], allow_zero=True)

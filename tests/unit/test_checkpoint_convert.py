@@ -16,10 +16,11 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from hpcdist import cli
-from hpcdist.checkpoint.names import MARKER
+from hpcdist.checkpoint.names import MARKER, step_dir
 from hpcdist.trainer import Trainer
 from tests.conftest import small_config
 from tests.dist.harness import single
+from tests.training import train
 
 STEPS = 3
 TRAIN = [
@@ -60,11 +61,6 @@ torch.save({"dcp": loaded, "torch_save": ours}, result)
 """
 
 
-def _trained(env: Any, cfg: Any) -> Path:
-    Trainer(cfg, env).train()
-    return Path(cfg.checkpoint_dir) / f"step-{STEPS:08d}"
-
-
 def _resumed(env: Any, cfg: Any) -> dict[str, Any]:
     """The DCP state (model + optimizer) hpcdist's own resume of the step holds, flattened as DCP keys it."""
     trainer = Trainer(cfg, env)
@@ -74,7 +70,9 @@ def _resumed(env: Any, cfg: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def step(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
     root = tmp_path_factory.mktemp("convert")
-    return single(_trained, small_config(root / "run", corpus_dir, f"train.steps={STEPS}", *TRAIN))
+    cfg = small_config(root / "run", corpus_dir, f"train.steps={STEPS}", *TRAIN)
+    assert single(train, cfg)["step"] == STEPS
+    return step_dir(Path(cfg.checkpoint_dir), STEPS)
 
 
 def _stock_read(tmp_path: Path, out: Path, file: Path) -> dict[str, Any]:
