@@ -150,7 +150,7 @@ def test_3d_matches_single_process(small_cfg, reference, tmp_path: Path, layout:
     world, over, micro = LAYOUTS[layout]
     cfg = small_cfg(f"train.steps={STEPS}", *BASE, micro, EVAL, *over, run_dir=tmp_path / "run")
     outs = run_ranks(world, _train_recorded, cfg)
-    # issue 30's acceptance for selective checkpointing: losses within 1e-6 of the reference (fp32)
+    # the acceptance for selective checkpointing: losses within 1e-6 of the reference (fp32)
     _check_equal(outs, reference, rtol=SELECTIVE_RTOL if "activation_checkpointing=selective" in over else RTOL)
     if "replica_check" in " ".join(over):  # HSDP: the replicas of each shard stayed bitwise identical
         lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -133,7 +133,7 @@ def test_killed_during_save_resumes_from_previous(small_cfg, straight: dict, tmp
 
 @pytest.mark.slow  # ~60 s on 2 busy cores: torchrun + 2 checkpoint processes spawned twice
 def test_a_checkpoint_process_killed_while_writing_leaves_nothing_trusted(small_cfg, straight: dict, tmp_path) -> None:
-    """Issue 28.2, torchrun, 2 ranks, async save in checkpoint processes: both ranks' checkpoint processes are
+    """Torchrun, 2 ranks, async save in checkpoint processes: both ranks' checkpoint processes are
     SIGKILLed after writing step 4's shards (test-only hook). Step 4 gets no marker and is removed; training goes
     on unharmed (same losses as a sync run), the next saves (6, 8) start new processes and are complete, and a
     resume takes step 8."""
@@ -184,7 +184,7 @@ def test_disk_full_during_save_keeps_training_and_previous_checkpoint(small_cfg,
 
 @pytest.mark.parametrize(("minutes", "saved"), [(1e-9, [2, 3, 4, 5]), (60.0, [])])
 def test_every_minutes_saves_on_rank_0s_clock_on_every_rank_alike(small_cfg, tmp_path, minutes, saved) -> None:
-    """checkpoint.every_minutes (issue 13.10): rank 0's clock asks, the per-step agreement carries the request one
+    """checkpoint.every_minutes: rank 0's clock asks, the per-step agreement carries the request one
     step later, both ranks save the same step (a save is collective: a lone rank would hang). An interval already
     due at every step saves from step 2 on; one of an hour never does."""
     cfg = small_cfg(
@@ -202,9 +202,9 @@ def test_every_minutes_saves_on_rank_0s_clock_on_every_rank_alike(small_cfg, tmp
 
 @pytest.mark.parametrize("strategy", [("parallel.strategy=ddp",), ("parallel.strategy=zero", "parallel.zero.stage=3")])
 def test_async_save_hashes_on_every_rank_and_resumes(small_cfg, tmp_path, strategy) -> None:
-    """Issue 13.2: an async save's manifest was hashed by rank 0 alone (for 13B: ~180 GB of sha256 on one host).
+    """An async save's manifest was hashed by rank 0 alone (for 13B: ~180 GB of sha256 on one host).
     Each rank now hashes the files it wrote, from its background thread; rank 0 merges the parts. The result is
-    a complete, verifiable checkpoint that resumes exactly like a sync one. Issue 28: the staging need counted at
+    a complete, verifiable checkpoint that resumes exactly like a sync one. The staging need counted at
     start-up covers what a save stages (ZeRO-3's placeholders counted nothing; ZeRO 1-2 overcount, DDP is exact)."""
     over = (*OVER, "checkpoint.async_save=true", *strategy)
     straight = run_ranks(2, _train_and_stage, small_cfg(*over, run_dir=tmp_path / "straight"))[0]
@@ -231,7 +231,7 @@ def _refusal(env: DistEnv, cfg: JobConfig) -> str:
 
 
 def test_a_step_dir_of_another_user_stops_every_rank_alike(small_cfg, tmp_path) -> None:
-    """Issue 14.1 on real ranks: rank 0 checks the tree and tells the others, so every rank refuses with the same
+    """On real ranks: rank 0 checks the tree and tells the others, so every rank refuses with the same
     message (none waits in a collective) and the checkpoint is left as it is."""
     if os.getuid() != 0:
         pytest.skip("needs root to chown a file to another user (CI runs as root)")
@@ -247,7 +247,7 @@ def test_a_step_dir_of_another_user_stops_every_rank_alike(small_cfg, tmp_path) 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_failed_final_save_exits_74_naming_the_resume_point(small_cfg, tmp_path, async_save: bool) -> None:
-    """Issue 25.4: on a full disk the final save failed, yet the run printed "done", exited 0 and its
+    """On a full disk the final save failed, yet the run printed "done", exited 0 and its
     run_summary.json named step 4; DCP's writer threads then printed their tracebacks. Now the exit status is 74,
     the last line names the resume point (step 2), run_summary.json and failures.jsonl say so, and no traceback is
     printed. An async save's failed directory is removed too (the summary and the record need the space)."""
@@ -302,7 +302,7 @@ def _stopped_for_a_requeue(env: DistEnv, cfg: JobConfig) -> dict:
 
 
 def test_a_failed_stop_save_is_no_requeue_and_no_success(small_cfg, tmp_path) -> None:
-    """Issue 25.4: the stop checkpoint before a requeue failing (disk full) must not report success: every rank
+    """The stop checkpoint before a requeue failing (disk full) must not report success: every rank
     exits 74 (the batch script's failure policy decides, blaming no node) instead of the scheduler's requeue."""
     with _small_tmpfs(tmp_path / "small", "2m") as small:
         (small / "filler").write_bytes(b"\0" * (1700 << 10))  # ~300 KB left: less than one checkpoint

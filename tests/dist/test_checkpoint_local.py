@@ -1,4 +1,4 @@
-"""The node-local checkpoint tier (checkpoint.local, issue 28.3) on 2 real ranks, each its own "node" (its
+"""The node-local checkpoint tier (checkpoint.local) on 2 real ranks, each its own "node" (its
 DistEnv's host name): a lost node's files come back from its peer's copy, and with both copies gone the shared
 checkpoint resumes, every loss equal to an uninterrupted run's."""
 
@@ -194,7 +194,7 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
 
 
 def test_the_peer_copy_runs_in_the_background_and_a_kill_during_it_leaves_nothing_trusted(tmp_path) -> None:
-    """Issue 28.3: ``save`` returns once every rank's own files are there; the copy to the peer runs on a thread
+    """``save`` returns once every rank's own files are there; the copy to the peer runs on a thread
     (``wait`` joins it); the record says peer_copies only once it is complete; a kill while it runs leaves a
     .partial copy that no restore trusts; a copy that fails leaves no copy of its step, the step itself stays."""
     root, record, snapshot = tmp_path / "local", tmp_path / "local_checkpoints.json", tmp_path / "killed"

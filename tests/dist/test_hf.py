@@ -1,4 +1,4 @@
-"""Issue 16.1-2 on real ranks: the export is the same whatever strategy and world size wrote the checkpoint, and a
+"""On real ranks: the export is the same whatever strategy and world size wrote the checkpoint, and a
 Hugging Face directory starts an FSDP run (checkpoint.init_from: HF_DIR) with the original model's loss."""
 
 from __future__ import annotations

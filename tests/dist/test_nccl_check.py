@@ -121,7 +121,7 @@ def test_healthy_run_passes_with_every_number_in_the_json(tool, tmp_path: Path) 
     assert matplotlib.image.imread(png).shape[0] > 300
     assert len(doc["finder"]["rank_pairs"]) == 6  # every pair of 4 ranks, drawn as the heat map
     assert doc["verdict"]["passed"] and "# Verdict: PASS" in text
-    # issue 31.7: rank 0 (the store's host) left while a rank was still reading its "bye": c10d's stack trace
+    # rank 0 (the store's host) left while a rank was still reading its "bye": c10d's stack trace
     assert "Exception raised from" not in text and "Connection reset by peer" not in text, text
     assert doc["layout"]["world_size"] == 4 and len(doc["health"]) == 4 and all(h["ok"] for h in doc["health"])
     assert [t["op"] for t in doc["sweep"]] == list(collectives.OPS)

@@ -1,4 +1,4 @@
-"""Issue 26.2 on real ranks: each rank builds one ParallelDims, and the trainer's data loader and its strategy read
+"""On real ranks: each rank builds one ParallelDims, and the trainer's data loader and its strategy read
 that same object (they were two, three with the layout line, each rebuilt from the config)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""NaN triage on 2 ddp ranks (issue 30.3): every rank reaches the same verdict and leaves the triage together.
+"""NaN triage on 2 ddp ranks: every rank reaches the same verdict and leaves the triage together.
 Data: a bad sample on rank 1's slice is named (each row re-run alone) and skipped by both ranks. Hardware: a one-off
 NaN in rank 1's gradients after the reduce (its replica alone is bad, rank 0's norm is finite) blames rank 1."""
 

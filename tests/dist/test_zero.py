@@ -302,7 +302,7 @@ def test_elastic_resume_2_4_2(
     async_save: bool,
     extra: tuple[str, ...],
 ) -> None:
-    """Issue 13.3: 2 steps on 2 ranks, resumed on 4 for 2 steps, resumed on 2 to the end: the same losses and fp32
+    """2 steps on 2 ranks, resumed on 4 for 2 steps, resumed on 2 to the end: the same losses and fp32
     weights as an uninterrupted 2-rank run (each rank saved and loaded only its own partition, no gather; the async
     save stages the local fragments)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -360,7 +360,7 @@ def test_ddp_checkpoint_resumed_by_zero3(small_cfg, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_different_model_is_refused_before_deepspeed_loads(small_cfg, tmp_path: Path, stage: int) -> None:
-    """Issue 13.4 on the ZeRO path: the DeepSpeed-native load used to meet another model inside DeepSpeed (an
+    """On the ZeRO path: the DeepSpeed-native load used to meet another model inside DeepSpeed (an
     error there demoted the intact checkpoint as damaged). The shapes are now checked first, without gathering
     (stage 3: ds_shape), and the checkpoint is refused by name and kept."""
     over = (
@@ -381,7 +381,7 @@ def test_a_different_model_is_refused_before_deepspeed_loads(small_cfg, tmp_path
 def test_deepspeeds_deprecated_collective_calls_print_nothing(
     tmp_path: Path, corpus_dir: Path, recwarn: pytest.WarningsRecorder
 ) -> None:
-    """Issue 31.7: a 3-step ZeRO-3 run printed 50 FutureWarnings: DeepSpeed calls torch's deprecated
+    """A 3-step ZeRO-3 run printed 50 FutureWarnings: DeepSpeed calls torch's deprecated
     all_gather_into_tensor / reduce_scatter_tensor. One process (hpcdist.run makes and destroys its 1-rank group)."""
     from hpcdist import run
     from tests.conftest import SMALL

@@ -268,7 +268,7 @@ class _SandboxManager:
             return self.clusters[nodes]
         self.stop()
         # private (0700): the sandbox checks that d and every directory above it are root's before it writes
-        # anything there (issue 14.3), so a root another user made first in /tmp is refused, not used
+        # anything there, so a root another user made first in /tmp is refused, not used
         self.root.mkdir(mode=0o700, exist_ok=True)
         cmd = [sys.executable, str(SANDBOX), "start", "--nodes", str(nodes), "--dir", str(d), "--json"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)

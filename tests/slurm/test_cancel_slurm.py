@@ -1,5 +1,5 @@
 """`hpcdist cancel` on the SLURM sandbox: it says "cancelled" only once the controller says the job ended, and the
-job's task is gone by then (issue 31 item 1, the SLURM half; the local-executor half:
+job's task is gone by then (the SLURM half; the local-executor half:
 tests/unit/launch/test_launch.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fault campaign's short form (issue 27 item 5): `tools/chaos --short` on the three-host sandbox.
+"""The fault campaign's short form: `tools/chaos --short` on the three-host sandbox.
 
 One job (2 training hosts + a spare) takes 6 faults of 6 kinds (SIGKILL, SIGSTOP -> watchdog, a host's ranks
 killed, a damaged newest checkpoint, a host failing the health gate, the time-limit signal -> one requeue) and must

@@ -1,4 +1,4 @@
-"""Issue 19 on the real sandbox: no local fallback on a login node whose controller hangs, a sweep as one job
+"""On the real sandbox: no local fallback on a login node whose controller hangs, a sweep as one job
 array (each task requeued alone, resuming exactly, from the code snapshot although the checkout was edited), and a
 chain of dependent jobs run through a stand-in container wrapper.
 
@@ -218,7 +218,7 @@ def test_sweep_array_requeues_one_task_exactly_and_a_chain_resumes(
     assert "site setup ran: node1" in log_first and "site setup ran: node1" in log_second
     used = (tmp_path / "apptainer.log").read_text().splitlines()
     assert all(line.startswith("image=/images/train.sif bind=") for line in used), used
-    # per chain job, both inside the image: the attempt loop (issue 27) and the ranks' supervisor (the trainer in it)
+    # per chain job, both inside the image: the attempt loop and the ranks' supervisor (the trainer in it)
     modules = [line.partition("cmd=")[2].split()[1:3] for line in used]  # `<python> -m <module> ...`
     assert sorted(m[1] for m in modules) == ["hpcdist.fault.supervise"] * 2 + ["hpcdist.launch.attempts"] * 2, used
 

@@ -1,4 +1,4 @@
-"""In-job restart on the real SLURM sandbox (issue 27): three hosts, two training nodes and a hot spare.
+"""In-job restart on the real SLURM sandbox: three hosts, two training nodes and a hot spare.
 
 The attempt loop (hpcdist.launch.attempts) restarts a failed step inside the allocation: SIGKILL of one rank on a
 host -> the loop blames the host, starts the next attempt on the other training host + the spare, and the job never

@@ -1,4 +1,4 @@
-"""The node-local checkpoint tier on the SLURM sandbox (issue 28.3): two hosts, the in-job restart onto the same
+"""The node-local checkpoint tier on the SLURM sandbox: two hosts, the in-job restart onto the same
 hosts (fault.exclude_failed_nodes=false). Host B's rank killed and B's local directory wiped: the restart takes B's
 files from its copy on host A, the local tier being newer than the shared checkpoint; then both copies wiped: the
 shared checkpoint. Every step's loss equals the uninterrupted run's (test_injob_slurm's reference: same model,

@@ -1,4 +1,4 @@
-"""Issue 29.1 on the sandbox: ``hpcdist prepare --cluster sandbox --tasks 4`` as one job array and a merge job; one
+"""On the sandbox: ``hpcdist prepare --cluster sandbox --tasks 4`` as one job array and a merge job; one
 task's tokenizing process SIGKILLed after its first shard requeues that task alone, which keeps the shard; the
 merged dataset equals the one-machine prepare byte for byte; a training job submitted ``--after`` the merge (before
 the data exists) trains on it."""

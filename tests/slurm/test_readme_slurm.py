@@ -1,4 +1,4 @@
-"""Every README command runs (issue 11), the SLURM ones, on the sandbox: each runs with bash from its own
+"""Every README command runs, the SLURM ones, on the sandbox: each runs with bash from its own
 checkout-like scratch directory (configs/, sbatch/, tools/ symlinked: the batch scripts cd to $SLURM_SUBMIT_DIR, and
 runs/ land there), with the sandbox's environment and the additions tests/readme_commands.py lists for it.
 

@@ -37,7 +37,7 @@ def test_one_node_is_idle_with_8_gpus(slurm_cluster: Cluster) -> None:
     assert out == ["node1", "idle", "gpu:8", "debug*"]
     assert slurm_cluster.node_names == ["node1"]
     assert slurm_cluster.nodes[0]["gpus"] == 8
-    st = slurm_cluster.dir.lstat()  # the munge key and slurm.conf live here: root's alone (issue 14.3)
+    st = slurm_cluster.dir.lstat()  # the munge key and slurm.conf live here: root's alone
     assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o700, os.getuid())
 
 

@@ -1,7 +1,7 @@
 """Every parallel strategy trains under a real srun: through the batch script and through ``hpcdist.submit()``.
 
 srun gives its tasks SLURM_PROCID / SLURM_LOCALID, not torchrun's RANK / LOCAL_RANK; libraries such as DeepSpeed
-read the latter (issue 13: every ZeRO rank died with "DeepSpeed requires the LOCAL_RANK environment variable"),
+read the latter (every ZeRO rank died with "DeepSpeed requires the LOCAL_RANK environment variable"),
 and the tests/dist tier cannot see that because its launcher sets torchrun's variables itself.
 
 All jobs are submitted at once by one module fixture and run side by side on the sandbox's 8 fake GPUs (a few

@@ -247,7 +247,7 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_nothing_imports_the_cli() -> None:
-    """Issue 26.6: hpcdist.cli is the top (argparse, dispatch, the one error wrapper); a command body or a library
+    """Hpcdist.cli is the top (argparse, dispatch, the one error wrapper); a command body or a library
     that imports it would put a command back in the CLI. Refusals go through hpcdist.errors, a leaf."""
     graph, _ = _edges()
     importers = sorted(m for m, targets in graph.items() if "hpcdist.cli" in targets and m != "hpcdist.__main__")
@@ -497,7 +497,7 @@ def test_the_strategy_scan_sees_every_form() -> None:
 
 
 # what the training loop may touch besides its own plain fields (cfg, step, tokens_seen, ...): model/strategy step,
-# data, checkpoint, the observability entry point, stop and fault guards (issue 26.7; torchtitan's loop has ~5)
+# data, checkpoint, the observability entry point, stop and fault guards (torchtitan's loop has ~5)
 LOOP_COLLABORATORS = {"strategy", "loader", "ckpt", "observer", "stop_flag", "watchdog", "nonfinite"}
 LOOP_OWN = {"cfg", "step", "tokens_seen", "tokens_per_step", "save", "local_save", "_triage"}  # _triage: NaN re-run
 
@@ -515,7 +515,7 @@ def _loop_collaborators(source: str) -> set[str]:
 
 
 def test_the_training_loop_talks_to_one_observer_and_few_collaborators() -> None:
-    """Issue 26.7: the loop talked to 13 collaborators each step (profiler, throughput, Prometheus, metrics,
+    """The loop talked to 13 collaborators each step (profiler, throughput, Prometheus, metrics,
     evaluator, stragglers, goodput, ...); observability now has one per-step entry point, ``Observer.step``."""
     assert _loop_collaborators((PACKAGE / "trainer.py").read_text()) <= LOOP_COLLABORATORS
     old = "def _loop(self):\n    self.profiler.before_step(1)\n    self.prom.step(1)\n    self.step += 1\n"

@@ -37,7 +37,7 @@ def test_a_slow_phase_is_timed_on_exit_and_its_next_run_gets_four_times_that(tmp
 
 
 def test_the_checkpoint_decides_every_save_of_the_loop_in_one_place(tmp_path: Path) -> None:
-    """Issue 26.4: every N steps, the agreed every-M-minutes request, the final step (checkpoint.save_final) and a
+    """Every N steps, the agreed every-M-minutes request, the final step (checkpoint.save_final) and a
     stop are one decision, ``CheckpointManager.should_save``; a step already saved is never saved twice."""
     ckpt = CheckpointManager(tmp_path / "c", rank=0, world_size=1, every_steps=4, save_final=False, total_steps=10)
     assert [s for s in range(1, 11) if ckpt.should_save(s, last_step=s == 10)] == [4, 8]  # no final save

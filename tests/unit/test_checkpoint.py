@@ -149,7 +149,7 @@ ASYNC_ONE_PROCESS = pytest.mark.filterwarnings(
 
 @ASYNC_ONE_PROCESS
 def test_async_wait_returns_only_after_manifest_and_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """wait() means complete: the caller requeues or exits right after it (issue 13.1). CPython wakes a future's
+    """wait() means complete: the caller requeues or exits right after it. CPython wakes a future's
     result() waiters before its done-callbacks run, and the callback writes MANIFEST and COMPLETE: hashing a large
     state takes long, so a slow manifest makes the race certain here."""
     real = CheckpointManager._write_manifest
@@ -190,7 +190,7 @@ def _flip_a_byte(ckpt: Path) -> None:
 
 
 def test_all_checkpoints_damaged_refuses_to_start_fresh_and_deletes_nothing(small_cfg) -> None:
-    """Issue 13.5: every checkpoint damaged used to mean a silent restart from step 0, and the new run's saves then
+    """Every checkpoint damaged used to mean a silent restart from step 0, and the new run's saves then
     deleted the damaged directories (the docs say they are kept)."""
     over = ("train.steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=1", "train.micro_batch_size=4")
     cfg = small_cfg(*over, "checkpoint.keep_last=5")
@@ -228,7 +228,7 @@ def _two_checkpoints(small_cfg, *extra: str):
 def test_any_problem_verifying_or_loading_falls_back_to_the_previous(
     small_cfg, damage: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 13.6: a malformed manifest crashed every resume (KeyError); a deleted one turned verification off, so
+    """A malformed manifest crashed every resume (KeyError); a deleted one turned verification off, so
     an altered shard loaded; a garbage trainer_state.json crashed with UnicodeDecodeError. Each must demote the
     checkpoint with a warning and resume from the previous one."""
     verify = ["checkpoint.verify=none"] if damage == "trainer-state-garbage" else []  # only loading can see it
@@ -270,7 +270,7 @@ def test_any_problem_verifying_or_loading_falls_back_to_the_previous(
     ],
 )
 def test_a_different_model_is_refused_and_its_checkpoint_kept(small_cfg, change: str, says: str, key: str) -> None:
-    """Issue 13.4: 2 layers -> 1 used to "resume" silently, dropping a layer and its optimizer state. The refusal
+    """2 layers -> 1 used to "resume" silently, dropping a layer and its optimizer state. The refusal
     names the parameters and the config keys that differ (the checkpoint carries its config); the intact
     checkpoint is not demoted; the message points at checkpoint.init_from."""
     over = ("train.steps=2", "checkpoint.every_steps=2", "train.micro_batch_size=4")
@@ -288,7 +288,7 @@ def test_a_different_model_is_refused_and_its_checkpoint_kept(small_cfg, change:
 
 @pytest.mark.parametrize("change", ["optim.lr=0.001", "optim.weight_decay=0.05", "optim.beta2=0.99"])
 def test_a_changed_optimizer_hyperparameter_applies_on_resume_and_is_said(small_cfg, tmp_path, caplog, change) -> None:
-    """Issue 13.4: the checkpoint's optimizer state used to override a changed optim.lr (or betas, weight decay)
+    """The checkpoint's optimizer state used to override a changed optim.lr (or betas, weight decay)
     silently. Now the config's value applies: the resumed optimizer's groups equal those of a run that used the new
     value from the start, at the same step, and one warning names the change."""
     over = ("train.steps=8", "checkpoint.every_steps=4", "train.micro_batch_size=4", "optim.warmup_steps=2")
@@ -306,7 +306,7 @@ def test_a_changed_optimizer_hyperparameter_applies_on_resume_and_is_said(small_
 
 
 def test_init_from_starts_a_different_model_from_the_matching_weights(small_cfg, tmp_path, caplog) -> None:
-    """Issue 13.4: the explicit way to load weights into another model (here one layer more): matching weights are
+    """The explicit way to load weights into another model (here one layer more): matching weights are
     loaded, the rest keep their initialization and are listed; step, optimizer and data start fresh. Once the new
     run saved, a requeue resumes its own checkpoint, not init_from."""
     over = ("train.steps=2", "checkpoint.every_steps=2", "train.micro_batch_size=4")
@@ -358,7 +358,7 @@ def test_a_save_that_fails_with_a_bug_stops_and_a_full_disk_does_not(tmp_path: P
 
 
 def test_resuming_an_older_step_sets_the_newer_line_aside(small_cfg, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 14.6: after checkpoint.resume=<step 2> of a run that reached step 6, the next auto-resume jumped back
+    """After checkpoint.resume=<step 2> of a run that reached step 6, the next auto-resume jumped back
     to step 6 of the abandoned line. Now the newer checkpoints are renamed step-N.abandoned-<time> (kept, said), and
     auto continues the new line."""
     over = (
@@ -394,7 +394,7 @@ def _tree(d: Path) -> dict[str, bytes]:
 def test_resume_none_over_an_earlier_run_sets_it_aside_and_never_mixes_the_two(
     small_cfg, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 25.2: checkpoint.resume=none in a run dir holding checkpoints 2, 4, 6 used to rmtree the old step 2 at
+    """Checkpoint.resume=none in a run dir holding checkpoints 2, 4, 6 used to rmtree the old step 2 at
     the new run's first save, prune the new run's own step 2 (the old 4 and 6 counted as newer), and the next auto
     resume took the OLD step 6. Now the old line is set aside (step-N.abandoned-<time>, byte for byte), the new run's
     checkpoints are the only resume candidates, and nothing is deleted."""
@@ -435,7 +435,7 @@ def test_resume_none_over_an_earlier_run_sets_it_aside_and_never_mixes_the_two(
 def test_a_changed_data_config_is_a_refusal_and_every_checkpoint_stays_complete(
     small_cfg, capsys: pytest.CaptureFixture[str], change: str, key: str
 ) -> None:
-    """Issue 25.3: resuming with data.seq_len (or val_fraction, max_tokens, re-prepared data) changed made the
+    """Resuming with data.seq_len (or val_fraction, max_tokens, re-prepared data) changed made the
     sampler raise ValueError, which restore() took for damage: every intact checkpoint was renamed DAMAGED in turn
     and the log called them interrupted saves. Now it is one refusal naming the changed key and the options; every
     checkpoint keeps its COMPLETE marker."""
@@ -459,7 +459,7 @@ def test_a_changed_data_config_is_a_refusal_and_every_checkpoint_stays_complete(
 def test_a_transient_read_error_is_retried_then_refused_never_recorded_as_damage(
     small_cfg, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: BaseException, failures: int
 ) -> None:
-    """Issue 25.3: an EIO on NFS or a MemoryError while loading used to demote every checkpoint in turn
+    """An EIO on NFS or a MemoryError while loading used to demote every checkpoint in turn
     (COMPLETE -> DAMAGED, permanently). Now it is retried a bounded number of times; if it persists the run is
     refused (CheckpointUnavailable, exit 74 at the CLI) and every checkpoint keeps its COMPLETE marker."""
     cfg, newest = _two_checkpoints(small_cfg)
@@ -503,10 +503,10 @@ def test_a_transient_read_error_is_retried_then_refused_never_recorded_as_damage
 def test_a_dcp_checkpoint_exception_from_init_from_is_one_line_and_recorded(
     small_cfg, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 25.8: DCP's CheckpointException derives from BaseException, so an error inside ``dcp.load`` of
+    """DCP's CheckpointException derives from BaseException, so an error inside ``dcp.load`` of
     checkpoint.init_from=HF_DIR passed every `except Exception`: a 60-line traceback, exit 1 and no failures.jsonl
     record. Now it is one line naming init_from, exit 2, and a record for the restart policy. (A wrongly shaped
-    tensor no longer gets that far: the Hugging Face directory check refuses it at config load, issue 25.7; here the
+    tensor no longer gets that far: the Hugging Face directory check refuses it at config load; here the
     read itself fails inside DCP, as an I/O error on a network file system would.)"""
     import errno
 
@@ -537,7 +537,7 @@ def test_a_dcp_checkpoint_exception_from_init_from_is_one_line_and_recorded(
 
 
 def test_a_save_never_deletes_a_complete_checkpoint_of_its_step(tmp_path: Path) -> None:
-    """Issue 25.2: a save used to rmtree whatever held its step's name, a complete checkpoint included. Now only a
+    """A save used to rmtree whatever held its step's name, a complete checkpoint included. Now only a
     crashed save's leftover is removed; a complete one is moved aside (step-N.abandoned-<time>), byte for byte."""
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1)
     first = mgr.save(5, _linear_state(torch.nn.Linear(8, 8), step=5))
@@ -552,7 +552,7 @@ def test_a_save_never_deletes_a_complete_checkpoint_of_its_step(tmp_path: Path) 
 def test_the_manifest_hashes_the_shards_while_writing_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
 ) -> None:
-    """Issue 28.1: the manifest's sha256 of every shard was a second pass over the files after DCP wrote them
+    """The manifest's sha256 of every shard was a second pass over the files after DCP wrote them
     (~20% of a 125m save). Now the writer hashes what it writes: no shard is read back, and the digests are the
     files' own."""
     read_back: list[str] = []
@@ -576,7 +576,7 @@ def test_the_manifest_hashes_the_shards_while_writing_them(
 
 
 def test_async_staging_that_cannot_fit_is_refused_at_start_up(small_cfg, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 28.2: the staging buffers an async save allocates at its first save are counted up front (model +
+    """The staging buffers an async save allocates at its first save are counted up front (model +
     AdamW's two moments, which do not exist before the first step) and a need above the host's available memory is
     refused at start-up in one line naming both, never an OOM kill mid-run."""
     from hpcdist import trainer as trainer_mod
@@ -603,7 +603,7 @@ def test_async_staging_that_cannot_fit_is_refused_at_start_up(small_cfg, monkeyp
 def test_rerunning_a_finished_run_says_so_and_changes_nothing(
     tmp_path: Path, corpus_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 31.3: the same command again after the last step resumed, trained nothing, exited 0 in silence, booked
+    """The same command again after the last step resumed, trained nothing, exited 0 in silence, booked
     the time between the runs as queue wait and overwrote run_summary.json. Now: one line, nothing rewritten."""
     from hpcdist import run
     from tests.conftest import SMALL
@@ -621,7 +621,7 @@ def test_rerunning_a_finished_run_says_so_and_changes_nothing(
 
 
 def test_a_resume_reads_each_shard_once_and_hashes_it_while_loading(small_cfg, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 28.1: with verify=checksum a load read every shard twice: verify hashed each file whole, then DCP read it
+    """With verify=checksum a load read every shard twice: verify hashed each file whole, then DCP read it
     again (load was 0.25 of a sequential read). Now the shards' sha256 is taken while DCP reads them: no shard is
     hashed by a separate pass, and the digests the load took are the manifest's."""
     _, newest = _two_checkpoints(small_cfg, "checkpoint.write_threads=2")
@@ -657,7 +657,7 @@ def test_a_resume_reads_each_shard_once_and_hashes_it_while_loading(small_cfg, m
 def test_a_shard_damaged_inside_a_tensor_is_loaded_then_replaced_whole_by_the_previous_checkpoint(
     small_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 28.1: the verdict on the shards now comes after DCP has read them into the model and optimizer. A byte
+    """The verdict on the shards now comes after DCP has read them into the model and optimizer. A byte
     flipped inside a tensor's data loads without error; the verdict must still demote the checkpoint, and the
     fallback must load the older one whole: every loss equals a run resumed from the older checkpoint."""
     cfg, newest = _two_checkpoints(small_cfg)
@@ -695,7 +695,7 @@ def test_a_shard_damaged_inside_a_tensor_is_loaded_then_replaced_whole_by_the_pr
 
 
 def test_a_damaged_load_whose_fallback_lacks_a_part_refuses_rather_than_keep_its_values(tmp_path: Path) -> None:
-    """Issue 28.1: the shards' verdict comes after DCP wrote them into the live tensors. When the previous checkpoint
+    """The shards' verdict comes after DCP wrote them into the live tensors. When the previous checkpoint
     has no optimizer state (a weights-only one), the moments read from the damaged checkpoint would have stayed:
     the resume refuses instead (CheckpointTainted), keeps the fallback complete, and a new process resumes from it."""
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, keep_last=5)

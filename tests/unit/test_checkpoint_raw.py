@@ -1,4 +1,4 @@
-"""Issue 28.1: the shards' tensors as raw bytes (no torch.save record), read straight into the model's tensors; the
+"""The shards' tensors as raw bytes (no torch.save record), read straight into the model's tensors; the
 encoding recorded in the manifest; old (torch.save'd) checkpoints still load; a wrong size is damage. One process,
 plain tensors: each test takes well under a second."""
 
@@ -156,7 +156,7 @@ def test_a_raw_item_whose_size_does_not_match_is_damage_and_the_previous_checkpo
 
 
 def test_staging_copies_on_threads_in_chunks_and_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 28.2: the async save's staging copy runs on several threads, big tensors split in chunks; every kind
+    """The async save's staging copy runs on several threads, big tensors split in chunks; every kind
     of tensor (bf16, a scalar, an empty one, a non-contiguous view) lands exactly, and a later stage refills the same
     buffers (no new allocation)."""
     monkeypatch.setattr(ckpt_staging.Staging, "CHUNK", 256)  # bytes: the 64 x 32 fp32 tensor becomes 32 chunks
@@ -181,7 +181,7 @@ def test_staging_copies_on_threads_in_chunks_and_is_exact(monkeypatch: pytest.Mo
 def test_staging_buffers_are_allocated_before_the_first_async_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 28.2: the first async save allocated the shared-memory staging buffers while the loop waited (7.6 s
+    """The first async save allocated the shared-memory staging buffers while the loop waited (7.6 s
     under load for 125m). ``prepare_staging`` allocates them beforehand (the trainer calls it after its first
     optimizer step): the save then allocates nothing, and what it wrote is the state."""
     allocations: list[int] = []
@@ -209,7 +209,7 @@ def test_staging_buffers_are_allocated_before_the_first_async_save(
 def test_an_async_saves_copy_runs_beside_the_next_step_and_holds_the_saved_step(
     small_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 28.2: an async save blocked the loop for its whole staging copy (0.06-0.11 of a sync save, the copy's
+    """An async save blocked the loop for its whole staging copy (0.06-0.11 of a sync save, the copy's
     memory bandwidth). The copy now runs beside the next step's forward and backward, which change none of the
     state, and the loop waits for it only before its optimizer step (``staging_fence``, torchtitan's
     ``maybe_wait_for_staging``). With the copy slowed to 1 s: no save blocks the loop for it, the loop waits at

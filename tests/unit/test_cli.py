@@ -298,7 +298,7 @@ def test_a_log_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
 
 
 def test_cli_holds_no_command_body() -> None:
-    """Issue 26.6: hpcdist/cli.py is argparse, dispatch and the one error wrapper; each command's body lives beside
+    """Hpcdist/cli.py is argparse, dispatch and the one error wrapper; each command's body lives beside
     its library and refuses through CommandError (the one place that prints ``hpcdist: <line>`` is cli._fail)."""
     import ast
     import importlib
@@ -365,7 +365,7 @@ _TORCHRUN_3 |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 def test_a_data_run_dir_or_world_mistake_in_train_is_refused_before_torch_is_imported(
     overrides: list[str], launcher: dict[str, str], named: str
 ) -> None:
-    """Issue 31 (item 5's rest): run.main's other torch-free checks (the prepared data, run.dir, the batch split on
+    """Run.main's other torch-free checks (the prepared data, run.dir, the batch split on
     this job's ranks) waited for torch's import too: 63-88 s on this machine under load, for a one-line refusal."""
     code = (
         "import sys\n"

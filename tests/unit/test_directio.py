@@ -1,4 +1,4 @@
-"""Issue 28.1: checkpoint shards written and read past the page cache (hpcdist.checkpoint.directio). The bytes
+"""Checkpoint shards written and read past the page cache (hpcdist.checkpoint.directio). The bytes
 are the same as a buffered file's at any length, read and seek pattern; a small file, and any file in memory
 (tmpfs: /dev/shm), is written and read buffered; a failed request is raised, not lost; and a real save and load
 leave none of a big shard's pages in the page cache (a buffered save left all of them: the copy through the page

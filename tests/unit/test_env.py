@@ -168,7 +168,7 @@ EXPANSIONS = [
     ("  a  b ", ["a", "b"]),
     ("a\tb", ["a", "b"]),  # a tab separates, like a blank (a newline does not: refused below)
     ("a[1-2][3-4]", ["a13", "a14", "a23", "a24"]),
-    # issue 14.7: with 3+ groups scontrol varies the last fastest, then the first, second, ...
+    # with 3+ groups scontrol varies the last fastest, then the first, second, ...
     ("a[1-2]b[1-2]c[1-2]", ["a1b1c1", "a1b1c2", "a2b1c1", "a2b1c2", "a1b2c1", "a1b2c2", "a2b2c1", "a2b2c2"]),
     (
         "r[1-3]n[1-2]g[0-1]",
@@ -215,7 +215,7 @@ def test_expand_nodelist(nodelist: str, expected: list[str]) -> None:
         ("gpu[1,,2]", "bad item ''"),
         ("gpu[0-99999999]", "more than"),
         ("a[0-65536]", "more than 65536 values"),  # scontrol: "Too many hosts in range"
-        # issue 14.7: scontrol refuses a name that goes on after its last bracket group, and newlines
+        # scontrol refuses a name that goes on after its last bracket group, and newlines
         ("a[1-3]b", "continues after its last"),
         ("[1-2]a", "continues after its last"),
         ("a[1-2]b[1-2]c", "continues after its last"),
@@ -374,7 +374,7 @@ _NODELISTS = st.lists(_ENTRY.filter(bool), min_size=1, max_size=3).map(",".join)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(nodelist=_NODELISTS)
 def test_parser_matches_scontrol_on_generated_lists(scontrol: str, nodelist: str) -> None:
-    """Issue 14.7: bracket groups 1-4 per name, literals between them, sometimes a name after the last group or a
+    """Bracket groups 1-4 per name, literals between them, sometimes a name after the last group or a
     descending range; the parser's names (in order) or refusal equal scontrol's."""
     assert _parser(nodelist) == _scontrol(scontrol, nodelist), nodelist
 

@@ -70,7 +70,7 @@ def test_fuzzed_command_lines_never_raise(command, options, overrides, capsys) -
         assert out.err.strip(), "a failure must say why"
 
 
-# ------------------------------------------------------------------------ extreme values (issue 14 acceptance)
+# ------------------------------------------------------------------------ extreme values
 
 
 @contextlib.contextmanager
@@ -302,7 +302,7 @@ sys.exit(code)
 
 
 def test_yaml_alias_bomb_is_refused_at_once_under_a_memory_cap(tmp_path: Path) -> None:
-    """Issue 14.4: 9**9 values in 9 lines; under a 1 GiB cap `hpcdist config` answers in well under 5 s with one
+    """9**9 values in 9 lines; under a 1 GiB cap `hpcdist config` answers in well under 5 s with one
     problem (it used to copy the expansion into an error message: 54-83 s and a MemoryError under 6 GiB)."""
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(_alias_bomb())
@@ -340,7 +340,7 @@ def test_a_few_aliases_and_merge_keys_still_work(tmp_path: Path) -> None:
     ids=["section-twice", "key-twice", "deep-nesting", "self-reference"],
 )
 def test_refused_yaml_documents(tmp_path: Path, text: str, fragment: str) -> None:
-    """Issue 14.6: a second `train:` block replaced the first silently; nesting and self-reference are bounded."""
+    """A second `train:` block replaced the first silently; nesting and self-reference are bounded."""
     path = tmp_path / "c.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as e:
@@ -377,7 +377,7 @@ def test_echoed_values_and_problem_lists_are_bounded(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------------------------- one-line errors
 
-# Issue 14.5: each of these ended in a traceback (OverflowError, ENAMETOOLONG, ValueError, OSError, torch's seed
+# each of these ended in a traceback (OverflowError, ENAMETOOLONG, ValueError, OSError, torch's seed
 # overflow, FileNotFoundError); 14.6: a watchdog of 0.001 s fired in a normal save. Now: the problem, the key, a fix.
 _BAD_INPUTS = {
     "400-digit-steps": ([f"train.steps={10**400}"], "train.steps: must be at most 1,000,000,000,000, got an integer"),
@@ -428,7 +428,7 @@ def _boom(args: object) -> int:
 def test_an_unexpected_error_prints_one_line_and_keeps_the_traceback(
     tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, run_dir_exists: bool
 ) -> None:
-    """Issue 14.5's last resort: an error no rule foresaw is one line naming it and the file holding the traceback
+    """An error no rule foresaw is one line naming it and the file holding the traceback
     (in run.dir when it exists, else a new private temp file), exit 1; it used to be the traceback itself."""
     import hpcdist.cli as cli
 
@@ -456,7 +456,7 @@ def test_an_unexpected_error_prints_one_line_and_keeps_the_traceback(
 
 
 def test_data_with_a_larger_vocabulary_than_the_model_is_refused_at_start(tmp_path: Path, small_cfg) -> None:
-    """Issue 14.5: shards whose tokens reach 999 with model.vocab_size=258 failed mid-run (IndexError in the
+    """Shards whose tokens reach 999 with model.vocab_size=258 failed mid-run (IndexError in the
     embedding); now the trainer refuses before the first step, naming both sizes."""
     from hpcdist.data import ByteTokenizer, prepare_shards
 
@@ -597,7 +597,7 @@ def _unpickling(source: str) -> list[tuple[int, str]]:
 
 def test_no_pickle_loading_in_hpcdist() -> None:
     """Nothing in the package unpickles, except DCP's loads of a checkpoint that passed its ownership check
-    (audited sites): no pickle module, no submitit result pickle (issue 25.1: `hpcdist status` ran another
+    (audited sites): no pickle module, no submitit result pickle (`hpcdist status` ran another
     user's), torch.load only with weights_only=True, np.load never with allow_pickle."""
     # the detector finds each kind (so a new one cannot slip past a test that finds nothing)
     planted = (

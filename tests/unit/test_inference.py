@@ -113,7 +113,7 @@ def test_generate_refuses_a_prompt_longer_than_the_context(run: dict, capsys: py
 
 
 def _reference_loss(run: dict, seq_len: int, batches: int, batch_size: int) -> float:
-    """Weights read with dcp.load directly (through hpcdist's storage reader: tensors are raw bytes since issue 28,
+    """Weights read with dcp.load directly (through hpcdist's storage reader: tensors are raw bytes,
     which DCP's stock FileSystemReader cannot read), windows taken in order, mean of per-batch mean cross-entropies."""
     cfg = run["cfg"]
     model = build_model(cfg.model_args(), device="cpu")

@@ -152,7 +152,7 @@ def test_shipped_examples_are_the_checkouts_configs() -> None:
 def test_a_shipped_example_is_named_from_any_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 31.6: a wheel user has no configs/demo.yaml; `hpcdist train demo` names the shipped one (a file called
+    """A wheel user has no configs/demo.yaml; `hpcdist train demo` names the shipped one (a file called
     demo in the directory would win), and a wrong name lists the examples."""
     from hpcdist import cli
     from hpcdist.launch.task import TrainTask

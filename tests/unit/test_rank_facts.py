@@ -1,4 +1,4 @@
-"""Issue 26.2: a rank's facts (the resolved config, its layout's ParallelDims, the config and data checks) are
+"""A rank's facts (the resolved config, its layout's ParallelDims, the config and data checks) are
 built once, by one function, and handed down: run.main -> run.train -> Trainer -> build_strategy."""
 
 from __future__ import annotations

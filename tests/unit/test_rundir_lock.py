@@ -1,4 +1,4 @@
-"""One run per run.dir (issue 13.9): a second run is refused before it writes anything; a dead holder never
+"""One run per run.dir: a second run is refused before it writes anything; a dead holder never
 blocks (the kernel drops a flock with its process); a requeue of the same job waits for its old step."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 14: a shared cluster where other local users can write to /tmp and to group directories.
+"""A shared cluster where other local users can write to /tmp and to group directories.
 
 One test per finding, each playing the other user with a made-up uid (root chowns files to it, or a forked child
 drops to it): a planted checkpoint, the supervisor's task-info race, a sandbox directory that is not the sandbox's.

@@ -1,4 +1,4 @@
-"""Issue 25, items 1, 11 and 12: what ``hpcdist status`` reads, where Prometheus listens, and how run-dir files are
+"""What ``hpcdist status`` reads, where Prometheus listens, and how run-dir files are
 appended, each tried as another local user would (root chowns files to a made-up uid). docs/SECURITY.md names
 these tests.
 """

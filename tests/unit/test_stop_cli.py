@@ -1,4 +1,4 @@
-"""Signals sent to a real ``hpcdist train`` process (issue 13.8, 25.10): Ctrl-C and SIGTERM stop with a checkpoint, a
+"""Signals sent to a real ``hpcdist train`` process (25.10): Ctrl-C and SIGTERM stop with a checkpoint, a
 one-line message and the shell's exit status; the requeue signal during start-up is remembered, not fatal, and ends
 the run with 140 (128 + USR2), not 0; a second Ctrl-C aborts with one line and 130; a signal during the imports is
 held and acted on."""
@@ -94,7 +94,7 @@ def test_interrupt_or_terminate_stops_with_a_checkpoint_and_says_so(
 def test_the_requeue_signal_during_start_up_is_remembered(tmp_path: Path, corpus_dir: Path) -> None:
     """USR2 before the loop (data, model, resume) used to kill the rank (status 140, the node blamed); now the run
     stops after its first steps with a checkpoint. Outside SLURM nothing requeues it: the run is partial, so the exit
-    is 140 (128 + USR2, as SIGINT / SIGTERM get 130 / 143), never 0 (issue 25.10: a wrapper took it for success)."""
+    is 140 (128 + USR2, as SIGINT / SIGTERM get 130 / 143), never 0 (a wrapper took it for success)."""
     proc, run = _start(tmp_path, corpus_dir)
     _wait_for(proc, "layout: ")  # logged while the Trainer is being built, before the loop
     proc.send_signal(signal.SIGUSR2)
@@ -112,7 +112,7 @@ def _signal_mask(pid: int, field: str) -> int:
 
 
 def test_signals_during_the_imports_are_held_and_acted_on(tmp_path: Path, corpus_dir: Path) -> None:
-    """Issue 25.10: a signal in the first seconds, while torch and numpy are imported, killed the rank (USR2: rc -12,
+    """A signal in the first seconds, while torch and numpy are imported, killed the rank (USR2: rc -12,
     the node blamed under SLURM) or broke numpy's import (``unexpected error: AttributeError: module 'numpy' has no
     attribute 'intp'``). The entry point now holds the stop signals from its first line; the stop flag acts on them."""
     proc, run = _start(tmp_path, corpus_dir)
@@ -152,7 +152,7 @@ dcp.FileSystemWriter.write_data = write_data
 
 
 def test_a_second_ctrl_c_during_a_save_aborts_with_one_line_and_130(tmp_path: Path, corpus_dir: Path) -> None:
-    """Issue 25.10: the second Ctrl-C is the user's abort, not a bug: during a save it printed "unexpected error:
+    """The second Ctrl-C is the user's abort, not a bug: during a save it printed "unexpected error:
     CheckpointSaveError ... please report it", during a step a raw KeyboardInterrupt traceback. Now: one line, exit
     130, and the save it cut short is not a checkpoint (no COMPLETE marker: resume never trusts it)."""
     proc, run = _start(tmp_path, corpus_dir, prelude=_SLOW_SAVE)

@@ -1,4 +1,4 @@
-"""`--help` of every tool answers without importing torch or DeepSpeed (issue 26, item 6).
+"""`--help` of every tool answers without importing torch or DeepSpeed.
 
 Importing torch takes 5-60 s on a busy 2-core machine; a user asking a tool what it takes should wait no longer
 than for `hpcdist train --help`. Each tool runs as its own `__main__` (runpy, as `python tools/...` would run it)

@@ -400,7 +400,7 @@ def predict_13b(
     writer threads at the sha256 speed measured here, overlapped with the I/O (the save takes the longer of the
     two). A load reads at ``fs_gbps`` x the load/read efficiency measured here.
 
-    The node-local tier (issue 28.3, not built yet) is predicted too: each node's share to its own NVMe at
+    The node-local tier (not built yet) is predicted too: each node's share to its own NVMe at
     ``local_gbps``, and the same bytes copied to its peer node over the inter-node links of the a100_ib profile
     (the copy runs in the background; the slower of the link and the peer's disk sets its pace)."""
     n = num_params(ModelArgs(**load_preset("13b")))

@@ -21,7 +21,7 @@ Both parts measure against a baseline run in the same invocation (the machine is
    Two scenarios: this machine's local disk as it is, and a shared filesystem simulated by ``--read-latency-ms``
    (default 2 ms) of sleep before every sample read (``SlowReads``), the case prefetching exists for.
 
-3. **array** -- the cluster prepare (``hpcdist prepare --cluster P --tasks N``, issue 29) without the scheduler: the
+3. **array** -- the cluster prepare (``hpcdist prepare --cluster P --tasks N``) without the scheduler: the
    same corpus (jsonl, byte tokenizer) planned into 2 and 4 slices, each part prepared by its own process (one
    worker: what one array task on one core does) all at once, then merged; against the one-machine prepare (one
    worker) of the same corpus in the same invocation. Reported: wall time, tokens/s per task, the merge time, and

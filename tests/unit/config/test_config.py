@@ -253,7 +253,7 @@ def test_unknown_key_without_close_match_still_lists_valid_keys() -> None:
 
 
 def test_a_moved_key_is_refused_naming_its_new_place(tmp_path: Path) -> None:
-    # parallel.bucket_cap_mb moved into parallel.ddp (issue 26): one line that says where, from either source
+    # parallel.bucket_cap_mb moved into parallel.ddp: one line that says where, from either source
     line = "parallel.bucket_cap_mb: moved to parallel.ddp.bucket_cap_mb; set that instead"
     assert _one_problem(["parallel.bucket_cap_mb=10"], line) == line
     path = _write(tmp_path / "job.yaml", "parallel:\n  bucket_cap_mb: 10\n")
@@ -510,7 +510,7 @@ def test_blank_run_dir() -> None:
 
 def test_files_source_needs_a_path(tmp_path: Path) -> None:
     _one_problem(["data.source=files"], "data.path: required when data.source=files", "hpcdist prepare")
-    # a directory `hpcdist prepare` did not make (issue 14.5: data.path=/etc was a FileNotFoundError traceback): the
+    # a directory `hpcdist prepare` did not make (data.path=/etc was a FileNotFoundError traceback): the
     # config loads (a dry run plans a job whose data is not there yet), the start-up check refuses it in one line
     cfg = load(None, ["data.source=files", f"data.path={tmp_path}"])
     with pytest.raises(DataError, match=rf"data.path {tmp_path}: no prepared dataset there .*hpcdist prepare"):
@@ -522,7 +522,7 @@ def test_resume_from_missing_directory(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.chdir(tmp_path)
     missing = Path("step-00000100")
     _one_problem([f"checkpoint.resume={missing}"], "checkpoint.resume:", str(missing), "auto, none")
-    missing.mkdir()  # a directory that is no checkpoint (issue 14.5: /etc failed only after the process group)
+    missing.mkdir()  # a directory that is no checkpoint (/etc failed only after the process group)
     _one_problem([f"checkpoint.resume={missing}"], "is not a complete checkpoint (no COMPLETE marker")
     _one_problem([f"checkpoint.init_from={missing}"], "checkpoint.init_from:", "no COMPLETE marker")
     (missing / "COMPLETE").write_text("{}")
@@ -756,7 +756,7 @@ def test_every_yaml_in_configs_validates(path: Path) -> None:
 
 
 def test_every_numeric_key_has_a_maximum() -> None:
-    """Issue 14.5: a 400-digit train.steps was an OverflowError, run.seed=2**70 one inside torch. Every int / float
+    """A 400-digit train.steps was an OverflowError, run.seed=2**70 one inside torch. Every int / float
     key has a largest value (rules.MAXIMA) or both ends in the rules (BOUNDED_BY_RULES), and a value past it is one
     problem naming the key."""
     from hpcdist.config.rules import BOUNDED_BY_RULES, MAXIMA, _numeric_fields
@@ -777,7 +777,7 @@ def test_every_numeric_key_has_a_maximum() -> None:
 
 
 def test_a_section_override_takes_the_flow_yaml_form() -> None:
-    """Issue 31.7: `data.sources=[{path: ..., weight: ...}]` worked where `logging.profile={steps: 2}` was refused."""
+    """`data.sources=[{path: ..., weight: ...}]` worked where `logging.profile={steps: 2}` was refused."""
     cfg = load(None, ["logging.profile={steps: 2, start_step: 3}"])
     assert (cfg.logging.profile.steps, cfg.logging.profile.start_step) == (2, 3)
     with pytest.raises(ConfigError, match=r"logging\.profile\.stepz: unknown key"):

@@ -1,4 +1,4 @@
-"""Issue 29.3: a prepared dataset is checked against what its meta.json records: cheaply at start-up (meta + sizes)
+"""A prepared dataset is checked against what its meta.json records: cheaply at start-up (meta + sizes)
 and by ``hpcdist data check DIR [--full]`` (every shard read: sha256, largest id), one line naming each bad shard."""
 
 from __future__ import annotations

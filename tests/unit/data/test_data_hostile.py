@@ -1,4 +1,4 @@
-"""Issue 25 items 5, 6 and 9: prepare never replaces a dataset it was not asked to; a prepared directory edited or
+"""Prepare never replaces a dataset it was not asked to; a prepared directory edited or
 damaged in any of 30 ways is refused in one line by every command that reads it (train, eval, config, prepare
 --tokenizer, generate --tokenizer) before a step, never a traceback, never a hang; hostile corpora are one line;
 prepare with several workers stopped early by --max-tokens never hangs (50 runs in a row).
@@ -132,7 +132,7 @@ def _set_token(d: Path, shard: int, index: int, value: int, dtype: str = "<u2") 
 
 
 def _strip_checksums(meta: dict) -> None:
-    """What a dataset prepared before issue 25 looks like."""
+    """What a dataset prepared by an older hpcdist looks like."""
     meta.pop("max_id", None)
     for s in meta["shards"]:
         s.pop("sha256", None)
@@ -140,7 +140,7 @@ def _strip_checksums(meta: dict) -> None:
 
 
 def _as_uint32(meta: dict) -> None:
-    """meta.json says uint32 over the uint16 shards, every count halved so the sizes agree (issue 25.6)."""
+    """meta.json says uint32 over the uint16 shards, every count halved so the sizes agree."""
     meta["dtype"] = "uint32"
     meta["shard_tokens"] //= 2
     for s in meta["shards"]:
@@ -281,7 +281,7 @@ def test_edited_datasets_through_every_reader(
 
 
 def test_prepare_refuses_to_replace_another_dataset(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """Issue 25.5: `prepare B --out DIR_OF_A` deleted dataset A (a new fingerprint removed meta.json and every
+    """`prepare B --out DIR_OF_A` deleted dataset A (a new fingerprint removed meta.json and every
     shard). Now: refused in one line, A untouched; the same preparation continues; --overwrite replaces it."""
     (tmp_path / "a.txt").write_text("aaaa " * 2000)
     (tmp_path / "b.txt").write_text("bbbb " * 3000)
@@ -345,7 +345,7 @@ def test_prepare_records_each_shards_sha256_and_largest_id(base: Path) -> None:
 
 
 def test_meta_json_is_written_by_the_module_that_reads_it(base: Path, tmp_path: Path) -> None:
-    """Issue 26.5: one module owns meta.json: what a preparation writes is what the readers accept, and a document
+    """One module owns meta.json: what a preparation writes is what the readers accept, and a document
     they would refuse is never written (a writer's bug shows at once, not on every rank at the next run)."""
     doc = _meta(base)
     written = write_meta(tmp_path, {k: v for k, v in doc.items() if k != "format"})
@@ -376,7 +376,7 @@ def test_a_tokenizer_producing_ids_past_its_vocabulary_writes_no_shard(tmp_path:
 def test_a_bad_id_in_a_window_never_drawn_is_named_before_step_1(
     base: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 25.6: id 60000 in a byte-level shard (vocab 258) where no window reads it trained with exit 0."""
+    """Id 60000 in a byte-level shard (vocab 258) where no window reads it trained with exit 0."""
     d = _copy(base, tmp_path / "ds")
     _set_token(d, 3, SHARD - 1, 60000)  # token 1023: past the shard's last 33-token window
     run = tmp_path / "run"
@@ -391,7 +391,7 @@ def test_a_bad_id_in_a_window_never_drawn_is_named_before_step_1(
 def test_eval_names_the_bad_shard_instead_of_an_index_error(
     base: Path, checkpoint: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 25.6: `hpcdist eval` on such a shard died with `unexpected error: IndexError`."""
+    """`hpcdist eval` on such a shard died with `unexpected error: IndexError`."""
     d = _copy(base, tmp_path / "ds")
     _set_token(d, 0, 3, 60000)  # in the first window eval reads
     rc, text, _ = _cli(capfd, "eval", checkpoint, "--data", d, "--batches", "1", "--batch-size", "2")
@@ -400,7 +400,7 @@ def test_eval_names_the_bad_shard_instead_of_an_index_error(
 
 
 def test_uint32_meta_over_uint16_shards_is_refused(base: Path, tmp_path: Path) -> None:
-    """Issue 25.6: a meta.json saying uint32 over uint16 shards (counts adjusted) read garbage ids."""
+    """A meta.json saying uint32 over uint16 shards (counts adjusted) read garbage ids."""
     d = _copy(base, tmp_path / "ds")
     _edit_meta(_as_uint32)(d)
     from hpcdist.config import DataError
@@ -524,7 +524,7 @@ def _long_line(root: Path) -> list[str]:
 def test_hostile_corpora_are_one_line(
     make: Callable[[Path], list[str]], fragment: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 25.9: each of these printed "unexpected error ... please report it"."""
+    """Each of these printed "unexpected error ... please report it"."""
     rc, text, _ = _cli(capfd, "prepare", *make(tmp_path), "--out", tmp_path / "out", "--workers", "1")
     assert rc == 2 and "unexpected error" not in text and fragment in text, text
 
@@ -533,7 +533,7 @@ def test_hostile_corpora_are_one_line(
 def test_a_lone_surrogate_becomes_a_replacement_character(
     tokenizer: str, tmp_path: Path, bpe_corpus_dir: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 25.9: "\\ud800" in a JSON line made the HF tokenizer raise TypeError ("unexpected error")."""
+    """A "\\ud800" in a JSON line made the HF tokenizer raise TypeError ("unexpected error")."""
     spec = "byte" if tokenizer == "byte" else str(bpe_corpus_dir)
     rc, text, _ = _cli(
         capfd, "prepare", *_surrogate(tmp_path), "--tokenizer", spec, "--out", tmp_path / "o", "--workers", "1"
@@ -545,7 +545,7 @@ def test_a_lone_surrogate_becomes_a_replacement_character(
 
 
 def test_tiny_shards_cost_linear_time(tmp_path: Path) -> None:
-    """Issue 25.9: --shard-tokens 1 ran past 60 s: progress.json was rewritten whole after every shard (quadratic)
+    """--shard-tokens 1 ran past 60 s: progress.json was rewritten whole after every shard (quadratic)
     and every shard was fsynced. 5,000 one-token shards now take a few seconds."""
     (tmp_path / "t.txt").write_text("x" * 10_000)
     t0 = time.perf_counter()
@@ -580,7 +580,7 @@ _STRESS = textwrap.dedent(
 
 
 def test_prepare_with_workers_stopped_by_max_tokens_never_hangs(tmp_path: Path) -> None:
-    """Issue 25.9: --workers 2 --max-tokens hung about 1 run in 6 (Pool.terminate() with batches in flight). 50 runs
+    """--workers 2 --max-tokens hung about 1 run in 6 (Pool.terminate() with batches in flight). 50 runs
     in a row, each batch bigger than a pipe holds and several in flight when --max-tokens stops the reading."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

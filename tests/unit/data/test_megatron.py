@@ -43,7 +43,7 @@ def test_import_copies_the_stream_and_records_the_tokenizer(tmp_path: Path) -> N
         tmp_path / "corpus_text_document", tmp_path / "ds", tokenizer=ByteTokenizer(), shard_tokens=4
     )
     assert again.up_to_date
-    # another Megatron dataset into the same directory: refused (issue 25.5), unless --overwrite
+    # another Megatron dataset into the same directory: refused, unless --overwrite
     _write_megatron(tmp_path / "other", [[7, 8, 9]])
     with pytest.raises(ValueError, match="is not empty: it holds a prepared dataset"):
         import_megatron(tmp_path / "other", tmp_path / "ds", tokenizer=ByteTokenizer(), shard_tokens=4)

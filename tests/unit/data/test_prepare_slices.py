@@ -1,4 +1,4 @@
-"""Issue 29.1/29.2 without SLURM: a corpus cut into N deterministic slices (jsonl by byte range on line boundaries,
+"""Without SLURM: a corpus cut into N deterministic slices (jsonl by byte range on line boundaries,
 multi-member jsonl.gz by member, parquet by row group), each prepared into its part, merged into one dataset whose
 shards concatenated (and meta.json but for the shard list) equal the one-machine prepare, for any N."""
 

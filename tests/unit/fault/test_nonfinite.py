@@ -1,4 +1,4 @@
-"""A NaN/Inf gradient norm (issue 13.7): stop before any checkpoint of that state, or skip the update, naming the
+"""A NaN/Inf gradient norm: stop before any checkpoint of that state, or skip the update, naming the
 step. An LR of 1e20 turns every parameter NaN in the first update, so step 2 is the first bad step, every time."""
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def test_no_requeue_on_terminate_limit_or_disabled(tmp_path: Path, monkeypatch: 
     assert _after(JobFacts("9", 0), StopReason.TERMINATE) == 0
     assert _after(JobFacts("9", 0), StopReason.TIME_LIMIT, requeue_enabled=False) == 0
     assert _after(JobFacts("9", 3), StopReason.TIME_LIMIT, max_restarts=3) == 3
-    # not a SLURM job: nothing continues the partial run, so never 0 (issue 25.10) but 128 + the signal
+    # not a SLURM job: nothing continues the partial run, so never 0 but 128 + the signal
     assert _after(JobFacts(None, 0), StopReason.TIME_LIMIT) == 128 + signal.SIGUSR2
     assert _after(JobFacts(None, 0), StopReason.TIME_LIMIT, requeue_signal="USR1") == 128 + signal.SIGUSR1
     assert _after(JobFacts(None, 0), StopReason.INTERRUPT) == 130
@@ -81,7 +81,7 @@ def test_signal_number() -> None:  # the job's facts from SLURM's variables: tes
 
 
 def test_a_held_signal_is_taken_over_by_the_stop_flag_or_given_back(request: pytest.FixtureRequest) -> None:
-    """Issue 25.10, in one process with real signals: while the entry point holds them (hpcdist.signals.hold), a stop
+    """In one process with real signals: while the entry point holds them (hpcdist.signals.hold), a stop
     signal neither kills nor raises; the stop flag acts on it once installed; a command without a stop flag gets
     Ctrl-C's KeyboardInterrupt back at release."""
     from hpcdist import signals

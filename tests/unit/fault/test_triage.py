@@ -1,4 +1,4 @@
-"""NaN triage (issue 30.3): a non-finite step is re-run once on the same inputs. Reproducible = data (the sample is
+"""NaN triage: a non-finite step is re-run once on the same inputs. Reproducible = data (the sample is
 named, skipped with train.nonfinite=skip, and skipped again on resume); not reproducible = hardware (a "hardware"
 failure blaming the host in failures.jsonl, and the run stops). Injected through test hooks on the real model."""
 

@@ -49,7 +49,7 @@ def test_a_stuck_rank_dumps_its_stacks_records_and_exits_124(tmp_path: Path) -> 
 
 
 def test_long_phases_and_long_steps_get_their_allowance_a_stuck_step_does_not(tmp_path: Path) -> None:
-    """Issue 13.10: a short step timeout (the recovery target) must not kill an attempt's first step, a checkpoint
+    """A short step timeout (the recovery target) must not kill an attempt's first step, a checkpoint
     save, or a model whose steps are simply long; a step stuck past its allowance still ends the rank."""
     p = _run(
         "import time\n"
@@ -129,7 +129,7 @@ def test_collective_settings() -> None:
 
 
 def test_the_step_allowance_follows_the_measured_steps_from_the_first_one_on(tmp_path: Path) -> None:
-    """Issue 25.13: on a busy 2-core machine the demo's first step took 181 s (inside the first-step allowance), the
+    """On a busy 2-core machine the demo's first step took 181 s (inside the first-step allowance), the
     second one more than 90 s, and the watchdog ended the healthy run: the rule "90 s, or 4x the slowest step"
     ignored the only step it had measured. The first step is a step too; once steady steps are measured they
     decide (a one-off compile in the first step must not stretch hang detection for the whole run)."""
@@ -163,7 +163,7 @@ def test_the_step_allowance_follows_the_measured_steps_from_the_first_one_on(tmp
 
 
 def test_a_single_rank_hang_report_blames_no_network_and_names_the_measured_allowance(tmp_path: Path) -> None:
-    """Issue 25.13: one CPU rank has no collective peer: "the collective itself is stuck (network, a GPU, NCCL)" sent
+    """One CPU rank has no collective peer: "the collective itself is stuck (network, a GPU, NCCL)" sent
     the user after a network that was never involved."""
     p = _run(
         "import time\n"
@@ -183,7 +183,7 @@ def test_a_single_rank_hang_report_blames_no_network_and_names_the_measured_allo
 
 
 def test_a_real_run_whose_steps_are_all_slower_than_the_timeout_is_not_killed(tmp_path: Path, corpus_dir: Path) -> None:
-    """Issue 25.13 end to end (the trainer's loop feeds the watchdog): every step takes 5.5 s (a busy machine) against
+    """End to end (the trainer's loop feeds the watchdog): every step takes 5.5 s (a busy machine) against
     fault.watchdog_timeout_s=5. The old rule gave step 2 the bare 5 s, since the first step's time did not count,
     and ended the healthy run with 124; now step 2 gets 4x step 1. ~20 s: the only check through the real loop."""
     slow_data = (

@@ -1,4 +1,4 @@
-"""Issue 16.1-2: Hugging Face Llama export / import against transformers itself.
+"""Hugging Face Llama export / import against transformers itself.
 
 Each variant trains a tiny model for two steps with the real trainer (one process) and saves it through the real
 CheckpointManager; ``hpcdist export`` turns it into a directory that transformers' ``LlamaForCausalLM`` and
@@ -183,7 +183,7 @@ def test_bf16_and_sharded_export(run: dict[str, Any], tmp_path: Path) -> None:
     tensors are the trained weights rounded to bf16 (read back through the inverse permutation), and import reads
     the shards back to those values in float32."""
     out = tmp_path / "bf16"
-    old = os.umask(0o027)  # docs/SECURITY.md: every file follows the umask (issue 31.8: the safetensors were 0600)
+    old = os.umask(0o027)  # docs/SECURITY.md: every file follows the umask (the safetensors were 0600)
     try:
         assert cli.main(["export", str(run["step"]), "--out", str(out), "--max-shard-size", "100KB"]) == 0
     finally:

@@ -1,4 +1,4 @@
-"""Issue 25.7: hostile Hugging Face directories through every command that reads one.
+"""Hostile Hugging Face directories through every command that reads one.
 
 One small valid Llama directory (safetensors written directly, the byte tokenizer exported beside it, one file and a
 sharded copy with an index) and more than 50 variants derived from it, each an edit another user could make: a FIFO

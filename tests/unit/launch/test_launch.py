@@ -886,7 +886,7 @@ def test_local_executor_trains_two_ranks(
     tmp_path: Path, clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """hpcdist submit with the LocalExecutor: two real ranks (started like spawn: ~10 s) train to the end, and the
-    follow commands submit prints work as printed (issue 31.7: `hpcdist status N` without --run-dir failed)."""
+    follow commands submit prints work as printed (`hpcdist status N` without --run-dir failed)."""
     argv = ["submit", DEMO, *TINY, f"run.dir={tmp_path}", "train.steps=4", "--cluster", "local", "--time", "5"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out

@@ -337,7 +337,7 @@ def test_setup_logging_level_and_validation(clean_logger: logging.Logger) -> Non
 
 
 def test_throughput_run_average_is_every_step_not_the_window() -> None:
-    """Issue 31.7: the end-of-run "throughput" was the last window's; the run's is every step's tokens over time."""
+    """The end-of-run "throughput" was the last window's; the run's is every step's tokens over time."""
     tp = Throughput(world_size=1, window=2)
     for tokens, seconds in ((100, 10.0), (400, 1.0), (400, 1.0)):
         tp.update(tokens, seconds)
@@ -348,7 +348,7 @@ def test_throughput_run_average_is_every_step_not_the_window() -> None:
 def test_mfu_over_a_peak_measured_under_load_is_measured_again_or_capped(
     tmp_path: Path, corpus_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, second_peak
 ) -> None:
-    """Issue 31.7: MFU read 126% when the CPU peak, measured once at start while the machine was loaded, was too low.
+    """MFU read 126% when the CPU peak, measured once at start while the machine was loaded, was too low.
     A run that beats its measured peak measures it again (the higher one kept); still beaten: capped at 100%."""
     from hpcdist import run
     from tests.conftest import SMALL

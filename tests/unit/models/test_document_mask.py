@@ -1,4 +1,4 @@
-"""data.document_mask (issue 29 item 4): attention never crosses an EOS inside a packed sequence, RoPE positions restart
+"""data.document_mask: attention never crosses an EOS inside a packed sequence, RoPE positions restart
 at each document; the config refuses it where it cannot work; generation treats a prompt as one document; the planner
 counts the mask. The multi-rank equivalence is in tests/dist/test_document_mask.py."""
 

@@ -188,7 +188,7 @@ def test_selective_recompute_may_run_ops_its_forward_did_not():
 
 
 def test_selective_with_tensor_parallelism_is_accepted_and_planned():
-    """Selective checkpointing under tp was refused (a rank segfaulted once in CI, issue 30); it runs now
+    """Selective checkpointing under tp was refused (a rank segfaulted once in CI); it runs now
     (tests/dist/test_3d.py's -sel layouts: pp2 x tp2 interleaved and dp2 x tp2 equal one process within 1e-6), so the
     config accepts it and the planner offers it at every tp."""
     over = ["parallel.strategy=3d", "parallel.tp=2", "train.activation_checkpointing=selective"]

@@ -150,7 +150,7 @@ def test_cli_dry_run_exit_status_and_errors(capsys: pytest.CaptureFixture[str]):
 
 
 def test_the_dry_run_shows_the_async_checkpoint_staging_need():
-    """Issue 28.2: the host memory an async save stages into is shown before the run (the trainer refuses it at
+    """The host memory an async save stages into is shown before the run (the trainer refuses it at
     start-up when the node cannot hold it): fp32 weights + AdamW's two moments of what each rank holds."""
     from hpcdist.checkpoint.staging import size_text
 
@@ -164,7 +164,7 @@ def test_the_dry_run_shows_the_async_checkpoint_staging_need():
 
 
 def test_the_dry_run_shows_the_node_local_tiers_bytes_per_node():
-    """Issue 28.3: what checkpoint.local keeps on each node's disk: the ranks' own step and the peer node's copy,
+    """What checkpoint.local keeps on each node's disk: the ranks' own step and the peer node's copy,
     times the steps kept (plus the one being written)."""
     from hpcdist.checkpoint.staging import size_text
 

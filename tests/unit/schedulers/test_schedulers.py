@@ -1,4 +1,4 @@
-"""hpcdist.schedulers (issue 26.1): the job's facts read once, through a per-scheduler table, into the
+"""hpcdist.schedulers: the job's facts read once, through a per-scheduler table, into the
 scheduler-neutral JobFacts that DistEnv.job carries to the trainer and hpcdist.fault."""
 
 from __future__ import annotations
