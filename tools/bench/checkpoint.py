@@ -30,8 +30,8 @@ speed is the bytes of both over their total time): a virtual or shared disk chan
    4 nodes, for a parallel file system of ``--fs-gbps`` GB/s per node, against the 2-minute target, and the
    node-local tier's predicted cost.
 
-Where a save's time went before issue 28 (125m + AdamW, 1.50 GB, 2 writer threads, cProfile of rank 0's main
-thread, a shared disk doing ~0.2 GB/s that day):
+Where a save's time went with torch.save records and a read-back hash (125m + AdamW, 1.50 GB, 2 writer
+threads, cProfile of rank 0's main thread, a shared disk doing ~0.2 GB/s that day):
 
     files          2 x 752 MB shards (one per writer thread) + .metadata 119 kB + rng 7 kB + trainer_state 3 kB
                    + MANIFEST + COMPLETE; fsync once per shard and .metadata (DCP) and per small file (atomic_write)
@@ -46,14 +46,14 @@ thread, a shared disk doing ~0.2 GB/s that day):
 What changed: the shards are hashed while they are written (``HashingWriter``: no read-back), a rank verifies its
 files on ``write_threads`` threads, and an async save stages into buffers allocated once (after the first optimizer
 step, outside any save: the one-off allocation is its own line below) and refilled by chunked copies on several
-threads, then hands them to a checkpoint process (DCP's process-based async checkpointer). Issue 28 round 3: DCP
+threads, then hands them to a checkpoint process (DCP's process-based async checkpointer). DCP
 stays the format and the driver, the storage layer is ours: a tensor item is its raw bytes (no torch.save record;
 dtype and shape come from DCP's .metadata; ``tensor_encoding: raw`` in the manifest), written with the sha256 on a
 thread of its own, and read with ``readinto`` straight into the model's tensor, hashed on a second thread per file
 (``HashingReader``). Left: sha256 itself (~1.7 GB/s per core idle here, ~0.2-0.4 under a load of 15-20) bounds a
-verified load when the disk is faster than the cores can hash. Issue 28 round 4: the staging copy runs in the
+verified load when the disk is faster than the cores can hash. The staging copy runs in the
 background beside the next step's forward and backward; the loop waits for it only before its optimizer step
-(``CheckpointManager.staging_fence``). Issue 28 round 5: the shards are written and read past the page cache
+(``CheckpointManager.staging_fence``). The shards are written and read past the page cache
 (``hpcdist.checkpoint.directio``, ``O_DIRECT``).
 On this VM a buffered write or read cost about 1 CPU-s of kernel time per GB
 (``dd conv=fdatasync`` of 4.2 GB: 4.4-10.5 s of system time; ``oflag=direct``: 0.5 s), as much as the sha256 beside

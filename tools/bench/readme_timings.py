@@ -1,9 +1,9 @@
 """The README's timings, measured on this machine: the install and the main job of its first lines.
 
-README.md states how long ``pip install torch==2.13.0 -e ".[test]"`` and ``hpcdist train configs/demo.yaml`` take
-(issue 31.4: "65 s on an idle 2-core machine" took 4 min 12 s here). This script measures both as a new user runs
-them and prints the numbers with the date, the machine's core count and CPU, and the load average before and after
-(another process on a shared machine makes both slower: the load says whether the numbers are a quiet machine's):
+README.md states how long ``pip install torch==2.13.0 -e ".[test]"`` and ``hpcdist train configs/demo.yaml``
+take. This script measures both as a new user runs them and prints the numbers with the date, the machine's core
+count and CPU, and the load average before and after (another process on a shared machine makes both slower: the
+load says whether the numbers are a quiet machine's):
 
 1. **install** -- a fresh virtualenv in a temporary directory and ``pip install torch==2.13.0 -e "REPO[test]"``
    (pip's cache as it is on this machine: a first install that downloads torch takes longer).
