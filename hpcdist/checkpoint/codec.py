@@ -25,6 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import FileSystem, _OverlappingCpuLoader, _SerialCpuLoader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -371,6 +372,21 @@ class _Hasher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def read_metadata(path: str | os.PathLike[str]) -> Metadata:
+    """DCP's ``.metadata`` of a checkpoint directory (unpickled: only for a directory whose trust checks passed).
+    A file that does not unpickle to DCP metadata is damage (ValueError naming the file), found here rather than
+    inside ``dcp.load``, which would log two tracebacks of its own fallbacks before failing."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except OSError:
+        raise
+    except Exception as e:  # what unpickling other bytes raises varies: any of it means "not DCP metadata"
+        raise ValueError(f".metadata: not DCP metadata ({type(e).__name__}: {e})"[:300]) from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise ValueError(f".metadata: not DCP metadata (a {type(metadata).__name__})")
+    return metadata
 
 
 class HashingReader(dcp.FileSystemReader):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hpcdist.checkpoint.codec import HashingReader, single_process_dcp
+from hpcdist.checkpoint.codec import HashingReader, read_metadata, single_process_dcp
 from hpcdist.checkpoint.errors import describe_error
 from hpcdist.checkpoint.manager import CheckpointManager
 from hpcdist.checkpoint.manifest import tensor_encoding
@@ -136,7 +136,10 @@ def load_fqn(step: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def saved_shapes(step: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """FQN -> (global shape, dtype) of every model tensor in the checkpoint, from its DCP metadata."""
-    metadata = dcp.FileSystemReader(str(step)).read_metadata()
+    try:
+        metadata = read_metadata(step)
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"{step}: {describe_error(e)}") from None
     return {
         key[len("model.") :]: (tuple(meta.size), meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -204,17 +205,34 @@ def test_a_marker_of_other_types_is_no_marker(tmp_path: Path, marker: Any) -> No
     assert tier.inventory() == {}
 
 
-def test_a_trainer_state_that_parses_too_deep_is_damage_not_a_crash(tmp_path: Path) -> None:
-    tier, weights = _saved(tmp_path / "local", [4, 6])
-    step = own_dir(tier.root, 0) / step_name(6)
-    state = step / "trainer_state.json"
-    state.write_text("[" * 100_000)
-    manifest = json.loads((step / MANIFEST).read_text())  # our own file, as written: its manifest matches it
-    manifest["files"]["trainer_state.json"] = {"size": state.stat().st_size, "sha256": file_sha256(state)}
+def _rewrite_with_manifest(step: Path, name: str, data: bytes) -> None:
+    """Our own file written as ``data``, with a manifest that matches it (damage the hashes cannot see)."""
+    (step / name).write_bytes(data)
+    manifest = json.loads((step / MANIFEST).read_text())
+    manifest["files"][name] = {"size": len(data), "sha256": file_sha256(step / name)}
     (step / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("trainer_state.json", b"[" * 100_000),
+        (".metadata", pickle.dumps({"x": 1})),  # unpickles, but is no DCP metadata
+        (".metadata", b"not a pickle"),
+    ],
+    ids=["deep-trainer-state", "metadata-unpickles-to-a-dict", "metadata-not-a-pickle"],
+)
+def test_a_record_that_does_not_parse_is_damage_not_a_crash(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], name: str, data: bytes
+) -> None:
+    tier, weights = _saved(tmp_path / "local", [4, 6])
+    _rewrite_with_manifest(own_dir(tier.root, 0) / step_name(6), name, data)
+    capfd.readouterr()
     fresh = TinyState()
     assert tier.restore(fresh.checkpointable(), shared_step=None) == own_dir(tier.root, 0) / step_name(4)
     assert fresh.step == 4 and torch.equal(fresh.w.weight, weights[4])
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err  # the damage is one warning line, not torch's tracebacks before it
 
 
 def test_a_step_that_is_a_link_is_moved_aside_not_followed(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from hpcdist.atomic import file_sha256
+from hpcdist.checkpoint.codec import read_metadata
 from hpcdist.checkpoint.errors import describe_error
 from hpcdist.checkpoint.manifest import MANIFEST, read_record
 from hpcdist.checkpoint.names import MARKER, STEP_PATTERN
@@ -324,6 +325,11 @@ def verify_step_dir(path: Path) -> list[str]:
             problems.append(f"{name}: {have[name]} bytes, the manifest says {want['size']}")
         elif file_sha256(path / name) != want.get("sha256"):
             problems.append(f"{name}: sha256 differs from the manifest")
+    if not problems and ".metadata" in files:  # the bytes are the manifest's: DCP's metadata must also parse
+        try:
+            read_metadata(path)
+        except (OSError, ValueError) as e:
+            problems.append(describe_error(e))
     return problems
 
 
