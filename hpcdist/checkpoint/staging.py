@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import logging
 import math
 import multiprocessing as mp
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,9 +33,10 @@ log = get_logger(__name__)
 
 
 class Staging:
-    """An async save's host copy of the state: allocated once (``prepare``, after the first optimizer step, outside
-    any save; else by the first save) in shared memory, so the checkpoint process maps it without a copy (pinned on
-    CUDA, for fast device-to-host copies), and refilled by every later save. The allocation is ours
+    """An async save's host copy of the state: allocated once (``prepare``, after the first optimizer step, beside
+    the training steps that follow; else by the first save) in shared memory, so the checkpoint process maps it
+    without a copy (pinned on CUDA, for fast device-to-host copies), and refilled by every later save. The allocation
+    is ours
     (:func:`_host_buffers`: one buffer per dtype, DTensors and ZeRO's ShardedTensors kept, nothing touched on the
     device), and so is the refill: the tensors' pairs copied in chunks on ``threads`` threads (torch's copy_ releases
     the GIL; DCP's _copy_state_dict copies one tensor after another on the calling thread: ~1 s per GB here).
@@ -55,6 +59,7 @@ class Staging:
         self.allocate_seconds = 0.0  # the one-off allocation (and first fill) of the buffers
         self._flats: list[torch.Tensor] = []  # the buffers themselves, one per dtype (pinned on CUDA until closed)
         self._pinned = False
+        self._preparing: Future[float] | None = None  # the allocation running beside training (``prepare``)
 
     @property
     def ready(self) -> bool:
@@ -65,13 +70,37 @@ class Staging:
         """Host memory the buffers hold."""
         return staging_bytes(self._cache) if self._cache is not None else 0
 
-    def prepare(self, state: dict[str, Any]) -> float:
-        """Allocate the buffers now and fill them once (every page touched): seconds taken, 0 if they exist."""
-        if self._cache is not None:
-            return 0.0
+    def prepare(self, state: dict[str, Any]) -> Future[float] | None:
+        """Start allocating the buffers for ``state`` beside training; the future gives the seconds it took (None:
+        they exist or are being made). Only the state's structure is read (shapes, dtypes, layouts), never its values,
+        so the steps that run meanwhile may change them; every page is touched here, so no later save pays the
+        page faults. A save that comes first waits for the allocation to end."""
+        if self._cache is not None or self._preparing is not None:
+            return None
+        # its own thread, at the lowest priority: the page faults cost CPU time, which a training step on the CPU
+        # needs more (on a GPU node the cores are mostly idle)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="hpcdist-stage-alloc")
+        self._preparing = pool.submit(self._allocate, state)
+        pool.shutdown(wait=False)  # the thread ends with the allocation
+        return self._preparing
+
+    def _allocate(self, state: dict[str, Any]) -> float:
+        with contextlib.suppress(OSError, AttributeError):  # this thread only (Linux: a thread is a task)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         t0 = time.perf_counter()
-        self.stage(state)
-        return time.perf_counter() - t0
+        self._release()
+        self._pinned = torch.cuda.is_available()  # for fast device-to-host copies
+        self._cache, self._flats = _host_buffers(state, pin=self._pinned)
+        if not self._pinned:  # pinning maps every page already
+            for flat in self._flats:
+                _touch(flat)
+        self.allocate_seconds = time.perf_counter() - t0
+        return self.allocate_seconds
+
+    def _wait_prepared(self) -> None:
+        preparing, self._preparing = self._preparing, None
+        if preparing is not None:
+            preparing.result()  # its failure (no memory) is the save's
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state`` into the buffers and return the staged state."""
@@ -83,6 +112,7 @@ class Staging:
         optimizer step) and no other refill may start (the caller waits for this one first). The pairing of source
         and buffer, and so every value that is not a tensor, is taken here, before returning."""
         staged, tasks = None, None
+        self._wait_prepared()
         if self._cache is not None:
             try:
                 staged, tasks = self._plan(state)
@@ -148,6 +178,8 @@ class Staging:
         self._flats, self._cache, self._pinned = [], None, False
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):  # an allocation that failed fails no close
+            self._wait_prepared()
         self._driver.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self._release()
@@ -164,6 +196,15 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream: Any) -> No
 
 
 _ALIGN = 64  # bytes: each staged tensor starts on a cache line of its buffer
+_TOUCH = 64 << 20  # bytes per memset: the GIL is released for each, so the training thread runs between them
+
+
+def _touch(flat: torch.Tensor) -> None:
+    """Fault in every page of a new buffer on this thread, one memset at a time (ctypes releases the GIL for the
+    call; torch's own fill would run on the intra-op threads the training step uses)."""
+    ptr, n = flat.data_ptr(), flat.numel() * flat.element_size()
+    for start in range(0, n, _TOUCH):
+        ctypes.memset(ptr + start, 0, min(_TOUCH, n - start))
 
 
 def _host_buffers(state: dict[str, Any], *, pin: bool) -> tuple[dict[str, Any], list[torch.Tensor]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -181,22 +182,27 @@ def test_staging_copies_on_threads_in_chunks_and_is_exact(monkeypatch: pytest.Mo
 def test_staging_buffers_are_allocated_before_the_first_async_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The first async save allocated the shared-memory staging buffers while the loop waited (7.6 s
-    under load for 125m). ``prepare_staging`` allocates them beforehand (the trainer calls it after its first
-    optimizer step): the save then allocates nothing, and what it wrote is the state."""
+    """The shared-memory staging buffers cost seconds per GB to allocate (every page faulted in). The trainer calls
+    ``prepare_staging`` after its first optimizer step: the allocation then runs beside the following steps (the
+    call returns while it is still going on; a save that comes first waits for it), the save allocates nothing
+    more, and what it wrote is the state."""
     allocations: list[int] = []
-    real = ckpt_staging._host_buffers
+    real, release = ckpt_staging._host_buffers, threading.Event()
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
+    def held(*args: Any, **kwargs: Any) -> Any:
         allocations.append(1)
+        assert release.wait(60)  # the allocation goes on while the caller trains
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt_staging, "_host_buffers", counting)
+    monkeypatch.setattr(ckpt_staging, "_host_buffers", held)
     saved = _tensors(6)
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, async_save=True)
     try:
-        assert mgr.prepare_staging(_state(saved, 1).dcp_state) > 0 and allocations == [1]
-        assert mgr.prepare_staging(_state(saved, 1).dcp_state) == 0.0  # once
+        preparing = mgr.prepare_staging(_state(saved, 1).dcp_state)
+        assert preparing is not None and not preparing.done()  # returned before the buffers exist
+        assert mgr.prepare_staging(_state(saved, 1).dcp_state) is None  # once
+        release.set()
+        assert preparing.result(timeout=60) > 0 and allocations == [1]
         path = mgr.save(1, _state(saved, 1))
         assert mgr.wait() and path is not None and allocations == [1]
     finally:

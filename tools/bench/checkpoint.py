@@ -226,7 +226,8 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
     asyn = CheckpointManager(root / "async", rank=0, world_size=1, keep_last=1, async_save=True, write_threads=threads)
     # the trainer allocates the staging buffers after its first optimizer step, outside any save: a one-off cost
     # of the run, reported on its own line (not in a save's blocking time)
-    out["staging_alloc_s"] = asyn.prepare_staging(state.dcp_state)
+    preparing = asyn.prepare_staging(state.dcp_state)  # beside training in a run: here its time alone
+    out["staging_alloc_s"] = preparing.result() if preparing is not None else 0.0
     keys = (
         "dd_gbps",
         "dd_direct_gbps",
