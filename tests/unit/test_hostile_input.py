@@ -558,7 +558,9 @@ _AUDITED = {
     # checkpoint/local/tier.py: a node-local step is loaded only after verify_step_dir (every file yours alone, no link,
     # sizes and sha256 against its manifest) and the same-run check passed on every rank
     "dcp.load": {"checkpoint/manager.py", "checkpoint/local/tier.py", "hf/source.py", "hf/import_.py"},
-    "read_metadata": {"checkpoint/manager.py", "hf/source.py"},
+    # checkpoint/codec.py's read_metadata is the one reader of DCP's metadata; checkpoint/local/layout.py calls it in
+    # verify_step_dir after the ownership walk and the manifest's hashes passed
+    "read_metadata": {"checkpoint/manager.py", "hf/source.py", "checkpoint/codec.py", "checkpoint/local/layout.py"},
 }
 
 
