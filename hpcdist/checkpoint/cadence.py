@@ -138,10 +138,14 @@ class Split:
 
 def segment_split(interval_s: float, tier: Tier, mtbf_s: float) -> Split:
     """Where the wall time goes in Daly's model of one tier: ``interval_s`` of compute between saves, failures with
-    MTBF ``mtbf_s`` (infinite: none). Per segment, failures before it completes: e^{T/M} - 1 (T = interval + stall);
+    MTBF ``mtbf_s`` (infinite: none). The stall is the tier's cost, plus the rest of the previous save's background
+    write when the interval is shorter than it. Per segment, failures before it completes: e^{T/M} - 1 (T = interval
+    + stall);
     recomputed work: the work lost to them (about T/2 each) plus the background write W each; recovery: R each, the
     failures during a recovery included."""
-    tau, c = max(interval_s, 0.0), max(tier.cost_s, 0.0)
+    tau = max(interval_s, 0.0)
+    # one save in flight at a time: a save due before the previous one's background write ended waits for it
+    c = max(tier.cost_s, 0.0) + max(0.0, tier.write_s - tau)
     t = tau + c
     if t <= 0:
         return Split(0.0, 0.0, 0.0, 1.0)
@@ -196,18 +200,19 @@ def predict(
 ) -> Prediction:
     """Goodput of a job of ``nodes`` nodes: the shared tier (and the node-local one, if given, recovering
     ``local_coverage`` of the failures) saving every ``*_interval_s`` compute seconds, or at the model's optimum where
-    None (never more often than every step, ``step_s``). See the module docstring for the model and its assumptions."""
+    None (never more often than every step, ``step_s``, nor than the tier's background write). The module
+    docstring says the model and its assumptions."""
     mtbf = system_mtbf_s(node_mtbf_hours, nodes)
     coverage = min(max(local_coverage, 0.0), 1.0) if local is not None else 0.0
     shared_mtbf = mtbf / (1.0 - coverage) if coverage < 1.0 else math.inf
     optimal = shared_interval_s is None
-    if shared_interval_s is None:
-        shared_interval_s = max(optimal_interval(shared.cost_s, shared_mtbf), step_s)
+    if shared_interval_s is None:  # never more often than every step, nor than a background write takes
+        shared_interval_s = max(optimal_interval(shared.cost_s, shared_mtbf), step_s, shared.write_s)
     parts = [segment_split(shared_interval_s, shared, shared_mtbf)]
     if local is not None:
         local_mtbf = mtbf / coverage if coverage > 0 else math.inf
         if local_interval_s is None:
-            local_interval_s = max(optimal_interval(local.cost_s, local_mtbf), step_s)
+            local_interval_s = max(optimal_interval(local.cost_s, local_mtbf), step_s, local.write_s)
         parts.append(segment_split(local_interval_s, local, local_mtbf))
     checkpoint = sum(p.checkpoint for p in parts)
     recompute = sum(p.recompute for p in parts)

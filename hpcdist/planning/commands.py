@@ -101,6 +101,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     mine = _config_layout_line(cfg, estimates, world, hw.usable_bytes)
     if mine:
         print(textwrap.fill(mine, width=118, subsequent_indent="  "), flush=True)
+    for line in _goodput_lines(cfg, estimates, world, cluster, hw):
+        print(line, flush=True)
     spares = config_mod.describe_spares(cfg, cluster.nodes)
     for line in ([spares] if spares else []) + config_mod.shrink_problems(cfg, cluster.nodes, cluster.gpus_per_node):
         print(line, flush=True)
@@ -190,3 +192,26 @@ def _config_layout_line(cfg: config_mod.JobConfig, estimates: list[Any], world: 
     else:
         state = f"row {fitting.index(match) + 1} of {len(fitting)} fitting ({need})"
     return f"the config's layout: {layout.describe()}: {state}"
+
+
+def _goodput_lines(cfg: config_mod.JobConfig, estimates: list[Any], world: int, cluster: Any, hw: Any) -> list[str]:
+    """The goodput model's prediction for the config's layout (the top fitting row for parallel.strategy=auto or a
+    layout the planner lacks) at the profile's node MTBF, and at the larger job sizes; [] without an MTBF."""
+    from hpcdist.models.args import num_params
+    from hpcdist.planning import goodput
+    from hpcdist.planning import layouts as planner
+
+    try:
+        layout = planner.layout_of(cfg, world)
+    except ValueError:
+        layout = None
+    fitting = [e for e in estimates if e.fits] or list(estimates)
+    est = next((e for e in estimates if e.layout == layout), fitting[0])
+    params = num_params(cfg.model_args())
+    inputs = goodput.plan_inputs(
+        cfg, hw, params=params, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node, step_s=est.step_s
+    )
+    if inputs is None:
+        return [f"goodput: cluster {cluster.name!r} gives no hardware.node_mtbf_hours: no prediction"]
+    scaled = [goodput.scale_nodes(cfg, inputs, hw, params=params, gpus=n) for n in goodput.SCALES_GPUS if n > world]
+    return goodput.goodput_lines(inputs, scaled, profile=cluster.name)
