@@ -524,7 +524,7 @@ class Trainer:
         with self.watchdog.phase(self.step, "checkpoint save", slow=True):
             path = self.ckpt.save(self.step, self.checkpointable())
         self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
-        self.goodput.add("checkpoint_save", time.perf_counter() - t0)
+        self.goodput.add("checkpoint_save", time.perf_counter() - t0, tier="shared")
         self.goodput.flush()
         return path is not None
 
@@ -541,7 +541,7 @@ class Trainer:
             self.local.wait()  # a hung copy is this phase's hang (the copy's collective timeout: the backstop)
         with self.watchdog.phase(self.step, "node-local checkpoint save (agreement all-reduce)", slow=True):
             ok = self.local.save(self.step, self.checkpointable())
-        self.goodput.add("checkpoint_save", time.perf_counter() - t0)
+        self.goodput.add("checkpoint_save", time.perf_counter() - t0, tier="local")
         return ok
 
     # ------------------------------------------------------------------------------------------ loop

@@ -47,8 +47,10 @@ __all__ = [
     "Recovery",
     "Split",
     "Tier",
+    "assumed_recovery",
     "every_minutes",
     "failure_facts",
+    "in_job_restart",
     "local_coverage",
     "node_mtbf_hours",
     "optimal_interval",
@@ -68,6 +70,11 @@ MAX_INTERVAL_S = 6 * 3600.0
 # most of it single GPUs); the rest (a node and its peer together, a switch, the file system, a bug that fails
 # again) need the shared tier.
 DEFAULT_LOCAL_COVERAGE = 0.9
+# A recovery's parts where nothing measured them (a plan; a run without a failure yet): assumptions.
+INIT_S = 60.0  # process start to the loop, less the load: imports, rendezvous, model build, data
+REQUEUE_S = 120.0  # a requeue's restart: SLURM's requeue hold and the scheduler (the queue wait not counted)
+HEALTH_GATE_S = 30.0  # an in-job restart: the health gate on every node
+FIRST_STEP_STEPS = 2.0  # the first step after a restart, in steps (communicators, allocator warm-up)
 
 
 @dataclass(frozen=True)
@@ -241,9 +248,27 @@ def local_coverage(cfg: JobConfig, nodes: int) -> float:
     tier is configured, its steps have peer copies on another node (more than one node), and a failure restarts in
     the same allocation (hot spares or shrinking: fault.spare_nodes, fault.min_nodes), whose surviving nodes still
     hold their files. A requeue lands on nodes whose disks may hold nothing of the run: 0 then."""
-    f = cfg.fault
-    in_job = f.spare_nodes > 0 or 0 < f.min_nodes < nodes
+    in_job = in_job_restart(cfg, nodes)
     return DEFAULT_LOCAL_COVERAGE if cfg.checkpoint.local.dir and nodes > 1 and in_job else 0.0
+
+
+def in_job_restart(cfg: JobConfig, nodes: int) -> bool:
+    """A failure restarts inside the allocation (hot spares, or shrinking to fault.min_nodes), not by a requeue."""
+    return cfg.fault.spare_nodes > 0 or 0 < cfg.fault.min_nodes < nodes
+
+
+def assumed_recovery(cfg: JobConfig, *, nodes: int, step_s: float, load_s: float) -> Recovery:
+    """A recovery's parts where none was measured: detection by the hang watchdog (a crash ends srun at once: the
+    watchdog's timeout is the slower of the two), the restart path ``cfg``'s fault section takes, the constants
+    above, ``load_s`` to read the checkpoint back."""
+    f = cfg.fault
+    return Recovery(
+        detect_s=f.watchdog_timeout_s or REQUEUE_S,
+        restart_s=f.restart_backoff_s + HEALTH_GATE_S if in_job_restart(cfg, nodes) else REQUEUE_S,
+        init_s=INIT_S,
+        load_s=load_s,
+        first_step_s=FIRST_STEP_STEPS * step_s,
+    )
 
 
 def node_mtbf_hours(profile: str) -> float | None:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from hpcdist.checkpoint import cadence
-from hpcdist.checkpoint.cadence import Prediction, Recovery, Tier
+from hpcdist.checkpoint.cadence import Prediction, Tier
 from hpcdist.config.cluster import HardwareConfig
 from hpcdist.config.schema import JobConfig
 
@@ -27,10 +27,6 @@ SAVE_FIXED_S = 5.0  # per shared save: the agreements, manifest, completion mark
 LOCAL_WRITE_GBPS = 10.0  # node-local tier, GB/s per node: /dev/shm or a local NVMe array
 HOST_COPY_GBPS = 10.0  # an async save's stall: device -> host staging copy, GB/s per GPU
 ASYNC_FIXED_S = 1.0  # an async save's stall besides the copy: the agreements before it, the staging fence
-INIT_S = 60.0  # process start to the loop, less the load: imports, rendezvous, model build, data
-REQUEUE_S = 120.0  # a requeue's restart: SLURM's requeue hold and the scheduler (the queue wait not counted)
-HEALTH_GATE_S = 30.0  # an in-job restart: the health gate on every node
-FIRST_STEP_STEPS = 2.0  # the first step after a restart, in steps (communicators, allocator warm-up)
 SCALES_GPUS = (1024, 16384)  # the larger jobs a plan shows beside the configured one
 
 
@@ -59,19 +55,6 @@ class PlanInputs:
         return self.nodes * self.gpus_per_node
 
 
-def _recovery(cfg: JobConfig, *, nodes: int, step_s: float, load_s: float) -> Recovery:
-    f = cfg.fault
-    in_job = f.spare_nodes > 0 or 0 < f.min_nodes < nodes
-    return Recovery(
-        # a crash ends srun at once; a hang waits for the watchdog: the slower of the two
-        detect_s=f.watchdog_timeout_s or REQUEUE_S,
-        restart_s=f.restart_backoff_s + HEALTH_GATE_S if in_job else REQUEUE_S,
-        init_s=INIT_S,
-        load_s=load_s,
-        first_step_s=FIRST_STEP_STEPS * step_s,
-    )
-
-
 def plan_inputs(
     cfg: JobConfig, hw: HardwareConfig, *, params: int, nodes: int, gpus_per_node: int, step_s: float
 ) -> PlanInputs | None:
@@ -86,14 +69,14 @@ def plan_inputs(
     c = cfg.checkpoint
     if c.async_save:  # the loop stalls for the copy into host buffers; the write goes on behind training
         stall = ASYNC_FIXED_S + state / (nodes * gpus_per_node) / (HOST_COPY_GBPS * 1e9)
-        shared = Tier(stall, _recovery(cfg, nodes=nodes, step_s=step_s, load_s=write_s), write_s=write_s)
+        shared = Tier(stall, cadence.assumed_recovery(cfg, nodes=nodes, step_s=step_s, load_s=write_s), write_s=write_s)
     else:
-        shared = Tier(write_s, _recovery(cfg, nodes=nodes, step_s=step_s, load_s=write_s))
+        shared = Tier(write_s, cadence.assumed_recovery(cfg, nodes=nodes, step_s=step_s, load_s=write_s))
     local = None
     if c.local.dir:
         local_s = per_node / (LOCAL_WRITE_GBPS * 1e9)
         peer_s = per_node / ((hw.inter_node_busbw_gbps or LOCAL_WRITE_GBPS) * 1e9) if nodes > 1 else 0.0
-        local = Tier(local_s, _recovery(cfg, nodes=nodes, step_s=step_s, load_s=local_s), write_s=peer_s)
+        local = Tier(local_s, cadence.assumed_recovery(cfg, nodes=nodes, step_s=step_s, load_s=local_s), write_s=peer_s)
     local_every = [c.local.every_steps * step_s] if c.local.every_steps > 0 else []
     if c.local.every_minutes > 0 and local is not None:
         local_every.append(max(c.local.every_minutes * 60 - local.cost_s, step_s))
