@@ -195,23 +195,10 @@ def _config_layout_line(cfg: config_mod.JobConfig, estimates: list[Any], world: 
 
 
 def _goodput_lines(cfg: config_mod.JobConfig, estimates: list[Any], world: int, cluster: Any, hw: Any) -> list[str]:
-    """The goodput model's prediction for the config's layout (the top fitting row for parallel.strategy=auto or a
-    layout the planner lacks) at the profile's node MTBF, and at the larger job sizes; [] without an MTBF."""
-    from hpcdist.models.args import num_params
+    """The goodput model's prediction for the config's layout at the profile's node MTBF, and at larger jobs."""
     from hpcdist.planning import goodput
-    from hpcdist.planning import layouts as planner
 
-    try:
-        layout = planner.layout_of(cfg, world)
-    except ValueError:
-        layout = None
-    fitting = [e for e in estimates if e.fits] or list(estimates)
-    est = next((e for e in estimates if e.layout == layout), fitting[0])
-    params = num_params(cfg.model_args())
-    inputs = goodput.plan_inputs(
-        cfg, hw, params=params, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node, step_s=est.step_s
-    )
-    if inputs is None:
+    found = goodput.for_config(cfg, estimates, cluster=cluster, hw=hw)
+    if found is None:
         return [f"goodput: cluster {cluster.name!r} gives no hardware.node_mtbf_hours: no prediction"]
-    scaled = [goodput.scale_nodes(cfg, inputs, hw, params=params, gpus=n) for n in goodput.SCALES_GPUS if n > world]
-    return goodput.goodput_lines(inputs, scaled, profile=cluster.name)
+    return goodput.goodput_lines(*found, profile=cluster.name)

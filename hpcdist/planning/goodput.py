@@ -15,10 +15,20 @@ from dataclasses import dataclass
 
 from hpcdist.checkpoint import cadence
 from hpcdist.checkpoint.cadence import Prediction, Tier
-from hpcdist.config.cluster import HardwareConfig
+from hpcdist.config.cluster import ClusterConfig, HardwareConfig
 from hpcdist.config.schema import JobConfig
+from hpcdist.models.args import num_params
+from hpcdist.planning.layouts import StepEstimate, layout_of
 
-__all__ = ["PlanInputs", "goodput_lines", "plan_inputs", "prediction_rows", "scale_nodes", "shared_mtbf_s"]
+__all__ = [
+    "PlanInputs",
+    "for_config",
+    "goodput_lines",
+    "plan_inputs",
+    "prediction_rows",
+    "scale_nodes",
+    "shared_mtbf_s",
+]
 
 STATE_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments
 # Assumptions where the profile says nothing (a site replaces them with measurements):
@@ -109,6 +119,33 @@ def scale_nodes(cfg: JobConfig, inputs: PlanInputs, hw: HardwareConfig, *, param
     out = plan_inputs(cfg, hw, params=params, nodes=nodes, gpus_per_node=inputs.gpus_per_node, step_s=inputs.step_s)
     assert out is not None  # the same profile: its MTBF is there
     return out
+
+
+def for_config(
+    cfg: JobConfig,
+    estimates: list[StepEstimate],
+    *,
+    cluster: ClusterConfig,
+    hw: HardwareConfig,
+    scales: tuple[int, ...] = SCALES_GPUS,
+) -> tuple[PlanInputs, list[PlanInputs]] | None:
+    """The model's inputs for the config's layout among the ranked ``estimates`` (the top fitting row for
+    parallel.strategy=auto or a layout the planner lacks) on ``cluster``, and the same job at each of ``scales``
+    GPUs larger than it; None without a node MTBF in the profile."""
+    world = cluster.nodes * cluster.gpus_per_node
+    try:
+        layout = layout_of(cfg, world)
+    except ValueError:
+        layout = None
+    fitting = [e for e in estimates if e.fits] or list(estimates)
+    est = next((e for e in estimates if e.layout == layout), fitting[0])
+    params = num_params(cfg.model_args())
+    inputs = plan_inputs(
+        cfg, hw, params=params, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node, step_s=est.step_s
+    )
+    if inputs is None:
+        return None
+    return inputs, [scale_nodes(cfg, inputs, hw, params=params, gpus=n) for n in scales if n > world]
 
 
 def _predict(inputs: PlanInputs, interval_s: float | None, local_interval_s: float | None = None) -> Prediction:
