@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hpcdist import config as config_mod
+from hpcdist.checkpoint.cadence import failure_facts
 from hpcdist.checkpoint.errors import CheckpointMismatch
 from hpcdist.checkpoint.local.layout import expand_dir, open_local_dir, run_key
 from hpcdist.checkpoint.local.tier import EXIT_WAIT_S, LocalTier
@@ -165,6 +166,8 @@ class Trainer:
             local_every_steps=cfg.checkpoint.local.every_steps if cfg.checkpoint.local.dir else 0,
             local_every_minutes=cfg.checkpoint.local.every_minutes if cfg.checkpoint.local.dir else 0.0,
         )
+        if cfg.checkpoint.every_minutes == "auto":  # the goodput model's interval: the job's failure rate
+            self.ckpt.expect_failures(**failure_facts(cfg, env.num_nodes))
         self.local = self._local_tier()  # the node-local tier with peer copies (checkpoint.local), or None
         if cfg.checkpoint.async_save:  # the staging buffers are allocated after the first step: refuse now if they
             # cannot fit, not with an OOM kill hours into the run
@@ -521,7 +524,7 @@ class Trainer:
         with self.watchdog.phase(self.step, "checkpoint save", slow=True):
             path = self.ckpt.save(self.step, self.checkpointable())
         self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
-        self.goodput.add("checkpoint_save", time.perf_counter() - t0)
+        self.goodput.add("checkpoint_save", time.perf_counter() - t0, tier="shared")
         self.goodput.flush()
         return path is not None
 
@@ -538,7 +541,7 @@ class Trainer:
             self.local.wait()  # a hung copy is this phase's hang (the copy's collective timeout: the backstop)
         with self.watchdog.phase(self.step, "node-local checkpoint save (agreement all-reduce)", slow=True):
             ok = self.local.save(self.step, self.checkpointable())
-        self.goodput.add("checkpoint_save", time.perf_counter() - t0)
+        self.goodput.add("checkpoint_save", time.perf_counter() - t0, tier="local")
         return ok
 
     # ------------------------------------------------------------------------------------------ loop

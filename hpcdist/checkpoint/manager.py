@@ -126,7 +126,7 @@ class CheckpointManager(SavePolicy):
         verify: str = "checksum",
         write_threads: int = 1,
         every_steps: int = 0,
-        every_minutes: float = 0.0,
+        every_minutes: float | str = 0.0,
         save_final: bool = True,
         total_steps: int | None = None,
         trusted_owners: Sequence[str] = (),

@@ -104,6 +104,16 @@ class HardwareConfig:
     """Fraction of peak the compute sustains (eta in docs/PLANNER.md): the planner's assumption for this cluster."""
     margin_gib: float = DEFAULT_MARGIN_GIB
     """GPU memory kept free: a layout fits when its estimate <= gpu_mem_gb - margin_gib."""
+    node_mtbf_hours: float | None = None
+    """Mean time between failures of one node, hours: the goodput model's failure rate (system MTBF = this / the
+    job's nodes; hpcdist.checkpoint.cadence), for ``hpcdist plan``'s goodput lines, the report's prediction and
+    checkpoint.every_minutes=auto. Derive it from your own cluster's interruption rate: nodes x hours / interruptions.
+    a100_ib's 5,696 h is Llama 3's (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4: 466 job
+    interruptions in 54 days on 16,384 H100 GPUs = 2,048 8-GPU nodes): 54 x 24 x 2,048 / 466 = 5,695.8 hours per
+    node. None: no goodput prediction, and checkpoint.every_minutes=auto keeps its default interval."""
+    storage_write_gbps: float | None = None
+    """Sustained write (and read) bandwidth of the shared file system checkpoints go to, GB/s per node (each node
+    writes its own ranks' shards); None = the goodput model's assumption (hpcdist.planning.goodput)."""
 
     @property
     def usable_bytes(self) -> float:
@@ -121,6 +131,10 @@ class HardwareConfig:
             value = getattr(self, name)
             if value is not None and not (_is_finite_number(value) and value > 0):
                 out.append(f"{name}: must be > 0, got {value!r}")
+        for name in ("node_mtbf_hours", "storage_write_gbps"):
+            value = getattr(self, name)
+            if value is not None and not (_is_finite_number(value) and value > 0):
+                out.append(f"{name}: must be a positive finite number, got {value!r}")
         if not (_is_finite_number(self.efficiency) and 0 < self.efficiency <= 1):
             out.append(f"efficiency: must be in (0, 1], got {self.efficiency!r}")
         mem = self.gpu_mem_gb if _is_finite_number(self.gpu_mem_gb) and self.gpu_mem_gb > 0 else None

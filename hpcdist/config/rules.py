@@ -488,9 +488,15 @@ def _check_parallel(cfg: JobConfig, kind: LayoutKind | None) -> list[str]:
 def _check_checkpoint(cfg: JobConfig, kind: LayoutKind | None, bad_paths: set[str]) -> list[str]:
     c = cfg.checkpoint
     p = _positive_problems(cfg, ["checkpoint.keep_last"])
-    p += _positive_problems(
-        cfg, ["checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.write_threads"], allow_zero=True
-    )
+    p += _positive_problems(cfg, ["checkpoint.every_steps", "checkpoint.write_threads"], allow_zero=True)
+    if isinstance(c.every_minutes, str):  # a number was read as one: any other text is neither a number nor auto
+        if c.every_minutes != "auto":
+            p.append(
+                f"checkpoint.every_minutes: {echo(c.every_minutes)} is neither a number of minutes nor auto; give "
+                "minutes (0 = off) or auto (the goodput model's interval)"
+            )
+    else:
+        p += _positive_problems(cfg, ["checkpoint.every_minutes"], allow_zero=True)
     if c.verify not in VERIFY_MODES:
         p.append(f"checkpoint.verify: {c.verify!r} is not one of {', '.join(VERIFY_MODES)}")
     if c.resume not in ("auto", "none") and "checkpoint.resume" not in bad_paths:

@@ -289,7 +289,7 @@ class ParallelConfig:
     for this model on parallel.auto_cluster at the job's world size, chosen when the job starts and logged)."""
     auto_cluster: str = "a100_ib"
     """parallel.strategy=auto: the cluster profile (shipped name or YAML path) whose GPUs and bandwidths the
-    planner assumes."""
+    planner assumes; checkpoint.every_minutes=auto: the profile whose node MTBF it assumes."""
     ddp: DDPConfig = field(default_factory=DDPConfig)
     """DDP settings: bucket size, gradient compression hooks (parallel.strategy=ddp)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
@@ -342,10 +342,14 @@ class CheckpointConfig:
 
     every_steps: int = 100
     """Save every N steps (0 = only at the end)."""
-    every_minutes: float = 0.0
+    every_minutes: float | str = 0.0
     """Also save when this many minutes passed since the last save (0 = off), whichever of the two comes first:
     bounds the work a crash loses in wall time whatever the step time. Rank 0's clock decides; the ranks agree
-    through the per-step stop agreement, so the save comes one step after the deadline, on every rank alike."""
+    through the per-step stop agreement, so the save comes one step after the deadline, on every rank alike.
+    ``auto``: the interval that maximises goodput for this run (Young/Daly, hpcdist.checkpoint.cadence), from the
+    step time and the save stall rank 0 measures and the failure rate of parallel.auto_cluster's profile
+    (hardware.node_mtbf_hours / the job's nodes; with checkpoint.local, only the failures that tier cannot recover);
+    30 minutes until the first save has been measured, and without a node MTBF in the profile."""
     dir: str | None = None
     """Default <run.dir>/checkpoints."""
     keep_last: int = 3

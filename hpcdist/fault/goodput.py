@@ -135,7 +135,7 @@ def _load(path: Path) -> dict[str, Any]:
     return {**data, "attempts": [e for e in map(_goodput_entry, entries) if e is not None]}
 
 
-_INT_FIELDS = ("last_step", "first_step", "resumed_step", "restart", "lost_steps")
+_INT_FIELDS = ("last_step", "first_step", "resumed_step", "restart", "lost_steps", "saves_shared", "saves_local")
 
 
 def _goodput_entry(e: Any) -> dict[str, Any] | None:
@@ -224,14 +224,19 @@ class Goodput:
         self._pending = 0.0  # seconds of save/eval inside the current step, not train time
         self._flushed = 0.0
 
-    def add(self, category: str, seconds: float) -> None:
-        """Time spent on ``category`` (restore, checkpoint_save, eval -> other)."""
+    def add(self, category: str, seconds: float, *, tier: str | None = None) -> None:
+        """Time spent on ``category`` (restore, checkpoint_save, eval -> other). ``tier``: the time is one save of
+        that checkpoint tier (shared, local): counted in ``saves_<tier>`` and ``save_<tier>_s``, so the goodput
+        model can be fed the stall per save (an async save's later waits stay checkpoint_save time only)."""
         if not self.enabled:
             return
         key = "other" if category == "eval" else category
         with self._lock:
             self._entry[f"{key}_s"] = self._entry.get(f"{key}_s", 0.0) + seconds
             self._pending += seconds
+            if tier is not None:
+                self._entry[f"saves_{tier}"] = self._entry.get(f"saves_{tier}", 0) + 1
+                self._entry[f"save_{tier}_s"] = self._entry.get(f"save_{tier}_s", 0.0) + seconds
 
     def begin(self, resumed_step: int | None) -> None:
         """The loop is about to start. A resume from ``resumed_step`` turns the previous attempt's steps after it

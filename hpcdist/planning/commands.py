@@ -101,6 +101,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     mine = _config_layout_line(cfg, estimates, world, hw.usable_bytes)
     if mine:
         print(textwrap.fill(mine, width=118, subsequent_indent="  "), flush=True)
+    for line in _goodput_lines(cfg, estimates, world, cluster, hw):
+        print(line, flush=True)
     spares = config_mod.describe_spares(cfg, cluster.nodes)
     for line in ([spares] if spares else []) + config_mod.shrink_problems(cfg, cluster.nodes, cluster.gpus_per_node):
         print(line, flush=True)
@@ -190,3 +192,13 @@ def _config_layout_line(cfg: config_mod.JobConfig, estimates: list[Any], world: 
     else:
         state = f"row {fitting.index(match) + 1} of {len(fitting)} fitting ({need})"
     return f"the config's layout: {layout.describe()}: {state}"
+
+
+def _goodput_lines(cfg: config_mod.JobConfig, estimates: list[Any], world: int, cluster: Any, hw: Any) -> list[str]:
+    """The goodput model's prediction for the config's layout at the profile's node MTBF, and at larger jobs."""
+    from hpcdist.planning import goodput
+
+    found = goodput.for_config(cfg, estimates, cluster=cluster, hw=hw)
+    if found is None:
+        return [f"goodput: cluster {cluster.name!r} gives no hardware.node_mtbf_hours: no prediction"]
+    return goodput.goodput_lines(*found, profile=cluster.name)

@@ -14,7 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hpcdist.checkpoint.cadence import every_minutes
 from hpcdist.fault.goodput import RECOVERY_PARTS
+from hpcdist.report.prediction import predict_run
 from hpcdist.report.rundata import RunData
 
 __all__ = ["render_page", "write_report"]
@@ -95,6 +97,58 @@ def _recoveries(data: RunData) -> str:
     rows = [[f"attempt {n}", r.get("path", ""), sec(r.get("total")), *(sec(r.get(k)) for k in parts)] for n, r in recs]
     header = ["recovery", "path", "total s", *(f"{k.replace('_', ' ')} s" for k in parts)]
     return _table(header, rows)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def _prediction(data: RunData) -> str:
+    """The run's measured goodput beside the goodput model's prediction from the run's measured inputs."""
+    g = data.goodput
+    if not g or not g.get("total_s"):
+        return '<p class="none">no goodput.json: nothing measured yet</p>'
+    total = g["total_s"]
+    restart = g.get("restore", 0.0) + g.get("startup", 0.0) + g.get("queue_wait", 0.0)
+    rows = [
+        [
+            "measured (goodput.json)",
+            _pct(g["goodput"]),
+            _pct(g.get("checkpoint_save", 0.0) / total),
+            _pct(g.get("lost", 0.0) / total),
+            _pct(restart / total),
+            "",
+        ]
+    ]
+    result = predict_run(data)
+    if isinstance(result, str):
+        return _table(["", "goodput", "checkpoint", "recomputed", "recovery", "shared interval"], rows) + (
+            f'<p class="none">{html.escape(result)}</p>'
+        )
+    inp = result.inputs
+    for label, p in (
+        ("predicted at the run's cadence", result.at_run_cadence),
+        ("predicted, recommended cadence", result.recommended),
+    ):
+        minutes = every_minutes(p.shared_interval_s, inp["shared_save_s"])
+        rows.append(
+            [label, _pct(p.goodput), _pct(p.checkpoint), _pct(p.recompute), _pct(p.recovery), f"{minutes:,.1f} min"]
+        )
+    rec = inp["recovery"]
+    local = (
+        f", node-local save stall {inp['local_save_s']:.2f} s ({inp['local_saves']} saves)"
+        if inp["local_saves"]
+        else ""
+    )
+    text = (
+        f"model inputs (hpcdist.checkpoint.cadence, measured by this run): step {inp['step_s']:.3f} s, shared save "
+        f"stall {inp['shared_save_s']:.2f} s ({inp['shared_saves']} saves){local}, recovery {rec.total_s:.1f} s "
+        f"({'measured mean' if inp['recovery_measured'] else 'assumed: no failure measured yet'}), {inp['nodes']} "
+        f"node(s) at a node MTBF of {inp['node_mtbf_hours']:,.0f} h (cluster {inp['profile']}). The measured split "
+        "counts restores, start-up and queue waits as recovery; the model leaves out the queue and the first start."
+    )
+    header = ["", "goodput", "checkpoint", "recomputed", "recovery", "shared interval"]
+    return _table(header, rows) + f"<p>{html.escape(text)}</p>"
 
 
 def _restarts(data: RunData) -> str:
@@ -181,6 +235,8 @@ def render_page(run_dir: str | os.PathLike[str], data: RunData, pngs: dict[str, 
         _summary(data),
         "<h2>Attempts</h2>",
         _attempts(data),
+        "<h2>Goodput: measured and predicted</h2>",
+        _prediction(data),
     ]
     for name, (title, _) in plots.FIGURES.items():
         sections += [f"<h2>{html.escape(title)}</h2>", _image(pngs.get(name), title)]

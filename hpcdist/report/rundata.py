@@ -111,6 +111,8 @@ class RunData:
     summary: dict[str, Any] = field(default_factory=dict)
     checkpoints: dict[str, Any] = field(default_factory=dict)
     """Both checkpoint tiers' newest steps (checkpoint_tiers)."""
+    saves: dict[str, float] = field(default_factory=dict)
+    """Saves per checkpoint tier over all attempts (goodput.json): saves_shared, save_shared_s, saves_local, ..."""
 
     @classmethod
     def load(cls, root: str | os.PathLike[str]) -> RunData:
@@ -138,6 +140,10 @@ class RunData:
         data.summary = summary if isinstance(summary, dict) else {}
         entries = read_goodput(root)
         data.goodput = summarize(entries) if entries else {}
+        for e in entries:
+            for key in ("saves_shared", "save_shared_s", "saves_local", "save_local_s"):
+                if key in e:
+                    data.saves[key] = data.saves.get(key, 0) + e[key]
         for i, e in enumerate(entries, 1):
             keys = [k for k in CATEGORIES if k != "queue_wait"]
             data.attempts.append(

@@ -5,7 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
+from hpcdist.checkpoint import cadence, policy
 from hpcdist.checkpoint.manager import CheckpointManager
+from hpcdist.checkpoint.policy import SavePolicy
 from hpcdist.evaluate import Evaluator
 from hpcdist.fault.hang import HangWatchdog
 from hpcdist.metrics.logger import MetricsLogger
@@ -105,3 +109,70 @@ def test_the_node_local_tier_saves_at_its_own_cadence_decided_by_the_same_owner(
     time.sleep(0.001)
     assert timed.timed_local_save_due(1) and not other.timed_local_save_due(1)
     assert not timed.timed_local_save_due(3) and not timed.timed_save_due(1)  # the shared clock is another one
+
+
+class _Clock:
+    """A stand-in for the policy's perf_counter: the test moves time."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_auto_every_minutes_is_the_goodput_models_interval_from_measured_step_and_save(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """checkpoint.every_minutes=auto: 30 minutes until a shared save is measured; then rank 0's cadence checks (one
+    per step) give the step time (plain intervals) and the save's stall (the interval holding it, less a step), and
+    the interval becomes Daly's optimum for the job's MTBF, counted save start to save start."""
+    clock = _Clock()
+    monkeypatch.setattr(policy.time, "perf_counter", clock)
+    p = SavePolicy(rank=0, every_steps=5, every_minutes="auto")
+    p.expect_failures(node_mtbf_hours=5696, nodes=4)
+    assert p.every_minutes == cadence.AUTO_DEFAULT_MINUTES
+    for step in range(1, 7):
+        clock.t += 10.0  # the step
+        p.timed_save_due(step)
+        if step == 5:  # every_steps saves it: 20 s of stall
+            p.saving(5)
+            clock.t += 20.0
+    assert p.auto is not None and p.auto.step_s == 10.0 and p.auto.save_s == pytest.approx(20.0)
+    mtbf = 5696 * 3600 / 4
+    expected = cadence.every_minutes(cadence.optimal_interval(20.0, mtbf), 20.0)
+    assert p.every_minutes == pytest.approx(expected) and 200 < expected < 300  # about 4 hours at 4 nodes
+    p.local_saved_step = 6  # a node-local save's interval is neither a step nor a shared save
+    clock.t += 50.0
+    p.timed_save_due(7)
+    assert p.auto.step_s == 10.0 and p.auto.save_s == pytest.approx(20.0)
+
+
+def test_auto_every_minutes_without_an_mtbf_keeps_its_default_and_the_local_tier_lengthens_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(policy.time, "perf_counter", clock)
+
+    def measured(p: SavePolicy) -> float:
+        for step in range(1, 5):
+            clock.t += 10.0
+            p.timed_save_due(step)
+            if step == 3:
+                p.saving(3)
+                clock.t += 20.0
+        return p.every_minutes
+
+    unknown = SavePolicy(rank=0, every_minutes="auto")
+    with caplog.at_level("WARNING", logger="hpcdist"):
+        unknown.expect_failures(node_mtbf_hours=None, nodes=4)
+    assert "gives no hardware.node_mtbf_hours" in caplog.text
+    assert measured(unknown) == cadence.AUTO_DEFAULT_MINUTES
+    alone = SavePolicy(rank=0, every_minutes="auto")
+    alone.expect_failures(node_mtbf_hours=100, nodes=64)
+    tiered = SavePolicy(rank=0, every_minutes="auto")
+    tiered.expect_failures(node_mtbf_hours=100, nodes=64, local_coverage=0.9)  # 10% of failures need the shared tier
+    assert measured(tiered) == pytest.approx(measured(alone) * 10**0.5, rel=0.05)  # sqrt(2 C M): M x 10
+    fixed = SavePolicy(rank=0, every_minutes=12)
+    fixed.expect_failures(node_mtbf_hours=100, nodes=64)  # a number stays that number
+    assert fixed.auto is None and fixed.every_minutes == 12.0

@@ -784,3 +784,28 @@ def test_a_section_override_takes_the_flow_yaml_form() -> None:
         load(None, ["logging.profile={stepz: 2}"])
     with pytest.raises(ConfigError, match=r"logging\.profile: must be a section"):
         load(None, ["logging.profile=3"])
+
+
+@pytest.mark.parametrize("value", ["auto", "30", "0", "1.5"])
+def test_every_minutes_takes_minutes_or_auto(value: str, tmp_path: Path) -> None:
+    """checkpoint.every_minutes: a number of minutes, or auto (the goodput model's interval), on the command line
+    and in YAML alike."""
+    expected = value if value == "auto" else float(value)
+    assert load(None, [f"checkpoint.every_minutes={value}"]).checkpoint.every_minutes == expected
+    path = _write(tmp_path / "job.yaml", f"checkpoint:\n  every_minutes: {value}\n")
+    assert load(path).checkpoint.every_minutes == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("Auto", "'Auto' is neither a number of minutes nor auto; give minutes (0 = off) or auto"),
+        ("fast", "'fast' is neither a number of minutes nor auto"),
+        ("''", "'' is neither a number of minutes nor auto"),
+        ("true", "'true' is neither a number of minutes nor auto"),
+        ("-1", "must be >= 0, got -1"),
+        ("[1]", "must be float or str, got list"),
+    ],
+)
+def test_every_minutes_refuses_anything_else_with_one_problem(value: str, fragment: str) -> None:
+    _one_problem([f"checkpoint.every_minutes={value}"], "checkpoint.every_minutes: ", fragment)

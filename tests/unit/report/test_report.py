@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from hpcdist import cli
+from hpcdist import config as config_mod
 from hpcdist.fault import failures
 from hpcdist.fault.goodput import Goodput
 from hpcdist.metrics.logger import MetricsLogger
+from hpcdist.report.page import render_page
 from hpcdist.report.rundata import RunData
 from hpcdist.rundir import RunDir
 
@@ -121,3 +123,35 @@ def test_the_report_loads_no_torch(tmp_path: Path) -> None:
         "sys.exit(rc or ('torch' in sys.modules) * 7)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_the_report_shows_the_goodput_models_prediction_from_the_runs_measurements(tmp_path: Path) -> None:
+    """Beside the measured goodput: the model fed the run's step time, stall per shared save (goodput.json's per-tier
+    counts), cadence and nodes, at the MTBF of the run's parallel.auto_cluster profile."""
+    config_mod.save(config_mod.load(None, ["checkpoint.every_steps=3"]), RunDir(tmp_path).config)
+    g = Goodput(tmp_path, enabled=True, start=time.time() - 60)
+    g.begin(None)
+    with MetricsLogger(tmp_path, enabled=True, tensorboard=False) as m:
+        for step in range(1, 7):
+            m.log(step, {"loss": 3.0, "step_time_s": 2.0})
+            g.step(step, 2.0)
+            if step % 3 == 0:
+                g.add("checkpoint_save", 0.5, tier="shared")
+    g.flush(clean=True)
+    RunDir(tmp_path).ranks.write_text(json.dumps({"hosts": ["n1", "n1", "n2", "n2"]}))
+    data = RunData.load(tmp_path)
+    assert data.saves == {"saves_shared": 2, "save_shared_s": 1.0}
+    page = render_page(tmp_path, data, {})
+    section = page[page.index("Goodput: measured and predicted") :]
+    assert "<td>measured (goodput.json)</td>" in section
+    assert "<td>predicted at the run&#x27;s cadence</td>" in section
+    assert "<td>predicted, recommended cadence</td>" in section
+    assert "step 2.000 s, shared save stall 0.50 s (2 saves)" in section
+    assert "2 node(s) at a node MTBF of 5,696 h (cluster a100_ib)" in section
+    assert "assumed: no failure measured yet" in section
+
+
+def test_the_report_says_why_it_has_no_prediction(tmp_path: Path) -> None:
+    _running_run(tmp_path)  # no config.yaml, no save
+    page = render_page(tmp_path, RunData.load(tmp_path), {})
+    assert "no prediction: the run&#x27;s config.yaml does not load" in page
