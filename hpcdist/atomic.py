@@ -32,6 +32,7 @@ __all__ = [
     "file_sha256",
     "follow_umask",
     "open_append",
+    "read_head",
     "read_tail",
     "read_trusted",
 ]
@@ -208,6 +209,17 @@ def read_bounded(path: str | os.PathLike[str], max_bytes: int) -> bytes:
             raise UntrustedFile(
                 errno.EFBIG, f"{path} is {size:,} bytes, more than the {max_bytes:,} such a record can be", str(path)
             )
+        return _read_at_most(fd, max_bytes)
+    finally:
+        os.close(fd)
+
+
+def read_head(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """The first ``max_bytes`` of the regular file ``path``, whoever wrote it (a log read from its start, such as a
+    preparation's progress.jsonl): never through a link, never a FIFO, never more than ``max_bytes`` however large
+    the file is. OSError as ``open`` raises it; UntrustedFile for a link or a file that is not regular."""
+    fd = _open_regular(Path(path))
+    try:
         return _read_at_most(fd, max_bytes)
     finally:
         os.close(fd)

@@ -10,8 +10,10 @@ JSON constants that are no numbers (NaN, Infinity) and floats out of range (1e99
 bounded, and whatever is wrong with the file (a link, not a regular file, too large, not UTF-8 JSON, too deep) is
 one :class:`DamagedRecord`, a ValueError naming the file and why: callers catch that one error, never
 RecursionError, OverflowError or a TypeError from a value of the wrong type (each caller validates the fields it
-uses). JSONL readers drop a line that does not parse
-(the one being appended, or cut by a crash) and keep the rest.
+uses). JSONL records are read here only: :func:`read_jsonl` (the newest records of a file appended to: metrics,
+failures) and :func:`parse_jsonl` (bytes read another way, such as a trusted jobs.jsonl) drop a line that does not
+parse (the one being appended, or cut by a crash) and keep the rest; :func:`read_jsonl_prefix` (a log read to resume
+from it, a preparation's progress.jsonl) keeps the records before the first such line.
 
 :func:`one_line` is how untrusted text reaches a terminal or a job log: one line, printable, bounded, so a
 record's ``\\x1b[2J`` or ``\\nFAKE LINE`` is shown as the escape it is instead of clearing the screen or forging a
@@ -24,9 +26,18 @@ import json
 import os
 from typing import Any
 
-from hpcdist.atomic import UntrustedFile, read_bounded, read_tail
+from hpcdist.atomic import UntrustedFile, read_bounded, read_head, read_tail
 
-__all__ = ["MAX_DEPTH", "DamagedRecord", "one_line", "parse", "read_json", "read_jsonl"]
+__all__ = [
+    "MAX_DEPTH",
+    "DamagedRecord",
+    "one_line",
+    "parse",
+    "parse_jsonl",
+    "read_json",
+    "read_jsonl",
+    "read_jsonl_prefix",
+]
 
 MAX_DEPTH = 32
 """Nesting (objects and arrays) a record may have: hpcdist's deepest record has 4 levels."""
@@ -99,21 +110,12 @@ def read_json(path: str | os.PathLike[str], max_bytes: int) -> Any:
         raise DamagedRecord(f"{path} is not a readable record ({e})") from None
 
 
-def read_jsonl(path: str | os.PathLike[str], max_bytes: int) -> list[dict[str, Any]]:
-    """The JSON objects of the last ``max_bytes`` of ``path``, in order; [] when there is no such file. A line that
-    does not parse, or is no object, is skipped (a line being appended, a torn tail, a line cut by the bound).
-    DamagedRecord when the file itself cannot be read (a link, a FIFO, a directory)."""
-    try:
-        data = read_tail(path, max_bytes + 1)
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        raise DamagedRecord(_why(path, e)) from None
-    lines = data.split(b"\n")
-    if len(data) > max_bytes:
-        lines = lines[1:]  # the bound cut the first line
+def parse_jsonl(data: bytes | str) -> list[dict[str, Any]]:
+    """The JSON objects of the lines of ``data``, in order. A line that does not parse (see :func:`parse`), or is
+    no object, is skipped: a line being appended, a torn tail, a line cut by a bound."""
     out = []
-    for line in lines:
+    # at newlines only: JSON allows a carriage return between tokens and U+2028 in a string (splitlines cuts both)
+    for line in data.split(b"\n") if isinstance(data, bytes) else data.split("\n"):
         if not line.strip():
             continue
         try:
@@ -122,6 +124,46 @@ def read_jsonl(path: str | os.PathLike[str], max_bytes: int) -> list[dict[str, A
             continue
         if isinstance(rec, dict):
             out.append(rec)
+    return out
+
+
+def read_jsonl(path: str | os.PathLike[str], max_bytes: int) -> list[dict[str, Any]]:
+    """The JSON objects of the last ``max_bytes`` of ``path``, in order (:func:`parse_jsonl`); [] when there is no
+    such file. DamagedRecord when the file itself cannot be read (a link, a FIFO, a directory)."""
+    try:
+        data = read_tail(path, max_bytes + 1)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise DamagedRecord(_why(path, e)) from None
+    if len(data) > max_bytes:
+        data = data.split(b"\n", 1)[1] if b"\n" in data else b""  # the bound cut the first line
+    return parse_jsonl(data)
+
+
+def read_jsonl_prefix(path: str | os.PathLike[str], max_bytes: int) -> list[tuple[dict[str, Any], int]]:
+    """The leading records of a log that is only appended to, read from its start to resume from it: (object, the
+    offset just past its line) for each complete line of the first ``max_bytes`` up to the first one that does not
+    parse or is no object (a blank line too). What follows a bad line is not trusted to continue the log, and the
+    part after the last newline is a line still being written (or cut by a crash or by the bound). [] when there is
+    no such file; DamagedRecord when the file itself cannot be read (a link, a FIFO, a directory)."""
+    try:
+        data = read_head(path, max_bytes)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise DamagedRecord(_why(path, e)) from None
+    out: list[tuple[dict[str, Any], int]] = []
+    at = 0
+    while (end := data.find(b"\n", at)) >= 0:
+        try:
+            rec = parse(data[at:end])
+        except ValueError:
+            break
+        if not isinstance(rec, dict):
+            break
+        at = end + 1
+        out.append((rec, at))
     return out
 
 

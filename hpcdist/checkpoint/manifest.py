@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
+from hpcdist.agree import gather
 from hpcdist.atomic import UntrustedFile, atomic_write, file_sha256, read_bounded
 from hpcdist.checkpoint.errors import READ_DAMAGE, read_kind
 from hpcdist.checkpoint.names import DAMAGED, MARKER
@@ -172,11 +171,7 @@ def write_manifest(path: Path, ranks: Ranks, written: dict[str, dict[str, Any]],
     ``distributed``: the ranks' parts are gathered by a collective (sync save); else (async save, in the
     background thread where no collective may run) rank 0 reads the part each rank wrote into .manifest/."""
     if distributed:
-        mine = own_digests(path, ranks, written)
-        parts: list[dict[str, Any]] = [mine]
-        if ranks.group is not None:
-            parts = [{} for _ in range(ranks.world_size)]
-            dist.all_gather_object(parts, mine, group=ranks.group)
+        parts: list[dict[str, Any]] = gather(own_digests(path, ranks, written), ranks.group, ranks.world_size)
     else:
         parts = collect_parts(path, ranks.world_size)
     if ranks.rank != 0:

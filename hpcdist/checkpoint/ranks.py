@@ -1,5 +1,5 @@
-"""The ranks a checkpoint is written and read by, and the few collectives the checkpoint code runs over their CPU
-group (gloo: agreement flags and gathers work on NCCL jobs too)."""
+"""The ranks a checkpoint is written and read by, and their CPU group (gloo: the agreement flags and gathers of
+hpcdist.agree work on NCCL jobs too)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from hpcdist.agree import gather, worst
 
 
 @dataclass
@@ -32,17 +31,9 @@ class Ranks:
                 mine = dict(zip(share, pool.map(fn, share), strict=True))
         else:
             mine = {item: fn(item) for item in share}
-        if self.group is None:
-            return mine
-        parts: list[dict[str, Any]] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(parts, mine, group=self.group)
-        return {k: v for part in parts for k, v in part.items()}
+        return {k: v for part in gather(mine, self.group, self.world_size) for k, v in part.items()}
 
     def max(self, kind: int) -> int:
         """Collective: the worst of every rank's read outcome
         (READ_OK < READ_DAMAGE < READ_TRANSIENT < READ_MISMATCH)."""
-        if self.group is None:
-            return kind
-        flag = torch.tensor([kind])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag)
+        return worst(kind, self.group)

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from hpcdist.agree import gather
 from hpcdist.checkpoint import manifest as manifest_io
 from hpcdist.checkpoint.errors import READ_DAMAGE, CheckpointMismatch, CheckpointUnavailable, describe_error, read_kind
 from hpcdist.checkpoint.manifest import MANIFEST, files_of, is_shard, read_manifest
@@ -77,11 +77,7 @@ def model_diff(metadata: Any, model: dict[str, Any], ranks: Ranks) -> dict[str, 
         for k, v in model.items()
         if isinstance(v, (torch.Tensor, tuple))
     }
-    wanted = set(mine)
-    if ranks.group is not None:
-        parts: list[list[str]] = [[] for _ in range(ranks.world_size)]
-        dist.all_gather_object(parts, sorted(mine), group=ranks.group)
-        wanted = {k for part in parts for k in part}
+    wanted = {k for part in gather(sorted(mine), ranks.group, ranks.world_size) for k in part}
     return {
         "missing": sorted(set(mine) - set(saved)),
         "unexpected": sorted(set(saved) - wanted),

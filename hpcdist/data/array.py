@@ -40,7 +40,7 @@ from hpcdist.config.dataset_meta import (
     write_meta,
 )
 from hpcdist.data.slices import Piece, plan_slices
-from hpcdist.untrusted import one_line, parse
+from hpcdist.untrusted import DamagedRecord, one_line, read_jsonl_prefix
 
 __all__ = [
     "JOBS_NAME",
@@ -277,18 +277,12 @@ def _piece_bytes(p: Piece) -> int:
 
 def _progress(part: Path) -> tuple[int, int]:
     try:
-        fd = open_regular(part / "progress.jsonl")
-        with os.fdopen(fd, "rb") as fh:
-            lines = fh.read(64 << 20).split(b"\n")[1:]
-    except OSError:
+        records = read_jsonl_prefix(part / "progress.jsonl", 64 << 20)[1:]  # after the fingerprint's line
+    except DamagedRecord:
         return 0, 0
     shards = tokens = 0
-    for line in lines:
-        try:
-            rec = parse(line)
-        except ValueError:
-            break
-        if not isinstance(rec, dict) or not isinstance(rec.get("tokens"), int) or isinstance(rec["tokens"], bool):
+    for rec, _ in records:
+        if not isinstance(rec.get("tokens"), int) or isinstance(rec["tokens"], bool):
             break
         tokens += _token_count(rec["tokens"])
         shards += 1

@@ -47,6 +47,7 @@ from hpcdist.data import corpora
 from hpcdist.data.shards import DTYPES, SHARD_PATTERN, verify_shard
 from hpcdist.data.slices import Piece, iter_piece
 from hpcdist.data.tokenizers import TOKENIZER_DIR, ByteTokenizer, Tokenizer, copy_files, describe
+from hpcdist.untrusted import DamagedRecord, read_jsonl_prefix
 
 __all__ = ["PrepareRefused", "PrepareResult", "prepare_corpus", "prepare_shards"]
 
@@ -61,6 +62,9 @@ class PrepareRefused(DataError):
 
 PROGRESS_NAME = "progress.jsonl"
 LEGACY_PROGRESS = "progress.json"  # older, still read: rewritten whole after every shard (quadratic)
+_FINGERPRINT_BYTES = 1 << 16  # the progress log's first line: the fingerprint and options, never near this
+# what a resume reads of progress.jsonl: ~150 bytes a shard, so ~400,000 shards; the shards after it are made again
+_PROGRESS_MAX_BYTES = 64 << 20
 # Shards smaller than this are written without an fsync each (thousands of tiny shards would spend minutes in
 # fsync): the sha256 recorded for every shard tells a torn one apart, on resume and in every reader.
 DURABLE_SHARD_BYTES = 1 << 20
@@ -408,16 +412,13 @@ def own_files(out_dir: Path) -> list[Path]:
 def _progress_fingerprint(out_dir: Path) -> str | None:
     """The fingerprint of an unfinished preparation in out_dir (progress.jsonl's first line, or an older
     progress.json), or None."""
-    for name in (PROGRESS_NAME, LEGACY_PROGRESS):
+    for name in (PROGRESS_NAME, LEGACY_PROGRESS):  # the older one is a single line too
         try:
-            fd = open_regular(out_dir / name)
-            with os.fdopen(fd, "rb") as fh:
-                first = fh.readline(1 << 16)
-            state = json.loads(first)
-        except (OSError, ValueError, RecursionError):
+            head = read_jsonl_prefix(out_dir / name, _FINGERPRINT_BYTES)
+        except DamagedRecord:
             continue
-        if isinstance(state, dict) and isinstance(state.get("fingerprint"), str):
-            return state["fingerprint"]
+        if head and isinstance(head[0][0].get("fingerprint"), str):
+            return head[0][0]["fingerprint"]
     return None
 
 
@@ -473,22 +474,16 @@ def _resumable_shards(out_dir: Path, fingerprint: str, dtype: str) -> tuple[list
     the bytes of progress.jsonl that describe them. A torn line or a shard that no longer matches its sha256 (a crash
     before it reached the disk) ends the list there."""
     try:
-        fd = open_regular(out_dir / PROGRESS_NAME)
-        with os.fdopen(fd, "rb") as fh:
-            lines = fh.read().split(b"\n")
-    except OSError:
+        records = read_jsonl_prefix(out_dir / PROGRESS_NAME, _PROGRESS_MAX_BYTES)
+    except DamagedRecord:
         return [], (0, 0), 0
-    try:
-        if len(lines) < 2 or json.loads(lines[0]).get("fingerprint") != fingerprint:
-            return [], (0, 0), 0
-    except (ValueError, RecursionError, AttributeError):
+    if not records or records[0][0].get("fingerprint") != fingerprint:
         return [], (0, 0), 0
     itemsize = DTYPES[dtype].itemsize
     shards: list[dict[str, Any]] = []
-    at, good = (0, 0), len(lines[0]) + 1
-    for line in lines[1:-1]:  # the part after the last newline is torn (or empty)
+    at, good = (0, 0), records[0][1]
+    for rec, end in records[1:]:
         try:
-            rec = json.loads(line)
             entry = {
                 "name": str(rec["name"]),
                 "tokens": int(rec["tokens"]),
@@ -496,12 +491,12 @@ def _resumable_shards(out_dir: Path, fingerprint: str, dtype: str) -> tuple[list
                 "max_id": int(rec["max_id"]),
             }
             step = (int(rec["batch"]), int(rec["offset"]))
-        except (ValueError, KeyError, TypeError, RecursionError):
+        except (ValueError, KeyError, TypeError):
             break
         if entry["name"] != SHARD_PATTERN.format(len(shards)) or not _shard_matches(out_dir, entry, itemsize):
             break
         shards.append(entry)
-        at, good = step, good + len(line) + 1
+        at, good = step, end
     return (shards, at, good) if shards else ([], (0, 0), 0)
 
 

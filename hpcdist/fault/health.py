@@ -6,7 +6,6 @@ environment)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from typing import Any
 
 from hpcdist.fault.failures import record
 from hpcdist.schedulers import JobFacts
+from hpcdist.untrusted import parse_jsonl
 
 __all__ = [
     "DEFAULT_DEVICE_TIMEOUT_S",
@@ -72,15 +72,8 @@ def read_verdicts(output: str, hosts: Sequence[str]) -> dict[str, list[str]]:
     other lines, cut lines and odd values are skipped). A host of ``hosts`` with no verdict is unhealthy: its
     gate did not answer (the node is down, srun could not start it, or it was killed at srun's time limit)."""
     verdicts: dict[str, list[str]] = {}
-    for line in output[-_VERDICT_BYTES:].splitlines():
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(doc, dict) or not isinstance(doc.get("host"), str) or not isinstance(doc.get("ok"), bool):
+    for doc in parse_jsonl(output[-_VERDICT_BYTES:]):
+        if not isinstance(doc.get("host"), str) or not isinstance(doc.get("ok"), bool):
             continue
         reasons = doc.get("reasons")
         reasons = [str(r)[:500] for r in reasons[:20]] if isinstance(reasons, list) else []

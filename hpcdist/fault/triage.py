@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpcdist.agree import world_group, worst
 from hpcdist.atomic import UntrustedFile, atomic_write, read_trusted
 from hpcdist.fault import failures
 from hpcdist.fault.nonfinite import NonFiniteError
@@ -162,13 +163,11 @@ class Triage:
         for j in range(local):
             vec[self.world_size + self.global_batch_size + lo + j] = int(ids[j]) + 1
         vec[self.rank] = flags
-        if dist.is_initialized() and self.world_size > 1:
-            vec = vec.to(self.device)
-            dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-            vec = vec.cpu()
-        rank_flags = vec[: self.world_size].tolist()
-        narrowed = [int(v) - 1 for v in vec[self.world_size : self.world_size + self.global_batch_size] if v]
-        whole = [int(v) - 1 for v in vec[self.world_size + self.global_batch_size :] if v]
+        group = world_group() if self.world_size > 1 else None
+        agreed = worst(vec.tolist(), group, device=self.device)  # NCCL reduces device tensors only
+        rank_flags = agreed[: self.world_size]
+        narrowed = [v - 1 for v in agreed[self.world_size : self.world_size + self.global_batch_size] if v]
+        whole = [v - 1 for v in agreed[self.world_size + self.global_batch_size :] if v]
         if reproduced:
             model = _model_cause(rank_flags, narrowed, whole)
             if model:

@@ -21,7 +21,7 @@ from hpcdist.atomic import UntrustedFile, append_line, read_trusted
 from hpcdist.fault.failures import unhealthy_hosts
 from hpcdist.report.rundata import checkpoint_tiers, read_ledger, read_records
 from hpcdist.rundir import RunDir
-from hpcdist.untrusted import one_line
+from hpcdist.untrusted import one_line, parse_jsonl
 
 __all__ = [
     "UntrustedFile",
@@ -56,14 +56,9 @@ def find_job(job_id: str, run_dir: str | os.PathLike[str]) -> dict[str, Any] | N
         raise
     except OSError:
         return None
-    lines = (data or b"").decode("utf-8", errors="replace").splitlines()
     found: dict[str, Any] | None = None
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and str(entry.get("job_id")) == str(job_id):
+    for entry in parse_jsonl(data or b""):
+        if str(entry.get("job_id")) == str(job_id):
             found = {**(found or {}), **entry}
     return found
 

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from hpcdist.agree import all_ok, gather, worst
 from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.checkpoint.codec import HashingReader, HashingWriter, single_process_dcp
 from hpcdist.checkpoint.errors import describe_error, error_of
@@ -139,22 +140,10 @@ class LocalTier:
     # ---------------------------------------------------------------------------------- collectives
     # ``group``: the loop's (None: ``_pg``) or the background copy's (``_copy_pg``); never one from two threads
     def _all_ok(self, err: BaseException | None, what: str, group: Any = None) -> bool:
+        """Collective: this rank's failure of ``what`` logged here, then whether it worked on every rank."""
         if err is not None:
             log.error("rank %d: checkpoint.local: %s failed: %s", self.rank, what, describe_error(err))
-        g = self._pg if group is None else group
-        if g is None:
-            return err is None
-        flag = torch.tensor([0 if err is None else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g)
-        return int(flag) == 0
-
-    def _gather(self, obj: Any, group: Any = None) -> list[Any]:
-        g = self._pg if group is None else group
-        if g is None:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=g)  # the job's own ranks: no file is unpickled
-        return out
+        return all_ok(err is None, self._pg if group is None else group)
 
     # ---------------------------------------------------------------------------------- save
     def save(self, step: int, state: Checkpointable) -> bool:
@@ -223,7 +212,7 @@ class LocalTier:
                     describe_error(err),
                 )
             try:  # every rank reaches this collective, whatever its prune did
-                sizes = self._gather(nbytes, group)
+                sizes = gather(nbytes, self._pg if group is None else group, self.world_size)
                 node_bytes: dict[str, int] = {}
                 for r, n in enumerate(sizes):
                     node_bytes[self.hosts[r]] = node_bytes.get(self.hosts[r], 0) + n
@@ -424,14 +413,6 @@ class LocalTier:
                         out.update(int(m.group(1)) for s in os.scandir(e.path) if (m := DAMAGED_NAME.match(s.name)))
         return sorted(out)
 
-    def _worst(self, code: int) -> int:
-        """Collective: the largest of every rank's outcome code."""
-        if self._pg is None:
-            return code
-        flag = torch.tensor([code])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
-        return int(flag)
-
     def restore(self, state: Checkpointable, shared_step: int | None) -> Path | None:
         """Collective: load the newest step intact on every rank (counting peer copies), then the next, while it is
         at least as new as ``shared_step`` (rank 0's newest shared checkpoint); None: resume from the shared tier
@@ -445,7 +426,7 @@ class LocalTier:
         while True:
             inv = self.inventory()
             offer = {o: sorted(set(s) - given_up) for o, s in inv.items()}
-            gathered = self._gather((offer, shared_step, self.damaged_steps()))
+            gathered = gather((offer, shared_step, self.damaged_steps()), self._pg, self.world_size)
             shared = gathered[0][1]
             plan = agree_step([g[0] for g in gathered], self.world_size, shared)
             if plan.step is None:
@@ -487,7 +468,7 @@ class LocalTier:
             code = max(code, _GIVE_UP if err is not None else _LOADED)
             if err is None and not os.path.lexists(inv[r][step]):
                 code = max(code, _DAMAGED_SET_ASIDE)
-        code = self._worst(code)
+        code = worst(code, self._pg)
         if code != _LOADED:
             return code, None
         pairs = sorted((src, r) for r, src in plan.sources.items() if src != r)
@@ -523,7 +504,7 @@ class LocalTier:
                 log.error("rank %d: checkpoint.local: %s is another run's (%s)", self.rank, path, why)
                 self.foreign = True  # then nothing here is discarded (discard_newer): it is not ours to drop
                 code = _ELSEWHERE
-        code = self._worst(code)
+        code = worst(code, self._pg)
         if code != _LOADED:
             if code == _ELSEWHERE:
                 self.foreign = True

@@ -1,6 +1,11 @@
 """The peer copy's transport: one step directory sent from a node to the next over the job's own ranks, as
 point-to-point messages of at most ``CHUNK`` bytes (memory stays bounded, no ssh), and received into a
-``.partial`` directory whose COMPLETE is written once every byte matched the manifest."""
+``.partial`` directory whose COMPLETE is written once every byte matched the manifest.
+
+:class:`StepTransport` is what the tier needs of a transport: ``send`` and ``recv`` of one step directory between
+two ranks, and the ring's round (``exchange``) built on them; :class:`PeerTransport` implements them over a gloo
+group. The receiving side's checks (:class:`_Sink`) belong to every transport: what arrives is trusted only once it
+matched the manifest that came with it."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import json
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -160,12 +166,28 @@ class _Sink:
         self.partial.rename(self.final)
 
 
-class PeerTransport:
-    """Sends and receives step directories between this rank and its peers, in rounds: in each, a rank sends at
-    most one directory and receives at most one (``rounds`` pairs them so no rank waits on itself)."""
+class NothingAnnounced(ValueError):
+    """The sender announced no file list: its own log says why (the directory could not be listed)."""
 
-    def __init__(self, rank: int, world_size: int, group: Any = None):
-        self.rank, self.world_size, self.group = rank, world_size, group
+
+class StepTransport:
+    """How one rank's step directory reaches another rank: ``send`` on the rank holding it, ``recv`` on the rank
+    that keeps it, each blocking until its side is done (torchft's CheckpointTransport is the model: a transport over
+    HTTP or RDMA implements these two). ``exchange``, the round of the tier's ring, is built on them alone."""
+
+    rank: int
+    world_size: int
+
+    def send(self, dst: int, step: int, src_dir: Path, origin: int, *, group: Any = None) -> None:
+        """``src_dir``, rank ``origin``'s files of ``step``, to rank ``dst`` (which calls ``recv``). Raises after the
+        last message when something went wrong on this side; the receiver then refuses the copy."""
+        raise NotImplementedError
+
+    def recv(self, src: int, step: int, into: Path, origin: int, *, group: Any = None) -> None:
+        """Rank ``origin``'s files of ``step`` from rank ``src`` into ``into/step-N`` (through ``step-N.partial``,
+        COMPLETE written once every byte matched the manifest that came with them); anything else raises, and
+        nothing of it is left but what the checks refused to trust."""
+        raise NotImplementedError
 
     def exchange(
         self,
@@ -179,68 +201,99 @@ class PeerTransport:
         restore: bool,
         group: Any = None,
     ) -> None:
-        """One round: send one step directory and/or receive one, in chunks. The sender posts every message
-        before waiting for it; the receiver always drains what the sender announced, even after a problem, so the
-        next round's messages stay in step."""
-        g = self.group if group is None else group
-        header, files, src_dir, error = b"", [], None, None
+        """One round: this rank sends (``send``: (this rank, receiver)) the directory ``source(origin)`` and/or
+        receives (``recv``: (sender, this rank)) one into ``dest(o)``, ``o`` the rank whose files come: the sender
+        when replicating, this rank when a restore fetches its own files back. Both at once (the send on a thread of
+        its own while this one receives): in a ring every rank sends and receives, so neither side may wait for the
+        other to end first. Raises what went wrong once both sides are done, the receiving side's first (what this
+        rank holds), unless its peer announced nothing and this rank's own send failed too."""
+        outcome: list[BaseException] = []
+        sender = None
         if send is not None:
-            try:
-                src_dir = source(origin)
-                files = [(n, s) for n, s in sorted(listing(src_dir).items()) if n != MARKER]
-                header = json.dumps({"origin": origin, "step": step, "files": files}).encode()
-                if len(header) > HEADER_MAX:
-                    raise ValueError(f"a file list of {len(header)} bytes")
-            except (OSError, ValueError) as e:  # announce nothing: the receiver expects nothing more
-                error, header, files = e, b"", []
-        sizes = torch.tensor([len(header), sum(s for _, s in files)], dtype=torch.int64)
-        got = torch.zeros(2, dtype=torch.int64)
-        self._round(g, send, recv, sizes, got)
-        hdr = torch.frombuffer(bytearray(header), dtype=torch.uint8) if header else torch.zeros(0, dtype=torch.uint8)
-        announced = int(got[0]) if recv is not None else 0
-        if recv is not None and not 0 < announced <= HEADER_MAX:  # our own sender never announces more
-            error = error or ValueError(f"rank {recv[0]} sent no file list (its log says why)")
-            announced, recv = 0, None
-        rhdr = torch.zeros(announced, dtype=torch.uint8)
-        self._round(g, send, recv, hdr, rhdr)
-        total = int(got[1]) if recv is not None else 0
-        sink = None
-        if recv is not None:  # whose files may come: the sender's own (a copy), or ours back (a restore)
-            expect = self.rank if restore else recv[0]
-            sink = _Sink(dest, rhdr.numpy().tobytes(), total, step, self.world_size, expect)
-        sent_total = int(sizes[1])
-        sent_chunks = _chunks(src_dir, files) if files else iter(())
-        n_send = -(-sent_total // CHUNK) if send is not None else 0
-        n_recv = -(-total // CHUNK)
-        rbuf: torch.Tensor | None = None
-        for i in range(max(n_send, n_recv)):
-            work = None
-            if send is not None and i < n_send:
+            src_dir = source(origin)
+
+            def run() -> None:
                 try:
-                    out = next(sent_chunks)
-                except (OSError, StopIteration) as e:  # a file shrank: zeros keep the receiver in step; its
-                    error = error or e  # manifest check rejects the copy
-                    out = torch.zeros(min(CHUNK, sent_total - i * CHUNK), dtype=torch.uint8)
-                work = dist.isend(out, send[1], group=g)
-            if sink is not None and recv is not None and i < n_recv:
-                if rbuf is None:
-                    rbuf = torch.empty(min(CHUNK, total), dtype=torch.uint8)  # one buffer, reused
-                part = rbuf[: min(CHUNK, total - i * CHUNK)]
-                dist.recv(part, recv[0], group=g)
-                sink.write(part.numpy())
-            if work is not None:
-                work.wait()
-        if sink is not None:
-            sink.finish()  # raises what went wrong on the receiving side
+                    self.send(send[1], step, src_dir, origin, group=group)
+                except BaseException as e:  # raised on the calling thread below, after the join
+                    outcome.append(e)
+
+            sender = threading.Thread(target=run, name=f"hpcdist-local-send-{step}", daemon=True)
+            sender.start()
+        received: BaseException | None = None
+        try:
+            if recv is not None:
+                expect = self.rank if restore else recv[0]
+                self.recv(recv[0], step, dest(expect), expect, group=group)
+        except BaseException as e:
+            received = e
+        finally:
+            if sender is not None:
+                sender.join()  # its messages end by themselves: received, or timed out by the group
+        sent = outcome[0] if outcome else None
+        if isinstance(received, NothingAnnounced) and sent is not None:
+            raise sent
+        if received is not None:
+            raise received
+        if sent is not None:
+            raise sent
+
+
+class PeerTransport(StepTransport):
+    """Step directories between this rank and its peers as point-to-point messages over the job's own ranks (a
+    gloo group; every wait bounded by that group's timeout). On the wire, in this order: the sizes (int64: the
+    header's bytes, the files' bytes), the header (JSON: origin, step, the files' names and sizes), then the files'
+    bytes concatenated, in messages of at most ``CHUNK`` bytes."""
+
+    def __init__(self, rank: int, world_size: int, group: Any = None):
+        self.rank, self.world_size, self.group = rank, world_size, group
+
+    def send(self, dst: int, step: int, src_dir: Path, origin: int, *, group: Any = None) -> None:
+        """A directory that cannot be listed is announced as nothing (no header: the receiver expects no more); a
+        file that shrank since it was listed is sent as zeros (the receiver stays in step and its manifest check
+        refuses the copy). Either raises here after the last message."""
+        g = self.group if group is None else group
+        header, files, error = b"", [], None
+        try:
+            files = [(n, s) for n, s in sorted(listing(src_dir).items()) if n != MARKER]
+            header = json.dumps({"origin": origin, "step": step, "files": files}).encode()
+            if len(header) > HEADER_MAX:
+                raise ValueError(f"a file list of {len(header)} bytes")
+        except (OSError, ValueError) as e:  # announce nothing: the receiver expects nothing more
+            error, header, files = e, b"", []
+        total = sum(s for _, s in files)
+        dist.send(torch.tensor([len(header), total], dtype=torch.int64), dst, group=g)
+        if header:
+            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=g)
+        chunks = _chunks(src_dir, files) if files else iter(())
+        for i in range(-(-total // CHUNK)):
+            try:
+                out = next(chunks)  # a view of one reused buffer: each send ends before the next read
+            except (OSError, StopIteration) as e:  # a file shrank: zeros keep the receiver in step; its
+                error = error or e  # manifest check rejects the copy
+                out = torch.zeros(min(CHUNK, total - i * CHUNK), dtype=torch.uint8)
+            dist.send(out, dst, group=g)
         if error is not None:
             raise error
 
-    @staticmethod
-    def _round(
-        g: Any, send: tuple[int, int] | None, recv: tuple[int, int] | None, out: torch.Tensor, into: torch.Tensor
-    ) -> None:
-        work = dist.isend(out, send[1], group=g) if send is not None and out.numel() else None
-        if recv is not None and into.numel():
-            dist.recv(into, recv[0], group=g)
-        if work is not None:
-            work.wait()
+    def recv(self, src: int, step: int, into: Path, origin: int, *, group: Any = None) -> None:
+        """Takes every byte the sender announced, even after a problem on this side (a refused header, a full
+        disk): the next round's messages stay in step. Raises that problem (or the manifest check's) at the end."""
+        g = self.group if group is None else group
+        got = torch.zeros(2, dtype=torch.int64)
+        dist.recv(got, src, group=g)
+        announced = int(got[0])
+        if not 0 < announced <= HEADER_MAX:  # our own sender never announces more
+            raise NothingAnnounced(f"rank {src} sent no file list (its log says why)")
+        rhdr = torch.zeros(announced, dtype=torch.uint8)
+        dist.recv(rhdr, src, group=g)
+        total = int(got[1])
+        sink = _Sink(lambda _origin: into, rhdr.numpy().tobytes(), total, step, self.world_size, origin)
+        rbuf: torch.Tensor | None = None
+        for i in range(-(-total // CHUNK)):
+            if rbuf is None:
+                rbuf = torch.empty(min(CHUNK, total), dtype=torch.uint8)  # one buffer, reused
+            part = rbuf[: min(CHUNK, total - i * CHUNK)]
+            dist.recv(part, src, group=g)
+            sink.write(part.numpy())
+        sink.finish()  # raises what went wrong on the receiving side
