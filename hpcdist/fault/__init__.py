@@ -12,7 +12,9 @@
 - ``rundir_lock``: one run per run directory (a flock on <run.dir>/run.lock held by rank 0);
 - ``supervise``: the per-rank supervisor that records a death by signal (standard library only);
 - ``health``: the health gate's protocol (its command line, the verdicts read back, the record of an unhealthy
-  node); the checks are ``hpcdist.diagnostics.gate``.
+  node); the checks are ``hpcdist.diagnostics.gate``;
+- ``regroup``: survivors of a peer's death rebuild the default process group in-process on a rendezvous store that
+  no rank hosts, and a warm spare takes the dead rank's number (a torch primitive; the trainer does not use it yet).
 
 Nothing here knows the scheduler: requeueing, the restart ledger and node exclusion are ``hpcdist.launch``'s, which
 may import this package (never the other way round). The job's facts (id, restarts) come as ``DistEnv.job``, read by
