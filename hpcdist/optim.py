@@ -1,5 +1,5 @@
 """AdamW with decoupled weight decay on matrices only, and the warmup + decay LR schedule; the hyper-parameters of
-a built (or resumed) optimizer read and replaced under their config names."""
+a built (or resumed) optimizer read and replaced under their config names (after a resume: the config's apply)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from hpcdist.logging_utils import get_logger
+
 if TYPE_CHECKING:
     from hpcdist.config import OptimConfig
+
+log = get_logger(__name__)
 
 
 def lr_lambda(*, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> Callable[[int], float]:
@@ -111,3 +115,38 @@ def set_optim_hparams(
         group.update(initial_lr=lr, lr=lr * factor, betas=(beta1, beta2), eps=eps)
         group["weight_decay"] = weight_decay if i == 0 else 0.0  # never the norms (param_groups)
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def apply_optim_config(
+    optimizer: torch.optim.Optimizer, scheduler: Any, o: OptimConfig, saved: dict[str, Any] | None, next_step: int
+) -> None:
+    """The optimizer state loaded from a checkpoint carries the old run's lr, betas, eps and weight decay; the
+    config's (``o``) apply instead (a lower optim.lr after a loss spike is why people restart), said once.
+    ``saved``: the config stored in the checkpoint's trainer state (None: the loaded values are named)."""
+    want = {
+        "optim.lr": o.lr,
+        "optim.beta1": o.beta1,
+        "optim.beta2": o.beta2,
+        "optim.eps": o.eps,
+        "optim.weight_decay": o.weight_decay,
+    }
+    have = optim_hparams(optimizer, scheduler)
+    if all(have[k] == float(v) for k, v in want.items()):
+        return
+    set_optim_hparams(
+        optimizer, scheduler, lr=o.lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay
+    )
+    old = {k: _dotted(saved, k) for k in want} if saved else have
+    changed = [f"{k} {old[k]:g} -> {float(v):g}" for k, v in want.items() if old.get(k) != float(v)]
+    log.warning(
+        "resumed with a changed optimizer: %s (the config's values apply from step %d; the checkpoint's "
+        "Adam moments are kept)",
+        ", ".join(changed) or "hyper-parameters",
+        next_step,
+    )
+
+
+def _dotted(tree: dict[str, Any], key: str) -> Any:
+    section, name = key.split(".", 1)
+    value = tree.get(section, {}).get(name)
+    return float(value) if isinstance(value, (int, float)) else value

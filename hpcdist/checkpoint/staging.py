@@ -11,10 +11,12 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from hpcdist.checkpoint.codec import HashingWriter, single_process_dcp
 from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
+from hpcdist.models.hf_directory import available_memory
 
 log = get_logger(__name__)
 
@@ -443,3 +446,15 @@ def check_staging_memory(need: int, ranks_per_node: int, available: int | None, 
                     "nothing), or run fewer ranks per node"
                 ]
             )
+
+
+def check_staging_fits(module: torch.nn.Module, ranks_per_node: int) -> None:
+    """``check_staging_memory`` for a save of ``module`` on this node, before the first step: its estimate
+    against the memory the process may still take and /dev/shm's free space (None where there is none)."""
+    shm = Path("/dev/shm")
+    check_staging_memory(
+        staging_estimate(module),
+        ranks_per_node,
+        available_memory(),
+        shutil.disk_usage(shm).free if shm.is_dir() else None,
+    )

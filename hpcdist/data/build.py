@@ -18,15 +18,16 @@ import torch.distributed as dist
 
 from hpcdist.config import ConfigError, JobConfig
 from hpcdist.config.dataset_meta import DataError
+from hpcdist.config.vocab import data_eos
 from hpcdist.data.blend import BlendedDataset
 from hpcdist.data.corpora import stdlib_corpus
 from hpcdist.data.prepare import prepare_shards
-from hpcdist.data.shards import SyntheticDataset, TokenDataset
+from hpcdist.data.shards import EOS_PROBE_TOKENS, SampleDataset, SyntheticDataset, TokenDataset, eos_count
 from hpcdist.data.tokenizers import ByteTokenizer
 from hpcdist.logging_utils import get_logger
 from hpcdist.rundir import RunDir
 
-__all__ = ["PreparationFailed", "build_datasets"]
+__all__ = ["PreparationFailed", "build_datasets", "document_eos"]
 
 log = get_logger(__name__)
 
@@ -109,3 +110,20 @@ def _on_rank0(is_main: bool, prepare: Any) -> None:
         if refusal:
             raise DataError([message])
         raise PreparationFailed(f"rank 0 could not prepare the data: {message}")
+
+
+def document_eos(cfg: JobConfig, train_ds: SampleDataset) -> int:
+    """The id data.document_mask splits samples at; a warning when the first samples never hold it (a mask that
+    splits nothing: the wrong eos_id in meta.json, or data prepared without document ends)."""
+    eos, why = data_eos(cfg)
+    if eos is None:  # check_data refused it already at start-up; a Trainer given other data meets it here
+        raise ConfigError([f"data.document_mask: {why}: documents are found by their EOS; set it false"])
+    log.info("data: document mask on: attention and RoPE positions restart after each EOS (id %d)", eos)
+    if not eos_count(train_ds, eos):
+        log.warning(
+            "data.document_mask: the first %s tokens of the data never hold the EOS id %d, so each sample "
+            "trains as one document; check the data's meta.json eos_id against its tokenizer",
+            f"{EOS_PROBE_TOKENS:,}",
+            eos,
+        )
+    return eos

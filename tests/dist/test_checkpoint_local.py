@@ -42,14 +42,14 @@ def _run(env: DistEnv, cfg: JobConfig, kill_after: int | None = None) -> dict:
         built.append(trainer)
         if kill_after is None:
             return
-        should_save = trainer.ckpt.should_save
+        should_save = trainer.ckpt.manager.should_save
 
         def killed(step: int, **kw: bool) -> bool:
             if step == kill_after:
                 raise _Killed
             return should_save(step, **kw)
 
-        trainer.ckpt.should_save = killed  # type: ignore[method-assign]
+        trainer.ckpt.manager.should_save = killed  # type: ignore[method-assign]
 
     try:
         out = train(env, cfg, before=kill)

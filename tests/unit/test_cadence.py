@@ -71,30 +71,41 @@ def test_rank_0s_clock_asks_for_the_timed_save_once_per_interval(tmp_path: Path)
 
 def test_the_loop_asks_the_checkpoint_once_per_step() -> None:
     """The loop's every save goes through one ``should_save`` decision (was: ``ckpt.due``, the trainer's timed-save
-    clock, ``stop_flag.checkpoint_due`` and the post-loop final-save rule, four places)."""
+    clock, ``stop_flag.checkpoint_due`` and the post-loop final-save rule, four places). The loop asks its one
+    checkpoint collaborator three things and writes none of its fields: the timed requests for the stop agreement,
+    the fence before the optimizer step, and the after-step save of either tier (which holds the one decision)."""
     import ast
     import inspect
     import textwrap
 
+    from hpcdist.checkpoint.checkpointer import Checkpointer
     from hpcdist.trainer import Trainer
 
     loop = ast.parse(textwrap.dedent(inspect.getsource(Trainer._loop)))
     body = next(n for n in ast.walk(loop) if isinstance(n, ast.While))
     calls = [n.func for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
     asked = [f.attr for f in calls if isinstance(f.value, ast.Attribute) and f.value.attr == "ckpt"]
-    # the node-local tier (checkpoint.local) asks the same owner, in the same place; prepare_staging makes the async
-    # save's buffers once and staging_fence waits for an async save's copy before the optimizer step (neither
-    # decides anything about saves)
-    assert sorted(asked) == [
+    assert sorted(asked) == ["after_step", "fence", "requests"]
+    named = {  # every member of the checkpoint the whole loop names, called or not
+        n.attr
+        for n in ast.walk(loop)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "ckpt"
+    }
+    assert named == {"after_step", "fence", "requests"}
+    stores = [n for n in ast.walk(loop) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))]
+    targets = [t for n in stores for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
+    assert not [t for t in targets for a in ast.walk(t) if isinstance(a, ast.Attribute) and a.attr == "ckpt"]
+    own = [f.attr for f in calls if isinstance(f.value, ast.Name) and f.value.id == "self"]  # e.g. _triage
+    assert not [a for a in own if "save" in a or "checkpoint" in a]
+    after = ast.parse(textwrap.dedent(inspect.getsource(Checkpointer.after_step)))
+    decided = [n.func.attr for n in ast.walk(after) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    # the node-local tier asks the same owner, in the same place; prepare_staging makes the async save's buffers
+    # once (it decides nothing about saves)
+    assert sorted(a for a in decided if a.endswith("_due") or a.startswith("should")) == [
         "local_save_due",
-        "prepare_staging",
         "should_save",
-        "staging_fence",
-        "timed_local_save_due",
-        "timed_save_due",
     ]
-    own = [f.attr for f in calls if isinstance(f.value, ast.Name) and f.value.id == "self"]  # e.g. save, _triage
-    assert sorted(a for a in own if "save" in a or "checkpoint" in a) == ["local_save", "save"]
+    assert "prepare_staging" in decided
 
 
 def test_the_node_local_tier_saves_at_its_own_cadence_decided_by_the_same_owner(tmp_path: Path) -> None:

@@ -579,7 +579,6 @@ def test_async_staging_that_cannot_fit_is_refused_at_start_up(small_cfg, monkeyp
     """The staging buffers an async save allocates at its first save are counted up front (model +
     AdamW's two moments, which do not exist before the first step) and a need above the host's available memory is
     refused at start-up in one line naming both, never an OOM kill mid-run."""
-    from hpcdist import trainer as trainer_mod
     from hpcdist.env import from_environ
 
     cfg = small_cfg("checkpoint.async_save=true", "train.steps=1", "checkpoint.save_final=false")
@@ -589,9 +588,9 @@ def test_async_staging_that_cannot_fit_is_refused_at_start_up(small_cfg, monkeyp
     t.train()
     staged = ckpt_staging.staging_bytes(t.strategy.dcp_state())  # what a save stages, AdamW's moments now there
     assert before >= staged >= 0.97 * before, (before, staged)  # (the estimate counts the RoPE buffers too)
-    t.ckpt.close()
+    t.ckpt.manager.close()
 
-    monkeypatch.setattr(trainer_mod, "available_memory", lambda: before // 2)
+    monkeypatch.setattr(ckpt_staging, "available_memory", lambda: before // 2)
     with pytest.raises(ConfigError) as e:
         Trainer(cfg, env)
     (line,) = [ln.strip(" -") for ln in str(e.value).splitlines() if "checkpoint.async_save" in ln]

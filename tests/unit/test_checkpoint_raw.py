@@ -228,7 +228,7 @@ def test_an_async_saves_copy_runs_beside_the_next_step_and_holds_the_saved_step(
     env = from_environ({}, cuda_available=False)
     sync = Trainer(small_cfg(*over, run_dir=tmp_path / "sync"), env)
     sync.train()
-    sync.ckpt.close()
+    sync.ckpt.manager.close()
 
     slow_copy, real_copy = 1.0, ckpt_staging._copy_all
     monkeypatch.setattr(
@@ -237,7 +237,7 @@ def test_an_async_saves_copy_runs_beside_the_next_step_and_holds_the_saved_step(
     trainer = Trainer(small_cfg(*over, "checkpoint.async_save=true", run_dir=tmp_path / "async"), env)
     saves: list[float] = []
     fences: list[float] = []
-    save, fence = trainer.ckpt.save, trainer.ckpt.staging_fence
+    save, fence = trainer.ckpt.manager.save, trainer.ckpt.manager.staging_fence
 
     def timed_save(step: int, state: Checkpointable) -> Path | None:
         t0 = time.perf_counter()
@@ -249,10 +249,10 @@ def test_an_async_saves_copy_runs_beside_the_next_step_and_holds_the_saved_step(
         fences.append(fence())
         return fences[-1]
 
-    monkeypatch.setattr(trainer.ckpt, "save", timed_save)
-    monkeypatch.setattr(trainer.ckpt, "staging_fence", recorded_fence)
+    monkeypatch.setattr(trainer.ckpt.manager, "save", timed_save)
+    monkeypatch.setattr(trainer.ckpt.manager, "staging_fence", recorded_fence)
     trainer.train()
-    trainer.ckpt.close()
+    trainer.ckpt.manager.close()
     # the buffers were made after step 1 (prepare_staging); step 3's save first waits for step 2's to be complete
     assert len(saves) == 2 and saves[0] < slow_copy, saves
     assert max(fences) >= slow_copy / 2, fences  # step 3 waited for step 2's copy before its optimizer step

@@ -220,7 +220,7 @@ def single_process(preset: str, root: Path, repeats: int) -> dict[str, Any]:
     state = trainer.checkpointable()
     out: dict[str, Any] = {"params": num_params(job_config(preset, root).model_args())}
 
-    threads = trainer.ckpt.write_threads  # checkpoint.write_threads=0 (auto) resolved by the trainer
+    threads = trainer.ckpt.manager.write_threads  # checkpoint.write_threads=0 (auto) resolved by the trainer
     out["write_threads"] = threads
     sync = CheckpointManager(root / "sync", rank=0, world_size=1, keep_last=1, write_threads=threads)
     asyn = CheckpointManager(root / "async", rank=0, world_size=1, keep_last=1, async_save=True, write_threads=threads)
@@ -328,7 +328,7 @@ def _rank_main(rank: int, port: int, preset: str, root: str, q: Any) -> None:
         trainer.train()
         hashed.update(bytes=0, seconds=0.0)
         mgr = CheckpointManager(
-            Path(root) / "two", rank=rank, world_size=2, keep_last=1, write_threads=trainer.ckpt.write_threads
+            Path(root) / "two", rank=rank, world_size=2, keep_last=1, write_threads=trainer.ckpt.manager.write_threads
         )
         t0 = time.perf_counter()
         assert mgr.save(1, trainer.checkpointable()) is not None

@@ -480,7 +480,7 @@ def _model_state() -> tuple[Transformer, Checkpointable]:
 
 
 def _load_into(directory: Path) -> str | None:
-    """The trainer's checkpoint.init_from path (``Trainer._resume``): a refusal is a ConfigError, which ``hpcdist
+    """The trainer's checkpoint.init_from path (``Checkpointer.resume``): a refusal is a ConfigError, which ``hpcdist
     train`` prints as one message with exit 2 on every rank."""
     _, state = _model_state()
     try:

@@ -225,8 +225,8 @@ def test_an_eos_id_the_tokenizer_record_contradicts_is_refused(corpus_dir: Path,
 def test_a_document_mask_whose_eos_never_occurs_is_named(
     corpus_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from hpcdist.data.build import document_eos
     from hpcdist.data.shards import TokenDataset, eos_count
-    from hpcdist.trainer import Trainer
 
     assert eos_count(TokenDataset(corpus_dir, 64), ByteTokenizer.eos_id) > 0  # the corpus is many documents
     tokenizer = {**json.loads((corpus_dir / "meta.json").read_text())["tokenizer"], "eos_id": 0}
@@ -245,7 +245,7 @@ def test_a_document_mask_whose_eos_never_occurs_is_named(
         )
         caplog.clear()
         with caplog.at_level("WARNING", logger="hpcdist"):
-            assert Trainer.document_eos(cfg, TokenDataset(data, 64)) == (0 if warned else ByteTokenizer.eos_id)
+            assert document_eos(cfg, TokenDataset(data, 64)) == (0 if warned else ByteTokenizer.eos_id)
         said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert bool(said) == warned, said
         if warned:
