@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from hpcdist.fault.hang import read_heartbeats
 from tests.conftest import SMALL
 from tests.slurm.conftest import REPO, Cluster, run_cmd, wait_job
@@ -112,6 +114,23 @@ class Reference:
             self._losses = step_losses(self.d / "run")
             assert sorted(self._losses) == list(range(1, INJOB_STEPS + 1))
         return self._losses
+
+
+_SHARED_REFERENCE = pytest.StashKey[tuple[Any, Reference]]()
+
+
+def shared_reference(
+    config: pytest.Config, cluster: Cluster, corpus: Path, factory: pytest.TempPathFactory
+) -> Reference:
+    """The session's one Reference: test_injob_slurm and test_local_checkpoint_slurm compare their losses with the same
+    uninterrupted run (same model, data, steps and 2 ranks; the checkpoint cadences do not change the losses), so it
+    trains once for both. A sandbox started afresh in between (its job ids start again at 1) gets a new one."""
+    daemons = json.loads((cluster.dir / "state.json").read_text())["pids"]
+    held = config.stash.get(_SHARED_REFERENCE, None)
+    if held is None or held[0] != daemons:
+        held = (daemons, Reference(cluster, corpus, factory.mktemp("injob_ref")))
+        config.stash[_SHARED_REFERENCE] = held
+    return held[1]
 
 
 # nccl_check's arguments on the throttled two-host sandbox. The throttle makes node2's link ~100x slower than the

@@ -33,6 +33,7 @@ from tests.slurm.harness import (
     first_step_after,
     injob_overrides,
     rank_in_restart,
+    shared_reference,
     step_losses,
     submit,
     tiny_overrides,
@@ -41,8 +42,10 @@ from tests.slurm.harness import (
 
 
 @pytest.fixture(scope="module")
-def reference(slurm_cluster2: Cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    return Reference(slurm_cluster2, corpus_dir, tmp_path_factory.mktemp("injob_ref"))
+def reference(
+    request: pytest.FixtureRequest, slurm_cluster2: Cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Reference:
+    return shared_reference(request.config, slurm_cluster2, corpus_dir, tmp_path_factory)
 
 
 def _kill_rank_on(run: Path, rank: int, restart: int) -> tuple[dict, float]:

@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 
 from tests.slurm.conftest import Cluster, job_info, wait_job
-from tests.slurm.harness import INJOB_STEPS, ONE_TASK, Reference, injob_overrides, rank_in_restart, step_losses, submit
+from tests.slurm.harness import (
+    INJOB_STEPS,
+    ONE_TASK,
+    Reference,
+    injob_overrides,
+    rank_in_restart,
+    shared_reference,
+    step_losses,
+    submit,
+)
 
 # local every step, shared every 5: a kill after step 5k+3 finds local steps 5k+1.. newer than the shared 5k
 LOCAL = ("checkpoint.every_steps=5", "checkpoint.local.every_steps=1", "fault.exclude_failed_nodes=false")
@@ -36,9 +45,11 @@ def _wait_for(out: Path, pattern: str, timeout: float = 30) -> tuple[str, re.Mat
 
 
 @pytest.fixture(scope="module")
-def reference(slurm_cluster2: Cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    """test_injob_slurm's uninterrupted run (2 ranks, ddp, the same steps): it trains beside the test's job."""
-    return Reference(slurm_cluster2, corpus_dir, tmp_path_factory.mktemp("local_ref"))
+def reference(
+    request: pytest.FixtureRequest, slurm_cluster2: Cluster, corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Reference:
+    """test_injob_slurm's uninterrupted run (2 ranks, ddp, the same steps), trained once for both modules."""
+    return shared_reference(request.config, slurm_cluster2, corpus_dir, tmp_path_factory)
 
 
 def _kill_after(run: Path, rank: int, restart: int, steps: set[int], timeout: float = 120) -> int:
