@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hpcdist import agree
 from hpcdist import config as config_mod
 from hpcdist.checkpoint.checkpointer import Checkpointer
 from hpcdist.checkpoint.errors import CheckpointMismatch
@@ -266,10 +267,7 @@ class Trainer:
 
     def _record_layout(self) -> None:
         """Which host runs which rank, logged once and kept in <run.dir>/ranks.json (debugging slow or dead nodes)."""
-        hosts: list[str] = [self.env.hostname]
-        if dist.is_initialized():
-            hosts = [""] * self.env.world_size
-            dist.all_gather_object(hosts, self.env.hostname)
+        hosts: list[str] = agree.gather(self.env.hostname, agree.world_group(), self.env.world_size)
         self.hosts = hosts
         if self.env.is_main:
             by_host: dict[str, list[int]] = {}

@@ -20,8 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch.distributed as dist
-
+from hpcdist import agree
 from hpcdist.checkpoint.cadence import failure_facts
 from hpcdist.checkpoint.errors import CheckpointMismatch
 from hpcdist.checkpoint.local.layout import expand_dir, open_local_dir, run_key
@@ -310,10 +309,7 @@ def _local_tier(cfg: JobConfig, env: DistEnv, hosts: Sequence[str]) -> LocalTier
         root = open_local_dir(open_local_dir(root) / run_key(run_dir))
     except ConfigError as e:
         problems = [f"{p} (on {env.hostname})" for p in e.problems]
-    every = [problems]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [[] for _ in range(env.world_size)]
-        dist.all_gather_object(every, problems)
+    every = agree.gather(problems, agree.world_group(), env.world_size)
     first = next((p for p in every if p), None)
     if first:
         raise ConfigError(first)
