@@ -12,10 +12,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpcdist.atomic import UntrustedFile, atomic_write, file_sha256, read_bounded
+from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.checkpoint.errors import READ_DAMAGE, read_kind
 from hpcdist.checkpoint.names import DAMAGED, MARKER
 from hpcdist.checkpoint.ranks import Ranks
+from hpcdist.checkpoint.storage import RECORD_MAX, PosixStorage
+from hpcdist.checkpoint.storage import read_record as read_step_record
 
 MANIFEST = "MANIFEST.json"
 
@@ -24,11 +26,6 @@ PARTS_DIR = ".manifest"  # async save: each rank's part of the manifest, merged 
 
 
 ASYNC_PARTS_TIMEOUT_S = 3600.0
-
-
-# the most a checkpoint's JSON record (MANIFEST.json, trainer_state.json, a rank's manifest part) is read of: a manifest
-# holds ~150 bytes per file (a 1024-rank checkpoint with 8 writer threads each: ~1.3 MB); a larger one is damage
-RECORD_MAX = 64 << 20
 
 
 # how the shards' tensor items are encoded, recorded in MANIFEST.json (never guessed from the bytes): "raw" (each
@@ -102,12 +99,9 @@ def tensor_encoding(step: Path) -> str:
 
 
 def read_record(file: Path, limit: int = RECORD_MAX) -> bytes:
-    """A checkpoint's JSON record (manifest, trainer state, marker), read only up to ``limit``: a larger one (however
-    its size came about), a link or a FIFO is damage, a ValueError, found before anything is read or allocated."""
-    try:
-        return read_bounded(file, limit)
-    except UntrustedFile as e:
-        raise ValueError(str(e)) from None
+    """A checkpoint's JSON record by its path (a POSIX directory: the manifest, a node-local step's records): see
+    :func:`hpcdist.checkpoint.storage.read_record`."""
+    return read_step_record(PosixStorage(file.parent), file.parent, file.name, limit)
 
 
 def encoding_of(manifest: Any) -> str:

@@ -28,14 +28,12 @@ def _make(kind: str, root: Path) -> Storage:
 
 
 def _add(storage: Storage, step: int, *files: str) -> Path:
-    """A step directory holding ``files`` (MARKER written through the storage, as a save does)."""
+    """A step directory holding ``files`` (each written through the storage, MARKER last, as a save does)."""
     d = step_dir(storage.root, step)
-    if isinstance(storage, MemoryStorage):
-        storage.dirs[d] = set(files) - {MARKER}
-    else:
-        d.mkdir()
-        for name in set(files) - {MARKER}:
-            (d / name).write_text("{}")
+    storage.create(d)
+    for name in sorted(set(files) - {MARKER}):
+        with storage.open_writer(d, name) as f:
+            f.write(b"{}")
     if MARKER in files:
         storage.write_marker(d, {"step": step})
     return d
