@@ -68,7 +68,7 @@ from hpcdist.checkpoint.errors import (
 )
 from hpcdist.checkpoint.load import load_checkpoint, load_matching_weights, read_step_files
 from hpcdist.checkpoint.manifest import PARTS_DIR, write_manifest
-from hpcdist.checkpoint.names import DAMAGED, MARKER, latest, step_dir, step_of
+from hpcdist.checkpoint.names import DAMAGED, MARKER, step_dir, step_of
 from hpcdist.checkpoint.policy import SavePolicy
 from hpcdist.checkpoint.ranks import Ranks
 from hpcdist.checkpoint.staging import (
@@ -84,6 +84,7 @@ from hpcdist.checkpoint.storage import (
     PosixStorage,
     Storage,
     nearly_full,
+    newest,
     prune,
     refuse_if_only_damaged,
     set_aside_newer,
@@ -318,8 +319,7 @@ class CheckpointManager(SavePolicy):
             prune(self.storage, self.keep_last)
 
     def _abandon(self, path: Path, step: int) -> None:
-        complete = self.storage.steps()[0]
-        previous = complete[-1][1] if complete else None
+        previous = newest(self.storage, warn=False)
         free = self.storage.free_bytes() or 0
         log.error(
             "checkpoint at step %d failed (see the error above; %.1f MB free in %s): the resume point stays %s",
@@ -399,7 +399,7 @@ class CheckpointManager(SavePolicy):
         if resume == "none":
             return None
         if resume == "auto":
-            latest(self.root)  # warns about interrupted saves
+            newest(self.storage)  # warns about interrupted saves
             for _, found in reversed(self.storage.steps()[0]):
                 path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
                 problems = self.verify(path)
@@ -485,7 +485,7 @@ class CheckpointManager(SavePolicy):
             self._set_aside_newer(int(saved["step"]), path)
             self.saved_step = int(saved["step"])
             return path
-        latest(self.root)  # warns about interrupted saves
+        newest(self.storage)  # warns about interrupted saves
         for _, found in reversed(self.storage.steps()[0]):
             path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
             kind, problems = read_step_files(

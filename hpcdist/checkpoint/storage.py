@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from hpcdist.atomic import UntrustedFile, atomic_write, atomic_writer, open_regular
-from hpcdist.checkpoint.names import DAMAGED, MARKER, list_checkpoints, parse_step, step_of
+from hpcdist.checkpoint.names import DAMAGED, MARKER, list_checkpoints, parse_step, step_of, warn_skipped
 from hpcdist.config.dirs import tree_trust_problems
 from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
@@ -46,7 +46,9 @@ class Storage(Protocol):
         """(complete steps sorted, incomplete step directories: crashed, in flight, or demoted)."""
         ...
 
-    def exists(self, path: Path) -> bool: ...
+    def exists(self, path: Path) -> bool:
+        """A step directory (of any name: a set-aside one too) is at ``path``."""
+        ...
 
     def create(self, path: Path) -> None:
         """A new, empty step directory at ``path``; FileExistsError when something is there already."""
@@ -105,6 +107,15 @@ def read_record(storage: Storage, path: Path, rel: str, limit: int = RECORD_MAX)
 
 def stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
+
+
+def newest(storage: Storage, *, warn: bool = True) -> Path | None:
+    """The newest complete step (:func:`hpcdist.checkpoint.names.latest` of the storage); ``warn``: say which newer
+    directories are skipped (interrupted saves, demoted steps)."""
+    complete, incomplete = storage.steps()
+    if warn:
+        warn_skipped(complete, incomplete, lambda d: storage.has(d, DAMAGED))
+    return complete[-1][1] if complete else None
 
 
 def prune(storage: Storage, keep_last: int) -> None:
@@ -172,7 +183,7 @@ class PosixStorage:
         return list_checkpoints(self.root)
 
     def exists(self, path: Path) -> bool:
-        return path.exists()
+        return path.is_dir()
 
     def create(self, path: Path) -> None:
         path.mkdir(parents=True)
@@ -264,6 +275,8 @@ class MemoryStorage:
 
     def set_aside(self, path: Path, why: str) -> Path:
         aside = path.with_name(f"{path.name}.{why}-{stamp()}")
+        if aside in self.dirs:  # as a POSIX rename onto a directory with files refuses: nothing is lost
+            raise FileExistsError(aside)
         self.dirs[aside] = self.dirs.pop(path)
         return aside
 
