@@ -5,7 +5,6 @@ Every function is collective: every rank calls it, and every rank gets the same 
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from hpcdist.checkpoint.errors import (
     error_of,
     read_kind,
 )
-from hpcdist.checkpoint.manifest import MANIFEST, is_shard, read_manifest, shard_owners, shard_verdict, tensor_encoding
+from hpcdist.checkpoint.manifest import is_shard, read_manifest, shard_owners, shard_verdict, tensor_encoding
 from hpcdist.checkpoint.names import DAMAGED
 from hpcdist.checkpoint.ranks import Ranks
 from hpcdist.checkpoint.state import RANK_DIR, STATE_FILE, Checkpointable, set_rng_state
@@ -71,7 +70,7 @@ def load_checkpoint(
         del dest[part]
     check_model_shapes(path, metadata, dest.get("model", {}), ranks)
     tainted |= set(dest)  # DCP writes into the live tensors: until the verdict, not trusted
-    load_shards(path, dest, ranks, checksum=checksum)
+    load_shards(path, dest, ranks, storage, checksum=checksum)
     state.load_dcp_state(dest)
     state.load_trainer_state(trainer_state)
     state.load_rank_state(own)
@@ -86,11 +85,10 @@ def _load_tensors(storage: Storage, path: Path, rel: str) -> Any:
     if not storage.has(path, rel):
         return None
     with storage.open_reader(path, rel) as f:
-        data = f.read()
-    return torch.load(io.BytesIO(data), weights_only=True)
+        return torch.load(f, weights_only=True)
 
 
-def load_matching_weights(path: Path, state: Checkpointable, ranks: Ranks) -> dict[str, list[str]]:
+def load_matching_weights(path: Path, state: Checkpointable, storage: Storage, ranks: Ranks) -> dict[str, list[str]]:
     """The model weights of the verified checkpoint ``path`` that match this model by name and shape, loaded into
     ``state``; what did not match (missing / unexpected / shape)."""
     model = state.dcp_state()["model"]  # this model's initialized weights, every key: loaded into in place
@@ -99,7 +97,8 @@ def load_matching_weights(path: Path, state: Checkpointable, ranks: Ranks) -> di
     skip = set(diff["missing"]) | set(diff["shape"])
     matching = {k: v for k, v in model.items() if k not in skip}
     # verified whole by the caller: read without hashing, in the encoding its manifest records
-    reader = HashingReader(str(path), hash_files=set(), threads=ranks.threads, encoding=tensor_encoding(path))
+    encoding = tensor_encoding(path, storage)
+    reader = HashingReader(str(path), hash_files=set(), threads=ranks.threads, encoding=encoding)
     with single_process_dcp():
         dcp.load({"model": matching}, storage_reader=reader)
     state.load_dcp_state({"model": model})
@@ -149,17 +148,17 @@ def read_step_files(
     raise AssertionError("unreachable")
 
 
-def load_shards(path: Path, dest: dict[str, Any], ranks: Ranks, *, checksum: bool) -> None:
+def load_shards(path: Path, dest: dict[str, Any], ranks: Ranks, storage: Storage, *, checksum: bool) -> None:
     """DCP's load of ``dest`` (in place) through a :class:`HashingReader`, then the verdict of the shards this rank
     owns (``file_owner``: as ``verify`` spreads them), agreed by every rank."""
-    manifest = read_manifest(path / MANIFEST, checksum=True) if checksum else {}
+    manifest = read_manifest(path, checksum=True, storage=storage) if checksum else {}
     owners = shard_owners([rel for rel in manifest if is_shard(rel)], ranks.world_size)
     mine = sorted(rel for rel, rank in owners.items() if rank == ranks.rank)
     reader = HashingReader(str(path), hash_files=set(mine), threads=ranks.threads)
     planner = DefaultLoadPlanner()
 
     def load() -> None:
-        reader.encoding = tensor_encoding(path)  # alike on every rank: a bad value fails every rank's load
+        reader.encoding = tensor_encoding(path, storage)  # alike on every rank: a bad value fails every rank's load
         dcp.load(dest, storage_reader=reader, planner=planner)
 
     with single_process_dcp():

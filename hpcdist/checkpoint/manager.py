@@ -308,7 +308,7 @@ class CheckpointManager(SavePolicy):
     def _write_manifest(self, path: Path, *, distributed: bool) -> None:
         """MANIFEST.json of ``path`` (:func:`~hpcdist.checkpoint.manifest.write_manifest`), with the digests the last
         sync save's writer took while writing."""
-        write_manifest(path, self.ranks, written_by(self._last_writer), distributed=distributed)
+        write_manifest(path, self.ranks, written_by(self._last_writer), distributed=distributed, storage=self.storage)
 
     def _complete(self, path: Path, step: int, t0: float) -> None:
         if self.rank == 0:
@@ -391,7 +391,8 @@ class CheckpointManager(SavePolicy):
         """Collective: what is wrong with ``path`` against its manifest (empty = intact). ``mode``: checksum,
         size or none (default: the manager's). ``shards=False``: the DCP shards (``*.distcp``) are checked by size
         only; their sha256 is taken while the load reads them (:class:`HashingReader`, ``shard_verdict``)."""
-        return verify_checkpoint(path, mode or self.verify_mode, shards=shards, ranks=self.ranks)
+        mode = mode or self.verify_mode
+        return verify_checkpoint(path, mode, shards=shards, ranks=self.ranks, storage=self.storage)
 
     def resolve(self, resume: str) -> Path | None:
         """``auto`` -> newest complete checkpoint that verifies (damaged ones are skipped, with a warning, for the
@@ -447,7 +448,7 @@ class CheckpointManager(SavePolicy):
         match this model by name and shape are loaded; everything else keeps its initialization (optimizer,
         schedule, data position and step start fresh). Returns what did not match (missing / unexpected / shape)."""
         self.staging_fence()
-        return load_matching_weights(self.named(path, "checkpoint.init_from"), state, self.ranks)
+        return load_matching_weights(self.named(path, "checkpoint.init_from"), state, self.storage, self.ranks)
 
     def restore(self, resume: str, state: Checkpointable) -> Path | None:
         """Collective: the checkpoint ``resume`` names (``auto``: the newest that verifies and loads) restored into

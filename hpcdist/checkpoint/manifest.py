@@ -16,7 +16,7 @@ from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.checkpoint.errors import READ_DAMAGE, read_kind
 from hpcdist.checkpoint.names import DAMAGED, MARKER
 from hpcdist.checkpoint.ranks import Ranks
-from hpcdist.checkpoint.storage import RECORD_MAX, PosixStorage
+from hpcdist.checkpoint.storage import RECORD_MAX, PosixStorage, Storage
 from hpcdist.checkpoint.storage import read_record as read_step_record
 
 MANIFEST = "MANIFEST.json"
@@ -68,10 +68,11 @@ def shard_verdict(path: Path, manifest: dict[str, dict[str, Any]], mine: list[st
     return problems
 
 
-def read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
-    """{relative path: {"size", "sha256"}}; ValueError naming the first malformed part (a flipped byte in a key
-    must demote the checkpoint, not crash the resume)."""
-    data = json.loads(read_record(file))
+def read_manifest(step: Path, *, checksum: bool, storage: Storage | None = None) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size", "sha256"}} of the step at ``step`` (its manifest read through ``storage``; None: the
+    directory by path); ValueError naming the first malformed part (a flipped byte in a key must demote the
+    checkpoint, not crash the resume)."""
+    data = json.loads(read_step_record(storage or PosixStorage(step.parent), step, MANIFEST))
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict):
         raise ValueError('no "files" mapping')
@@ -84,12 +85,13 @@ def read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
     return files
 
 
-def tensor_encoding(step: Path) -> str:
-    """How the shards of the checkpoint at ``step`` encode their tensors, as its manifest records it
-    (``TENSOR_ENCODING``). No field (a checkpoint written before it) or no manifest at all (a plain DCP checkpoint,
-    which our saves never leave) means DCP's own torch_save. ValueError (damage) for any other value."""
+def tensor_encoding(step: Path, storage: Storage | None = None) -> str:
+    """How the shards of the checkpoint at ``step`` encode their tensors, as its manifest (read through ``storage``;
+    None: the directory by path) records it (``TENSOR_ENCODING``). No field (a checkpoint written before it) or no
+    manifest at all (a plain DCP checkpoint, which our saves never leave) means DCP's own torch_save. ValueError
+    (damage) for any other value."""
     try:
-        data = json.loads(read_record(step / MANIFEST))
+        data = json.loads(read_step_record(storage or PosixStorage(step.parent), step, MANIFEST))
     except FileNotFoundError:
         return TORCH_SAVE
     try:
@@ -161,8 +163,11 @@ def own_digests(path: Path, ranks: Ranks, written: dict[str, dict[str, Any]]) ->
     }
 
 
-def write_manifest(path: Path, ranks: Ranks, written: dict[str, dict[str, Any]], *, distributed: bool) -> None:
-    """MANIFEST.json: size and sha256 of every file, each hashed by the rank that wrote it, written by rank 0.
+def write_manifest(
+    path: Path, ranks: Ranks, written: dict[str, dict[str, Any]], *, distributed: bool, storage: Storage | None = None
+) -> None:
+    """MANIFEST.json: size and sha256 of every file, each hashed by the rank that wrote it, written by rank 0
+    through ``storage`` (None: the directory by path).
     ``distributed``: the ranks' parts are gathered by a collective (sync save); else (async save, in the
     background thread where no collective may run) rank 0 reads the part each rank wrote into .manifest/."""
     if distributed:
@@ -181,7 +186,8 @@ def write_manifest(path: Path, ranks: Ranks, written: dict[str, dict[str, Any]],
         entries[rel] = digest(path / rel, checksum=True)
         hashed_by["0"] += entries[rel]["size"]
     manifest = {"files": entries, "hashed_by": hashed_by, TENSOR_ENCODING: RAW}
-    atomic_write(path / MANIFEST, json.dumps(manifest, indent=0, sort_keys=True))
+    with (storage or PosixStorage(path.parent)).open_writer(path, MANIFEST) as f:
+        f.write(json.dumps(manifest, indent=0, sort_keys=True).encode())
     shutil.rmtree(path / PARTS_DIR, ignore_errors=True)
 
 

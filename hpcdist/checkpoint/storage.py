@@ -1,10 +1,11 @@
 """Where the shared tier's step directories live, as the manager sees them: list the steps, create one, write and
-read its records (the trainer state, each rank's RNG and own state, the marker), mark one complete or damaged, set
-one aside, remove one, prune the old ones, say how much room is left and whether a tree can be trusted.
+read its records (the trainer state, each rank's RNG and own state, the manifest, the marker), mark one complete or
+damaged, set one aside, remove one, prune the old ones, say how much room is left and whether a tree can be trusted.
 :class:`Storage` is that surface, so another backend (an object store) is one class; :class:`PosixStorage` is a
 directory of a POSIX file system; :class:`MemoryStorage` keeps the same facts and bytes in a dict, for tests of the
-manager's decisions. The DCP shards and the manifest are written and read by path (DCP's file system writer, past
-the page cache where it can: hpcdist.checkpoint.directio), beside the storage's own records.
+manager's decisions. Not through it yet: the DCP shards and ``.metadata`` (DCP's file system writer and reader at
+the step's path, past the page cache where they can: hpcdist.checkpoint.directio), the files the manifest lists and
+hashes (found at that path), and an async save's manifest parts (written by the checkpoint process).
 
 Renames are atomic on POSIX, so a step directory is either complete (its marker written last, atomically) or not,
 and a record is either the old one or the whole new one; the trust check is lstat only (nothing of a tree is opened
@@ -223,7 +224,8 @@ class PosixStorage:
 
 class MemoryStorage:
     """The same facts in memory: ``dirs`` maps a step directory to its files ({relative path: bytes}). The manager
-    runs on it whole but for the DCP shards and the manifest, which go to ``path`` on disk (see the module)."""
+    runs on it but for the DCP shards, which go to the step's path on disk (see the module): a step removed or set
+    aside here leaves them there."""
 
     def __init__(self, root: Path, *, free: int | None = 1 << 40):
         self.root, self.free = Path(root), free

@@ -1,8 +1,8 @@
 """The shared tier's decisions on its step directories (listing, markers, demotion, set-aside, pruning, the refusal
 when only damaged steps are left) against a POSIX directory and the in-memory storage alike: the Storage methods
 themselves, and the CheckpointManager running on each storage (save, list, restore, prune, set aside, demote,
-trust). With MemoryStorage the DCP shards and the manifest are still written by path (see hpcdist.checkpoint.storage);
-every other file of a step lives in the storage only."""
+trust). With MemoryStorage the DCP shards are still written by path (see hpcdist.checkpoint.storage); every other
+file of a step lives in the storage only."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from hpcdist.checkpoint.errors import CheckpointSaveError, UntrustedCheckpoint
 from hpcdist.checkpoint.manager import CheckpointManager
+from hpcdist.checkpoint.manifest import MANIFEST
 from hpcdist.checkpoint.names import DAMAGED, MARKER, step_dir
 from hpcdist.checkpoint.state import STATE_FILE
 from hpcdist.checkpoint.storage import (
@@ -145,8 +146,10 @@ def test_the_manager_saves_lists_restores_and_prunes_through_the_storage(storage
     weights = _save(mgr, 1, 2, 3)
     assert _complete_steps(storage) == [2, 3] and storage.steps()[1] == []  # step 1 pruned by the save of 3
     three = step_dir(storage.root, 3)
-    for rel in (STATE_FILE, "rng/rank-00000.pt", MARKER):  # the step's records: written through the storage
-        assert storage.has(three, rel), rel
+    records = (STATE_FILE, "rng/rank-00000.pt", MANIFEST, MARKER)
+    assert all(storage.has(three, rel) for rel in records)  # the step's records: written through the storage
+    if isinstance(storage, MemoryStorage):  # ... and only there: on disk, the DCP files alone
+        assert not any((three / rel).exists() for rel in records) and (three / ".metadata").is_file()
     assert json.loads(read_record(storage, three, MARKER))["step"] == 3
     assert mgr.resolve("auto") == three
     path, tiny = _restore(_manager(storage))
