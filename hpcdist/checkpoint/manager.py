@@ -13,6 +13,10 @@ Layout of one checkpoint, ``<dir>/step-00001234/``:
                             part in .manifest/ from the background thread, rank 0 merges them
     COMPLETE                written last, by rank 0, after every rank's shards and the manifest are on disk
 
+Every file but DCP's goes through the manager's :class:`~hpcdist.checkpoint.storage.Storage` (the step directories'
+one surface: a POSIX directory by default); restoring one checkpoint is :mod:`hpcdist.checkpoint.load`'s, an async
+save's finish :mod:`hpcdist.checkpoint.staging`'s.
+
 A directory without ``COMPLETE`` is a crashed or in-flight save: resume ignores it (with a warning) and
 pruning never deletes a complete checkpoint before a newer one is complete. Resume verifies the newest complete
 checkpoint against its manifest (the shards while the load reads them, :class:`HashingReader`); a damaged one
