@@ -16,12 +16,15 @@ written it (:func:`read_trusted`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import secrets
 import stat
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from hpcdist.owners import user_name, writer_problem
 
@@ -29,9 +32,11 @@ __all__ = [
     "UntrustedFile",
     "append_line",
     "atomic_write",
+    "atomic_writer",
     "file_sha256",
     "follow_umask",
     "open_append",
+    "open_regular_file",
     "read_head",
     "read_tail",
     "read_trusted",
@@ -65,14 +70,22 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes | memoryview, *
     ``durable=False`` is for files rewritten every few seconds whose loss in a crash costs nothing (heartbeats):
     an fsync per write would load a shared file system for no gain. The parent directory is created if needed.
     """
+    with atomic_writer(path, durable=durable) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike[str], *, durable: bool = True) -> Iterator[BinaryIO]:
+    """A binary file that replaces ``path`` atomically once the block ends without an error (an error removes it,
+    ``path`` stays as it was): :func:`atomic_write` for a writer that streams (``torch.save``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = data.encode() if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(payload)
+            yield f
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
@@ -80,7 +93,6 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes | memoryview, *
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
 
 
 def open_append(path: str | os.PathLike[str]) -> int:
@@ -167,6 +179,12 @@ def _open_regular(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_regular_file(path: str | os.PathLike[str]) -> BinaryIO:
+    """The regular file ``path`` opened to read, whoever wrote it (a file inside a tree its caller checked
+    already): never through a link, never a FIFO (no hang), each refused with UntrustedFile naming it."""
+    return os.fdopen(_open_regular(Path(path)), "rb")
 
 
 def read_trusted(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:

@@ -1,11 +1,25 @@
-"""A tiny model's state through the trainer's Checkpointable interface: what the checkpoint tests of every tier
-save, damage and restore without building a Trainer."""
+"""What the checkpoint tests of every tier share: a tiny model's state through the trainer's Checkpointable
+interface (saved, damaged and restored without building a Trainer), and the shared tier's storages, each test of
+the manager's decisions run against every one of them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from hpcdist.checkpoint.state import Checkpointable
+from hpcdist.checkpoint.storage import MemoryStorage, PosixStorage, Storage
+
+STORAGES = ("posix", "memory")
+
+
+def make_storage(kind: str, root: Path) -> Storage:
+    """An empty storage of ``kind`` (one of STORAGES) for step directories under ``root``."""
+    if kind == "posix":
+        root.mkdir(parents=True)
+        return PosixStorage(root)
+    return MemoryStorage(root)
 
 
 class TinyState:

@@ -13,6 +13,10 @@ Layout of one checkpoint, ``<dir>/step-00001234/``:
                             part in .manifest/ from the background thread, rank 0 merges them
     COMPLETE                written last, by rank 0, after every rank's shards and the manifest are on disk
 
+Every file but DCP's goes through the manager's :class:`~hpcdist.checkpoint.storage.Storage` (the step directories'
+one surface: a POSIX directory by default); restoring one checkpoint is :mod:`hpcdist.checkpoint.load`'s, an async
+save's finish :mod:`hpcdist.checkpoint.staging`'s.
+
 A directory without ``COMPLETE`` is a crashed or in-flight save: resume ignores it (with a warning) and
 pruning never deletes a complete checkpoint before a newer one is complete. Resume verifies the newest complete
 checkpoint against its manifest (the shards while the load reads them, :class:`HashingReader`); a damaged one
@@ -43,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -56,58 +59,47 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from hpcdist.atomic import atomic_write
-from hpcdist.checkpoint.codec import (
-    KILL_WRITER_ENV,
-    HashingReader,
-    HashingWriter,
-    PartSpec,
-    single_process_dcp,
-    writer_thread_errors,
-)
+from hpcdist import agree
+from hpcdist.checkpoint.codec import KILL_WRITER_ENV, HashingWriter, PartSpec, single_process_dcp, writer_thread_errors
 from hpcdist.checkpoint.errors import (
     READ_DAMAGE,
-    READ_MISMATCH,
     READ_OK,
-    READ_TRANSIENT,
-    CheckpointMismatch,
     CheckpointSaveError,
-    CheckpointTainted,
-    CheckpointUnavailable,
-    ShardsDamaged,
     UntrustedCheckpoint,
     describe_error,
     error_of,
     is_io_error,
-    read_kind,
 )
-from hpcdist.checkpoint.manifest import (
-    MANIFEST,
-    PARTS_DIR,
-    is_shard,
-    read_manifest,
-    read_record,
-    shard_owners,
-    shard_verdict,
-    tensor_encoding,
-    write_manifest,
-    write_part,
-)
-from hpcdist.checkpoint.names import DAMAGED, MARKER, latest, step_dir, step_of
+from hpcdist.checkpoint.load import load_checkpoint, load_matching_weights, read_step_files
+from hpcdist.checkpoint.manifest import PARTS_DIR, write_manifest
+from hpcdist.checkpoint.names import DAMAGED, MARKER, step_dir, step_of
 from hpcdist.checkpoint.policy import SavePolicy
 from hpcdist.checkpoint.ranks import Ranks
-from hpcdist.checkpoint.staging import SOLO_PROCESS, CheckpointProcess, Staging, checkpoint_process, size_text
-from hpcdist.checkpoint.state import RANK_DIR, STATE_FILE, Checkpointable, rng_state, set_rng_state
-from hpcdist.checkpoint.storage import PosixStorage, Storage, nearly_full, prune, refuse_if_only_damaged
-from hpcdist.checkpoint.verify import check_model_shapes, model_diff, verify_checkpoint
+from hpcdist.checkpoint.staging import (
+    SOLO_PROCESS,
+    CheckpointProcess,
+    Staging,
+    checkpoint_process,
+    finish_async,
+    size_text,
+)
+from hpcdist.checkpoint.state import RANK_DIR, STATE_FILE, Checkpointable, rng_state
+from hpcdist.checkpoint.storage import (
+    PosixStorage,
+    Storage,
+    nearly_full,
+    newest,
+    prune,
+    refuse_if_only_damaged,
+    set_aside_newer,
+)
+from hpcdist.checkpoint.verify import verify_checkpoint
 from hpcdist.config.dirs import trusted_uids
 from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
 
 KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_kill_point
-READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)  # a transient read error is tried again after each of these, then refused
 log = get_logger(__name__)
 
 
@@ -219,19 +211,21 @@ class CheckpointManager(SavePolicy):
                 aside = self.storage.set_aside(path, "abandoned")
                 log.warning("kept the complete %s as %s (saving step %s again)", path.name, aside.name, step_of(path))
             elif self.storage.exists(path):  # leftover of a crashed save at the same step: never mix old and new
-                shutil.rmtree(path)
-            (path / "rng").mkdir(parents=True)
+                self.storage.remove(path)
+            self.storage.create(path)  # fails when the leftover could not be removed
             if self.async_save:
                 (path / PARTS_DIR).mkdir()
 
     def _write_local(self, path: Path, state: Checkpointable) -> None:
-        torch.save(rng_state(), path / "rng" / f"rank-{self.rank:05d}.pt")
+        with self.storage.open_writer(path, f"rng/rank-{self.rank:05d}.pt") as f:
+            torch.save(rng_state(), f)
         own = state.rank_state()
         if own:  # inside the step directory: it counts only once COMPLETE is written after every rank's files
-            (path / RANK_DIR).mkdir(exist_ok=True)
-            torch.save(own, path / RANK_DIR / f"rank-{self.rank:05d}.pt")
+            with self.storage.open_writer(path, f"{RANK_DIR}/rank-{self.rank:05d}.pt") as f:
+                torch.save(own, f)
         if self.rank == 0:
-            atomic_write(path / STATE_FILE, json.dumps(state.trainer_state(), indent=1))
+            with self.storage.open_writer(path, STATE_FILE) as f:
+                f.write(json.dumps(state.trainer_state(), indent=1).encode())
 
     def _write_shards(self, path: Path, state: Checkpointable, step: int, t0: float) -> None:
         if self.async_save:
@@ -245,7 +239,16 @@ class CheckpointManager(SavePolicy):
                 # the checkpoint process's save itself failed (not the staging copy, which ran here)
                 self._process_failed = fut.exception() is not None and staged.exception() is None
                 try:
-                    ok = self._finish_async(fut, path, step, t0)
+                    ok = finish_async(
+                        fut,
+                        path,
+                        self.ranks,
+                        written=lambda: written_by(self._last_writer),
+                        complete=lambda: (
+                            self._write_manifest(path, distributed=False),
+                            self._complete(path, step, t0),
+                        ),
+                    )
                 finally:
                     done.set_result(ok)
 
@@ -319,7 +322,7 @@ class CheckpointManager(SavePolicy):
     def _write_manifest(self, path: Path, *, distributed: bool) -> None:
         """MANIFEST.json of ``path`` (:func:`~hpcdist.checkpoint.manifest.write_manifest`), with the digests the last
         sync save's writer took while writing."""
-        write_manifest(path, self.ranks, written_by(self._last_writer), distributed=distributed)
+        write_manifest(path, self.ranks, written_by(self._last_writer), distributed=distributed, storage=self.storage)
 
     def _complete(self, path: Path, step: int, t0: float) -> None:
         if self.rank == 0:
@@ -329,39 +332,9 @@ class CheckpointManager(SavePolicy):
             log.info("checkpoint %s complete (%.2fs)", path, seconds)
             prune(self.storage, self.keep_last)
 
-    def _finish_async(self, fut: Future[Any], path: Path, step: int, t0: float) -> bool:
-        """True when this rank's part of an async save is done (rank 0: manifest and marker written)."""
-        # runs in DCP's background thread on every rank once its shards are written (rank 0: and .metadata): each
-        # rank hashes its own files and leaves its part in .manifest/ (no collectives off the main thread); rank 0
-        # merges the parts into MANIFEST.json and writes the marker
-        err = fut.exception()
-        # the checkpoint process writes this rank's part; else hash here. MANIFEST.json there means rank 0 has merged
-        # every part (ours included) and removed .manifest/: writing it again would put the directory back
-        written = (path / PARTS_DIR / f"rank-{self.rank:05d}.json").is_file() or (path / MANIFEST).is_file()
-        if err is None and not written:
-            err = error_of(lambda: write_part(path, self.ranks, written_by(self._last_writer)))
-        if err is not None:
-            log.error(
-                "async checkpoint %s failed on rank %d: %s; it stays incomplete", path, self.rank, describe_error(err)
-            )
-            with contextlib.suppress(OSError):
-                write_part(path, self.ranks, {}, failed=err)  # rank 0 stops waiting for this rank's part
-            return False
-        if self.rank == 0:
-            err = error_of(
-                lambda: (
-                    self._write_manifest(path, distributed=False),
-                    self._complete(path, step, t0),
-                )
-            )
-            if err is not None:
-                log.error("async checkpoint %s failed: %s; it stays incomplete", path, describe_error(err))
-                return False
-        return True
-
     def _abandon(self, path: Path, step: int) -> None:
-        previous = latest(self.root, warn=False)
-        free = shutil.disk_usage(self.root).free if self.root.exists() else 0
+        previous = newest(self.storage, warn=False)
+        free = self.storage.free_bytes() or 0
         log.error(
             "checkpoint at step %d failed (see the error above; %.1f MB free in %s): the resume point stays %s",
             step,
@@ -370,7 +343,7 @@ class CheckpointManager(SavePolicy):
             previous or "none (no complete checkpoint)",
         )
         if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)  # frees the space; it never had a marker
+            self.storage.remove(path)  # frees the space; it never had a marker
         _barrier(self._pg)
 
     def wait(self) -> bool:
@@ -385,9 +358,8 @@ class CheckpointManager(SavePolicy):
             self._pending = None
         restart, self._process_failed = self._process_failed, False
         if self._pg is not None:  # agreed, so every rank reports the same outcome (a failed final save's exit status)
-            flag = torch.tensor([0 if ok else 1, int(restart)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
-            ok, restart = int(flag[0]) == 0, bool(flag[1])
+            failed, again = agree.worst([0 if ok else 1, int(restart)], self._pg)
+            ok, restart = failed == 0, bool(again)
         else:
             _barrier()
         if restart and self._process is not None:
@@ -397,8 +369,8 @@ class CheckpointManager(SavePolicy):
             if self._process is SOLO_PROCESS.get("process"):
                 del SOLO_PROCESS["process"]
             self._process = None
-        if not ok and path is not None and self.rank == 0 and not (path / MARKER).exists():
-            shutil.rmtree(path, ignore_errors=True)
+        if not ok and path is not None and self.rank == 0 and not self.storage.has(path, MARKER):
+            self.storage.remove(path)
         return ok
 
     def close(self) -> None:
@@ -420,10 +392,7 @@ class CheckpointManager(SavePolicy):
         if err is not None and log_error:
             log.error("rank %d: checkpoint I/O failed: %s", self.rank, describe_error(err))
         level = 0 if err is None else 1 if is_io_error(err) or nearly_full(self.storage) else 2
-        if self._pg is not None:
-            flag = torch.tensor([level])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
-            level = int(flag)
+        level = agree.worst(level, self._pg)
         self._not_io = level == 2  # some rank's error was not I/O: save() raises on every rank alike
         return level == 0
 
@@ -432,7 +401,8 @@ class CheckpointManager(SavePolicy):
         """Collective: what is wrong with ``path`` against its manifest (empty = intact). ``mode``: checksum,
         size or none (default: the manager's). ``shards=False``: the DCP shards (``*.distcp``) are checked by size
         only; their sha256 is taken while the load reads them (:class:`HashingReader`, ``shard_verdict``)."""
-        return verify_checkpoint(path, mode or self.verify_mode, shards=shards, ranks=self.ranks)
+        mode = mode or self.verify_mode
+        return verify_checkpoint(path, mode, shards=shards, ranks=self.ranks, storage=self.storage)
 
     def resolve(self, resume: str) -> Path | None:
         """``auto`` -> newest complete checkpoint that verifies (damaged ones are skipped, with a warning, for the
@@ -440,7 +410,7 @@ class CheckpointManager(SavePolicy):
         if resume == "none":
             return None
         if resume == "auto":
-            latest(self.root)  # warns about interrupted saves
+            newest(self.storage)  # warns about interrupted saves
             for _, found in reversed(self.storage.steps()[0]):
                 path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
                 problems = self.verify(path)
@@ -456,7 +426,7 @@ class CheckpointManager(SavePolicy):
         root or a trusted owner can have written anything in it; UntrustedCheckpoint (the same on every rank)
         otherwise. Rank 0 walks the tree alone (stat only) and tells the others: one walk per job, not per rank."""
         real = path.resolve()
-        if not real.is_dir():
+        if not self.storage.exists(real):
             return path  # nothing to load from; the caller says what is missing
         problems = [self.storage.trust_problems(real, self.trusted) if self.rank == 0 else []]
         if self._pg is not None:
@@ -471,7 +441,7 @@ class CheckpointManager(SavePolicy):
         else could have written it). Also for readers outside the trainer (``hpcdist export``): ``path`` with links
         resolved."""
         path = self._trusted(path, key)
-        if not (path / MARKER).is_file():
+        if not self.storage.has(path, MARKER):
             raise ConfigError(
                 [
                     f"{key}: {path} has no {MARKER} marker: it is not a checkpoint, or an incomplete one "
@@ -488,18 +458,7 @@ class CheckpointManager(SavePolicy):
         match this model by name and shape are loaded; everything else keeps its initialization (optimizer,
         schedule, data position and step start fresh). Returns what did not match (missing / unexpected / shape)."""
         self.staging_fence()
-        path = self.named(path, "checkpoint.init_from")
-        model = state.dcp_state()["model"]  # this model's initialized weights, every key: loaded into in place
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-        diff = model_diff(metadata, model, self.ranks)
-        skip = set(diff["missing"]) | set(diff["shape"])
-        matching = {k: v for k, v in model.items() if k not in skip}
-        # verified whole by _named: read without hashing, in the encoding its manifest records
-        reader = HashingReader(str(path), hash_files=set(), threads=self.write_threads, encoding=tensor_encoding(path))
-        with single_process_dcp():
-            dcp.load({"model": matching}, storage_reader=reader)
-        state.load_dcp_state({"model": model})
-        return diff
+        return load_matching_weights(self.named(path, "checkpoint.init_from"), state, self.storage, self.ranks)
 
     def restore(self, resume: str, state: Checkpointable) -> Path | None:
         """Collective: the checkpoint ``resume`` names (``auto``: the newest that verifies and loads) restored into
@@ -515,7 +474,7 @@ class CheckpointManager(SavePolicy):
         saved: dict[str, Any] = {}  # the trainer state of the checkpoint loaded
         if resume != "auto":
             path = self._trusted(Path(resume), "checkpoint.resume")
-            if not (path / MARKER).is_file():
+            if not self.storage.has(path, MARKER):
                 raise ConfigError(
                     [
                         f"checkpoint.resume: {path} has no {MARKER} marker: it is not a checkpoint, or an "
@@ -523,7 +482,7 @@ class CheckpointManager(SavePolicy):
                         f"{MARKER}"
                     ]
                 )
-            kind, problems = _read_step_files(
+            kind, problems = read_step_files(
                 path, self.ranks, partial(self.verify, path, shards=False), partial(self.load, path, state), saved
             )
             if kind == READ_DAMAGE:
@@ -537,10 +496,10 @@ class CheckpointManager(SavePolicy):
             self._set_aside_newer(int(saved["step"]), path)
             self.saved_step = int(saved["step"])
             return path
-        latest(self.root)  # warns about interrupted saves
+        newest(self.storage)  # warns about interrupted saves
         for _, found in reversed(self.storage.steps()[0]):
             path = self._trusted(found, "checkpoint.resume=auto")  # someone else's step dir in ours: stop
-            kind, problems = _read_step_files(
+            kind, problems = read_step_files(
                 path, self.ranks, partial(self.verify, path, shards=False), partial(self.load, path, state), saved
             )
             if kind == READ_OK:
@@ -554,24 +513,8 @@ class CheckpointManager(SavePolicy):
         """Collective. Resuming an explicitly named step turns back from every newer checkpoint of this run: left as
         they are, the next ``checkpoint.resume=auto`` (a requeue, a rerun) would jump back to that abandoned line.
         They are renamed ``step-N.abandoned-<time>``: kept, never resumed or pruned, and said."""
-
-        def move() -> None:
-            for newer_step, d in self.storage.steps()[0]:
-                if newer_step > step:
-                    aside = self.storage.set_aside(d, "abandoned")
-                    what = "starts from step 0" if step < 0 else f"turned back from step {newer_step}"
-                    log.warning(
-                        "checkpoint.resume=%s %s: the %s %s is set aside as %s (kept, never resumed or "
-                        "pruned; rename it back to resume that line)",
-                        resumed,
-                        what,
-                        "earlier run's" if step < 0 else "newer",
-                        d.name,
-                        aside.name,
-                    )
-
         _barrier(self._pg)  # every rank has finished reading before rank 0 renames
-        err = error_of(move) if self.rank == 0 else None
+        err = error_of(lambda: set_aside_newer(self.storage, step, resumed)) if self.rank == 0 else None
         if not self._all_ok(err):
             raise RuntimeError(f"could not set aside the checkpoints newer than step {step} in {self.root}")
 
@@ -595,40 +538,8 @@ class CheckpointManager(SavePolicy):
         tensors of ``state`` then hold values of the damaged checkpoint, so the caller loads another checkpoint
         whole (a part it lacks refuses, :class:`CheckpointTainted`) or stops."""
         self.staging_fence()
-        trainer_state = json.loads(read_record(path / STATE_FILE))
-        if not isinstance(trainer_state, dict):
-            raise ValueError(f"{STATE_FILE} holds {type(trainer_state).__name__}, not the trainer's state")
-        rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
-        # absent when resuming on more ranks than saved: those ranks keep their seeded RNG
-        rng = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
-        own_file = path / RANK_DIR / f"rank-{self.rank:05d}.pt"
-        # a rank's own state (PowerSGD's error feedback) belongs to that rank of that world: on another world size
-        # every rank starts it fresh
-        same_world = trainer_state.get("world_size") == self.world_size
-        own = torch.load(own_file, weights_only=True) if same_world and own_file.is_file() else {}
-        dest = state.dcp_state()
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-        saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
-        for part in [k for k in dest if k not in saved]:  # e.g. a weights-only checkpoint has no "optim"
-            if part in self._tainted:
-                raise CheckpointTainted(
-                    f"{path} holds no {part!r} state, and this process's {part!r} state holds values read from a "
-                    "checkpoint found damaged after the load read it: start the run again (the damaged one is "
-                    f"marked {DAMAGED} now, so the new process resumes from {path.name} with a fresh {part!r} state)",
-                    path=path,
-                )
-            log.warning("%s holds no %r state: it is not restored (starts fresh)", path, part)
-            del dest[part]
-        check_model_shapes(path, metadata, dest.get("model", {}), self.ranks)
-        self._tainted |= set(dest)  # DCP writes into the live tensors: until the verdict, not trusted
-        _load_shards(path, dest, self.ranks, checksum=self.verify_mode == "checksum")
-        state.load_dcp_state(dest)
-        state.load_trainer_state(trainer_state)
-        state.load_rank_state(own)
-        if rng is not None:
-            set_rng_state(rng)
-        self._tainted -= set(dest)  # every part this checkpoint holds replaced what a damaged one left
-        return trainer_state
+        checksum = self.verify_mode == "checksum"
+        return load_checkpoint(path, state, self.storage, self.ranks, checksum=checksum, tainted=self._tainted)
 
 
 def _barrier(group: Any = None) -> None:
@@ -647,79 +558,3 @@ def written_by(writer: HashingWriter | None) -> dict[str, dict[str, Any]]:
     """The digests ``writer`` took of the shards while it wrote them (none without a writer: an async save's
     process hashed its own)."""
     return writer.digests() if writer is not None else {}
-
-
-def _read_step_files(
-    path: Path, ranks: Ranks, verify: Callable[[], list[str]], load: Callable[[], dict[str, Any]], saved: dict[str, Any]
-) -> tuple[int, list[str]]:
-    """Collective: ``verify`` (the shards by size) and ``load`` ``path`` (its trainer state into ``saved``), tried again
-    after each of READ_RETRY_DELAYS_S while the error says nothing about the files. Returns (READ_OK,
-    []) or (READ_DAMAGE, [phase ("verify" / "load"), what is wrong...]), agreed by every rank; raises the mismatch
-    (every rank alike) and, once a transient error outlasted the retries, CheckpointUnavailable."""
-    problems: list[str] = []
-    for delay in (*READ_RETRY_DELAYS_S, None):
-        problems.clear()
-        # the shards' sha256 is taken while the load reads them (each byte read once): here their sizes, and
-        # every other file whole (small; .metadata is unpickled by the load)
-        err = error_of(lambda: problems.extend(verify()))
-        phase = "verify"
-        kind = ranks.max(read_kind(err) if err is not None else READ_DAMAGE if problems else READ_OK)
-        if kind == READ_OK:
-            phase = "load"
-            err = error_of(lambda: saved.update(load()))
-            if isinstance(err, ShardsDamaged):  # the shards' verdict, agreed by every rank inside load()
-                phase = "verify"
-                problems.extend(err.problems)
-            kind = ranks.max(read_kind(err) if err is not None else READ_OK)
-        why = describe_error(err) if err is not None else f"{phase} failed on another rank: see its log"
-        if kind == READ_MISMATCH:
-            if isinstance(err, CheckpointMismatch) and err.path is None:  # the trainer's state knows no path
-                raise CheckpointMismatch(f"{path}: {err}", path=path, what=err.what) from None
-            if isinstance(err, CheckpointMismatch):
-                raise err
-            raise CheckpointMismatch(f"{path} does not fit this run (another rank: see its log)", path=path)
-        if kind != READ_TRANSIENT:
-            return kind, ([phase, *problems] if problems else [phase, why]) if kind == READ_DAMAGE else []
-        if delay is None:
-            raise CheckpointUnavailable(
-                f"checkpoint {path} could not be read ({why}) after {len(READ_RETRY_DELAYS_S)} retries: a storage "
-                "or memory problem, not a damaged checkpoint, so it is not marked damaged and nothing was "
-                "changed; run again once the file system (or the node's memory) is healthy",
-                path=path,
-            )
-        log.warning("reading checkpoint %s failed (%s): trying again in %.1f s", path, why, delay)
-        time.sleep(delay)
-    raise AssertionError("unreachable")
-
-
-def _load_shards(path: Path, dest: dict[str, Any], ranks: Ranks, *, checksum: bool) -> None:
-    """Collective: DCP's load of ``dest`` (in place) through a :class:`HashingReader`, then the verdict of the
-    shards this rank owns (``file_owner``: as ``verify`` spreads them), agreed by every rank."""
-    manifest = read_manifest(path / MANIFEST, checksum=True) if checksum else {}
-    owners = shard_owners([rel for rel in manifest if is_shard(rel)], ranks.world_size)
-    mine = sorted(rel for rel, rank in owners.items() if rank == ranks.rank)
-    reader = HashingReader(str(path), hash_files=set(mine), threads=ranks.threads)
-    planner = DefaultLoadPlanner()
-
-    def load() -> None:
-        reader.encoding = tensor_encoding(path)  # alike on every rank: a bad value fails every rank's load
-        dcp.load(dest, storage_reader=reader, planner=planner)
-
-    with single_process_dcp():
-        failed = error_of(load)
-    # a load that failed is judged too: damage that broke a record (a MemoryError from a garbled size) is
-    # damage, not a transient error to retry; dcp.load fails on every rank alike, so all reach the agreement
-    problems: list[str] = []
-    verdict_err: BaseException | None = None
-    try:
-        problems = shard_verdict(path, manifest, mine, reader.digests)
-    except (OSError, MemoryError) as e:
-        verdict_err = e
-    kind = ranks.max(READ_DAMAGE if problems else read_kind(verdict_err) if verdict_err is not None else READ_OK)
-    if kind == READ_DAMAGE:
-        raise ShardsDamaged(problems or ["a shard differs from the manifest (found by another rank: see its log)"])
-    if kind != READ_OK:
-        raise verdict_err or CheckpointUnavailable(f"verifying {path} failed on another rank: see its log", path)
-    if failed is not None:
-        raise failed
-    reader.apply_deferred(planner)  # the pickled entries, now that their files verified

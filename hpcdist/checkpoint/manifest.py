@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.agree import gather
-from hpcdist.atomic import UntrustedFile, atomic_write, file_sha256, read_bounded
+from hpcdist.atomic import atomic_write, file_sha256
 from hpcdist.checkpoint.errors import READ_DAMAGE, read_kind
 from hpcdist.checkpoint.names import DAMAGED, MARKER
 from hpcdist.checkpoint.ranks import Ranks
+from hpcdist.checkpoint.storage import RECORD_MAX, PosixStorage, Storage, read_step_record
 
 MANIFEST = "MANIFEST.json"
 
@@ -23,11 +24,6 @@ PARTS_DIR = ".manifest"  # async save: each rank's part of the manifest, merged 
 
 
 ASYNC_PARTS_TIMEOUT_S = 3600.0
-
-
-# the most a checkpoint's JSON record (MANIFEST.json, trainer_state.json, a rank's manifest part) is read of: a manifest
-# holds ~150 bytes per file (a 1024-rank checkpoint with 8 writer threads each: ~1.3 MB); a larger one is damage
-RECORD_MAX = 64 << 20
 
 
 # how the shards' tensor items are encoded, recorded in MANIFEST.json (never guessed from the bytes): "raw" (each
@@ -70,10 +66,11 @@ def shard_verdict(path: Path, manifest: dict[str, dict[str, Any]], mine: list[st
     return problems
 
 
-def read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
-    """{relative path: {"size", "sha256"}}; ValueError naming the first malformed part (a flipped byte in a key
-    must demote the checkpoint, not crash the resume)."""
-    data = json.loads(read_record(file))
+def read_manifest(step: Path, *, checksum: bool, storage: Storage | None = None) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size", "sha256"}} of the step at ``step`` (its manifest read through ``storage``; None: the
+    directory by path); ValueError naming the first malformed part (a flipped byte in a key must demote the
+    checkpoint, not crash the resume)."""
+    data = json.loads(read_step_record(storage or PosixStorage(step.parent), step, MANIFEST))
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict):
         raise ValueError('no "files" mapping')
@@ -86,12 +83,13 @@ def read_manifest(file: Path, *, checksum: bool) -> dict[str, dict[str, Any]]:
     return files
 
 
-def tensor_encoding(step: Path) -> str:
-    """How the shards of the checkpoint at ``step`` encode their tensors, as its manifest records it
-    (``TENSOR_ENCODING``). No field (a checkpoint written before it) or no manifest at all (a plain DCP checkpoint,
-    which our saves never leave) means DCP's own torch_save. ValueError (damage) for any other value."""
+def tensor_encoding(step: Path, storage: Storage | None = None) -> str:
+    """How the shards of the checkpoint at ``step`` encode their tensors, as its manifest (read through ``storage``;
+    None: the directory by path) records it (``TENSOR_ENCODING``). No field (a checkpoint written before it) or no
+    manifest at all (a plain DCP checkpoint, which our saves never leave) means DCP's own torch_save. ValueError
+    (damage) for any other value."""
     try:
-        data = json.loads(read_record(step / MANIFEST))
+        data = json.loads(read_step_record(storage or PosixStorage(step.parent), step, MANIFEST))
     except FileNotFoundError:
         return TORCH_SAVE
     try:
@@ -101,12 +99,9 @@ def tensor_encoding(step: Path) -> str:
 
 
 def read_record(file: Path, limit: int = RECORD_MAX) -> bytes:
-    """A checkpoint's JSON record (manifest, trainer state, marker), read only up to ``limit``: a larger one (however
-    its size came about), a link or a FIFO is damage, a ValueError, found before anything is read or allocated."""
-    try:
-        return read_bounded(file, limit)
-    except UntrustedFile as e:
-        raise ValueError(str(e)) from None
+    """A checkpoint's JSON record by its path (a POSIX directory: the manifest, a node-local step's records): see
+    :func:`hpcdist.checkpoint.storage.read_step_record`."""
+    return read_step_record(PosixStorage(file.parent), file.parent, file.name, limit)
 
 
 def encoding_of(manifest: Any) -> str:
@@ -166,8 +161,11 @@ def own_digests(path: Path, ranks: Ranks, written: dict[str, dict[str, Any]]) ->
     }
 
 
-def write_manifest(path: Path, ranks: Ranks, written: dict[str, dict[str, Any]], *, distributed: bool) -> None:
-    """MANIFEST.json: size and sha256 of every file, each hashed by the rank that wrote it, written by rank 0.
+def write_manifest(
+    path: Path, ranks: Ranks, written: dict[str, dict[str, Any]], *, distributed: bool, storage: Storage | None = None
+) -> None:
+    """MANIFEST.json: size and sha256 of every file, each hashed by the rank that wrote it, written by rank 0
+    through ``storage`` (None: the directory by path).
     ``distributed``: the ranks' parts are gathered by a collective (sync save); else (async save, in the
     background thread where no collective may run) rank 0 reads the part each rank wrote into .manifest/."""
     if distributed:
@@ -182,7 +180,8 @@ def write_manifest(path: Path, ranks: Ranks, written: dict[str, dict[str, Any]],
         entries[rel] = digest(path / rel, checksum=True)
         hashed_by["0"] += entries[rel]["size"]
     manifest = {"files": entries, "hashed_by": hashed_by, TENSOR_ENCODING: RAW}
-    atomic_write(path / MANIFEST, json.dumps(manifest, indent=0, sort_keys=True))
+    with (storage or PosixStorage(path.parent)).open_writer(path, MANIFEST) as f:
+        f.write(json.dumps(manifest, indent=0, sort_keys=True).encode())
     shutil.rmtree(path / PARTS_DIR, ignore_errors=True)
 
 

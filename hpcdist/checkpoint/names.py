@@ -9,6 +9,7 @@ status`` read these names without loading torch or the checkpoint code.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from hpcdist.logging_utils import get_logger
@@ -61,16 +62,20 @@ def list_checkpoints(root: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
 def latest(root: Path, *, warn: bool = True) -> Path | None:
     """Newest complete checkpoint under ``root``; incomplete ones newer than it are reported and skipped."""
     complete, incomplete = list_checkpoints(root)
-    newest = complete[-1][0] if complete else -1
     if warn:
-        for d in incomplete:
-            if step_of(d) > newest:
-                if (d / DAMAGED).is_file():  # demoted by an earlier resume: say so, it was no interrupted save
-                    log.warning(
-                        "ignoring %s: demoted as damaged earlier (%s marker); it will not be resumed from", d, DAMAGED
-                    )
-                else:
-                    log.warning(
-                        "ignoring %s: no %s marker (an interrupted save); it will not be resumed from", d, MARKER
-                    )
+        warn_skipped(complete, incomplete, lambda d: (d / DAMAGED).is_file())
     return complete[-1][1] if complete else None
+
+
+def warn_skipped(complete: list[tuple[int, Path]], incomplete: list[Path], is_damaged: Callable[[Path], bool]) -> None:
+    """Say which step directories newer than the newest complete one a resume skips, and why (a listing: see
+    :func:`list_checkpoints`)."""
+    newest = complete[-1][0] if complete else -1
+    for d in incomplete:
+        if step_of(d) > newest:
+            if is_damaged(d):  # demoted by an earlier resume: say so, it was no interrupted save
+                log.warning(
+                    "ignoring %s: demoted as damaged earlier (%s marker); it will not be resumed from", d, DAMAGED
+                )
+            else:
+                log.warning("ignoring %s: no %s marker (an interrupted save); it will not be resumed from", d, MARKER)

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from hpcdist.agree import gather, worst
+from hpcdist.agree import gather
 
 
 @dataclass
@@ -32,8 +32,3 @@ class Ranks:
         else:
             mine = {item: fn(item) for item in share}
         return {k: v for part in gather(mine, self.group, self.world_size) for k, v in part.items()}
-
-    def max(self, kind: int) -> int:
-        """Collective: the worst of every rank's read outcome
-        (READ_OK < READ_DAMAGE < READ_TRANSIENT < READ_MISMATCH)."""
-        return worst(kind, self.group)

@@ -1,6 +1,7 @@
-"""An async save's first half: the state copied into reused host buffers (pinned when CUDA is there) beside the next
-step, and the checkpoint process that writes them while training goes on; the memory that costs, estimated and
-checked before the run starts."""
+"""An async save: the state copied into reused host buffers (pinned when CUDA is there) beside the next step, the
+checkpoint process that writes them while training goes on, and the finish once its shards are written (each rank's
+part of the manifest, then rank 0's manifest and marker); the memory that costs, estimated and checked before the
+run starts."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from torch.distributed.checkpoint import _async_process_executor as ape  # proce
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from hpcdist.checkpoint.codec import HashingWriter, single_process_dcp
+from hpcdist.checkpoint.errors import describe_error, error_of
+from hpcdist.checkpoint.manifest import MANIFEST, PARTS_DIR, write_part
+from hpcdist.checkpoint.ranks import Ranks
 from hpcdist.config.loader import ConfigError
 from hpcdist.logging_utils import get_logger
 from hpcdist.models.hf_directory import available_memory
@@ -311,6 +315,41 @@ def _pair_tensors(src: Any, dst: Any, pairs: list[tuple[torch.Tensor, torch.Tens
         out = [_pair_tensors(a, b, pairs) for a, b in zip(src, dst, strict=True)]
         return tuple(out) if isinstance(src, tuple) else out
     return src
+
+
+def finish_async(
+    fut: Future[Any],
+    path: Path,
+    ranks: Ranks,
+    *,
+    written: Callable[[], dict[str, dict[str, Any]]],
+    complete: Callable[[], Any],
+) -> bool:
+    """True when this rank's part of the async save ``fut`` of ``path`` is done (rank 0: ``complete``, the manifest
+    and the marker, done too). ``written``: the digests this process's writer took (none when the checkpoint
+    process wrote the shards: it leaves this rank's part itself)."""
+    # runs in DCP's background thread on every rank once its shards are written (rank 0: and .metadata): each
+    # rank hashes its own files and leaves its part in .manifest/ (no collectives off the main thread); rank 0
+    # merges the parts into MANIFEST.json and writes the marker
+    err = fut.exception()
+    # the checkpoint process writes this rank's part; else hash here. MANIFEST.json there means rank 0 has merged
+    # every part (ours included) and removed .manifest/: writing it again would put the directory back
+    done = (path / PARTS_DIR / f"rank-{ranks.rank:05d}.json").is_file() or (path / MANIFEST).is_file()
+    if err is None and not done:
+        err = error_of(lambda: write_part(path, ranks, written()))
+    if err is not None:
+        log.error(
+            "async checkpoint %s failed on rank %d: %s; it stays incomplete", path, ranks.rank, describe_error(err)
+        )
+        with contextlib.suppress(OSError):
+            write_part(path, ranks, {}, failed=err)  # rank 0 stops waiting for this rank's part
+        return False
+    if ranks.rank == 0:
+        err = error_of(complete)
+        if err is not None:
+            log.error("async checkpoint %s failed: %s; it stays incomplete", path, describe_error(err))
+            return False
+    return True
 
 
 class CheckpointProcess:

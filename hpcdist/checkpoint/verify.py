@@ -13,21 +13,24 @@ from hpcdist.checkpoint import manifest as manifest_io
 from hpcdist.checkpoint.errors import READ_DAMAGE, CheckpointMismatch, CheckpointUnavailable, describe_error, read_kind
 from hpcdist.checkpoint.manifest import MANIFEST, files_of, is_shard, read_manifest
 from hpcdist.checkpoint.ranks import Ranks
+from hpcdist.checkpoint.storage import PosixStorage, Storage
 
 
-def verify_checkpoint(path: Path, mode: str, *, shards: bool, ranks: Ranks) -> list[str]:
+def verify_checkpoint(
+    path: Path, mode: str, *, shards: bool, ranks: Ranks, storage: Storage | None = None
+) -> list[str]:
     """Collective: what is wrong with ``path`` against its manifest (empty = intact). ``mode``: checksum,
     size or none. ``shards=False``: the DCP shards (``*.distcp``) are checked by size
     only; their sha256 is taken while the load reads them (:class:`HashingReader`, ``shard_verdict``)."""
     if mode == "none":
         return []
-    if not (path / MANIFEST).is_file():  # every save writes one before the marker: it was removed
+    if not (storage or PosixStorage(path.parent)).has(path, MANIFEST):  # every save writes one before the marker
         return [f"{MANIFEST}: missing, so nothing in it can be verified (set checkpoint.verify=none to trust it)"]
     # a read error that says nothing about the file (EIO, MemoryError) is raised as CheckpointUnavailable, after
     # this rank has taken its part in the collective below (the caller's agreement then stops every rank alike)
     transient: list[str] = []
     try:
-        manifest = read_manifest(path / MANIFEST, checksum=mode == "checksum")
+        manifest = read_manifest(path, checksum=mode == "checksum", storage=storage)
     except ValueError as e:
         return [f"{MANIFEST}: unparsable ({e})"]
     except (OSError, MemoryError) as e:

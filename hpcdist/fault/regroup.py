@@ -50,7 +50,7 @@ __all__ = [
     "RegroupFailed",
     "agree_resume_step",
     "connect",
-    "join",
+    "join_group",
     "regroup",
     "serve",
     "standby",
@@ -128,7 +128,7 @@ def _leave() -> None:
         dist.destroy_process_group()
 
 
-def join(
+def join_group(
     store: dist.Store, rank: int, world_size: int, *, generation: int = 0, collective_timeout_s: float = 60
 ) -> Membership:
     """Form the first generation: claim ``rank`` and initialise the default process group with the others."""

@@ -99,11 +99,11 @@ def _recoveries(data: RunData) -> str:
     return _table(header, rows)
 
 
-def _pct(x: float) -> str:
+def _percent(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
-def _prediction(data: RunData) -> str:
+def _goodput_prediction(data: RunData) -> str:
     """The run's measured goodput beside the goodput model's prediction from the run's measured inputs."""
     g = data.goodput
     if not g or not g.get("total_s"):
@@ -113,10 +113,10 @@ def _prediction(data: RunData) -> str:
     rows = [
         [
             "measured (goodput.json)",
-            _pct(g["goodput"]),
-            _pct(g.get("checkpoint_save", 0.0) / total),
-            _pct(g.get("lost", 0.0) / total),
-            _pct(restart / total),
+            _percent(g["goodput"]),
+            _percent(g.get("checkpoint_save", 0.0) / total),
+            _percent(g.get("lost", 0.0) / total),
+            _percent(restart / total),
             "",
         ]
     ]
@@ -132,7 +132,14 @@ def _prediction(data: RunData) -> str:
     ):
         minutes = every_minutes(p.shared_interval_s, inp["shared_save_s"])
         rows.append(
-            [label, _pct(p.goodput), _pct(p.checkpoint), _pct(p.recompute), _pct(p.recovery), f"{minutes:,.1f} min"]
+            [
+                label,
+                _percent(p.goodput),
+                _percent(p.checkpoint),
+                _percent(p.recompute),
+                _percent(p.recovery),
+                f"{minutes:,.1f} min",
+            ]
         )
     rec = inp["recovery"]
     local = (
@@ -236,7 +243,7 @@ def render_page(run_dir: str | os.PathLike[str], data: RunData, pngs: dict[str, 
         "<h2>Attempts</h2>",
         _attempts(data),
         "<h2>Goodput: measured and predicted</h2>",
-        _prediction(data),
+        _goodput_prediction(data),
     ]
     for name, (title, _) in plots.FIGURES.items():
         sections += [f"<h2>{html.escape(title)}</h2>", _image(pngs.get(name), title)]

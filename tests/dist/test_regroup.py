@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpcdist.fault.regroup import Membership, agree_resume_step, connect, join, regroup, serve, standby
+from hpcdist.fault.regroup import Membership, agree_resume_step, connect, join_group, regroup, serve, standby
 
 pytestmark = pytest.mark.dist
 
@@ -44,7 +44,7 @@ def _serve_store(conn: Any, stop: Any) -> None:
     stop.wait(timeout=300)
 
 
-def _train(store: dist.Store, member: Membership, completed: int, recovering: bool) -> dict[str, Any]:
+def _steps_across_regroup(store: dist.Store, member: Membership, completed: int, recovering: bool) -> dict[str, Any]:
     """Run steps ``completed``..STEPS-1; on a failed all_reduce, regroup and resume at the agreed step."""
     values: dict[int, torch.Tensor] = {}
     recovered_at = None
@@ -72,8 +72,8 @@ def _rank(rank: int, port: int, q: Any) -> None:
     torch.set_num_threads(1)
     try:
         store = connect("127.0.0.1", port, timeout_s=WAIT_S)
-        member = join(store, rank, WORLD, collective_timeout_s=WAIT_S)
-        q.put((f"rank{rank}", "ok", pickle.dumps(_train(store, member, 0, recovering=False))))
+        member = join_group(store, rank, WORLD, collective_timeout_s=WAIT_S)
+        q.put((f"rank{rank}", "ok", pickle.dumps(_steps_across_regroup(store, member, 0, recovering=False))))
     except BaseException:
         q.put((f"rank{rank}", "error", traceback.format_exc()))
 
@@ -95,7 +95,7 @@ def _spare(port: int, q: Any) -> None:
         _fail_to_join_once(store)
         member = standby(store, timeout_s=WAIT_S, collective_timeout_s=WAIT_S)
         completed = agree_resume_step(None)
-        q.put(("spare", "ok", pickle.dumps(_train(store, member, completed, recovering=True))))
+        q.put(("spare", "ok", pickle.dumps(_steps_across_regroup(store, member, completed, recovering=True))))
     except BaseException:
         q.put(("spare", "error", traceback.format_exc()))
 

@@ -15,7 +15,7 @@ import torch
 from hpcdist import atomic
 from hpcdist.checkpoint import codec as ckpt_codec
 from hpcdist.checkpoint import errors as ckpt_errors
-from hpcdist.checkpoint import manager as checkpoint
+from hpcdist.checkpoint import load as ckpt_load
 from hpcdist.checkpoint import manifest as ckpt_manifest
 from hpcdist.checkpoint import names as ckpt_names
 from hpcdist.checkpoint import staging as ckpt_staging
@@ -463,7 +463,7 @@ def test_a_transient_read_error_is_retried_then_refused_never_recorded_as_damage
     (COMPLETE -> DAMAGED, permanently). Now it is retried a bounded number of times; if it persists the run is
     refused (CheckpointUnavailable, exit 74 at the CLI) and every checkpoint keeps its COMPLETE marker."""
     cfg, newest = _two_checkpoints(small_cfg)
-    monkeypatch.setattr(checkpoint, "READ_RETRY_DELAYS_S", (0.0, 0.0, 0.0))
+    monkeypatch.setattr(ckpt_load, "READ_RETRY_DELAYS_S", (0.0, 0.0, 0.0))
     real = torch.distributed.checkpoint.FileSystemReader.read_metadata
     calls = []
 

@@ -550,17 +550,17 @@ def test_files_follow_the_users_umask(small_cfg, tmp_path: Path) -> None:
 
 
 # Unpickling runs the writer's code. What may unpickle, and where: DCP's ``.metadata`` (a pickle in every DCP
-# checkpoint) only where a checkpoint is loaded after its ownership check (hpcdist.config.dirs: checkpoint/manager.py's
-# restore and export's reader, docs/SECURITY.md); hf/import_.py's dcp.load reads through its own storage reader
-# (safetensors headers, no pickle); everything else nowhere, whoever wrote the file.
+# checkpoint) only where a checkpoint is loaded after its ownership check (hpcdist.config.dirs: checkpoint/load.py,
+# under the manager's restore, and export's reader, docs/SECURITY.md); hf/import_.py's dcp.load reads through its own
+# storage reader (safetensors headers, no pickle); everything else nowhere, whoever wrote the file.
 _PICKLE_MODULES = {"pickle", "_pickle", "cloudpickle", "dill", "joblib", "shelve", "marshal"}
 _AUDITED = {
     # checkpoint/local/tier.py: a node-local step is loaded only after verify_step_dir (every file yours alone, no link,
     # sizes and sha256 against its manifest) and the same-run check passed on every rank
-    "dcp.load": {"checkpoint/manager.py", "checkpoint/local/tier.py", "hf/source.py", "hf/import_.py"},
+    "dcp.load": {"checkpoint/load.py", "checkpoint/local/tier.py", "hf/source.py", "hf/import_.py"},
     # checkpoint/codec.py's read_metadata is the one reader of DCP's metadata; checkpoint/local/layout.py calls it in
     # verify_step_dir after the ownership walk and the manifest's hashes passed
-    "read_metadata": {"checkpoint/manager.py", "hf/source.py", "checkpoint/codec.py", "checkpoint/local/layout.py"},
+    "read_metadata": {"checkpoint/load.py", "hf/source.py", "checkpoint/codec.py", "checkpoint/local/layout.py"},
 }
 
 

@@ -21,7 +21,13 @@ ALLOWED: dict[str, str] = {
 def defined(source: str) -> list[str]:
     """The top-level ``def`` / ``async def`` / ``class`` names of a module's source."""
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    return [node.name for node in ast.parse(source).body if isinstance(node, kinds)]
+
+    def overload(node: ast.stmt) -> bool:  # typing.overload's stubs declare one function's signatures
+        return any(
+            getattr(d, "id", getattr(d, "attr", None)) == "overload" for d in getattr(node, "decorator_list", [])
+        )
+
+    return [node.name for node in ast.parse(source).body if isinstance(node, kinds) and not overload(node)]
 
 
 def top_level_names() -> dict[str, list[str]]:
@@ -47,6 +53,7 @@ def test_no_name_is_defined_in_two_modules_unless_allowed() -> None:
 def test_the_scan_sees_top_level_definitions_only() -> None:
     # methods and nested functions are no module's names; classes and async functions are
     assert defined("class A:\n    def m(self): ...\nasync def f():\n    def inner(): ...\nx = 1\n") == ["A", "f"]
+    assert defined("@overload\ndef g(x: int) -> int: ...\ndef g(x): ...\n") == ["g"]
     assert len(top_level_names()["main"]) > 1  # the scan reaches the package (several entry points)
 
 
