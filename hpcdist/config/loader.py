@@ -139,7 +139,10 @@ def config_file(path: str | os.PathLike[str]) -> Path:
     """A job config argument -> its file: the path as given, or, when no such file exists and the argument is a bare
     name, the shipped example of that name (``demo``, ``train_13b``: hpcdist.resources ``examples``), so a wheel
     install without the checkout's configs/ can start from one. A file of that name in the directory wins."""
-    p = Path(path).expanduser()
+    try:
+        p = Path(path).expanduser()
+    except RuntimeError:  # ~user of no such user: the path as given, which then "does not exist"
+        p = Path(path)
     name = str(path)
     if not p.exists() and name == p.name and name in resources.names("examples"):
         return resources.path("examples", name)

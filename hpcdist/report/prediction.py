@@ -14,11 +14,15 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 from hpcdist import config as config_mod
+from hpcdist import safe_yaml
 from hpcdist.checkpoint import cadence
 from hpcdist.checkpoint.cadence import Prediction, Recovery, Tier
+from hpcdist.config import loader as config_loader
 from hpcdist.report.rundata import RunData
-from hpcdist.rundir import RunDir
+from hpcdist.untrusted import one_line
 
 __all__ = ["RunPrediction", "predict_run"]
 
@@ -60,15 +64,22 @@ def _recovery(data: RunData, cfg: config_mod.JobConfig, nodes: int, step_s: floa
 
 def predict_run(data: RunData) -> RunPrediction | str:
     """The prediction for the run in ``data``, or a line saying which input is missing."""
-    try:
-        cfg = config_mod.load(RunDir(data.root).config)
-    except (config_mod.ConfigError, OSError) as e:
-        return f"no prediction: the run's config.yaml does not load ({str(e).splitlines()[0]})"
     step_s = _step_s(data)
     saves = data.saves
     shared_n, local_n = int(saves.get("saves_shared", 0)), int(saves.get("saves_local", 0))
     if step_s is None or shared_n == 0:
         return "no prediction yet: the run has not measured a step and a shared checkpoint save"
+    # the config as the report read it (bounded, never through a link or a FIFO), not the file again
+    problems: list[str] = []
+    try:
+        tree = safe_yaml.load_text(data.config_text) if data.config_text else None
+        if not isinstance(tree, dict):
+            raise ValueError("not a mapping")
+        cfg = config_loader.build(config_mod.JobConfig, tree, "", problems)
+    except (yaml.YAMLError, ValueError) as e:
+        problems.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if problems:
+        return f"no prediction: the run's config.yaml does not load ({one_line(problems[0])})"
     nodes = max(1, len(set(data.hosts)))
     try:
         facts = cadence.failure_facts(cfg, nodes)
