@@ -1,6 +1,6 @@
 """``hpcdist`` command line: argparse and dispatch only. Each command's body lives beside its library
 (COMMANDS names it as ``module:function``, imported only when that command runs: ``--help`` loads no torch) and
-returns the exit status; a refusal is a ``hpcdist.errors.CommandError``. ``main`` is the one error wrapper: a
+returns the exit status; a refusal is a ``hpcdist.base.errors.CommandError``. ``main`` is the one error wrapper: a
 refusal or a configuration error prints one line, no traceback (exit 2 unless the command says otherwise); Ctrl-C
 prints one line (exit 130); anything unforeseen prints one line naming the error and the file that holds its
 traceback (exit 1)."""
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcdist import signals
+from hpcdist.base import signals
 
 DEFAULT_GLOB = "*.txt,*.jsonl,*.jsonl.gz,*.parquet"  # prepare / tokenizer train: files inside directories
 
@@ -722,7 +722,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # first, before torch and numpy are imported: a stop signal during the imports and checks is remembered (the
-    # trainer's stop flag acts on it) instead of killing the rank or breaking an import half-way (hpcdist.signals)
+    # trainer's stop flag acts on it) instead of killing the rank or breaking an import half-way (hpcdist.base.signals)
     signals.hold()
     try:
         try:
@@ -755,11 +755,11 @@ def _main(argv: Sequence[str] | None) -> int:
         # only a training run has a stop flag to take the held signals over: every other command (some run for
         # hours) gets Ctrl-C's KeyboardInterrupt (-> main's one line) and the other signals' normal action back now
         signals.release()
+    from hpcdist.base.errors import CommandError
     from hpcdist.config import ConfigError
-    from hpcdist.errors import CommandError
 
     # the one error wrapper: a command's refusal (CommandError, raised by the command or turned from its library's
-    # errors by hpcdist.errors.refusing) and a config error are one line; anything else is _unexpected
+    # errors by hpcdist.base.errors.refusing) and a config error are one line; anything else is _unexpected
     try:
         return _dispatch(args)
     except CommandError as e:
@@ -778,8 +778,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _unexpected(e: BaseException, args: argparse.Namespace) -> int:
-    """One line naming the error and where its traceback went (hpcdist.errors.keep_traceback), exit 1."""
-    from hpcdist.errors import keep_traceback
+    """One line naming the error and where its traceback went (hpcdist.base.errors.keep_traceback), exit 1."""
+    from hpcdist.base.errors import keep_traceback
 
     return _fail(f"unexpected error: {keep_traceback(e, _run_dir(args))}", code=1)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hpcdist.base.errors import CommandError, refusing
 from hpcdist.checkpoint.errors import CheckpointMismatch
 from hpcdist.checkpoint.state import STATE_FILE
 from hpcdist.config import ConfigError, JobConfig
@@ -31,7 +32,6 @@ from hpcdist.config.dataset_meta import load_meta
 from hpcdist.config.vocab import DataError, check_same_tokenizer
 from hpcdist.data import BatchLoader, ResumableSampler, TokenDataset, Tokenizer, load_tokenizer
 from hpcdist.data.tokenizers import TokenizerError
-from hpcdist.errors import CommandError, refusing
 from hpcdist.hf.import_ import HFWeights
 from hpcdist.hf.source import find_checkpoint, load_fqn, load_run_tokenizer, run_config, saved_shapes
 from hpcdist.models.args import ModelArgs
@@ -245,7 +245,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 @refusing("eval", ValueError, OSError)  # bad input of any kind: one line
 def cmd_eval(args: argparse.Namespace) -> int:
-    from hpcdist.atomic import atomic_write
+    from hpcdist.base.atomic import atomic_write
 
     if is_hf_dir(args.checkpoint):  # its tokenizer, seq_len and batch sizes come from the run: a HF directory has none
         raise CommandError(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hpcdist.logging_utils import get_logger
+from hpcdist.base.logging_utils import get_logger
 
 if TYPE_CHECKING:
     from hpcdist.config import OptimConfig

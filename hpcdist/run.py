@@ -24,19 +24,19 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcdist import config as config_mod
+from hpcdist.base.errors import PeerRankDied
+from hpcdist.base.logging_utils import get_logger, setup_logging
+from hpcdist.base.rundir import RunDir
 from hpcdist.checkpoint.errors import EXIT_IO
 from hpcdist.checkpoint.names import MARKER, step_dir
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
-from hpcdist.errors import PeerRankDied
 from hpcdist.fault import failures
 from hpcdist.fault.hang import collective_timeout_s, configure_collectives
 from hpcdist.fault.rundir_lock import RunDirInUse
 from hpcdist.fault.stop import StopFlag, StopReason
-from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.planning import layouts as planner
 from hpcdist.rankfacts import RankFacts, rank_facts
-from hpcdist.rundir import RunDir
 from hpcdist.trainer import Trainer, TrainResult
 
 __all__ = ["JobEnvironment", "main", "plan_rank", "process_group_env", "train"]

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from hpcdist import agree
 from hpcdist import config as config_mod
+from hpcdist.base.logging_utils import get_logger, setup_logging
+from hpcdist.base.rundir import RunDir
 from hpcdist.checkpoint.checkpointer import Checkpointer
 from hpcdist.checkpoint.errors import CheckpointMismatch
 from hpcdist.checkpoint.state import Checkpointable
@@ -35,14 +37,12 @@ from hpcdist.fault.nonfinite import NonFiniteError, NonFiniteGuard
 from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
 from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.fault.triage import HardwareFault, ModelDiverged, SkippedSamples, Triage
-from hpcdist.logging_utils import get_logger, setup_logging
 from hpcdist.metrics.observer import Observer, StepRecord
 from hpcdist.models import build_model, flops_per_token, num_params
 from hpcdist.optim import apply_optim_config
 from hpcdist.parallel.dims import describe_layout
 from hpcdist.parallel.parallelize import build_strategy
 from hpcdist.rankfacts import RankFacts, rank_facts
-from hpcdist.rundir import RunDir
 
 log = get_logger(__name__)
 

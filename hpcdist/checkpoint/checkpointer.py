@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from hpcdist import agree
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
 from hpcdist.checkpoint.cadence import failure_facts
 from hpcdist.checkpoint.errors import CheckpointMismatch
 from hpcdist.checkpoint.local.layout import expand_dir, open_local_dir, run_key
@@ -31,9 +33,7 @@ from hpcdist.checkpoint.staging import check_staging_fits
 from hpcdist.checkpoint.state import STATE_FILE, Checkpointable
 from hpcdist.config.loader import ConfigError
 from hpcdist.fault.hang import collective_timeout_s
-from hpcdist.logging_utils import get_logger
 from hpcdist.models.hf_config import is_hf_dir
-from hpcdist.rundir import RunDir
 
 if TYPE_CHECKING:
     import torch

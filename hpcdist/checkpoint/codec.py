@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from hpcdist.atomic import atomic_write
+from hpcdist.base.atomic import atomic_write
 from hpcdist.checkpoint import directio
 from hpcdist.checkpoint import manifest as manifest_io
 from hpcdist.checkpoint.manifest import (

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from hpcdist.base.errors import refusing
 from hpcdist.checkpoint.codec import HashingReader, single_process_dcp
 from hpcdist.checkpoint.errors import describe_error
 from hpcdist.checkpoint.manager import CheckpointManager
@@ -35,7 +36,6 @@ from hpcdist.checkpoint.manifest import tensor_encoding
 from hpcdist.checkpoint.names import MARKER
 from hpcdist.checkpoint.state import STATE_FILE
 from hpcdist.config.loader import ConfigError
-from hpcdist.errors import refusing
 
 __all__ = ["ConvertError", "Converted", "cmd_convert", "convert", "read_state"]
 

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from hpcdist import agree
+from hpcdist.base.logging_utils import get_logger
 from hpcdist.checkpoint.codec import HashingReader, read_metadata, single_process_dcp
 from hpcdist.checkpoint.errors import (
     READ_DAMAGE,
@@ -36,7 +37,6 @@ from hpcdist.checkpoint.ranks import Ranks
 from hpcdist.checkpoint.state import RANK_DIR, STATE_FILE, Checkpointable, set_rng_state
 from hpcdist.checkpoint.storage import Storage, read_step_record
 from hpcdist.checkpoint.verify import check_model_shapes, model_diff
-from hpcdist.logging_utils import get_logger
 
 READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)  # a transient read error is tried again after each of these, then refused
 log = get_logger(__name__)

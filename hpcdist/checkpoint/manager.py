@@ -61,6 +61,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hpcdist import agree
+from hpcdist.base.logging_utils import get_logger
 from hpcdist.checkpoint.codec import KILL_WRITER_ENV, HashingWriter, PartSpec, single_process_dcp, writer_thread_errors
 from hpcdist.checkpoint.errors import (
     READ_DAMAGE,
@@ -97,7 +98,6 @@ from hpcdist.checkpoint.storage import (
 from hpcdist.checkpoint.verify import verify_checkpoint
 from hpcdist.config.dirs import trusted_uids
 from hpcdist.config.loader import ConfigError
-from hpcdist.logging_utils import get_logger
 
 KILL_ENV = "HPCDIST_TEST_KILL_IN_SAVE"  # test-only fault injection, see _test_kill_point
 log = get_logger(__name__)

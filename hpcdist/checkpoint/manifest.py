@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist.agree import gather
-from hpcdist.atomic import atomic_write, file_sha256
+from hpcdist.base.atomic import atomic_write, file_sha256
 from hpcdist.checkpoint.errors import READ_DAMAGE, read_kind
 from hpcdist.checkpoint.names import DAMAGED, MARKER
 from hpcdist.checkpoint.ranks import Ranks

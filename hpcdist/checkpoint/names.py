@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from hpcdist.logging_utils import get_logger
+from hpcdist.base.logging_utils import get_logger
 
 MARKER = "COMPLETE"
 DAMAGED = "DAMAGED"  # a COMPLETE marker renamed after the checkpoint failed verification

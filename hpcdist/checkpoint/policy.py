@@ -16,8 +16,8 @@ import statistics
 import time
 from collections import deque
 
+from hpcdist.base.logging_utils import get_logger
 from hpcdist.checkpoint import cadence
-from hpcdist.logging_utils import get_logger
 
 log = get_logger(__name__)
 

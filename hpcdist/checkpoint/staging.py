@@ -28,12 +28,12 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint import _async_process_executor as ape  # process-based async save
 from torch.distributed.elastic.utils.distributed import get_free_port
 
+from hpcdist.base.logging_utils import get_logger
 from hpcdist.checkpoint.codec import HashingWriter, single_process_dcp
 from hpcdist.checkpoint.errors import describe_error, error_of
 from hpcdist.checkpoint.manifest import MANIFEST, PARTS_DIR, write_part
 from hpcdist.checkpoint.ranks import Ranks
 from hpcdist.config.loader import ConfigError
-from hpcdist.logging_utils import get_logger
 from hpcdist.models.hf_directory import available_memory
 
 log = get_logger(__name__)

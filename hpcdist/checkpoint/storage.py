@@ -25,11 +25,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from hpcdist.atomic import UntrustedFile, atomic_write, atomic_writer, open_regular_file
+from hpcdist.base.atomic import UntrustedFile, atomic_write, atomic_writer, open_regular_file
+from hpcdist.base.logging_utils import get_logger
 from hpcdist.checkpoint.names import DAMAGED, MARKER, list_checkpoints, parse_step, step_of, warn_skipped
 from hpcdist.config.dirs import tree_trust_problems
 from hpcdist.config.loader import ConfigError
-from hpcdist.logging_utils import get_logger
 
 log = get_logger(__name__)
 NEARLY_FULL = 64 << 20  # bytes free: below this an error is the storage's (a percentage means nothing on a petabyte)

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist import resources
+from hpcdist.base.rundir import RunDir
+from hpcdist.base.signals import parse_signal
 from hpcdist.config import loader
 from hpcdist.config import nccl_profiles as nccl
 from hpcdist.config.loader import ConfigError
-from hpcdist.rundir import RunDir
-from hpcdist.signals import parse_signal
 
 __all__ = [
     "DEFAULT_EFFICIENCY",

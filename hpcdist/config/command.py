@@ -10,9 +10,9 @@ import sys
 from typing import Any
 
 from hpcdist import config as config_mod
+from hpcdist.base.errors import CommandError
 from hpcdist.config import loader, reference
 from hpcdist.config.schema import JobConfig, ModelConfig
-from hpcdist.errors import CommandError
 from hpcdist.models.args import load_preset
 
 

@@ -14,10 +14,10 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from hpcdist.base.owners import user_name, writer_problem  # user_name: also this module's API
+from hpcdist.base.rundir import RunDir
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.schema import JobConfig
-from hpcdist.owners import user_name, writer_problem  # user_name: also this module's API
-from hpcdist.rundir import RunDir
 
 __all__ = ["check_run_dir", "tree_trust_problems", "trusted_uids", "user_name"]
 
@@ -82,7 +82,7 @@ def _foreign_link(path: Path) -> str | None:
 
 def _append_only_problem(path: Path) -> str | None:
     """Why hpcdist could not append to ``path`` (metrics.jsonl, failures.jsonl, jobs.jsonl), said before any
-    process starts; hpcdist.atomic.open_append refuses the same at the write."""
+    process starts; hpcdist.base.atomic.open_append refuses the same at the write."""
     try:
         st = os.lstat(path)
     except OSError:

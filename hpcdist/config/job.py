@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from hpcdist.atomic import atomic_write
+from hpcdist.base.atomic import atomic_write
 from hpcdist.config import loader, rules, vocab
 from hpcdist.config.loader import ConfigError
 from hpcdist.config.schema import JobConfig

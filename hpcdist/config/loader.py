@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from hpcdist import resources, safe_yaml
+from hpcdist import resources
+from hpcdist.base import safe_yaml
 from hpcdist.config.schema import RunConfig
 from hpcdist.models.args import load_preset
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import yaml
 
-from hpcdist import resources, safe_yaml
+from hpcdist import resources
+from hpcdist.base import safe_yaml
+from hpcdist.base.signals import parse_signal
 from hpcdist.config.loader import ConfigError
-from hpcdist.signals import parse_signal
 
 __all__ = ["AUTO", "AUTO_VARS", "Profile", "expects_infiniband", "load_profile", "profile_names", "signal_conflict"]
 

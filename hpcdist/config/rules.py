@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpcdist.base.signals import parse_signal
 from hpcdist.checkpoint.names import MARKER
 from hpcdist.config import layout
 from hpcdist.config.layout import STRATEGIES, LayoutKind
@@ -25,7 +26,6 @@ from hpcdist.config.schema import ACTIVATION_CHECKPOINTING, COMPILE_BACKENDS, Jo
 from hpcdist.models import hf_config
 from hpcdist.models.args import MODEL_MAXIMA
 from hpcdist.models.hf_directory import open_hf_dir
-from hpcdist.signals import parse_signal
 
 __all__ = [
     "BOUNDED_BY_RULES",

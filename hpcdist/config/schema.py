@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from hpcdist.base.rundir import RunDir
 from hpcdist.byte_vocab import BYTE_VOCAB
 from hpcdist.models.args import ModelArgs
-from hpcdist.rundir import RunDir
 
 __all__ = [
     "ACTIVATION_CHECKPOINTING",

@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcdist.atomic import atomic_write
+from hpcdist.base.atomic import atomic_write
+from hpcdist.base.untrusted import DamagedRecord, one_line, read_jsonl_prefix
 from hpcdist.config.dataset_meta import (
     META_NAME,
     DataError,
@@ -40,7 +41,6 @@ from hpcdist.config.dataset_meta import (
     write_meta,
 )
 from hpcdist.data.slices import Piece, plan_slices
-from hpcdist.untrusted import DamagedRecord, one_line, read_jsonl_prefix
 
 __all__ = [
     "JOBS_NAME",

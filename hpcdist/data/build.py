@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
 from hpcdist.config import ConfigError, JobConfig
 from hpcdist.config.dataset_meta import DataError
 from hpcdist.config.vocab import data_eos
@@ -24,8 +26,6 @@ from hpcdist.data.corpora import stdlib_corpus
 from hpcdist.data.prepare import prepare_shards
 from hpcdist.data.shards import EOS_PROBE_TOKENS, SampleDataset, SyntheticDataset, TokenDataset, eos_count
 from hpcdist.data.tokenizers import ByteTokenizer
-from hpcdist.logging_utils import get_logger
-from hpcdist.rundir import RunDir
 
 __all__ = ["PreparationFailed", "build_datasets", "document_eos"]
 

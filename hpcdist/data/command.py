@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpcdist.errors import CommandError, refusing
+from hpcdist.base.errors import CommandError, refusing
 
 
 def _inputs(items: Sequence[Path], globs: str) -> list[Path]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdist.atomic import atomic_write
+from hpcdist.base.atomic import atomic_write
 from hpcdist.config.dataset_meta import FORMAT_VERSION, read_meta_json, withdraw_meta, write_meta
 from hpcdist.data.prepare import PrepareResult, claim_output, is_intact, own_files
 from hpcdist.data.shards import DTYPES, SHARD_PATTERN

@@ -31,7 +31,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from hpcdist.atomic import atomic_write
+from hpcdist.base.atomic import atomic_write
+from hpcdist.base.untrusted import DamagedRecord, read_jsonl_prefix
 from hpcdist.config.dataset_meta import (
     FORMAT_VERSION,
     META_NAME,
@@ -47,7 +48,6 @@ from hpcdist.data import corpora
 from hpcdist.data.shards import DTYPES, SHARD_PATTERN, verify_shard
 from hpcdist.data.slices import Piece, iter_piece
 from hpcdist.data.tokenizers import TOKENIZER_DIR, ByteTokenizer, Tokenizer, copy_files, describe
-from hpcdist.untrusted import DamagedRecord, read_jsonl_prefix
 
 __all__ = ["PrepareRefused", "PrepareResult", "prepare_corpus", "prepare_shards"]
 

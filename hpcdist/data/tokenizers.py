@@ -23,7 +23,7 @@ import numpy as np
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFCoreTokenizer
 
-from hpcdist.atomic import atomic_write, file_sha256
+from hpcdist.base.atomic import atomic_write, file_sha256
 from hpcdist.byte_vocab import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_TOKENS, BYTE_VOCAB
 from hpcdist.config.dataset_meta import DataError, load_meta, read_meta_json
 from hpcdist.data import corpora

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from hpcdist import __version__ as hpcdist_version
+from hpcdist.base.signals import parse_signal
 from hpcdist.env import DistEnv
-from hpcdist.signals import parse_signal
 
 __all__ = ["Finding", "collect_local", "distinct", "field", "findings", "is_secret", "masked_environ"]
 

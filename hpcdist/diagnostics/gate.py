@@ -58,9 +58,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcdist.errors import CommandError
+from hpcdist.base.errors import CommandError
+from hpcdist.base.untrusted import one_line
 from hpcdist.fault.health import DEFAULT_DEVICE_TIMEOUT_S, DEFAULT_TIMEOUT_S, record_unhealthy
-from hpcdist.untrusted import one_line
 
 __all__ = ["CHECKS", "NodeHealth", "check_node", "cmd_health"]
 
@@ -83,7 +83,7 @@ HARDWARE_XIDS = frozenset({48, 61, 62, 64, 74, 79, 95, 119, 120})
 DEFAULT_XID_WINDOW_S = 24 * 3600.0  # "recent": an Xid older than this is taken as dealt with (reset, drained, back)
 # "[ 1234.567890] NVRM: Xid (PCI:0000:3b:00): 79, pid=..., ...": the bracket is seconds since boot (dmesg's default)
 # The location is text on the Xid's own line (a newline inside the parentheses is no location), printed through
-# hpcdist.untrusted.one_line (an escape in it is shown, not sent to the terminal); a reason lists at most
+# hpcdist.base.untrusted.one_line (an escape in it is shown, not sent to the terminal); a reason lists at most
 # _MAX_XID_LINES GPU/Xid pairs: 20,000 distinct Xids are one short reason.
 _XID_LINE = re.compile(r"^(?:\[\s*(\d{1,10})(?:\.\d+)?\])?.*?NVRM: Xid \(([^)\n]{1,64})\): (\d{1,5})\b", re.MULTILINE)
 _MAX_XID_LINES = 16

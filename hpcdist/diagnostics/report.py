@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from hpcdist.atomic import atomic_write
+from hpcdist.base.atomic import atomic_write
 from hpcdist.diagnostics.audit import Finding, distinct, field
 from hpcdist.diagnostics.finder import Outlier
 from hpcdist.diagnostics.verdict import Verdict

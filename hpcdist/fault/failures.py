@@ -38,12 +38,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import append_line, atomic_write
+from hpcdist.base.atomic import append_line, atomic_write
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
+from hpcdist.base.untrusted import DamagedRecord, read_jsonl
 from hpcdist.fault.supervise import TASK_INFO_ENV  # the supervisor names a file there; the rank says who it is in it
-from hpcdist.logging_utils import get_logger
-from hpcdist.rundir import RunDir
 from hpcdist.schedulers import JobFacts, job_facts
-from hpcdist.untrusted import DamagedRecord, read_jsonl
 
 __all__ = [
     "TASK_INFO_ENV",
@@ -123,7 +123,7 @@ def failure_record(
 def record(run_dir: str | os.PathLike[str], **fields: Any) -> dict[str, Any]:
     """Append one event (:func:`failure_record`'s keywords) to <run_dir>/failures.jsonl and return it.
 
-    One ``os.write`` of one line on an O_APPEND descriptor (hpcdist.atomic.append_line): ranks appending at the
+    One ``os.write`` of one line on an O_APPEND descriptor (hpcdist.base.atomic.append_line): ranks appending at the
     same moment do not interleave their lines on a local or Lustre/GPFS file system.
     """
     rec = failure_record(**fields)
@@ -139,7 +139,7 @@ def read_failures(
 ) -> list[dict[str, Any]]:
     """Records of failures.jsonl (optionally of one job / one restart), from its last _FAILURES_MAX_BYTES.
 
-    Read as records anyone could have written (hpcdist.untrusted): a line that does not parse, or is no failure
+    Read as records anyone could have written (hpcdist.base.untrusted): a line that does not parse, or is no failure
     record (no ``kind``), is skipped; the fields the restart policy reads are made their types (:func:`_valid`).
     DamagedRecord when the file is a link, a FIFO or no regular file."""
     out = []
@@ -193,7 +193,7 @@ _HEALTH_TAIL_BYTES = 4 << 20  # the newest records: a gate verdict is one short 
 def unhealthy_hosts(run_dir: str | os.PathLike[str], *, job_id: str | None = None) -> dict[str, str]:
     """host -> the cause of its newest ``health`` record (of job ``job_id`` when given), from the last
     _HEALTH_TAIL_BYTES of failures.jsonl (never through a link, never more however large the file grew). Both as
-    written: print them through hpcdist.untrusted.one_line."""
+    written: print them through hpcdist.base.untrusted.one_line."""
     try:
         recs = read_jsonl(_failures_path(run_dir), _HEALTH_TAIL_BYTES)
     except DamagedRecord:  # a link, not a regular file: nothing to show

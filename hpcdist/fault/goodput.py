@@ -35,10 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import atomic_write
-from hpcdist.logging_utils import get_logger
-from hpcdist.rundir import RunDir
-from hpcdist.untrusted import DamagedRecord, one_line, read_json
+from hpcdist.base.atomic import atomic_write
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
+from hpcdist.base.untrusted import DamagedRecord, one_line, read_json
 
 __all__ = [
     "CATEGORIES",
@@ -122,7 +122,7 @@ _MAX_BYTES = 16 << 20  # one entry per attempt, a few hundred bytes each
 
 def _load(path: Path) -> dict[str, Any]:
     """goodput.json as its entries' arithmetic needs it; empty when missing or damaged. An accounting file never
-    stops training: it is read as a record anyone could have written (hpcdist.untrusted), an entry without a
+    stops training: it is read as a record anyone could have written (hpcdist.base.untrusted), an entry without a
     numeric start is dropped, and every field of the wrong type is (:func:`_goodput_entry`)."""
     try:
         data = read_json(path, _MAX_BYTES)

@@ -49,10 +49,10 @@ from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcdist.atomic import atomic_write
+from hpcdist.base.atomic import atomic_write
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
 from hpcdist.fault import failures
-from hpcdist.logging_utils import get_logger
-from hpcdist.rundir import RunDir
 from hpcdist.schedulers import job_facts
 
 __all__ = [

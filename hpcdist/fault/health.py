@@ -11,9 +11,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from hpcdist.base.untrusted import parse_jsonl
 from hpcdist.fault.failures import record
 from hpcdist.schedulers import JobFacts
-from hpcdist.untrusted import parse_jsonl
 
 __all__ = [
     "DEFAULT_DEVICE_TIMEOUT_S",

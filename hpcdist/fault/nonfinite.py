@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hpcdist.logging_utils import get_logger
+from hpcdist.base.logging_utils import get_logger
 
 __all__ = ["NonFiniteError", "NonFiniteGuard"]
 

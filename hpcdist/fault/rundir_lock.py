@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
 from hpcdist.config.loader import ConfigError
-from hpcdist.logging_utils import get_logger
-from hpcdist.rundir import RunDir
 from hpcdist.schedulers import job_facts
 
 __all__ = ["RunDirInUse", "RunDirLock"]

@@ -8,10 +8,10 @@ Signals (both configurable through ``fault``):
   StopReason.TERMINATE (checkpoint and exit without requeueing; a preempting SLURM requeues the job itself when
   configured to);
 - SIGINT (Ctrl-C): StopReason.INTERRUPT, like SIGTERM; a second Ctrl-C aborts at once: one line, exit 130, no
-  checkpoint (hpcdist.signals.abort; a save it cuts short has no COMPLETE marker, so nothing resumes from it).
+  checkpoint (hpcdist.base.signals.abort; a save it cuts short has no COMPLETE marker, so nothing resumes from it).
 
 The handlers are installed by hpcdist.run before the long start-up (data, model, resume), and take over the
-signals that the entry point held from its first line (hpcdist.signals.hold: imports, config, data checks), so a
+signals that the entry point held from its first line (hpcdist.base.signals.hold: imports, config, data checks), so a
 signal that arrives at any time is remembered and acted on after the first step instead of killing the rank (USR2's
 default action).
 
@@ -33,9 +33,9 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from hpcdist.logging_utils import get_logger
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.signals import abort, parse_signal, previous_handler, release, stop_exit_code
 from hpcdist.schedulers import JobFacts, job_facts
-from hpcdist.signals import abort, parse_signal, previous_handler, release, stop_exit_code
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +103,7 @@ class StopFlag:
         ours = (self.requeue_signal, signal.SIGTERM, signal.SIGINT, *extra)
         for sig in ours:
             self._previous[sig] = previous_handler(sig, signal.signal(sig, self._on_signal))
-        for sig in release(ours):  # arrived during the imports and checks (hpcdist.signals.hold): act on them now
+        for sig in release(ours):  # arrived during the imports and checks (hpcdist.base.signals.hold): act on them now
             self._on_signal(sig, None)
         if self.job.job_id:
             log.info(

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from hpcdist.atomic import append_line  # standard library only, like this module
+from hpcdist.base.atomic import append_line  # standard library only, like this module
 
 TASK_INFO_ENV = "HPCDIST_TASK_INFO"  # imported by hpcdist.fault.failures (one name for both sides)
 # Signals SLURM (or a user) sends to a step: the rank must see them even when only its supervisor is signalled.

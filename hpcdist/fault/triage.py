@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 
 from hpcdist.agree import world_group, worst
-from hpcdist.atomic import UntrustedFile, atomic_write, read_trusted
+from hpcdist.base.atomic import UntrustedFile, atomic_write, read_trusted
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
 from hpcdist.fault import failures
 from hpcdist.fault.nonfinite import NonFiniteError
-from hpcdist.logging_utils import get_logger
-from hpcdist.rundir import RunDir
 
 __all__ = ["HardwareFault", "ModelDiverged", "SkippedSamples", "Triage", "TriageVerdict"]
 
@@ -63,7 +63,7 @@ class TriageVerdict:
 
 class SkippedSamples:
     """<run.dir>/skipped_samples.json: ``{"num_samples": N, "ids": [...], "why": {id: text}}``, written by rank 0,
-    read by every rank at start-up. Another user could have written it: read only if trusted (hpcdist.atomic),
+    read by every rank at start-up. Another user could have written it: read only if trusted (hpcdist.base.atomic),
     bounded, every id validated; a file made for other data is refused naming the fix."""
 
     def __init__(self, run_dir: str | os.PathLike[str]):

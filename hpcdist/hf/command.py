@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from hpcdist.errors import refusing
+from hpcdist.base.errors import refusing
 
 
 @refusing("export", ValueError, OSError)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hpcdist.atomic import atomic_write, follow_umask
+from hpcdist.base.atomic import atomic_write, follow_umask
 from hpcdist.hf.convert import fqn_names, fqn_to_hf, to_hf_tensor
 from hpcdist.hf.source import (
     ConversionError,

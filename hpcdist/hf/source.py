@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from hpcdist.base.rundir import RunDir
 from hpcdist.checkpoint.codec import HashingReader, read_metadata, single_process_dcp
 from hpcdist.checkpoint.errors import describe_error
 from hpcdist.checkpoint.manager import CheckpointManager
@@ -25,7 +26,6 @@ from hpcdist.checkpoint.names import MARKER, latest
 from hpcdist.checkpoint.state import STATE_FILE
 from hpcdist.data.tokenizers import Tokenizer, TokenizerError, load_tokenizer, recorded_tokenizer
 from hpcdist.models.args import ModelArgs
-from hpcdist.rundir import RunDir
 
 __all__ = [
     "ConversionError",

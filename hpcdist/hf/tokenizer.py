@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import atomic_write
+from hpcdist.base.atomic import atomic_write
 from hpcdist.data.tokenizers import TOKENIZER_KINDS, Tokenizer, TokenizerError
 
 __all__ = ["export_tokenizer"]

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcdist.base.untrusted import one_line
 from hpcdist.fault.failures import record
 from hpcdist.fault.health import (
     DEFAULT_DEVICE_TIMEOUT_S,
@@ -51,7 +52,6 @@ from hpcdist.fault.health import (
 )
 from hpcdist.launch import restarts
 from hpcdist.schedulers import ATTEMPT_ENV, JobFacts, job_facts, launcher
-from hpcdist.untrusted import one_line
 
 __all__ = ["AttemptPlan", "choose_nodes", "main", "plan_from_env", "run_gate", "step_for"]
 

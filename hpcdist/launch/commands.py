@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import UntrustedFile
-from hpcdist.errors import CommandError, PeerRankDied, refusing
+from hpcdist.base.atomic import UntrustedFile
+from hpcdist.base.errors import CommandError, PeerRankDied, refusing
 from hpcdist.launch.submit import LaunchError
 from hpcdist.schedulers import SchedulerError, launcher
 

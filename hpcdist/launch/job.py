@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 
+from hpcdist.base.logging_utils import log0
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.fault.stop import StopReason
 from hpcdist.launch import restarts
 from hpcdist.launch.nccl import PROFILE_ENV, apply_to_environ
-from hpcdist.logging_utils import log0
 
 __all__ = ["SlurmEnvironment"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import atomic_write
+from hpcdist.base.atomic import atomic_write
 from hpcdist.data.array import (
     JOBS_NAME,
     KILL_ENV,
@@ -173,9 +173,9 @@ def submit_prepare(
 def cmd_prepare_cluster(args: argparse.Namespace) -> int:
     """``hpcdist prepare INPUTS --out DIR --cluster PROFILE --tasks N [--dry-run] [--after JOB]`` (hpcdist.cli sends
     ``prepare --cluster`` here: the SLURM side lives in hpcdist.launch)."""
+    from hpcdist.base.errors import CommandError, LaunchError, refusing
     from hpcdist.config import ConfigError
     from hpcdist.data.command import check_prepare_args, prepare_inputs
-    from hpcdist.errors import CommandError, LaunchError, refusing
 
     @refusing("prepare", ValueError, OSError)
     def run() -> int:

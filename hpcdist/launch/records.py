@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hpcdist.atomic import UntrustedFile, append_line, read_trusted
+from hpcdist.base.atomic import UntrustedFile, append_line, read_trusted
+from hpcdist.base.rundir import RunDir
+from hpcdist.base.untrusted import one_line, parse_jsonl
 from hpcdist.fault.failures import unhealthy_hosts
 from hpcdist.report.rundata import checkpoint_tiers, read_ledger, read_records
-from hpcdist.rundir import RunDir
-from hpcdist.untrusted import one_line, parse_jsonl
 
 __all__ = [
     "UntrustedFile",

@@ -32,15 +32,15 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import atomic_write, read_bounded
+from hpcdist.base.atomic import atomic_write, read_bounded
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
+from hpcdist.base.untrusted import DamagedRecord, one_line, read_json
 from hpcdist.fault.failures import failure_record, primary_failure, read_failures, record
 from hpcdist.fault.goodput import mark_attempt_end
 from hpcdist.fault.stop import StopReason, signal_number
 from hpcdist.launch.requeue import requeue
-from hpcdist.logging_utils import get_logger
-from hpcdist.rundir import RunDir
 from hpcdist.schedulers import JobFacts, job_facts, launcher
-from hpcdist.untrusted import DamagedRecord, one_line, read_json
 
 __all__ = [
     "FailureDecision",
@@ -120,7 +120,7 @@ _REQUEUED = ("time_limit", "failure")  # what an attempt's "requeued" can say; a
 def load_ledger(run_dir: str | os.PathLike[str], job_id: str | None) -> dict[str, Any]:
     """The ledger of ``job_id``; a fresh one when the file is missing, damaged, or belongs to another job.
 
-    Read as a record someone else could have written (hpcdist.untrusted): every field the restart policy decides
+    Read as a record someone else could have written (hpcdist.base.untrusted): every field the restart policy decides
     by is checked here, once, and a value of the wrong type is dropped, so a damaged ledger can neither crash the
     attempt loop or after-step nor make a failed attempt look requeued."""
     try:
@@ -584,7 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.exit_code
     else:
         p.error("after-step needs --run-dir or CONFIG")
-    from hpcdist.logging_utils import setup_logging
+    from hpcdist.base.logging_utils import setup_logging
 
     setup_logging(0)
     return after_step(run_dir, args.exit_code, policy, job)

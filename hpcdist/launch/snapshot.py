@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcdist.atomic import atomic_write
-from hpcdist.errors import LaunchError
-from hpcdist.rundir import RunDir
+from hpcdist.base.atomic import atomic_write
+from hpcdist.base.errors import LaunchError
+from hpcdist.base.rundir import RunDir
 
 __all__ = ["IGNORED_DIRS", "MAX_MB_ENV", "Snapshot", "create_snapshot", "package_source"]
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from hpcdist import config as config_mod
+from hpcdist.base.errors import LaunchError
 from hpcdist.config import ConfigError
 from hpcdist.config.cluster import ClusterConfig, _one_line, load_cluster
-from hpcdist.errors import LaunchError
 from hpcdist.launch.nccl import PROFILE_ENV
 from hpcdist.launch.task import TrainTask
 from hpcdist.schedulers import SchedulerError, launcher
@@ -739,6 +739,6 @@ def submit_chain(
 
 def snapshot_placeholder(run_dir: str) -> str:
     """What a dry run shows for the snapshot that submit would create (its name has the submission time)."""
-    from hpcdist.rundir import RunDir
+    from hpcdist.base.rundir import RunDir
 
     return str(RunDir(run_dir).code_snapshot("<time>-<pid>"))

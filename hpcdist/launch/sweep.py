@@ -19,16 +19,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import atomic_write
+from hpcdist.base.atomic import atomic_write
+from hpcdist.base.rundir import RunDir
+from hpcdist.base.untrusted import DamagedRecord, one_line, read_json
 from hpcdist.config import ConfigError
 from hpcdist.config.cluster import ClusterConfig
 from hpcdist.config.loader import config_file
 from hpcdist.launch.records import last_step
 from hpcdist.launch.submit import JobHandle, describe_executor, launch, prepare, render_job_script, snapshot_placeholder
 from hpcdist.launch.task import TrainTask
-from hpcdist.rundir import RunDir
 from hpcdist.schedulers import SchedulerError, launcher
-from hpcdist.untrusted import DamagedRecord, one_line, read_json
 
 __all__ = ["expand_sweep", "submit_sweep", "sweep_status", "task_name"]
 
@@ -75,7 +75,7 @@ def expand_sweep(sweeps: Sequence[str] = (), sweep_file: str | os.PathLike[str] 
 
 
 def _read_sweep_file(path: Path, problems: list[str]) -> list[list[str]]:
-    from hpcdist import safe_yaml
+    from hpcdist.base import safe_yaml
 
     try:
         data = safe_yaml.load_file(path)
@@ -191,7 +191,7 @@ def _find_record(job_id: str, run_dir: str | os.PathLike[str] | None) -> dict[st
         if folder is not None:
             candidates += [RunDir(folder.parent).sweep, RunDir(folder).sweep]
     for path in candidates:
-        try:  # a run dir's record anyone there could have written: bounded, no FIFO, no link (hpcdist.untrusted)
+        try:  # a run dir's record anyone there could have written: bounded, no FIFO, no link (hpcdist.base.untrusted)
             record = read_json(path, _RECORD_MAX_BYTES)
         except DamagedRecord:
             continue

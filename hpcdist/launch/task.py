@@ -67,7 +67,7 @@ def result_path(folder: str | os.PathLike[str], job_id: str, rank: int) -> Path:
 
 def write_result(folder: str | os.PathLike[str], job_id: str, rank: int, outcome: tuple[str, Any]) -> None:
     """Record ``("success", value)`` or ``("error", traceback text)`` for task ``rank`` (atomically)."""
-    from hpcdist.atomic import atomic_write
+    from hpcdist.base.atomic import atomic_write
 
     kind, value = outcome
     atomic_write(result_path(folder, job_id, rank), json.dumps({"outcome": kind, "value": value}, default=str))
@@ -76,7 +76,7 @@ def write_result(folder: str | os.PathLike[str], job_id: str, rank: int, outcome
 def read_result(folder: str | os.PathLike[str], job_id: str, rank: int) -> tuple[str, Any] | None:
     """``("success", value)`` / ``("error", traceback)`` from task ``rank``'s record; None when it wrote none, or
     when the file is not one the task wrote (another user's, a link, unreadable, not such a record)."""
-    from hpcdist.atomic import read_trusted
+    from hpcdist.base.atomic import read_trusted
 
     path = result_path(folder, job_id, rank)
     try:
@@ -149,7 +149,7 @@ class TrainTask:
         return value
 
     def _run(self) -> dict[str, Any]:
-        from hpcdist import signals  # standard library only
+        from hpcdist.base import signals  # standard library only
 
         # as in `hpcdist train`: a stop signal during the seconds of torch imports below is
         # remembered, and the stop flag acts on it once installed, instead of submitit's handler (rank 0 only) or

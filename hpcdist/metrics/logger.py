@@ -12,8 +12,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from hpcdist.atomic import open_append
-from hpcdist.rundir import RunDir
+from hpcdist.base.atomic import open_append
+from hpcdist.base.rundir import RunDir
 
 __all__ = ["MetricsLogger", "format_eta", "format_line"]
 
@@ -109,7 +109,7 @@ class MetricsLogger:
         self._tb: Any = None  # torch.utils.tensorboard.SummaryWriter, imported lazily (~1.5 s, rank 0 only)
         if not enabled:
             return
-        # never through a link, never into a FIFO or another user's file (hpcdist.atomic.open_append)
+        # never through a link, never into a FIFO or another user's file (hpcdist.base.atomic.open_append)
         self._file = os.fdopen(open_append(self.path), "a", encoding="utf-8")  # lives until close()
         if tensorboard:
             try:

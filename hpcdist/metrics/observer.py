@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
 from hpcdist.fault import failures
 from hpcdist.fault.goodput import RECOVERY_PARTS
 from hpcdist.fault.stragglers import StragglerMonitor
-from hpcdist.logging_utils import get_logger
 from hpcdist.metrics.logger import MetricsLogger, format_line
 from hpcdist.metrics.profiling import StepProfiler
 from hpcdist.metrics.prometheus import PrometheusExporter
@@ -36,7 +37,6 @@ from hpcdist.metrics.throughput import (
 )
 from hpcdist.metrics.trackers import Trackers
 from hpcdist.parallel.replicas import check_replicas
-from hpcdist.rundir import RunDir
 
 if TYPE_CHECKING:
     from hpcdist.config import JobConfig

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hpcdist.logging_utils import get_logger
-from hpcdist.rundir import RunDir
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
 
 log = get_logger(__name__)
 

@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hpcdist.logging_utils import get_logger
+from hpcdist.base.logging_utils import get_logger
 
 __all__ = ["PrometheusExporter"]
 

@@ -14,9 +14,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from hpcdist.atomic import atomic_write
-from hpcdist.rundir import RunDir
-from hpcdist.untrusted import DamagedRecord, read_json
+from hpcdist.base.atomic import atomic_write
+from hpcdist.base.rundir import RunDir
+from hpcdist.base.untrusted import DamagedRecord, read_json
 
 __all__ = ["format_summary", "previous_best_eval", "write_summary"]
 

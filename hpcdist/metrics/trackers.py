@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import atomic_write
-from hpcdist.logging_utils import get_logger
-from hpcdist.rundir import RunDir
+from hpcdist.base.atomic import atomic_write
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
 
 __all__ = ["Trackers", "load_ids"]
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcdist import resources, safe_yaml
+from hpcdist import resources
+from hpcdist.base import safe_yaml
 from hpcdist.byte_vocab import BYTE_VOCAB
 
 __all__ = [

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, powerSGD_hook
 
-from hpcdist.logging_utils import get_logger
+from hpcdist.base.logging_utils import get_logger
 
 log = get_logger(__name__)
 

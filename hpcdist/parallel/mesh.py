@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from hpcdist.logging_utils import get_logger
+from hpcdist.base.logging_utils import get_logger
 from hpcdist.models.llama import document_ids
 from hpcdist.parallel.base import Strategy, cross_entropy
 from hpcdist.parallel.dims import ParallelDims

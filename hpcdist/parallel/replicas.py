@@ -9,7 +9,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from hpcdist.logging_utils import get_logger
+from hpcdist.base.logging_utils import get_logger
 from hpcdist.parallel.base import Strategy
 
 log = get_logger(__name__)

@@ -9,8 +9,8 @@ import textwrap
 from typing import Any
 
 from hpcdist import config as config_mod
+from hpcdist.base.errors import CommandError, refusing
 from hpcdist.config.command import warn_data
-from hpcdist.errors import CommandError, refusing
 from hpcdist.planning.memory import GIB
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from hpcdist.errors import CommandError, refusing
+from hpcdist.base.errors import CommandError, refusing
 from hpcdist.report.plots import MissingMatplotlib
 
 
 @refusing("report", MissingMatplotlib)
 def cmd_report(args: argparse.Namespace) -> int:
+    from hpcdist.base.rundir import RunDir
     from hpcdist.report.page import write_report
-    from hpcdist.rundir import RunDir
 
     if not args.run_dir.is_dir():
         raise CommandError(f"report: {args.run_dir} is not a directory (give the run's run.dir)")

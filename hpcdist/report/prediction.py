@@ -17,12 +17,12 @@ from typing import Any
 import yaml
 
 from hpcdist import config as config_mod
-from hpcdist import safe_yaml
+from hpcdist.base import safe_yaml
+from hpcdist.base.untrusted import one_line
 from hpcdist.checkpoint import cadence
 from hpcdist.checkpoint.cadence import Prediction, Recovery, Tier
 from hpcdist.config import loader as config_loader
 from hpcdist.report.rundata import RunData
-from hpcdist.untrusted import one_line
 
 __all__ = ["RunPrediction", "predict_run"]
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcdist.atomic import read_bounded
+from hpcdist.base.atomic import read_bounded
+from hpcdist.base.rundir import RunDir
+from hpcdist.base.untrusted import DamagedRecord, read_json, read_jsonl
 from hpcdist.checkpoint.names import MARKER, parse_step
 from hpcdist.fault.failures import read_failures
 from hpcdist.fault.goodput import CATEGORIES, read_goodput, summarize
-from hpcdist.rundir import RunDir
-from hpcdist.untrusted import DamagedRecord, read_json, read_jsonl
 
 __all__ = ["Attempt", "RunData", "checkpoint_tiers", "read_ledger", "read_records"]
 
@@ -32,7 +32,7 @@ _CONFIG_MAX_BYTES = 1 << 20  # config.yaml: a few KiB
 
 def read_records(path: Path, max_bytes: int = _JSONL_MAX_BYTES) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file's newest ``max_bytes``, in order, each line a record of plain values
-    (:func:`_metrics_values`); [] when it is missing, a link, a FIFO or no regular file (hpcdist.untrusted)."""
+    (:func:`_metrics_values`); [] when it is missing, a link, a FIFO or no regular file (hpcdist.base.untrusted)."""
     try:
         return [_metrics_values(r) for r in read_jsonl(path, max_bytes)]
     except DamagedRecord:

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
+from hpcdist.base.rundir import RunDir
 from hpcdist.checkpoint.local.layout import run_key
 from hpcdist.checkpoint.names import MARKER
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.launch.records import checkpoint_tiers_text
 from hpcdist.report.rundata import RunData
-from hpcdist.rundir import RunDir
 from hpcdist.trainer import Trainer
 from tests.dist.harness import run_ranks
 from tests.training import train

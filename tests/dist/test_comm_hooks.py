@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from hpcdist import config as config_mod
+from hpcdist.base.rundir import RunDir
 from hpcdist.checkpoint.names import list_checkpoints
 from hpcdist.checkpoint.state import RANK_DIR
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
 from hpcdist.models import build_model
-from hpcdist.rundir import RunDir
 from tests.conftest import SMALL
 from tests.dist.harness import run_ranks
 from tests.training import train

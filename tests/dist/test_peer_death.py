@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from hpcdist import config as config_mod
+from hpcdist.base.rundir import RunDir
 from hpcdist.fault.failures import read_failures
-from hpcdist.rundir import RunDir
 from tests.dist.harness import free_port, rank_environ
 
 pytestmark = pytest.mark.dist

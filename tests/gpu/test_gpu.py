@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from hpcdist.base.rundir import RunDir
 from hpcdist.env import destroy_process_group, from_environ, init_process_group
-from hpcdist.rundir import RunDir
 from hpcdist.trainer import Trainer
 from tests.dist.harness import free_port
 from tests.training import train

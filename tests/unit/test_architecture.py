@@ -125,7 +125,7 @@ def _edges() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
 # their package read (config's rules and the run report read the checkpoint names without the checkpoint code).
 # Each may import only the standard library and LEAF_MAY_IMPORT; its package's __init__ must import nothing.
 LEAF_MODULES = {"hpcdist.checkpoint.names"}
-LEAF_MAY_IMPORT = {"hpcdist.logging_utils"}
+LEAF_MAY_IMPORT = {"hpcdist.base", "hpcdist.base.logging_utils"}  # the package: a docstring only
 
 
 def _package(module: str) -> str:
@@ -248,11 +248,11 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_nothing_imports_the_cli() -> None:
     """Hpcdist.cli is the top (argparse, dispatch, the one error wrapper); a command body or a library
-    that imports it would put a command back in the CLI. Refusals go through hpcdist.errors, a leaf."""
+    that imports it would put a command back in the CLI. Refusals go through hpcdist.base.errors, a leaf."""
     graph, _ = _edges()
     importers = sorted(m for m, targets in graph.items() if "hpcdist.cli" in targets and m != "hpcdist.__main__")
     assert not importers, f"modules importing hpcdist.cli: {importers}"
-    assert graph["hpcdist.errors"] <= {"hpcdist.atomic", "hpcdist.rundir"}, graph["hpcdist.errors"]
+    assert graph["hpcdist.base.errors"] <= {"hpcdist.base.atomic", "hpcdist.base.rundir"}, graph["hpcdist.base.errors"]
 
 
 @pytest.mark.parametrize("forbidden", ["hpcdist.launch", "hpcdist.planning"])
@@ -533,6 +533,28 @@ def test_observability_is_one_package_whose_summary_loads_no_torch() -> None:
     init = ast.parse((PACKAGE / "metrics" / "__init__.py").read_text())
     assert not [n for n, _ in _walk(init)]
     graph, _ = _edges()
-    light = {"hpcdist.atomic", "hpcdist.rundir", "hpcdist.untrusted", "hpcdist.metrics"}  # standard library only
+    light = {
+        "hpcdist.base",  # the package: a docstring only
+        "hpcdist.base.atomic",
+        "hpcdist.base.rundir",
+        "hpcdist.base.untrusted",
+        "hpcdist.metrics",
+    }  # standard library only
     assert graph["hpcdist.metrics.summary"] <= light
-    assert graph["hpcdist.untrusted"] <= {"hpcdist.atomic"}
+    assert graph["hpcdist.base.untrusted"] <= {"hpcdist.base", "hpcdist.base.atomic"}
+
+
+def test_base_is_a_leaf_every_layer_may_import() -> None:
+    # hpcdist.base holds the standard-library leaves (atomic writes, trust, safe YAML, signals, errors, logging, run-dir
+    # names, the bounded record reader): any layer imports them, so they import nothing of hpcdist outside the folder
+    # and no third-party package but PyYAML (the safe loader), not even lazily
+    base = {m for m in MODULES if m == "hpcdist.base" or m.startswith("hpcdist.base.")}
+    assert len(base) > 5
+    for module in sorted(base):
+        for node, _ in _walk(ast.parse(MODULES[module].read_text())):
+            for target in _resolve(module, node):
+                top = target.split(".")[0]
+                if top == "hpcdist":
+                    assert target in base, (module, target)
+                else:
+                    assert top in sys.stdlib_module_names or top == "yaml", (module, target)

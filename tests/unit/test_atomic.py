@@ -1,4 +1,4 @@
-"""hpcdist.atomic.atomic_write: the one way hpcdist replaces a file, and the rule that nothing else does it."""
+"""hpcdist.base.atomic.atomic_write: the one way hpcdist replaces a file, and the rule that nothing else does it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.atomic import atomic_write
+from hpcdist.base.atomic import atomic_write
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hpcdist"
 
@@ -82,7 +82,7 @@ def test_no_other_module_replaces_files_by_itself() -> None:
     offenders = [
         f"{path.relative_to(PACKAGE.parent)}:{line}"
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path != PACKAGE / "atomic.py"
+        if path != PACKAGE / "base" / "atomic.py"
         for line in _replace_calls(path.read_text())
     ]
-    assert not offenders, f"files replaced outside hpcdist.atomic: {offenders}"
+    assert not offenders, f"files replaced outside hpcdist.base.atomic: {offenders}"

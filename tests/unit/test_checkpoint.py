@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcdist import atomic
+from hpcdist.base import atomic
 from hpcdist.checkpoint import codec as ckpt_codec
 from hpcdist.checkpoint import errors as ckpt_errors
 from hpcdist.checkpoint import load as ckpt_load
@@ -110,7 +110,7 @@ def test_prune_never_deletes_before_newer_complete(tmp_path: Path) -> None:
 def test_manifest_round_trip_hashes_like_sha256(tmp_path: Path) -> None:
     """The manifest's sha256 is hashlib's over the whole file, across chunk boundaries (this failed on Python 3.10
     while the manifest used hashlib.file_digest, 3.11+: every save failed and training went on without any)."""
-    chunk = atomic._HASH_CHUNK  # the one file hash (hpcdist.atomic.file_sha256) reads in these chunks
+    chunk = atomic._HASH_CHUNK  # the one file hash (hpcdist.base.atomic.file_sha256) reads in these chunks
     sizes = {"empty": 0, "one": 1, "below": chunk - 1, "exact": chunk, "above": chunk + 1, "many": 5 * chunk // 2}
     d = tmp_path / "step-00000001"
     (d / "sub").mkdir(parents=True)

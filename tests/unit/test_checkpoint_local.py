@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpcdist import config as config_mod
-from hpcdist.atomic import file_sha256
+from hpcdist.base.atomic import file_sha256
 from hpcdist.checkpoint.local.layout import agree_step, expand_dir, open_local_dir, own_dir, peers, rounds, run_key
 from hpcdist.checkpoint.local.tier import LocalTier
 from hpcdist.checkpoint.local.transport import _Sink

@@ -307,7 +307,7 @@ def test_cli_holds_no_command_body() -> None:
     functions = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     assert not {f for f in functions if f.startswith("cmd_")}, functions
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "_fail"]
-    assert len(calls) <= 4, f"{len(calls)} _fail calls in cli.py: raise hpcdist.errors.CommandError in the command"
+    assert len(calls) <= 4, f"{len(calls)} _fail calls in cli.py: raise hpcdist.base.errors.CommandError in the command"
     for name, target in cli.COMMANDS.items():
         assert isinstance(target, str) and not target.startswith("hpcdist.cli"), (name, target)
         module, _, function = target.partition(":")
@@ -331,8 +331,8 @@ def test_help_of_every_command_imports_no_command_module() -> None:
 
 
 def test_refusing_turns_the_named_errors_into_one_line_and_lets_others_pass() -> None:
+    from hpcdist.base.errors import CommandError, refusing
     from hpcdist.config import ConfigError
-    from hpcdist.errors import CommandError, refusing
 
     def raising(e: BaseException) -> Callable[[], int]:
         @refusing("thing", ValueError, OSError, passing=(ConfigError,))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hpcdist.rundir import RunDir
+from hpcdist.base.rundir import RunDir
 from tests.dist.harness import single
 from tests.training import train
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from hpcdist.rundir import RunDir
+from hpcdist.base.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcdist.base.rundir import RunDir
 from hpcdist.checkpoint.names import list_checkpoints
 from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
-from hpcdist.rundir import RunDir
 from tests.conftest import REPO, SMALL
 
 LOCK_FILE = RunDir(".").lock.name

@@ -214,7 +214,7 @@ def test_metrics_are_not_appended_through_a_link_nor_into_a_fifo(tmp_path: Path)
 
 def test_an_append_only_file_of_another_user_is_refused(tmp_path: Path) -> None:
     _needs_root()
-    from hpcdist.atomic import append_line
+    from hpcdist.base.atomic import append_line
 
     theirs = tmp_path / "failures.jsonl"
     theirs.write_text("")

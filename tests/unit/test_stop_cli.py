@@ -48,7 +48,7 @@ def _start(
         stderr=subprocess.STDOUT,
         text=True,
         # Ctrl-C's default action, as from a shell: an xdist worker ignores SIGINT and exec keeps an ignored signal
-        # ignored (hpcdist.signals.hold then rightly leaves it so); these tests passed only after a test that had
+        # ignored (hpcdist.base.signals.hold then rightly leaves it so); these tests passed only after a test that had
         # left a Python handler for SIGINT in the worker (test_attempts' relay, until its handlers were given back)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )

@@ -1,5 +1,5 @@
-"""The one JSONL reader (hpcdist.untrusted): records appended by others are read bounded and never through a link or
-a FIFO; a torn or hostile line is dropped (read_jsonl, parse_jsonl) or ends a log read to resume from
+"""The one JSONL reader (hpcdist.base.untrusted): records appended by others are read bounded and never through a
+link or a FIFO; a torn or hostile line is dropped (read_jsonl, parse_jsonl) or ends a log read to resume from
 (read_jsonl_prefix), whose byte offsets say where the intact part ends."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.untrusted import DamagedRecord, parse_jsonl, read_jsonl, read_jsonl_prefix
+from hpcdist.base.untrusted import DamagedRecord, parse_jsonl, read_jsonl, read_jsonl_prefix
 
 GOOD = b'{"a": 1}\n{"a": 2}\n'
 

@@ -107,7 +107,7 @@ import torch  # noqa: E402
 from pagecache import drop_page_cache  # tools/bench/pagecache.py (the script's directory)  # noqa: E402
 
 from hpcdist import config as config_mod  # noqa: E402
-from hpcdist.atomic import file_sha256  # noqa: E402
+from hpcdist.base.atomic import file_sha256  # noqa: E402
 from hpcdist.checkpoint import manifest as ckpt_manifest  # noqa: E402
 from hpcdist.checkpoint import names as ckpt_names  # noqa: E402
 from hpcdist.checkpoint import staging as ckpt_staging  # noqa: E402

@@ -62,9 +62,9 @@ if __name__ == "__main__":
 
 
 from hpcdist import config as config_mod  # noqa: E402
+from hpcdist.base.rundir import RunDir  # noqa: E402
 from hpcdist.config import JobConfig  # noqa: E402
 from hpcdist.env import DistEnv  # noqa: E402
-from hpcdist.rundir import RunDir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,15 +21,15 @@ from typing import Any
 
 import torch
 
-from hpcdist.atomic import file_sha256
+from hpcdist.base.atomic import file_sha256
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.owners import user_name, writer_problem
 from hpcdist.checkpoint.codec import read_metadata
 from hpcdist.checkpoint.errors import describe_error
 from hpcdist.checkpoint.manifest import MANIFEST, read_record
 from hpcdist.checkpoint.names import MARKER, STEP_PATTERN
 from hpcdist.checkpoint.state import STATE_FILE
 from hpcdist.config.loader import ConfigError
-from hpcdist.logging_utils import get_logger
-from hpcdist.owners import user_name, writer_problem
 
 RNG_FILE, OWN_FILE = "rng.pt", "rank.pt"
 

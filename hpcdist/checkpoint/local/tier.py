@@ -51,7 +51,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from hpcdist.agree import all_ok, gather, worst
-from hpcdist.atomic import atomic_write, file_sha256
+from hpcdist.base.atomic import atomic_write, file_sha256
+from hpcdist.base.logging_utils import get_logger
 from hpcdist.checkpoint.codec import HashingReader, HashingWriter, single_process_dcp
 from hpcdist.checkpoint.errors import describe_error, error_of
 from hpcdist.checkpoint.local.layout import (
@@ -80,7 +81,6 @@ from hpcdist.checkpoint.names import MARKER, STEP_RE, step_name
 from hpcdist.checkpoint.staging import size_text
 from hpcdist.checkpoint.state import STATE_FILE, Checkpointable, rng_state, set_rng_state
 from hpcdist.config.loader import ConfigError
-from hpcdist.logging_utils import get_logger
 
 log = get_logger(__name__)
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from hpcdist.logging_utils import get_logger
-from hpcdist.rundir import RunDir
+from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.rundir import RunDir
 from hpcdist.schedulers.base import SchedulerError
 
 __all__ = [

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcdist.base.rundir import RunDir
 from hpcdist.diagnostics.finder import exclude_flag
 from hpcdist.fault.failures import (
     classify_exception,
@@ -39,7 +40,6 @@ from hpcdist.launch.restarts import (
     save_ledger,
     time_limit_decision,
 )
-from hpcdist.rundir import RunDir
 from hpcdist.schedulers import JobFacts
 
 REPO = Path(__file__).resolve().parents[3]

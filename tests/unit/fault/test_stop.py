@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpcdist.base.logging_utils import setup_logging
 from hpcdist.fault.stop import StopFlag, StopReason, signal_number
 from hpcdist.launch.requeue import requeue
 from hpcdist.launch.restarts import after_stop
-from hpcdist.logging_utils import setup_logging
 from hpcdist.schedulers import JobFacts
 
 
@@ -81,10 +81,10 @@ def test_signal_number() -> None:  # the job's facts from SLURM's variables: tes
 
 
 def test_a_held_signal_is_taken_over_by_the_stop_flag_or_given_back(request: pytest.FixtureRequest) -> None:
-    """In one process with real signals: while the entry point holds them (hpcdist.signals.hold), a stop
+    """In one process with real signals: while the entry point holds them (hpcdist.base.signals.hold), a stop
     signal neither kills nor raises; the stop flag acts on it once installed; a command without a stop flag gets
     Ctrl-C's KeyboardInterrupt back at release."""
-    from hpcdist import signals
+    from hpcdist.base import signals
 
     # a command starts with Python's own Ctrl-C handler (a pytest-xdist worker ignores SIGINT: restored afterwards)
     prev = signal.signal(signal.SIGINT, signal.default_int_handler)

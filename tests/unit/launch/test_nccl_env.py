@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from hpcdist import resources
+from hpcdist.base.signals import parse_signal
 from hpcdist.config import ConfigError
 from hpcdist.config import nccl_profiles as profiles
 from hpcdist.config.nccl_profiles import load_profile
 from hpcdist.launch import nccl
 from hpcdist.launch.nccl import NetLookup, apply_to_environ, auto_hcas, resolve_env
-from hpcdist.signals import parse_signal
 
 PROFILES = resources.paths("nccl")
 

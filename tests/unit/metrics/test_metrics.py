@@ -1,4 +1,4 @@
-"""Unit tests for hpcdist.metrics and hpcdist.logging_utils (CPU only, a few seconds)."""
+"""Unit tests for hpcdist.metrics and hpcdist.base.logging_utils (CPU only, a few seconds)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from hpcdist import logging_utils
-from hpcdist.logging_utils import get_logger, log0, setup_logging
+from hpcdist.base import logging_utils
+from hpcdist.base.logging_utils import get_logger, log0, setup_logging
 from hpcdist.metrics import throughput
 from hpcdist.metrics.logger import MetricsLogger, format_eta, format_line
 from hpcdist.metrics.throughput import (

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from hpcdist import config as config_mod
+from hpcdist.base.rundir import RunDir
 from hpcdist.config import ConfigError
-from hpcdist.rundir import RunDir
 from tests.conftest import SMALL
 from tests.dist.harness import single
 from tests.training import train

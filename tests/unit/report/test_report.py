@@ -16,12 +16,12 @@ import pytest
 
 from hpcdist import cli
 from hpcdist import config as config_mod
+from hpcdist.base.rundir import RunDir
 from hpcdist.fault import failures
 from hpcdist.fault.goodput import Goodput
 from hpcdist.metrics.logger import MetricsLogger
 from hpcdist.report.page import render_page
 from hpcdist.report.rundata import RunData
-from hpcdist.rundir import RunDir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

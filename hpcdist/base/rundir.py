@@ -148,7 +148,7 @@ class RunDir:
 
     def append_only(self) -> tuple[Path, ...]:
         """The files several writers append lines to (never replaced): opened only through
-        hpcdist.atomic.open_append, and checked before a run starts (hpcdist.config.dirs)."""
+        hpcdist.base.atomic.open_append, and checked before a run starts (hpcdist.config.dirs)."""
         return (self.metrics, self.failures, self.jobs)
 
     @property

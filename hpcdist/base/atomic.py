@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from hpcdist.owners import user_name, writer_problem
+from hpcdist.base.owners import user_name, writer_problem
 
 __all__ = [
     "UntrustedFile",
@@ -189,7 +189,7 @@ def open_regular_file(path: str | os.PathLike[str]) -> BinaryIO:
 
 def read_trusted(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
     """The contents of ``path`` (None when it does not exist), read only if nobody but this user or root could
-    have written it: the rule checkpoints are loaded by (hpcdist.owners, without checkpoint.trusted_owners),
+    have written it: the rule checkpoints are loaded by (hpcdist.base.owners, without checkpoint.trusted_owners),
     checked on the open descriptor, so the file cannot be swapped between check and read. A link, a FIFO (no
     hang: O_NONBLOCK), another user's file, one writable by others, or one over ``max_bytes`` raises
     UntrustedFile naming it."""

@@ -83,8 +83,8 @@ def keep_traceback(e: BaseException, run_dir: str | None) -> str:
 
 
 def _write_traceback(text: str, run_dir: str | None) -> str:
-    from hpcdist.atomic import atomic_write
-    from hpcdist.rundir import RunDir
+    from hpcdist.base.atomic import atomic_write
+    from hpcdist.base.rundir import RunDir
 
     target = RunDir(run_dir or ".").error_log(time.strftime("%Y%m%d-%H%M%S"), os.getpid())
     name = target.name

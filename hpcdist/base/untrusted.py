@@ -5,7 +5,7 @@ prepare's jobs.json and meta.json), and the one way their text is printed.
 A run directory is shared: a colleague runs ``hpcdist report`` on it, a batch script's after-step reads it while
 another job writes it, and anyone with write access there can leave a FIFO, a link, a sparse terabyte file, a
 record nested 200,000 levels deep or one whose fields have the wrong types. The bytes are read through
-hpcdist.atomic (never through a link, never blocking on a FIFO, never more than a bound), then parsed here:
+hpcdist.base.atomic (never through a link, never blocking on a FIFO, never more than a bound), then parsed here:
 JSON constants that are no numbers (NaN, Infinity) and floats out of range (1e999) are refused, nesting is
 bounded, and whatever is wrong with the file (a link, not a regular file, too large, not UTF-8 JSON, too deep) is
 one :class:`DamagedRecord`, a ValueError naming the file and why: callers catch that one error, never
@@ -26,7 +26,7 @@ import json
 import os
 from typing import Any
 
-from hpcdist.atomic import UntrustedFile, read_bounded, read_head, read_tail
+from hpcdist.base.atomic import UntrustedFile, read_bounded, read_head, read_tail
 
 __all__ = [
     "MAX_DEPTH",

@@ -3,7 +3,7 @@
 A file counts as written by its owner, by everyone when it is writable by others, and by its group's members when
 it is group-writable, unless that group is its owner's private one (umask 002 sites). Checkpoints are loaded only
 when every file passes (hpcdist.config.dirs.tree_trust_problems); records hpcdist reads back (jobs.jsonl, a task's
-result) likewise (hpcdist.atomic.read_trusted). Standard library only: the lowest layer uses it.
+result) likewise (hpcdist.base.atomic.read_trusted). Standard library only: the lowest layer uses it.
 """
 
 from __future__ import annotations
