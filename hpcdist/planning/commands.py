@@ -65,17 +65,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     )
     t = cfg.train
-    estimates = planner.rank_layouts(
-        args_model,
-        world_size=world,
-        gpus_per_node=cluster.gpus_per_node,
-        global_batch_size=t.global_batch_size,
-        seq_len=cfg.data.seq_len,
-        hw=hw,
-        reduce_bytes=planner.grad_reduce_bytes(cfg),
-        document_mask=cfg.data.document_mask,
-        fp16=cfg.train.dtype == "fp16",
-        element_bytes=planner.activation_element_bytes(cfg),
+    estimates = planner.rank_config_layouts(
+        cfg, args_model, world_size=world, gpus_per_node=cluster.gpus_per_node, hw=hw
     )
     if not estimates:
         raise CommandError(

@@ -652,6 +652,26 @@ def layout_of(cfg: JobConfig, world_size: int) -> Layout:
     )
 
 
+def rank_config_layouts(
+    cfg: JobConfig, args: ModelArgs, *, world_size: int, gpus_per_node: int, hw: HardwareConfig
+) -> list[StepEstimate]:
+    """:func:`rank_layouts` for a job config: its global batch, sequence length, precision, document masking and
+    gradient reduction dtype, for the model ``args``."""
+    t = cfg.train
+    return rank_layouts(
+        args,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        global_batch_size=t.global_batch_size,
+        seq_len=cfg.data.seq_len,
+        hw=hw,
+        reduce_bytes=grad_reduce_bytes(cfg),
+        document_mask=cfg.data.document_mask,
+        fp16=t.dtype == "fp16",
+        element_bytes=activation_element_bytes(cfg),
+    )
+
+
 def activation_element_bytes(cfg: JobConfig) -> int:
     """Bytes per element of the activations the planner counts: 4 under train.dtype=fp32 (no autocast), else 2
     (bf16 and fp16 autocast; ``auto`` is bf16 on the GPUs the planner plans for). The norms' fp32 tensors and the

@@ -73,18 +73,8 @@ def main() -> int:
     for name, overrides in SETUPS.items():
         cfg = config_mod.load(args.config, overrides)
         world = cluster.nodes * cluster.gpus_per_node
-        t = cfg.train
-        estimates = planner.rank_layouts(
-            cfg.model_args(),
-            world_size=world,
-            gpus_per_node=cluster.gpus_per_node,
-            global_batch_size=t.global_batch_size,
-            seq_len=cfg.data.seq_len,
-            hw=hw,
-            reduce_bytes=planner.grad_reduce_bytes(cfg),
-            document_mask=cfg.data.document_mask,
-            fp16=t.dtype == "fp16",
-            element_bytes=planner.activation_element_bytes(cfg),
+        estimates = planner.rank_config_layouts(
+            cfg, cfg.model_args(), world_size=world, gpus_per_node=cluster.gpus_per_node, hw=hw
         )
         found = goodput.for_config(cfg, estimates, cluster=cluster, hw=hw)
         if found is None:

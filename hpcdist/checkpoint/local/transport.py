@@ -15,6 +15,7 @@ import os
 import shutil
 import stat
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,7 @@ class NothingAnnounced(ValueError):
     """The sender announced no file list: its own log says why (the directory could not be listed)."""
 
 
-class StepTransport:
+class StepTransport(ABC):
     """How one rank's step directory reaches another rank: ``send`` on the rank holding it, ``recv`` on the rank
     that keeps it, each blocking until its side is done (torchft's CheckpointTransport is the model: a transport over
     HTTP or RDMA implements these two). ``exchange``, the round of the tier's ring, is built on them alone."""
@@ -178,16 +179,16 @@ class StepTransport:
     rank: int
     world_size: int
 
+    @abstractmethod
     def send(self, dst: int, step: int, src_dir: Path, origin: int, *, group: Any = None) -> None:
         """``src_dir``, rank ``origin``'s files of ``step``, to rank ``dst`` (which calls ``recv``). Raises after the
         last message when something went wrong on this side; the receiver then refuses the copy."""
-        raise NotImplementedError
 
+    @abstractmethod
     def recv(self, src: int, step: int, into: Path, origin: int, *, group: Any = None) -> None:
         """Rank ``origin``'s files of ``step`` from rank ``src`` into ``into/step-N`` (through ``step-N.partial``,
         COMPLETE written once every byte matched the manifest that came with them); anything else raises, and
         nothing of it is left but what the checks refused to trust."""
-        raise NotImplementedError
 
     def exchange(
         self,
