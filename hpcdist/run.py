@@ -31,7 +31,7 @@ from hpcdist.checkpoint.errors import EXIT_IO
 from hpcdist.checkpoint.names import MARKER, step_dir
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
-from hpcdist.fault import failures
+from hpcdist.fault import failures, inprocess
 from hpcdist.fault.hang import collective_timeout_s, configure_collectives
 from hpcdist.fault.rundir_lock import RunDirInUse
 from hpcdist.fault.stop import StopFlag, StopReason
@@ -189,6 +189,37 @@ def _save_failed(cfg: JobConfig, env: DistEnv, result: TrainResult) -> None:
         log.error("could not record the failure in %s: %s", cfg.run.dir, e)
 
 
+def _train_recovering(
+    cfg: JobConfig,
+    env: DistEnv,
+    rdv: inprocess.Rendezvous,
+    *,
+    job: JobEnvironment | None,
+    stop_flag: StopFlag,
+    facts: RankFacts,
+    timeout_s: float,
+) -> TrainResult:
+    """:func:`train` under in-process recovery (hpcdist.fault.inprocess): a peer's death rebuilds the group in
+    this process and trains on from the node-local snapshot; a warm spare's facts are its adopted rank's."""
+
+    def once(env_now: DistEnv) -> TrainResult:
+        return train(
+            cfg, env_now, job=job, stop_flag=stop_flag, facts=facts if env_now is facts.env else plan_rank(cfg, env_now)
+        )
+
+    f = cfg.fault
+    return inprocess.train_in_process(
+        rdv,
+        env,
+        once,
+        settle_s=f.regroup_settle_s,
+        timeout_s=f.regroup_timeout_s,
+        collective_timeout_s=timeout_s,
+        max_recoveries=f.max_failures,
+        rejoin=stop_flag.rejoin,
+    )
+
+
 def main(
     config_path: str | os.PathLike[str], overrides: Sequence[str] = (), *, job: JobEnvironment | None = None
 ) -> TrainResult:
@@ -213,6 +244,7 @@ def main(
         raise
     # the scheduler's part (NCCL profile, restart ledger) before the process group: NCCL and gloo read the
     # environment at init
+    rdv = inprocess.Rendezvous.from_environ(os.environ)  # a malformed one refuses before any group exists
     refused = job.before_start(cfg, env) if job is not None else None
     if refused:
         print(f"hpcdist: {refused}", file=sys.stderr, flush=True)
@@ -226,15 +258,20 @@ def main(
     stop_flag = StopFlag(
         rank=env.rank, device=env.torch_device(), requeue_signal=cfg.fault.requeue_signal, job=env.job
     ).install()
+    # collectives time out a minute after the hang watchdog, which reports first (with stacks and suspects)
+    timeout_s = collective_timeout_s(cfg.fault.watchdog_timeout_s, cfg.fault.watchdog_slow_phase_s)
     try:
-        # collectives time out a minute after the hang watchdog, which reports first (with stacks and suspects)
-        init_process_group(
-            env, timeout_s=collective_timeout_s(cfg.fault.watchdog_timeout_s, cfg.fault.watchdog_slow_phase_s)
-        )
-        try:
-            result = train(cfg, env, job=job, stop_flag=stop_flag, facts=facts)
-        finally:
-            destroy_process_group()
+        if rdv is None:
+            init_process_group(env, timeout_s=timeout_s)
+            try:
+                result = train(cfg, env, job=job, stop_flag=stop_flag, facts=facts)
+            finally:
+                destroy_process_group()
+        else:
+            result = _train_recovering(cfg, env, rdv, job=job, stop_flag=stop_flag, facts=facts, timeout_s=timeout_s)
+    except inprocess.SpareNotNeeded as e:
+        log.info("warm spare: %s", e)
+        return TrainResult(step=0)
     finally:
         stop_flag.uninstall()
     if env.is_main and result.save_failed is not None:

@@ -154,13 +154,18 @@ class Checkpointer:
 
     def after_step(self, step: int, *, last_step: bool, stop: bool, timed: bool, local_timed: bool) -> bool:
         """Ask 3, after the step's stop agreement: save the shared tier (every N steps, the agreed timed request,
-        the loop's last step, a stop), else the node-local tier at its own cadence, else nothing; then, unless the
+        the loop's last step, a stop; with ``checkpoint.local.every_steps: 1`` the node-local tier too), else the
+        node-local tier at its own cadence, else nothing; then, unless the
         loop stops here, the async save's staging buffers start being made beside the next steps (once: the
         optimizer state exists after this process's first step). ``timed`` /
         ``local_timed``: the requests every rank agreed on (StopFlag.save_requested / local_save_requested).
         True when a save of either tier ran and succeeded (an async save's failure shows at ``finish``)."""
         if self.manager.should_save(step, last_step=last_step, stop_requested=stop, timed=timed):
             saved = self.save(step)
+            if self.local is not None and self.manager.local_every_steps == 1:
+                # a snapshot of every step: then a recovery (in-process, or onto a spare) never has to read the
+                # shared tier, whose step would otherwise be the newest at a shared save's step
+                saved = self.local_save(step) and saved
         elif self.manager.local_save_due(step, timed=local_timed):
             saved = self.local_save(step)
         else:

@@ -100,6 +100,8 @@ MAXIMA: dict[str, tuple[float, str]] = {
     "fault.spare_nodes": (2**20, "nodes"),
     "fault.min_nodes": (2**20, "nodes"),
     "fault.restart_backoff_s": (3600.0, "an hour"),
+    "fault.regroup_settle_s": (3600.0, "an hour"),
+    "fault.regroup_timeout_s": (86_400.0, "a day"),
     "fault.watchdog_timeout_s": (604_800.0, "a week"),
     "fault.watchdog_slow_phase_s": (604_800.0, "a week"),
     "logging.every_steps": (_BIG, ""),
@@ -561,6 +563,13 @@ def _check_fault(cfg: JobConfig, bad_paths: set[str]) -> list[str]:
         p.append("fault.max_same_failure: must be >= 1 (1 = never requeue the same failure twice)")
     if not (math.isfinite(f.restart_backoff_s) and f.restart_backoff_s >= 0):
         p.append(f"fault.restart_backoff_s: must be a number of seconds >= 0, got {f.restart_backoff_s}")
+    if not (math.isfinite(f.regroup_settle_s) and f.regroup_settle_s > 0):
+        p.append(f"fault.regroup_settle_s: must be a number of seconds > 0, got {f.regroup_settle_s}")
+    if not (math.isfinite(f.regroup_timeout_s) and f.regroup_timeout_s > f.regroup_settle_s):
+        p.append(
+            f"fault.regroup_timeout_s: must be a number of seconds above fault.regroup_settle_s "
+            f"({f.regroup_settle_s}), got {f.regroup_timeout_s}"
+        )
     if f.max_preemptions < -1:
         p.append(f"fault.max_preemptions: must be >= 0, or -1 for unlimited, got {f.max_preemptions}")
     exclude = f.exclude_nodes_file

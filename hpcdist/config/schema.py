@@ -428,6 +428,14 @@ class FaultConfig:
     restart_backoff_s: float = 3.0
     """Pause before an in-job restart (the failed step's processes release ports and files); doubled for each
     further in-job restart of the same failure, at most 60 s."""
+    regroup_settle_s: float = 3.0
+    """In-process recovery (a job whose launcher started a rendezvous store, ``HPCDIST_REGROUP_STORE``; docs/FAULTS.md):
+    after a peer's death the surviving ranks wait this long for every rank to rejoin, then a rank still missing is
+    declared dead and its number goes to a warm spare. It bounds the recovery from below and must exceed the spread
+    between the survivors noticing the failure: about one step's compute between two collectives."""
+    regroup_timeout_s: float = 120.0
+    """In-process recovery: the rebuilt process group must form within this many seconds (a spare joined, every
+    survivor back); otherwise the ranks fail as before and the in-job restart or requeue takes over."""
     watchdog_timeout_s: float = 90.0
     """Hang watchdog: a rank whose training step makes no progress for this long (or 4x its slowest step so far,
     if longer) dumps every thread's Python stack to its log, records the failure in <run.dir>/failures.jsonl and

@@ -14,7 +14,9 @@
 - ``health``: the health gate's protocol (its command line, the verdicts read back, the record of an unhealthy
   node); the checks are ``hpcdist.diagnostics.gate``;
 - ``regroup``: survivors of a peer's death rebuild the default process group in-process on a rendezvous store that
-  no rank hosts, and a warm spare takes the dead rank's number (a torch primitive; the trainer does not use it yet).
+  no rank hosts, and a warm spare takes the dead rank's number (the protocol, on torch's TCPStore);
+- ``inprocess``: in-process recovery around the trainer: join through the store (or wait as a spare), and after a
+  peer's death regroup and train on from the node-local snapshot in the same process.
 
 Nothing here knows the scheduler: requeueing, the restart ledger and node exclusion are ``hpcdist.launch``'s, which
 may import this package (never the other way round). The job's facts (id, restarts) come as ``DistEnv.job``, read by

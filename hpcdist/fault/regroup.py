@@ -51,6 +51,7 @@ __all__ = [
     "agree_resume_step",
     "connect",
     "join_group",
+    "mark_done",
     "regroup",
     "serve",
     "standby",
@@ -59,7 +60,9 @@ __all__ = [
 VACANT = "vacant"
 _SPARE_TICKETS = "spare/tickets"  # each spare's ticket j: it fills the j-th vacancy ever posted
 _VACANCIES = "spare/vacancies"
+_DONE = "job/done"
 _POLL_S = 0.05
+_SPARE_POLL_S = 0.1  # a spare's look at the vacancy queue: its share of the recovery time
 # a rank that has not completed any step yet: larger than every real step, so MIN ignores it
 _NO_STEP = 2**62
 
@@ -107,7 +110,7 @@ def _claim(gen: dist.Store, rank: int, value: str) -> bool:
     return gen.compare_set(f"rank/{rank}", "", value).decode() == value
 
 
-def _init(gen: dist.Store, membership: Membership, collective_timeout_s: float) -> None:
+def _init(gen: dist.Store, membership: Membership, collective_timeout_s: float, backend: str) -> None:
     # The default group's store keys carry a per-process counter (its name, "0" after a clean destroy). A failed
     # init_process_group (a peer died while the group formed) bumps it and nothing resets it, so this process would
     # wait under "gen<n>/pg/1/..." while its peers publish under "gen<n>/pg/0/...": never the same group. No group
@@ -115,7 +118,7 @@ def _init(gen: dist.Store, membership: Membership, collective_timeout_s: float) 
     if not dist.is_initialized():
         distributed_c10d._world.group_count = 0
     dist.init_process_group(
-        backend="gloo",
+        backend=backend,
         store=dist.PrefixStore("pg", gen),
         rank=membership.rank,
         world_size=membership.world_size,
@@ -129,14 +132,20 @@ def _leave() -> None:
 
 
 def join_group(
-    store: dist.Store, rank: int, world_size: int, *, generation: int = 0, collective_timeout_s: float = 60
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    *,
+    generation: int = 0,
+    collective_timeout_s: float = 60,
+    backend: str = "gloo",
 ) -> Membership:
     """Form the first generation: claim ``rank`` and initialise the default process group with the others."""
     gen = _generation(store, generation)
     if not _claim(gen, rank, f"member:{os.getpid()}"):
         raise Evicted(f"rank {rank} of generation {generation} is already taken")
     membership = Membership(rank, world_size, generation)
-    _init(gen, membership, collective_timeout_s)
+    _init(gen, membership, collective_timeout_s, backend)
     return membership
 
 
@@ -169,6 +178,7 @@ def regroup(
     settle_s: float = 10,
     timeout_s: float = 120,
     collective_timeout_s: float = 60,
+    backend: str = "gloo",
 ) -> Membership:
     """Leave the failed group and join the next generation with the same rank and world size.
 
@@ -189,7 +199,7 @@ def regroup(
             _declare_vacant(store, gen, n, dead, membership.world_size)
         nxt = Membership(membership.rank, membership.world_size, n)
         try:
-            _init(gen, nxt, min(collective_timeout_s, max(deadline - time.monotonic(), 1.0)))
+            _init(gen, nxt, min(collective_timeout_s, max(deadline - time.monotonic(), 1.0)), backend)
             return nxt
         except RuntimeError as err:  # a member died while the group formed, or the spare never came
             last_error = err
@@ -197,21 +207,26 @@ def regroup(
     raise RegroupFailed(f"no complete group of {membership.world_size} within {timeout_s} s: {last_error}")
 
 
-def standby(store: dist.Store, *, timeout_s: float = 3600, collective_timeout_s: float = 60) -> Membership:
+def standby(
+    store: dist.Store, *, timeout_s: float = 3600, collective_timeout_s: float = 60, backend: str = "gloo"
+) -> Membership | None:
     """Wait (bounded) as a warm spare for a dead rank's number, then join its generation as that rank.
 
     Start it early: it has imported torch and connected to the store already, so a recovery costs only the
     group's rebuild, not an interpreter's start. A vacancy whose generation the survivors already left (they moved
-    on after another failure, and posted a new vacancy there) is skipped for the next one. Raises
-    :class:`RegroupFailed` if no group formed within ``timeout_s``."""
+    on after another failure, and posted a new vacancy there) is skipped for the next one. Returns None once the
+    job marked itself done (:func:`mark_done`: no rank will ever need this spare); raises :class:`RegroupFailed` if
+    no group formed within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     me = f"spare:{os.getpid()}"
     while (left := deadline - time.monotonic()) > 0:
         key = f"spare/vacancy/{store.add(_SPARE_TICKETS, 1) - 1}"
-        try:
-            store.wait([key], _delta(left))
-        except RuntimeError:
-            break  # the store's timeout: no vacancy came
+        while not store.check([key]):
+            if store.check([_DONE]):
+                return None
+            if time.monotonic() >= deadline:
+                raise RegroupFailed(f"no vacancy filled within {timeout_s} s")
+            time.sleep(_SPARE_POLL_S)
         n, rank, world_size = (int(v) for v in store.get(key).decode().split(":"))
         if _abandoned(store, n, world_size):
             continue
@@ -220,11 +235,16 @@ def standby(store: dist.Store, *, timeout_s: float = 3600, collective_timeout_s:
             continue
         membership = Membership(rank, world_size, n)
         try:
-            _init(gen, membership, min(collective_timeout_s, max(deadline - time.monotonic(), 1.0)))
+            _init(gen, membership, min(collective_timeout_s, max(left, 1.0)), backend)
             return membership
         except RuntimeError:
             _leave()
     raise RegroupFailed(f"no vacancy filled within {timeout_s} s")
+
+
+def mark_done(store: dist.Store) -> None:
+    """The job's training ended (every rank returned): waiting spares leave instead of waiting out their timeout."""
+    store.set(_DONE, "1")
 
 
 def _abandoned(store: dist.Store, n: int, world_size: int) -> bool:

@@ -167,6 +167,12 @@ class StopFlag:
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
         return result
 
+    def rejoin(self) -> None:
+        """The process group was rebuilt in-process (hpcdist.fault.inprocess): the agreement in flight belonged to
+        the dead group and is dropped, its group with it; a stop this rank saw stays and is agreed anew."""
+        self._group, self._pending = None, None
+        self.save_requested = self.local_save_requested = False
+
     def close(self) -> None:
         """Finish the agreement in flight and restore the previous signal handlers (every rank, at the end)."""
         if self._pending is not None:

@@ -94,6 +94,7 @@ def _spare(port: int, q: Any) -> None:
         store = connect("127.0.0.1", port, timeout_s=WAIT_S)
         _fail_to_join_once(store)
         member = standby(store, timeout_s=WAIT_S, collective_timeout_s=WAIT_S)
+        assert member is not None, "the job was marked done before the spare was needed"
         completed = agree_resume_step(None)
         q.put(("spare", "ok", pickle.dumps(_steps_across_regroup(store, member, completed, recovering=True))))
     except BaseException:

@@ -42,3 +42,23 @@ def test_a_rank_declared_dead_that_comes_back_is_evicted(store: dist.TCPStore) -
     with pytest.raises(Evicted, match="rank 1 of generation 1 was given to another process"):
         regroup(store, Membership(1, 2, 0), settle_s=0.1, timeout_s=1)
     assert _vacancies(store) == posted  # the evicted rank posted nothing
+
+
+def test_a_waiting_spare_leaves_once_the_job_is_marked_done(store: dist.TCPStore) -> None:
+    import threading
+
+    from hpcdist.fault.regroup import mark_done, standby
+
+    threading.Timer(0.3, mark_done, args=(store,)).start()
+    t0 = time.monotonic()
+    assert standby(store, timeout_s=20) is None
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_spare_without_a_vacancy_fails_in_bound(store: dist.TCPStore) -> None:
+    from hpcdist.fault.regroup import standby
+
+    t0 = time.monotonic()
+    with pytest.raises(RegroupFailed, match=r"no vacancy filled within 0\.5 s"):
+        standby(store, timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
