@@ -26,7 +26,7 @@ from hpcdist.base.rundir import RunDir
 from hpcdist.checkpoint.cadence import failure_facts
 from hpcdist.checkpoint.errors import CheckpointMismatch
 from hpcdist.checkpoint.local.layout import expand_dir, open_local_dir, run_key
-from hpcdist.checkpoint.local.tier import EXIT_WAIT_S, LocalTier
+from hpcdist.checkpoint.local.tier import LocalTier
 from hpcdist.checkpoint.manager import CheckpointManager
 from hpcdist.checkpoint.names import latest, step_of
 from hpcdist.checkpoint.staging import check_staging_fits
@@ -148,9 +148,12 @@ class Checkpointer:
         return SaveRequests(self.manager.timed_save_due(step), self.manager.timed_local_save_due(step))
 
     def fence(self) -> float:
-        """Ask 2, before the optimizer step (the first thing that changes the state an async save's copy reads):
-        seconds waited for that copy (0: none in flight)."""
-        return self.manager.staging_fence()
+        """Ask 2, before the optimizer step (the first thing that changes the state an async save's copy or a
+        node-local snapshot's copy reads): seconds waited for those copies (0: none in flight)."""
+        waited = self.manager.staging_fence()
+        if self.local is not None:  # the node-local snapshot's copy, the same way
+            waited += self.local.staging_fence()
+        return waited
 
     def after_step(self, step: int, *, last_step: bool, stop: bool, timed: bool, local_timed: bool) -> bool:
         """Ask 3, after the step's stop agreement: save the shared tier (every N steps, the agreed timed request,
@@ -190,9 +193,9 @@ class Checkpointer:
         return path is not None
 
     def local_save(self, step: int) -> bool:
-        """Save the node-local tier at ``step``; False when it failed (every rank alike: training goes on, the
-        tier's previous step and the shared checkpoint stay). Waits for the previous save's peer copy to end and for
-        this rank's own files; this step's copy runs in the background."""
+        """Snapshot the node-local tier at ``step`` (LocalTier.save): waits for the previous snapshot's write and
+        peer copy to end; this one's copy into host memory overlaps the next forward and backward (``fence``), its
+        files and peer copy are written in the background. A failure is logged there; training goes on."""
         assert self.local is not None
         self.nonfinite.check()
         self.nonfinite.check_params(step, self._params_finite())
@@ -200,7 +203,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         with self.watchdog.phase(step, LOCAL_COPY_PHASE, slow=True):
             self.local.wait()  # a hung copy is this phase's hang (the copy's collective timeout: the backstop)
-        with self.watchdog.phase(step, "node-local checkpoint save (agreement all-reduce)", slow=True):
+        with self.watchdog.phase(step, "node-local snapshot (its copy starts)", slow=True):
             ok = self.local.save(step, self.state)
         self.goodput.add("checkpoint_save", time.perf_counter() - t0, tier="local")
         return ok
@@ -232,7 +235,7 @@ class Checkpointer:
     def abort(self) -> None:
         """Training raised: the peers' copy threads run on (their loops wait elsewhere), so the wait is bounded."""
         if self.local is not None:
-            self.local.wait(timeout_s=EXIT_WAIT_S)
+            self.local.close()
 
     # ------------------------------------------------------------------------------------------ resume
     def resume(self, *, import_hf: Callable[[str], None]) -> str | None:

@@ -177,7 +177,7 @@ def test_the_node_local_tier_saves_and_restores_cuda_state(fake_cuda: FakeCuda, 
 
     tier = LocalTier(open_local_dir(tmp_path / "local"), rank=0, world_size=1, hosts=["a"], keep=2)
     saved = torch.nn.Linear(8, 4).to("cuda")
-    assert tier.save(2, holder(saved, [2]))
+    assert tier.save(2, holder(saved, [2])) and tier.wait()
     fresh, step = torch.nn.Linear(8, 4).to("cuda"), [0]
     assert tier.restore(holder(fresh, step), shared_step=None) is not None and step == [2]
     assert fresh.weight.is_cuda and torch.equal(fresh.weight.cpu(), saved.weight.cpu())

@@ -99,6 +99,7 @@ def _saved(root: Path, steps: list[int]) -> tuple[LocalTier, dict[int, torch.Ten
             st.w.weight.fill_(float(s))
         st.step = s
         assert tier.save(s, st.checkpointable())
+        assert tier.wait()  # the snapshot's files are written in the background
         weights[s] = st.w.weight.detach().clone()
     return tier, weights
 
@@ -244,7 +245,8 @@ def test_a_step_that_is_a_link_is_moved_aside_not_followed(tmp_path: Path) -> No
     link.symlink_to(target)
     st = TinyState()
     st.step = 6
-    assert tier.save(6, st.checkpointable())  # saved where the link was; the link kept aside, its target intact
+    assert tier.save(6, st.checkpointable()) and tier.wait()  # saved where the link was; the link kept aside,
+    # its target intact
     assert (link / MARKER).is_file() and not link.is_symlink() and (target / "keep").read_text() == "x"
     assert [p.name[:20] for p in own_dir(tier.root, 0).glob("step-00000006.*")] == ["step-00000006.moved-"]
 

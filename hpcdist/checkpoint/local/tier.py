@@ -41,6 +41,9 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -78,7 +81,7 @@ from hpcdist.checkpoint.local.layout import (
 from hpcdist.checkpoint.local.transport import PeerTransport
 from hpcdist.checkpoint.manifest import MANIFEST, TENSOR_ENCODING, read_record, tensor_encoding
 from hpcdist.checkpoint.names import MARKER, STEP_RE, step_name
-from hpcdist.checkpoint.staging import size_text
+from hpcdist.checkpoint.staging import Staging, size_text
 from hpcdist.checkpoint.state import STATE_FILE, Checkpointable, rng_state, set_rng_state
 from hpcdist.config.loader import ConfigError
 
@@ -90,6 +93,27 @@ EXIT_WAIT_S = 120.0
 RECORD = "local_checkpoints.json"  # in run.dir (rank 0): what `hpcdist status` and the report show of the tier
 # a restore's outcome for one agreed step, worst last (every rank takes the largest)
 _LOADED, _DAMAGED_SET_ASIDE, _GIVE_UP, _ELSEWHERE = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What a snapshot takes in the loop besides the model and optimizer tensors (those are staged)."""
+
+    step: int
+    trainer_state: str  # JSON
+    rng: dict[str, Any]
+    own: dict[str, Any]
+
+
+def _cloned(obj: Any) -> Any:
+    """``obj`` with every tensor copied: the next steps change the originals while the snapshot is written."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
 
 
 # ------------------------------------------------------------------------------------------ the tier
@@ -129,7 +153,10 @@ class LocalTier:
             if dist.is_initialized()
             else None
         )
-        self._copy: threading.Thread | None = None  # the last save's copy, until wait() joins it
+        self._copy: threading.Thread | None = None  # the last snapshot's write and copy, until wait() joins it
+        # this tier's own host copy of the state (the shared tier's async save has its own: both may be in flight)
+        self._stager = Staging(threads=2)
+        self._staged: Future[dict[str, Any]] | None = None  # the last snapshot's copy into it, until the fence
         self._copied = True  # whether that copy made every peer copy
         if all(p < 0 for p in self.peer):
             log.warning(
@@ -147,47 +174,80 @@ class LocalTier:
 
     # ---------------------------------------------------------------------------------- save
     def save(self, step: int, state: Checkpointable) -> bool:
-        """Collective: this rank's files of ``step`` on its node and every rank's agreement that they are there
-        (what the loop waits for: a node's own disk is fast), after the previous save's copy has ended (``wait``).
-        Then, on a background thread, every node's files to its peer, the prune and the record (the copy crosses
-        the inter-node links: the slow part). False when the local save failed on any rank (the step is dropped
-        everywhere, training goes on); a failed copy leaves the step without a copy (logged): it still counts
-        where every rank's own files are there."""
+        """Start the snapshot of ``step``, after the previous one has ended (``wait``): what is not a model or
+        optimizer tensor (trainer state, RNG, the rank's own state: small) is taken here; the tensors are copied
+        into this tier's staging buffers beside the next step's forward and backward, which change none of them
+        (``staging_fence``, before the optimizer step, waits for that copy). Then, on a background thread: this
+        rank's files on its node, every rank's agreement that they are there (a step to resume from), every node's
+        files to its peer, the prune and the record. A snapshot costs the loop the copy it did not overlap, never
+        the write or the copy between nodes. Returns True: the snapshot started; a failure shows at ``wait`` and in
+        the log (the step is dropped everywhere, training goes on)."""
         self.wait()
         t0 = time.perf_counter()
+        snap = _Snapshot(
+            step=step,
+            trainer_state=json.dumps(state.trainer_state()),
+            rng=rng_state(),
+            own=_cloned(state.rank_state()),
+        )
+        staged = self._staged = self._stager.stage_async(localize(state.dcp_state()))
+        self._copied = False
+        self._copy = threading.Thread(
+            target=self._write_and_copy,
+            args=(snap, staged, t0, time.perf_counter() - t0),
+            name=f"hpcdist-local-snapshot-{step}",
+            daemon=True,  # a copy left running (wait's bound, the exception path) never holds the exit
+        )
+        self._copy.start()
+        return True
+
+    def staging_fence(self) -> float:
+        """Wait until the last snapshot's copy into the staging buffers is done: seconds waited (0: none in flight).
+        Called before every optimizer step, the first thing that changes what the copy reads; a failed copy fails
+        that snapshot (its thread says so), not this call."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return 0.0
+        t0 = time.perf_counter()
+        futures.wait([staged])
+        return time.perf_counter() - t0
+
+    def _write_and_copy(self, snap: _Snapshot, staged: Future[dict[str, Any]], t0: float, loop_s: float) -> None:
+        """The snapshot's background part, over the copy's own group (every rank runs the same collectives in the
+        same order): the files, the agreement, then the peer copy (``_finish``)."""
+        step = snap.step
         final = own_dir(self.root, self.rank) / step_name(step)
         partial = final.with_name(final.name + ".partial")
         written: list[int] = []
 
         def write() -> None:
+            tensors = staged.result()
             make_room(final)  # saved again: the old files go first, so a failed save leaves no step of two lines
-            written.append(self._write(partial, step, state))
+            written.append(self._write(partial, snap, tensors))
             partial.rename(final)
 
         err = error_of(write)
-        if not self._all_ok(err, f"saving step {step}"):
+        try:
+            ok = self._all_ok(err, f"saving step {step}", self._copy_pg)
+        except Exception as e:  # the agreement itself failed (a peer gone): nothing to agree with
+            log.warning("rank %d: checkpoint.local: step %d dropped: %s", self.rank, step, describe_error(e))
+            ok = False
+        if not ok:
             shutil.rmtree(partial, ignore_errors=True)
             shutil.rmtree(final, ignore_errors=True)  # complete here, failed on another rank: not a step
-            return False
-        self.last_step = step  # every rank's own files are there: a step to resume from, with or without copies
-        loop_s = time.perf_counter() - t0
-        nbytes = written[0] if written else 0
-        if all(p < 0 for p in self.peer):  # nothing to copy (one node): the prune and the record, here
-            self._finish(step, nbytes, loop_s, t0, None)
-        else:  # every rank starts its thread after the same agreement: the copy's collectives pair up in order
             self._copied = False
-            self._copy = threading.Thread(
-                target=self._finish,
-                args=(step, nbytes, loop_s, t0, self._copy_pg),
-                name=f"hpcdist-local-copy-{step}",
-                daemon=True,  # a copy left running (wait's bound, the exception path) never holds the exit
-            )
-            self._copy.start()
-        return True
+            return
+        self.last_step = step  # every rank's own files are there: a step to resume from, with or without copies
+        self._finish(step, written[0] if written else 0, loop_s, t0, self._copy_pg)
+
+    def close(self) -> None:
+        """The run ends or fails: the snapshot in flight ends within its bound, the staging buffers go."""
+        self.wait(timeout_s=EXIT_WAIT_S)
+        self._stager.close()
 
     def _finish(self, step: int, nbytes: int, loop_s: float, t0: float, group: Any) -> None:
         """After the local save: the peer copies, the prune, the size gather and rank 0's record, on the background
-        thread (``group``: its own) or, with no copy to make, in the loop (``group`` None: the loop's). Every rank
+        thread (``group``: its own; None without a process group). Every rank
         runs the same collectives in the same order. A collective that fails or times out (a peer gone) ends the
         copy: logged once, the step has no copy."""
         copied = False
@@ -257,18 +317,18 @@ class LocalTier:
         self._copy = None
         return self._copied
 
-    def _write(self, path: Path, step: int, state: Checkpointable) -> int:
-        """This rank's files of ``step`` into ``path`` (a fresh directory), manifest and marker last; bytes."""
+    def _write(self, path: Path, snap: _Snapshot, tensors: dict[str, Any]) -> int:
+        """This rank's files of the snapshot into ``path`` (a fresh directory), manifest and marker last; bytes."""
+        step = snap.step
         make_room(path)  # a crashed save's leftover, in our own directory
         path.mkdir(mode=0o700, parents=True)
         writer = HashingWriter(str(path), thread_count=1)
         with single_process_dcp():
-            dcp.save(localize(state.dcp_state()), storage_writer=writer, no_dist=True)
-        torch.save(rng_state(), path / RNG_FILE)
-        own = state.rank_state()
-        if own:
-            torch.save(own, path / OWN_FILE)
-        atomic_write(path / STATE_FILE, json.dumps(state.trainer_state()), durable=False)
+            dcp.save(tensors, storage_writer=writer, no_dist=True)
+        torch.save(snap.rng, path / RNG_FILE)
+        if snap.own:
+            torch.save(snap.own, path / OWN_FILE)
+        atomic_write(path / STATE_FILE, snap.trainer_state, durable=False)
         digests = writer.digests()
         files = {}
         for name in listing(path):
