@@ -203,6 +203,8 @@ def _train_recovering(
     this process and trains on from the node-local snapshot; a warm spare's facts are its adopted rank's."""
 
     def once(env_now: DistEnv) -> TrainResult:
+        if env_now is not facts.env:  # a spare that took a rank: its supervisor records deaths as that rank's
+            failures.announce_task(cfg.run.dir, rank=env_now.rank, host=env_now.hostname, job=env_now.job)
         return train(
             cfg, env_now, job=job, stop_flag=stop_flag, facts=facts if env_now is facts.env else plan_rank(cfg, env_now)
         )
@@ -217,6 +219,7 @@ def _train_recovering(
         collective_timeout_s=timeout_s,
         max_recoveries=f.max_failures,
         rejoin=stop_flag.rejoin,
+        exit_code=lambda result: result.exit_code,
     )
 
 
@@ -233,6 +236,10 @@ def main(
     gc.freeze()
     cfg = config_mod.load(config_path, overrides)
     env = process_group_env(cfg, from_environ())
+    rdv = inprocess.Rendezvous.from_environ(os.environ)  # a malformed one refuses before any group exists
+    if rdv is not None and rdv.spare:  # checked against the layout it will join, as its last rank until it has one
+        world = rdv.world_size or env.world_size
+        env = inprocess.adopt(env, world - 1, world)
     setup_logging(env.rank, level=cfg.run.log_level)
     # the job's size, the prepared data and auto, checked and resolved once, before any process group; handed down
     facts = plan_rank(cfg, env)
@@ -244,13 +251,13 @@ def main(
         raise
     # the scheduler's part (NCCL profile, restart ledger) before the process group: NCCL and gloo read the
     # environment at init
-    rdv = inprocess.Rendezvous.from_environ(os.environ)  # a malformed one refuses before any group exists
     refused = job.before_start(cfg, env) if job is not None else None
     if refused:
         print(f"hpcdist: {refused}", file=sys.stderr, flush=True)
         return TrainResult(step=0, exit_code=3)
     # tell this rank's supervisor who it is; make a failed NCCL collective end the process (fault.*)
-    failures.announce_task(cfg.run.dir, rank=env.rank, host=env.hostname, job=env.job)
+    if rdv is None or not rdv.spare:  # a spare is no rank until it takes one
+        failures.announce_task(cfg.run.dir, rank=env.rank, host=env.hostname, job=env.job)
     for warning in configure_collectives(os.environ, cfg.run.dir):
         log.warning("%s", warning)
     # from here on a signal is remembered, not fatal: start-up (process group, data, model, resume) can take
@@ -270,7 +277,7 @@ def main(
         else:
             result = _train_recovering(cfg, env, rdv, job=job, stop_flag=stop_flag, facts=facts, timeout_s=timeout_s)
     except inprocess.SpareNotNeeded as e:
-        log.info("warm spare: %s", e)
+        print(f"warm spare on {env.hostname}: {e}", flush=True)
         return TrainResult(step=0)
     finally:
         stop_flag.uninstall()

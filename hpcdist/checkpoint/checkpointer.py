@@ -151,8 +151,9 @@ class Checkpointer:
         """Ask 2, before the optimizer step (the first thing that changes the state an async save's copy or a
         node-local snapshot's copy reads): seconds waited for those copies (0: none in flight)."""
         waited = self.manager.staging_fence()
-        if self.local is not None:  # the node-local snapshot's copy, the same way
-            waited += self.local.staging_fence()
+        if self.local is not None:  # the node-local snapshot's copy, the same way; a snapshot of every step is
+            # complete before the next update, so a failure at any moment finds the step before it on every node
+            waited += self.local.staging_fence(whole=self.manager.local_every_steps == 1)
         return waited
 
     def after_step(self, step: int, *, last_step: bool, stop: bool, timed: bool, local_timed: bool) -> bool:

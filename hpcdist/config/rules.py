@@ -563,6 +563,12 @@ def _check_fault(cfg: JobConfig, bad_paths: set[str]) -> list[str]:
         p.append("fault.max_same_failure: must be >= 1 (1 = never requeue the same failure twice)")
     if not (math.isfinite(f.restart_backoff_s) and f.restart_backoff_s >= 0):
         p.append(f"fault.restart_backoff_s: must be a number of seconds >= 0, got {f.restart_backoff_s}")
+    if f.in_process and not cfg.checkpoint.local.dir:
+        p.append(
+            "fault.in_process: needs checkpoint.local.dir (the snapshot the ranks roll back to, and its peer copy)"
+        )
+    if f.in_process and f.spare_nodes < 1:
+        p.append("fault.in_process: needs fault.spare_nodes >= 1 (the node whose processes wait as warm spares)")
     if not (math.isfinite(f.regroup_settle_s) and f.regroup_settle_s > 0):
         p.append(f"fault.regroup_settle_s: must be a number of seconds > 0, got {f.regroup_settle_s}")
     if not (math.isfinite(f.regroup_timeout_s) and f.regroup_timeout_s > f.regroup_settle_s):

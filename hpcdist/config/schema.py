@@ -428,6 +428,12 @@ class FaultConfig:
     restart_backoff_s: float = 3.0
     """Pause before an in-job restart (the failed step's processes release ports and files); doubled for each
     further in-job restart of the same failure, at most 60 s."""
+    in_process: bool = False
+    """In-process recovery (docs/FAULTS.md): the job's unused healthy nodes (fault.spare_nodes) run warm spares; when
+    a rank dies the other ranks keep their processes, rebuild their group and roll back to the newest node-local
+    snapshot, and a spare takes the dead rank's place with its files from the peer copy. Needs checkpoint.local
+    (``every_steps: 1`` loses at most one step) and fault.spare_nodes >= 1. What it cannot recover (no spare left,
+    the batch node lost) takes the in-job restart or the requeue as before."""
     regroup_settle_s: float = 3.0
     """In-process recovery (a job whose launcher started a rendezvous store, ``HPCDIST_REGROUP_STORE``; docs/FAULTS.md):
     after a peer's death the surviving ranks wait this long for every rank to rejoin, then a rank still missing is

@@ -33,12 +33,13 @@ from hpcdist.base.logging_utils import get_logger
 from hpcdist.config.loader import ConfigError
 from hpcdist.env import DistEnv, export_environ
 
-__all__ = ["SPARE_ENV", "STORE_ENV", "Rendezvous", "SpareNotNeeded", "train_in_process"]
+__all__ = ["SPARE_ENV", "STORE_ENV", "WORLD_ENV", "Rendezvous", "SpareNotNeeded", "adopt", "train_in_process"]
 
 log = get_logger(__name__)
 
 STORE_ENV = "HPCDIST_REGROUP_STORE"
 SPARE_ENV = "HPCDIST_REGROUP_SPARE"
+WORLD_ENV = "HPCDIST_REGROUP_WORLD_SIZE"  # a spare's: the training's world size (its own launch counts spares only)
 _STORE_CONNECT_S = 60.0  # the store is up before any rank starts (the launcher waits for its port): a minute is ample
 
 T = TypeVar("T")
@@ -55,6 +56,8 @@ class Rendezvous:
     host: str
     port: int
     spare: bool = False
+    world_size: int | None = None
+    """The training's world size, for a spare whose own launch counted only the spares (None: its own)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Rendezvous | None:
@@ -72,9 +75,29 @@ class Rendezvous:
             problems.append(f"{STORE_ENV}={value[:80]!r}: expected HOST:PORT with a port in 1..65535")
         if spare not in ("", "0", "1"):
             problems.append(f"{SPARE_ENV}={spare[:40]!r}: expected 1 (a warm spare) or 0")
+        world = environ.get(WORLD_ENV, "").strip()
+        if world and not (world.isdigit() and 1 <= int(world) <= 1 << 20):
+            problems.append(f"{WORLD_ENV}={world[:40]!r}: expected the training's world size, 1..{1 << 20}")
         if problems:
             raise ConfigError(problems)
-        return cls(host=host.strip("[]"), port=int(port), spare=spare == "1")
+        return cls(host=host.strip("[]"), port=int(port), spare=spare == "1", world_size=int(world) if world else None)
+
+
+def adopt(env: DistEnv, rank: int, world_size: int) -> DistEnv:
+    """A spare's DistEnv once it took ``rank`` of ``world_size``: its own launch counted only the spares (its step's
+    rank and size); the node it stands in for follows from the rank, with the training nodes' ranks per node equal
+    to the spare's. Its local rank, and so its device, stay its own."""
+    per_node = env.local_world_size
+    nodes = max(1, world_size // per_node) if world_size % per_node == 0 else max(1, env.num_nodes)
+    return dataclasses.replace(
+        env,
+        rank=rank,
+        world_size=world_size,
+        num_nodes=nodes,
+        node_rank=min(rank // per_node, nodes - 1),
+        local_world_size=min(per_node, world_size),
+        local_rank=min(env.local_rank, min(per_node, world_size) - 1),
+    )
 
 
 def train_in_process(
@@ -87,11 +110,13 @@ def train_in_process(
     collective_timeout_s: float,
     max_recoveries: int,
     rejoin: Callable[[], None] = lambda: None,
+    exit_code: Callable[[T], int] = lambda _: 0,
 ) -> T:
     """Join the job's group through ``rdv`` (a spare: wait for a vacancy first), then ``train(env)``; after a
     peer's death (:class:`PeerRankDied`) rebuild the group in this process, call ``rejoin()`` (what the caller keeps
-    across generations lets go of the dead group) and ``train`` again, at most ``max_recoveries`` times. Raises
-    :class:`SpareNotNeeded` for a spare the job finished without."""
+    across generations lets go of the dead group) and ``train`` again, at most ``max_recoveries`` times. Rank 0
+    marks the job done in the store with ``exit_code(result)``. Raises :class:`SpareNotNeeded` for a spare the job
+    finished without."""
     import torch.distributed as dist
 
     from hpcdist.fault import regroup
@@ -108,8 +133,9 @@ def train_in_process(
         )
         if member is None:
             raise SpareNotNeeded("the job finished without needing this spare")
-        env = dataclasses.replace(env, rank=member.rank)
-        log.info("warm spare on %s: took rank %d (generation %d)", env.hostname, member.rank, member.generation)
+        env = adopt(env, member.rank, member.world_size)
+        # a warning: a failure happened, and this process now trains in the dead rank's place
+        log.warning("warm spare on %s: took rank %d (generation %d)", env.hostname, member.rank, member.generation)
     else:
         member = regroup.join_group(
             store, env.rank, env.world_size, collective_timeout_s=collective_timeout_s, backend=env.backend
@@ -155,7 +181,7 @@ def train_in_process(
                 rejoin()
                 continue
             if env.is_main:
-                regroup.mark_done(store)
+                regroup.mark_done(store, exit_code(result))
             return result
     finally:
         if dist.is_initialized():

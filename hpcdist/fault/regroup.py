@@ -242,9 +242,10 @@ def standby(
     raise RegroupFailed(f"no vacancy filled within {timeout_s} s")
 
 
-def mark_done(store: dist.Store) -> None:
-    """The job's training ended (every rank returned): waiting spares leave instead of waiting out their timeout."""
-    store.set(_DONE, "1")
+def mark_done(store: dist.Store, exit_code: int = 0) -> None:
+    """The job's training ended (rank 0 returned, with the exit status its ranks end with): waiting spares leave
+    instead of waiting out their timeout, and the store's host learns how the training ended (:func:`main`)."""
+    store.set(_DONE, str(int(exit_code)))
 
 
 def _abandoned(store: dist.Store, n: int, world_size: int) -> bool:
@@ -266,14 +267,28 @@ def agree_resume_step(completed: int | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hpcdist.fault.regroup [--port P]``: host the rendezvous store until SIGTERM."""
+    """``python -m hpcdist.fault.regroup [--port P]``: host the rendezvous store until SIGTERM. Prints the port
+    bound, then ``done <status>`` once rank 0 marked the training ended (:func:`mark_done`): the launcher's way to
+    tell a recovered run, whose step lost a task, from a failed one."""
     parser = argparse.ArgumentParser(prog="python -m hpcdist.fault.regroup", description=main.__doc__)
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on stdout)")
     args = parser.parse_args(argv)
     store = serve(args.port)
     print(store.port, flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    while True:
+
+    def end(*_: object) -> None:
+        # the launcher ends the store when the training step has ended, recovered or not: spares still waiting
+        # leave on the mark (a spare ignores the signal itself, as every rank does during its start-up)
+        if not store.check([_DONE]):
+            store.set(_DONE, "aborted")
+            time.sleep(3 * _SPARE_POLL_S)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, end)
+    while not store.check([_DONE]):
+        time.sleep(0.2)
+    print(f"done {store.get(_DONE).decode()}", flush=True)
+    while True:  # the spares read the mark from here: the store stays until the launcher ends it
         signal.pause()
 
 

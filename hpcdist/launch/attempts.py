@@ -31,9 +31,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +59,8 @@ __all__ = ["AttemptPlan", "choose_nodes", "main", "plan_from_env", "run_gate", "
 
 GATE_UNAVAILABLE = "gate unavailable"
 _MAX_BACKOFF_S = 60.0
+_STORE_START_S = 120.0  # the rendezvous store's start: an interpreter and torch's import on a busy batch node
+_SPARE_EXIT_S = 60.0  # spares leave within a second of the store's end mark; then they are killed
 
 
 def _announce(msg: str) -> None:
@@ -185,6 +189,67 @@ class _Step:
         return rc if rc >= 0 else 128 - rc
 
 
+def run_recoverable(
+    step: _Step,
+    cmd: Sequence[str],
+    plan: AttemptPlan,
+    chosen: Sequence[str],
+    spares: Sequence[str],
+    env: dict[str, str],
+) -> int:
+    """One attempt under in-process recovery (hpcdist.fault.inprocess): a rendezvous store on this node (the batch
+    shell's: it lives as long as the job), the training step on ``chosen`` and warm spares on ``spares`` (one
+    process per task slot), both steps with a task's death leaving the other tasks running. Returns the training's
+    exit status: rank 0's when it reported the training's end to the store (a step that lost a task but recovered
+    ends with that task's status), else the step's. Without a store (it did not start) the attempt runs as
+    before."""
+    from hpcdist.fault.inprocess import SPARE_ENV, STORE_ENV, WORLD_ENV
+
+    python = env.get("HPCDIST_PYTHON") or sys.executable
+    store = subprocess.Popen([python, "-m", "hpcdist.fault.regroup"], stdout=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line.strip()) for line in store.stdout or ()], daemon=True)
+    reader.start()
+    try:
+        port = int(lines.get(timeout=_STORE_START_S))
+    except (queue.Empty, ValueError):
+        _announce("the rendezvous store did not start: this attempt runs without in-process recovery")
+        _end(store)
+        return step.run(step_for(cmd, plan, chosen), env)
+    host = launcher().batch_host(os.environ) or plan.allocated[0]
+    shared = {**env, STORE_ENV: f"{host}:{port}"}
+    spare_env = {**shared, SPARE_ENV: "1", WORLD_ENV: str(len(chosen) * plan.tasks_per_node)}
+    spare_step = subprocess.Popen(
+        launcher().step_command(cmd, spares, plan.tasks_per_node, keep_survivors=True), env=spare_env
+    )
+    _announce(f"in-process recovery: rendezvous {host}:{port}, warm spare(s) on {','.join(spares)}")
+    try:
+        rc = step.run(launcher().step_command(cmd, chosen, plan.tasks_per_node, keep_survivors=True), shared)
+    finally:
+        _end(store)  # marks the end for spares still waiting
+        try:
+            spare_step.wait(timeout=_SPARE_EXIT_S)
+        except subprocess.TimeoutExpired:
+            spare_step.kill()
+            spare_step.wait()
+    reader.join(timeout=5)
+    reported = [line.split()[1] for line in list(lines.queue) if line.startswith("done ")]
+    if reported and reported[0].lstrip("-").isdigit() and int(reported[0]) != rc:
+        _announce(f"{launcher().step_tool} exited with status {rc}; the training ended with {reported[0]}")
+        return int(reported[0])
+    return rc
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def next_attempt(data: dict[str, Any], job: JobFacts) -> int:
     """The number of the next attempt: after every attempt the ledger knows, and never below SLURM's restart count."""
     keys = [int(k) for k in data.get("attempts", {}) if str(k).isdigit()]
@@ -198,9 +263,11 @@ def loop(
     min_nodes: int,
     backoff: float,
     policy: restarts.RestartPolicy | None = None,
+    in_process: bool = False,
 ) -> int:
     """Run the attempts of this job (see the module docstring); the batch script's exit status. ``policy`` is the
-    config's fault.* when the loop was given the config; else the ledger's (rank 0 stores it) or the defaults."""
+    config's fault.* when the loop was given the config; else the ledger's (rank 0 stores it) or the defaults.
+    ``in_process`` (fault.in_process): each attempt's unused healthy nodes run warm spares (:func:`run_recoverable`)."""
     base = job_facts()
     plan = plan_from_env(os.environ, spare, min_nodes) if base.job_id else "not a batch job"
     if isinstance(plan, str):
@@ -262,7 +329,11 @@ def loop(
             )
         )
         env = {**os.environ, ATTEMPT_ENV: str(attempt)}
-        rc = step.run(step_for(cmd, plan, chosen), env)
+        spares = [n for n in plan.allocated if n not in bad and n not in chosen] if in_process else []
+        if spares:
+            rc = run_recoverable(step, cmd, plan, chosen, spares, env)
+        else:
+            rc = step.run(step_for(cmd, plan, chosen), env)
         ended = time.time()
         data = restarts.load_ledger(run_dir, base.job_id)
         entry = data["attempts"].setdefault(str(attempt), {"restart": attempt})
@@ -335,11 +406,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--spare-nodes", type=int)
     p.add_argument("--min-nodes", type=int)
     p.add_argument("--restart-backoff-s", type=float)
+    p.add_argument("--in-process", action="store_true", help="fault.in_process: warm spares on the unused nodes")
     p.add_argument("config", nargs="*", help="CONFIG [section.key=value ...], as given to hpcdist train")
     args = p.parse_args(ours)
     if not cmd:
         p.error("no command after --")
-    spare, min_nodes, backoff, policy = 0, 0, 3.0, None
+    spare, min_nodes, backoff, policy, in_process = 0, 0, 3.0, None, args.in_process
     if args.config:
         from hpcdist import config as config_mod
 
@@ -351,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_dir = Path(cfg.run.dir)
         spare, min_nodes, backoff = cfg.fault.spare_nodes, cfg.fault.min_nodes, cfg.fault.restart_backoff_s
         policy = restarts.RestartPolicy.from_fault(cfg.fault)
+        in_process = in_process or cfg.fault.in_process
     elif args.run_dir:
         run_dir = Path(args.run_dir)
     else:
@@ -360,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     backoff = args.restart_backoff_s if args.restart_backoff_s is not None else backoff
     if spare < 0 or min_nodes < 0 or not backoff >= 0:
         p.error("--spare-nodes, --min-nodes and --restart-backoff-s must be >= 0")
-    return loop(cmd, run_dir, spare, min_nodes, backoff, policy)
+    return loop(cmd, run_dir, spare, min_nodes, backoff, policy, in_process=in_process)
 
 
 if __name__ == "__main__":

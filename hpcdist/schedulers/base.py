@@ -193,8 +193,15 @@ class Launcher(Protocol):
         """``argv`` once per node of ``nodes``: (stdout, exit status or None on timeout); None without a launcher."""
         ...
 
-    def step_command(self, cmd: Sequence[str], nodes: Sequence[str], tasks_per_node: int) -> list[str]:
-        """The batch script's step command ``cmd`` restricted to ``nodes``."""
+    def step_command(
+        self, cmd: Sequence[str], nodes: Sequence[str], tasks_per_node: int, *, keep_survivors: bool = False
+    ) -> list[str]:
+        """The batch script's step command ``cmd`` restricted to ``nodes``; ``keep_survivors``: a task's death
+        leaves the other tasks running (in-process recovery)."""
+        ...
+
+    def batch_host(self, environ: Mapping[str, str]) -> str | None:
+        """The name the job's other nodes reach the batch shell's node by (None: unknown)."""
         ...
 
     def job_parameters(

@@ -23,7 +23,7 @@ import pytest
 
 from hpcdist import config as config_mod
 from hpcdist.base.rundir import RunDir
-from hpcdist.fault.inprocess import SPARE_ENV, STORE_ENV
+from hpcdist.fault.inprocess import SPARE_ENV, STORE_ENV, WORLD_ENV
 from tests.conftest import small_config
 from tests.dist.harness import free_port, rank_environ
 
@@ -55,8 +55,8 @@ def _cli(host: str, rank: int, store: str, spare: bool, config_file: Path, log: 
     _own_host_name(host)
     rank_environ(rank, 2, free_port())  # the store replaces MASTER_ADDR/PORT's rendezvous
     os.environ[STORE_ENV] = store
-    if spare:
-        os.environ[SPARE_ENV] = "1"
+    if spare:  # as a launcher starts a spare: its own rank and size are the spares', the training's size beside
+        os.environ.update({SPARE_ENV: "1", WORLD_ENV: "2", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
     out = open(log, "w", buffering=1)  # noqa: SIM115  # the process's stdout and stderr until it exits
     os.dup2(out.fileno(), 1)
     os.dup2(out.fileno(), 2)

@@ -2,7 +2,8 @@
 hosts (fault.exclude_failed_nodes=false). Host B's rank killed and B's local directory wiped: the restart takes B's
 files from its copy on host A, the local tier being newer than the shared checkpoint; then both copies wiped: the
 shared checkpoint. Every step's loss equals the uninterrupted run's (test_injob_slurm's reference: same model,
-data and steps; the checkpoint cadences do not change the losses)."""
+data and steps; the checkpoint cadences do not change the losses). With fault.in_process and a third host as the
+warm spare, the same kill is recovered inside the surviving processes instead."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcdist.launch.restarts import load_ledger
 from tests.slurm.conftest import Cluster, job_info, wait_job
 from tests.slurm.harness import (
     INJOB_STEPS,
@@ -26,6 +28,7 @@ from tests.slurm.harness import (
     shared_reference,
     step_losses,
     submit,
+    wait_for_step,
 )
 
 # local every step, shared every 5: a kill after step 5k+3 finds local steps 5k+1.. newer than the shared 5k
@@ -99,3 +102,44 @@ def test_a_killed_hosts_files_come_from_its_peer_then_both_lost_resume_the_share
     assert job_info(slurm_cluster2, job)["Restarts"] == "0"  # both restarts in the job
     got, ref = step_losses(run), reference.losses()
     assert [got[s] for s in range(1, INJOB_STEPS + 1)] == [ref[s] for s in range(1, INJOB_STEPS + 1)]
+
+
+def test_a_killed_rank_is_recovered_in_process_by_the_warm_spare(
+    slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path, reference: Reference
+) -> None:
+    """fault.in_process, 2 training hosts + 1 spare, SIGKILL of rank 1 on host B: rank 0's process lives on (the
+    same pid), the spare host's waiting process takes rank 1 with its files from the peer copy on host A, the shared
+    checkpoint is not read, at most one completed step is computed again, the job needs no second attempt
+    (Restarts=0, one attempt in the ledger), and every step's loss equals the uninterrupted run's."""
+    run, out, local = tmp_path / "run", tmp_path / "out.txt", tmp_path / "local-{host}"
+    over = injob_overrides(
+        run,
+        corpus_dir,
+        *LOCAL,
+        f"checkpoint.local.dir={local}",
+        "fault.spare_nodes=1",
+        "fault.in_process=true",
+        "fault.regroup_settle_s=2",
+    )
+    job = submit(slurm_cluster2, "train.sh", ["--nodes=3", *ONE_TASK], over, out)
+    survivor, victim = (rank_in_restart(run, r, restart=0) for r in (0, 1))
+    wait_for_step(run, 6)
+    t_kill = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert wait_job(slurm_cluster2, job, timeout=240) == "COMPLETED", out.read_text()[-4000:]
+    text = out.read_text()
+    assert "in-process recovery 1: generation 1 of 2 ranks formed" in text, text[-4000:]
+    assert f"pid {survivor['pid']} stays" in text
+    took = re.search(r"warm spare on (\S+): took rank 1 \(generation 1\)", text)
+    assert took and took.group(1) not in (survivor["host"], victim["host"]), text[-4000:]
+    assert "rank 1's files of step" in text and "come from rank 0's node" in text
+    assert f"resumed from {run}/checkpoints" not in text  # the shared checkpoint was not read
+    assert list(load_ledger(run, job)["attempts"]) == ["0"] and job_info(slurm_cluster2, job)["Restarts"] == "0"
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m["step"] for m in logged if "split" not in m]
+    back = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
+    assert len(back) <= 1 and (not back or steps[back[0] - 1] - steps[back[0]] + 1 <= 1), steps
+    got, ref = step_losses(run), reference.losses()
+    assert [got[s] for s in range(1, INJOB_STEPS + 1)] == [ref[s] for s in range(1, INJOB_STEPS + 1)]
+    after = next(m["time"] for m in logged if "split" not in m and m["time"] > t_kill)
+    print(f"\nin-process recovery (SIGKILL rank 1 on {victim['host']}): next completed step {after - t_kill:.1f} s")

@@ -201,15 +201,18 @@ class LocalTier:
         self._copy.start()
         return True
 
-    def staging_fence(self) -> float:
+    def staging_fence(self, *, whole: bool = False) -> float:
         """Wait until the last snapshot's copy into the staging buffers is done: seconds waited (0: none in flight).
         Called before every optimizer step, the first thing that changes what the copy reads; a failed copy fails
-        that snapshot (its thread says so), not this call."""
+        that snapshot (its thread says so), not this call. ``whole``: until the snapshot is complete, files and peer
+        copy too, so that when a step ends the snapshot of the step before it is there on every node (a snapshot
+        every step then loses at most one step to a failure, whenever it strikes)."""
         staged, self._staged = self._staged, None
-        if staged is None:
-            return 0.0
         t0 = time.perf_counter()
-        futures.wait([staged])
+        if whole:
+            self.wait()
+        elif staged is not None:
+            futures.wait([staged])
         return time.perf_counter() - t0
 
     def _write_and_copy(self, snap: _Snapshot, staged: Future[dict[str, Any]], t0: float, loop_s: float) -> None:

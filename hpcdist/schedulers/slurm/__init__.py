@@ -108,8 +108,14 @@ class SlurmLauncher:
     def run_gate(self, nodes: Sequence[str], argv: Sequence[str], *, timeout: float) -> tuple[str, int | None] | None:
         return client.srun_once_per_node(nodes, argv, timeout=timeout)
 
-    def step_command(self, cmd: Sequence[str], nodes: Sequence[str], tasks_per_node: int) -> list[str]:
-        return step.step_command(cmd, nodes, tasks_per_node)
+    def step_command(
+        self, cmd: Sequence[str], nodes: Sequence[str], tasks_per_node: int, *, keep_survivors: bool = False
+    ) -> list[str]:
+        return step.step_command(cmd, nodes, tasks_per_node, keep_survivors=keep_survivors)
+
+    def batch_host(self, environ: Mapping[str, str]) -> str | None:
+        # the batch script runs on the allocation's first node; slurmd names it in the job's environment
+        return environ.get("SLURMD_NODENAME") or None
 
     # The sbatch side imports the cluster profile's schema: loaded on a login node only, never by a rank's start-up.
     def job_parameters(

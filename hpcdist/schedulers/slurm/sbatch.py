@@ -44,6 +44,7 @@ def attempt_loop_lines(python: str, run_dir: str | Sequence[str], fault: Any | N
         opts = (
             f" --spare-nodes {int(fault.spare_nodes)} --min-nodes {int(fault.min_nodes)}"
             f" --restart-backoff-s {float(fault.restart_backoff_s)!r}"
+            + (" --in-process" if getattr(fault, "in_process", False) else "")
         )
     lines.append(f'srun() {{ {python} -m hpcdist.launch.attempts --run-dir {where}{opts} -- srun "$@"; }}')
     return lines

@@ -5,6 +5,7 @@ line of a step restricted to some of those nodes. Standard library only.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 
 from hpcdist.schedulers.base import Allocation
@@ -45,10 +46,28 @@ def allocation(environ: Mapping[str, str]) -> Allocation | str:
     return Allocation(nodes, tpn, gpus_per_node(environ))
 
 
-def step_command(cmd: Sequence[str], nodes: Sequence[str], tasks_per_node: int) -> list[str]:
-    """``cmd`` (an srun command line) restricted to ``nodes``; any other command unchanged."""
+# srun options that take their value as the next argument in the step lines hpcdist runs (submitit's writes
+# ``--output PATH --error PATH``; hpcdist's own use ``--opt=value``): the program starts after them
+_SEPARATE_VALUE = frozenset({"--output", "-o", "--error", "-e", "--nodes", "-N", "--ntasks", "-n", "--nodelist", "-w"})
+_KILL_ON_BAD_EXIT = re.compile(r"--kill-on-bad-exit(=\d+)?|-K\d?")
+
+
+def step_command(
+    cmd: Sequence[str], nodes: Sequence[str], tasks_per_node: int, *, keep_survivors: bool = False
+) -> list[str]:
+    """``cmd`` (an srun command line) restricted to ``nodes``; any other command unchanged. ``keep_survivors``:
+    one task's death does not end the others (``--kill-on-bad-exit=0`` in place of the line's own setting), for
+    in-process recovery, where the survivors rebuild their group and a spare takes the dead task's place."""
     cmd = list(cmd)
     if not cmd or os.path.basename(cmd[0]) != "srun":
         return cmd
     n = len(nodes)
-    return [cmd[0], f"--nodes={n}", f"--ntasks={n * tasks_per_node}", f"--nodelist={','.join(nodes)}", *cmd[1:]]
+    args = cmd[1:]
+    if keep_survivors:
+        end = 0
+        while end < len(args) and args[end].startswith("-"):
+            end += 2 if args[end] in _SEPARATE_VALUE else 1
+        end = min(end, len(args))
+        options = [a for a in args[:end] if not _KILL_ON_BAD_EXIT.fullmatch(a)]
+        args = ["--kill-on-bad-exit=0", *options, *args[end:]]
+    return [cmd[0], f"--nodes={n}", f"--ntasks={n * tasks_per_node}", f"--nodelist={','.join(nodes)}", *args]

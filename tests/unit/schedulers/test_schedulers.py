@@ -156,3 +156,23 @@ def test_the_slurm_launcher_implements_every_launcher_member() -> None:
             assert list(got.parameters) == list(inspect.signature(wanted).parameters), name
     with pytest.raises(ValueError, match="no launcher for scheduler 'pbs'"):
         launcher("pbs")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--kill-on-bad-exit=1", "--unbuffered", "python", "-m", "hpcdist", "train", "c.yaml"],
+        ["-K1", "--unbuffered", "python", "-m", "hpcdist", "train", "c.yaml"],
+        ["--unbuffered", "--output", "/o/%j_%t.out", "--error", "/o/%j_%t.err", "python", "-u", "-m", "s"],
+    ],
+)
+def test_a_step_that_keeps_its_survivors_turns_kill_on_bad_exit_off(args: list[str]) -> None:
+    """In-process recovery needs the other tasks alive after one dies: the step line's own --kill-on-bad-exit goes,
+    =0 comes first, and the program's arguments (which may look like srun options) are left as they are."""
+    from hpcdist.schedulers.slurm.step import step_command
+
+    out = step_command(["srun", *args, "--kill-on-bad-exit=1"], ["n1", "n2"], 4, keep_survivors=True)
+    assert out[:5] == ["srun", "--nodes=2", "--ntasks=8", "--nodelist=n1,n2", "--kill-on-bad-exit=0"]
+    srun_own = ("--kill-on-bad-exit=1", "-K1")
+    assert out[5:] == [a for a in args if a not in srun_own] + ["--kill-on-bad-exit=1"]  # the program's: untouched
+    assert step_command(["srun", *args], ["n1"], 4)[4:] == args  # without it, the line is the line
