@@ -170,6 +170,8 @@ def _copy_in_background(env: DistEnv, root: Path, record: Path, snapshot: Path) 
     # this rank's own files are complete while the copy is held: the step counts on every rank's own files
     out["own_complete_during_copy"] = (me / f"rank-{env.rank:05d}" / "step-00000004" / MARKER).is_file()
     shutil.copytree(me, snapshot / f"node{env.rank}")
+    # the peer's copy to this node is held by the peer's gate: released only once both disks are copied aside
+    torch.distributed.barrier()
     gate.set()
     out["copied"] = tier.wait()
     out["copy_complete_after_wait"] = (copy / "step-00000004" / MARKER).is_file()

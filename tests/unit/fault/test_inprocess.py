@@ -50,6 +50,11 @@ def test_a_malformed_rendezvous_is_refused(environ: dict[str, str], words: str) 
         (["fault.regroup_settle_s=0"], "fault.regroup_settle_s: must be a number of seconds > 0"),
         (["fault.regroup_settle_s=5", "fault.regroup_timeout_s=4"], "fault.regroup_timeout_s: must be a number"),
         (["fault.regroup_timeout_s=nan"], "fault.regroup_timeout_s"),
+        (["fault.in_process=true", "fault.spare_nodes=1"], "fault.in_process: needs checkpoint.local.dir"),
+        (
+            ["fault.in_process=true", "checkpoint.local.dir=/dev/shm/x"],
+            "fault.in_process: needs fault.spare_nodes >= 1",
+        ),
     ],
 )
 def test_regroup_bounds_are_checked_with_the_config(overrides: list[str], words: str) -> None:

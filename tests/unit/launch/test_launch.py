@@ -352,6 +352,19 @@ def test_cpu_cluster_has_no_gpu_flag(tmp_path: Path) -> None:
     assert "--gpus-per-node" not in text and "#SBATCH --ntasks-per-node=2" in text
 
 
+def test_submit_refuses_in_process_recovery_and_names_the_way_that_runs_it(tmp_path: Path) -> None:
+    over = [
+        f"run.dir={tmp_path}/run",
+        "fault.in_process=true",
+        f"checkpoint.local.dir={tmp_path}/l",
+        "fault.spare_nodes=1",
+        "checkpoint.local.every_steps=1",
+    ]
+    with pytest.raises(ConfigError, match=r"fault\.in_process: runs with `sbatch sbatch/train\.sh CONFIG`"):
+        submit(DEMO, over, cluster="sandbox", dry_run=True)
+    assert not (tmp_path / "run").exists()
+
+
 def test_local_cluster_dry_run_describes_the_local_run(tmp_path: Path) -> None:
     text = submit(DEMO, [f"run.dir={tmp_path}"], cluster="local", dry_run=True)
     assert isinstance(text, str)
