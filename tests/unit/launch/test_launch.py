@@ -360,7 +360,7 @@ def test_submit_refuses_in_process_recovery_and_names_the_way_that_runs_it(tmp_p
         "fault.spare_nodes=1",
         "checkpoint.local.every_steps=1",
     ]
-    with pytest.raises(ConfigError, match=r"fault\.in_process: runs with `sbatch sbatch/train\.sh CONFIG`"):
+    with pytest.raises(ConfigError, match=r"fault\.in_process: the batch scripts start the warm spares"):
         submit(DEMO, over, cluster="sandbox", dry_run=True)
     assert not (tmp_path / "run").exists()
 
