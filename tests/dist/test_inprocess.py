@@ -50,13 +50,14 @@ def _can_name_hosts() -> str | None:
     return None if p.exitcode == 0 else "a UTS namespace needs root (CAP_SYS_ADMIN): no per-rank host names here"
 
 
-def _cli(host: str, rank: int, store: str, spare: bool, config_file: Path, log: Path) -> None:
-    """``hpcdist train CONFIG`` as rank ``rank`` of 2 on ``host`` (forked: torch is imported already)."""
+def _cli(host: str, rank: int, world: int, store: str, spare: bool, config_file: Path, log: Path) -> None:
+    """``hpcdist train CONFIG`` as rank ``rank`` of ``world`` on ``host`` (forked: torch is imported already)."""
     _own_host_name(host)
-    rank_environ(rank, 2, free_port())  # the store replaces MASTER_ADDR/PORT's rendezvous
+    rank_environ(rank, world, free_port())  # the store replaces MASTER_ADDR/PORT's rendezvous
     os.environ[STORE_ENV] = store
     if spare:  # as a launcher starts a spare: its own rank and size are the spares', the training's size beside
-        os.environ.update({SPARE_ENV: "1", WORLD_ENV: "2", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+        os.environ.update({SPARE_ENV: "1", WORLD_ENV: str(world), "RANK": "0", "WORLD_SIZE": "1"})
+        os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     out = open(log, "w", buffering=1)  # noqa: SIM115  # the process's stdout and stderr until it exits
     os.dup2(out.fileno(), 1)
     os.dup2(out.fileno(), 2)
@@ -78,29 +79,37 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
 
 
-def _run(cfg: config_mod.JobConfig, tmp: Path, *, kill: bool) -> dict[str, Any]:
-    """Start the store, ranks 0 and 1 and the spare; with ``kill``, SIGKILL rank 1 after step KILL_AFTER."""
+def _run(cfg: config_mod.JobConfig, tmp: Path, ranks: list[str], spares: list[str], kill: list[int]) -> dict[str, Any]:
+    """Start the store, rank r on host ``ranks[r]`` and a spare on each host of ``spares``; SIGKILL the ranks in
+    ``kill`` once rank 0 logged step KILL_AFTER."""
     tmp.mkdir(parents=True, exist_ok=True)
     config_file = config_mod.save(cfg, tmp / "config.yaml")
     server = subprocess.Popen(
         [sys.executable, "-m", "hpcdist.fault.regroup"], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
     procs: dict[str, Any] = {}
-    logs = {name: tmp / f"{name}.log" for name in ("rank0", "rank1", "spare")}
+    names = [f"rank{r}" for r in range(len(ranks))] + [f"spare{i}" for i in range(len(spares))]
+    logs = {name: tmp / f"{name}.log" for name in names}
     try:
         assert server.stdout is not None
         store = f"127.0.0.1:{int(server.stdout.readline())}"
         ctx = mp.get_context("fork")
-        for name, host, rank, spare in (("rank0", "nodeA", 0, False), ("rank1", "nodeB", 1, False)):
-            procs[name] = ctx.Process(target=_cli, args=(host, rank, store, spare, config_file, logs[name]))
-        procs["spare"] = ctx.Process(target=_cli, args=("nodeC", 0, store, True, config_file, logs["spare"]))
+        world = len(ranks)
+        for r, host in enumerate(ranks):
+            args = (host, r, world, store, False, config_file, logs[f"rank{r}"])
+            procs[f"rank{r}"] = ctx.Process(target=_cli, args=args)
+        for i, host in enumerate(spares):
+            procs[f"spare{i}"] = ctx.Process(
+                target=_cli, args=(host, 0, world, store, True, config_file, logs[f"spare{i}"])
+            )
         for p in procs.values():
             p.start()
         pid0, killed_at = procs["rank0"].pid, None
         deadline = time.monotonic() + 240
         while kill and killed_at is None:
             if any(r["step"] >= KILL_AFTER for r in _records(Path(cfg.run.dir))):
-                os.kill(procs["rank1"].pid, signal.SIGKILL)
+                for r in kill:
+                    os.kill(procs[f"rank{r}"].pid, signal.SIGKILL)
                 killed_at = time.time()
             assert procs["rank0"].is_alive(), logs["rank0"].read_text()[-3000:]
             assert time.monotonic() < deadline, f"no step {KILL_AFTER} within 240 s"
@@ -119,24 +128,35 @@ def _run(cfg: config_mod.JobConfig, tmp: Path, *, kill: bool) -> dict[str, Any]:
     return {"codes": codes, "logs": texts, "pid0": pid0, "killed_at": killed_at, "records": _records(Path(cfg.run.dir))}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[str, dict[str, Any]]:
+# rank r on host ranks[r], the spares' hosts, the ranks killed
+SCENARIOS = {
+    "one-rank": (["nodeA", "nodeB"], ["nodeC"], [1]),
+}
+
+
+def _config(tmp: Path, corpus_dir: Path) -> config_mod.JobConfig:
+    return small_config(
+        tmp / "run",
+        corpus_dir,
+        f"train.steps={STEPS}",
+        "checkpoint.every_steps=4",  # a shared checkpoint as new as a snapshot: the snapshot is taken
+        f"checkpoint.local.dir={tmp}/local-{{host}}",
+        "checkpoint.local.every_steps=1",
+        "fault.regroup_settle_s=1.5",
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[str, Any]:
+    """The scenario's run with its kill, and the same layout's run without one (the spares then leave unused)."""
     reason = _can_name_hosts()
     if reason:
         pytest.skip(reason)
-    out = {}
-    for name, kill in (("straight", False), ("killed", True)):
-        tmp = tmp_path_factory.mktemp(name)
-        cfg = small_config(
-            tmp / "run",
-            corpus_dir,
-            f"train.steps={STEPS}",
-            "checkpoint.every_steps=4",  # a shared checkpoint older than the snapshots: it must not be read
-            f"checkpoint.local.dir={tmp}/local-{{host}}",
-            "checkpoint.local.every_steps=1",
-            "fault.regroup_settle_s=1.5",
-        )
-        out[name] = _run(cfg, tmp, kill=kill)
+    ranks, spares, kill = SCENARIOS[request.param]
+    out: dict[str, Any] = {"ranks": ranks, "spares": spares, "kill": kill}
+    for name, victims in (("straight", []), ("killed", kill)):
+        tmp = tmp_path_factory.mktemp(f"{request.param}-{name}")
+        out[name] = _run(_config(tmp, corpus_dir), tmp, ranks, spares, victims)
     return out
 
 
@@ -144,26 +164,41 @@ def _losses(records: list[dict[str, Any]]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}  # the last record of a step wins: the redone one
 
 
-def test_without_a_failure_the_spare_leaves_when_the_job_is_done(runs: dict[str, dict[str, Any]]) -> None:
+def test_without_a_failure_the_spares_leave_when_the_job_is_done(runs: dict[str, Any]) -> None:
     straight = runs["straight"]
-    assert straight["codes"] == {"rank0": 0, "rank1": 0, "spare": 0}, straight["logs"]["spare"][-2000:]
-    assert "the job finished without needing this spare" in straight["logs"]["spare"]
+    assert set(straight["codes"].values()) == {0}, straight["codes"]
+    for i in range(len(runs["spares"])):
+        assert "the job finished without needing this spare" in straight["logs"][f"spare{i}"]
     assert sorted(_losses(straight["records"])) == list(range(1, STEPS + 1))
 
 
-def test_a_killed_rank_is_replaced_by_the_spare_and_the_survivor_keeps_its_process(
-    runs: dict[str, dict[str, Any]],
+def test_killed_ranks_are_replaced_by_the_spares_and_the_survivors_keep_their_processes(
+    runs: dict[str, Any],
 ) -> None:
     killed, straight = runs["killed"], runs["straight"]
-    log0, spare = killed["logs"]["rank0"], killed["logs"]["spare"]
-    assert killed["codes"]["rank0"] == 0 and killed["codes"]["spare"] == 0, (log0[-3000:], spare[-3000:])
-    assert killed["codes"]["rank1"] == -signal.SIGKILL
-    # the survivor: the same process before and after (the log of one pid shows both generations)
-    assert "in-process recovery 1: generation 1 of 2 ranks formed" in log0, log0[-3000:]
+    world, kill = len(runs["ranks"]), runs["kill"]
+    survivors = [r for r in range(world) if r not in kill]
+    spares = [f"spare{i}" for i in range(len(runs["spares"]))]
+    log0 = killed["logs"]["rank0"]
+    for r in range(world):
+        expected = -signal.SIGKILL if r in kill else 0
+        assert killed["codes"][f"rank{r}"] == expected, killed["logs"][f"rank{r}"][-3000:]
+    assert all(killed["codes"][name] == 0 for name in spares), [killed["logs"][n][-2000:] for n in spares]
+    # the survivors: the same processes before and after (the log of one pid shows both generations)
+    assert f"in-process recovery 1: generation 1 of {world} ranks formed" in log0, log0[-3000:]
     assert f"pid {killed['pid0']} stays" in log0
-    assert "warm spare on nodeC: took rank 1 (generation 1)" in spare, spare[-3000:]
-    # rank 1's state came from the peer copy on nodeA, not from the shared checkpoint
-    assert "files of step" in log0 and "come from rank 0's node" in log0, log0[-3000:]
+    for r in survivors:
+        assert "in-process recovery 1:" in killed["logs"][f"rank{r}"]
+    took = sorted(
+        int(line.split("took rank ")[1].split()[0])
+        for name in spares
+        for line in killed["logs"][name].splitlines()
+        if "warm spare on nodeC: took rank" in line
+    )
+    assert took == kill, [killed["logs"][n][-2000:] for n in spares]
+    # the dead ranks' state came from the peer copies on nodeA, not from the shared checkpoint
+    for r in kill:
+        assert f"rank {r}'s files of step" in log0, log0[-3000:]
     resumes = [line for line in log0.splitlines() if "resumed from " in line]
     assert resumes and all("/local-nodeA/" in line for line in resumes), resumes
     # at most one completed step computed again: the log's steps go back once, by at most one
@@ -177,6 +212,6 @@ def test_a_killed_rank_is_replaced_by_the_spare_and_the_survivor_keeps_its_proce
     # every step's loss is the uninterrupted run's, bit for bit
     assert _losses(killed["records"]) == _losses(straight["records"])
     print(
-        f"\nin-process recovery: kill -> next completed step {first_after['time'] - killed['killed_at']:.2f} s, "
-        f"steps redone {redone}"
+        f"\nin-process recovery of ranks {kill} of {world}: kill -> next completed step "
+        f"{first_after['time'] - killed['killed_at']:.2f} s, steps redone {redone}"
     )
