@@ -10,8 +10,10 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +54,23 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         q.put((rank, "error", traceback.format_exc()))
     finally:
         destroy_process_group()
+
+
+def train_cli_and_exit(config_file: Path, log: Path) -> None:
+    """In a forked rank: ``hpcdist train CONFIG`` through the CLI's own main, stdout and stderr into ``log``, then
+    exit with its status (forked: the interpreter's start and torch's import are skipped)."""
+    out = open(log, "w", buffering=1)  # noqa: SIM115  # the process's stdout and stderr until it exits
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    sys.stdout = sys.stderr = out
+    from hpcdist.cli import main
+
+    code = 1
+    try:
+        code = main(["train", str(config_file)])
+    finally:
+        out.flush()
+        os._exit(code)
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300) -> list[Any]:

@@ -25,7 +25,7 @@ from hpcdist import config as config_mod
 from hpcdist.base.rundir import RunDir
 from hpcdist.fault.inprocess import SPARE_ENV, STORE_ENV, WORLD_ENV
 from tests.conftest import small_config
-from tests.dist.harness import free_port, rank_environ
+from tests.dist.harness import free_port, rank_environ, train_cli_and_exit
 
 pytestmark = pytest.mark.dist
 
@@ -58,18 +58,7 @@ def _cli(host: str, rank: int, world: int, store: str, spare: bool, config_file:
     if spare:  # as a launcher starts a spare: its own rank and size are the spares', the training's size beside
         os.environ.update({SPARE_ENV: "1", WORLD_ENV: str(world), "RANK": "0", "WORLD_SIZE": "1"})
         os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    out = open(log, "w", buffering=1)  # noqa: SIM115  # the process's stdout and stderr until it exits
-    os.dup2(out.fileno(), 1)
-    os.dup2(out.fileno(), 2)
-    sys.stdout = sys.stderr = out
-    from hpcdist.cli import main
-
-    code = 1
-    try:
-        code = main(["train", str(config_file)])
-    finally:
-        out.flush()
-        os._exit(code)
+    train_cli_and_exit(config_file, log)
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:

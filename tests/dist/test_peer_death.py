@@ -9,7 +9,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 from hpcdist import config as config_mod
 from hpcdist.base.rundir import RunDir
 from hpcdist.fault.failures import read_failures
-from tests.dist.harness import free_port, rank_environ
+from tests.dist.harness import free_port, rank_environ, train_cli_and_exit
 
 pytestmark = pytest.mark.dist
 
@@ -27,18 +26,7 @@ def _cli_rank(rank: int, port: int, config_file: Path, log: Path) -> None:
     """A forked process that runs ``hpcdist train CONFIG`` as rank ``rank`` of 2 (the CLI's own main, its output in
     ``log``; forked, so it skips the interpreter's start and torch's import), and exits with its status."""
     rank_environ(rank, 2, port)
-    out = open(log, "w", buffering=1)  # noqa: SIM115  # the process's stdout and stderr until it exits
-    os.dup2(out.fileno(), 1)
-    os.dup2(out.fileno(), 2)
-    sys.stdout = sys.stderr = out
-    from hpcdist.cli import main
-
-    code = 1
-    try:
-        code = main(["train", str(config_file)])
-    finally:
-        out.flush()
-        os._exit(code)
+    train_cli_and_exit(config_file, log)
 
 
 def _trained_steps(run_dir: Path) -> int:
