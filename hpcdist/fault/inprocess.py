@@ -22,8 +22,10 @@ is gone, no spare came within ``fault.regroup_timeout_s``, or ``fault.max_failur
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -100,6 +102,21 @@ def adopt(env: DistEnv, rank: int, world_size: int) -> DistEnv:
     )
 
 
+def _release(failure: BaseException) -> None:
+    """Let go of what the failed attempt's frames still hold (its Trainer: the strategy's, the checkpoint tiers' and
+    the copy thread's process groups). gloo closes a group's connections only when the group is freed, so a peer
+    blocked on one of them (a survivor still in the node-local copy with this rank) would otherwise wait out the
+    collective timeout instead of failing at once and joining the next generation in time."""
+    seen: set[int] = set()
+    err: BaseException | None = failure
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if err.__traceback__ is not None:
+            traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
+    gc.collect()
+
+
 def train_in_process(
     rdv: Rendezvous,
     env: DistEnv,
@@ -113,8 +130,8 @@ def train_in_process(
     exit_code: Callable[[T], int] = lambda _: 0,
 ) -> T:
     """Join the job's group through ``rdv`` (a spare: wait for a vacancy first), then ``train(env)``; after a
-    peer's death (:class:`PeerRankDied`) rebuild the group in this process, call ``rejoin()`` (what the caller keeps
-    across generations lets go of the dead group) and ``train`` again, at most ``max_recoveries`` times. Rank 0
+    peer's death (:class:`PeerRankDied`) call ``rejoin()`` (what the caller keeps across generations lets go of the
+    dead group), rebuild the group in this process and ``train`` again, at most ``max_recoveries`` times. Rank 0
     marks the job done in the store with ``exit_code(result)``. Raises :class:`SpareNotNeeded` for a spare the job
     finished without."""
     import torch.distributed as dist
@@ -150,39 +167,41 @@ def train_in_process(
                 if recoveries >= max_recoveries:
                     log.error("in-process recovery: fault.max_failures=%d recoveries spent", max_recoveries)
                     raise
-                recoveries += 1
-                t0 = time.monotonic()
-                log.warning(
-                    "in-process recovery %d: %s; rebuilding the process group (pid %d stays)",
-                    recoveries,
-                    " ".join(str(died.__cause__ or died).split())[:200],
-                    os.getpid(),
+                failure = died
+            else:
+                if env.is_main:
+                    regroup.mark_done(store, exit_code(result))
+                return result
+            recoveries += 1
+            t0 = time.monotonic()
+            log.warning(
+                "in-process recovery %d: %s; rebuilding the process group (pid %d stays)",
+                recoveries,
+                " ".join(str(failure.__cause__ or failure).split())[:200],
+                os.getpid(),
+            )
+            rejoin()
+            _release(failure)
+            try:
+                member = regroup.regroup(
+                    store,
+                    member,
+                    settle_s=settle_s,
+                    timeout_s=timeout_s,
+                    collective_timeout_s=collective_timeout_s,
+                    backend=env.backend,
                 )
-                try:
-                    member = regroup.regroup(
-                        store,
-                        member,
-                        settle_s=settle_s,
-                        timeout_s=timeout_s,
-                        collective_timeout_s=collective_timeout_s,
-                        backend=env.backend,
-                    )
-                except (regroup.RegroupFailed, RuntimeError) as e:  # RuntimeError: the store itself is gone
-                    log.error("in-process recovery failed (%s): the in-job restart or the requeue takes over", e)
-                    raise died from e
-                log.info(
-                    "in-process recovery %d: generation %d of %d ranks formed in %.2f s; resuming from the newest "
-                    "snapshot every rank holds",
-                    recoveries,
-                    member.generation,
-                    member.world_size,
-                    time.monotonic() - t0,
-                )
-                rejoin()
-                continue
-            if env.is_main:
-                regroup.mark_done(store, exit_code(result))
-            return result
+            except (regroup.RegroupFailed, RuntimeError) as e:  # RuntimeError: the store itself is gone
+                log.error("in-process recovery failed (%s): the in-job restart or the requeue takes over", e)
+                raise failure from e
+            log.info(
+                "in-process recovery %d: generation %d of %d ranks formed in %.2f s; resuming from the newest "
+                "snapshot every rank holds",
+                recoveries,
+                member.generation,
+                member.world_size,
+                time.monotonic() - t0,
+            )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
