@@ -129,7 +129,9 @@ class Observer:
         self.watchdog, self.nonfinite, self.hosts = watchdog, nonfinite, hosts
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token
-        self.peak = peak_flops(env.torch_device(), configured=cfg.logging.peak_flops)
+        # measured where it is reported, at the first log line: a CPU's peak is about a second of matmuls, which
+        # a rank whose MFU no sink shows would spend for nothing (and, beside its node's peers, measure too low)
+        self._peak: float | None = None
         self._peak_measured = peak_is_measured(env.torch_device(), configured=cfg.logging.peak_flops)
         self._peak_remeasured = False
         self.throughput = Throughput(env.world_size)
@@ -139,6 +141,7 @@ class Observer:
         self.prom = PrometheusExporter(
             cfg, enabled=env.local_rank == 0, node=env.node_rank, job=env.job_id or cfg.run.name, restarts=restarts
         )
+        self._reports_mfu = env.is_main or self.prom.active  # the log line and metrics.jsonl, a node's gauge
         self._node_memory: list[float] = []  # GiB per local rank, from the last straggler check
         self.stragglers = StragglerMonitor(
             every=cfg.logging.straggler_every_steps, factor=cfg.logging.straggler_factor, device=env.torch_device()
@@ -223,16 +226,26 @@ class Observer:
         log.info("eval step %d | loss %.4f", step, value)
         return value
 
+    @property
+    def peak(self) -> float:
+        """The device's peak FLOP/s for MFU: stated (a datasheet GPU, logging.peak_flops) or measured once."""
+        if self._peak is None:
+            self._peak = peak_flops(self.env.torch_device(), configured=self.cfg.logging.peak_flops)
+        return self._peak
+
     def _mfu(self, tps_dev: float) -> float:
-        """MFU against the peak. A measured peak that the run beats was taken under load (other work on the machine):
-        it is measured again once (the higher one kept); if the run still beats it, one warning, and MFU is capped
-        at 1.0 (never "126%"). A stated peak (datasheet GPU, logging.peak_flops) is never second-guessed."""
+        """MFU against the peak (0.0 on a rank that reports none). A measured peak that the run beats was taken under
+        load (other work on the machine): it is measured again once (the higher one kept); if the run still beats it,
+        one warning, and MFU is capped at 1.0 (never "126%"). A stated peak (datasheet GPU, logging.peak_flops) is
+        never second-guessed."""
+        if not self._reports_mfu:
+            return 0.0
         ratio = mfu(tps_dev, self.flops_per_token, self.peak)
         if not self._peak_measured or ratio <= 1.0:
             return ratio
         if not self._peak_remeasured:
             self._peak_remeasured = True
-            self.peak = remeasure_peak_flops(self.env.torch_device())
+            self._peak = remeasure_peak_flops(self.env.torch_device())
             ratio = mfu(tps_dev, self.flops_per_token, self.peak)
             if ratio > 1.0:
                 log.warning(
