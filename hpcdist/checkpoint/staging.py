@@ -29,6 +29,7 @@ from torch.distributed.checkpoint import _async_process_executor as ape  # proce
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.units import size_text
 from hpcdist.checkpoint.codec import HashingWriter, single_process_dcp
 from hpcdist.checkpoint.errors import describe_error, error_of
 from hpcdist.checkpoint.manifest import MANIFEST, PARTS_DIR, write_part
@@ -461,11 +462,6 @@ def staging_estimate(module: torch.nn.Module) -> int:
         local = shard if isinstance(shard, torch.Tensor) else param.to_local() if hasattr(param, "to_local") else param
         total += 12 * local.numel()
     return total + sum(b.numel() * b.element_size() for b in module.buffers())
-
-
-def size_text(n: float) -> str:
-    """Bytes for a person: GB from 0.1 GB up, MB below."""
-    return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
 
 
 def check_staging_memory(need: int, ranks_per_node: int, available: int | None, shm_free: int | None) -> None:

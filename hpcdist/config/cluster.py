@@ -111,6 +111,9 @@ class HardwareConfig:
     a100_ib's 5,696 h is Llama 3's (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.4: 466 job
     interruptions in 54 days on 16,384 H100 GPUs = 2,048 8-GPU nodes): 54 x 24 x 2,048 / 466 = 5,695.8 hours per
     node. None: no goodput prediction, and checkpoint.every_minutes=auto keeps its default interval."""
+    host_mem_gb: float | None = None
+    """Host memory (RAM) of one node, GiB: the node-local checkpoint tier in /dev/shm (tmpfs, half the RAM by
+    default) must fit it; ``hpcdist plan`` and the dry run check it. None: not checked."""
     storage_write_gbps: float | None = None
     """Sustained write (and read) bandwidth of the shared file system checkpoints go to, GB/s per node (each node
     writes its own ranks' shards); None = the goodput model's assumption (hpcdist.planning.goodput)."""
@@ -131,7 +134,7 @@ class HardwareConfig:
             value = getattr(self, name)
             if value is not None and not (_is_finite_number(value) and value > 0):
                 out.append(f"{name}: must be > 0, got {value!r}")
-        for name in ("node_mtbf_hours", "storage_write_gbps"):
+        for name in ("node_mtbf_hours", "storage_write_gbps", "host_mem_gb"):
             value = getattr(self, name)
             if value is not None and not (_is_finite_number(value) and value > 0):
                 out.append(f"{name}: must be a positive finite number, got {value!r}")

@@ -253,6 +253,9 @@ def build(cls: type, data: Mapping[str, Any], prefix: str, problems: list[str]) 
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         key = f"{prefix}{name}"
+        if not isinstance(name, str):  # YAML keys may be anything: `?` alone is a mapping with a null key
+            problems.append(f"{prefix.rstrip('.') or 'the config'}: a key must be a name, got {echo(name)}")
+            continue
         if name not in names:
             moved = getattr(cls, "MOVED_KEYS", {}).get(name)  # a section's ClassVar: its keys that moved elsewhere
             problems.append(f"{key}: moved to {moved}; set that instead" if moved else unknown_key(key, name, names))

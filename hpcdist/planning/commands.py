@@ -24,6 +24,8 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     ranks = None if args.ranks is None else parse_ranks(args.ranks, world)  # None: the dry run's default
     report = dry_run(cfg, world, cluster=args.cluster or "a100_ib", ranks=ranks)
     print(report.text(), end="", flush=True)
+    if report.snapshot is not None and report.snapshot.problem:
+        raise CommandError(f"train --dry-run: {report.snapshot.problem}", code=1)
     if report.fits is False:
         raise CommandError(
             # the report above names the model's build when it is the larger of the two
@@ -94,6 +96,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(textwrap.fill(mine, width=118, subsequent_indent="  "), flush=True)
     for line in _goodput_lines(cfg, estimates, world, cluster, hw):
         print(line, flush=True)
+    snap = _snapshot_line(cfg, estimates, world, cluster, hw)
+    if snap:
+        print(textwrap.fill(snap, width=118, subsequent_indent="  "), flush=True)
     spares = config_mod.describe_spares(cfg, cluster.nodes)
     for line in ([spares] if spares else []) + config_mod.shrink_problems(cfg, cluster.nodes, cluster.gpus_per_node):
         print(line, flush=True)
@@ -183,6 +188,31 @@ def _config_layout_line(cfg: config_mod.JobConfig, estimates: list[Any], world: 
     else:
         state = f"row {fitting.index(match) + 1} of {len(fitting)} fitting ({need})"
     return f"the config's layout: {layout.describe()}: {state}"
+
+
+def _snapshot_line(cfg: config_mod.JobConfig, estimates: list[Any], world: int, cluster: Any, hw: Any) -> str | None:
+    """The node-local tier's footprint for the config's layout (the top fitting row when the planner lacks it)."""
+    from hpcdist.models.args import num_params
+    from hpcdist.planning.goodput import STATE_BYTES_PER_PARAM
+    from hpcdist.planning.layouts import layout_of
+    from hpcdist.planning.snapshot import footprint
+
+    if not cfg.checkpoint.local.dir:
+        return None
+    try:
+        layout = layout_of(cfg, world)
+    except ValueError:
+        layout = None
+    fitting = [e for e in estimates if e.fits] or list(estimates)
+    est = next((e for e in estimates if e.layout == layout), fitting[0])
+    # what a rank checkpoints: fp32 weights and AdamW's moments as the layout holds them (at least its even share:
+    # an offloaded optimizer holds its state off the GPU)
+    held = est.memory.params + est.memory.optimizer
+    per_rank = max(held, STATE_BYTES_PER_PARAM * num_params(cfg.model_args()) / world)
+    ranks = min(cluster.gpus_per_node, world)
+    fp = footprint(cfg, hw, per_rank_bytes=per_rank, ranks_per_node=ranks, nodes=cluster.nodes)
+    assert fp is not None  # a local dir is set
+    return fp.line(cfg.checkpoint.local.dir, est.step_s) + (f": {fp.problem}" if fp.problem else "")
 
 
 def _goodput_lines(cfg: config_mod.JobConfig, estimates: list[Any], world: int, cluster: Any, hw: Any) -> list[str]:

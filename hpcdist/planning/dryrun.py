@@ -36,14 +36,15 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcdist import config as config_mod
-from hpcdist.checkpoint.staging import size_text
+from hpcdist.base.units import size_text
 from hpcdist.config import JobConfig
-from hpcdist.config.cluster import ClusterConfig, load_cluster
+from hpcdist.config.cluster import ClusterConfig, HardwareConfig, load_cluster
 from hpcdist.models.args import num_params
 from hpcdist.models.llama import build_model
 from hpcdist.parallel.dims import describe_layout, parallel_dims
 from hpcdist.planning.layouts import DEFAULT_MARGIN_GIB, format_count
 from hpcdist.planning.memory import GIB, MemoryEstimate
+from hpcdist.planning.snapshot import Footprint, footprint
 
 T = TypeVar("T")
 
@@ -77,6 +78,7 @@ class DryRunReport:
     memory: MemoryEstimate
     gpu_mem_gib: float | None
     seconds: float
+    hardware: HardwareConfig | None = None
     notes: list[str] = field(default_factory=list)
     prediction: str | None = None
 
@@ -124,24 +126,23 @@ class DryRunReport:
                 f"{size_text(per_rank)} per rank (fp32 weights + AdamW's 2 moments), {size_text(per_rank * ranks)} "
                 f"per node of {ranks} rank(s)"
             )
-        loc = self.cfg.checkpoint.local
-        if loc.dir:  # what the node-local tier keeps on each node's disk (hpcdist.checkpoint.local)
-            per_rank = max(4 * c.params + 8 * c.optimizer_params for c in self.counts)
-            ranks = min(self.gpus_per_node, self.world_size)
-            copies = 2 if self.world_size > ranks else 1  # one node: no peer copies
-            step_bytes = per_rank * ranks * copies
-            lines.append(
-                f"node-local checkpoint tier ({loc.dir}): {size_text(per_rank)} per rank per step (fp32 weights + "
-                f"AdamW's 2 moments), {size_text(step_bytes)} per node per step"
-                + (" with the peer node's copy" if copies == 2 else " (one node: no peer copies)")
-                + f", up to {size_text(step_bytes * (loc.keep + 1))} per node (checkpoint.local.keep={loc.keep} "
-                "steps and the one being written)"
-            )
+        if self.snapshot is not None:  # what the node-local tier keeps on each node (hpcdist.checkpoint.local)
+            assert self.cfg.checkpoint.local.dir is not None  # a footprint exists only with one
+            lines.append(self.snapshot.line(self.cfg.checkpoint.local.dir))
         if self.prediction:
             lines.append(self.prediction)
         lines += [f"note: {n}" for n in self.notes]
         lines.append(f"dry run took {self.seconds:.1f} s; nothing was allocated or trained")
         return "\n".join(lines) + "\n"
+
+    @property
+    def snapshot(self) -> Footprint | None:
+        """The node-local tier's footprint per node (None without one): each rank's fp32 weights and AdamW's two
+        moments, the largest of the ranks counted."""
+        per_rank = max(4 * c.params + 8 * c.optimizer_params for c in self.counts)
+        ranks = min(self.gpus_per_node, self.world_size)
+        nodes = max(1, math.ceil(self.world_size / self.gpus_per_node))
+        return footprint(self.cfg, self.hardware, per_rank_bytes=per_rank, ranks_per_node=ranks, nodes=nodes)
 
     @property
     def fits(self) -> bool | None:
@@ -379,6 +380,7 @@ def dry_run(
         counts=counts,
         memory=_memory(cfg, world_size, min(gpus_per_node, world_size)),
         gpu_mem_gib=getattr(cl.hardware, "gpu_mem_gb", None),
+        hardware=cl.hardware,
         seconds=time.perf_counter() - start,
         notes=notes,
         prediction=_prediction(cfg, world_size, cl),

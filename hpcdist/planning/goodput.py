@@ -86,7 +86,11 @@ def plan_inputs(
     if c.local.dir:
         local_s = per_node / (LOCAL_WRITE_GBPS * 1e9)
         peer_s = per_node / ((hw.inter_node_busbw_gbps or LOCAL_WRITE_GBPS) * 1e9) if nodes > 1 else 0.0
-        local = Tier(local_s, cadence.assumed_recovery(cfg, nodes=nodes, step_s=step_s, load_s=local_s), write_s=peer_s)
+        # staged into the tier's host buffers beside the next step's forward and backward, then written and copied
+        # behind training: the loop waits at most for that copy (counted here as if nothing overlapped it)
+        stall = state / (nodes * gpus_per_node) / (HOST_COPY_GBPS * 1e9)
+        recovery = cadence.assumed_recovery(cfg, nodes=nodes, step_s=step_s, load_s=local_s)
+        local = Tier(stall, recovery, write_s=local_s + peer_s)
     local_every = [c.local.every_steps * step_s] if c.local.every_steps > 0 else []
     if c.local.every_minutes > 0 and local is not None:
         local_every.append(max(c.local.every_minutes * 60 - local.cost_s, step_s))
@@ -209,8 +213,9 @@ def goodput_lines(inputs: PlanInputs, scaled: list[PlanInputs], *, profile: str)
     ]
     if inputs.local is not None:
         lines.append(
-            f"  node-local tier: stall {inputs.local.cost_s:.1f} s, peer copy {inputs.local.write_s:.1f} s, recovers "
-            f"{100 * inputs.local_coverage:.0f}% of failures (in-job restart with peer copies; else 0)"
+            f"  node-local tier: stall {inputs.local.cost_s:.1f} s (host copy) + {inputs.local.write_s:.1f} s "
+            f"background write and peer copy, recovers {100 * inputs.local_coverage:.0f}% of failures (in-job restart "
+            "with peer copies; else 0)"
         )
     header = (
         f"  {'GPUs':>7} {'nodes':>6} {'MTBF h':>9}  {'cadence':<12} {'goodput':>8} {'ckpt':>7} {'recomp':>7} "

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from hpcdist.agree import all_ok, gather, worst
 from hpcdist.base.atomic import atomic_write, file_sha256
 from hpcdist.base.logging_utils import get_logger
+from hpcdist.base.units import size_text
 from hpcdist.checkpoint.codec import HashingReader, HashingWriter, single_process_dcp
 from hpcdist.checkpoint.errors import describe_error, error_of
 from hpcdist.checkpoint.local.layout import (
@@ -81,7 +82,7 @@ from hpcdist.checkpoint.local.layout import (
 from hpcdist.checkpoint.local.transport import PeerTransport
 from hpcdist.checkpoint.manifest import MANIFEST, TENSOR_ENCODING, read_record, tensor_encoding
 from hpcdist.checkpoint.names import MARKER, STEP_RE, step_name
-from hpcdist.checkpoint.staging import Staging, size_text
+from hpcdist.checkpoint.staging import Staging
 from hpcdist.checkpoint.state import STATE_FILE, Checkpointable, rng_state, set_rng_state
 from hpcdist.config.loader import ConfigError
 

@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from hpcdist.base.atomic import atomic_write
 from hpcdist.base.owners import writer_problem
+from hpcdist.base.units import size_text
 from hpcdist.checkpoint.local.layout import FILE_NAME, MAX_FILES, listing, make_room
 from hpcdist.checkpoint.manifest import MANIFEST, read_record
 from hpcdist.checkpoint.names import MARKER, step_name
-from hpcdist.checkpoint.staging import size_text
 
 CHUNK = 16 << 20  # bytes per point-to-point message: one send and one receive buffer per rank at a time
 

@@ -245,6 +245,13 @@ def test_unknown_key_suggests_close_match_and_lists_valid_keys() -> None:
         assert key in msg
 
 
+def test_a_key_that_is_no_name_is_one_problem(tmp_path: Path) -> None:
+    # YAML's `?` alone is a mapping with a null key; `{1: 2}` has an integer one
+    _one_problem(["logging.wandb=?"], "logging.wandb: a key must be a name, got None")
+    path = _write(tmp_path / "job.yaml", "train:\n  1: 2\n")
+    _one_problem([], "train: a key must be a name, got 1", path=path)
+
+
 def test_unknown_key_without_close_match_still_lists_valid_keys() -> None:
     msg = _one_problem(["optim.xyzzy=1"], "optim.xyzzy: unknown key", "valid keys: ")
     assert "did you mean" not in msg

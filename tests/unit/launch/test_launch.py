@@ -392,7 +392,8 @@ def test_shipped_clusters_have_the_documented_shape() -> None:
     )
     assert (a100.signal, a100.signal_lead_s, a100.nccl_profile) == ("USR2", 300, "ib_a100")
     assert a100.hardware is not None
-    assert dataclasses.astuple(a100.hardware) == (80, 312, 230, 190, 0.6, 2.0, round(54 * 24 * 2048 / 466), None)
+    mtbf = round(54 * 24 * 2048 / 466)
+    assert dataclasses.astuple(a100.hardware) == (80, 312, 230, 190, 0.6, 2.0, mtbf, 1024, None)
     assert (sandbox.partition, sandbox.gpus_per_node, sandbox.cpus_per_task, sandbox.exclusive) == (
         "debug",
         4,

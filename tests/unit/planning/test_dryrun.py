@@ -152,7 +152,7 @@ def test_cli_dry_run_exit_status_and_errors(capsys: pytest.CaptureFixture[str]):
 def test_the_dry_run_shows_the_async_checkpoint_staging_need():
     """The host memory an async save stages into is shown before the run (the trainer refuses it at
     start-up when the node cannot hold it): fp32 weights + AdamW's two moments of what each rank holds."""
-    from hpcdist.checkpoint.staging import size_text
+    from hpcdist.base.units import size_text
 
     report = dry_run(cfg("parallel.strategy=fsdp", "checkpoint.async_save=true"), 4)
     per_rank = max(4 * c.params + 8 * c.optimizer_params for c in report.counts)
@@ -166,7 +166,7 @@ def test_the_dry_run_shows_the_async_checkpoint_staging_need():
 def test_the_dry_run_shows_the_node_local_tiers_bytes_per_node():
     """What checkpoint.local keeps on each node's disk: the ranks' own step and the peer node's copy,
     times the steps kept (plus the one being written)."""
-    from hpcdist.checkpoint.staging import size_text
+    from hpcdist.base.units import size_text
 
     local = ("checkpoint.local.dir=/dev/shm/x-{job_id}", "checkpoint.local.every_steps=10", "checkpoint.local.keep=2")
     report = dry_run(cfg("parallel.strategy=fsdp", *local), 4)
