@@ -77,9 +77,20 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
 
 
-def _run(cfg: config_mod.JobConfig, tmp: Path, ranks: list[str], spares: list[str], kill: list[int]) -> dict[str, Any]:
-    """Start the store, rank r on host ``ranks[r]`` and a spare on each host of ``spares``; SIGKILL the ranks in
-    ``kill`` once rank 0 logged step KILL_AFTER."""
+def _run(
+    cfg: config_mod.JobConfig,
+    tmp: Path,
+    ranks: list[str],
+    spares: list[str],
+    kill: list[int],
+    *,
+    first: str | None = None,
+    store_too: bool = False,
+    attempt: int = 0,
+) -> dict[str, Any]:
+    """Start the store, rank r on host ``ranks[r]`` and a spare on each host of ``spares``; SIGKILL the process
+    named ``first`` (a spare) at once, and the ranks in ``kill`` (with the store: ``store_too``) once rank 0 logged
+    step KILL_AFTER. ``attempt`` numbers the logs of a run started again on the same directories."""
     tmp.mkdir(parents=True, exist_ok=True)
     config_file = config_mod.save(cfg, tmp / "config.yaml")
     server = subprocess.Popen(
@@ -87,7 +98,7 @@ def _run(cfg: config_mod.JobConfig, tmp: Path, ranks: list[str], spares: list[st
     )
     procs: dict[str, Any] = {}
     names = [f"rank{r}" for r in range(len(ranks))] + [f"spare{i}" for i in range(len(spares))]
-    logs = {name: tmp / f"{name}.log" for name in names}
+    logs = {name: tmp / f"{name}-{attempt}.log" for name in names}
     try:
         assert server.stdout is not None
         store = f"127.0.0.1:{int(server.stdout.readline())}"
@@ -102,12 +113,16 @@ def _run(cfg: config_mod.JobConfig, tmp: Path, ranks: list[str], spares: list[st
             )
         for p in procs.values():
             p.start()
+        if first is not None:
+            os.kill(procs[first].pid, signal.SIGKILL)
         pid0, killed_at = procs["rank0"].pid, None
         deadline = time.monotonic() + 240
         while kill and killed_at is None:
             if any(r["step"] >= KILL_AFTER for r in _records(Path(cfg.run.dir))):
                 for r in kill:
                     os.kill(procs[f"rank{r}"].pid, signal.SIGKILL)
+                if store_too:
+                    server.kill()
                 killed_at = time.time()
             assert procs["rank0"].is_alive(), logs["rank0"].read_text()[-3000:]
             assert time.monotonic() < deadline, f"no step {KILL_AFTER} within 240 s"
@@ -115,6 +130,7 @@ def _run(cfg: config_mod.JobConfig, tmp: Path, ranks: list[str], spares: list[st
         for p in procs.values():
             p.join(timeout=max(1.0, deadline - time.monotonic()))
         codes = {name: p.exitcode for name, p in procs.items()}
+        ended_at = time.time()
     finally:
         for p in procs.values():
             if p.is_alive():
@@ -122,8 +138,16 @@ def _run(cfg: config_mod.JobConfig, tmp: Path, ranks: list[str], spares: list[st
                 p.join()
         server.terminate()
         server.wait(30)
-    texts = {name: path.read_text() for name, path in logs.items()}
-    return {"codes": codes, "logs": texts, "pid0": pid0, "killed_at": killed_at, "records": _records(Path(cfg.run.dir))}
+    texts = {name: path.read_text() if path.exists() else "" for name, path in logs.items()}  # killed before it wrote
+    records = _records(Path(cfg.run.dir))
+    return {
+        "codes": codes,
+        "logs": texts,
+        "pid0": pid0,
+        "killed_at": killed_at,
+        "ended_at": ended_at,
+        "records": records,
+    }
 
 
 # rank r on host ranks[r], the spares' hosts, the ranks killed, how far (float32 ulps) a logged loss may be from the
@@ -136,7 +160,7 @@ SCENARIOS = {
 }
 
 
-def _config(tmp: Path, corpus_dir: Path) -> config_mod.JobConfig:
+def _config(tmp: Path, corpus_dir: Path, *overrides: str) -> config_mod.JobConfig:
     return small_config(
         tmp / "run",
         corpus_dir,
@@ -145,20 +169,43 @@ def _config(tmp: Path, corpus_dir: Path) -> config_mod.JobConfig:
         f"checkpoint.local.dir={tmp}/local-{{host}}",
         "checkpoint.local.every_steps=1",
         "fault.regroup_settle_s=1.5",
+        *overrides,
     )
 
 
-@pytest.fixture(scope="module", params=sorted(SCENARIOS))
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[str, Any]:
-    """The scenario's run with its kill, and the same layout's run without one (the spares then leave unused)."""
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Any:
+    """The uninterrupted run of a layout (ranks' hosts, spares' hosts), run once per module: the spares leave unused."""
     reason = _can_name_hosts()
     if reason:
         pytest.skip(reason)
+    done: dict[tuple[tuple[str, ...], tuple[str, ...]], dict[str, Any]] = {}
+
+    def run(ranks: list[str], spares: list[str]) -> dict[str, Any]:
+        key = (tuple(ranks), tuple(spares))
+        if key not in done:
+            tmp = tmp_path_factory.mktemp("straight")
+            done[key] = _run(_config(tmp, corpus_dir), tmp, ranks, spares, [])
+        return done[key]
+
+    return run
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path, straight: Any
+) -> dict[str, Any]:
+    """The scenario's run with its kill, and the same layout's run without one."""
     ranks, spares, kill, ulps = SCENARIOS[request.param]
-    out: dict[str, Any] = {"ranks": ranks, "spares": spares, "kill": kill, "ulps": ulps}
-    for name, victims in (("straight", []), ("killed", kill)):
-        tmp = tmp_path_factory.mktemp(f"{request.param}-{name}")
-        out[name] = _run(_config(tmp, corpus_dir), tmp, ranks, spares, victims)
+    out: dict[str, Any] = {
+        "ranks": ranks,
+        "spares": spares,
+        "kill": kill,
+        "ulps": ulps,
+        "straight": straight(ranks, spares),
+    }
+    tmp = tmp_path_factory.mktemp(f"{request.param}-killed")
+    out["killed"] = _run(_config(tmp, corpus_dir), tmp, ranks, spares, kill)
     return out
 
 
@@ -227,3 +274,31 @@ def test_killed_ranks_are_replaced_by_the_spares_and_the_survivors_keep_their_pr
         f"\nin-process recovery of ranks {kill} of {world}: kill -> next completed step "
         f"{first_after['time'] - killed['killed_at']:.2f} s, steps redone {redone}"
     )
+
+
+# what in-process recovery cannot serve: the spare died before the failure (no rank takes the dead one's place), or
+# the store went with the rank (the batch node, which also holds rank 0 under SLURM: nowhere to regroup)
+FALLBACKS = {"spare-lost": {"first": "spare0"}, "store-lost": {"store_too": True}}
+
+
+@pytest.mark.parametrize("case", sorted(FALLBACKS))
+def test_what_in_process_recovery_cannot_serve_ends_the_attempt_and_a_restart_loses_nothing(
+    case: str, tmp_path: Path, corpus_dir: Path, straight: Any
+) -> None:
+    ranks, spares = ["nodeA", "nodeB"], ["nodeC"]
+    cfg = _config(tmp_path, corpus_dir, "fault.regroup_timeout_s=4")
+    failed = _run(cfg, tmp_path, ranks, spares, [1], **FALLBACKS[case])
+    log0 = failed["logs"]["rank0"]
+    # the survivor tried, gave up within the bound, and ended its attempt for the in-job restart to take over
+    assert "in-process recovery 1:" in log0 and "in-process recovery failed" in log0, log0[-3000:]
+    assert "the in-job restart or the requeue takes over" in log0
+    assert failed["codes"]["rank0"] not in (0, None), failed["codes"]
+    assert None not in failed["codes"].values(), failed["codes"]  # nobody left hanging, the spare included
+    assert failed["ended_at"] - failed["killed_at"] < 60
+    print(f"\n{case}: kill -> every process of the attempt ended {failed['ended_at'] - failed['killed_at']:.1f} s")
+    # the in-job restart: the dead rank on the spare's host, its files from the peer copy on nodeA
+    again = _run(cfg, tmp_path, ["nodeA", "nodeC"], [], [], attempt=1)
+    assert set(again["codes"].values()) == {0}, again["logs"]["rank0"][-3000:]
+    assert "rank 1's files of step" in again["logs"]["rank0"]
+    losses = _losses(again["records"])  # both attempts' records: the redone steps' last ones
+    assert losses == _losses(straight(ranks, spares)["records"])
