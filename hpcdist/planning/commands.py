@@ -194,17 +194,12 @@ def _snapshot_line(cfg: config_mod.JobConfig, estimates: list[Any], world: int, 
     """The node-local tier's footprint for the config's layout (the top fitting row when the planner lacks it)."""
     from hpcdist.models.args import num_params
     from hpcdist.planning.goodput import STATE_BYTES_PER_PARAM
-    from hpcdist.planning.layouts import layout_of
+    from hpcdist.planning.layouts import config_estimate
     from hpcdist.planning.snapshot import footprint
 
     if not cfg.checkpoint.local.dir:
         return None
-    try:
-        layout = layout_of(cfg, world)
-    except ValueError:
-        layout = None
-    fitting = [e for e in estimates if e.fits] or list(estimates)
-    est = next((e for e in estimates if e.layout == layout), fitting[0])
+    est = config_estimate(cfg, estimates, world)
     # what a rank checkpoints: fp32 weights and AdamW's moments as the layout holds them (at least its even share:
     # an offloaded optimizer holds its state off the GPU)
     held = est.memory.params + est.memory.optimizer

@@ -18,7 +18,7 @@ from hpcdist.checkpoint.cadence import Prediction, Tier
 from hpcdist.config.cluster import ClusterConfig, HardwareConfig
 from hpcdist.config.schema import JobConfig
 from hpcdist.models.args import num_params
-from hpcdist.planning.layouts import StepEstimate, layout_of
+from hpcdist.planning.layouts import StepEstimate, config_estimate
 
 __all__ = [
     "PlanInputs",
@@ -137,12 +137,7 @@ def for_config(
     parallel.strategy=auto or a layout the planner lacks) on ``cluster``, and the same job at each of ``scales``
     GPUs larger than it; None without a node MTBF in the profile."""
     world = cluster.nodes * cluster.gpus_per_node
-    try:
-        layout = layout_of(cfg, world)
-    except ValueError:
-        layout = None
-    fitting = [e for e in estimates if e.fits] or list(estimates)
-    est = next((e for e in estimates if e.layout == layout), fitting[0])
+    est = config_estimate(cfg, estimates, world)
     params = num_params(cfg.model_args())
     inputs = plan_inputs(
         cfg, hw, params=params, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node, step_s=est.step_s

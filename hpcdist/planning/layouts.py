@@ -50,6 +50,7 @@ __all__ = [
     "apply_layout",
     "choose",
     "cluster_hardware",
+    "config_estimate",
     "enumerate_layouts",
     "estimate_step",
     "format_count",
@@ -650,6 +651,17 @@ def layout_of(cfg: JobConfig, world_size: int) -> Layout:
         dp_replicate=dims.dp_replicate,
         zero_stage=dims.zero_stage,
     )
+
+
+def config_estimate(cfg: JobConfig, estimates: Sequence[StepEstimate], world_size: int) -> StepEstimate:
+    """The config's own row among the ranked ``estimates``; the top fitting row for parallel.strategy=auto or a
+    layout the planner does not rank."""
+    try:
+        layout = layout_of(cfg, world_size)
+    except ValueError:
+        layout = None
+    fitting = [e for e in estimates if e.fits] or list(estimates)
+    return next((e for e in estimates if e.layout == layout), fitting[0])
 
 
 def rank_config_layouts(
