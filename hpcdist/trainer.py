@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from hpcdist.data.build import build_datasets, document_eos
 from hpcdist.data.sampler import SamplerMismatch
 from hpcdist.env import DistEnv
 from hpcdist.evaluate import Evaluator
+from hpcdist.fault import inprocess
 from hpcdist.fault.goodput import Goodput
 from hpcdist.fault.hang import HangWatchdog
 from hpcdist.fault.nonfinite import NonFiniteError, NonFiniteGuard
@@ -168,6 +170,7 @@ class Trainer:
             timeout_s=f.watchdog_timeout_s,
             slow_phase_s=f.watchdog_slow_phase_s,
             on_fire=self.goodput.flush,
+            supervised=inprocess.active(os.environ),  # a frozen rank is killed: its peers recover in-process
         )
         # the resume sets its last_checkpoint: where a NaN stop tells the user to resume from
         self.nonfinite = NonFiniteGuard(

@@ -24,7 +24,11 @@ where it was or who was missing. So:
   A frozen rank (SIGSTOP, a hang holding the GIL) or a dead one stops writing and a stuck one falls behind: that
   is how a waiting rank names the culprit, which cannot run its own watchdog;
 - if this thread itself cannot run (a C extension hangs holding the GIL), faulthandler's C-level timer, re-armed
-  by the thread while it runs, dumps the stacks and exits at the allowance + BACKSTOP_GRACE_S.
+  by the thread while it runs, dumps the stacks and exits at the allowance + BACKSTOP_GRACE_S;
+- under in-process recovery (``supervised``) the rank's supervisor watches this heartbeat too
+  (hpcdist.fault.supervise): a rank that wrote none for FROZEN_BEATS heartbeats is frozen, and the supervisor
+  kills it, well before its waiting peers' watchdogs fire, so that they see a dead peer and recover in-process
+  instead of ending the attempt.
 
 The process-group timeout is ``collective_timeout_s`` (the longest allowance + 60 s): NCCL's watchdog (told by
 TORCH_NCCL_ASYNC_ERROR_HANDLING to tear the process down) and gloo's timeout are only the backstop.
@@ -52,7 +56,7 @@ from typing import Any, TextIO
 from hpcdist.base.atomic import atomic_write
 from hpcdist.base.logging_utils import get_logger
 from hpcdist.base.rundir import RunDir
-from hpcdist.fault import failures
+from hpcdist.fault import failures, supervise
 from hpcdist.schedulers import job_facts
 
 __all__ = [
@@ -68,6 +72,9 @@ __all__ = [
 log = get_logger(__name__)
 
 WATCHDOG_EXIT_CODE = 124
+# heartbeats a supervised rank may miss before its supervisor takes it for frozen: 3 x heartbeat_s is at most 0.6 x
+# the watchdog's timeout, so the kill comes before any waiting peer's watchdog fires
+FROZEN_BEATS = 3
 COLLECTIVE_MARGIN_S = 60.0
 BACKSTOP_GRACE_S = 30.0
 STEP_FACTOR = 4.0  # a step may take this many times the slowest step seen so far before it counts as a hang
@@ -167,6 +174,7 @@ class HangWatchdog:
         slow_phase_s: float = 0.0,
         heartbeat_s: float | None = None,
         on_fire: Callable[[], None] | None = None,
+        supervised: bool = False,
     ) -> None:
         self.rank, self.world_size, self.host = rank, world_size, host
         self.run_dir = Path(run_dir)
@@ -187,6 +195,7 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._path = _heartbeat_dir(self.run_dir) / f"rank-{rank:05d}.json"
+        self._watch = supervise.watch_file() if supervised else None  # None: no supervisor, or not asked
 
     @property
     def enabled(self) -> bool:
@@ -243,9 +252,13 @@ class HangWatchdog:
         self._write_heartbeat()  # at once: tests and tools find this rank's pid here
         self._thread = threading.Thread(target=self._run, name="hpcdist-watchdog", daemon=True)
         self._thread.start()
+        if self._watch is not None:  # only while this thread beats: between trainers nothing is to be watched
+            supervise.watch(self._watch, self._path.absolute(), FROZEN_BEATS * self.heartbeat_s)
         return self
 
     def stop(self) -> None:
+        if self._watch is not None:
+            supervise.unwatch(self._watch)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

@@ -35,7 +35,16 @@ from hpcdist.base.logging_utils import get_logger
 from hpcdist.config.loader import ConfigError
 from hpcdist.env import DistEnv, export_environ
 
-__all__ = ["SPARE_ENV", "STORE_ENV", "WORLD_ENV", "Rendezvous", "SpareNotNeeded", "adopt", "train_in_process"]
+__all__ = [
+    "SPARE_ENV",
+    "STORE_ENV",
+    "WORLD_ENV",
+    "Rendezvous",
+    "SpareNotNeeded",
+    "active",
+    "adopt",
+    "train_in_process",
+]
 
 log = get_logger(__name__)
 
@@ -83,6 +92,11 @@ class Rendezvous:
         if problems:
             raise ConfigError(problems)
         return cls(host=host.strip("[]"), port=int(port), spare=spare == "1", world_size=int(world) if world else None)
+
+
+def active(environ: Mapping[str, str]) -> bool:
+    """Whether this process runs under in-process recovery: its launcher gave it a rendezvous store."""
+    return bool(environ.get(STORE_ENV, "").strip())
 
 
 def adopt(env: DistEnv, rank: int, world_size: int) -> DistEnv:

@@ -12,6 +12,13 @@ Where to write and which rank this is, the child says itself: it writes them to 
 HPCDIST_TASK_INFO once its config is loaded (hpcdist.fault.failures.announce_task). This module therefore needs no
 SLURM variable and imports only the standard library: it starts in milliseconds, once per rank.
 
+Under in-process recovery the child also asks its supervisor, while its watchdog runs, to watch its heartbeat file
+(``watch.json`` beside the task info: the file's path and how stale it may get; hpcdist.fault.hang). A process that
+wrote no heartbeat for that long is frozen (SIGSTOP, a hang holding the GIL): its own watchdog cannot run, and its
+peers would wait in their collective until their watchdogs end the attempt. The supervisor SIGKILLs it instead and
+records a ``watchdog`` failure blaming it: the peers see a dead rank and recover in their own processes. Only the
+heartbeat's age is looked at (lstat; the run dir's file is never read or followed).
+
 That file lives in a directory of its own that only this user can enter (mkdtemp: a new name, created 0700),
 removed with everything in it when the rank ends. A bare name in a shared /tmp (created, deleted, handed on) let
 another local user create it first and choose where the record is appended (docs/SECURITY.md).
@@ -25,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -33,9 +41,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from hpcdist.base.atomic import append_line  # standard library only, like this module
+from hpcdist.base.atomic import append_line, atomic_write  # standard library only, like this module
 
 TASK_INFO_ENV = "HPCDIST_TASK_INFO"  # imported by hpcdist.fault.failures (one name for both sides)
+WATCH_NAME = "watch.json"  # beside the task info: the heartbeat the child asks to be watched, while it beats
+_POLL_S = 0.5  # the supervisor's look at a watched heartbeat
+_WATCH_MAX = 4096  # bytes of the watch file read: it is the child's, in our private directory
 # Signals SLURM (or a user) sends to a step: the rank must see them even when only its supervisor is signalled.
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Deaths by these were asked for (scancel, SLURM ending the step after another rank failed or after a requeue):
@@ -80,6 +91,66 @@ def record_death(info_path: Path, pid: int, signum: int) -> str | None:
     return line
 
 
+def watch_file() -> Path | None:
+    """In the child: where to ask its supervisor to watch a heartbeat (None without a supervisor)."""
+    info = os.environ.get(TASK_INFO_ENV)
+    return Path(info).with_name(WATCH_NAME) if info else None
+
+
+def watch(path: Path, heartbeat: Path, stale_s: float) -> None:
+    """In the child: ask the supervisor to kill this process once ``heartbeat`` is older than ``stale_s``."""
+    with contextlib.suppress(OSError):  # no watch is the behaviour without a supervisor: never fatal
+        atomic_write(path, json.dumps({"heartbeat": str(heartbeat), "stale_s": float(stale_s)}))
+
+
+def unwatch(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def frozen_for(watch_path: Path, now: float) -> tuple[float, float] | None:
+    """(seconds since the watched heartbeat was written, the limit) when that exceeds the limit; None when nothing
+    is watched, the heartbeat is fresh, or the files are not what the child writes."""
+    try:
+        with open(watch_path, "rb") as fh:
+            spec = json.loads(fh.read(_WATCH_MAX))
+        heartbeat, stale_s = spec["heartbeat"], float(spec["stale_s"])
+        st = os.lstat(heartbeat)  # the run dir's file: its age only, never followed through a link, never read
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not stat.S_ISREG(st.st_mode) or not stale_s > 0:
+        return None
+    age = now - st.st_mtime
+    return (age, stale_s) if age > stale_s else None
+
+
+def record_frozen(info_path: Path, pid: int, age: float) -> str | None:
+    """The ``watchdog`` record of a rank this supervisor killed for writing no heartbeat (the line, or None)."""
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or not isinstance(info.get("failures"), str):
+        return None
+    rec = {
+        "time": time.time(),
+        "job_id": info.get("job_id"),
+        "restart": info.get("restart"),
+        "rank": info.get("rank"),
+        "host": info.get("host"),
+        "pid": pid,
+        "kind": "watchdog",
+        "cause": f"rank {info.get('rank')} (pid {pid}) wrote no heartbeat for {age:.0f} s (stopped or hung): "
+        "killed by its supervisor so that its peers recover in-process",
+        "blame": [{"rank": info.get("rank"), "host": info.get("host")}],
+        "step": None,
+        "signature": "watchdog: frozen",
+    }
+    line = json.dumps(rec) + "\n"
+    append_line(Path(info["failures"]), line)
+    return line
+
+
 def supervise(cmd: Sequence[str]) -> int:
     """Run ``cmd`` as a child; returns its exit status, or ends this process with the signal that ended the child."""
     # a directory only we can write (0700, a name nobody had): the child creates the file in it (atomically) once
@@ -99,9 +170,20 @@ def supervise(cmd: Sequence[str]) -> int:
         signal.signal(sig, forward)
     child = subprocess.Popen(list(cmd), env={**os.environ, TASK_INFO_ENV: info_name}, preexec_fn=_die_with_parent)
     children.append(child)
-    rc = child.wait()
+    rc, frozen = _wait(child, private / WATCH_NAME)
     try:
-        if rc < 0 and -rc not in STOP_REQUESTS:
+        if frozen is not None:
+            try:
+                line = record_frozen(info_path, child.pid, frozen)
+            except OSError as e:
+                print(f"hpcdist.fault.supervise: not recorded: {e.strerror}", file=sys.stderr, flush=True)
+                line = None
+            print(
+                f"hpcdist.fault.supervise: {line.strip() if line else f'pid {child.pid} frozen, killed'}",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif rc < 0 and -rc not in STOP_REQUESTS:
             try:
                 line = record_death(info_path, child.pid, -rc)
             except OSError as e:  # a link or another user's file at failures.jsonl: say so, still die like the rank
@@ -121,6 +203,20 @@ def supervise(cmd: Sequence[str]) -> int:
         os.kill(os.getpid(), -rc)
         return 128 - rc  # a signal whose default action is not to terminate
     return rc
+
+
+def _wait(child: subprocess.Popen[bytes], watch_path: Path) -> tuple[int, float | None]:
+    """The child's exit status, and how long its watched heartbeat was stale if this supervisor killed it for that
+    (SIGKILL works on a stopped process too; its peers then see a dead rank, not a silent one)."""
+    while True:
+        try:
+            return child.wait(timeout=_POLL_S), None
+        except subprocess.TimeoutExpired:
+            stale = frozen_for(watch_path, time.time())
+            if stale is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+                return child.wait(), stale[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import pytest
 
 from hpcdist import config as config_mod
 from hpcdist.base.rundir import RunDir
+from hpcdist.fault import supervise
 from hpcdist.fault.inprocess import SPARE_ENV, STORE_ENV, WORLD_ENV
 from tests.conftest import small_config
 from tests.dist.harness import free_port, rank_environ, train_cli_and_exit
@@ -51,7 +52,9 @@ def _can_name_hosts() -> str | None:
     return None if p.exitcode == 0 else "a UTS namespace needs root (CAP_SYS_ADMIN): no per-rank host names here"
 
 
-def _cli(hosts: list[str], index: int, world: int, store: str, spare: bool, config_file: Path, log: Path) -> None:
+def _cli(
+    hosts: list[str], index: int, world: int, store: str, spare: bool, config_file: Path, log: Path, supervised: bool
+) -> None:
     """``hpcdist train CONFIG`` as process ``index`` of ``hosts`` (a training rank, or a spare among the spares),
     on host ``hosts[index]``, with the local rank and node number a launcher gives it (forked: torch is imported
     already)."""
@@ -67,7 +70,17 @@ def _cli(hosts: list[str], index: int, world: int, store: str, spare: bool, conf
     os.environ[STORE_ENV] = store
     if spare:  # as a launcher starts the spares: their own step's ranks, the training's size beside
         os.environ.update({SPARE_ENV: "1", WORLD_ENV: str(world)})
-    train_cli_and_exit(config_file, log)
+    if not supervised:
+        train_cli_and_exit(config_file, log)
+    # as a launcher runs a rank: a fresh interpreter under hpcdist.fault.supervise, which outlives it
+    out = open(log, "w", buffering=1)  # noqa: SIM115  # the process's stdout and stderr until it exits
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    os._exit(supervise.supervise([sys.executable, "-m", "hpcdist", "train", str(config_file)]))
+
+
+def _heartbeat_pid(run_dir: Path, rank: int) -> int:
+    return int(json.loads((RunDir(run_dir).heartbeats / f"rank-{rank:05d}.json").read_text())["pid"])
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -84,13 +97,15 @@ def _run(
     spares: list[str],
     kill: list[int],
     *,
+    stop: bool = False,
     first: str | None = None,
     store_too: bool = False,
     attempt: int = 0,
 ) -> dict[str, Any]:
     """Start the store, rank r on host ``ranks[r]`` and a spare on each host of ``spares``; SIGKILL the process
     named ``first`` (a spare) at once, and the ranks in ``kill`` (with the store: ``store_too``) once rank 0 logged
-    step KILL_AFTER. ``attempt`` numbers the logs of a run started again on the same directories."""
+    step KILL_AFTER; with ``stop``, those ranks run under their supervisor and are frozen (SIGSTOP) instead.
+    ``attempt`` numbers the logs of a run started again on the same directories."""
     tmp.mkdir(parents=True, exist_ok=True)
     config_file = config_mod.save(cfg, tmp / "config.yaml")
     server = subprocess.Popen(
@@ -105,11 +120,11 @@ def _run(
         ctx = mp.get_context("fork")
         world = len(ranks)
         for r in range(world):
-            args = (ranks, r, world, store, False, config_file, logs[f"rank{r}"])
+            args = (ranks, r, world, store, False, config_file, logs[f"rank{r}"], stop and r in kill)
             procs[f"rank{r}"] = ctx.Process(target=_cli, args=args)
         for i in range(len(spares)):
             procs[f"spare{i}"] = ctx.Process(
-                target=_cli, args=(spares, i, world, store, True, config_file, logs[f"spare{i}"])
+                target=_cli, args=(spares, i, world, store, True, config_file, logs[f"spare{i}"], False)
             )
         for p in procs.values():
             p.start()
@@ -119,8 +134,9 @@ def _run(
         deadline = time.monotonic() + 240
         while kill and killed_at is None:
             if any(r["step"] >= KILL_AFTER for r in _records(Path(cfg.run.dir))):
-                for r in kill:
-                    os.kill(procs[f"rank{r}"].pid, signal.SIGKILL)
+                for r in kill:  # a supervised rank's own pid is in its heartbeat
+                    pid = _heartbeat_pid(Path(cfg.run.dir), r) if stop else procs[f"rank{r}"].pid
+                    os.kill(pid, signal.SIGSTOP if stop else signal.SIGKILL)
                 if store_too:
                     server.kill()
                 killed_at = time.time()
@@ -147,17 +163,21 @@ def _run(
         "killed_at": killed_at,
         "ended_at": ended_at,
         "records": records,
+        "failures": RunDir(cfg.run.dir).failures,
     }
 
 
-# rank r on host ranks[r], the spares' hosts, the ranks killed, how far (float32 ulps) a logged loss may be from the
-# uninterrupted run's. Four ranks: a rank whose trainer was rebuilt logs, at some steps, a loss one ulp off the
-# uninterrupted run's while every gradient norm stays bitwise the same (the state trains identically; only the
-# logged value's last bit moves). Two ranks: bitwise.
+# rank r on host ranks[r], the spares' hosts, the ranks killed (frozen with SIGSTOP: "stop"), how far (float32 ulps)
+# a logged loss may be from the uninterrupted run's. Four ranks: a rank whose trainer was rebuilt logs, at some
+# steps, a loss one ulp off the uninterrupted run's while every gradient norm stays bitwise the same (the state
+# trains identically; only the logged value's last bit moves). Two ranks: bitwise.
 SCENARIOS = {
-    "one-rank": (["nodeA", "nodeB"], ["nodeC"], [1], 0),
-    "one-host": (["nodeA", "nodeA", "nodeB", "nodeB"], ["nodeC", "nodeC"], [2, 3], 1),
+    "one-rank": (["nodeA", "nodeB"], ["nodeC"], [1], 0, False),
+    "one-host": (["nodeA", "nodeA", "nodeB", "nodeB"], ["nodeC", "nodeC"], [2, 3], 1, False),
+    # its supervisor kills it after 3 missed heartbeats (2 s each at a 10 s watchdog timeout)
+    "frozen-rank": (["nodeA", "nodeB"], ["nodeC"], [1], 0, True),
 }
+FROZEN = ("fault.watchdog_timeout_s=10",)
 
 
 def _config(tmp: Path, corpus_dir: Path, *overrides: str) -> config_mod.JobConfig:
@@ -196,7 +216,7 @@ def runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path, straight: Any
 ) -> dict[str, Any]:
     """The scenario's run with its kill, and the same layout's run without one."""
-    ranks, spares, kill, ulps = SCENARIOS[request.param]
+    ranks, spares, kill, ulps, stop = SCENARIOS[request.param]
     out: dict[str, Any] = {
         "ranks": ranks,
         "spares": spares,
@@ -205,7 +225,9 @@ def runs(
         "straight": straight(ranks, spares),
     }
     tmp = tmp_path_factory.mktemp(f"{request.param}-killed")
-    out["killed"] = _run(_config(tmp, corpus_dir), tmp, ranks, spares, kill)
+    overrides = FROZEN if stop else ()
+    out["killed"] = _run(_config(tmp, corpus_dir, *overrides), tmp, ranks, spares, kill, stop=stop)
+    out["stop"] = stop
     return out
 
 
@@ -244,6 +266,10 @@ def test_killed_ranks_are_replaced_by_the_spares_and_the_survivors_keep_their_pr
     assert f"pid {killed['pid0']} stays" in log0
     for r in survivors:
         assert "in-process recovery 1:" in killed["logs"][f"rank{r}"]
+    if runs["stop"]:  # a frozen rank: its supervisor killed it for its missing heartbeats, and said so
+        lines = killed["failures"].read_text().splitlines()
+        frozen = [json.loads(line) for line in lines if '"watchdog: frozen"' in line]
+        assert sorted(rec["rank"] for rec in frozen) == kill, lines
     took = sorted(
         int(line.split("took rank ")[1].split()[0])
         for name in spares
@@ -271,7 +297,8 @@ def test_killed_ranks_are_replaced_by_the_spares_and_the_survivors_keep_their_pr
     off = {step: (losses[step], expected[step]) for step in expected if _ulps(losses[step], expected[step])}
     assert all(_ulps(a, b) <= runs["ulps"] for a, b in off.values()), off
     print(
-        f"\nin-process recovery of ranks {kill} of {world}: kill -> next completed step "
+        f"\nin-process recovery of ranks {kill} of {world} ({'SIGSTOP' if runs['stop'] else 'SIGKILL'}): "
+        "signal -> next completed step "
         f"{first_after['time'] - killed['killed_at']:.2f} s, steps redone {redone}"
     )
 

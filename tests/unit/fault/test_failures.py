@@ -270,6 +270,44 @@ def test_supervisor_records_a_rank_killed_by_a_signal_and_dies_the_same_way(tmp_
     assert "hpcdist.fault.supervise: " in p.stderr and "hpcdist.supervise:" not in p.stderr
 
 
+def test_supervisor_kills_a_rank_whose_watched_heartbeat_went_stale_and_blames_it(tmp_path: Path) -> None:
+    # the child asks to be watched, beats once, then stops itself (SIGSTOP: its own threads stop with it)
+    beat = tmp_path / "beat.json"
+    code = (
+        "from pathlib import Path\nfrom hpcdist.fault import supervise\n"
+        f"Path({str(beat)!r}).write_text('{{}}')\n"
+        f"supervise.watch(supervise.watch_file(), Path({str(beat)!r}), 1.0)\n"
+        "os.kill(os.getpid(), 19)\n"
+    )
+    t0 = time.monotonic()
+    p = _supervised(code, tmp_path)
+    assert p.returncode == -signal.SIGKILL, p.stderr  # killed, though stopped
+    assert time.monotonic() - t0 < 30
+    (rec,) = read_failures(tmp_path)  # the frozen rank's record only, not a second "killed" one
+    assert (rec["kind"], rec["rank"], rec["signature"]) == ("watchdog", 5, "watchdog: frozen")
+    assert "wrote no heartbeat" in rec["cause"] and rec["blame"] == [{"rank": 5, "host": "hostA"}]
+
+
+def test_a_watch_is_only_a_fresh_regular_files_age(tmp_path: Path) -> None:
+    from hpcdist.fault import supervise
+
+    beat, watch = tmp_path / "beat", tmp_path / "watch.json"
+    assert supervise.frozen_for(watch, time.time()) is None  # nothing watched
+    beat.write_text("")
+    supervise.watch(watch, beat, 5.0)
+    now = beat.stat().st_mtime
+    assert supervise.frozen_for(watch, now + 1) is None  # fresh
+    assert supervise.frozen_for(watch, now + 6) == pytest.approx((6.0, 5.0))
+    beat.unlink()
+    beat.symlink_to(tmp_path / "elsewhere")  # the run dir's file, never followed
+    (tmp_path / "elsewhere").write_text("")
+    assert supervise.frozen_for(watch, now + 6) is None
+    watch.write_text('{"heartbeat": 3, "stale_s": "x"}')  # not what the child writes
+    assert supervise.frozen_for(watch, now + 6) is None
+    supervise.unwatch(watch)
+    assert not watch.exists()
+
+
 def test_the_old_module_names_are_gone() -> None:
     # `python -m hpcdist.supervise` / `hpcdist.launch.failures` were shims for scripts of an earlier version
     # (files, not find_spec: an editable install of another checkout would answer for this one)
