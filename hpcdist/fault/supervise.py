@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -62,16 +62,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def record_death(info_path: Path, pid: int, signum: int) -> str | None:
-    """Append the ``killed`` record the child's task info asks for; returns the line written (None if no info)."""
+def _append_record(info_path: Path, pid: int, kind: str, cause: str, signature: str) -> str | None:
+    """Append a record of this rank's end to the failures file its task info names; the line (None: no info)."""
     try:
         info = json.loads(info_path.read_text())
     except (OSError, ValueError):
         return None  # the child died before loading its config: the batch script's after-step records the exit
     if not isinstance(info, dict) or not isinstance(info.get("failures"), str):
         return None  # not what announce_task writes: say the bare fact rather than crash and lose it
-    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
-    cause = f"rank {info.get('rank')} (pid {pid}) was killed by {name}"
     rec = {
         "time": time.time(),
         "job_id": info.get("job_id"),
@@ -79,16 +77,32 @@ def record_death(info_path: Path, pid: int, signum: int) -> str | None:
         "rank": info.get("rank"),
         "host": info.get("host"),
         "pid": pid,
-        "kind": "killed",
-        "cause": cause,
+        "kind": kind,
+        "cause": cause.format(rank=info.get("rank")),
         "blame": [{"rank": info.get("rank"), "host": info.get("host")}],
         "step": None,
-        "signature": f"killed: {name}",
+        "signature": signature,
     }
     line = json.dumps(rec) + "\n"
     # never through a link: the record goes to the run's own failures.jsonl or nowhere
     append_line(Path(info["failures"]), line)
     return line
+
+
+def record_death(info_path: Path, pid: int, signum: int) -> str | None:
+    """Append the ``killed`` record the child's task info asks for; returns the line written (None if no info)."""
+    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+    cause = f"rank {{rank}} (pid {pid}) was killed by {name}"
+    return _append_record(info_path, pid, "killed", cause, f"killed: {name}")
+
+
+def record_frozen(info_path: Path, pid: int, age: float) -> str | None:
+    """The ``watchdog`` record of a rank this supervisor killed for writing no heartbeat (the line, or None)."""
+    cause = (
+        f"rank {{rank}} (pid {pid}) wrote no heartbeat for {age:.0f} s (stopped or hung): killed by its supervisor "
+        "so that its peers recover in-process"
+    )
+    return _append_record(info_path, pid, "watchdog", cause, "watchdog: frozen")
 
 
 def watch_file() -> Path | None:
@@ -115,6 +129,8 @@ def frozen_for(watch_path: Path, now: float) -> tuple[float, float] | None:
         with open(watch_path, "rb") as fh:
             spec = json.loads(fh.read(_WATCH_MAX))
         heartbeat, stale_s = spec["heartbeat"], float(spec["stale_s"])
+        if not isinstance(heartbeat, str):
+            return None
         st = os.lstat(heartbeat)  # the run dir's file: its age only, never followed through a link, never read
     except (OSError, ValueError, TypeError, KeyError):
         return None
@@ -122,33 +138,6 @@ def frozen_for(watch_path: Path, now: float) -> tuple[float, float] | None:
         return None
     age = now - st.st_mtime
     return (age, stale_s) if age > stale_s else None
-
-
-def record_frozen(info_path: Path, pid: int, age: float) -> str | None:
-    """The ``watchdog`` record of a rank this supervisor killed for writing no heartbeat (the line, or None)."""
-    try:
-        info = json.loads(info_path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(info, dict) or not isinstance(info.get("failures"), str):
-        return None
-    rec = {
-        "time": time.time(),
-        "job_id": info.get("job_id"),
-        "restart": info.get("restart"),
-        "rank": info.get("rank"),
-        "host": info.get("host"),
-        "pid": pid,
-        "kind": "watchdog",
-        "cause": f"rank {info.get('rank')} (pid {pid}) wrote no heartbeat for {age:.0f} s (stopped or hung): "
-        "killed by its supervisor so that its peers recover in-process",
-        "blame": [{"rank": info.get("rank"), "host": info.get("host")}],
-        "step": None,
-        "signature": "watchdog: frozen",
-    }
-    line = json.dumps(rec) + "\n"
-    append_line(Path(info["failures"]), line)
-    return line
 
 
 def supervise(cmd: Sequence[str]) -> int:
@@ -173,27 +162,10 @@ def supervise(cmd: Sequence[str]) -> int:
     rc, frozen = _wait(child, private / WATCH_NAME)
     try:
         if frozen is not None:
-            try:
-                line = record_frozen(info_path, child.pid, frozen)
-            except OSError as e:
-                print(f"hpcdist.fault.supervise: not recorded: {e.strerror}", file=sys.stderr, flush=True)
-                line = None
-            print(
-                f"hpcdist.fault.supervise: {line.strip() if line else f'pid {child.pid} frozen, killed'}",
-                file=sys.stderr,
-                flush=True,
-            )
+            age = frozen
+            _say(lambda: record_frozen(info_path, child.pid, age), f"pid {child.pid} frozen, killed")
         elif rc < 0 and -rc not in STOP_REQUESTS:
-            try:
-                line = record_death(info_path, child.pid, -rc)
-            except OSError as e:  # a link or another user's file at failures.jsonl: say so, still die like the rank
-                print(f"hpcdist.fault.supervise: not recorded: {e.strerror}", file=sys.stderr, flush=True)
-                line = None
-            print(
-                f"hpcdist.fault.supervise: {line.strip() if line else f'pid {child.pid} killed by signal {-rc}'}",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(lambda: record_death(info_path, child.pid, -rc), f"pid {child.pid} killed by signal {-rc}")
     finally:
         shutil.rmtree(private, ignore_errors=True)
     if rc < 0:
@@ -203,6 +175,16 @@ def supervise(cmd: Sequence[str]) -> int:
         os.kill(os.getpid(), -rc)
         return 128 - rc  # a signal whose default action is not to terminate
     return rc
+
+
+def _say(record: Callable[[], str | None], fact: str) -> None:
+    """Record the child's end, and say it on stderr (the bare ``fact`` when nothing could be recorded)."""
+    try:
+        line = record()
+    except OSError as e:  # a link or another user's file at failures.jsonl: say so, still die like the rank
+        print(f"hpcdist.fault.supervise: not recorded: {e.strerror}", file=sys.stderr, flush=True)
+        line = None
+    print(f"hpcdist.fault.supervise: {line.strip() if line else fact}", file=sys.stderr, flush=True)
 
 
 def _wait(child: subprocess.Popen[bytes], watch_path: Path) -> tuple[int, float | None]:
