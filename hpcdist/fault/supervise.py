@@ -159,13 +159,13 @@ def supervise(cmd: Sequence[str]) -> int:
         signal.signal(sig, forward)
     child = subprocess.Popen(list(cmd), env={**os.environ, TASK_INFO_ENV: info_name}, preexec_fn=_die_with_parent)
     children.append(child)
-    rc, frozen = _wait(child, private / WATCH_NAME)
+    rc, frozen = _wait_or_kill_frozen(child, private / WATCH_NAME)
     try:
         if frozen is not None:
             age = frozen
-            _say(lambda: record_frozen(info_path, child.pid, age), f"pid {child.pid} frozen, killed")
+            _report_end(lambda: record_frozen(info_path, child.pid, age), f"pid {child.pid} frozen, killed")
         elif rc < 0 and -rc not in STOP_REQUESTS:
-            _say(lambda: record_death(info_path, child.pid, -rc), f"pid {child.pid} killed by signal {-rc}")
+            _report_end(lambda: record_death(info_path, child.pid, -rc), f"pid {child.pid} killed by signal {-rc}")
     finally:
         shutil.rmtree(private, ignore_errors=True)
     if rc < 0:
@@ -177,7 +177,7 @@ def supervise(cmd: Sequence[str]) -> int:
     return rc
 
 
-def _say(record: Callable[[], str | None], fact: str) -> None:
+def _report_end(record: Callable[[], str | None], fact: str) -> None:
     """Record the child's end, and say it on stderr (the bare ``fact`` when nothing could be recorded)."""
     try:
         line = record()
@@ -187,7 +187,7 @@ def _say(record: Callable[[], str | None], fact: str) -> None:
     print(f"hpcdist.fault.supervise: {line.strip() if line else fact}", file=sys.stderr, flush=True)
 
 
-def _wait(child: subprocess.Popen[bytes], watch_path: Path) -> tuple[int, float | None]:
+def _wait_or_kill_frozen(child: subprocess.Popen[bytes], watch_path: Path) -> tuple[int, float | None]:
     """The child's exit status, and how long its watched heartbeat was stale if this supervisor killed it for that
     (SIGKILL works on a stopped process too; its peers then see a dead rank, not a silent one)."""
     while True:

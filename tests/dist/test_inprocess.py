@@ -66,6 +66,7 @@ def _cli(
         LOCAL_RANK=str(hosts[:index].count(host)),
         LOCAL_WORLD_SIZE=str(hosts.count(host)),
         GROUP_RANK=str(nodes.index(host)),
+        GROUP_WORLD_SIZE=str(len(nodes)),
     )
     os.environ[STORE_ENV] = store
     if spare:  # as a launcher starts the spares: their own step's ranks, the training's size beside
@@ -133,6 +134,9 @@ def _run(
         pid0, killed_at = procs["rank0"].pid, None
         deadline = time.monotonic() + 240
         while kill and killed_at is None:
+            for name in procs:  # a rank that ended before the kill: its log says why, at once
+                if name.startswith("rank") and not procs[name].is_alive():
+                    pytest.fail(f"{name} ended before the kill:\n{logs[name].read_text()[-3000:]}")
             if any(r["step"] >= KILL_AFTER for r in _records(Path(cfg.run.dir))):
                 for r in kill:  # a supervised rank's own pid is in its heartbeat
                     pid = _heartbeat_pid(Path(cfg.run.dir), r) if stop else procs[f"rank{r}"].pid
@@ -140,7 +144,6 @@ def _run(
                 if store_too:
                     server.kill()
                 killed_at = time.time()
-            assert procs["rank0"].is_alive(), logs["rank0"].read_text()[-3000:]
             assert time.monotonic() < deadline, f"no step {KILL_AFTER} within 240 s"
             time.sleep(0.02)
         for p in procs.values():
