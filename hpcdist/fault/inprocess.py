@@ -22,7 +22,6 @@ is gone, no spare came within ``fault.regroup_timeout_s``, or ``fault.max_failur
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import time
 import traceback
@@ -120,7 +119,8 @@ def _release(failure: BaseException) -> None:
     """Let go of what the failed attempt's frames still hold (its Trainer: the strategy's, the checkpoint tiers' and
     the copy thread's process groups). gloo closes a group's connections only when the group is freed, so a peer
     blocked on one of them (a survivor still in the node-local copy with this rank) would otherwise wait out the
-    collective timeout instead of failing at once and joining the next generation in time."""
+    collective timeout instead of failing at once and joining the next generation in time. The regroup's leave
+    destroys the groups and collects what is then unreachable (hpcdist.fault.regroup)."""
     seen: set[int] = set()
     err: BaseException | None = failure
     while err is not None and id(err) not in seen:
@@ -128,7 +128,6 @@ def _release(failure: BaseException) -> None:
         if err.__traceback__ is not None:
             traceback.clear_frames(err.__traceback__)
         err = err.__cause__ or err.__context__
-    gc.collect()
 
 
 def train_in_process(
