@@ -98,21 +98,25 @@ def test_culprits_from_heartbeats(tmp_path: Path) -> None:
         HangWatchdog(rank=r, world_size=3, host=f"n{r}", run_dir=tmp_path, timeout_s=1, heartbeat_s=0.1)
         for r in range(3)
     ]
+
+    def newest_beat() -> float:  # "now" as the last writer saw it: a descheduled test process must not age them
+        return max(float(b["time"]) for b in read_heartbeats(tmp_path, 3).values())
+
     for d in dogs:
         d.beat(5, "forward/backward")
         d._write_heartbeat()
-    blamed, reporter = dogs[1].culprits()
+    blamed, reporter = dogs[1].culprits(now=newest_beat())
     assert blamed == [] and reporter == 0  # all alive at the same step: the collective itself is stuck
 
     dogs[2].beat(4, "data")  # rank 2 stuck one step earlier
     dogs[2]._write_heartbeat()
-    blamed, _ = dogs[0].culprits()
+    blamed, _ = dogs[0].culprits(now=newest_beat())
     assert [(b["rank"], b["host"]) for b in blamed] == [(2, "n2")] and "behind: at step 4" in blamed[0]["why"]
 
     time.sleep(0.4)  # > 3 heartbeats: whoever did not write since is frozen or dead (rank 0 here)
     for d in dogs[1:]:
         d._write_heartbeat()
-    blamed, reporter = dogs[2].culprits()
+    blamed, reporter = dogs[2].culprits(now=newest_beat())
     assert [(b["rank"], b["host"]) for b in blamed] == [(0, "n0")] and "frozen or dead" in blamed[0]["why"]
     assert reporter == 1  # the lowest rank that still answers writes the record
 
