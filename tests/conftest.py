@@ -153,7 +153,20 @@ class _SlurmTierOnOneWorker:
         return SlurmTierTogether(config, log)  # type: ignore[arg-type]
 
 
+def _compile_package() -> None:
+    """Write hpcdist's bytecode once, before any test starts a process. The run starts several hundred Python
+    processes that import hpcdist (ranks, SLURM tasks, CLI calls); an editable install leaves its sources
+    uncompiled, and where PYTHONDONTWRITEBYTECODE is set no process caches what it compiled, so each one compiled
+    the package again (about 1 s of CPU per trainer process on a 2-core machine). Python reads a valid .pyc even
+    with that variable set; pip compiled the installed dependencies alike."""
+    import compileall
+
+    compileall.compile_dir(REPO / "hpcdist", quiet=2, workers=1)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller, before xdist's workers start: once per run
+        _compile_package()
     if config.pluginmanager.hasplugin("xdist"):  # its hook exists only with the plugin
         config.pluginmanager.register(_SlurmTierOnOneWorker(), "hpcdist-slurm-tier-scheduler")
 
