@@ -205,9 +205,11 @@ def _train_recovering(
     def once(env_now: DistEnv) -> TrainResult:
         if env_now is not facts.env:  # a spare that took a rank: its supervisor records deaths as that rank's
             failures.announce_task(cfg.run.dir, rank=env_now.rank, host=env_now.hostname, job=env_now.job)
-        return train(
+        result = train(
             cfg, env_now, job=job, stop_flag=stop_flag, facts=facts if env_now is facts.env else plan_rank(cfg, env_now)
         )
+        result.rank = env_now.rank
+        return result
 
     f = cfg.fault
     return inprocess.train_in_process(
@@ -272,6 +274,7 @@ def main(
             init_process_group(env, timeout_s=timeout_s)
             try:
                 result = train(cfg, env, job=job, stop_flag=stop_flag, facts=facts)
+                result.rank = env.rank
             finally:
                 destroy_process_group()
         else:

@@ -67,6 +67,9 @@ class TrainResult:
     """The newest complete checkpoint when ``save_failed``: where the next run resumes (None: from step 0)."""
     already_finished: bool = False
     """Resumed at train.steps or beyond: nothing trained, nothing recorded (a rerun of a finished run)."""
+    rank: int | None = None
+    """The rank this process trained as: its launch's, or the one a warm spare took; None for a warm spare that
+    took none (hpcdist.run sets it)."""
 
     def record(self, step: int, loss: float | None, eval_loss: float | None) -> None:
         """A step's logged loss and evaluation loss, where it had them."""

@@ -220,7 +220,7 @@ def run_recoverable(
     shared = {**env, STORE_ENV: f"{host}:{port}"}
     spare_env = {**shared, SPARE_ENV: "1", WORLD_ENV: str(len(chosen) * plan.tasks_per_node)}
     spare_step = subprocess.Popen(
-        launcher().step_command(cmd, spares, plan.tasks_per_node, keep_survivors=True), env=spare_env
+        launcher().step_command(cmd, spares, plan.tasks_per_node, keep_survivors=True, spares=True), env=spare_env
     )
     _announce(f"in-process recovery: rendezvous {host}:{port}, warm spare(s) on {','.join(spares)}")
     try:

@@ -389,14 +389,6 @@ def _check_job(cfg: config_mod.JobConfig, cluster: ClusterConfig, job_name: str,
         config_mod.check_run_dir(cfg)
     except ConfigError as e:
         problems += e.problems
-    if cfg.fault.in_process:
-        # a warm spare is a task of a second step; submitit keeps one result per task number of the job, which a
-        # spare's task would overwrite: the batch scripts start spares, submitit's pickled function does not yet
-        problems.append(
-            "fault.in_process: the batch scripts start the warm spares (docs/FAULTS.md, In-process recovery); "
-            "`hpcdist submit` does not start them yet: set fault.in_process=false here, or start the job with the "
-            "batch script"
-        )
     fault = getattr(cfg, "fault", None)
     if fault is not None:
         problems += config_mod.shrink_problems(cfg, cluster.nodes, cluster.ntasks_per_node)

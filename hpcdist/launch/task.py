@@ -92,8 +92,15 @@ def read_result(folder: str | os.PathLike[str], job_id: str, rank: int) -> tuple
     return record["outcome"], record.get("value")
 
 
-def _record_outcome(outcome: tuple[str, Any]) -> None:
-    """In a submitit task: write this task's result record (nothing when called outside submitit)."""
+def _is_spare(environ: MutableMapping[str, str]) -> bool:
+    from hpcdist.fault.inprocess import SPARE_ENV  # in the task only, like the training stack
+
+    return environ.get(SPARE_ENV, "").strip() == "1"
+
+
+def _record_outcome(outcome: tuple[str, Any], rank: int | None = None) -> None:
+    """In a submitit task: write the result record of ``rank`` (default: this task's number); nothing when called
+    outside submitit."""
     folder = os.environ.get("SUBMITIT_FOLDER")
     if not folder:
         return
@@ -101,7 +108,7 @@ def _record_outcome(outcome: tuple[str, Any]) -> None:
 
     env = submitit.JobEnvironment()
     try:
-        write_result(folder, env.job_id, env.global_rank, outcome)
+        write_result(folder, env.job_id, env.global_rank if rank is None else rank, outcome)
     except OSError as e:  # the job's own result is not lost with it: its log and state still say what happened
         print(f"hpcdist: could not write the result record: {e}", flush=True)
 
@@ -140,11 +147,20 @@ class TrainTask:
     def __call__(self) -> dict[str, Any]:
         # the outcome as submitit records it (success or an exception), in a record hpcdist can read without
         # unpickling; a SystemExit (stop, requeue, exit code) leaves none, as it leaves submitit's none
+        spare = _is_spare(os.environ)
         try:
             value = self._run()
         except Exception:
-            _record_outcome(("error", traceback.format_exc()[-_TRACEBACK_CHARS:]))
+            if not spare:  # a spare's task number is no rank's: its log keeps the error
+                _record_outcome(("error", traceback.format_exc()[-_TRACEBACK_CHARS:]))
             raise
+        if spare:
+            # A warm spare runs in a step of its own, whose task numbers repeat the training step's: submitit's
+            # result (and its pickle) would be that task number's, not the rank's. A spare that took a rank
+            # records the outcome as that rank's; then, like a spare that took none, it leaves without a result.
+            if value.get("rank") is not None:
+                _record_outcome(("success", value), rank=int(value["rank"]))
+            raise SystemExit(0)
         _record_outcome(("success", value))
         return value
 
@@ -182,6 +198,7 @@ class TrainTask:
             raise SystemExit(result.exit_code)
         last = max(result.losses) if result.losses else None
         return {
+            "rank": result.rank,
             "step": result.step,
             "loss": result.losses[last] if last is not None else None,
             "loss_step": last,

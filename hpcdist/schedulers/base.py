@@ -194,10 +194,17 @@ class Launcher(Protocol):
         ...
 
     def step_command(
-        self, cmd: Sequence[str], nodes: Sequence[str], tasks_per_node: int, *, keep_survivors: bool = False
+        self,
+        cmd: Sequence[str],
+        nodes: Sequence[str],
+        tasks_per_node: int,
+        *,
+        keep_survivors: bool = False,
+        spares: bool = False,
     ) -> list[str]:
         """The batch script's step command ``cmd`` restricted to ``nodes``; ``keep_survivors``: a task's death
-        leaves the other tasks running (in-process recovery)."""
+        leaves the other tasks running (in-process recovery); ``spares``: the warm spares' step, whose per-task
+        output files must not be the training step's."""
         ...
 
     def batch_host(self, environ: Mapping[str, str]) -> str | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import hpcdist
 from hpcdist.launch.restarts import load_ledger
 from tests.slurm.conftest import Cluster, job_info, wait_job
 from tests.slurm.harness import (
@@ -104,13 +105,26 @@ def test_a_killed_hosts_files_come_from_its_peer_then_both_lost_resume_the_share
     assert [got[s] for s in range(1, INJOB_STEPS + 1)] == [ref[s] for s in range(1, INJOB_STEPS + 1)]
 
 
+def _logs(folder: Path) -> str:
+    """Every log a submitted job left in its folder (the batch script's, each task's, the spares')."""
+    return "".join(p.read_text(errors="replace") for p in sorted(folder.glob("*_log.*")))
+
+
+@pytest.mark.parametrize("entry", ["sbatch", "submit"])
 def test_a_killed_rank_is_recovered_in_process_by_the_warm_spare(
-    slurm_cluster2: Cluster, corpus_dir: Path, tmp_path: Path, reference: Reference
+    slurm_cluster2: Cluster,
+    corpus_dir: Path,
+    tmp_path: Path,
+    reference: Reference,
+    monkeypatch: pytest.MonkeyPatch,
+    entry: str,
 ) -> None:
-    """fault.in_process, 2 training hosts + 1 spare, SIGKILL of rank 1 on host B: rank 0's process lives on (the
-    same pid), the spare host's waiting process takes rank 1 with its files from the peer copy on host A, the shared
-    checkpoint is not read, at most one completed step is computed again, the job needs no second attempt
-    (Restarts=0, one attempt in the ledger), and every step's loss equals the uninterrupted run's."""
+    """fault.in_process, 2 training hosts + 1 spare, SIGKILL of rank 1 on host B, started by `sbatch
+    sbatch/train.sh` or by hpcdist.submit: rank 0's process lives on (the same pid), the spare host's waiting
+    process takes rank 1 with its files from the peer copy on host A, the shared checkpoint is not read, at most one
+    completed step is computed again, the job needs no second attempt (Restarts=0, one attempt in the ledger), and
+    every step's loss equals the uninterrupted run's. Through submit, the spare's task writes its own log (not rank
+    0's of the training step, whose task number it shares) and records rank 1's result."""
     run, out, local = tmp_path / "run", tmp_path / "out.txt", tmp_path / "local-{host}"
     over = injob_overrides(
         run,
@@ -121,13 +135,28 @@ def test_a_killed_rank_is_recovered_in_process_by_the_warm_spare(
         "fault.in_process=true",
         "fault.regroup_settle_s=2",
     )
-    job = submit(slurm_cluster2, "train.sh", ["--nodes=3", *ONE_TASK], over, out)
+    if entry == "sbatch":
+        job = submit(slurm_cluster2, "train.sh", ["--nodes=3", *ONE_TASK], over, out)
+    else:
+        for key, value in slurm_cluster2.env.items():  # this process is the login node
+            monkeypatch.setenv(key, value)
+        handle = hpcdist.submit(over[0], over[1:], cluster="sandbox", nodes=2, gpus_per_node=1)
+        job = handle.job_id
     survivor, victim = (rank_in_restart(run, r, restart=0) for r in (0, 1))
     wait_for_step(run, 6)
     t_kill = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
-    assert wait_job(slurm_cluster2, job, timeout=240) == "COMPLETED", out.read_text()[-4000:]
-    text = out.read_text()
+    if entry == "sbatch":
+        assert wait_job(slurm_cluster2, job, timeout=240) == "COMPLETED", out.read_text()[-4000:]
+        text = out.read_text()
+    else:
+        folder = handle.paths[0].stdout.parent
+        assert handle.wait(timeout=240) == "COMPLETED", _logs(folder)[-4000:]
+        text = _logs(folder)
+        results = handle.results()
+        assert [r["rank"] for r in results] == [0, 1] and results[1]["step"] == INJOB_STEPS, results
+        spare_log = (folder / f"spare-{handle.paths[0].stdout.name}").read_text(errors="replace")
+        assert "took rank 1" in spare_log and "took rank" not in handle.paths[0].stdout.read_text()
     assert "in-process recovery 1: generation 1 of 2 ranks formed" in text, text[-4000:]
     assert f"pid {survivor['pid']} stays" in text
     took = re.search(r"warm spare on (\S+): took rank 1 \(generation 1\)", text)
@@ -142,4 +171,4 @@ def test_a_killed_rank_is_recovered_in_process_by_the_warm_spare(
     got, ref = step_losses(run), reference.losses()
     assert [got[s] for s in range(1, INJOB_STEPS + 1)] == [ref[s] for s in range(1, INJOB_STEPS + 1)]
     after = next(m["time"] for m in logged if "split" not in m and m["time"] > t_kill)
-    print(f"\nin-process recovery (SIGKILL rank 1 on {victim['host']}): next completed step {after - t_kill:.1f} s")
+    print(f"\nin-process recovery via {entry} (SIGKILL rank 1 on {victim['host']}): next step {after - t_kill:.1f} s")

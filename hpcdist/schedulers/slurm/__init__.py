@@ -109,9 +109,15 @@ class SlurmLauncher:
         return client.srun_once_per_node(nodes, argv, timeout=timeout)
 
     def step_command(
-        self, cmd: Sequence[str], nodes: Sequence[str], tasks_per_node: int, *, keep_survivors: bool = False
+        self,
+        cmd: Sequence[str],
+        nodes: Sequence[str],
+        tasks_per_node: int,
+        *,
+        keep_survivors: bool = False,
+        spares: bool = False,
     ) -> list[str]:
-        return step.step_command(cmd, nodes, tasks_per_node, keep_survivors=keep_survivors)
+        return step.step_command(cmd, nodes, tasks_per_node, keep_survivors=keep_survivors, spares=spares)
 
     def batch_host(self, environ: Mapping[str, str]) -> str | None:
         # the batch script runs on the allocation's first node; slurmd names it in the job's environment

@@ -53,21 +53,58 @@ _KILL_ON_BAD_EXIT = re.compile(r"--kill-on-bad-exit(=\d+)?|-K\d?")
 
 
 def step_command(
-    cmd: Sequence[str], nodes: Sequence[str], tasks_per_node: int, *, keep_survivors: bool = False
+    cmd: Sequence[str],
+    nodes: Sequence[str],
+    tasks_per_node: int,
+    *,
+    keep_survivors: bool = False,
+    spares: bool = False,
 ) -> list[str]:
     """``cmd`` (an srun command line) restricted to ``nodes``; any other command unchanged. ``keep_survivors``:
     one task's death does not end the others (``--kill-on-bad-exit=0`` in place of the line's own setting), for
-    in-process recovery, where the survivors rebuild their group and a spare takes the dead task's place."""
+    in-process recovery, where the survivors rebuild their group and a spare takes the dead task's place.
+    ``spares``: the warm spares' step; its tasks are numbered from 0 like the training step's, so per-task output
+    files the line names (submitit's ``--output DIR/%j_%t_log.out``) get a ``spare-`` prefix instead of being
+    opened over the ranks' logs."""
     cmd = list(cmd)
     if not cmd or os.path.basename(cmd[0]) != "srun":
         return cmd
     n = len(nodes)
     args = cmd[1:]
-    if keep_survivors:
+    if keep_survivors or spares:
         end = 0
         while end < len(args) and args[end].startswith("-"):
             end += 2 if args[end] in _SEPARATE_VALUE else 1
         end = min(end, len(args))
-        options = [a for a in args[:end] if not _KILL_ON_BAD_EXIT.fullmatch(a)]
-        args = ["--kill-on-bad-exit=0", *options, *args[end:]]
+        options = args[:end]
+        if keep_survivors:
+            options = ["--kill-on-bad-exit=0", *(a for a in options if not _KILL_ON_BAD_EXIT.fullmatch(a))]
+        if spares:
+            options = _spare_outputs(options)
+        args = [*options, *args[end:]]
     return [cmd[0], f"--nodes={n}", f"--ntasks={n * tasks_per_node}", f"--nodelist={','.join(nodes)}", *args]
+
+
+_OUTPUT_OPTIONS = frozenset({"--output", "-o", "--error", "-e"})
+
+
+def _spare_outputs(options: list[str]) -> list[str]:
+    """srun's output and error file patterns with ``spare-`` before each file name (its directory unchanged)."""
+
+    def renamed(path: str) -> str:
+        head, sep, name = path.rpartition("/")
+        return path if name in ("", "none") else f"{head}{sep}spare-{name}"
+
+    out: list[str] = []
+    i = 0
+    while i < len(options):
+        name, eq, value = options[i].partition("=")
+        if eq and name in _OUTPUT_OPTIONS:
+            out.append(f"{name}={renamed(value)}")
+        elif options[i] in _OUTPUT_OPTIONS and i + 1 < len(options):
+            out += [options[i], renamed(options[i + 1])]
+            i += 1
+        else:
+            out.append(options[i])
+        i += 1
+    return out

@@ -352,7 +352,9 @@ def test_cpu_cluster_has_no_gpu_flag(tmp_path: Path) -> None:
     assert "--gpus-per-node" not in text and "#SBATCH --ntasks-per-node=2" in text
 
 
-def test_submit_refuses_in_process_recovery_and_names_the_way_that_runs_it(tmp_path: Path) -> None:
+def test_submit_with_in_process_recovery_asks_for_the_spare_and_runs_the_attempt_loop_with_it(tmp_path: Path) -> None:
+    """The submitted job starts what the batch scripts start: the spare node is asked for beside the training node,
+    and submitit's srun line goes through the attempt loop with --in-process (the store, the spares' step)."""
     over = [
         f"run.dir={tmp_path}/run",
         "fault.in_process=true",
@@ -360,8 +362,11 @@ def test_submit_refuses_in_process_recovery_and_names_the_way_that_runs_it(tmp_p
         "fault.spare_nodes=1",
         "checkpoint.local.every_steps=1",
     ]
-    with pytest.raises(ConfigError, match=r"fault\.in_process: the batch scripts start the warm spares"):
-        submit(DEMO, over, cluster="sandbox", dry_run=True)
+    text = submit(DEMO, over, cluster="sandbox", dry_run=True, nodes=1)
+    assert isinstance(text, str)
+    assert "#SBATCH --nodes=2" in text
+    (loop,) = [line for line in text.splitlines() if line.startswith("srun() {")]
+    assert "-m hpcdist.launch.attempts" in loop and "--spare-nodes 1" in loop and "--in-process" in loop
     assert not (tmp_path / "run").exists()
 
 

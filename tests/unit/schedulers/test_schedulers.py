@@ -176,3 +176,21 @@ def test_a_step_that_keeps_its_survivors_turns_kill_on_bad_exit_off(args: list[s
     srun_own = ("--kill-on-bad-exit=1", "-K1")
     assert out[5:] == [a for a in args if a not in srun_own] + ["--kill-on-bad-exit=1"]  # the program's: untouched
     assert step_command(["srun", *args], ["n1"], 4)[4:] == args  # without it, the line is the line
+
+
+def test_the_spares_step_writes_its_own_output_files_never_the_ranks() -> None:
+    """The warm spares' step numbers its tasks from 0 like the training step: submitit's per-task log patterns get
+    a ``spare-`` prefix (both option spellings), a line without them is unchanged, and the program's own arguments
+    that look like srun options are left alone."""
+    from hpcdist.schedulers.slurm.step import step_command
+
+    line = ["srun", "--unbuffered", "--output", "/o/%j_%t_log.out", "--error=/o/%j_%t_log.err", "-o", "x.out"]
+    program = ["python", "-u", "-m", "submitit.core._submit", "/o", "--output", "/o/keep"]
+    out = step_command([*line, *program], ["n3"], 2, keep_survivors=True, spares=True)
+    assert out == [
+        "srun", "--nodes=1", "--ntasks=2", "--nodelist=n3", "--kill-on-bad-exit=0", "--unbuffered",
+        "--output", "/o/spare-%j_%t_log.out", "--error=/o/spare-%j_%t_log.err", "-o", "spare-x.out", *program,
+    ]  # fmt: skip
+    plain = ["srun", "--unbuffered", "hpcdist", "train", "c.yaml"]
+    assert step_command(plain, ["n3"], 2, spares=True)[4:] == plain[1:]
+    assert step_command(["srun", "--output=none", *program], ["n3"], 1, spares=True)[4] == "--output=none"
