@@ -106,7 +106,7 @@ CHECKS: dict[str, Check] = {
         "would reinstall the package under test. Its training command runs in the slow tier with tiny overrides.",
     ),
     'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[test]" && python -m pytest -q '
-    "-n 2": (
+    "-n 3": (
         Check(
             "none",
             reason=".ci/run reads this line from README.md and runs it (CI runs exactly this line); inside pytest "
