@@ -190,7 +190,7 @@ class Checkpointer:
             path = self.manager.save(step, self.state)
         self.nonfinite.last_checkpoint = str(path) if path else self.nonfinite.last_checkpoint
         self.goodput.add("checkpoint_save", time.perf_counter() - t0, tier="shared")
-        self.goodput.flush()
+        self.goodput.flush(saved=step if path is not None else None)
         return path is not None
 
     def local_save(self, step: int) -> bool:

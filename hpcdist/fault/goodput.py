@@ -279,11 +279,16 @@ class Goodput:
                 self._flush_locked(force=True)
             self._flush_locked()
 
-    def flush(self, *, clean: bool = False) -> None:
-        """Write now; ``clean`` marks the attempt as ended by the trainer itself (finished or stopped by a signal)."""
+    def flush(self, *, clean: bool = False, saved: int | None = None) -> None:
+        """Write now; ``clean`` marks the attempt as ended by the trainer itself (finished or stopped by a signal).
+        ``saved``: the step a checkpoint was just taken of. It counts as reached although its iteration has not
+        ended yet (``step`` comes after the save), so the record never says an attempt got less far than its own
+        checkpoint when the rank dies before the next flush."""
         if not self.enabled:
             return
         with self._lock:
+            if saved is not None and saved > (self._entry.get("last_step") or 0):
+                self._entry["last_step"] = saved
             if clean:
                 self._entry["end"] = time.time()
                 self._entry["clean"] = True

@@ -20,11 +20,32 @@ import torch
 
 from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
 
+# Rendezvous ports for the tests' process groups: below Linux's ephemeral range (32768+, where the kernel picks
+# the port of every outgoing connection, gloo's among them, and of every bind to port 0) and below the range
+# hpcdist.env.port_from_job_id gives the sandbox's SLURM jobs (20000+). A port the kernel handed out as free
+# (bind to 0) was often someone else's by the time the store listened on it: EADDRINUSE with three test workers.
+# Each xdist worker takes its own slice, so two workers never try the same port.
+_PORTS = range(12000, 20000)
+_next_port: list[int] = []
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on, never handed out twice in this test process, from this worker's own slice."""
+    if not _next_port:
+        workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % workers
+        size = len(_PORTS) // workers
+        _next_port.extend([_PORTS.start + worker * size, _PORTS.start + (worker + 1) * size])
+    start, end = _next_port
+    for port in range(start, end):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every address, as the store listens; no SO_REUSEADDR: TIME_WAIT is skipped
+            except OSError:
+                continue
+        _next_port[0] = port + 1
+        return port
+    raise RuntimeError(f"no free port left in {start}-{end - 1} for this test worker")
 
 
 def rank_environ(rank: int, world: int, port: int) -> None:

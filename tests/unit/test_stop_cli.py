@@ -159,9 +159,11 @@ def test_a_second_ctrl_c_during_a_save_aborts_with_one_line_and_130(tmp_path: Pa
     try:
         _wait_for(proc, "step 2/100000")
         proc.send_signal(signal.SIGINT)
-        _wait_for(proc, "test: writing shards")  # the stop checkpoint is being written
+        out = _wait_for(proc, "test: writing shards")  # the stop checkpoint is being written
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        t_abort = time.monotonic()
+        out += proc.communicate(timeout=60)[0]
+        out += f"\n(test: exited {time.monotonic() - t_abort:.1f} s after the second SIGINT)"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -170,4 +172,4 @@ def test_a_second_ctrl_c_during_a_save_aborts_with_one_line_and_130(tmp_path: Pa
     assert "Traceback" not in out and "unexpected error" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert "Ctrl-C again: aborted without a checkpoint" in out, out[-2000:]
     complete, incomplete = list_checkpoints(run / "checkpoints")
-    assert not complete and incomplete and not (incomplete[0] / MARKER).exists()
+    assert not complete and incomplete and not (incomplete[0] / MARKER).exists(), out[-3000:]

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from hpcdist.fault.goodput import CATEGORIES, Goodput, mark_attempt_end, process_start_time, summarize
+from hpcdist.trainer import Trainer
+from tests.dist.harness import single
+from tests.training import after_step_hook, train
 
 
 def test_summarize_splits_every_second() -> None:
@@ -64,3 +67,18 @@ def test_disabled_on_other_ranks(tmp_path: Path) -> None:
 
 def test_process_start_time_is_in_the_past() -> None:
     assert time.time() - 3600 * 24 * 365 < process_start_time() <= time.time()
+
+
+def test_the_record_never_says_an_attempt_got_less_far_than_its_checkpoint(small_cfg) -> None:
+    """goodput.json is written at most once a second, and the save after step N's optimizer step wrote it before
+    step N was booked: a rank killed within that second left last_step N-1 beside checkpoint N (the next attempt
+    then resumed from a step its predecessor had never reached). Read here as a kill right after the save would
+    leave it."""
+    cfg = small_cfg("train.steps=4", "checkpoint.every_steps=3")
+    seen: list[int] = []
+
+    def read_record(trainer: Trainer) -> None:  # step 4's optimizer step: the save of step 3 is behind
+        seen.append(json.loads((Path(cfg.run.dir) / "goodput.json").read_text())["attempts"][-1]["last_step"])
+
+    single(lambda env: train(env, cfg, before=after_step_hook(0, 4, read_record)))
+    assert seen and seen[0] >= 3
