@@ -32,6 +32,7 @@ from hpcdist.checkpoint.names import MARKER, step_dir
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv, destroy_process_group, from_environ, init_process_group
 from hpcdist.fault import failures, inprocess
+from hpcdist.fault.goodput import InProcessRecovery
 from hpcdist.fault.hang import collective_timeout_s, configure_collectives
 from hpcdist.fault.rundir_lock import RunDirInUse
 from hpcdist.fault.stop import StopFlag, StopReason
@@ -91,6 +92,7 @@ def train(
     job: JobEnvironment | None = None,
     stop_flag: StopFlag | None = None,
     facts: RankFacts | None = None,
+    in_process: InProcessRecovery | None = None,
 ) -> TrainResult:
     """One rank's training once the process group exists (or there is one rank): Trainer -> train -> after-stop.
 
@@ -110,7 +112,7 @@ def train(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     trainer = None
     try:
-        trainer = Trainer(cfg, env, stop_flag=stop_flag, facts=facts)
+        trainer = Trainer(cfg, env, stop_flag=stop_flag, facts=facts, in_process=in_process)
         result = trainer.train()
         if result.save_failed is not None:
             # the last checkpoint (or the stop checkpoint a requeue relies on) is not there: never a success, never
@@ -202,11 +204,16 @@ def _train_recovering(
     """:func:`train` under in-process recovery (hpcdist.fault.inprocess): a peer's death rebuilds the group in
     this process and trains on from the node-local snapshot; a warm spare's facts are its adopted rank's."""
 
-    def once(env_now: DistEnv) -> TrainResult:
+    def once(env_now: DistEnv, recovered: InProcessRecovery | None) -> TrainResult:
         if env_now is not facts.env:  # a spare that took a rank: its supervisor records deaths as that rank's
             failures.announce_task(cfg.run.dir, rank=env_now.rank, host=env_now.hostname, job=env_now.job)
         result = train(
-            cfg, env_now, job=job, stop_flag=stop_flag, facts=facts if env_now is facts.env else plan_rank(cfg, env_now)
+            cfg,
+            env_now,
+            job=job,
+            stop_flag=stop_flag,
+            facts=facts if env_now is facts.env else plan_rank(cfg, env_now),
+            in_process=recovered,
         )
         result.rank = env_now.rank
         return result

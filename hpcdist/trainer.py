@@ -33,7 +33,7 @@ from hpcdist.data.sampler import SamplerMismatch
 from hpcdist.env import DistEnv
 from hpcdist.evaluate import Evaluator
 from hpcdist.fault import inprocess
-from hpcdist.fault.goodput import Goodput
+from hpcdist.fault.goodput import Goodput, InProcessRecovery
 from hpcdist.fault.hang import HangWatchdog
 from hpcdist.fault.nonfinite import NonFiniteError, NonFiniteGuard
 from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
@@ -81,7 +81,13 @@ class TrainResult:
 
 class Trainer:
     def __init__(
-        self, cfg: JobConfig, env: DistEnv, *, stop_flag: StopFlag | None = None, facts: RankFacts | None = None
+        self,
+        cfg: JobConfig,
+        env: DistEnv,
+        *,
+        stop_flag: StopFlag | None = None,
+        facts: RankFacts | None = None,
+        in_process: InProcessRecovery | None = None,
     ):
         """``stop_flag``: one already installed by the caller (hpcdist.run installs it before the start-up, so a
         signal during data preparation, model build or resume is remembered); else one is made here.
@@ -89,7 +95,10 @@ class Trainer:
         ``facts``: this rank's checked config and layout, built once by the caller (hpcdist.run, before the process
         group) from this ``cfg`` and ``env``; a Trainer built directly (the Python API) builds them here with the
         same function, :func:`hpcdist.rankfacts.rank_facts`, which refuses ``parallel.strategy=auto`` (the planner
-        runs in hpcdist.run; the trainer imports none): a Trainer builds exactly the layout it is given."""
+        runs in hpcdist.run; the trainer imports none): a Trainer builds exactly the layout it is given.
+
+        ``in_process``: this Trainer is a generation after an in-process recovery (hpcdist.fault.inprocess): its
+        goodput attempt starts at the peer's death."""
         setup_logging(env.rank, level=cfg.run.log_level)
         if facts is None:
             facts = rank_facts(cfg, env)
@@ -162,7 +171,10 @@ class Trainer:
         log.info("layout: %s", describe_layout(cfg, self.dims))
         # rank 0 accounts the run's wall time (training, checkpoints, restarts) across attempts in goodput.json
         self.goodput = Goodput(
-            self.run_dir, enabled=env.is_main, restart=env.job.restart_count if env.job.job_id else None
+            self.run_dir,
+            enabled=env.is_main,
+            restart=env.job.restart_count if env.job.job_id else None,
+            in_process=in_process,
         )
         f = cfg.fault
         self.watchdog = HangWatchdog(

@@ -22,6 +22,11 @@ queue), gate (the health gate), step_start (srun -> rank 0 up), checkpoint_load,
 imports, rendezvous, model, data) and first_step; ``path`` says in-job or requeue. The attempt loop
 (hpcdist.launch.attempts) stamps its side in restarts.json; :func:`recovery` joins the two.
 
+In-process recovery (hpcdist.fault.inprocess) trains each new generation in the same process: its entry is an
+attempt of its own (``generation`` 1, 2, ... beside the job's ``restart``), starting when this rank saw the peer's
+death, not when the process started. Its recovery is path ``in-process``: regroup (the new process group formed),
+checkpoint_load, init (the Trainer built again) and first_step; the previous generation ends at that moment.
+
 goodput = train / (last end - first start). The first attempt's wait in the queue before it started is not in the
 total (the job does not know its submit time); everything after the first start is.
 """
@@ -32,6 +37,7 @@ import json
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,7 @@ __all__ = [
     "CATEGORIES",
     "RECOVERY_PARTS",
     "Goodput",
+    "InProcessRecovery",
     "mark_attempt_end",
     "process_start_time",
     "read_goodput",
@@ -55,7 +62,17 @@ log = get_logger(__name__)
 
 CATEGORIES = ("train", "checkpoint_save", "restore", "startup", "lost", "queue_wait", "other")
 _FLUSH_EVERY_S = 1.0
-RECOVERY_PARTS = ("detection", "wait", "gate", "step_start", "checkpoint_load", "init", "first_step")
+RECOVERY_PARTS = ("detection", "regroup", "wait", "gate", "step_start", "checkpoint_load", "init", "first_step")
+
+
+@dataclass(frozen=True)
+class InProcessRecovery:
+    """A generation after an in-process recovery: its number (1 for the first recovery), the wall time this rank
+    saw the peer's death, and the seconds the new process group took to form."""
+
+    generation: int
+    failed_at: float
+    regroup_s: float
 
 
 def _num(value: Any) -> float | None:
@@ -135,7 +152,16 @@ def _load(path: Path) -> dict[str, Any]:
     return {**data, "attempts": [e for e in map(_goodput_entry, entries) if e is not None]}
 
 
-_INT_FIELDS = ("last_step", "first_step", "resumed_step", "restart", "lost_steps", "saves_shared", "saves_local")
+_INT_FIELDS = (
+    "last_step",
+    "first_step",
+    "resumed_step",
+    "restart",
+    "generation",
+    "lost_steps",
+    "saves_shared",
+    "saves_local",
+)
 
 
 def _goodput_entry(e: Any) -> dict[str, Any] | None:
@@ -212,7 +238,9 @@ class Goodput:
         enabled: bool,
         start: float | None = None,
         restart: int | None = None,
+        in_process: InProcessRecovery | None = None,
     ) -> None:
+        """``in_process``: this attempt is a generation after an in-process recovery: it starts at the failure."""
         self.enabled = enabled
         self.path = RunDir(run_dir).goodput
         self._ledger_path = RunDir(run_dir).restarts
@@ -221,6 +249,9 @@ class Goodput:
         self._entry: dict[str, Any] = {"start": process_start_time() if start is None else start, "last_step": None}
         if restart is not None:
             self._entry["restart"] = restart  # the job's attempt number: the restart ledger's key
+        self._in_process = in_process
+        if in_process is not None:
+            self._entry.update(start=in_process.failed_at, generation=in_process.generation)
         self._pending = 0.0  # seconds of save/eval inside the current step, not train time
         self._flushed = 0.0
 
@@ -251,6 +282,8 @@ class Goodput:
             e["startup_s"] = max(0.0, now - e["start"] - e.get("restore_s", 0.0))
             self._pending = 0.0
             prev = self._data["attempts"][-1] if self._data["attempts"] else None
+            if prev is not None and self._in_process is not None and not prev.get("end"):
+                prev["end"] = e["start"]  # the generation before ended when this rank saw the peer's death
             if prev is not None and prev.get("last_step") is not None:
                 # the previous attempt's steps after the checkpoint we resume from are computed again: lost
                 steps = max(1, int(prev["last_step"]) - int(prev.get("first_step") or 0))
@@ -295,6 +328,9 @@ class Goodput:
             self._flush_locked(force=True)
 
     def _recovery_locked(self) -> None:
+        if self._in_process is not None:
+            self._entry["recovery"] = self._in_process_recovery()
+            return
         try:
             ledger = read_json(self._ledger_path, _MAX_BYTES)
         except DamagedRecord:
@@ -303,11 +339,27 @@ class Goodput:
         if rec is not None:
             self._entry["recovery"] = rec
 
+    def _in_process_recovery(self) -> dict[str, Any]:
+        """From the peer's death (as this rank saw it) to this generation's first completed step."""
+        assert self._in_process is not None
+        e = self._entry
+        start, loop_start, first = float(e["start"]), float(e["loop_start"]), float(e["first_step_at"])
+        restore, regroup = float(e.get("restore_s", 0.0)), self._in_process.regroup_s
+        parts = {
+            "regroup": regroup,
+            "checkpoint_load": restore,
+            "init": loop_start - start - regroup - restore,
+            "first_step": first - loop_start,
+        }
+        out: dict[str, Any] = {k: round(max(0.0, v), 3) for k, v in parts.items()}
+        out.update(total=round(first - start, 3), path="in-process")
+        return out
+
     def recoveries(self) -> list[dict[str, Any]]:
         """The recovery of every attempt that came after a failure or a requeue (goodput.json's ``recovery``)."""
         with self._lock:
             return [
-                {"restart": a.get("restart"), **a["recovery"]}
+                {"restart": a.get("restart"), "generation": a.get("generation"), **a["recovery"]}
                 for a in self._data["attempts"]
                 if isinstance(a.get("recovery"), dict)
             ]

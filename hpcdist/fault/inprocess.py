@@ -33,6 +33,7 @@ from hpcdist.base.errors import PeerRankDied
 from hpcdist.base.logging_utils import get_logger
 from hpcdist.config.loader import ConfigError
 from hpcdist.env import DistEnv, export_environ
+from hpcdist.fault.goodput import InProcessRecovery
 
 __all__ = [
     "SPARE_ENV",
@@ -133,7 +134,7 @@ def _release(failure: BaseException) -> None:
 def train_in_process(
     rdv: Rendezvous,
     env: DistEnv,
-    train: Callable[[DistEnv], T],
+    train: Callable[[DistEnv, InProcessRecovery | None], T],
     *,
     settle_s: float,
     timeout_s: float,
@@ -142,9 +143,10 @@ def train_in_process(
     rejoin: Callable[[], None] = lambda: None,
     exit_code: Callable[[T], int] = lambda _: 0,
 ) -> T:
-    """Join the job's group through ``rdv`` (a spare: wait for a vacancy first), then ``train(env)``; after a
+    """Join the job's group through ``rdv`` (a spare: wait for a vacancy first), then ``train(env, None)``; after a
     peer's death (:class:`PeerRankDied`) call ``rejoin()`` (what the caller keeps across generations lets go of the
-    dead group), rebuild the group in this process and ``train`` again, at most ``max_recoveries`` times. Rank 0
+    dead group), rebuild the group in this process and ``train(env, recovery)`` again (``recovery``: the generation,
+    when the death was seen, how long the regroup took), at most ``max_recoveries`` times. Rank 0
     marks the job done in the store with ``exit_code(result)``. Raises :class:`SpareNotNeeded` for a spare the job
     finished without."""
     import torch.distributed as dist
@@ -152,6 +154,7 @@ def train_in_process(
     from hpcdist.fault import regroup
 
     store = regroup.connect(rdv.host, rdv.port, timeout_s=max(timeout_s, _STORE_CONNECT_S))
+    recovered: InProcessRecovery | None = None
     if env.device.startswith("cuda"):  # before the group: NCCL's communicator lands on this rank's GPU
         import torch
 
@@ -166,6 +169,9 @@ def train_in_process(
         env = adopt(env, member.rank, member.world_size)
         # a warning: a failure happened, and this process now trains in the dead rank's place
         log.warning("warm spare on %s: took rank %d (generation %d)", env.hostname, member.rank, member.generation)
+        # its first generation is the job's recovery from that death (its goodput attempt, as rank 0, starts there)
+        started = member.started or time.time()
+        recovered = InProcessRecovery(member.generation, started, max(0.0, time.time() - started))
     else:
         member = regroup.join_group(
             store, env.rank, env.world_size, collective_timeout_s=collective_timeout_s, backend=env.backend
@@ -175,8 +181,9 @@ def train_in_process(
     try:
         while True:
             try:
-                result = train(env)
+                result = train(env, recovered)
             except PeerRankDied as died:
+                failed_at = time.time()
                 if recoveries >= max_recoveries:
                     log.error("in-process recovery: fault.max_failures=%d recoveries spent", max_recoveries)
                     raise
@@ -207,6 +214,7 @@ def train_in_process(
             except (regroup.RegroupFailed, RuntimeError) as e:  # RuntimeError: the store itself is gone
                 log.error("in-process recovery failed (%s): the in-job restart or the requeue takes over", e)
                 raise failure from e
+            recovered = InProcessRecovery(recoveries, failed_at, time.monotonic() - t0)
             log.info(
                 "in-process recovery %d: generation %d of %d ranks formed in %.2f s; resuming from the newest "
                 "snapshot every rank holds",

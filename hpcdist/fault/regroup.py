@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import math
 import os
 import signal
 import sys
@@ -63,6 +64,7 @@ _SPARE_TICKETS = "spare/tickets"  # each spare's ticket j: it fills the j-th vac
 _VACANCIES = "spare/vacancies"
 _DONE = "job/done"
 _POLL_S = 0.05
+_STARTED = "started"  # in a generation's store: the wall time its first survivor began the regroup
 _SPARE_POLL_S = 0.1  # a spare's look at the vacancy queue: its share of the recovery time
 # a rank that has not completed any step yet: larger than every real step, so MIN ignores it
 _NO_STEP = 2**62
@@ -83,6 +85,7 @@ class Membership:
     rank: int
     world_size: int
     generation: int
+    started: float | None = None  # a later generation: when its first survivor began the regroup (wall time)
 
 
 def _delta(seconds: float) -> datetime.timedelta:
@@ -199,6 +202,7 @@ def regroup(
         gen = _generation(store, n)
         if not _claim(gen, membership.rank, f"member:{os.getpid()}"):
             raise Evicted(f"rank {membership.rank} of generation {n} was given to another process")
+        gen.compare_set(_STARTED, "", f"{time.time():.6f}")  # the first survivor here says when the recovery began
         for dead in _wait_claimed(gen, membership.world_size, settle_s):
             _declare_vacant(store, gen, n, dead, membership.world_size)
         nxt = Membership(membership.rank, membership.world_size, n)
@@ -237,13 +241,24 @@ def standby(
         gen = _generation(store, n)
         if gen.compare_set(f"rank/{rank}", VACANT, me).decode() != me:
             continue
-        membership = Membership(rank, world_size, n)
+        membership = Membership(rank, world_size, n, started=_started(gen))
         try:
             _init(gen, membership, min(collective_timeout_s, max(left, 1.0)), backend)
             return membership
         except RuntimeError:
             _leave()
     raise RegroupFailed(f"no vacancy filled within {timeout_s} s")
+
+
+def _started(gen: dist.Store) -> float | None:
+    """When generation ``gen``'s recovery began, as its first survivor wrote it (None if unset or not a time)."""
+    if not gen.check([_STARTED]):
+        return None
+    try:
+        value = float(gen.get(_STARTED).decode()[:32])
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def mark_done(store: dist.Store, exit_code: int = 0) -> None:

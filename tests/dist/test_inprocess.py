@@ -25,6 +25,7 @@ import pytest
 from hpcdist import config as config_mod
 from hpcdist.base.rundir import RunDir
 from hpcdist.fault import supervise
+from hpcdist.fault.goodput import read_goodput
 from hpcdist.fault.inprocess import SPARE_ENV, STORE_ENV, WORLD_ENV
 from tests.conftest import small_config
 from tests.dist.harness import free_port, rank_environ, train_cli_and_exit
@@ -167,6 +168,7 @@ def _run(
         "ended_at": ended_at,
         "records": records,
         "failures": RunDir(cfg.run.dir).failures,
+        "goodput": read_goodput(cfg.run.dir),
     }
 
 
@@ -299,6 +301,11 @@ def test_killed_ranks_are_replaced_by_the_spares_and_the_survivors_keep_their_pr
     assert sorted(losses) == sorted(expected)
     off = {step: (losses[step], expected[step]) for step in expected if _ulps(losses[step], expected[step])}
     assert all(_ulps(a, b) <= runs["ulps"] for a, b in off.values()), off
+    # rank 0's goodput: the second generation is an attempt of its own, from the death it saw to its first step
+    first, second = killed["goodput"]
+    assert "generation" not in first and second["generation"] == 1, killed["goodput"]
+    assert first["end"] == second["start"] >= killed["killed_at"], killed["goodput"]
+    assert second["recovery"]["path"] == "in-process" and second["first_step"] == first_after["step"] - 1
     print(
         f"\nin-process recovery of ranks {kill} of {world} ({'SIGSTOP' if runs['stop'] else 'SIGKILL'}): "
         "signal -> next completed step "

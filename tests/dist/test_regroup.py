@@ -139,7 +139,10 @@ def test_survivors_regroup_in_process_and_the_spare_takes_the_dead_rank() -> Non
         assert results[name]["pid"] == procs[name].pid and procs[name].exitcode == 0
         assert results[name]["member"] == Membership(int(name[-1]), WORLD, 1)
     assert results["spare"]["pid"] == procs["spare"].pid
-    assert results["spare"]["member"] == Membership(KILLED_RANK, WORLD, 1)
+    spare = results["spare"]["member"]
+    assert (spare.rank, spare.world_size, spare.generation) == (KILLED_RANK, WORLD, 1)
+    # when the recovery began, as the first survivor in the regroup wrote it: after the kill, before the spare joined
+    assert spare.started is not None and killed_at <= spare.started <= time.time(), (spare, killed_at)
 
     for name in ("rank0", "rank2"):
         assert sorted(results[name]["values"]) == list(range(STEPS))

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import hpcdist
+from hpcdist.fault.goodput import read_goodput
 from hpcdist.launch.restarts import load_ledger
 from tests.slurm.conftest import Cluster, job_info, wait_job
 from tests.slurm.harness import (
@@ -164,6 +165,9 @@ def test_a_killed_rank_is_recovered_in_process_by_the_warm_spare(
     assert "rank 1's files of step" in text and "come from rank 0's node" in text
     assert f"resumed from {run}/checkpoints" not in text  # the shared checkpoint was not read
     assert list(load_ledger(run, job)["attempts"]) == ["0"] and job_info(slurm_cluster2, job)["Restarts"] == "0"
+    first, second = read_goodput(run)  # rank 0's accounting: the second generation is an attempt from the death on
+    assert second.get("generation") == 1 and second["recovery"]["path"] == "in-process", second
+    assert first["end"] == second["start"] >= t_kill
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m["step"] for m in logged if "split" not in m]
     back = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from hpcdist.fault.goodput import CATEGORIES, Goodput, mark_attempt_end, process_start_time, summarize
+from hpcdist.fault.goodput import (
+    CATEGORIES,
+    Goodput,
+    InProcessRecovery,
+    mark_attempt_end,
+    process_start_time,
+    summarize,
+)
 from hpcdist.trainer import Trainer
 from tests.dist.harness import single
 from tests.training import after_step_hook, train
@@ -55,6 +62,37 @@ def test_two_attempts_with_a_failure_and_a_resume(tmp_path: Path) -> None:
     g = second.summary()
     assert g["attempts"] == 2 and g["train"] == pytest.approx(a["train_s"] + 2.0)
     assert g["goodput"] == pytest.approx(g["train"] / g["total_s"])
+
+
+def test_an_in_process_generation_is_an_attempt_from_the_peers_death(tmp_path: Path) -> None:
+    """A generation after an in-process recovery runs in the process the first one started: counted from the
+    process's start, its startup and its unaccounted time held the whole first generation again (the categories
+    overlapped the first one's). It starts at the peer's death; the generation before ends there."""
+    t0 = time.time() - 10.0
+    first = Goodput(tmp_path, enabled=True, start=t0, restart=0)
+    first.begin(None)
+    for step in range(1, 7):
+        first.step(step, 0.5)
+    first.flush()  # a peer died during step 7: PeerRankDied, no clean end
+    failed_at = time.time() - 0.5  # the regroup and the restore below took that long
+    second = Goodput(tmp_path, enabled=True, restart=0, in_process=InProcessRecovery(1, failed_at, regroup_s=0.25))
+    second.add("restore", 0.125)
+    second.begin(resumed_step=5)  # the newest snapshot every rank holds: step 6 is computed again
+    for step in range(6, 9):
+        second.step(step, 0.5)
+    second.flush(clean=True)
+
+    a, b = json.loads((tmp_path / "goodput.json").read_text())["attempts"]
+    assert a["end"] == failed_at and a["lost_steps"] == 1 and "generation" not in a
+    assert b["start"] == failed_at and b["generation"] == 1 and b["restart"] == 0 and b["first_step"] == 5
+    rec = b["recovery"]
+    assert rec["path"] == "in-process" and rec["regroup"] == 0.25 and rec["checkpoint_load"] == 0.125
+    assert rec["total"] == pytest.approx(b["first_step_at"] - failed_at, abs=1e-3)
+    assert rec["total"] >= rec["regroup"] + rec["checkpoint_load"] + rec["init"] - 1e-3
+    # the two attempts do not overlap: the second's start-up is its own, from the death to its loop
+    assert a["end"] <= b["start"] and b["startup_s"] + b["restore_s"] == pytest.approx(b["loop_start"] - failed_at)
+    assert second.summary()["attempts"] == 2
+    assert [r["generation"] for r in second.recoveries()] == [1]
 
 
 def test_disabled_on_other_ranks(tmp_path: Path) -> None:
