@@ -36,6 +36,8 @@ from hpcdist.fault.goodput import InProcessRecovery
 from hpcdist.fault.hang import collective_timeout_s, configure_collectives
 from hpcdist.fault.rundir_lock import RunDirInUse
 from hpcdist.fault.stop import StopFlag, StopReason
+from hpcdist.models import Transformer
+from hpcdist.parallel.parallelize import warm_up
 from hpcdist.planning import layouts as planner
 from hpcdist.rankfacts import RankFacts, rank_facts
 from hpcdist.trainer import Trainer, TrainResult
@@ -93,13 +95,15 @@ def train(
     stop_flag: StopFlag | None = None,
     facts: RankFacts | None = None,
     in_process: InProcessRecovery | None = None,
+    model: Transformer | None = None,
 ) -> TrainResult:
     """One rank's training once the process group exists (or there is one rank): Trainer -> train -> after-stop.
 
     ``facts``: :func:`plan_rank` of ``cfg`` and ``env``, when the caller (main) built them already; else built here.
     ``job`` decides what a stop means (requeue or exit); without one the run simply ends after its checkpoint. An
     exception is recorded in <run.dir>/failures.jsonl (who failed, where, why: the batch script's failure policy,
-    hpcdist.launch.restarts, reads it) and raised again."""
+    hpcdist.launch.restarts, reads it) and raised again. ``model``: the Trainer's, built ahead on the meta device.
+    """
     setup_logging(env.rank, level=cfg.run.log_level)
     raise_open_file_limit()
     if facts is None:
@@ -112,7 +116,7 @@ def train(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     trainer = None
     try:
-        trainer = Trainer(cfg, env, stop_flag=stop_flag, facts=facts, in_process=in_process)
+        trainer = Trainer(cfg, env, stop_flag=stop_flag, facts=facts, in_process=in_process, model=model)
         result = trainer.train()
         if result.save_failed is not None:
             # the last checkpoint (or the stop checkpoint a requeue relies on) is not there: never a success, never
@@ -202,7 +206,9 @@ def _train_recovering(
     timeout_s: float,
 ) -> TrainResult:
     """:func:`train` under in-process recovery (hpcdist.fault.inprocess): a peer's death rebuilds the group in
-    this process and trains on from the node-local snapshot; a warm spare's facts are its adopted rank's."""
+    this process and trains on from the node-local snapshot; a warm spare's facts are its adopted rank's, and what
+    it can build before it has a rank (its model on meta, the strategy's libraries) is built while it waits."""
+    ahead = [warm_up(cfg)] if rdv.spare else []
 
     def once(env_now: DistEnv, recovered: InProcessRecovery | None) -> TrainResult:
         if env_now is not facts.env:  # a spare that took a rank: its supervisor records deaths as that rank's
@@ -214,6 +220,7 @@ def _train_recovering(
             stop_flag=stop_flag,
             facts=facts if env_now is facts.env else plan_rank(cfg, env_now),
             in_process=recovered,
+            model=ahead.pop() if ahead else None,
         )
         result.rank = env_now.rank
         return result

@@ -40,7 +40,7 @@ from hpcdist.fault.rundir_lock import RunDirInUse, RunDirLock
 from hpcdist.fault.stop import StopFlag, StopReason
 from hpcdist.fault.triage import HardwareFault, ModelDiverged, SkippedSamples, Triage
 from hpcdist.metrics.observer import Observer, StepRecord
-from hpcdist.models import build_model, flops_per_token, num_params
+from hpcdist.models import Transformer, build_model, flops_per_token, num_params
 from hpcdist.optim import apply_optim_config
 from hpcdist.parallel.dims import describe_layout
 from hpcdist.parallel.parallelize import build_strategy
@@ -88,6 +88,7 @@ class Trainer:
         stop_flag: StopFlag | None = None,
         facts: RankFacts | None = None,
         in_process: InProcessRecovery | None = None,
+        model: Transformer | None = None,
     ):
         """``stop_flag``: one already installed by the caller (hpcdist.run installs it before the start-up, so a
         signal during data preparation, model build or resume is remembered); else one is made here.
@@ -98,8 +99,13 @@ class Trainer:
         runs in hpcdist.run; the trainer imports none): a Trainer builds exactly the layout it is given.
 
         ``in_process``: this Trainer is a generation after an in-process recovery (hpcdist.fault.inprocess): its
-        goodput attempt starts at the peer's death."""
+        goodput attempt starts at the peer's death.
+
+        ``model``: this config's model built ahead on the meta device (a warm spare's, hpcdist.parallel.warm_up);
+        taken once, in place of the build here."""
         setup_logging(env.rank, level=cfg.run.log_level)
+        if model is not None and (model.args != cfg.model_args() or any(not p.is_meta for p in model.parameters())):
+            raise ValueError("Trainer(model=...): expected this config's model on the meta device")
         if facts is None:
             facts = rank_facts(cfg, env)
         elif facts.cfg is not cfg or facts.env is not env:
@@ -144,7 +150,8 @@ class Trainer:
         )
 
         args = cfg.model_args()
-        model = build_model(args, device="meta")
+        if model is None:
+            model = build_model(args, device="meta")
         if cfg.data.document_mask:  # before parallelize: every stage copy and wrapper carries it
             model.document_eos = document_eos(cfg, train_ds)
         self.strategy = build_strategy(cfg, env, model, self.dims)

@@ -17,6 +17,7 @@ import torch
 
 from hpcdist.config import JobConfig
 from hpcdist.env import DistEnv
+from hpcdist.models import Transformer
 from hpcdist.trainer import Trainer, TrainResult
 
 # NaN triage on, one micro-batch per step, prefetching data (the triage re-runs a step on the inputs it had)
@@ -41,14 +42,15 @@ def train(
     params: bool = False,
     before: Callable[[Trainer], None] | None = None,
     after: Callable[[Trainer, TrainResult], dict[str, Any]] | None = None,
+    model: Transformer | None = None,
 ) -> dict[str, Any]:
     """Train ``Trainer(cfg, env)`` until step ``until`` (None: train.steps).
 
     Returns losses, eval (losses), step, resumed, reason, code; ``params`` adds the whole weights (a collective);
     ``before(trainer)`` runs once it is built; ``after(trainer, result)``'s dict is merged in (and wins) once it has
-    trained.
+    trained; ``model``: the Trainer's meta model, built ahead (a warm spare's).
     """
-    trainer = Trainer(cfg, env)
+    trainer = Trainer(cfg, env, model=model)
     if before is not None:
         before(trainer)
     result = trainer.train(until=until)

@@ -31,7 +31,7 @@ from hpcdist.parallel.materialize import materialize
 from hpcdist.parallel.mesh import MeshStrategy
 from hpcdist.parallel.pp import part_costs, schedule_stages_per_rank, split_layers, split_model, stage_ids
 from hpcdist.parallel.tp import apply_tp
-from hpcdist.parallel.zero import ZeroStrategy, deepspeed_config
+from hpcdist.parallel.zero import ZeroStrategy, deepspeed_config, import_deepspeed
 
 # Ops whose outputs selective checkpointing keeps (torchtitan's op-level list, less its float8 and collective
 # entries): the matmuls and every SDPA backend. Whatever else a block computes (norms, RoPE, SiLU, products,
@@ -185,6 +185,16 @@ def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dic
         buckets=(z.reduce_bucket_size, z.allgather_bucket_size),
         param_persistence_threshold=z.param_persistence_threshold,
     )
+
+
+def warm_up(cfg: JobConfig) -> Transformer:
+    """What a rank can build before it knows its place (a warm spare, ahead of a vacancy): the model on the meta
+    device, which the Trainer then takes instead of building its own, and the strategy's libraries imported (DeepSpeed
+    for ZeRO). Neither depends on the rank, so the spare that takes any rank's place uses them as they are."""
+    if cfg.parallel.strategy == "zero":
+        import_deepspeed()
+    with torch.device("meta"):
+        return Transformer(cfg.model_args())
 
 
 def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: ParallelDims) -> Strategy:

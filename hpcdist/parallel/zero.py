@@ -171,6 +171,16 @@ def _quiet_deepspeed_deprecations() -> None:
     warnings.filterwarnings("ignore", message=_DEEPSPEED_DEPRECATIONS, category=FutureWarning)
 
 
+def import_deepspeed() -> Any:
+    """DeepSpeed, imported the way every ZeRO rank needs it (no shm op build, its deprecation warnings quiet); a
+    warm spare calls it ahead, so its takeover does not pay DeepSpeed's import (seconds) after a peer died."""
+    _skip_shm_comm_build()
+    _quiet_deepspeed_deprecations()
+    import deepspeed
+
+    return deepspeed
+
+
 def _ensure_process_group(device: torch.device, dp_size: int) -> None:
     """A one-rank process group when the job has one process: hpcdist joins none then (hpcdist.env's
     init_process_group), but DeepSpeed works only inside one (``initialize(dist_init_required=False)`` asserts it;
@@ -232,10 +242,7 @@ class ZeroStrategy(Strategy):
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
-        _skip_shm_comm_build()
-        _quiet_deepspeed_deprecations()
-        import deepspeed
-
+        deepspeed = import_deepspeed()
         self.stage = stage
         self.module = model
         self._fp16 = bool(ds_config.get("fp16", {}).get("enabled"))  # DeepSpeed's dynamic loss scaling
