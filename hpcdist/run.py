@@ -208,7 +208,7 @@ def _train_recovering(
     """:func:`train` under in-process recovery (hpcdist.fault.inprocess): a peer's death rebuilds the group in
     this process and trains on from the node-local snapshot; a warm spare's facts are its adopted rank's, and what
     it can build before it has a rank (its model on meta, the strategy's libraries) is built while it waits."""
-    ahead = [warm_up(cfg)] if rdv.spare else []
+    ahead = [warm_up(cfg, facts.dims)] if rdv.spare else []
 
     def once(env_now: DistEnv, recovered: InProcessRecovery | None) -> TrainResult:
         if env_now is not facts.env:  # a spare that took a rank: its supervisor records deaths as that rank's

@@ -187,11 +187,11 @@ def zero_ds_config(cfg: JobConfig, *, dp_size: int, device: torch.device) -> dic
     )
 
 
-def warm_up(cfg: JobConfig) -> Transformer:
+def warm_up(cfg: JobConfig, dims: ParallelDims) -> Transformer:
     """What a rank can build before it knows its place (a warm spare, ahead of a vacancy): the model on the meta
     device, which the Trainer then takes instead of building its own, and the strategy's libraries imported (DeepSpeed
     for ZeRO). Neither depends on the rank, so the spare that takes any rank's place uses them as they are."""
-    if cfg.parallel.strategy == "zero":
+    if dims.zero_enabled:
         import_deepspeed()
     with torch.device("meta"):
         return Transformer(cfg.model_args())
