@@ -101,8 +101,8 @@ class Trainer:
         ``in_process``: this Trainer is a generation after an in-process recovery (hpcdist.fault.inprocess): its
         goodput attempt starts at the peer's death.
 
-        ``model``: this config's model built ahead on the meta device (a warm spare's, hpcdist.parallel.warm_up);
-        taken once, in place of the build here."""
+        ``model``: this config's model built ahead on the meta device (a warm spare's,
+        hpcdist.parallel.parallelize.warm_up); taken once, in place of the build here."""
         setup_logging(env.rank, level=cfg.run.log_level)
         if model is not None and (model.args != cfg.model_args() or any(not p.is_meta for p in model.parameters())):
             raise ValueError("Trainer(model=...): expected this config's model on the meta device")
