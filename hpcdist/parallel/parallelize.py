@@ -21,7 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from hpcdist.config import ConfigError, JobConfig, grad_accum_steps
 from hpcdist.env import DistEnv, export_environ
-from hpcdist.models.llama import Transformer
+from hpcdist.models.llama import Transformer, build_model
 from hpcdist.optim import optimizer_builder
 from hpcdist.parallel.base import Strategy
 from hpcdist.parallel.ddp import DDPStrategy
@@ -193,8 +193,7 @@ def warm_up(cfg: JobConfig, dims: ParallelDims) -> Transformer:
     for ZeRO). Neither depends on the rank, so the spare that takes any rank's place uses them as they are."""
     if dims.zero_enabled:
         import_deepspeed()
-    with torch.device("meta"):
-        return Transformer(cfg.model_args())
+    return build_model(cfg.model_args(), device="meta")
 
 
 def build_strategy(cfg: JobConfig, env: DistEnv, model: Transformer, dims: ParallelDims) -> Strategy:
