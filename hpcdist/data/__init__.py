@@ -18,13 +18,43 @@ Preparation is single-writer: rank 0 prepares and the other ranks wait for its o
 stops every rank with rank 0's reason). Concurrent calls on one shared directory are not supported.
 """
 
-from hpcdist.data.blend import BlendedDataset, BlendSampler, make_sampler
-from hpcdist.data.corpora import stdlib_corpus
-from hpcdist.data.loader import BatchLoader, PrefetchLoader
-from hpcdist.data.prepare import PrepareResult, prepare_corpus, prepare_shards
-from hpcdist.data.sampler import ResumableSampler
-from hpcdist.data.shards import SampleDataset, SyntheticDataset, TokenDataset
-from hpcdist.data.tokenizers import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer, train_bpe
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpcdist.data.blend import BlendedDataset, BlendSampler, make_sampler
+    from hpcdist.data.corpora import stdlib_corpus
+    from hpcdist.data.loader import BatchLoader, PrefetchLoader
+    from hpcdist.data.prepare import PrepareResult, prepare_corpus, prepare_shards
+    from hpcdist.data.sampler import ResumableSampler
+    from hpcdist.data.shards import SampleDataset, SyntheticDataset, TokenDataset
+    from hpcdist.data.tokenizers import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer, train_bpe
+
+# Where each public name lives, imported on first use: most of these modules import torch (about 2 s of CPU), and a
+# torch-free submodule imported through this package (hpcdist.data.array, read by `hpcdist status`) must not pay
+# for it.
+_HOMES = {
+    "BlendedDataset": "blend",
+    "BlendSampler": "blend",
+    "make_sampler": "blend",
+    "stdlib_corpus": "corpora",
+    "BatchLoader": "loader",
+    "PrefetchLoader": "loader",
+    "PrepareResult": "prepare",
+    "prepare_corpus": "prepare",
+    "prepare_shards": "prepare",
+    "ResumableSampler": "sampler",
+    "SampleDataset": "shards",
+    "SyntheticDataset": "shards",
+    "TokenDataset": "shards",
+    "ByteTokenizer": "tokenizers",
+    "Tokenizer": "tokenizers",
+    "TokenizerError": "tokenizers",
+    "load_tokenizer": "tokenizers",
+    "train_bpe": "tokenizers",
+}
 
 __all__ = [
     "BatchLoader",
@@ -46,3 +76,10 @@ __all__ = [
     "stdlib_corpus",
     "train_bpe",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hpcdist.data.{home}"), name)

@@ -1,6 +1,7 @@
 """hpcdist.submit() against the real sandbox: submitit renders the job, SLURM runs it, the handle follows it.
 
-Both jobs (4 ranks each: the node's 8 GPUs) run side by side, driven by one module fixture (conftest.side_by_side)."""
+Both jobs (2 ranks each: rank 0's part and every rank's part both show) run side by side, driven by one module
+fixture (conftest.side_by_side)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _drive_follows(corpus: Path, run: Path) -> tuple[Any, str, Path]:  # the han
         tiny_overrides(run, corpus, 5),
         cluster="sandbox",
         nodes=1,
-        gpus_per_node=4,
+        gpus_per_node=2,
         job_name="api test 'quoted' $(x)",
     )
     return job, job.wait(timeout=240), run
@@ -50,7 +51,7 @@ def test_python_api_submits_and_follows_a_job(slurm_cluster: Cluster, driven: di
     assert job.result()["step"] == 5
     assert sorted(step_losses(run)) == [1, 2, 3, 4, 5]
     info = job_info(slurm_cluster, job.job_id)
-    assert info["NumTasks"] == "4" and info["JobName"] == "api test 'quoted' $(x)"
+    assert info["NumTasks"] == "2" and info["JobName"] == "api test 'quoted' $(x)"
     assert "ranks by host" in job.paths[0].stdout.read_text()
 
 
@@ -59,7 +60,7 @@ PREEMPT_STEPS = 60
 
 def _drive_preempted(cluster: Cluster, corpus: Path, run: Path) -> tuple[Any, str, Path]:
     job = hpcdist.submit(
-        "configs/demo.yaml", tiny_overrides(run, corpus, PREEMPT_STEPS), cluster="sandbox", nodes=1, gpus_per_node=4
+        "configs/demo.yaml", tiny_overrides(run, corpus, PREEMPT_STEPS), cluster="sandbox", nodes=1, gpus_per_node=2
     )
     wait_for_step(run, 5)
     run_cmd(cluster, "scancel", "--signal=USR2", job.job_id)  # --signal=USR2@lead reaches every task

@@ -470,3 +470,20 @@ def test_batch_loader_resharding_resume(new_dp: int) -> None:
     for e in epochs[:-1]:
         assert sorted(e) == list(range(n))  # nothing skipped, nothing repeated
     assert len(set(epochs[-1])) == len(epochs[-1])
+
+
+def test_the_package_imports_its_modules_on_first_use() -> None:
+    """`hpcdist status` reads a cluster prepare's records through hpcdist.data.array, which needs no torch: importing
+    it through the package must not import torch; the package's names still resolve, each to its module's object."""
+    import subprocess
+    import sys
+
+    import hpcdist.data as data
+
+    code = "import sys, hpcdist.data.array; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    for name in data.__all__:
+        obj = getattr(data, name)
+        assert obj.__module__.startswith("hpcdist.data.") and getattr(sys.modules[obj.__module__], name) is obj, name
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        data.missing  # noqa: B018
