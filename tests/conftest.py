@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,11 @@ import pytest
 #   corpus fixtures do both), and the threads stay.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# pytest rewrites each test module's asserts when it imports it and caches the result beside the source only where
+# bytecode may be written: with PYTHONDONTWRITEBYTECODE set, every xdist worker rewrote all the test modules again on
+# every run (about 5 CPU-s of each worker's collection). The rewrites are cached (pytest writes them atomically, in
+# the checkout's __pycache__ directories); the environment variable still holds for every process the tests start.
+sys.dont_write_bytecode = False
 # - tqdm starts a monitor thread with its first progress bar (transformers' and datasets' bars in the reference
 #   comparisons) and keeps it for the life of the process; it only redraws stalled bars, which a test never looks at.
 try:
