@@ -24,6 +24,7 @@ from hpcdist.data import (
 )
 from hpcdist.data import prepare as prepare_mod
 from hpcdist.data.prepare import PrepareRefused
+from tests.conftest import REPO
 
 TOK = ByteTokenizer()
 DOCS = [b"hello world\n", "caf\u00e9 \u2603 \U0001f680\n".encode(), b"", b"\xff\xfe not utf-8 \x80", b"x" * 23]
@@ -472,16 +473,29 @@ def test_batch_loader_resharding_resume(new_dp: int) -> None:
     assert len(set(epochs[-1])) == len(epochs[-1])
 
 
-def test_the_package_imports_its_modules_on_first_use() -> None:
-    """`hpcdist status` reads a cluster prepare's records through hpcdist.data.array, which needs no torch: importing
-    it through the package must not import torch; the package's names still resolve, each to its module's object."""
+def test_the_package_imports_its_modules_on_first_use(tmp_path: Path) -> None:
+    """Preparing, checking and job control read or write token data without a model: `hpcdist data prepare`, `data
+    check` and hpcdist.data.array (`hpcdist status`) import no torch through the package; its names still resolve,
+    each to its module's object."""
     import subprocess
     import sys
 
     import hpcdist.data as data
 
-    code = "import sys, hpcdist.data.array; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("hello world\n" * 50, encoding="utf-8")
+    code = (
+        "import sys, hpcdist.data.array\n"
+        "from hpcdist import cli\n"
+        "rc = cli.main(['data', 'prepare', 'texts', '--out', 'ds', '--workers', '1'])\n"
+        "rc = rc or cli.main(['data', 'check', 'ds', '--full'])\n"
+        "print('TORCH', 'torch' in sys.modules, 'RC', rc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's package, from the scratch directory
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "TORCH False RC 0" in out.stdout, out.stdout + out.stderr
     for name in data.__all__:
         obj = getattr(data, name)
         assert obj.__module__.startswith("hpcdist.data.") and getattr(sys.modules[obj.__module__], name) is obj, name
