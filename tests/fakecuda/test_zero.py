@@ -26,8 +26,22 @@ from torch import nn
 from hpcdist.config.schema import OptimConfig
 from hpcdist.env import from_environ
 from hpcdist.optim import optimizer_builder
-from hpcdist.parallel.zero import ZeroStrategy, deepspeed_config
+from hpcdist.parallel.zero import ZeroStrategy, deepspeed_config, import_deepspeed
 from tests.fakecuda.harness import FakeCuda, install
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _deepspeed_chose_on_the_real_runtime() -> Iterator[None]:
+    """DeepSpeed picks its accelerator when it is first imported and keeps it for the process. Imported first under
+    the fake runtime it would pick CUDA, and every later DeepSpeed user in this worker (the dist tier's ZeRO ranks
+    are forked from it) would call into a CUDA runtime that is not there; imported here, before any test installs the
+    fake, it picks the CPU, and each test hands it the CUDA accelerator only while the fake is installed."""
+    from deepspeed.accelerator import get_accelerator
+
+    import_deepspeed()
+    assert get_accelerator().device_name() == "cpu"
+    yield
+    assert get_accelerator().device_name() == "cpu", "the module left DeepSpeed on the CUDA accelerator"
 
 
 @contextlib.contextmanager
