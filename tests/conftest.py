@@ -20,11 +20,6 @@ import pytest
 #   corpus fixtures do both), and the threads stay.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# pytest rewrites each test module's asserts when it imports it and caches the result beside the source only where
-# bytecode may be written: with PYTHONDONTWRITEBYTECODE set, every xdist worker rewrote all the test modules again on
-# every run (about 5 CPU-s of each worker's collection). The rewrites are cached (pytest writes them atomically, in
-# the checkout's __pycache__ directories); the environment variable still holds for every process the tests start.
-sys.dont_write_bytecode = False
 # - tqdm starts a monitor thread with its first progress bar (transformers' and datasets' bars in the reference
 #   comparisons) and keeps it for the life of the process; it only redraws stalled bars, which a test never looks at.
 try:
@@ -36,6 +31,12 @@ else:
 
 from hpcdist import config as config_mod
 from hpcdist.data import load_tokenizer, prepare_corpus, prepare_shards, stdlib_corpus, train_bpe
+
+# pytest rewrites each test module's asserts when it imports it, and caches the result beside the source only where
+# bytecode may be written: with PYTHONDONTWRITEBYTECODE set, every xdist worker rewrites all the test modules on every
+# run (about 5 CPU-s of each worker's collection). The rewrites are cached (pytest writes them atomically, in the
+# checkout's __pycache__ directories); the environment variable still holds for every process the tests start.
+sys.dont_write_bytecode = False
 
 REPO = Path(__file__).resolve().parents[1]
 
