@@ -35,13 +35,15 @@ def _deepspeed_chose_on_the_real_runtime() -> Iterator[None]:
     """DeepSpeed picks its accelerator when it is first imported and keeps it for the process. Imported first under
     the fake runtime it would pick CUDA, and every later DeepSpeed user in this worker (the dist tier's ZeRO ranks
     are forked from it) would call into a CUDA runtime that is not there; imported here, before any test installs the
-    fake, it picks the CPU, and each test hands it the CUDA accelerator only while the fake is installed."""
+    fake, it picks the real runtime's device (the CPU on a CPU-only torch), and each test hands it the CUDA
+    accelerator only while the fake is installed."""
     from deepspeed.accelerator import get_accelerator
 
     import_deepspeed()
-    assert get_accelerator().device_name() == "cpu"
+    chosen = get_accelerator().device_name()
+    assert chosen == ("cuda" if torch.cuda.is_available() else "cpu"), chosen  # the real runtime's device
     yield
-    assert get_accelerator().device_name() == "cpu", "the module left DeepSpeed on the CUDA accelerator"
+    assert get_accelerator().device_name() == chosen, "the module left DeepSpeed on another accelerator"
 
 
 @contextlib.contextmanager
