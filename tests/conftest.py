@@ -34,7 +34,7 @@ from hpcdist.data import load_tokenizer, prepare_corpus, prepare_shards, stdlib_
 
 # pytest rewrites each test module's asserts when it imports it, and caches the result beside the source only where
 # bytecode may be written: with PYTHONDONTWRITEBYTECODE set, every xdist worker rewrites all the test modules on every
-# run (about 5 CPU-s of each worker's collection). The rewrites are cached (pytest writes them atomically, in the
+# run (a third of each worker's collection). The rewrites are cached (pytest writes them atomically, in the
 # checkout's __pycache__ directories); the environment variable still holds for every process the tests start.
 sys.dont_write_bytecode = False
 

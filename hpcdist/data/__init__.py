@@ -32,10 +32,10 @@ if TYPE_CHECKING:
     from hpcdist.data.shards import SampleDataset, SyntheticDataset, TokenDataset
     from hpcdist.data.tokenizers import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer, train_bpe
 
-# Where each public name lives, imported on first use: most of these modules import torch (about 2 s of CPU), and a
-# torch-free submodule imported through this package (hpcdist.data.array, read by `hpcdist status`) must not pay
-# for it.
-_HOMES = {
+# Where each public name lives, imported on first use (as in hpcdist.diagnostics): most of these modules import torch,
+# and a torch-free submodule imported through this package (hpcdist.data.array, read by `hpcdist status`; prepare and
+# check) must not pay for it.
+_LAZY = {
     "BlendedDataset": "blend",
     "BlendSampler": "blend",
     "make_sampler": "blend",
@@ -79,7 +79,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
+    home = _LAZY.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"hpcdist.data.{home}"), name)
